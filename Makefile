@@ -1,0 +1,39 @@
+# One command equals CI: `.ci/run` runs `make test`.
+# TORCH_SPEC picks the torch build: the default CPU wheel; on GPU machines e.g.
+#   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint format bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch first, alone: anything installed later is pinned to it by constraints.txt
+	$(PY) -m pip install $(TORCH_SPEC)
+	$(PY) -m pip install -c constraints.txt -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed  ## set up .venv (torch first, then distaccum and its extras)
+
+demo: install  ## train the embedded default on 2 local workers, then verify it
+	$(VENV)/bin/distaccum train run_dir=runs/demo
+	$(VENV)/bin/distaccum verify run_dir=runs/demo-verify trainer.max_steps=5 log.console=quiet
+
+test: install  ## the whole suite, exactly as CI runs it
+	$(VENV)/bin/ruff check distaccum launch tests benchmarks
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check distaccum launch tests benchmarks
+	$(VENV)/bin/ruff format --check distaccum launch tests benchmarks
+
+bench: install  ## the full benchmark (by hand; CI runs the smoke size)
+	$(PY) -m benchmarks.run --out runs/bench
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,403 @@
+"""Typed run configuration: the only place config fields are declared and validated.
+
+Hydra composes YAML from ``configs/``; the entry layer converts it to a plain mapping and calls
+:func:`from_mapping`, which builds these dataclasses and validates them. Everything downstream
+takes a :class:`RunConfig` and never sees Hydra or OmegaConf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
+MODELS = ("mlp", "tiny_gpt", "convnet_bn")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+SYNC_MODES = ("boundary", "every_micro")
+LOSS_NORMS = ("global_count", "mean_per_micro")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: reported with exit code 2 before (or instead of) training."""
+
+
+def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{section}.{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(section: str, name: str, value: int | float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Which distributed engine wraps the model, and its engine-specific knobs."""
+
+    name: str = "ddp"
+    """ddp | fsdp | deepspeed | accelerate."""
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage (0-3); ignored by other engines."""
+    deepspeed_config: str | None = None
+    """Path to a user DeepSpeed JSON merged into the generated one; conflicts are errors."""
+    extensions_dir: str = ".cache/torch_extensions"
+    """Where DeepSpeed caches its JIT-compiled C++ ops (TORCH_EXTENSIONS_DIR)."""
+    fsdp_reduce_fp32: bool = True
+    """FSDP2 mixed precision: reduce gradients in fp32 even when computing in bf16/fp16."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB."""
+
+    def __post_init__(self) -> None:
+        _choice("engine", "name", self.name, ENGINES)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"engine.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _positive("engine", "bucket_cap_mb", self.bucket_cap_mb)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The embedded model to train (no downloads)."""
+
+    name: str = "tiny_gpt"
+    """mlp | tiny_gpt | convnet_bn."""
+    width: int = 64
+    """Hidden width (MLP hidden units, transformer embedding size, conv channels)."""
+    depth: int = 2
+    """Number of hidden layers / transformer blocks / conv blocks."""
+    heads: int = 4
+    """Attention heads (tiny_gpt)."""
+    dropout: float = 0.0
+    """Dropout probability; > 0 makes results depend on the split (verify flags it)."""
+    in_dim: int = 32
+    """Input features (mlp)."""
+    out_dim: int = 8
+    """Outputs (mlp) or classes (convnet_bn)."""
+
+    def __post_init__(self) -> None:
+        _choice("model", "name", self.name, MODELS)
+        for name in ("width", "depth", "heads", "in_dim", "out_dim"):
+            _positive("model", name, getattr(self, name))
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.name == "tiny_gpt" and self.width % self.heads:
+            raise ValueError(f"model.width={self.width} must be divisible by model.heads={self.heads}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The embedded dataset and how the global-batch plan walks it."""
+
+    num_samples: int = 512
+    """Samples in the dataset (one epoch)."""
+    seed: int = 1234
+    """Seed for the synthetic data and the sequence offsets/lengths (independent of trainer.seed)."""
+    seq_min: int = 8
+    """Shortest tiny_gpt sequence, in tokens."""
+    seq_max: int = 32
+    """Longest tiny_gpt sequence; every batch is padded to it with the ignore index."""
+    shuffle: bool = True
+    """Reshuffle each epoch from (trainer.seed, epoch)."""
+    drop_last: bool = False
+    """Drop a partial last window (True) or train on it, weighted by what it holds (False)."""
+
+    def __post_init__(self) -> None:
+        _positive("data", "num_samples", self.num_samples)
+        _positive("data", "seq_min", self.seq_min)
+        if self.seq_max < self.seq_min:
+            raise ValueError(f"data.seq_max={self.seq_max} must be >= data.seq_min={self.seq_min}")
+
+
+@dataclass(kw_only=True)
+class AccumConfig:
+    """Gradient accumulation: how an optimizer step's global batch is split."""
+
+    micro_batch: int = 4
+    """Samples per micro-batch per rank."""
+    steps: int = 4
+    """Micro-batches accumulated per optimizer step (K). Ignored when global_batch is set."""
+    global_batch: int | None = None
+    """Samples per optimizer step over all ranks; when set, steps = global_batch / (micro_batch * world)."""
+    sync: str = "boundary"
+    """boundary: reduce once per optimizer step; every_micro: reduce after every micro-batch."""
+    loss_norm: str = "global_count"
+    """global_count: divide by the window's loss items over all ranks; mean_per_micro: classic loss/K."""
+
+    def __post_init__(self) -> None:
+        _positive("accum", "micro_batch", self.micro_batch)
+        _positive("accum", "steps", self.steps)
+        _positive("accum", "global_batch", self.global_batch, allow_none=True)
+        _choice("accum", "sync", self.sync, SYNC_MODES)
+        _choice("accum", "loss_norm", self.loss_norm, LOSS_NORMS)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A resolved split: global_batch = micro_batch * accum_steps * world_size."""
+
+    micro_batch: int
+    accum_steps: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accum_steps * self.world_size
+
+
+def valid_splits(global_batch: int, world_size: int) -> list[Split]:
+    """Every (micro_batch, steps) that yields ``global_batch`` on ``world_size`` ranks."""
+    if global_batch % world_size:
+        return []
+    per_rank = global_batch // world_size
+    return [Split(m, per_rank // m, world_size) for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
+def resolve_split(accum: AccumConfig, world_size: int) -> Split:
+    """Resolve the configured split for ``world_size`` ranks, or raise ValueError with suggestions."""
+    _positive("trainer", "world_size", world_size)
+    if accum.global_batch is None:
+        return Split(accum.micro_batch, accum.steps, world_size)
+    per_step = accum.micro_batch * world_size
+    if accum.global_batch % per_step:
+        options = valid_splits(accum.global_batch, world_size)
+        hint = ", ".join(f"micro_batch={s.micro_batch} (steps={s.accum_steps})" for s in options)
+        raise ValueError(
+            f"accum.global_batch={accum.global_batch} is not divisible by accum.micro_batch={accum.micro_batch}"
+            f" x world_size={world_size} = {per_step}. "
+            + (f"Valid splits for world_size={world_size}: {hint}." if hint else
+               f"No split exists: global_batch must be a multiple of world_size={world_size}.")
+        )
+    return Split(accum.micro_batch, accum.global_batch // per_step, world_size)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer, learning-rate schedule and clipping (all applied once per optimizer step)."""
+
+    name: str = "adamw"
+    """sgd | adamw."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """Decoupled (adamw) or L2 (sgd) weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    schedule: str = "cosine"
+    """constant | cosine | linear (decay after warmup to min_lr_ratio * lr at trainer.max_steps)."""
+    warmup_steps: int = 2
+    """Linear warmup, in optimizer steps."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of lr (cosine/linear)."""
+    clip_norm: float | None = 1.0
+    """Clip the global gradient norm to this value at the boundary; null disables clipping."""
+
+    def __post_init__(self) -> None:
+        _choice("optim", "name", self.name, OPTIMIZERS)
+        _choice("optim", "schedule", self.schedule, SCHEDULES)
+        _positive("optim", "lr", self.lr)
+        _positive("optim", "clip_norm", self.clip_norm, allow_none=True)
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Process topology and the length of the run."""
+
+    nproc: int = 2
+    """Worker processes per node (torchrun --nproc_per_node)."""
+    nnodes: int = 1
+    """Nodes taking part; > 1 needs rdzv_endpoint."""
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    """host:port of the c10d rendezvous (the first node)."""
+    rdzv_id: str = "distaccum"
+    """Rendezvous id shared by all nodes of one job."""
+    max_restarts: int = 0
+    """Elastic restarts of the worker group after a failure."""
+    max_steps: int = 20
+    """Optimizer steps to run (not micro-batches)."""
+    seed: int = 0
+    """Seed for initial weights and data shuffling."""
+    device: str = "auto"
+    """auto (cuda when present) | cpu | cuda."""
+    check_every: int = 50
+    """Cross-rank consistency tripwire every N optimizer steps (0 disables)."""
+    init_from: str | None = None
+    """Load initial weights from this state-dict file (a seed checkpoint)."""
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "nnodes", "max_steps"):
+            _positive("trainer", name, getattr(self, name))
+        _choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.check_every < 0 or self.max_restarts < 0:
+            raise ValueError("trainer.check_every and trainer.max_restarts must be >= 0")
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    """Where per-step records go. JSONL in run_dir is always written."""
+
+    console: str = "bar"
+    """bar: a progress line per optimizer step; quiet: only the final summary."""
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0 only)."""
+    wandb_mode: str = "offline"
+    """offline (default, no account needed) | online (needs WANDB_API_KEY)."""
+    wandb_project: str = "distaccum"
+    """wandb project name."""
+    ledger: bool = True
+    """Time compute vs communication per step (the comm/compute ledger)."""
+    warmup_steps: int = 1
+    """Steps excluded from summary medians (first-step compile/allocation noise)."""
+
+    def __post_init__(self) -> None:
+        _choice("log", "console", self.console, ("bar", "quiet"))
+        _choice("log", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+
+
+@dataclass(kw_only=True)
+class VerifyConfig:
+    """`distaccum verify`: candidates and tolerances."""
+
+    splits: str = "config"
+    """config: only the configured split; auto: every valid split up to max_candidates."""
+    max_candidates: int = 4
+    """Upper bound on candidates with splits=auto."""
+    reference_dtype: str = "same"
+    """same: reference in the run's precision; fp64: reference in fp64 to separate rounding from bugs."""
+    rtol: float | None = None
+    """Relative tolerance; null picks the default for the precision."""
+    atol: float | None = None
+    """Absolute tolerance; null picks the default for the precision."""
+
+    def __post_init__(self) -> None:
+        _choice("verify", "splits", self.splits, ("config", "auto"))
+        _choice("verify", "reference_dtype", self.reference_dtype, ("same", "fp64"))
+        _positive("verify", "max_candidates", self.max_candidates)
+
+
+@dataclass(kw_only=True)
+class SlurmConfig:
+    """`distaccum submit`: what the rendered sbatch script asks for."""
+
+    nodes: int = 1
+    """Nodes (one torchrun per node)."""
+    gpus_per_node: int = 0
+    """GPUs per node; 0 means CPU workers (trainer.nproc per node)."""
+    cpus_per_task: int = 2
+    """CPUs for each node's torchrun task."""
+    partition: str | None = None
+    """--partition, when set."""
+    account: str | None = None
+    """--account, when set."""
+    time: str = "01:00:00"
+    """--time limit."""
+    job_name: str = "distaccum"
+    """--job-name."""
+    rdzv_port: int = 29500
+    """Port of the c10d rendezvous on the first node."""
+    extra: list[str] = field(default_factory=list)
+    """Extra #SBATCH directives, e.g. ['--qos=high', '--exclusive']."""
+    signal_seconds: int = 120
+    """Send USR1 this many seconds before the time limit so a partial window is checkpointed."""
+
+    def __post_init__(self) -> None:
+        _positive("slurm", "nodes", self.nodes)
+        if self.gpus_per_node < 0:
+            raise ValueError(f"slurm.gpus_per_node must be >= 0, got {self.gpus_per_node}")
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    """Test-only fault injection. Never set these in real runs."""
+
+    skip_reduction_rank: int | None = None
+    """This rank keeps its local gradients instead of the reduced ones (desynchronizes ranks)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one run needs. Built by :func:`from_mapping`."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    accum: AccumConfig = field(default_factory=AccumConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    precision: str = "fp32"
+    """fp32 | bf16 (autocast) | fp16 (autocast + GradScaler) | fp64."""
+    run_dir: str = "runs/default"
+    """Directory for every output of the run (metrics.jsonl, summary.json, config)."""
+
+    def __post_init__(self) -> None:
+        _choice("", "precision", self.precision, PRECISIONS)
+        check_combination(self)
+
+    def world_size(self) -> int:
+        """World size a local launch of this config produces."""
+        return self.trainer.nproc * self.trainer.nnodes
+
+    def split(self, world_size: int | None = None) -> Split:
+        """The resolved split for ``world_size`` (default: the launch's world size)."""
+        return resolve_split(self.accum, world_size or self.world_size())
+
+
+def check_combination(cfg: RunConfig) -> None:
+    """Reject combinations no engine supports, before any worker starts."""
+    if cfg.precision == "fp64" and cfg.engine.name == "deepspeed" and cfg.engine.zero_stage == 0:
+        raise ValueError("precision=fp64 with engine=deepspeed engine.zero_stage=0 is unsupported "
+                         "(DeepSpeed refuses fp64 gradients); use zero_stage 1-3 or another engine")
+    if cfg.precision == "fp16" and cfg.engine.name == "fsdp":
+        raise ValueError("precision=fp16 with engine=fsdp is unsupported (GradScaler needs the "
+                         "sharded scaler); use bf16 or fp32")
+    if cfg.trainer.nnodes > 1 and not cfg.trainer.rdzv_endpoint:
+        raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
+
+
+def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, recursing into nested config sections."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{path or 'config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join(f'{path}{k}' for k in unknown)}; "
+                         f"valid keys under {path or 'the top level'}: {', '.join(sorted(names))}")
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            kwargs[name] = _build(hint, value, f"{path}{name}.")
+        else:
+            kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # wrong value types from YAML end up here
+        raise ValueError(f"bad value in {path or 'config'}: {err}") from err
+
+
+def from_mapping(values: Mapping[str, Any]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a plain (resolved) mapping."""
+    return _build(RunConfig, values, "")
+
+
+def to_mapping(cfg: RunConfig) -> dict[str, Any]:
+    """The inverse of :func:`from_mapping` (JSON-serializable)."""
+    out = dataclasses.asdict(cfg)
+    out["optim"]["betas"] = list(cfg.optim.betas)
+    return out
