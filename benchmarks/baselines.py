@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import resource
 import sys
@@ -110,17 +111,27 @@ class BenchSpec:
         return cls(**{**values, "shape": ModelShape(**values["shape"])})
 
 
-def make_micro_batches(spec: BenchSpec, rank: int) -> list[Batch]:
-    """The K micro-batches of this rank's share of one optimizer step.
+def pool_micro_batches(accum_steps: int) -> int:
+    """Micro-batches of data held per rank: the same for every K up to 16, a multiple of K.
 
-    The same window is reused every step: generating data inside the timed region would measure
-    the random number generator, not the training step.
+    A pool that grew with K would make peak memory grow with K for a reason that has nothing
+    to do with accumulation; distaccum is given a dataset of the same size.
+    """
+    return math.lcm(16, accum_steps)
+
+
+def make_windows(spec: BenchSpec, rank: int) -> list[list[Batch]]:
+    """This rank's synthetic data, cut into windows of K micro-batches (one per optimizer step).
+
+    Generated once before timing: producing data inside the timed region would measure the
+    random number generator, not the training step.
     """
     gen = torch.Generator().manual_seed(spec.seed * 1000 + rank)
-    shape = spec.shape
-    return [(torch.randn(spec.micro_batch, shape.in_dim, generator=gen),
+    shape, k = spec.shape, spec.accum_steps
+    pool = [(torch.randn(spec.micro_batch, shape.in_dim, generator=gen),
              torch.randn(spec.micro_batch, shape.out_dim, generator=gen))
-            for _ in range(spec.accum_steps)]
+            for _ in range(pool_micro_batches(k))]
+    return [pool[i:i + k] for i in range(0, len(pool), k)]
 
 
 def _build_model(spec: BenchSpec) -> nn.Sequential:
@@ -128,16 +139,18 @@ def _build_model(spec: BenchSpec) -> nn.Sequential:
     return spec.shape.build()
 
 
-def _timed_steps(spec: BenchSpec, one_step: Callable[[], None]) -> list[float]:
+def _timed_steps(spec: BenchSpec, windows: list[list[Batch]],
+                 one_step: Callable[[list[Batch]], None]) -> list[float]:
     """Run warm-up then timed optimizer steps; return the timed wall times in seconds.
 
     On CPU every op is synchronous and DDP waits for its all-reduce at the end of backward, so
     perf_counter around the step covers compute and communication without an explicit sync.
     """
     times = []
-    for _ in range(spec.warmup + spec.steps):
+    for step in range(spec.warmup + spec.steps):
+        batches = windows[step % len(windows)]
         start = time.perf_counter()
-        one_step()
+        one_step(batches)
         times.append(time.perf_counter() - start)
     return times[spec.warmup:]
 
@@ -153,29 +166,29 @@ def _process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def train_ddp_every_micro(spec: BenchSpec, batches: list[Batch]) -> list[float]:
+def train_ddp_every_micro(spec: BenchSpec, windows: list[list[Batch]]) -> list[float]:
     """(a) DDP that all-reduces the gradients of every micro-batch."""
     with _process_group():
         model = DDP(_build_model(spec))
         optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
 
-        def one_step() -> None:
+        def one_step(batches: list[Batch]) -> None:
             for x, y in batches:
                 loss = F.mse_loss(model(x), y) / len(batches)
                 loss.backward()  # DDP all-reduces this micro-batch's gradients here
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        return _timed_steps(spec, one_step)
+        return _timed_steps(spec, windows, one_step)
 
 
-def train_ddp_no_sync(spec: BenchSpec, batches: list[Batch]) -> list[float]:
+def train_ddp_no_sync(spec: BenchSpec, windows: list[list[Batch]]) -> list[float]:
     """(b) DDP that skips the all-reduce on micro-batches 1..K-1 with ``no_sync()``."""
     with _process_group():
         model = DDP(_build_model(spec))
         optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
 
-        def one_step() -> None:
+        def one_step(batches: list[Batch]) -> None:
             for i, (x, y) in enumerate(batches):
                 last = i == len(batches) - 1
                 # Gradients accumulate locally; only the last backward all-reduces the sum.
@@ -185,10 +198,10 @@ def train_ddp_no_sync(spec: BenchSpec, batches: list[Batch]) -> list[float]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        return _timed_steps(spec, one_step)
+        return _timed_steps(spec, windows, one_step)
 
 
-def train_accelerate(spec: BenchSpec, batches: list[Batch]) -> list[float]:
+def train_accelerate(spec: BenchSpec, windows: list[list[Batch]]) -> list[float]:
     """(c) Accelerate's ``accumulate()``, the loop from its gradient-accumulation guide."""
     from accelerate import Accelerator  # optional dependency, only this variant needs it
 
@@ -196,7 +209,7 @@ def train_accelerate(spec: BenchSpec, batches: list[Batch]) -> list[float]:
     model = _build_model(spec)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=spec.lr))
 
-    def one_step() -> None:
+    def one_step(batches: list[Batch]) -> None:
         for x, y in batches:
             with accelerator.accumulate(model):
                 loss = F.mse_loss(model(x), y)
@@ -204,28 +217,28 @@ def train_accelerate(spec: BenchSpec, batches: list[Batch]) -> list[float]:
                 optimizer.step()  # a no-op until the K-th micro-batch
                 optimizer.zero_grad()
 
-    times = _timed_steps(spec, one_step)
+    times = _timed_steps(spec, windows, one_step)
     accelerator.wait_for_everyone()
     dist.destroy_process_group()
     return times
 
 
-def train_compute_floor(spec: BenchSpec, batches: list[Batch]) -> list[float]:
+def train_compute_floor(spec: BenchSpec, windows: list[list[Batch]]) -> list[float]:
     """(e) The same loop without DDP or a process group: no communication at all."""
     model = _build_model(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
 
-    def one_step() -> None:
+    def one_step(batches: list[Batch]) -> None:
         for x, y in batches:
             loss = F.mse_loss(model(x), y) / len(batches)
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _timed_steps(spec, one_step)
+    return _timed_steps(spec, windows, one_step)
 
 
-VARIANTS: dict[str, Callable[[BenchSpec, list[Batch]], list[float]]] = {
+VARIANTS: dict[str, Callable[[BenchSpec, list[list[Batch]]], list[float]]] = {
     "ddp_every_micro": train_ddp_every_micro,
     "ddp_no_sync": train_ddp_no_sync,
     "accelerate": train_accelerate,
@@ -238,7 +251,7 @@ def run_worker(variant: str, spec: BenchSpec) -> dict[str, Any]:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     rank = int(os.environ.get("RANK", "0"))
-    step_s = VARIANTS[variant](spec, make_micro_batches(spec, rank))
+    step_s = VARIANTS[variant](spec, make_windows(spec, rank))
     return {
         "variant": variant,
         "rank": rank,
@@ -257,6 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     variant, spec_json, out_path = args
     record = run_worker(variant, BenchSpec.from_json(spec_json))
     Path(out_path).write_text(json.dumps(record))
+    # gloo's threads occasionally abort interpreter teardown ("terminate called without an active
+    # exception", seen once in ~40 launches here); the record is on disk, so skip the teardown.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.baselines import BenchSpec, ModelShape
+from benchmarks.baselines import BenchSpec, ModelShape, pool_micro_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
@@ -90,9 +90,10 @@ FULL_CASES = (
          ks=(1, 4, 16), micro_budget=16),
 )
 SMOKE_CASES = (
+    # One K keeps CI under a minute: every launch costs seconds of process start-up.
     Case(name="smoke", about="tiny MLP, CI smoke run",
          shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4), micro_batch=2,
-         ks=(1, 4), micro_budget=4, min_steps=2),
+         ks=(4,), micro_budget=4, min_steps=2),
 )
 
 
@@ -150,15 +151,15 @@ def distaccum_argv(spec: BenchSpec, run_dir: Path, *, ledger: bool, port: int) -
     ``++key=value`` sets a field whether or not ``configs/`` spells it out.
     """
     steps = spec.warmup + spec.steps
-    window = spec.micro_batch * spec.accum_steps * WORLD_SIZE
     fields = {
         "accum.micro_batch": spec.micro_batch, "accum.steps": spec.accum_steps,
         "accum.global_batch": "null", "accum.sync": "boundary", "precision": "fp32",
         # Plain SGD like the baselines: no momentum, schedule, decay or clipping.
         "optim.name": "sgd", "optim.lr": spec.lr, "optim.momentum": 0.0, "optim.weight_decay": 0.0,
         "optim.schedule": "constant", "optim.warmup_steps": 0, "optim.clip_norm": "null",
-        # Exactly max_steps full windows, so no epoch ends with a partial window.
-        "data.num_samples": window * steps, "data.seed": spec.seed,
+        # As much data as each baseline rank holds; a multiple of the window, so none is partial.
+        "data.num_samples": pool_micro_batches(spec.accum_steps) * spec.micro_batch * WORLD_SIZE,
+        "data.seed": spec.seed,
         "trainer.nproc": WORLD_SIZE, "trainer.max_steps": steps, "trainer.device": "cpu",
         "trainer.seed": spec.seed, "trainer.check_every": 0,
         "trainer.rdzv_endpoint": f"127.0.0.1:{port}",
@@ -227,10 +228,12 @@ def measure_baseline(variant: str, spec: BenchSpec, workdir: Path, timeout_s: fl
     ok, rss, wall, tail = _launch([baseline_argv(variant, spec, out) for out in outs],
                                   [worker_env(rank, port) for rank in range(WORLD_SIZE)],
                                   workdir / "output.log", timeout_s)
-    if not ok:
-        return Measurement(status="failed", wall_s=wall, error=tail)
+    if not all(out.exists() for out in outs):
+        return Measurement(status="failed", wall_s=wall, error=tail or "a rank wrote no result")
+    # Every rank finished and wrote its record: a crash after that (at exit) does not void it.
     rank0 = json.loads(outs[0].read_text())
-    return Measurement(status="ok", step_s=rank0["step_s"], peak_rss_mb=rss, wall_s=wall)
+    return Measurement(status="ok", step_s=rank0["step_s"], peak_rss_mb=rss, wall_s=wall,
+                       error="" if ok else f"measured, then exited abnormally: {tail}")
 
 
 def read_metrics(metrics: Path, warmup: int) -> tuple[list[float], float | None]:
@@ -431,7 +434,7 @@ def run_benchmark(cases: Sequence[Case], variants: Sequence[str], rounds: int, t
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny model, K in {1, 4}: the CI run")
+    p.add_argument("--smoke", action="store_true", help="tiny model, K=4, one round: the CI run")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, smoke 1)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmark", help="results directory")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of variants")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -81,6 +81,14 @@ class Backend(Protocol):
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, unsharded, in a stable order. Collective: all ranks must iterate."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and loss-scaler state for a checkpoint. Collective on sharded engines."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (on every rank)."""
         ...
 
     def teardown(self) -> None:

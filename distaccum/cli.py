@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+from distaccum.checkpoint import EXIT_REQUEUE, StopFlag, StopRequested
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.topology import DistEnv, is_worker
 
@@ -32,6 +33,17 @@ def config_dir() -> Path:
     if not (path / "config.yaml").is_file():
         raise SystemExit(f"distaccum: no config.yaml in {path}; set DISTACCUM_CONFIG_DIR")
     return path
+
+
+def register_defaults() -> None:
+    """Offer every field's dataclass default to Hydra as the ``distaccum_defaults`` node.
+
+    ``configs/config.yaml`` lists it first, so every field can be overridden from the command line
+    (Hydra's struct mode still rejects unknown keys) while the YAML files only select and override.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="distaccum_defaults", node=to_mapping(RunConfig()))
 
 
 def _to_run_config(dcfg: Any, run_dir: str | None = None) -> RunConfig:
@@ -60,6 +72,8 @@ def _config_error(err: Exception) -> NoReturn:
 def _hydra_job(task: Callable[[Any], int]) -> Callable[[], Any]:
     """Wrap ``task`` as a Hydra app over ``configs/`` (gives --multirun, --cfg job, sweeps)."""
     import hydra
+
+    register_defaults()
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
     def app(dcfg: Any) -> int:
@@ -109,6 +123,13 @@ def _train_task(dcfg: Any) -> int:
     return code
 
 
+def _stop_flag() -> StopFlag:
+    """SIGTERM / SIGUSR1 ask the run to checkpoint after the window in progress and stop."""
+    flag = StopFlag()
+    flag.install()
+    return flag
+
+
 def _worker_exit(run: Callable[[], Any]) -> NoReturn:
     """Run one rank, then tear down and leave with ``os._exit``.
 
@@ -121,6 +142,9 @@ def _worker_exit(run: Callable[[], Any]) -> NoReturn:
     code = EXIT_OK
     try:
         run()
+    except StopRequested as stopped:
+        print(f"distaccum: {stopped}; rerun the same command to resume", file=sys.stderr)
+        code = EXIT_REQUEUE
     except ConfigError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         code = EXIT_CONFIG
@@ -128,7 +152,7 @@ def _worker_exit(run: Callable[[], Any]) -> NoReturn:
         traceback.print_exc()
         code = EXIT_FAIL
     try:
-        if code == EXIT_OK:
+        if code in (EXIT_OK, EXIT_REQUEUE):
             shutdown()
         else:
             import torch.distributed as dist
@@ -146,7 +170,7 @@ def _worker_from_file(config_file: str) -> NoReturn:
     from distaccum.worker import run_worker
 
     cfg = from_mapping(json.loads(Path(config_file).read_text()))
-    _worker_exit(lambda: run_worker(cfg, DistEnv.from_environ(os.environ)))
+    _worker_exit(lambda: run_worker(cfg, DistEnv.from_environ(os.environ), _stop_flag()))
 
 
 def _worker_in_place(overrides: list[str]) -> NoReturn:
@@ -154,14 +178,11 @@ def _worker_in_place(overrides: list[str]) -> NoReturn:
 
     def run() -> None:
         import torch.distributed as dist
-        from hydra import compose, initialize_config_dir
 
         from distaccum.worker import init_process_group, pick_device, run_worker
 
         env = DistEnv.from_environ(os.environ)
-        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
-            dcfg = compose(config_name="config", overrides=overrides)
-        cfg = _to_run_config(dcfg)
+        cfg = compose_config(overrides)
         init_process_group(env, pick_device(cfg, env))
         # Ranks resolve ${now:...} at slightly different times: everyone uses rank 0's config.
         shared = [to_mapping(cfg)]
@@ -171,14 +192,41 @@ def _worker_in_place(overrides: list[str]) -> NoReturn:
             cfg.split(dist.get_world_size())
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        run_worker(cfg, env)
+        run_worker(cfg, env, _stop_flag())
 
     _worker_exit(run)
 
 
+def compose_config(overrides: list[str]) -> RunConfig:
+    """Compose ``configs/`` with ``overrides`` outside a Hydra app (workers in place, submit)."""
+    from hydra import compose, initialize_config_dir
+
+    register_defaults()
+    with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
+        try:
+            dcfg = compose(config_name="config", overrides=overrides)
+        except Exception as err:  # hydra's composition errors share no public base class
+            raise ConfigError(str(err)) from err
+    return _to_run_config(dcfg)
+
+
 def _run_hydra(command: str, rest: list[str], task: Callable[[Any], int]) -> None:
+    """Run ``task`` as a Hydra app. Hydra exits 1 on composition errors (an unknown engine or
+    model group, a malformed override) before the task runs: those are config errors, exit 2."""
+    started = False
+
+    def tracked(dcfg: Any) -> int:
+        nonlocal started
+        started = True
+        return task(dcfg)
+
     sys.argv = [f"distaccum {command}", *rest]
-    _hydra_job(task)()
+    try:
+        _hydra_job(tracked)()
+    except SystemExit as stop:
+        if stop.code == EXIT_FAIL and not started:
+            raise SystemExit(EXIT_CONFIG) from None
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -233,6 +233,9 @@ class TrainerConfig:
     """Cross-rank consistency tripwire every N optimizer steps (0 disables)."""
     init_from: str | None = None
     """Load initial weights from this state-dict file (a seed checkpoint)."""
+    resume: bool = True
+    """Resume from run_dir/checkpoint.pt when present (written when a run is stopped by SIGTERM or
+    SIGUSR1, after finishing the window in progress)."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes", "max_steps"):
@@ -278,6 +281,9 @@ class VerifyConfig:
     """Relative tolerance; null picks the default for the precision."""
     atol: float | None = None
     """Absolute tolerance; null picks the default for the precision."""
+    record: bool = False
+    """Write per-step parameter checksums (checksums.jsonl) and the final parameters
+    (final_params.pt) to run_dir. distaccum verify sets it for the runs it launches."""
 
     def __post_init__(self) -> None:
         _choice("verify", "splits", self.splits, ("config", "auto"))
@@ -308,12 +314,25 @@ class SlurmConfig:
     extra: list[str] = field(default_factory=list)
     """Extra #SBATCH directives, e.g. ['--qos=high', '--exclusive']."""
     signal_seconds: int = 120
-    """Send USR1 this many seconds before the time limit so a partial window is checkpointed."""
+    """Send USR1 this many seconds before the time limit so a partial window is checkpointed; 0: never."""
 
     def __post_init__(self) -> None:
         _positive("slurm", "nodes", self.nodes)
+        _positive("slurm", "cpus_per_task", self.cpus_per_task)
         if self.gpus_per_node < 0:
             raise ValueError(f"slurm.gpus_per_node must be >= 0, got {self.gpus_per_node}")
+        if not 0 <= self.signal_seconds <= 65535:
+            raise ValueError(f"slurm.signal_seconds must be in [0, 65535], got {self.signal_seconds}")
+        if not 1 <= self.rdzv_port <= 65535:
+            raise ValueError(f"slurm.rdzv_port must be in [1, 65535], got {self.rdzv_port}")
+        for name in ("job_name", "time", "partition", "account"):
+            value = getattr(self, name)
+            if value is not None and (not value or any(c.isspace() for c in value)):
+                raise ValueError(f"slurm.{name}={value!r} must be non-empty without whitespace")
+        self.extra = list(self.extra)
+        for directive in self.extra:
+            if not directive.startswith("-") or "\n" in directive:
+                raise ValueError(f"slurm.extra entry {directive!r} must be one sbatch option like '--qos=high'")
 
 
 @dataclass(kw_only=True)
@@ -366,6 +385,10 @@ def check_combination(cfg: RunConfig) -> None:
                          "sharded scaler); use bf16 or fp32")
     if cfg.trainer.nnodes > 1 and not cfg.trainer.rdzv_endpoint:
         raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
+    if cfg.engine.name == "deepspeed" and cfg.engine.deepspeed_config:
+        from distaccum.deepspeed_config import check  # reads the user JSON; conflicts fail here
+
+        check(cfg)
 
 
 def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:

@@ -4,7 +4,7 @@
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,15 +25,18 @@ class HookState:
     """Fault injection: take part in the all-reduce but keep the local gradient (desyncs this rank)."""
 
 
-def sum_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce a gradient bucket with SUM (DDP's default divides by world size; we don't).
+def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce a gradient bucket to the mean over ranks, counting every call and byte.
 
-    Summing keeps the normalization in one visible place, the loop's division by the global item
-    count. Every call and byte is reported to the ledger.
+    Why the mean and not the sum: with ``accum.sync=every_micro`` the bucket holds the already
+    reduced gradient of earlier micro-batches plus this rank's new contribution. The mean of
+    identical values is that value, so only the new part is averaged; a sum would multiply the
+    earlier part by the world size. The loop compensates the 1/world with ``grad_divisor``.
     """
     buffer = bucket.buffer()
     local = buffer.clone() if state.keep_local else None
     token = state.ledger.launched(buffer)
+    buffer.div_(dist.get_world_size())
     future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -47,7 +50,6 @@ class DDPBackend:
     """torch DistributedDataParallel with a counting SUM all-reduce hook."""
 
     name = "ddp"
-    grad_divisor = 1.0  # the hook sums; nothing divides the gradient after the loop's normalization
 
     def __init__(self, cfg: RunConfig, device: torch.device, ledger: CommLedger) -> None:
         self.cfg = cfg
@@ -55,6 +57,8 @@ class DDPBackend:
         self.ledger = ledger
         self.precision = Precision.of(cfg.precision)
         self.scaler = torch.amp.GradScaler(device.type) if self.precision.loss_scaling else None
+        # The hook averages over ranks: the loop multiplies the loss back by the world size.
+        self.grad_divisor = float(dist.get_world_size())
         self.module: nn.Module | None = None
         self.raw: nn.Module | None = None
 
@@ -64,7 +68,7 @@ class DDPBackend:
         ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.cfg.engine.bucket_cap_mb)
         fault_rank = self.cfg.debug.skip_reduction_rank
         state = HookState(self.ledger, keep_local=fault_rank is not None and fault_rank == dist.get_rank())
-        ddp.register_comm_hook(state, sum_allreduce_hook)
+        ddp.register_comm_hook(state, mean_allreduce_hook)
         self.module = ddp
         self.optimizer = make_optimizer(list(self.raw.parameters()))
         return ddp
@@ -102,6 +106,18 @@ class DDPBackend:
         assert self.raw is not None
         for name, param in self.raw.named_parameters():
             yield name, param.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.raw is not None
+        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.raw is not None
+        self.raw.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
 
     def teardown(self) -> None:
         self.module = None

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from distaccum.checkpoint import EXIT_REQUEUE
 from distaccum.config import RunConfig
 
 WORKER_COMMAND = ["-m", "distaccum", "_worker"]
@@ -50,6 +51,7 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
 
 def launch_local(cfg: RunConfig, config_file: Path) -> int:
     """Start the workers through torch elastic and wait; returns 0, or 1 when any worker failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -69,7 +71,18 @@ def launch_local(cfg: RunConfig, config_file: Path) -> int:
     try:
         elastic_launch(launch, sys.executable)(*WORKER_COMMAND, str(config_file))
     except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        if codes == {EXIT_REQUEUE}:
+            print(f"distaccum: stopped on request; checkpoint in {cfg.run_dir}; "
+                  "rerun the same command to resume", file=sys.stderr)
+            return EXIT_REQUEUE
         failures = ", ".join(f"rank {r}: exit {f.exitcode}" for r, f in sorted(err.failures.items()))
         print(f"distaccum: worker(s) failed ({failures})", file=sys.stderr)
         return 1
+    except SignalException as err:
+        # SIGTERM/SIGINT reached this launcher: torch elastic forwarded SIGTERM to the workers,
+        # which finish the window in progress and checkpoint before exiting.
+        print(f"distaccum: launcher got {err.sigval.name}; workers checkpoint at the next window "
+              f"boundary in {cfg.run_dir}; rerun the same command to resume", file=sys.stderr)
+        return EXIT_REQUEUE
     return 0

@@ -52,7 +52,7 @@ class JsonlSink:
         os.replace(tmp, self.run_dir / "summary.json")
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
@@ -81,7 +81,7 @@ class ConsoleSink:
         share = record.get("comm_exposed_s", 0.0) / busy if busy > 0 else 0.0
         line = (f"step {step:>4}/{self.total} [{bar}] loss {record['loss']:.4f} "
                 f"lr {record['lr']:.2e} {record.get('samples_per_s', 0):8.1f} samples/s "
-                f"reduced {_human_bytes(record['comm_bytes'])} in {record['comm_calls']} calls "
+                f"reduced {human_bytes(record['comm_bytes'])} in {record['comm_calls']} calls "
                 f"comm {share:4.0%}" + (" SKIPPED(overflow)" if record.get("skipped") else ""))
         end = "\r" if self.tty and step < self.total else "\n"
         print(line, end=end, file=self.stream, flush=True)
@@ -111,14 +111,17 @@ class MultiSink:
 
 
 def build_sinks(console: str, total_steps: int, run_dir: Path, rank: int, *,
-                wandb_config: dict[str, Any] | None = None, append: bool = False) -> Sink:
-    """Rank 0 gets console + JSONL (+ wandb when ``wandb_config`` is given); other ranks a NullSink."""
+                wandb_config: dict[str, Any] | None = None, wandb_mode: str = "offline",
+                wandb_project: str = "distaccum", append: bool = False) -> Sink:
+    """Rank 0 gets console + JSONL (+ wandb when ``wandb_config`` is given and ``wandb_mode`` is not
+    ``disabled``); other ranks a NullSink."""
     if rank != 0:
         return NullSink()
-    sinks: list[Sink] = [JsonlSink(run_dir, append=append),
-                         ConsoleSink(total_steps, quiet=console == "quiet")]
-    if wandb_config is not None:
+    quiet = console == "quiet"
+    sinks: list[Sink] = [JsonlSink(run_dir, append=append), ConsoleSink(total_steps, quiet=quiet)]
+    if wandb_config is not None and wandb_mode != "disabled":
         from distaccum.wandb_sink import WandbSink  # imported lazily: wandb is optional
 
-        sinks.append(WandbSink(run_dir, wandb_config))
+        sinks.append(WandbSink(run_dir, wandb_config, mode=wandb_mode, project=wandb_project,
+                               quiet=quiet, resume=append))
     return MultiSink(sinks)

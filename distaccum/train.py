@@ -15,7 +15,6 @@ for partial windows. Engines that average across ranks (or divide by K themselve
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +26,15 @@ import torch.distributed as dist
 from torch import nn
 
 from distaccum.backend import Backend
+from distaccum.checkpoint import CHECKPOINT_NAME, StopFlag, StopRequested, load, save
 from distaccum.checks import check_consistency
 from distaccum.comm import CommLedger
 from distaccum.config import RunConfig, Split
 from distaccum.data import Dataset, GlobalBatchPlan
-from distaccum.memory import peak_memory_bytes, reset_peak_memory
 from distaccum.models import LossFn, batch_stat_layers
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.sinks import Record, Sink
+from distaccum.timing import StepTimer
 
 
 @dataclass
@@ -66,33 +66,62 @@ def setup(cfg: RunConfig, model: nn.Module, backend: Backend, split: Split,
     return TrainState(wrapped, backend, scheduler, plan)
 
 
+def save_checkpoint(cfg: RunConfig, state: TrainState, rank: int) -> Path:
+    """Write run_dir/checkpoint.pt between windows (collective: engines may gather shards)."""
+    path = Path(cfg.run_dir) / CHECKPOINT_NAME
+    payload = {"backend": state.backend.state_dict(), "scheduler": state.scheduler.state_dict(),
+               "plan": state.plan.state_dict(), "steps_done": len(state.records)}
+    if rank == 0:
+        save(path, payload)
+    dist.barrier()  # nobody exits before the checkpoint is on disk
+    return path
+
+
+def resume(cfg: RunConfig, state: TrainState) -> int:
+    """Restore run_dir/checkpoint.pt if present; returns the optimizer steps already done."""
+    payload = load(Path(cfg.run_dir) / CHECKPOINT_NAME)
+    if payload is None:
+        return 0
+    state.backend.load_state_dict(payload["backend"])
+    state.scheduler.load_state_dict(payload["scheduler"])
+    state.plan.load_state_dict(payload["plan"])
+    return int(payload["steps_done"])
+
+
 def train(cfg: RunConfig, state: TrainState, split: Split, dataset: Dataset, loss_fn: LossFn,
           ledger: CommLedger, sink: Sink, device: torch.device, rank: int,
-          on_step: Callable[[TrainState, Record], None] | None = None) -> list[Record]:
+          on_step: Callable[[TrainState, Record], None] | None = None,
+          stop: StopFlag | None = None) -> list[Record]:
     """Run optimizer steps until ``trainer.max_steps``; returns the per-step records (all ranks)."""
     dtype = torch.float64 if cfg.precision == "fp64" else None
     every_micro = cfg.accum.sync == "every_micro"
     backend, model = state.backend, state.model
+    timer = StepTimer(device, ledger)  # timing sits beside the loop: phases, comm ledger, memory
     model.train()
     while state.plan.next_step < cfg.trainer.max_steps:
-        t0 = time.perf_counter()
-        reset_peak_memory(device)
-        window = next(state.plan)
+        timer.start_step()
+        window = state.plan.window(state.plan.next_step)  # taken (next_step += 1) after the stop check
         batches = [dataset.collate(ix).to(device, dtype)
                    for ix in window.rank_micro_batches(split, rank)]
         # One tiny all-reduce per optimizer step gives N (and the sample count) for the window.
         counts = torch.tensor([[b.items for b in batches], [b.samples for b in batches]],
                               dtype=torch.float64, device=device)
-        window_counts = counts.sum(dim=1)
+        # The stop flag rides along, so every rank agrees to stop before the same window.
+        stop_flag = torch.tensor([float(stop is not None and stop.requested)], dtype=torch.float64,
+                                 device=device)
+        window_counts = torch.cat([counts.sum(dim=1), stop_flag])
         dist.all_reduce(window_counts)
+        if window_counts[2] > 0:  # host sync, needed: stopping is a control-flow decision
+            path = save_checkpoint(cfg, state, rank)
+            raise StopRequested(window.step, path)
+        state.plan.next_step += 1
         global_items = window_counts[0]
-        t_data = time.perf_counter()
+        timer.data_done()
 
-        ledger.start_step()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for k, batch in enumerate(batches):
             boundary = k == len(batches) - 1
-            ledger.start_micro()
+            timer.start_micro()
             with backend.sync(boundary or every_micro):
                 with backend.forward_context():
                     summed = loss_fn(model(batch.inputs), batch.targets)
@@ -101,9 +130,8 @@ def train(cfg: RunConfig, state: TrainState, split: Split, dataset: Dataset, los
                 else:  # the classic loss/K with a per-micro mean, kept only to show it is wrong
                     denom = max(batch.items, 1) * split.accum_steps * split.world_size
                 backend.backward(summed * (backend.grad_divisor / denom))
-            ledger.backward_done(time.perf_counter())
             loss_sum += summed.detach().to(torch.float64)
-        t_compute = time.perf_counter()
+        timer.compute_done()
 
         grad_norm = backend.clip_grad_norm(cfg.optim.clip_norm)  # at the boundary, once per step
         lr = state.scheduler.get_last_lr()[0]
@@ -111,19 +139,13 @@ def train(cfg: RunConfig, state: TrainState, split: Split, dataset: Dataset, los
         if stepped:  # a skipped fp16 step must not advance the schedule
             state.scheduler.step()
         if cfg.trainer.check_every and window.step % cfg.trainer.check_every == 0:
-            check_consistency(backend, window.step + 1)
-        t_end = time.perf_counter()
-
-        comm = ledger.end_step()
-        compute_s = t_compute - t_data - comm.comm_exposed_s
-        # One all-gather per step for logging: loss sums and per-rank compute (straggler view).
-        # Its .cpu() below is the step's one host sync (the item count's .tolist() follows it).
-        stats = torch.stack([loss_sum, torch.tensor(compute_s, dtype=torch.float64, device=device)])
-        gathered = [torch.zeros_like(stats) for _ in range(split.world_size)]
-        dist.all_gather(gathered, stats)
-        per_rank = torch.stack(gathered).cpu()
-        items, samples = (int(v) for v in window_counts.tolist())
-        elapsed = t_end - t0
+            check_consistency(backend, window.step + 1, Path(cfg.run_dir), record=cfg.verify.record)
+        times = timer.end_step()  # on CUDA the step's one host sync; loss_sum and counts are ready after it
+        # One all-gather of host floats per step for logging: loss sums and per-rank compute time
+        # (the straggler view).
+        per_rank = timer.gather([float(loss_sum), times.compute_s])
+        items, samples = (int(v) for v in window_counts[:2].tolist())
+        elapsed = times.time_s
         record: Record = {
             "step": window.step + 1,
             "epoch": window.epoch,
@@ -135,18 +157,9 @@ def train(cfg: RunConfig, state: TrainState, split: Split, dataset: Dataset, los
             "partial_window": window.partial,
             "grad_norm": grad_norm,
             "skipped": not stepped,
-            "time_s": elapsed,
-            "data_s": t_data - t0,
-            "compute_s": compute_s,
+            **times.as_record(),  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
             "compute_min_s": float(per_rank[:, 1].min()),
             "compute_max_s": float(per_rank[:, 1].max()),
-            "optim_s": t_end - t_compute,
-            "comm_calls": comm.comm_calls,
-            "comm_bytes": comm.comm_bytes,
-            "comm_rounds": comm.comm_rounds,
-            "comm_s": comm.comm_s,
-            "comm_exposed_s": comm.comm_exposed_s,
-            "peak_mem_bytes": peak_memory_bytes(device),
             "samples_per_s": samples / elapsed,
             "items_per_s": items / elapsed,
         }

@@ -9,13 +9,15 @@ import torch
 import torch.distributed as dist
 
 from distaccum.backend import make_backend
+from distaccum.checkpoint import CHECKPOINT_NAME, StopFlag
 from distaccum.comm import CommLedger
 from distaccum.config import RunConfig, to_mapping
 from distaccum.data import build_dataset
 from distaccum.models import build_model
 from distaccum.sinks import Record, build_sinks
 from distaccum.topology import DistEnv
-from distaccum.train import setup, summarize, train
+from distaccum.train import resume, setup, summarize, train
+from distaccum.verify import FINAL_PARAMS_FILE, save_final_params
 
 
 def pick_device(cfg: RunConfig, env: DistEnv) -> torch.device:
@@ -47,7 +49,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def run_worker(cfg: RunConfig, env: DistEnv) -> Record:
+def _previous_records(run_dir: Path, done: int) -> list[Record]:
+    """The records of the steps a checkpoint already holds (later lines, if any, are dropped)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines()[:done] if path.is_file() else []
+    if dist.get_rank() == 0 and path.is_file():
+        path.write_text("".join(line + "\n" for line in lines))
+    dist.barrier()
+    return [json.loads(line) for line in lines]
+
+
+def run_worker(cfg: RunConfig, env: DistEnv, stop: StopFlag | None = None) -> Record:
     """Train one rank of ``cfg`` to the end; returns the summary (identical on every rank)."""
     device = pick_device(cfg, env)
     if not dist.is_initialized():
@@ -70,10 +82,22 @@ def run_worker(cfg: RunConfig, env: DistEnv) -> Record:
     ledger = CommLedger(enabled=cfg.log.ledger)
     backend = make_backend(cfg, device, ledger)
     state = setup(cfg, model, backend, split, dataset)
+    done = resume(cfg, state) if cfg.trainer.resume else 0
+    if done:
+        state.records = _previous_records(run_dir, done)
+        if rank == 0:
+            print(f"distaccum: resumed from {run_dir / 'checkpoint.pt'} after optimizer step {done}",
+                  flush=True)
     wandb_config = to_mapping(cfg) if cfg.log.wandb else None
-    sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, run_dir, rank, wandb_config=wandb_config)
-    records = train(cfg, state, split, dataset, loss_fn, ledger, sink, device, rank)
+    sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, run_dir, rank, wandb_config=wandb_config,
+                       append=bool(done),
+                       wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
+    records = train(cfg, state, split, dataset, loss_fn, ledger, sink, device, rank, stop=stop)
     summary = summarize(cfg, split, records, backend, run_dir)
+    if cfg.verify.record:  # collective (full_parameters); rank 0 writes final_params.pt
+        save_final_params(backend, run_dir / FINAL_PARAMS_FILE, rank)
     sink.close(summary)
+    if rank == 0:  # finished: a later run in this run_dir starts afresh instead of resuming
+        (run_dir / CHECKPOINT_NAME).unlink(missing_ok=True)
     backend.teardown()
     return summary

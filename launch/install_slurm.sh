@@ -43,7 +43,8 @@ if [[ ! -e $policy ]]; then
     chmod +x "$policy"
     created_policy=1
 fi
-trap 'if ((created_policy)); then rm -f "$policy"; fi' EXIT
+remove_policy() { if ((created_policy)); then rm -f "$policy"; fi; }
+trap remove_policy EXIT
 
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -52,27 +52,49 @@ live_pid() {
     [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null && echo "$pid"
 }
 
-stop_pid_file() {
-    local name=$1 file=$2 pid
-    pid=$(live_pid "$file") || { rm -f "$file"; return 0; }
-    kill -TERM "$pid" 2>/dev/null || true
+# SIGTERM every daemon named by NAME=PIDFILE, then wait for all of them together; SIGKILL what
+# is still alive after 10 s.
+stop_pid_files() {
+    local pair name file pid
+    local -A pids=()
+    for pair in "$@"; do
+        name=${pair%%=*} file=${pair#*=}
+        if pid=$(live_pid "$file"); then
+            kill -TERM "$pid" 2>/dev/null || true
+            pids[$name]=$pid
+        fi
+        rm -f "$file"
+    done
     for _ in $(seq 100); do
-        kill -0 "$pid" 2>/dev/null || { log "stopped $name (pid $pid)"; rm -f "$file"; return 0; }
+        for name in "${!pids[@]}"; do
+            if ! kill -0 "${pids[$name]}" 2>/dev/null; then
+                log "stopped $name (pid ${pids[$name]})"
+                unset "pids[$name]"
+            fi
+        done
+        ((${#pids[@]} == 0)) && return 0
         sleep 0.1
     done
-    log "$name (pid $pid) ignored SIGTERM for 10 s; sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    rm -f "$file"
+    for name in "${!pids[@]}"; do
+        log "$name (pid ${pids[$name]}) ignored SIGTERM for 10 s; sending SIGKILL"
+        kill -KILL "${pids[$name]}" 2>/dev/null || true
+    done
 }
 
-# Wait until a command succeeds, or fail with the tail of a log file.
+# Wait until a command succeeds, or fail with the tail of the daemon's log: at the timeout, or
+# as soon as the daemon behind PIDFILE has exited (after a 3 s grace for it to write the file).
 wait_for() {
-    local what=$1 logfile=$2
-    shift 2
-    local deadline=$((SECONDS + startup_timeout))
+    local what=$1 pidfile=$2 logfile=$3
+    shift 3
+    local t0=$SECONDS why=""
     until "$@" >/dev/null 2>&1; do
-        if ((SECONDS >= deadline)); then
-            log "$what not ready after ${startup_timeout}s; last lines of $logfile:"
+        if ((SECONDS - t0 >= startup_timeout)); then
+            why="not ready after ${startup_timeout}s"
+        elif ((SECONDS - t0 >= 3)) && ! live_pid "$pidfile" >/dev/null; then
+            why="exited"
+        fi
+        if [[ -n $why ]]; then
+            log "$what $why; last lines of $logfile:"
             tail -n 20 "$logfile" >&2 || true
             return 1
         fi
@@ -138,15 +160,16 @@ EOF
 start_accounting() {
     local db=$state/mysql sock=$state/run/mysqld.sock
     if [[ ! -d $db/mysql ]]; then
-        mariadb-install-db --no-defaults --user=root --datadir="$db" \
+        mariadb-install-db --no-defaults --user=root --datadir="$db" --skip-test-db \
             --auth-root-authentication-method=socket >"$state/log/mariadb-install.log" 2>&1
     fi
     if ! live_pid "$state/run/mariadb.pid" >/dev/null; then
         mariadbd --no-defaults --user=root --datadir="$db" --socket="$sock" \
             --bind-address=127.0.0.1 --port="$db_port" --pid-file="$state/run/mariadb.pid" \
             --log-error="$state/log/mariadb.log" --skip-name-resolve \
-            --innodb-buffer-pool-size=64M >/dev/null 2>&1 &
-        wait_for "mariadb" "$state/log/mariadb.log" mariadb --no-defaults --socket="$sock" -e "SELECT 1"
+            --innodb-buffer-pool-size=128M --innodb-log-file-size=8M \
+            --innodb-lock-wait-timeout=900 >/dev/null 2>&1 &
+        wait_for mariadb "$state/run/mariadb.pid" "$state/log/mariadb.log" mariadb --no-defaults --socket="$sock" -e "SELECT 1"
     fi
     mariadb --no-defaults --socket="$sock" <<'EOF'
 CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';
@@ -156,7 +179,8 @@ EOF
     install -m 600 /dev/null "$state/slurmdbd.conf"
     cat >"$state/slurmdbd.conf" <<EOF
 AuthType=auth/none
-DbdHost=127.0.0.1
+DbdHost=$node
+DbdAddr=127.0.0.1
 DbdPort=$dbd_port
 SlurmUser=root
 PidFile=$state/run/slurmdbd.pid
@@ -170,11 +194,9 @@ StorageLoc=slurm_acct_db
 EOF
     if ! live_pid "$state/run/slurmdbd.pid" >/dev/null; then
         slurmdbd
-        wait_for "slurmdbd" "$state/log/slurmdbd.log" sacctmgr -n list cluster
+        wait_for slurmdbd "$state/run/slurmdbd.pid" "$state/log/slurmdbd.log" sacctmgr -n list cluster
     fi
-    if [[ -z $(sacctmgr -n -P list cluster format=cluster where cluster=distaccum) ]]; then
-        sacctmgr -i add cluster distaccum >/dev/null
-    fi
+    # No `sacctmgr add cluster`: slurmctld registers its cluster with slurmdbd on start.
 }
 
 start() {
@@ -187,9 +209,9 @@ start() {
     write_slurm_conf
     ((accounting)) && start_accounting
     slurmctld -f "$SLURM_CONF"
-    wait_for "slurmctld" "$state/log/slurmctld.log" scontrol ping
+    wait_for slurmctld "$state/run/slurmctld.pid" "$state/log/slurmctld.log" scontrol ping
     slurmd -f "$SLURM_CONF"
-    wait_for "node $node idle" "$state/log/slurmd.log" node_idle
+    wait_for "node $node idle" "$state/run/slurmd.pid" "$state/log/slurmd.log" node_idle
     log "cluster up in $((SECONDS - t0)) s (node $node, $(nproc) CPUs); source $state/env.sh"
 }
 
@@ -211,10 +233,9 @@ stop() {
             done
         fi
     fi
-    stop_pid_file slurmd "$state/run/slurmd.pid"
-    stop_pid_file slurmctld "$state/run/slurmctld.pid"
-    stop_pid_file slurmdbd "$state/run/slurmdbd.pid"
-    stop_pid_file mariadb "$state/run/mariadb.pid"
+    stop_pid_files slurmd="$state/run/slurmd.pid" slurmctld="$state/run/slurmctld.pid"
+    # slurmctld is down: nothing else reports to slurmdbd, which can go with its database.
+    stop_pid_files slurmdbd="$state/run/slurmdbd.pid" mariadb="$state/run/mariadb.pid"
 }
 
 status() {

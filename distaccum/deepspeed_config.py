@@ -1,0 +1,118 @@
+"""The DeepSpeed config, generated from ours, and the merge of a user JSON (pure; no DeepSpeed import).
+
+DeepSpeed insists that ``train_batch_size = train_micro_batch_size_per_gpu *
+gradient_accumulation_steps * world_size``; generating all three from one resolved :class:`Split`
+makes that true by construction. A user file (``engine.deepspeed_config``) may add any key we do
+not set (bucket sizes, ``overlap_comm``, ``wall_clock_breakdown``, ...). Setting a key we set to a
+different value is an error naming both values — never a silent override — and :func:`check` runs
+from config validation, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from distaccum.config import RunConfig, Split
+
+FORBIDDEN = {
+    "optimizer": "distaccum builds the optimizer from optim.* and hands it to DeepSpeed",
+    "scheduler": "distaccum steps its own learning-rate schedule (optim.schedule) once per optimizer step",
+    "amp": "use precision=bf16|fp16 (DeepSpeed's own mixed precision)",
+}
+"""User-config sections we refuse outright, and why."""
+
+
+def generate(cfg: RunConfig, split: Split) -> tuple[dict[str, Any], dict[str, str]]:
+    """Our DeepSpeed config for ``split``, and for each dotted key the setting it comes from."""
+    clip = cfg.optim.clip_norm or 0.0  # DeepSpeed: 0.0 disables clipping
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": split.micro_batch,
+        "gradient_accumulation_steps": split.accum_steps,
+        "train_batch_size": split.global_batch,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": cfg.engine.zero_stage},
+        "fp16": {"enabled": cfg.precision == "fp16"},
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "steps_per_print": 2**31 - 1,  # our sinks report progress; DeepSpeed's log would duplicate it
+    }
+    sources = {
+        "train_micro_batch_size_per_gpu": f"accum.micro_batch={split.micro_batch}",
+        "gradient_accumulation_steps": f"accum.steps={split.accum_steps} (resolved split)",
+        "train_batch_size": (f"the global batch {split.global_batch} = micro_batch {split.micro_batch} x "
+                             f"{split.accum_steps} steps x {split.world_size} ranks"),
+        "gradient_clipping": f"optim.clip_norm={cfg.optim.clip_norm}",
+        "zero_optimization.stage": f"engine.zero_stage={cfg.engine.zero_stage}",
+        "fp16.enabled": f"precision={cfg.precision}",
+        "bf16.enabled": f"precision={cfg.precision}",
+        "steps_per_print": "distaccum's own progress reporting",
+    }
+    return config, sources
+
+
+def merge(ours: dict[str, Any], user: dict[str, Any], sources: dict[str, str],
+          origin: str = "the user DeepSpeed config") -> dict[str, Any]:
+    """``ours`` plus every key of ``user`` we do not set; raises ValueError on any conflict."""
+    for key, why in FORBIDDEN.items():
+        if key in user:
+            raise ValueError(f"{origin} has a {key!r} section, which distaccum does not accept: {why}")
+    conflicts: list[str] = []
+    merged = _merge(ours, user, "", sources, conflicts)
+    if conflicts:
+        raise ValueError(f"{origin} conflicts with the configuration distaccum generates: "
+                         + "; ".join(conflicts) + ". Change the distaccum setting, or remove the key from the file.")
+    return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    # JSON has one number type: 4 and 4.0 agree, True and 1 do not.
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return float(a) == float(b)
+    return bool(a == b)
+
+
+def _merge(ours: dict[str, Any], user: dict[str, Any], prefix: str, sources: dict[str, str],
+           conflicts: list[str]) -> dict[str, Any]:
+    out = dict(ours)
+    for key, value in user.items():
+        path = f"{prefix}{key}"
+        if key not in ours:
+            out[key] = value
+        elif isinstance(ours[key], dict) and isinstance(value, dict):
+            out[key] = _merge(ours[key], value, f"{path}.", sources, conflicts)
+        elif isinstance(ours[key], dict) or isinstance(value, dict) or not _same(ours[key], value):
+            conflicts.append(f"{path}={json.dumps(value)} in the file, but {json.dumps(ours[key])} from "
+                             f"{sources.get(path, 'distaccum')}")
+    return out
+
+
+def load_user_config(path: str) -> dict[str, Any]:
+    """Read the user JSON (relative paths: from the current directory, where workers run too)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"engine.deepspeed_config={path!r}: no such file (from {Path.cwd()})")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"engine.deepspeed_config={path!r} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"engine.deepspeed_config={path!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def build(cfg: RunConfig, split: Split) -> dict[str, Any]:
+    """The config passed to ``deepspeed.initialize``: generated, plus the user file if any."""
+    ours, sources = generate(cfg, split)
+    if not cfg.engine.deepspeed_config:
+        return ours
+    user = load_user_config(cfg.engine.deepspeed_config)
+    return merge(ours, user, sources, origin=f"engine.deepspeed_config={cfg.engine.deepspeed_config!r}")
+
+
+def check(cfg: RunConfig) -> None:
+    """Validate the DeepSpeed config of ``cfg`` for the launch's world size (ValueError if not)."""
+    if cfg.engine.name == "deepspeed" and cfg.engine.deepspeed_config:
+        build(cfg, cfg.split())

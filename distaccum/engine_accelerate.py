@@ -1,0 +1,129 @@
+"""Accelerate engine: ``Accelerator(gradient_accumulation_steps=K)`` and ``accumulate()``.
+
+``accumulate()`` decides when gradients sync: it counts calls and syncs on every K-th (the loop's
+windows always hold exactly K micro-batches, so that is the boundary), or on every call with
+``accum.sync=every_micro`` (Accelerate's ``sync_each_batch``). We check that its decision is the
+loop's on every micro-batch rather than trusting the two counters to stay in step.
+
+Scaling: ``Accelerator.backward`` divides every loss by K, and Accelerate wraps the model in DDP.
+We register the DDP engine's comm hook on that DDP module (so the ledger counts these reductions
+too); it averages over the W ranks (see ``engine_ddp.mean_allreduce_hook`` for why not a sum). Both
+divisions are declared in ``grad_divisor = K * W``: the step sees ``sum(S_rk) / N`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distaccum.backend import OptimizerFactory, Precision
+from distaccum.comm import CommLedger
+from distaccum.config import RunConfig
+from distaccum.engine_ddp import HookState, mean_allreduce_hook
+
+MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16": "bf16", "fp16": "fp16"}
+"""Our precision names -> Accelerate's ``mixed_precision`` (it owns autocast and the GradScaler)."""
+
+
+class AccelerateBackend:
+    """An ``Accelerator`` driving DDP; gradient sync through ``accumulate()``."""
+
+    name = "accelerate"
+
+    def __init__(self, cfg: RunConfig, device: torch.device, ledger: CommLedger) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.ledger = ledger
+        self.precision = Precision.of(cfg.precision)
+        self.accum_steps = cfg.split(dist.get_world_size()).accum_steps
+        # Accelerator.backward divides by K; the DDP comm hook averages over W ranks.
+        self.grad_divisor = float(self.accum_steps * dist.get_world_size())
+        self.accelerator: Any = None
+        self.module: nn.Module | None = None
+        self.raw: nn.Module | None = None
+
+    def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
+        from accelerate import Accelerator
+        from accelerate.utils import GradientAccumulationPlugin
+
+        plugin = GradientAccumulationPlugin(num_steps=self.accum_steps,
+                                            sync_each_batch=self.cfg.accum.sync == "every_micro",
+                                            sync_with_dataloader=False)  # we bring our own batches
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu",
+                                       mixed_precision=MIXED_PRECISION[self.cfg.precision],
+                                       gradient_accumulation_plugin=plugin)
+        if self.accelerator.num_processes != dist.get_world_size():
+            raise RuntimeError(f"Accelerate sees {self.accelerator.num_processes} process(es) but the process "
+                               f"group has {dist.get_world_size()}: start workers with torchrun-style "
+                               "variables (RANK, WORLD_SIZE, LOCAL_RANK), as distaccum's launcher does")
+        self.raw = model.to(dtype=self.precision.param_dtype)
+        optimizer = make_optimizer(list(self.raw.parameters()))
+        prepared, self.prepared_optimizer = self.accelerator.prepare(self.raw, optimizer)
+        if isinstance(prepared, DDP):
+            fault_rank = self.cfg.debug.skip_reduction_rank
+            state = HookState(self.ledger, keep_local=fault_rank is not None and fault_rank == dist.get_rank())
+            prepared.register_comm_hook(state, mean_allreduce_hook)
+        elif dist.get_world_size() > 1:
+            raise RuntimeError(f"Accelerate prepared a {type(prepared).__name__}, expected DDP")
+        self.module = prepared
+        self.optimizer = optimizer  # the torch optimizer our scheduler drives (Accelerate wraps it)
+        return prepared
+
+    @contextlib.contextmanager
+    def sync(self, enabled: bool) -> Iterator[None]:
+        with self.accelerator.accumulate(self.module):
+            will_reduce = self.accelerator.sync_gradients or self.cfg.accum.sync == "every_micro"
+            if will_reduce != enabled:
+                raise RuntimeError(f"Accelerate's accumulate() would {'' if will_reduce else 'not '}sync "
+                                   f"this micro-batch but the loop says sync={enabled}: the counters drifted")
+            yield
+
+    def forward_context(self) -> ContextManager[object]:
+        # Accelerate wrapped the model's forward in autocast for bf16/fp16 already.
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)  # divides by K (declared in grad_divisor), scales fp16
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        assert self.raw is not None
+        # Unscales fp16 gradients first (once per step), then torch's clip_grad_norm_.
+        norm = self.accelerator.clip_grad_norm_(self.raw.parameters(), max_norm or float("inf"))
+        return float(norm)
+
+    def step(self) -> bool:
+        if not self.accelerator.sync_gradients:
+            raise RuntimeError("Accelerate's accumulate() has not reached its boundary at the loop's "
+                               "optimizer step: its optimizer.step() would silently do nothing")
+        self.prepared_optimizer.step()
+        self.prepared_optimizer.zero_grad(set_to_none=True)
+        return not self.accelerator.optimizer_step_was_skipped
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self.raw is not None
+        for name, param in self.raw.named_parameters():
+            yield name, param.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.raw is not None
+        scaler = self.accelerator.scaler
+        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.raw is not None
+        self.raw.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.accelerator.scaler is not None and state.get("scaler"):
+            self.accelerator.scaler.load_state_dict(state["scaler"])
+
+    def teardown(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.free_memory()  # drops its references to the model and optimizer
+        self.module = self.raw = self.accelerator = None

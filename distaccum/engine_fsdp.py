@@ -1,0 +1,152 @@
+"""FSDP2 engine: ``fully_shard`` per block, reduce-scatter at the boundary or after every micro-batch.
+
+- ``accum.sync=boundary``: ``set_requires_gradient_sync(False)`` on micro-batches 1..K-1, so each
+  unit keeps its *unsharded* gradient until the last micro-batch reduce-scatters it once — one
+  reduce-scatter round per optimizer step, but a full gradient's worth of memory per rank.
+- ``accum.sync=every_micro``: every micro-batch reduce-scatters and frees the unsharded gradient,
+  accumulating into the 1/W sharded one — K rounds (K x the bytes), the memory-saving mode.
+
+Reduction is a SUM, like the DDP engine's hook (``grad_divisor = 1``): the loop's division by the
+global item count stays the only normalization. FSDP2's default is a mean over ranks; keeping it
+and declaring ``grad_divisor = world`` would work too, but a custom divide factor runs as
+``ReduceOp.PREMUL_SUM``, which gloo rejects, so we set factor 1 *and* force plain SUM comms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from distaccum.backend import OptimizerFactory, Precision
+from distaccum.comm import CommLedger
+from distaccum.comm_tap import tap_gradient_reductions
+from distaccum.config import RunConfig
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded on their own (each is all-gathered/reduce-scattered as one unit).
+
+    tiny_gpt: each transformer block (the root takes embeddings, final norm and head); mlp and
+    convnet: each Linear/Conv2d layer, so at most one layer is unsharded at a time.
+    """
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    return [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+
+
+def mixed_precision(precision: Precision, reduce_fp32: bool) -> MixedPrecisionPolicy:
+    """bf16: parameters all-gathered in bf16; gradients reduced in fp32 unless ``reduce_fp32`` is off."""
+    if precision.autocast_dtype is None:
+        return MixedPrecisionPolicy()
+    low = precision.autocast_dtype
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if reduce_fp32 else low)
+
+
+class FSDPBackend:
+    """torch FSDP2 (``fully_shard``) with SUM reduce-scatters reported to the ledger by a tap."""
+
+    name = "fsdp"
+    grad_divisor = 1.0  # SUM reduction (see the module docstring): nothing divides after the loop
+
+    def __init__(self, cfg: RunConfig, device: torch.device, ledger: CommLedger) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.ledger = ledger
+        self.precision = Precision.of(cfg.precision)
+        if self.precision.loss_scaling:
+            raise ValueError("engine=fsdp does not support precision=fp16 (needs a sharded GradScaler); "
+                             "use bf16 or fp32")
+        self.module: nn.Module | None = None
+
+    def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
+        model = model.to(device=self.device, dtype=self.precision.param_dtype)
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        policy = mixed_precision(self.precision, self.cfg.engine.fsdp_reduce_fp32)
+        for unit in shard_units(model):
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        for module in model.modules():  # both setters act on one FSDP unit, not recursively
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        self.module = model
+        self.optimizer = make_optimizer(list(model.parameters()))  # over the sharded DTensors
+        return model
+
+    def _fsdp(self) -> FSDPModule:
+        assert isinstance(self.module, FSDPModule)
+        return self.module
+
+    @contextlib.contextmanager
+    def sync(self, enabled: bool) -> Iterator[None]:
+        # Recurses into every unit; the reduce-scatter runs in the post-backward hooks.
+        self._fsdp().set_requires_gradient_sync(enabled)
+        yield
+
+    def forward_context(self) -> ContextManager[object]:
+        return self.precision.autocast(self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # Reduce-scatters run inside backward (post-backward hooks, waited for by the root's final
+        # callback), so the tap sees exactly the gradient collectives of this micro-batch.
+        with tap_gradient_reductions(self.ledger):
+            loss.backward()
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        assert self.module is not None
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        # On sharded DTensor gradients: per-shard norms, one all-reduce for the total (not a
+        # gradient reduction, and outside the tap).
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def step(self) -> bool:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self.module is not None
+        # fully_shard swaps parameters in place: names and order are the plain model's.
+        for name, param in self.module.named_parameters():
+            if isinstance(param, DTensor):
+                yield name, param.full_tensor().detach()  # an all-gather: every rank iterates
+            else:
+                yield name, param.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.module is not None
+        # Full (unsharded) state on rank 0's CPU; the other ranks get empty dicts (rank 0 saves).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"model": get_model_state_dict(self.module, options=options),
+                "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=options)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.module is not None
+        options = StateDictOptions(full_state_dict=True)  # every rank holds the full dict: reshard it
+        set_model_state_dict(self.module, state["model"], options=options)
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
+
+    def teardown(self) -> None:
+        # Drop the sharded module and optimizer before the worker's barrier and
+        # destroy_process_group; the worker then leaves with os._exit (see cli._worker_exit).
+        self.module = None
+        self.optimizer = None  # type: ignore[assignment]

@@ -1,0 +1,58 @@
+"""Shared test helpers: run the real CLI in a subprocess and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["slurm_fixtures"]  # the `slurm_cluster` fixture (real local Slurm)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Run:
+    """A finished ``distaccum`` invocation."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+
+def run_cli(command: str, run_dir: Path, *overrides: str, timeout: float = 180,
+            env: dict[str, str] | None = None) -> Run:
+    """``python -m distaccum COMMAND overrides... run_dir=RUN_DIR log.console=quiet``."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID", "SLURM_PROCID"):
+        full_env.pop(var, None)  # never let a test inherit a worker environment
+    proc = subprocess.run(
+        [sys.executable, "-m", "distaccum", command, *overrides, "log.console=quiet", f"run_dir={run_dir}"],
+        cwd=run_dir.parent, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+    return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def train(run_dir: Path, *overrides: str, timeout: float = 180, check: bool = True) -> Run:
+    """Run ``distaccum train``; with ``check`` a failure shows the workers' output."""
+    run = run_cli("train", run_dir, *overrides, timeout=timeout)
+    if check and run.returncode != 0:
+        pytest.fail(f"distaccum train {' '.join(overrides)} exited {run.returncode}\n"
+                    f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}")
+    return run

@@ -1,0 +1,208 @@
+"""FSDP2, DeepSpeed (ZeRO 1-3) and Accelerate against DDP and the single-process reference, on gloo.
+
+Every engine trains the same split (world 2, micro-batch 2 x 4 accumulation steps, 36 samples so
+step 3 is a partial window with empty micro-batches) from the same seed checkpoint. Each must give
+DDP's per-step loss and grad norm and final parameter checksums within fp32 rounding, pass the
+comparison ``distaccum verify`` makes against one process on the whole batch (``verify.compare``,
+same tolerance), and reduce gradients as often as its design says.
+
+Launch cost dominates on 2 cores (DeepSpeed alone imports for ~6 s), so the runs share two
+launches: this file doubles as a worker script that runs a list of configs one after the other
+through ``worker.run_worker`` — the library path the CLI's workers take — in one process group.
+The CLI itself is exercised by the config-conflict test and by real ``distaccum verify`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distaccum.config import from_mapping, to_mapping
+from distaccum.verify import RunData, compare, reference_config, tolerance_for, write_seed_checkpoint
+
+pytestmark = pytest.mark.dist
+
+REPO = Path(__file__).resolve().parents[1]
+EXTENSIONS = REPO / ".cache" / "torch_extensions"  # gitignored; DeepSpeed compiles its op once per machine
+MODELS: dict[str, dict[str, Any]] = {"mlp": {"name": "mlp"}, "tiny_gpt": {"name": "tiny_gpt", "width": 32}}
+ENGINES: dict[str, dict[str, Any]] = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "zero1": {"name": "deepspeed", "zero_stage": 1},
+    "zero2": {"name": "deepspeed", "zero_stage": 2},
+    "zero3": {"name": "deepspeed", "zero_stage": 3},
+    "accelerate": {"name": "accelerate"},
+}
+K = 4
+# Same bound as the DDP split-invariance tests: fp32 rounding of reordered sums over a few AdamW steps.
+RTOL = 1e-5
+
+
+def mapping(model: str, engine: str, run_dir: Path, seed: Path, sync: str = "boundary") -> dict[str, Any]:
+    """The config of one engine run (the test's split, seed checkpoint, recording for verify)."""
+    return {
+        "model": MODELS[model],
+        "data": {"num_samples": 36, "seq_max": 24},
+        "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS)},
+        "accum": {"micro_batch": 2, "steps": K, "sync": sync},
+        "trainer": {"nproc": 2, "max_steps": 4, "check_every": 1, "init_from": str(seed)},
+        "verify": {"record": True},
+        "log": {"console": "quiet"},
+        "run_dir": str(run_dir),
+    }
+
+
+def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: float) -> None:
+    """Run every config of ``plan`` in order, in one ``nproc``-rank process group (this file as worker)."""
+    plan_file = workdir / f"plan-{nproc}.json"
+    plan_file.write_text(json.dumps(plan))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         str(Path(__file__)), str(plan_file)],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        pytest.fail(f"engine runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def _worker_main(plan_file: str) -> None:
+    """Worker entry (under torch.distributed.run): run each config, then leave like the CLI's workers."""
+    from distaccum.config import from_mapping
+    from distaccum.topology import DistEnv
+    from distaccum.worker import run_worker, shutdown
+
+    code = 0
+    try:
+        for values in json.loads(Path(plan_file).read_text()):
+            run_worker(from_mapping(values), DistEnv.from_environ(os.environ))
+        shutdown()
+    except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Runs:
+    """Finished runs by (model, name), plus the world-1 references by model."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def dir(self, model: str, name: str) -> Path:
+        return self.root / f"{model}-{name}"
+
+    def records(self, model: str, name: str) -> list[dict[str, Any]]:
+        lines = (self.dir(model, name) / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    def summary(self, model: str, name: str) -> dict[str, Any]:
+        return json.loads((self.dir(model, name) / "summary.json").read_text())
+
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    root = tmp_path_factory.mktemp("engines")
+    refs, plan = [], []
+    for model in MODELS:
+        seed = root / f"{model}-seed.pt"
+        cfg = from_mapping(mapping(model, "ddp", root / "unused", seed))
+        write_seed_checkpoint(cfg, seed)
+        refs.append(to_mapping(reference_config(cfg, root / f"{model}-reference", seed)))
+        for name in ENGINES:
+            plan.append(mapping(model, name, root / f"{model}-{name}", seed))
+    plan.append(mapping("mlp", "fsdp", root / "mlp-fsdp-every_micro", root / "mlp-seed.pt", "every_micro"))
+    launch_many(refs, 1, root, timeout=120)
+    launch_many(plan, 2, root, timeout=600)
+    return Runs(root)
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "ddp"])
+def test_engine_matches_ddp_every_step(runs: Runs, model: str, engine: str) -> None:
+    ddp, cand = runs.records(model, "ddp"), runs.records(model, engine)
+    assert [r["partial_window"] for r in cand] == [False, False, True, False]
+    for a, b in zip(ddp, cand, strict=True):
+        assert (b["items"], b["samples"], b["lr"]) == (a["items"], a["samples"], a["lr"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=RTOL), (engine, a["step"])
+        # A loss scaled twice (e.g. DeepSpeed's own 1/K on top of ours) shows as a K-fold norm.
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=RTOL), (engine, a["step"])
+    for key in ("param_sum", "param_l2"):
+        assert runs.summary(model, engine)[key] == pytest.approx(runs.summary(model, "ddp")[key], rel=RTOL)
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_engine_passes_verify_comparison(runs: Runs, model: str, engine: str) -> None:
+    """What ``distaccum verify`` decides for this run: same criterion, same tolerance."""
+    cfg = from_mapping(json.loads((runs.dir(model, engine) / "config.json").read_text()))
+    report = compare(RunData.load(runs.dir(model, "reference")), RunData.load(runs.dir(model, engine)),
+                     tolerance_for(cfg))
+    assert report.passed, report.to_dict()
+    assert report.steps_compared == 4 and report.max_rel_diff < 1e-4
+
+def _grad_numel(runs: Runs, model: str) -> int:
+    import torch
+
+    return sum(t.numel() for t in torch.load(runs.root / f"{model}-seed.pt", weights_only=True).values())
+
+# Gradient reductions per optimizer step, by design (boundary mode, K micro-batches):
+# (rounds = micro-batches with a reduction, bytes in units of one fp32 copy of the gradients).
+DESIGN = {"fsdp": (1, 1), "zero1": (1, 1), "zero2": (K, K), "zero3": (K, K), "accelerate": (1, 1)}
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("engine", list(DESIGN))
+def test_reductions_per_step_follow_the_engine_design(runs: Runs, model: str, engine: str) -> None:
+    rounds, copies = DESIGN[engine]
+    grad_bytes = 4 * _grad_numel(runs, model)
+    for r in runs.records(model, engine):
+        assert r["comm_rounds"] == rounds, (engine, r["step"])
+        # FSDP pads each unit's flat gradient to a multiple of the world size: a few bytes more.
+        assert copies * grad_bytes <= r["comm_bytes"] <= copies * grad_bytes * 1.01, (engine, r["step"])
+
+def test_fsdp_units_and_every_micro(runs: Runs) -> None:
+    boundary, every = runs.records("mlp", "fsdp"), runs.records("mlp", "fsdp-every_micro")
+    units = 3  # mlp depth 2: three Linear layers, each its own FSDP unit (the root holds none)
+    for b, e in zip(boundary, every, strict=True):
+        assert (b["comm_calls"], b["comm_rounds"]) == (units, 1)  # one reduce-scatter round
+        assert (e["comm_calls"], e["comm_rounds"]) == (K * units, K)  # one per micro-batch
+        assert e["comm_bytes"] == K * b["comm_bytes"]
+        assert e["loss"] == pytest.approx(b["loss"], rel=RTOL)
+    assert runs.records("tiny_gpt", "fsdp")[0]["comm_calls"] == 3  # two blocks + the root
+
+def test_conflicting_deepspeed_config_fails_before_training(tmp_path: Path) -> None:
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"gradient_accumulation_steps": 8, "zero_optimization": {"overlap_comm": False}}))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distaccum", "train", "engine=deepspeed", f"engine.deepspeed_config={user}",
+         "accum.steps=4", "log.console=quiet", f"run_dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "gradient_accumulation_steps=8 in the file, but 4 from accum.steps=4" in proc.stderr
+    assert "ranks, micro_batch" not in proc.stdout  # the launch line: no worker was started
+    assert not (run_dir / "metrics.jsonl").exists()
+
+@pytest.mark.parametrize(("engine", "model"), [("fsdp", "tiny_gpt"), ("deepspeed", "mlp")])
+def test_distaccum_verify_passes(tmp_path: Path, engine: str, model: str) -> None:
+    """The real ``distaccum verify`` command, end to end (reference + one candidate)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "distaccum", "verify", f"engine={engine}", "engine.zero_stage=3",
+         f"engine.extensions_dir={EXTENSIONS}", f"model={model}", "model.width=32", "data.seq_max=24",
+         "accum.micro_batch=2", "accum.steps=4", "trainer.max_steps=3", f"run_dir={tmp_path / 'v'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "v" / "verify.json").read_text())
+    assert summary["passed"] and summary["candidates"][0]["engine"] == engine
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])

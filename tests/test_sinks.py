@@ -1,0 +1,109 @@
+"""Sinks: console progress line and quiet mode, JSONL + summary files, rank-0-only fan-out."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from distaccum.sinks import ConsoleSink, JsonlSink, MultiSink, NullSink, build_sinks, human_bytes
+
+pytestmark = pytest.mark.unit
+
+
+def record(step: int, **extra: object) -> dict:
+    base = {"step": step, "loss": 2.0 / step, "lr": 1e-3, "samples_per_s": 123.4, "comm_bytes": 3 * 2**20,
+            "comm_calls": 2, "compute_s": 0.3, "comm_exposed_s": 0.1, "skipped": False}
+    return {**base, **extra}
+
+
+SUMMARY = {"steps": 2, "final_loss": 1.0, "samples_per_s": 100.0, "engine": "ddp", "world_size": 2,
+           "micro_batch": 4, "accum_steps": 2, "global_batch": 16, "run_dir": "runs/x"}
+
+
+def test_console_prints_one_progress_line_per_step() -> None:
+    out = io.StringIO()
+    sink = ConsoleSink(total_steps=2, stream=out)
+    sink.log(record(1))
+    sink.log(record(2, skipped=True))
+    sink.close(SUMMARY)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 4  # not a tty: every step on its own line, then the summary
+    assert lines[0].startswith("step    1/2 [##########..........] loss 2.0000")
+    assert "123.4 samples/s" in lines[0] and "reduced 3.0MiB in 2 calls" in lines[0]
+    assert "comm  25%" in lines[0]  # 0.1 exposed of 0.4 busy
+    assert "[####################]" in lines[1] and "SKIPPED" in lines[1]
+    assert lines[2].startswith("done: 2 optimizer steps, final loss 1.0000")
+    assert "split 4x2x2=16" in lines[2]
+
+
+def test_console_quiet_prints_only_the_summary() -> None:
+    out = io.StringIO()
+    sink = ConsoleSink(total_steps=2, quiet=True, stream=out)
+    sink.log(record(1))
+    sink.close(SUMMARY)
+    assert not out.getvalue().startswith("step")
+    assert out.getvalue().count("\n") == 2
+
+
+def test_jsonl_writes_each_step_as_it_comes_and_summary_at_close(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path)
+    sink.log(record(1))
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1  # flushed already
+    sink.log(record(2))
+    sink.close(SUMMARY)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    assert json.loads((tmp_path / "summary.json").read_text()) == SUMMARY
+    assert not (tmp_path / "summary.json.tmp").exists()
+
+
+def test_jsonl_append_keeps_earlier_steps(tmp_path: Path) -> None:
+    first = JsonlSink(tmp_path)
+    first.log(record(1))
+    first.close(SUMMARY)
+    again = JsonlSink(tmp_path, append=True)
+    again.log(record(2))
+    again.close(SUMMARY)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_only_rank_zero_writes(tmp_path: Path) -> None:
+    other = build_sinks("bar", 3, tmp_path / "r1", rank=1, wandb_config={"x": 1})
+    assert isinstance(other, NullSink)
+    other.log(record(1))
+    other.close(SUMMARY)
+    assert not (tmp_path / "r1").exists()
+
+
+def test_rank_zero_fans_out_to_jsonl_and_console(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sink = build_sinks("bar", 1, tmp_path, rank=0, wandb_config={"x": 1}, wandb_mode="disabled")
+    assert isinstance(sink, MultiSink)
+    assert [type(s).__name__ for s in sink.sinks] == ["JsonlSink", "ConsoleSink"]  # disabled: no wandb
+    sink.log(record(1))
+    sink.close(SUMMARY)
+    assert "step    1/1" in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").is_file() and (tmp_path / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("n, text", [(0, "0B"), (1023, "1023B"), (1536, "1.5KiB"), (5 * 2**30, "5.0GiB")])
+def test_human_bytes(n: int, text: str) -> None:
+    assert human_bytes(n) == text
+
+
+def test_wandb_online_needs_a_key(tmp_path: Path) -> None:
+    from distaccum.wandb_sink import api_key_available, resolve_mode
+
+    no_netrc = {"NETRC": str(tmp_path / "missing")}
+    assert resolve_mode("offline", no_netrc) == "offline"
+    with pytest.warns(UserWarning, match="no WANDB_API_KEY") as caught:
+        assert resolve_mode("online", no_netrc) == "offline"
+    assert resolve_mode("online", {**no_netrc, "WANDB_API_KEY": "k" * 40}) == "online"
+    assert "k" * 40 not in str(caught[0].message)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai login user password " + "p" * 40 + "\n")
+    netrc.chmod(0o600)
+    assert api_key_available({"NETRC": str(netrc)})
+    assert not api_key_available({"NETRC": str(netrc), "WANDB_BASE_URL": "https://wandb.example.org"})

@@ -1,0 +1,132 @@
+"""render_sbatch against golden files, parse_nodelist, and submit's dry run / missing sbatch.
+
+Regenerate the golden files after an intended change with
+``DISTACCUM_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distaccum.config import from_mapping
+from distaccum.slurm import SlurmError, parse_nodelist, render_sbatch, submit
+
+pytestmark = pytest.mark.unit
+
+GOLDEN = Path(__file__).parent / "golden"
+
+# name -> (config mapping, overrides, python)
+CASES: dict[str, tuple[dict[str, Any], list[str], str]] = {
+    "cpu_1node": (
+        {"run_dir": "runs/cpu"},
+        ["model=mlp", "trainer.max_steps=3"],
+        "python",
+    ),
+    "gpu_2nodes": (
+        {
+            "run_dir": "/scratch/runs/gpt",
+            "slurm": {"nodes": 2, "gpus_per_node": 8, "cpus_per_task": 32, "partition": "gpu",
+                      "account": "ml-team", "time": "04:00:00", "job_name": "gpt-fsdp",
+                      "extra": ["--qos=high", "--exclusive"]},
+        },
+        # A space and a quote show the shell quoting; the stale run_dir is replaced.
+        ["engine=fsdp", "precision=bf16", "log.wandb_project=my run", "+note='x'", "run_dir=old"],
+        "/opt/venv/bin/python",
+    ),
+    "cpu_restarts_nosignal": (
+        {"run_dir": "runs/elastic", "trainer": {"nproc": 4, "max_restarts": 1},
+         "slurm": {"signal_seconds": 0, "rdzv_port": 29600}},
+        [],
+        "python3",
+    ),
+}
+
+
+def _render(name: str) -> str:
+    mapping, overrides, python = CASES[name]
+    return render_sbatch(from_mapping(mapping), overrides, python=python)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_render_matches_golden(name: str) -> None:
+    path = GOLDEN / f"{name}.sbatch"
+    text = _render(name)
+    if os.environ.get("DISTACCUM_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} missing; run with DISTACCUM_UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(), f"{path} differs; if intended, regenerate with DISTACCUM_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_is_valid_bash(name: str) -> None:
+    proc = subprocess.run(["bash", "-n", str(GOLDEN / f"{name}.sbatch")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_render_is_deterministic() -> None:
+    assert _render("gpu_2nodes") == _render("gpu_2nodes")
+
+
+def test_gpu_count_sets_workers_per_node() -> None:
+    text = _render("gpu_2nodes")
+    assert "--nproc_per_node=8" in text
+    assert "#SBATCH --gpus-per-node=8" in text
+    assert "run_dir=old" not in text
+
+
+@pytest.mark.parametrize("run_dir", ["runs/with space", "runs/%j", ""])
+def test_render_rejects_unusable_run_dir(run_dir: str) -> None:
+    with pytest.raises(ValueError, match="run_dir"):
+        render_sbatch(from_mapping({"run_dir": run_dir}), [])
+
+
+@pytest.mark.parametrize("slurm", [{"extra": ["qos=high"]}, {"signal_seconds": -1}, {"rdzv_port": 0},
+                                   {"job_name": "my job"}, {"cpus_per_task": 0}])
+def test_config_rejects_bad_slurm_fields(slurm: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="slurm"):
+        from_mapping({"slurm": slurm})
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("vm", ["vm"]),
+        ("", []),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("r[1-2]-n[1,3]", ["r1-n1", "r1-n3", "r2-n1", "r2-n3"]),
+        ("a[1],b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ],
+)
+def test_parse_nodelist(nodelist: str, hosts: list[str]) -> None:
+    assert parse_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["node[1-", "node1]", "node[3-1]", "node[a-b]", "node[]", "a,,b",
+                                      "n[[1]]"])
+def test_parse_nodelist_rejects_malformed(nodelist: str) -> None:
+    with pytest.raises(ValueError, match="nodelist"):
+        parse_nodelist(nodelist)
+
+
+def test_submit_dry_run_writes_and_runs_nothing(tmp_path: Path) -> None:
+    cfg = from_mapping({"run_dir": str(tmp_path / "run")})
+    result = submit(cfg, ["model=mlp"], dry_run=True)
+    assert result.job_id is None and result.script_path is None
+    assert result.script == render_sbatch(cfg, ["model=mlp"], python=sys.executable)
+    assert not (tmp_path / "run").exists()
+
+
+def test_submit_without_sbatch_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no sbatch
+    cfg = from_mapping({"run_dir": str(tmp_path / "run")})
+    with pytest.raises(SlurmError, match="sbatch not found"):
+        submit(cfg, [], dry_run=False)
