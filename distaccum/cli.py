@@ -16,13 +16,16 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
-from distaccum.checkpoint import EXIT_REQUEUE, StopFlag, StopRequested
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.topology import DistEnv, is_worker
 
+if TYPE_CHECKING:
+    from distaccum.checkpoint import StopFlag
+
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
+EXIT_REQUEUE = 3  # == distaccum.checkpoint.EXIT_REQUEUE (not imported here: it pulls in torch)
 USAGE = __doc__ or ""
 
 
@@ -125,6 +128,8 @@ def _train_task(dcfg: Any) -> int:
 
 def _stop_flag() -> StopFlag:
     """SIGTERM / SIGUSR1 ask the run to checkpoint after the window in progress and stop."""
+    from distaccum.checkpoint import StopFlag
+
     flag = StopFlag()
     flag.install()
     return flag
@@ -137,6 +142,7 @@ def _worker_exit(run: Callable[[], Any]) -> NoReturn:
     letting Python finalize while gloo threads still free tensors aborted FSDP runs now and then
     ("terminate called without an active exception").
     """
+    from distaccum.checkpoint import StopRequested
     from distaccum.worker import shutdown
 
     code = EXIT_OK

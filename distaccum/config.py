@@ -385,8 +385,8 @@ def check_combination(cfg: RunConfig) -> None:
                          "sharded scaler); use bf16 or fp32")
     if cfg.trainer.nnodes > 1 and not cfg.trainer.rdzv_endpoint:
         raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
-    if cfg.engine.name == "deepspeed" and cfg.engine.deepspeed_config:
-        from distaccum.deepspeed_config import check  # reads the user JSON; conflicts fail here
+    if cfg.engine.name == "deepspeed":
+        from distaccum.deepspeed_config import check  # reads engine.deepspeed_config; conflicts fail here
 
         check(cfg)
 

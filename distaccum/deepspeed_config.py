@@ -113,6 +113,17 @@ def build(cfg: RunConfig, split: Split) -> dict[str, Any]:
 
 
 def check(cfg: RunConfig) -> None:
-    """Validate the DeepSpeed config of ``cfg`` for the launch's world size (ValueError if not)."""
-    if cfg.engine.name == "deepspeed" and cfg.engine.deepspeed_config:
+    """Validate ``cfg`` for engine=deepspeed, with the user JSON if any, for the launch's world size.
+
+    Raises ValueError; config validation calls it, so errors come before any worker starts.
+    """
+    if cfg.engine.name != "deepspeed":
+        return
+    if cfg.accum.sync == "every_micro" and cfg.engine.zero_stage < 2:
+        raise ValueError(
+            f"accum.sync=every_micro with engine=deepspeed engine.zero_stage={cfg.engine.zero_stage}: ZeRO-0/1 "
+            "reduce only at the accumulation boundary (declaring every micro-batch a boundary makes "
+            "ZeRO-1/2 drop accumulated gradients); use accum.sync=boundary, or zero_stage 2/3, which "
+            "reduce on every micro-batch by design")
+    if cfg.engine.deepspeed_config:
         build(cfg, cfg.split())

@@ -41,6 +41,9 @@ class AccelerateBackend:
         self.device = device
         self.ledger = ledger
         self.precision = Precision.of(cfg.precision)
+        if cfg.precision == "fp16" and device.type == "cpu":  # Accelerate would silently use fp32
+            raise ValueError("engine=accelerate precision=fp16 needs a GPU (on CPU Accelerate trains in "
+                             "fp32 without saying so); use bf16 or fp32 on CPU")
         self.accum_steps = cfg.split(dist.get_world_size()).accum_steps
         # Accelerator.backward divides by K; the DDP comm hook averages over W ranks.
         self.grad_divisor = float(self.accum_steps * dist.get_world_size())

@@ -6,9 +6,11 @@ gradient reduction (an average). We switch the first off (``backward(loss, scale
 and declare the second (``grad_divisor = world size``), so the step sees exactly
 ``sum(S_rk) / N`` — the loss is scaled once, by the loop.
 
-Boundary control is DeepSpeed's public ``set_gradient_accumulation_boundary``: ZeRO-0/1 reduce
-only on the boundary micro-batch; ZeRO-2/3 reduce(-scatter) gradients on *every* micro-batch by
-design (that is how they keep only a gradient partition). Clipping happens inside ``engine.step()``
+Boundary control is DeepSpeed's public ``set_gradient_accumulation_boundary``, always set to the
+window's real boundary (the last of its K micro-batches): ZeRO-0/1 reduce only there; ZeRO-2/3
+reduce(-scatter) on *every* micro-batch by design (that is how they keep only a gradient
+partition), so ``accum.sync=every_micro`` changes nothing for them and is refused for ZeRO-0/1
+(declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated gradients). Clipping happens inside ``engine.step()``
 (``gradient_clipping`` in the generated config), so ``clip_grad_norm`` runs DeepSpeed's step and
 returns the norm DeepSpeed computed; ``step()`` then only reports whether it was applied.
 """
@@ -61,6 +63,11 @@ class DeepSpeedBackend:
         self.stage = cfg.engine.zero_stage
         # DeepSpeed averages gradients over the data-parallel world; scale_wrt_gas=False below.
         self.grad_divisor = float(dist.get_world_size())
+        if cfg.precision == "fp16" and device.type == "cpu":
+            raise ValueError("engine=deepspeed precision=fp16 needs a GPU (DeepSpeed's CPU accelerator "
+                             "has no fp16); use bf16 or fp32 on CPU")
+        self.accum_steps = cfg.split(dist.get_world_size()).accum_steps
+        self._micro = 0  # micro-batches seen: the loop's windows always hold exactly K
         self.engine: Any = None
         self._applied: bool | None = None  # set by the DeepSpeed step run in clip_grad_norm
 
@@ -84,7 +91,12 @@ class DeepSpeedBackend:
         return engine
 
     def sync(self, enabled: bool) -> ContextManager[object]:
-        self.engine.set_gradient_accumulation_boundary(enabled)
+        self._micro += 1
+        boundary = self._micro % self.accum_steps == 0
+        if self.cfg.accum.sync == "boundary" and enabled != boundary:
+            raise RuntimeError(f"micro-batch {self._micro} of a {self.accum_steps}-step window: the loop says "
+                               f"sync={enabled}, DeepSpeed's boundary would be {boundary}")
+        self.engine.set_gradient_accumulation_boundary(boundary)
         return contextlib.nullcontext()
 
     def forward_context(self) -> ContextManager[object]:

@@ -69,7 +69,9 @@ def _directives(cfg: RunConfig) -> list[str]:
         f"--error={cfg.run_dir}/slurm-%j.err",
     ]
     if slurm.signal_seconds > 0:
-        lines.append(f"--signal=B:USR1@{slurm.signal_seconds}")
+        # USR1 ahead of the limit -> checkpoint at the window boundary -> requeue -> resume;
+        # append so the requeued run's log follows the first one's.
+        lines += [f"--signal=B:USR1@{slurm.signal_seconds}", "--requeue", "--open-mode=append"]
     lines += slurm.extra
     return [f"#SBATCH {line}" for line in lines]
 
@@ -117,13 +119,20 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
             "# --signal=B:USR1 reaches only this shell: hand it to srun, which forwards it to the",
             "# agents, which forward it to the workers. `wait` returns early when the trap runs,",
             "# so wait again until srun has really exited, and exit with its status.",
-            """trap 'kill -USR1 "$srun_pid" 2>/dev/null || true' USR1""",
+            "stop_requested=0",
+            """trap 'stop_requested=1; kill -USR1 "$srun_pid" 2>/dev/null || true' USR1""",
             "status=0",
             'wait "$srun_pid" || status=$?',
             'while kill -0 "$srun_pid" 2>/dev/null; do',
             '    status=0',
             '    wait "$srun_pid" || status=$?',
             "done",
+            "# The workers finished their window and wrote a checkpoint: requeue, and the rerun of",
+            "# this script resumes at the exact next sample (trainer.resume).",
+            f'if [ "$stop_requested" = 1 ] && [ -f {shlex.quote(cfg.run_dir + "/checkpoint.pt")} ]; then',
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            "    exit 0",
+            "fi",
             'exit "$status"',
         ]
     return "\n".join(lines) + "\n"

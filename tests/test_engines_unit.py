@@ -94,6 +94,7 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+@pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 def test_tap_counts_reductions_once_and_ignores_gathers(one_rank_group: None) -> None:
     ledger = CommLedger()
     ledger.start_step()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -66,9 +65,6 @@ def test_parse_nodelist_agrees_with_scontrol(slurm_cluster: SlurmCluster, nodeli
 
 
 def test_distaccum_submit_trains(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    # distaccum.cli dispatches `submit` to distaccum.submit_cli, which calls distaccum.slurm.submit.
-    if importlib.util.find_spec("distaccum.submit_cli") is None:
-        pytest.skip("the `distaccum submit` command (distaccum/submit_cli.py) does not exist yet")
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "distaccum", "submit", "trainer.nproc=2", "model=mlp", "trainer.max_steps=3",
@@ -83,3 +79,63 @@ def test_distaccum_submit_trains(slurm_cluster: SlurmCluster, tmp_path: Path) ->
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3, logs
     assert all("loss" in record for record in records)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and all(r["comm_rounds"] == 1 for r in records)
+
+
+def test_submitit_sweep_over_splits_then_one_report(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Hydra's submitit_slurm launcher runs each split as a Slurm job; one report compares them."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distaccum", "train", "--multirun", "hydra/launcher=submitit_slurm",
+         "hydra.launcher.timeout_min=10", "hydra.launcher.cpus_per_task=2", "model=mlp",
+         "accum.micro_batch=2,4,8", "accum.global_batch=16", "trainer.max_steps=3", "log.console=quiet",
+         f"run_dir={sweep}"],
+        cwd=tmp_path, env=slurm_cluster.env, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + slurm_cluster.logs()
+    for job in ("0", "1", "2"):
+        assert json.loads((sweep / job / "status.json").read_text())["status"] == "ok"
+    report = subprocess.run([sys.executable, "-m", "distaccum", "report", str(sweep)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stdout + report.stderr  # 0: every split's loss curve agrees
+    table = (sweep / "report.md").read_text()
+    for split in ("2x4x2=16", "4x2x2=16", "8x1x2=16"):
+        assert split in table
+    assert "3 runs: 3 ok" in table and (sweep / "report.png").stat().st_size > 10_000
+
+
+def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster: SlurmCluster,
+                                                                 tmp_path: Path) -> None:
+    """What `--signal=B:USR1@N` does near a time limit: finish the window, checkpoint, requeue,
+    resume at the exact next sample — no partial window lost, none repeated."""
+    run_dir = tmp_path / "preempted"
+    steps = 2000
+    proc = subprocess.run(
+        [sys.executable, "-m", "distaccum", "submit", "model=mlp", "model.width=16", "accum.micro_batch=2",
+         "accum.steps=2", f"trainer.max_steps={steps}", "trainer.check_every=0", "log.console=quiet",
+         f"run_dir={run_dir}"],
+        cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().splitlines()[-1]
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.1)
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)  # what the limit's warning sends
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # requeued jobs wait ~120 s; start it now once it is pending
+        state = slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip()
+        if state == "PENDING":
+            slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+            break
+        time.sleep(0.2)
+    state = wait_job(job_id, timeout_s=300, env=slurm_cluster.env)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(run_dir.glob("slurm-*")))
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}"
+    assert "resumed from" in logs, logs
+    done = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert done == list(range(1, steps + 1))
+    restarts = slurm_cluster.run("scontrol", "show", "job", job_id, check=False).stdout
+    assert "Restarts=1" in restarts, restarts  # ran twice: before and after the requeue
