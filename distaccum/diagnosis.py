@@ -127,18 +127,19 @@ def diagnose(report: Report, facts: RunFacts, split: Split, unequal: str | None,
     """Every finding that explains a failed ``report`` (empty when it passed)."""
     if report.passed:
         return []
+    tripwire = rule_rank_divergence(report)
     findings = [f for f in (
-        rule_rank_divergence(report),
+        tripwire,
         rule_batch_statistics(facts, split),
         rule_loss_normalization(facts, unequal),
         rule_randomness(facts, split),
         rule_nondeterminism(facts),
     ) if f is not None]
+    if exit_code and tripwire is None:  # a crash comes first: nothing after it was compared
+        findings.insert(0, Finding("run_failed", f"the candidate run failed (exit {exit_code}); its "
+                                                 "output is in console.log in its run directory."))
     if findings:
         return findings
-    if exit_code:
-        return [Finding("run_failed", f"the candidate run failed (exit {exit_code}); its output is in "
-                                      "console.log in its run directory.")]
     return [Finding("unexplained",
                     f"no known cause found (max_rel_diff {report.max_rel_diff:.3g}). If the difference is "
                     "small it may be rounding amplified by the optimizer: rerun with precision=fp64 (a bug "

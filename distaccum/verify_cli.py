@@ -126,20 +126,21 @@ def _print_header(cfg: RunConfig, ref: RunConfig, tol: Tolerances, candidates: l
           f"{split.global_batch}, {cfg.trainer.max_steps} optimizer steps, {len(candidates)} candidate split(s)")
     print(f"  reference: 1 process, micro_batch {split.micro_batch} x 1 step ({ref.engine.name}, "
           f"{ref.precision}), same seed checkpoint and samples per step")
-    print(f"  tolerance ({cfg.precision}): loss and grad_norm at every step |cand - ref| <= {tol.steps}; "
-          f"every parameter tensor at the end max|cand - ref| <= {tol.params}", flush=True)
+    print(f"  tolerance ({cfg.precision}): loss, grad_norm at every step: |cand - ref| <= {tol.steps}")
+    print(f"  {'':<{len(cfg.precision) + 14}}every parameter tensor at the end: max|cand - ref| <= {tol.params}",
+          flush=True)
 
 
 def _print_table(rows: list[tuple[Launched, Report, list[Finding]]]) -> None:
-    head = (f"  {'split':<14}{'engine':<8}{'world':>5}{'micro':>6}{'accum':>6}  {'max_abs':>9}"
-            f"{'max_rel':>10}{'max_dloss':>10}  {'first divergence':<40}{'result':<7}{'time':>6}")
+    head = (f"  {'split':<12}{'engine':<7}{'world':>5}{'micro':>6}{'accum':>6}  {'max_abs':>8}{'max_rel':>9}"
+            f"{'loss_diff':>10}  {'first divergence':<30}{'result':<7}{'time':>6}")
     print("\n" + head)
     print("  " + "-" * (len(head) - 2))
     for run, report, _ in rows:
         s = run.cfg.split()
-        print(f"  {split_label(s):<14}{run.cfg.engine.name:<8}{s.world_size:>5}{s.micro_batch:>6}"
-              f"{s.accum_steps:>6}  {_num(report.max_abs_diff):>9}{_num(report.max_rel_diff):>10}"
-              f"{_num(report.max_loss_diff):>10}  {_where(report)[:39]:<40}"
+        print(f"  {split_label(s):<12}{run.cfg.engine.name:<7}{s.world_size:>5}{s.micro_batch:>6}"
+              f"{s.accum_steps:>6}  {_num(report.max_abs_diff):>8}{_num(report.max_rel_diff):>9}"
+              f"{_num(report.max_loss_diff):>10}  {_where(report)[:29]:<30}"
               f"{'PASS' if report.passed else 'FAIL':<7}{run.seconds:>5.1f}s")
     for run, report, findings in rows:
         if report.passed:
@@ -193,20 +194,25 @@ def run_verify(cfg: RunConfig, splits: list[Split]) -> int:
         print(f"  {split_label(split)}: {'pass' if runs[-1][1].passed else 'FAIL'} ({cand.seconds:.1f} s)",
               flush=True)
 
-    unexplained = [
-        (run, report) for run, report in runs
-        if {f.cause for f in diagnose(report, facts, run.cfg.split(), None, run.exit_code)} == {"unexplained"}
-    ]
-    if unexplained:  # only then pay for a second reference: is the reference itself reproducible?
+    def explain(run: Launched, report: Report) -> list[Finding]:
+        split = run.cfg.split()
+        unequal = None
+        if not report.passed and facts.loss_norm == "mean_per_micro":
+            unequal = unequal_items(cfg, split, cfg.trainer.max_steps)
+        return diagnose(report, facts, split, unequal, run.exit_code)
+
+    if any([f.cause for f in explain(run, report)] == ["unexplained"] for run, report in runs):
+        # Only then pay for a second reference run: is the reference itself reproducible?
         again = _launch(replace(ref_cfg, run_dir=str(root / "reference-rerun")))
         facts = replace(facts, reference_reproducible=again.exit_code == 0 and reproducible(ref.data, again.data))
         summary["reference_reproducible"] = facts.reference_reproducible
+        print(f"  reference rerun: {'bitwise identical' if facts.reference_reproducible else 'DIFFERS'} "
+              f"({again.seconds:.1f} s)", flush=True)
 
     rows: list[tuple[Launched, Report, list[Finding]]] = []
     for run, report in runs:
         split = run.cfg.split()
-        unequal = unequal_items(cfg, split, cfg.trainer.max_steps) if facts.loss_norm == "mean_per_micro" else None
-        findings = diagnose(report, facts, split, unequal, run.exit_code)
+        findings = explain(run, report)
         rows.append((run, report, findings))
         summary["candidates"].append({
             "split": split_label(split), **_describe(run), **report.to_dict(),

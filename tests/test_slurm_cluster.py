@@ -139,3 +139,14 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster: S
     assert done == list(range(1, steps + 1))
     restarts = slurm_cluster.run("scontrol", "show", "job", job_id, check=False).stdout
     assert "Restarts=1" in restarts, restarts  # ran twice: before and after the requeue
+
+
+def test_srun_tasks_run_as_ranks_in_place(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """`srun -n 2 distaccum train`: each task is one rank (SLURM_PROCID/NTASKS), no launcher."""
+    run_dir = tmp_path / "srun"
+    proc = slurm_cluster.run(
+        "srun", "-n", "2", "--cpus-per-task=1", sys.executable, "-m", "distaccum", "train", "model=mlp",
+        "trainer.max_steps=3", "log.console=quiet", f"run_dir={run_dir}", check=False, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3

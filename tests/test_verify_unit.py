@@ -253,6 +253,9 @@ def test_diagnose_combines_rules_and_falls_back() -> None:
     [finding] = diagnose(tripped, RunFacts(), SPLIT, None)
     assert finding.cause == "rank_divergence" and "step 3" in finding.message and "tok.weight" in finding.message
     assert [f.cause for f in diagnose(FAILED, RunFacts(), SPLIT, None, exit_code=1)] == ["run_failed"]
+    crashed_bn = diagnose(FAILED, RunFacts(batch_stat_layers=("bn",)), SPLIT, None, exit_code=1)
+    assert [f.cause for f in crashed_bn] == ["run_failed", "batch_statistics"]
+    assert [f.cause for f in diagnose(tripped, RunFacts(), SPLIT, None, exit_code=1)] == ["rank_divergence"]
     assert [f.cause for f in diagnose(FAILED, RunFacts(), SPLIT, None)] == ["unexplained"]
     assert {f.cause for f in diagnose(FAILED, facts, SPLIT, None)} <= set(CAUSES)
 

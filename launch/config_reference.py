@@ -1,0 +1,71 @@
+"""Print the README's config reference (markdown) from distaccum/config.py.
+
+Each field's docstring in config.py is the single source: ``python launch/config_reference.py``
+prints the tables, and tests/test_readme.py fails when README.md no longer contains them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import sys
+from pathlib import Path
+
+from distaccum import config
+
+SECTIONS = {
+    "engine": config.EngineConfig, "model": config.ModelConfig, "data": config.DataConfig,
+    "accum": config.AccumConfig, "optim": config.OptimConfig, "trainer": config.TrainerConfig,
+    "log": config.LogConfig, "verify": config.VerifyConfig, "slurm": config.SlurmConfig,
+    "debug": config.DebugConfig, "": config.RunConfig,
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under each field of dataclass ``cls`` in config.py."""
+    tree = ast.parse(Path(config.__file__).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    docs: dict[str, str] = {}
+    body = node.body
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return ""
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, tuple):
+        value = list(value)
+    return f"`{value}`"
+
+
+def render() -> str:
+    """Markdown tables, one per config section."""
+    out = []
+    for section, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        rows = [f for f in dataclasses.fields(cls) if f.name in docs]
+        if not rows:
+            continue
+        out.append(f"**`{section or 'top level'}`** — {(cls.__doc__ or '').strip().splitlines()[0]}\n")
+        out.append("| key | default | meaning |\n|---|---|---|")
+        for f in rows:
+            key = f"{section}.{f.name}" if section else f.name
+            out.append(f"| `{key}` | {_default(f)} | {docs[f.name].replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
