@@ -70,8 +70,13 @@ class ModelShape:
 
     def distaccum_overrides(self) -> list[str]:
         """The Hydra overrides that make ``distaccum train`` build this exact model."""
-        return ["model=mlp", f"model.in_dim={self.in_dim}", f"model.width={self.width}",
-                f"model.depth={self.depth}", f"model.out_dim={self.out_dim}"]
+        return [
+            "model=mlp",
+            f"model.in_dim={self.in_dim}",
+            f"model.width={self.width}",
+            f"model.depth={self.depth}",
+            f"model.out_dim={self.out_dim}",
+        ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,10 +133,14 @@ def make_windows(spec: BenchSpec, rank: int) -> list[list[Batch]]:
     """
     gen = torch.Generator().manual_seed(spec.seed * 1000 + rank)
     shape, k = spec.shape, spec.accum_steps
-    pool = [(torch.randn(spec.micro_batch, shape.in_dim, generator=gen),
-             torch.randn(spec.micro_batch, shape.out_dim, generator=gen))
-            for _ in range(pool_micro_batches(k))]
-    return [pool[i:i + k] for i in range(0, len(pool), k)]
+    pool = [
+        (
+            torch.randn(spec.micro_batch, shape.in_dim, generator=gen),
+            torch.randn(spec.micro_batch, shape.out_dim, generator=gen),
+        )
+        for _ in range(pool_micro_batches(k))
+    ]
+    return [pool[i : i + k] for i in range(0, len(pool), k)]
 
 
 def _build_model(spec: BenchSpec) -> nn.Sequential:
@@ -139,8 +148,9 @@ def _build_model(spec: BenchSpec) -> nn.Sequential:
     return spec.shape.build()
 
 
-def _timed_steps(spec: BenchSpec, windows: list[list[Batch]],
-                 one_step: Callable[[list[Batch]], None]) -> list[float]:
+def _timed_steps(
+    spec: BenchSpec, windows: list[list[Batch]], one_step: Callable[[list[Batch]], None]
+) -> list[float]:
     """Run warm-up then timed optimizer steps; return the timed wall times in seconds.
 
     On CPU every op is synchronous and DDP waits for its all-reduce at the end of backward, so
@@ -152,7 +162,7 @@ def _timed_steps(spec: BenchSpec, windows: list[list[Batch]],
         start = time.perf_counter()
         one_step(batches)
         times.append(time.perf_counter() - start)
-    return times[spec.warmup:]
+    return times[spec.warmup :]
 
 
 @contextlib.contextmanager

@@ -35,12 +35,23 @@ from benchmarks.baselines import BenchSpec, ModelShape, pool_micro_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
-BASELINES = ("ddp_every_micro", "ddp_no_sync", "accelerate", "compute_floor")
 DISTACCUM = ("distaccum", "distaccum_no_ledger")
-VARIANTS = ("ddp_every_micro", "ddp_no_sync", "accelerate", "distaccum", "distaccum_no_ledger",
-            "compute_floor")
-LETTERS = {"ddp_every_micro": "a", "ddp_no_sync": "b", "accelerate": "c", "distaccum": "d",
-           "distaccum_no_ledger": "d0", "compute_floor": "e"}
+VARIANTS = (
+    "ddp_every_micro",
+    "ddp_no_sync",
+    "accelerate",
+    "distaccum",
+    "distaccum_no_ledger",
+    "compute_floor",
+)
+LETTERS = {
+    "ddp_every_micro": "a",
+    "ddp_no_sync": "b",
+    "accelerate": "c",
+    "distaccum": "d",
+    "distaccum_no_ledger": "d0",
+    "compute_floor": "e",
+}
 # (label, numerator, denominator, what it means)
 RATIOS = (
     ("d/b", "distaccum", "ddp_no_sync", "distaccum vs hand-written no_sync (target <= 1.03)"),
@@ -76,24 +87,44 @@ class Case:
     def spec(self, k: int) -> BenchSpec:
         """The measurement at accumulation depth ``k``."""
         # The first micro-batch pays allocation and DDP's bucket rebuild: warm up >= 2 micro-batches.
-        return BenchSpec(shape=self.shape, micro_batch=self.micro_batch, accum_steps=k,
-                         steps=max(self.min_steps, math.ceil(self.micro_budget / k)),
-                         warmup=math.ceil(2 / k))
+        return BenchSpec(
+            shape=self.shape,
+            micro_batch=self.micro_batch,
+            accum_steps=k,
+            steps=max(self.min_steps, math.ceil(self.micro_budget / k)),
+            warmup=math.ceil(2 / k),
+        )
 
 
 FULL_CASES = (
-    Case(name="comm_heavy", about="22M-parameter MLP, micro-batch 2: the all-reduce rivals the compute",
-         shape=ModelShape(in_dim=512, width=2048, depth=6, out_dim=16), micro_batch=2,
-         ks=(1, 4, 16), micro_budget=16),
-    Case(name="compute_heavy", about="1.1M-parameter MLP, micro-batch 512: compute dominates",
-         shape=ModelShape(in_dim=1024, width=512, depth=3, out_dim=16), micro_batch=512,
-         ks=(1, 4, 16), micro_budget=16),
+    Case(
+        name="comm_heavy",
+        about="22M-parameter MLP, micro-batch 2: the all-reduce rivals the compute",
+        shape=ModelShape(in_dim=512, width=2048, depth=6, out_dim=16),
+        micro_batch=2,
+        ks=(1, 4, 16),
+        micro_budget=16,
+    ),
+    Case(
+        name="compute_heavy",
+        about="1.1M-parameter MLP, micro-batch 512: compute dominates",
+        shape=ModelShape(in_dim=1024, width=512, depth=3, out_dim=16),
+        micro_batch=512,
+        ks=(1, 4, 16),
+        micro_budget=16,
+    ),
 )
 SMOKE_CASES = (
     # One K keeps CI under a minute: every launch costs seconds of process start-up.
-    Case(name="smoke", about="tiny MLP, CI smoke run",
-         shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4), micro_batch=2,
-         ks=(4,), micro_budget=4, min_steps=2),
+    Case(
+        name="smoke",
+        about="tiny MLP, CI smoke run",
+        shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4),
+        micro_batch=2,
+        ks=(4,),
+        micro_budget=4,
+        min_steps=2,
+    ),
 )
 
 
@@ -111,6 +142,8 @@ class Measurement:
     """distaccum only: the largest ``peak_mem_bytes`` its own records report, MiB."""
     wall_s: float = 0.0
     """Wall time of the whole launch, start-up included."""
+    load_1m: float = 0.0
+    """1-minute load average when the launch ended; its own two ranks account for about 2."""
     error: str = ""
     """Tail of the output when the launch failed."""
 
@@ -130,13 +163,19 @@ def free_port() -> int:
 def worker_env(rank: int, port: int) -> dict[str, str]:
     """torchrun-style environment for one baseline rank."""
     env = dict(os.environ)
-    env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
-        "LOCAL_WORLD_SIZE": str(WORLD_SIZE), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        # torchrun's default for nproc > 1; every variant (distaccum included) runs with it.
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-    })
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "LOCAL_WORLD_SIZE": str(WORLD_SIZE),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            # torchrun's default for nproc > 1; every variant (distaccum included) runs with it.
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        }
+    )
     return env
 
 
@@ -152,22 +191,42 @@ def distaccum_argv(spec: BenchSpec, run_dir: Path, *, ledger: bool, port: int) -
     """
     steps = spec.warmup + spec.steps
     fields = {
-        "accum.micro_batch": spec.micro_batch, "accum.steps": spec.accum_steps,
-        "accum.global_batch": "null", "accum.sync": "boundary", "precision": "fp32",
+        "accum.micro_batch": spec.micro_batch,
+        "accum.steps": spec.accum_steps,
+        "accum.global_batch": "null",
+        "accum.sync": "boundary",
+        "precision": "fp32",
         # Plain SGD like the baselines: no momentum, schedule, decay or clipping.
-        "optim.name": "sgd", "optim.lr": spec.lr, "optim.momentum": 0.0, "optim.weight_decay": 0.0,
-        "optim.schedule": "constant", "optim.warmup_steps": 0, "optim.clip_norm": "null",
+        "optim.name": "sgd",
+        "optim.lr": spec.lr,
+        "optim.momentum": 0.0,
+        "optim.weight_decay": 0.0,
+        "optim.schedule": "constant",
+        "optim.warmup_steps": 0,
+        "optim.clip_norm": "null",
         # As much data as each baseline rank holds; a multiple of the window, so none is partial.
         "data.num_samples": pool_micro_batches(spec.accum_steps) * spec.micro_batch * WORLD_SIZE,
         "data.seed": spec.seed,
-        "trainer.nproc": WORLD_SIZE, "trainer.max_steps": steps, "trainer.device": "cpu",
-        "trainer.seed": spec.seed, "trainer.check_every": 0,
+        "trainer.nproc": WORLD_SIZE,
+        "trainer.max_steps": steps,
+        "trainer.device": "cpu",
+        "trainer.seed": spec.seed,
+        "trainer.check_every": 0,
         "trainer.rdzv_endpoint": f"127.0.0.1:{port}",
-        "log.console": "quiet", "log.ledger": "true" if ledger else "false",
-        "log.warmup_steps": spec.warmup, "run_dir": str(run_dir),
+        "log.console": "quiet",
+        "log.ledger": "true" if ledger else "false",
+        "log.warmup_steps": spec.warmup,
+        "run_dir": str(run_dir),
     }
-    return [sys.executable, "-m", "distaccum", "train", "engine=ddp", *spec.shape.distaccum_overrides(),
-            *(f"++{key}={value}" for key, value in fields.items())]
+    return [
+        sys.executable,
+        "-m",
+        "distaccum",
+        "train",
+        "engine=ddp",
+        *spec.shape.distaccum_overrides(),
+        *(f"++{key}={value}" for key, value in fields.items()),
+    ]
 
 
 def distaccum_available() -> bool:
@@ -207,13 +266,18 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[l
     return [codes[p.pid] for p in procs], [rss[p.pid] for p in procs]
 
 
-def _launch(argvs: list[list[str]], envs: list[dict[str, str]], log: Path, timeout_s: float
-            ) -> tuple[bool, float, float, str]:
+def _launch(
+    argvs: list[list[str]], envs: list[dict[str, str]], log: Path, timeout_s: float
+) -> tuple[bool, float, float, str]:
     """Start the processes of one launch; return (ok, peak RSS MiB, wall seconds, output tail)."""
     start = time.perf_counter()
     with log.open("wb") as sink:
-        procs = [subprocess.Popen(argv, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                  start_new_session=True) for argv, env in zip(argvs, envs, strict=True)]
+        procs = [
+            subprocess.Popen(
+                argv, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            for argv, env in zip(argvs, envs, strict=True)
+        ]
         codes, rss = _wait_all(procs, timeout_s)
     wall = time.perf_counter() - start
     ok = not any(codes)
@@ -225,15 +289,23 @@ def measure_baseline(variant: str, spec: BenchSpec, workdir: Path, timeout_s: fl
     """One world-2 launch of a hand-written baseline."""
     port = free_port()
     outs = [workdir / f"rank{rank}.json" for rank in range(WORLD_SIZE)]
-    ok, rss, wall, tail = _launch([baseline_argv(variant, spec, out) for out in outs],
-                                  [worker_env(rank, port) for rank in range(WORLD_SIZE)],
-                                  workdir / "output.log", timeout_s)
+    ok, rss, wall, tail = _launch(
+        [baseline_argv(variant, spec, out) for out in outs],
+        [worker_env(rank, port) for rank in range(WORLD_SIZE)],
+        workdir / "output.log",
+        timeout_s,
+    )
     if not all(out.exists() for out in outs):
         return Measurement(status="failed", wall_s=wall, error=tail or "a rank wrote no result")
     # Every rank finished and wrote its record: a crash after that (at exit) does not void it.
     rank0 = json.loads(outs[0].read_text())
-    return Measurement(status="ok", step_s=rank0["step_s"], peak_rss_mb=rss, wall_s=wall,
-                       error="" if ok else f"measured, then exited abnormally: {tail}")
+    return Measurement(
+        status="ok",
+        step_s=rank0["step_s"],
+        peak_rss_mb=rss,
+        wall_s=wall,
+        error="" if ok else f"measured, then exited abnormally: {tail}",
+    )
 
 
 def read_metrics(metrics: Path, warmup: int) -> tuple[list[float], float | None]:
@@ -265,16 +337,21 @@ def measure_distaccum(spec: BenchSpec, workdir: Path, timeout_s: float, *, ledge
     times, reported_peak = read_metrics(metrics, spec.warmup)
     if not times:
         return Measurement(status="failed", wall_s=wall, error=f"no time_s records in {metrics}")
-    return Measurement(status="ok", step_s=times, peak_rss_mb=rss, reported_peak_mb=reported_peak,
-                       wall_s=wall)
+    return Measurement(
+        status="ok", step_s=times, peak_rss_mb=rss, reported_peak_mb=reported_peak, wall_s=wall
+    )
 
 
 def measure(variant: str, spec: BenchSpec, workdir: Path, timeout_s: float) -> Measurement:
     """Dispatch one launch of ``variant``."""
     workdir.mkdir(parents=True, exist_ok=True)
     if variant in DISTACCUM:
-        return measure_distaccum(spec, workdir, timeout_s, ledger=variant == "distaccum")
-    return measure_baseline(variant, spec, workdir, timeout_s)
+        result = measure_distaccum(spec, workdir, timeout_s, ledger=variant == "distaccum")
+    else:
+        result = measure_baseline(variant, spec, workdir, timeout_s)
+    # Other work on the machine shows up here: flag contended timings instead of hiding them.
+    result.load_1m = os.getloadavg()[0]
+    return result
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -294,6 +371,7 @@ def summarize_variant(runs: list[Measurement]) -> dict[str, Any]:
         "peak_rss_mb": _median([m.peak_rss_mb for m in runs]),
         "reported_peak_mb": _median([m.reported_peak_mb for m in runs]),
         "launch_wall_s": [round(m.wall_s, 2) for m in runs],
+        "load_1m": [round(m.load_1m, 2) for m in runs],
         "errors": [m.error for m in runs if m.error],
     }
 
@@ -319,8 +397,17 @@ def memory_growth(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             b = high["variants"].get(variant, {}).get("peak_rss_mb")
             if a is None or b is None:
                 continue
-            rows.append({"case": name, "variant": variant, "k_low": low["k"], "k_high": high["k"],
-                         "rss_k_low_mb": a, "rss_k_high_mb": b, "growth": b / a})
+            rows.append(
+                {
+                    "case": name,
+                    "variant": variant,
+                    "k_low": low["k"],
+                    "k_high": high["k"],
+                    "rss_k_low_mb": a,
+                    "rss_k_high_mb": b,
+                    "growth": b / a,
+                }
+            )
     return rows
 
 
@@ -337,15 +424,21 @@ def machine_info() -> dict[str, Any]:
                 break
     try:
         import accelerate
+
         accelerate_version = accelerate.__version__
     except ImportError:
         accelerate_version = None
     return {
-        "cpu": cpu, "logical_cpus": os.cpu_count(),
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "accelerate": accelerate_version,
-        "backend": "gloo", "world_size": WORLD_SIZE, "threads_per_rank": 1,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate_version,
+        "backend": "gloo",
+        "world_size": WORLD_SIZE,
+        "threads_per_rank": 1,
     }
 
 
@@ -357,11 +450,13 @@ def render_markdown(results: dict[str, Any]) -> str:
     """The three tables of results.md: step times, ratios, memory."""
     m = results["machine"]
     variants = [v for v in VARIANTS if v in results["settings"]["variants"]]
+    loads = [x for c in results["cases"] for s in c["variants"].values() for x in s["load_1m"]]
     lines = [
         f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB, {m['platform']}; "
         f"torch {m['torch']}, accelerate {m['accelerate']}, {m['backend']}, world {m['world_size']}, "
         f"{m['threads_per_rank']} thread per rank. Rounds: {results['settings']['rounds']}. "
-        f"Whole run: {results['wall_s']:.0f} s.",
+        f"Whole run: {results['wall_s']:.0f} s. 1-minute load average after each launch: median "
+        f"{_fmt(_median(loads))}, max {_fmt(max(loads, default=None))} (the benchmark alone: about 2).",
         "",
         "Time per optimizer step, ms (median over rounds of each launch's median step):",
         "",
@@ -370,43 +465,65 @@ def render_markdown(results: dict[str, Any]) -> str:
     ]
     for c in results["cases"]:
         cells = [_fmt(c["variants"][v]["step_s_median"], 1000, 1) for v in variants]
-        lines.append(f"| {c['case']} | {c['params'] / 1e6:.1f}M | {c['micro_batch']} | {c['k']} | "
-                     + " | ".join(cells) + " |")
-    lines += ["", "Ratios of those medians:", "",
-              "| case | K | " + " | ".join(label for label, *_ in RATIOS) + " |",
-              "|---|---:|" + "---:|" * len(RATIOS)]
+        lines.append(
+            f"| {c['case']} | {c['params'] / 1e6:.1f}M | {c['micro_batch']} | {c['k']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines += [
+        "",
+        "Ratios of those medians:",
+        "",
+        "| case | K | " + " | ".join(label for label, *_ in RATIOS) + " |",
+        "|---|---:|" + "---:|" * len(RATIOS),
+    ]
     for c in results["cases"]:
-        lines.append(f"| {c['case']} | {c['k']} | "
-                     + " | ".join(_fmt(c["ratios"][label], digits=3) for label, *_ in RATIOS) + " |")
+        lines.append(
+            f"| {c['case']} | {c['k']} | "
+            + " | ".join(_fmt(c["ratios"][label], digits=3) for label, *_ in RATIOS)
+            + " |"
+        )
     lines += [""] + [f"- {label}: {about}" for label, _, _, about in RATIOS]
-    lines += ["", "Peak RSS per process, MiB (median over rounds):", "",
-              "| case | variant | K low | RSS | K high | RSS | growth |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "Peak RSS per process, MiB (median over rounds):",
+        "",
+        "| case | variant | K low | RSS | K high | RSS | growth |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in results["memory"]:
-        lines.append(f"| {r['case']} | {LETTERS[r['variant']]} {r['variant']} | {r['k_low']} | "
-                     f"{r['rss_k_low_mb']:.0f} | {r['k_high']} | {r['rss_k_high_mb']:.0f} | {r['growth']:.3f} |")
-    unavailable = sorted({v for c in results["cases"] for v, s in c["variants"].items()
-                          if s["status"] == "not available"})
+        lines.append(
+            f"| {r['case']} | {LETTERS[r['variant']]} {r['variant']} | {r['k_low']} | "
+            f"{r['rss_k_low_mb']:.0f} | {r['k_high']} | {r['rss_k_high_mb']:.0f} | {r['growth']:.3f} |"
+        )
+    unavailable = sorted(
+        {v for c in results["cases"] for v, s in c["variants"].items() if s["status"] == "not available"}
+    )
     if unavailable:
         lines += ["", f"Not available: {', '.join(unavailable)} (distaccum.cli cannot be imported)."]
     return "\n".join(lines) + "\n"
 
 
-def run_benchmark(cases: Sequence[Case], variants: Sequence[str], rounds: int, timeout_s: float,
-                  scratch: Path) -> dict[str, Any]:
+def run_benchmark(
+    cases: Sequence[Case], variants: Sequence[str], rounds: int, timeout_s: float, scratch: Path
+) -> dict[str, Any]:
     """Measure every case x K x variant ``rounds`` times, interleaved; return results.json's content."""
     started = time.perf_counter()
     runs: dict[tuple[str, int, str], list[Measurement]] = {}
     for r in range(rounds):
-        order = list(variants[r % len(variants):]) + list(variants[:r % len(variants)])
+        order = list(variants[r % len(variants) :]) + list(variants[: r % len(variants)])
         for case in cases:
             for k in case.ks:
                 for variant in order:
                     workdir = scratch / f"r{r}" / case.name / f"k{k}" / variant
                     result = measure(variant, case.spec(k), workdir, timeout_s)
                     runs.setdefault((case.name, k, variant), []).append(result)
-                    print(f"[round {r + 1}/{rounds}] {case.name} K={k} {variant}: {result.status}, "
-                          f"{_fmt(result.median_s, 1000, 1)} ms/step, rss {_fmt(result.peak_rss_mb, digits=0)} MiB, "
-                          f"launch {result.wall_s:.1f} s", flush=True)
+                    print(
+                        f"[round {r + 1}/{rounds}] {case.name} K={k} {variant}: {result.status}, "
+                        f"{_fmt(result.median_s, 1000, 1)} ms/step, rss {_fmt(result.peak_rss_mb, digits=0)} MiB, "
+                        f"launch {result.wall_s:.1f} s, load {result.load_1m:.2f}",
+                        flush=True,
+                    )
                     if result.status == "failed":
                         print(result.error, file=sys.stderr, flush=True)
     case_rows = []
@@ -414,17 +531,28 @@ def run_benchmark(cases: Sequence[Case], variants: Sequence[str], rounds: int, t
         for k in case.ks:
             spec = case.spec(k)
             summary = {v: summarize_variant(runs[(case.name, k, v)]) for v in variants}
-            case_rows.append({
-                "case": case.name, "about": case.about, "shape": dataclasses.asdict(case.shape),
-                "params": case.shape.num_params(), "micro_batch": case.micro_batch, "k": k,
-                "steps": spec.steps, "warmup": spec.warmup, "variants": summary,
-                "ratios": compute_ratios(summary),
-            })
+            case_rows.append(
+                {
+                    "case": case.name,
+                    "about": case.about,
+                    "shape": dataclasses.asdict(case.shape),
+                    "params": case.shape.num_params(),
+                    "micro_batch": case.micro_batch,
+                    "k": k,
+                    "steps": spec.steps,
+                    "warmup": spec.warmup,
+                    "variants": summary,
+                    "ratios": compute_ratios(summary),
+                }
+            )
     return {
         "machine": machine_info(),
-        "settings": {"rounds": rounds, "variants": {v: LETTERS[v] for v in variants},
-                     "timing": "rank 0 wall time per optimizer step; per-launch median, then median over rounds",
-                     "memory": "largest ru_maxrss of any process of the launch (os.wait4)"},
+        "settings": {
+            "rounds": rounds,
+            "variants": {v: LETTERS[v] for v in variants},
+            "timing": "rank 0 wall time per optimizer step; per-launch median, then median over rounds",
+            "memory": "largest ru_maxrss of any process of the launch (os.wait4)",
+        },
         "cases": case_rows,
         "memory": memory_growth(case_rows),
         "wall_s": time.perf_counter() - started,
@@ -436,7 +564,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, K=4, one round: the CI run")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, smoke 1)")
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmark", help="results directory")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench", help="results directory")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of variants")
     p.add_argument("--cases", default=None, help="comma-separated subset of case names")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per launch")
@@ -467,8 +595,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown)
     print(markdown)
-    failed = [(c["case"], c["k"], v) for c in results["cases"] for v, s in c["variants"].items()
-              if s["status"] == "failed"]
+    failed = [
+        (c["case"], c["k"], v)
+        for c in results["cases"]
+        for v, s in c["variants"].items()
+        if s["status"] == "failed"
+    ]
     if failed:
         print(f"failed launches: {failed}", file=sys.stderr)
     return 1 if failed else 0

@@ -38,6 +38,13 @@ class RankDivergenceError(RuntimeError):
         self.parameter = parameter
         self.rank = rank
 
+    def __reduce__(self) -> tuple[object, ...]:  # picklable despite keyword-only fields
+        return (_rebuild_divergence, (str(self), self.step, self.parameter, self.rank))
+
+
+def _rebuild_divergence(message: str, step: int, parameter: str, rank: int) -> RankDivergenceError:
+    return RankDivergenceError(message, step=step, parameter=parameter, rank=rank)
+
 
 def parameter_checksums(backend: Backend) -> tuple[list[str], list[int], torch.Tensor]:
     """Names, element counts and a [P, 2] fp64 tensor of (sum, sum of squares) per full parameter.

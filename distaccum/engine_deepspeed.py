@@ -105,7 +105,7 @@ class DeepSpeedBackend:
 
     def backward(self, loss: torch.Tensor) -> None:
         with tap_gradient_reductions(self.ledger):  # ZeRO reduces inside backward (hooks, epilogue)
-            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.backward(loss)
 
     def _plain_grad_norm(self) -> float:
         # ZeRO-0 in fp32 steps the torch optimizer directly and keeps no norm; its gradients are

@@ -50,12 +50,24 @@ def worker_environment(cfg: RunConfig) -> dict[str, str]:
 
 
 def launch_local(cfg: RunConfig, config_file: Path) -> int:
-    """Start the workers through torch elastic and wait; returns 0, or 1 when any worker failed."""
+    """Start the workers through torch elastic and wait.
+
+    Returns 0, 1 when a worker failed, or 3 when the run stopped on request after checkpointing.
+    """
+    saved = dict(os.environ)
+    os.environ.update(worker_environment(cfg))  # elastic passes this process's env to the workers
+    try:
+        return _run_elastic(cfg, config_file)
+    finally:  # several launches from one process (verify, sweeps) must not inherit each other's
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run_elastic(cfg: RunConfig, config_file: Path) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.update(worker_environment(cfg))
     launch = LaunchConfig(
         min_nodes=cfg.trainer.nnodes,
         max_nodes=cfg.trainer.nnodes,

@@ -132,13 +132,13 @@ def _print_header(cfg: RunConfig, ref: RunConfig, tol: Tolerances, candidates: l
 
 
 def _print_table(rows: list[tuple[Launched, Report, list[Finding]]]) -> None:
-    head = (f"  {'split':<12}{'engine':<7}{'world':>5}{'micro':>6}{'accum':>6}  {'max_abs':>8}{'max_rel':>9}"
+    head = (f"  {'split':<12}{'engine':<11}{'world':>5}{'micro':>6}{'accum':>6}  {'max_abs':>8}{'max_rel':>9}"
             f"{'loss_diff':>10}  {'first divergence':<30}{'result':<7}{'time':>6}")
     print("\n" + head)
     print("  " + "-" * (len(head) - 2))
     for run, report, _ in rows:
         s = run.cfg.split()
-        print(f"  {split_label(s):<12}{run.cfg.engine.name:<7}{s.world_size:>5}{s.micro_batch:>6}"
+        print(f"  {split_label(s):<12}{run.cfg.engine.name:<11}{s.world_size:>5}{s.micro_batch:>6}"
               f"{s.accum_steps:>6}  {_num(report.max_abs_diff):>8}{_num(report.max_rel_diff):>9}"
               f"{_num(report.max_loss_diff):>10}  {_where(report)[:29]:<30}"
               f"{'PASS' if report.passed else 'FAIL':<7}{run.seconds:>5.1f}s")
@@ -184,7 +184,7 @@ def run_verify(cfg: RunConfig, splits: list[Split]) -> int:
         print(f"distaccum verify: the reference run failed (exit {ref.exit_code}); "
               f"last lines of {ref_cfg.run_dir}/console.log:\n{_log_tail(Path(ref_cfg.run_dir))}",
               file=sys.stderr)
-        (root / "verify.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
+        (root / VERIFY_FILE).write_text(json.dumps(_finite(summary), indent=2) + "\n")
         return EXIT_FAIL
 
     runs: list[tuple[Launched, Report]] = []
@@ -220,11 +220,11 @@ def run_verify(cfg: RunConfig, splits: list[Split]) -> int:
     summary["passed"] = all(report.passed for _, report, _ in rows)
     summary["seconds"] = round(time.perf_counter() - started, 2)
     _print_table(rows)
-    (root / "verify.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
+    (root / VERIFY_FILE).write_text(json.dumps(_finite(summary), indent=2) + "\n")
     verdict = "PASSED" if summary["passed"] else "FAILED"
     passed = sum(report.passed for _, report, _ in rows)
     print(f"\nverify {verdict}: {passed}/{len(rows)} split(s) match the single-process reference "
-          f"({summary['seconds']:.0f} s) -> {root / 'verify.json'}", flush=True)
+          f"({summary['seconds']:.0f} s) -> {root / VERIFY_FILE}", flush=True)
     return EXIT_OK if summary["passed"] else EXIT_FAIL
 
 

@@ -78,6 +78,9 @@ def run_worker(cfg: RunConfig, env: DistEnv, stop: StopFlag | None = None) -> Re
         model = model.double()
     if cfg.trainer.init_from:
         model.load_state_dict(torch.load(cfg.trainer.init_from, map_location="cpu", weights_only=True))
+    # From here on random draws (dropout masks) must differ between ranks, or every rank would
+    # drop the same units of its different samples.
+    torch.manual_seed(cfg.trainer.seed + 1_000_003 * (rank + 1))
 
     ledger = CommLedger(enabled=cfg.log.ledger)
     backend = make_backend(cfg, device, ledger)

@@ -13,8 +13,14 @@ import pytest
 pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("ddp_every_micro", "ddp_no_sync", "accelerate", "distaccum", "distaccum_no_ledger",
-            "compute_floor")
+VARIANTS = (
+    "ddp_every_micro",
+    "ddp_no_sync",
+    "accelerate",
+    "distaccum",
+    "distaccum_no_ledger",
+    "compute_floor",
+)
 DISTACCUM_VARIANTS = ("distaccum", "distaccum_no_ledger")
 BASELINE_RATIOS = ("a/b", "c/b", "b/e")  # the ratios that do not involve distaccum
 ALL_RATIOS = ("d/b", "a/d", "d/e", "c/d", "d/d0", *BASELINE_RATIOS)
@@ -31,7 +37,10 @@ def _distaccum_cli_importable() -> bool:
 def test_smoke_benchmark_measures_every_variant(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--smoke", "--rounds", "1", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=170,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     assert (tmp_path / "results.json").exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())

@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from distaccum.config import from_mapping, to_mapping
 from distaccum.verify import RunData, compare, reference_config, tolerance_for, write_seed_checkpoint
 
 pytestmark = pytest.mark.dist
+
 
 REPO = Path(__file__).resolve().parents[1]
 EXTENSIONS = REPO / ".cache" / "torch_extensions"  # gitignored; DeepSpeed compiles its op once per machine
@@ -109,7 +111,6 @@ class Runs:
         return json.loads((self.dir(model, name) / "summary.json").read_text())
 
 
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("engines")
@@ -126,6 +127,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     launch_many(plan, 2, root, timeout=600)
     return Runs(root)
 
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("engine", [e for e in ENGINES if e != "ddp"])
 def test_engine_matches_ddp_every_step(runs: Runs, model: str, engine: str) -> None:
@@ -139,6 +141,7 @@ def test_engine_matches_ddp_every_step(runs: Runs, model: str, engine: str) -> N
     for key in ("param_sum", "param_l2"):
         assert runs.summary(model, engine)[key] == pytest.approx(runs.summary(model, "ddp")[key], rel=RTOL)
 
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_engine_passes_verify_comparison(runs: Runs, model: str, engine: str) -> None:
@@ -149,14 +152,15 @@ def test_engine_passes_verify_comparison(runs: Runs, model: str, engine: str) ->
     assert report.passed, report.to_dict()
     assert report.steps_compared == 4
 
-def _grad_numel(runs: Runs, model: str) -> int:
-    import torch
 
+def _grad_numel(runs: Runs, model: str) -> int:
     return sum(t.numel() for t in torch.load(runs.root / f"{model}-seed.pt", weights_only=True).values())
+
 
 # Gradient reductions per optimizer step, by design (boundary mode, K micro-batches):
 # (rounds = micro-batches with a reduction, bytes in units of one fp32 copy of the gradients).
 DESIGN = {"fsdp": (1, 1), "zero1": (1, 1), "zero2": (K, K), "zero3": (K, K), "accelerate": (1, 1)}
+
 
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("engine", list(DESIGN))
@@ -168,6 +172,7 @@ def test_reductions_per_step_follow_the_engine_design(runs: Runs, model: str, en
         # FSDP pads each unit's flat gradient to a multiple of the world size: a few bytes more.
         assert copies * grad_bytes <= r["comm_bytes"] <= copies * grad_bytes * 1.01, (engine, r["step"])
 
+
 def test_fsdp_units_and_every_micro(runs: Runs) -> None:
     boundary, every = runs.records("mlp", "fsdp"), runs.records("mlp", "fsdp-every_micro")
     units = 3  # mlp depth 2: three Linear layers, each its own FSDP unit (the root holds none)
@@ -177,6 +182,7 @@ def test_fsdp_units_and_every_micro(runs: Runs) -> None:
         assert e["comm_bytes"] == K * b["comm_bytes"]
         assert e["loss"] == pytest.approx(b["loss"], rel=RTOL)
     assert runs.records("tiny_gpt", "fsdp")[0]["comm_calls"] == 3  # two blocks + the root
+
 
 def test_conflicting_deepspeed_config_fails_before_training(tmp_path: Path) -> None:
     user = tmp_path / "ds.json"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from conftest import REPO
 
 pytestmark = pytest.mark.unit

@@ -102,6 +102,11 @@ def desync(tmp_path_factory: pytest.TempPathFactory) -> Run:
                   "trainer.max_steps=3")[0]
 
 
+@pytest.fixture(scope="module")
+def dropout(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return verify(tmp_path_factory, "dropout", "model=mlp", "model.dropout=0.2", "trainer.max_steps=2")[0]
+
+
 def failed_candidate(run: Run) -> dict[str, Any]:
     assert run.returncode == 1, run.stdout + run.stderr
     out = report(run)
@@ -125,6 +130,13 @@ def test_batchnorm_fails_naming_the_layers(batchnorm: Run) -> None:
     assert cand["accum_steps"] == 4
     assert [d["cause"] for d in cand["diagnosis"]] == ["batch_statistics"]
     assert "features.1, features.4" in cand["diagnosis"][0]["message"]
+    assert cand["first_divergence"]["step"] == 1
+
+
+def test_dropout_fails_with_randomness_diagnosis(dropout: Run) -> None:
+    cand = failed_candidate(dropout)
+    assert [d["cause"] for d in cand["diagnosis"]] == ["randomness"]
+    assert "model.dropout=0" in cand["diagnosis"][0]["message"]
     assert cand["first_divergence"]["step"] == 1
 
 

@@ -292,3 +292,12 @@ def test_single_process_records_checksums(tmp_path: Path) -> None:
     s, q, n = rows[0]["params"]["weight"]
     w = module.weight.detach().double()
     assert (s, q, n) == (pytest.approx(float(w.sum())), pytest.approx(float((w * w).sum())), 6)
+
+
+def test_tripwire_error_carries_step_and_parameter_through_pickle() -> None:
+    import pickle
+
+    from distaccum.checks import RankDivergenceError
+
+    err = pickle.loads(pickle.dumps(RankDivergenceError("ranks diverged", step=3, parameter="w", rank=1)))
+    assert (str(err), err.step, err.parameter, err.rank) == ("ranks diverged", 3, "w", 1)
