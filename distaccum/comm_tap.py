@@ -35,7 +35,6 @@ import torch.distributed.distributed_c10d as c10d
 
 from distaccum.comm import CommLedger
 
-# name -> (position of the reduced input among the positional args, its keyword)
 REDUCTIONS: dict[str, tuple[int, str]] = {
     "all_reduce": (0, "tensor"),
     "all_reduce_coalesced": (0, "tensors"),
@@ -45,7 +44,7 @@ REDUCTIONS: dict[str, tuple[int, str]] = {
     "reduce_scatter_tensor": (1, "input"),
     "_reduce_scatter_base": (1, "input"),
 }
-"""The reducing collectives of torch.distributed and where each takes the tensor it reduces."""
+"""Reducing collectives of torch.distributed -> (positional index, keyword) of the tensor reduced."""
 
 _state = threading.local()
 _active = False

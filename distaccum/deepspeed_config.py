@@ -61,7 +61,8 @@ def merge(ours: dict[str, Any], user: dict[str, Any], sources: dict[str, str],
     merged = _merge(ours, user, "", sources, conflicts)
     if conflicts:
         raise ValueError(f"{origin} conflicts with the configuration distaccum generates: "
-                         + "; ".join(conflicts) + ". Change the distaccum setting, or remove the key from the file.")
+                         + "; ".join(conflicts)
+                         + ". Change the distaccum setting, or remove the key from the file.")
     return merged
 
 

@@ -10,15 +10,18 @@ Boundary control is DeepSpeed's public ``set_gradient_accumulation_boundary``, a
 window's real boundary (the last of its K micro-batches): ZeRO-0/1 reduce only there; ZeRO-2/3
 reduce(-scatter) on *every* micro-batch by design (that is how they keep only a gradient
 partition), so ``accum.sync=every_micro`` changes nothing for them and is refused for ZeRO-0/1
-(declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated gradients). Clipping happens inside ``engine.step()``
-(``gradient_clipping`` in the generated config), so ``clip_grad_norm`` runs DeepSpeed's step and
-returns the norm DeepSpeed computed; ``step()`` then only reports whether it was applied.
+(declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated gradients).
+
+Clipping happens inside ``engine.step()`` (``gradient_clipping`` in the generated config), so
+``clip_grad_norm`` runs DeepSpeed's step and returns the norm DeepSpeed computed; ``step()`` then
+only reports whether it was applied.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ContextManager
@@ -45,7 +48,8 @@ def use_extensions_dir(path: str, rank: int) -> Path:
     os.environ["TORCH_EXTENSIONS_DIR"] = str(resolved)
     if rank == 0:
         cached = resolved.is_dir() and any(resolved.iterdir())
-        state = "reusing the ops cached there" if cached else "first use: compiling them there (~1 min, once)"
+        state = ("reusing the ops cached there" if cached
+                 else "first use: compiling them there (a minute or more, once)")
         print(f"distaccum: DeepSpeed C++ ops cache (engine.extensions_dir): {resolved} — {state}", flush=True)
     return resolved
 
@@ -73,6 +77,11 @@ class DeepSpeedBackend:
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         use_extensions_dir(self.cfg.engine.extensions_dir, dist.get_rank())
+        # DeepSpeed picks its accelerator by probing (CUDA if present); ours is trainer.device.
+        os.environ["DS_ACCELERATOR"] = "cuda" if self.device.type == "cuda" else "cpu"
+        # DeepSpeed 0.19 still calls the deprecated torch names; say it once here, not per rank and op.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                                category=FutureWarning)
         import deepspeed
 
         config = build(self.cfg, self.cfg.split(dist.get_world_size()))
@@ -105,7 +114,7 @@ class DeepSpeedBackend:
 
     def backward(self, loss: torch.Tensor) -> None:
         with tap_gradient_reductions(self.ledger):  # ZeRO reduces inside backward (hooks, epilogue)
-            self.engine.backward(loss)
+            self.engine.backward(loss, scale_wrt_gas=False)
 
     def _plain_grad_norm(self) -> float:
         # ZeRO-0 in fp32 steps the torch optimizer directly and keeps no norm; its gradients are
@@ -121,7 +130,8 @@ class DeepSpeedBackend:
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             if before is None:
-                raise RuntimeError("DeepSpeed reported no gradient norm (zero_optimization.compute_grad_norm off?)")
+                raise RuntimeError("DeepSpeed reported no gradient norm "
+                                   "(zero_optimization.compute_grad_norm off in the user config?)")
             norm = before
         return float(norm)
 
@@ -149,17 +159,18 @@ class DeepSpeedBackend:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import deepspeed
+        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
         for name, param in self.engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=self.stage == 3):
                 param.data.copy_(state["model"][name])
         parts = state["optimizer_parts"]
-        if self.stage == 0 and not (self.precision.autocast_dtype):
-            self.engine.optimizer.load_state_dict(parts[dist.get_rank()])
-        elif self.stage == 0:
-            self.engine.optimizer.load_state_dict(parts[dist.get_rank()], load_optimizer_states=True)
-        else:  # ZeRO takes every rank's part and restores its fp32 partition from them
-            self.engine.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+        optimizer = self.engine.optimizer
+        if optimizer is self.optimizer or isinstance(optimizer, FP16_Optimizer | FP16_UnfusedOptimizer):
+            optimizer.load_state_dict(parts[dist.get_rank()])  # ZeRO-0: whole state on every rank
+        else:  # ZeRO 1-3 and bf16: every rank's part in, its own fp32 partition restored from them
+            optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
 
     def teardown(self) -> None:
         if self.engine is not None:

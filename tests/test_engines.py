@@ -61,8 +61,9 @@ def mapping(model: str, engine: str, run_dir: Path, seed: Path, sync: str = "bou
     }
 
 
-def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: float) -> None:
-    """Run every config of ``plan`` in order, in one ``nproc``-rank process group (this file as worker)."""
+def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: float) -> str:
+    """Run every config of ``plan`` in order, in one ``nproc``-rank process group (this file as worker);
+    returns the workers' stdout."""
     plan_file = workdir / f"plan-{nproc}.json"
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -73,18 +74,49 @@ def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: 
         cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         pytest.fail(f"engine runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout
 
 
 def _worker_main(plan_file: str) -> None:
-    """Worker entry (under torch.distributed.run): run each config, then leave like the CLI's workers."""
+    """Worker entry (under torch.distributed.run): run each config, then leave like the CLI's workers.
+
+    An entry with ``"_stop_after": n`` is stopped (checkpoint, ``StopRequested``) before window n + 1,
+    as SIGTERM would stop it, and then run again from its checkpoint.
+    """
+    from distaccum.checkpoint import StopFlag, StopRequested
     from distaccum.config import from_mapping
     from distaccum.topology import DistEnv
     from distaccum.worker import run_worker, shutdown
 
+    class StopAfter(StopFlag):
+        """Reads as requested from the (n + 1)-th check on: the loop checks once per window."""
+
+        def __init__(self, windows: int) -> None:
+            super().__init__()
+            self.left = windows
+
+        @property  # type: ignore[override]
+        def requested(self) -> bool:
+            self.left -= 1
+            return self.left < 0
+
+        @requested.setter
+        def requested(self, value: bool) -> None:
+            pass
+
     code = 0
     try:
+        env = DistEnv.from_environ(os.environ)
         for values in json.loads(Path(plan_file).read_text()):
-            run_worker(from_mapping(values), DistEnv.from_environ(os.environ))
+            stop_after = values.pop("_stop_after", None)
+            cfg = from_mapping(values)
+            if stop_after is not None:
+                try:
+                    run_worker(cfg, env, stop=StopAfter(stop_after))
+                    raise AssertionError(f"{cfg.run_dir}: the run did not stop after {stop_after} windows")
+                except StopRequested:
+                    pass
+            run_worker(cfg, env)
         shutdown()
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
         traceback.print_exc()
@@ -97,8 +129,9 @@ def _worker_main(plan_file: str) -> None:
 class Runs:
     """Finished runs by (model, name), plus the world-1 references by model."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, stdout: str) -> None:
         self.root = root
+        self.stdout = stdout
 
     def dir(self, model: str, name: str) -> Path:
         return self.root / f"{model}-{name}"
@@ -123,9 +156,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         for name in ENGINES:
             plan.append(mapping(model, name, root / f"{model}-{name}", seed))
     plan.append(mapping("mlp", "fsdp", root / "mlp-fsdp-every_micro", root / "mlp-seed.pt", "every_micro"))
+    for name in RESUMED:  # stopped after 2 windows, checkpointed, resumed in a second run
+        plan.append({**mapping("mlp", name, root / f"mlp-{name}-resumed", root / "mlp-seed.pt"), "_stop_after": 2})
     launch_many(refs, 1, root, timeout=120)
-    launch_many(plan, 2, root, timeout=600)
-    return Runs(root)
+    return Runs(root, launch_many(plan, 2, root, timeout=600))
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -182,6 +216,21 @@ def test_fsdp_units_and_every_micro(runs: Runs) -> None:
         assert e["comm_bytes"] == K * b["comm_bytes"]
         assert e["loss"] == pytest.approx(b["loss"], rel=RTOL)
     assert runs.records("tiny_gpt", "fsdp")[0]["comm_calls"] == 3  # two blocks + the root
+
+
+RESUMED = ["fsdp", "zero1", "zero3", "accelerate"]
+
+
+@pytest.mark.parametrize("engine", RESUMED)
+def test_checkpoint_resume_is_exact(runs: Runs, engine: str) -> None:
+    """state_dict/load_state_dict: sharded parameters and optimizer state come back bit for bit."""
+    resumed, straight = runs.records("mlp", f"{engine}-resumed"), runs.records("mlp", engine)
+    checkpoint = runs.dir("mlp", f"{engine}-resumed") / "checkpoint.pt"
+    assert f"resumed from {checkpoint} after optimizer step 2" in runs.stdout
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in straight]
+    for key in ("param_sum", "param_l2"):
+        assert runs.summary("mlp", f"{engine}-resumed")[key] == runs.summary("mlp", engine)[key]
 
 
 def test_conflicting_deepspeed_config_fails_before_training(tmp_path: Path) -> None:
