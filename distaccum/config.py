@@ -231,7 +231,7 @@ class TrainerConfig:
     """auto (cuda when present) | cpu | cuda."""
     check_every: int = 10
     """Cross-rank consistency tripwire every N optimizer steps (0 disables). One check costs ~3-6%
-    of a step on CPU/gloo (measured, docs/verify.md), so every 10 steps costs <= 0.6%."""
+    of a step on CPU/gloo (measured, see README: Verification), so every 10 steps costs <= 0.6%."""
     init_from: str | None = None
     """Load initial weights from this state-dict file (a seed checkpoint)."""
     resume: bool = True
@@ -255,7 +255,8 @@ class LogConfig:
     wandb: bool = False
     """Also log to Weights & Biases (rank 0 only)."""
     wandb_mode: str = "offline"
-    """offline (default, no account needed) | online (needs WANDB_API_KEY)."""
+    """offline (default, no account or network needed) | online (needs WANDB_API_KEY or a netrc
+    entry; without one it warns and logs offline) | disabled (no wandb even with log.wandb=true)."""
     wandb_project: str = "distaccum"
     """wandb project name."""
     ledger: bool = True

@@ -6,10 +6,12 @@
 - ``accum.sync=every_micro``: every micro-batch reduce-scatters and frees the unsharded gradient,
   accumulating into the 1/W sharded one — K rounds (K x the bytes), the memory-saving mode.
 
-Reduction is a SUM, like the DDP engine's hook (``grad_divisor = 1``): the loop's division by the
-global item count stays the only normalization. FSDP2's default is a mean over ranks; keeping it
-and declaring ``grad_divisor = world`` would work too, but a custom divide factor runs as
-``ReduceOp.PREMUL_SUM``, which gloo rejects, so we set factor 1 *and* force plain SUM comms.
+Reduction is a plain SUM (``grad_divisor = 1``): the loop's division by the global item count
+stays the only normalization. FSDP2's default is a mean over ranks; keeping it and declaring
+``grad_divisor = world`` would work too, but a custom divide factor runs as
+``ReduceOp.PREMUL_SUM``, which gloo rejects, so we set factor 1 *and* force plain SUM comms. (DDP
+must average instead: its every_micro buckets hold already-reduced gradients; FSDP2's reduce-scatter
+always takes fresh unsharded gradients, so a sum is exact.)
 """
 
 from __future__ import annotations
