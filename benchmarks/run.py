@@ -207,6 +207,9 @@ def distaccum_argv(spec: BenchSpec, run_dir: Path, *, ledger: bool, port: int) -
         # As much data as each baseline rank holds; a multiple of the window, so none is partial.
         "data.num_samples": pool_micro_batches(spec.accum_steps) * spec.micro_batch * WORLD_SIZE,
         "data.seed": spec.seed,
+        # The baselines walk their data in order; so does distaccum here (its collate then takes
+        # views instead of gathering shuffled rows).
+        "data.shuffle": "false",
         "trainer.nproc": WORLD_SIZE,
         "trainer.max_steps": steps,
         "trainer.device": "cpu",
@@ -281,7 +284,8 @@ def _launch(
         codes, rss = _wait_all(procs, timeout_s)
     wall = time.perf_counter() - start
     ok = not any(codes)
-    tail = "" if ok else f"exit codes {codes}:\n" + log.read_text(errors="replace")[-3000:]
+    why = f"timed out after {timeout_s:.0f} s, " if wall >= timeout_s else ""
+    tail = "" if ok else f"{why}exit codes {codes}:\n" + log.read_text(errors="replace")[-3000:]
     return ok, max(rss), wall, tail
 
 

@@ -45,15 +45,27 @@ class Dataset:
         self.inputs = inputs
         self.targets = targets
         self.counts_tokens = counts_tokens
+        flat = targets.reshape(len(targets), -1)
+        # Loss items per sample, precomputed so a window's count needs no collation.
+        self.sample_items = ((flat != IGNORE_INDEX).sum(dim=1) if counts_tokens
+                             else torch.ones(len(targets), dtype=torch.long))
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
+    def count_items(self, indices: torch.Tensor) -> int:
+        """Loss items of the samples at ``indices`` (what :meth:`collate` would report)."""
+        return int(self.sample_items[indices].sum())
+
     def collate(self, indices: torch.Tensor) -> Batch:
         """Gather ``indices`` into a batch; the loss-item count is exact (ignore index excluded)."""
-        inputs, targets = self.inputs[indices], self.targets[indices]
-        items = int((targets != IGNORE_INDEX).sum()) if self.counts_tokens else len(indices)
-        return Batch(inputs, targets, len(indices), items)
+        if len(indices) > 1 and bool((indices[1:] - indices[:-1] == 1).all()):
+            # Consecutive indices (data.shuffle=false): a view, no copy.
+            start = int(indices[0])
+            inputs, targets = self.inputs[start:start + len(indices)], self.targets[start:start + len(indices)]
+        else:
+            inputs, targets = self.inputs[indices], self.targets[indices]
+        return Batch(inputs, targets, len(indices), self.count_items(indices))
 
 
 def load_corpus() -> str:

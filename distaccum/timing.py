@@ -2,7 +2,8 @@
 
 One optimizer step is split into phases, each a separate record field:
 
-    data_s     collate the window's micro-batches and all-reduce its item count
+    data_s     count the window's items (one all-reduce), collate each micro-batch just before
+               its forward (only one micro-batch's inputs are alive at a time)
     compute_s  forward + backward of every micro-batch, minus the exposed communication
     optim_s    clip, optimizer step, scheduler, consistency check
     comm_*     from the :class:`~distaccum.comm.CommLedger` (``comm_s`` overlaps compute_s;
@@ -53,20 +54,29 @@ class StepTimer:
         ledger.clock = self.clock  # engines' comm hooks stamp on the same clock as the phases
         self._group = dist.new_group(backend="gloo") if device.type == "cuda" else None
         self._marks: dict[str, Stamp] = {}
+        self._micro_start: Stamp | None = None
+        self._micro_data: list[tuple[Stamp, Stamp]] = []
 
     def start_step(self) -> None:
         """Before anything of the step happens (resets the peak-memory window)."""
         reset_peak_memory(self.device)
         self.ledger.start_step()
         self._marks = {"start": self.clock.stamp()}
+        self._micro_data = []
 
     def data_done(self) -> None:
-        """The window's batches are on the device and its item count is known."""
+        """The window's item count is known (its micro-batches are collated one at a time later)."""
         self._marks["data"] = self.clock.stamp()
 
     def start_micro(self) -> None:
-        """Before each micro-batch's forward."""
+        """Before each micro-batch is collated."""
         self.ledger.start_micro()
+        self._micro_start = self.clock.stamp()
+
+    def batch_ready(self) -> None:
+        """The micro-batch is collated and on the device; its forward starts next."""
+        assert self._micro_start is not None
+        self._micro_data.append((self._micro_start, self.clock.stamp()))
 
     def compute_done(self) -> None:
         """After the last micro-batch's backward (all gradient reductions have been waited for)."""
@@ -82,10 +92,11 @@ class StepTimer:
         def between(a: str, b: str) -> float:
             return self.clock.seconds(marks[a], marks[b] if b != "end" else end)
 
-        forward_backward = between("data", "compute")
+        micro_data = sum(self.clock.seconds(a, b) for a, b in self._micro_data)
+        forward_backward = between("data", "compute") - micro_data
         return StepTimes(
             time_s=between("start", "end"),
-            data_s=between("start", "data"),
+            data_s=between("start", "data") + micro_data,
             compute_s=max(0.0, forward_backward - comm.comm_exposed_s),
             optim_s=between("compute", "end"),
             comm=comm,

@@ -101,10 +101,11 @@ def train(cfg: RunConfig, state: TrainState, split: Split, dataset: Dataset, los
     while state.plan.next_step < cfg.trainer.max_steps:
         timer.start_step()
         window = state.plan.window(state.plan.next_step)  # taken (next_step += 1) after the stop check
-        batches = [dataset.collate(ix).to(device, dtype)
-                   for ix in window.rank_micro_batches(split, rank)]
+        slices = window.rank_micro_batches(split, rank)
         # One tiny all-reduce per optimizer step gives N (and the sample count) for the window.
-        counts = torch.tensor([[b.items for b in batches], [b.samples for b in batches]],
+        # Items are counted from the indices alone: micro-batches are collated one at a time
+        # below, so memory does not grow with the number of accumulation steps.
+        counts = torch.tensor([[dataset.count_items(ix) for ix in slices], [len(ix) for ix in slices]],
                               dtype=torch.float64, device=device)
         # The stop flag rides along, so every rank agrees to stop before the same window.
         stop_flag = torch.tensor([float(stop is not None and stop.requested)], dtype=torch.float64,
@@ -121,9 +122,11 @@ def train(cfg: RunConfig, state: TrainState, split: Split, dataset: Dataset, los
         timer.data_done()
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for k, batch in enumerate(batches):
-            boundary = k == len(batches) - 1
+        for k, indices in enumerate(slices):
+            boundary = k == len(slices) - 1
             timer.start_micro()
+            batch = dataset.collate(indices).to(device, dtype)
+            timer.batch_ready()
             with backend.sync(boundary or every_micro):
                 with backend.forward_context():
                     summed = loss_fn(model(batch.inputs), batch.targets)
@@ -155,7 +158,7 @@ def train(cfg: RunConfig, state: TrainState, split: Split, dataset: Dataset, los
             "lr": lr,
             "samples": samples,
             "items": items,
-            "micro_steps": len(batches),
+            "micro_steps": len(slices),
             "partial_window": window.partial,
             "grad_norm": grad_norm,
             "skipped": not stepped,
