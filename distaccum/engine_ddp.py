@@ -47,7 +47,7 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
 
 
 class DDPBackend:
-    """torch DistributedDataParallel with a counting SUM all-reduce hook."""
+    """torch DistributedDataParallel with a counting all-reduce (mean over ranks) comm hook."""
 
     name = "ddp"
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Run, run_cli, train
 
+from conftest import Run, run_cli, train
 from distaccum.config import DataConfig, ModelConfig
 from distaccum.models import build_model
 

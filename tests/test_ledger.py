@@ -13,8 +13,8 @@ from pathlib import Path
 from statistics import median
 
 import pytest
-from conftest import Run, train
 
+from conftest import Run, train
 from distaccum.config import from_mapping
 from distaccum.models import build_model
 

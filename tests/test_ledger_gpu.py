@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import train
 
 pytestmark = [pytest.mark.gpu,

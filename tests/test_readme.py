@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+
 from conftest import REPO
 
 pytestmark = pytest.mark.unit

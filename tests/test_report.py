@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, train
 
+from conftest import REPO, train
 from distaccum.report_cli import report_main
 
 pytestmark = pytest.mark.dist

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_fixtures import REPO, SlurmCluster
 
 from distaccum.slurm import parse_nodelist, wait_job
+from slurm_fixtures import REPO, SlurmCluster
 
 pytestmark = pytest.mark.slurm
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from conftest import Run, run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
