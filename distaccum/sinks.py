@@ -81,7 +81,8 @@ class ConsoleSink:
         share = record.get("comm_exposed_s", 0.0) / busy if busy > 0 else 0.0
         line = (f"step {step:>4}/{self.total} [{bar}] loss {record['loss']:.4f} "
                 f"lr {record['lr']:.2e} {record.get('samples_per_s', 0):8.1f} samples/s "
-                f"reduced {human_bytes(record['comm_bytes'])} in {record['comm_calls']} calls "
+                f"reduced {human_bytes(record['comm_bytes'])} in {record['comm_calls']} "
+                f"call{'' if record['comm_calls'] == 1 else 's'} "
                 f"comm {share:4.0%}" + (" SKIPPED(overflow)" if record.get("skipped") else ""))
         end = "\r" if self.tty and step < self.total else "\n"
         print(line, end=end, file=self.stream, flush=True)
