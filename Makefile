@@ -8,7 +8,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +28,8 @@ test: install  ## the whole suite, exactly as CI runs it
 	$(VENV)/bin/ruff check distaccum launch tests benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: install
+lint: install  ## ruff, as `make test` runs it
 	$(VENV)/bin/ruff check distaccum launch tests benchmarks
-	$(VENV)/bin/ruff format --check distaccum launch tests benchmarks
 
 bench: install  ## the full benchmark (by hand; CI runs the smoke size)
 	$(PY) -m benchmarks.run --out runs/bench
