@@ -49,7 +49,7 @@ def register_defaults() -> None:
     ConfigStore.instance().store(name="distaccum_defaults", node=to_mapping(RunConfig()))
 
 
-def _to_run_config(dcfg: Any, run_dir: str | None = None) -> RunConfig:
+def to_run_config(dcfg: Any, run_dir: str | None = None) -> RunConfig:
     """OmegaConf -> RunConfig at the boundary; raises ValueError for any invalid value or split."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -105,7 +105,7 @@ def _train_task(dcfg: Any) -> int:
 
     multirun, job_dir = _in_multirun()
     try:
-        cfg = _to_run_config(dcfg, run_dir=job_dir if multirun else None)
+        cfg = to_run_config(dcfg, run_dir=job_dir if multirun else None)
     except ValueError as err:
         if not multirun:
             _config_error(err)
@@ -213,7 +213,7 @@ def compose_config(overrides: list[str]) -> RunConfig:
             dcfg = compose(config_name="config", overrides=overrides)
         except Exception as err:  # hydra's composition errors share no public base class
             raise ConfigError(str(err)) from err
-    return _to_run_config(dcfg)
+    return to_run_config(dcfg)
 
 
 def _run_hydra(command: str, rest: list[str], task: Callable[[Any], int]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from distaccum.cli import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, _to_run_config
+from distaccum.cli import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, to_run_config
 from distaccum.config import RunConfig, Split, to_mapping
 from distaccum.diagnosis import Finding, diagnose, model_facts, unequal_items
 from distaccum.verify import (
@@ -231,7 +231,7 @@ def run_verify(cfg: RunConfig, splits: list[Split]) -> int:
 def verify_task(dcfg: Any) -> int:
     """The Hydra task behind ``distaccum verify``; exits 2 on bad config, 1 on a mismatch."""
     try:
-        cfg = _to_run_config(dcfg)
+        cfg = to_run_config(dcfg)
         splits = candidate_splits(cfg)
     except ValueError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
