@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -101,7 +102,7 @@ def _write_status(run_dir: str, status: str, **fields: Any) -> None:
 
 def _train_task(dcfg: Any) -> int:
     """One Hydra job: validate, then start the workers. In a sweep, failures are recorded, not raised."""
-    from distaccum.launcher import launch_local
+    from distaccum.launcher import launch_local, torchrun_argv
 
     multirun, job_dir = _in_multirun()
     try:
@@ -119,6 +120,7 @@ def _train_task(dcfg: Any) -> int:
     print(f"distaccum: {cfg.engine.name} x{split.world_size} ranks, micro_batch {split.micro_batch} x "
           f"{split.accum_steps} accumulation steps = {split.global_batch} samples per optimizer step, "
           f"run_dir {cfg.run_dir}", flush=True)
+    print("distaccum: equivalent to `" + shlex.join(torchrun_argv(cfg, config_file)) + "`", flush=True)
     code = launch_local(cfg, config_file)
     _write_status(cfg.run_dir, "ok" if code == EXIT_OK else "failed", exit_code=code)
     if code and not multirun:

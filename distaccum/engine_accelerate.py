@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distaccum.backend import OptimizerFactory, Precision
 from distaccum.comm import CommLedger
 from distaccum.config import RunConfig
-from distaccum.engine_ddp import HookState, mean_allreduce_hook
+from distaccum.engine_ddp import register_counting_hook
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16": "bf16", "fp16": "fp16"}
 """Our precision names -> Accelerate's ``mixed_precision`` (it owns autocast and the GradScaler)."""
@@ -69,9 +69,7 @@ class AccelerateBackend:
         optimizer = make_optimizer(list(self.raw.parameters()))
         prepared, self.prepared_optimizer = self.accelerator.prepare(self.raw, optimizer)
         if isinstance(prepared, DDP):
-            fault_rank = self.cfg.debug.skip_reduction_rank
-            state = HookState(self.ledger, keep_local=fault_rank is not None and fault_rank == dist.get_rank())
-            prepared.register_comm_hook(state, mean_allreduce_hook)
+            register_counting_hook(prepared, self.cfg, self.ledger)
         elif dist.get_world_size() > 1:
             raise RuntimeError(f"Accelerate prepared a {type(prepared).__name__}, expected DDP")
         self.module = prepared

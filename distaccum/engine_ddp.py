@@ -46,6 +46,13 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     return future.then(done)
 
 
+def register_counting_hook(ddp: DDP, cfg: RunConfig, ledger: CommLedger) -> None:
+    """Install :func:`mean_allreduce_hook` on ``ddp`` (also used on Accelerate's DDP module)."""
+    fault_rank = cfg.debug.skip_reduction_rank
+    state = HookState(ledger, keep_local=fault_rank is not None and fault_rank == dist.get_rank())
+    ddp.register_comm_hook(state, mean_allreduce_hook)
+
+
 class DDPBackend:
     """torch DistributedDataParallel with a counting all-reduce (mean over ranks) comm hook."""
 
@@ -66,9 +73,7 @@ class DDPBackend:
         self.raw = model.to(device=self.device, dtype=self.precision.param_dtype)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.cfg.engine.bucket_cap_mb)
-        fault_rank = self.cfg.debug.skip_reduction_rank
-        state = HookState(self.ledger, keep_local=fault_rank is not None and fault_rank == dist.get_rank())
-        ddp.register_comm_hook(state, mean_allreduce_hook)
+        register_counting_hook(ddp, self.cfg, self.ledger)
         self.module = ddp
         self.optimizer = make_optimizer(list(self.raw.parameters()))
         return ddp

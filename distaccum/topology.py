@@ -31,10 +31,6 @@ class DistEnv:
     restart_count: int = 0
 
     @property
-    def is_distributed(self) -> bool:
-        return self.source != "single"
-
-    @property
     def node_rank(self) -> int:
         return self.rank // max(self.local_world_size, 1)
 

@@ -36,3 +36,19 @@ def test_batch_script_and_plain_shell_are_not_workers() -> None:
                                             ("a[1,2]", "a1"), ("x-y[010-012]", "x-y010")])
 def test_first_host(nodelist: str, head: str) -> None:
     assert first_host(nodelist) == head
+
+
+def test_torchrun_argv_renders_the_equivalent_launch() -> None:
+    from pathlib import Path
+
+    from distaccum.config import from_mapping
+    from distaccum.launcher import torchrun_argv
+
+    cfg = from_mapping({"trainer": {"nproc": 4, "nnodes": 2, "rdzv_endpoint": "node01:29500",
+                                    "rdzv_id": "exp", "max_restarts": 1}})
+    assert torchrun_argv(cfg, Path("run/launch_config.json"), python="python") == [
+        "python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=node01:29500", "--rdzv_id=exp", "--max_restarts=1",
+        "-m", "distaccum", "_worker", "run/launch_config.json"]
+    single = from_mapping({"trainer": {"nproc": 2}})
+    assert "--rdzv_endpoint=127.0.0.1:0" in torchrun_argv(single, Path("c.json"))
