@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-CHECKPOINT_NAME = "checkpoint.pt"
 EXIT_REQUEUE = 3
 """Exit code of a worker that stopped on request after checkpointing (the job should be requeued)."""
 

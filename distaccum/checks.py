@@ -16,17 +16,14 @@ and parameter; a world-size-1 run records without comparing.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from distaccum.backend import Backend
-
-CHECKSUMS_FILE = "checksums.jsonl"
-"""Per-step parameter checksums, one JSON object per checked step (written when recording)."""
-DIVERGENCE_FILE = "divergence.json"
-"""Written by rank 0 when the tripwire fires: step, parameter, ranks, message."""
+from distaccum.engines.base import Engine
+from distaccum.rundir import CHECKSUMS, DIVERGENCE
 
 
 class RankDivergenceError(RuntimeError):
@@ -46,7 +43,7 @@ def _rebuild_divergence(message: str, step: int, parameter: str, rank: int) -> R
     return RankDivergenceError(message, step=step, parameter=parameter, rank=rank)
 
 
-def parameter_checksums(backend: Backend) -> tuple[list[str], list[int], torch.Tensor]:
+def parameter_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[int], torch.Tensor]:
     """Names, element counts and a [P, 2] fp64 tensor of (sum, sum of squares) per full parameter.
 
     The tensor stays on the parameters' device; the caller moves it once (no per-parameter sync).
@@ -54,7 +51,7 @@ def parameter_checksums(backend: Backend) -> tuple[list[str], list[int], torch.T
     names: list[str] = []
     numels: list[int] = []
     rows: list[torch.Tensor] = []
-    for name, tensor in backend.full_parameters():
+    for name, tensor in named:
         t = tensor.detach().to(torch.float64)
         names.append(name)
         numels.append(t.numel())
@@ -64,7 +61,7 @@ def parameter_checksums(backend: Backend) -> tuple[list[str], list[int], torch.T
     return names, numels, torch.stack([r.to(rows[0].device) for r in rows])
 
 
-def check_consistency(backend: Backend, step: int, run_dir: Path | None = None, *,
+def check_consistency(engine: Engine, step: int, run_dir: Path | None = None, *,
                       record: bool = False) -> None:
     """Raise :class:`RankDivergenceError` naming the step and parameter if ranks disagree.
 
@@ -76,7 +73,7 @@ def check_consistency(backend: Backend, step: int, run_dir: Path | None = None, 
     if world == 1 and not record:
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
-    names, numels, local = parameter_checksums(backend)
+    names, numels, local = parameter_checksums(engine.full_parameters())
     if world > 1:
         if dist.get_backend() == "nccl":  # NCCL only moves device tensors
             local = local.to(torch.device("cuda", torch.cuda.current_device()))
@@ -86,10 +83,15 @@ def check_consistency(backend: Backend, step: int, run_dir: Path | None = None, 
         dist.all_gather(gathered, local)
         _compare_ranks(names, [g.cpu() for g in gathered], step, run_dir if rank == 0 else None)
     if record and rank == 0 and run_dir is not None:
-        values = local.cpu().tolist()
-        row = {"step": step, "params": {n: [s, q, c] for n, (s, q), c in zip(names, values, numels, strict=True)}}
-        with open(run_dir / CHECKSUMS_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        append_checksums(run_dir, step, names, numels, local)
+
+
+def append_checksums(run_dir: Path, step: int, names: list[str], numels: list[int], values: torch.Tensor) -> None:
+    """Append one step's checksums to ``checksums.jsonl`` (the format ``distaccum verify`` reads)."""
+    rows = values.cpu().tolist()
+    row = {"step": step, "params": {n: [s, q, c] for n, (s, q), c in zip(names, rows, numels, strict=True)}}
+    with open(run_dir / CHECKSUMS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _compare_ranks(names: list[str], gathered: list[torch.Tensor], step: int,
@@ -109,11 +111,11 @@ def _compare_ranks(names: list[str], gathered: list[torch.Tensor], step: int,
             if report_dir is not None:
                 report = {"step": step, "parameter": names[i], "rank": rank,
                           "differing_parameters": len(bad), "message": message}
-                (report_dir / DIVERGENCE_FILE).write_text(json.dumps(report, indent=2) + "\n")
+                (report_dir / DIVERGENCE).write_text(json.dumps(report, indent=2) + "\n")
             raise RankDivergenceError(message, step=step, parameter=names[i], rank=rank)
 
 
 def read_divergence(run_dir: Path) -> dict[str, object] | None:
     """The tripwire's report from a run directory, or None when it did not fire."""
-    path = run_dir / DIVERGENCE_FILE
+    path = run_dir / DIVERGENCE
     return json.loads(path.read_text()) if path.is_file() else None

@@ -1,8 +1,10 @@
 """Typed run configuration: the only place config fields are declared and validated.
 
-Hydra composes YAML from ``configs/``; the entry layer converts it to a plain mapping and calls
-:func:`from_mapping`, which builds these dataclasses and validates them. Everything downstream
-takes a :class:`RunConfig` and never sees Hydra or OmegaConf.
+Hydra composes YAML from ``configs/`` (shipped inside the package); the entry layer converts it
+to a plain mapping and calls :func:`from_mapping`, which builds these dataclasses and validates
+them. The user's components (``model``, ``data.dataset``, ``data.collate``, ``loss``) stay
+``_target_`` nodes here: the entry layer instantiates them, the library receives objects.
+Everything downstream takes a :class:`RunConfig` and never sees Hydra or OmegaConf.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
-MODELS = ("mlp", "tiny_gpt", "convnet_bn")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 SYNC_MODES = ("boundary", "every_micro")
 LOSS_NORMS = ("global_count", "mean_per_micro")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
+
+Node = dict[str, Any]
+"""A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
 
 
 class ConfigError(ValueError):
@@ -35,6 +39,20 @@ def _positive(section: str, name: str, value: int | float | None, *, allow_none:
         return
     if value is None or value <= 0:
         raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _node(where: str, value: Any) -> Node | None:
+    """Validate a component node: None, or a mapping with a dotted ``_target_`` string."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping with a _target_ (e.g. {{_target_: mypkg.make_model}}), "
+                         f"got {value!r}")
+    target = value.get("_target_")
+    if not isinstance(target, str) or "." not in target:
+        raise ValueError(f"{where} needs a _target_ naming an importable callable such as "
+                         f"'mypkg.module.name', got _target_={target!r}")
+    return dict(value)
 
 
 @dataclass(kw_only=True)
@@ -62,56 +80,28 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
-    """The embedded model to train (no downloads)."""
-
-    name: str = "tiny_gpt"
-    """mlp | tiny_gpt | convnet_bn."""
-    width: int = 64
-    """Hidden width (MLP hidden units, transformer embedding size, conv channels)."""
-    depth: int = 2
-    """Number of hidden layers / transformer blocks / conv blocks."""
-    heads: int = 4
-    """Attention heads (tiny_gpt)."""
-    dropout: float = 0.0
-    """Dropout probability; > 0 makes results depend on the split (verify flags it)."""
-    in_dim: int = 32
-    """Input features (mlp)."""
-    out_dim: int = 8
-    """Outputs (mlp) or classes (convnet_bn)."""
-
-    def __post_init__(self) -> None:
-        _choice("model", "name", self.name, MODELS)
-        for name in ("width", "depth", "heads", "in_dim", "out_dim"):
-            _positive("model", name, getattr(self, name))
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if self.name == "tiny_gpt" and self.width % self.heads:
-            raise ValueError(f"model.width={self.width} must be divisible by model.heads={self.heads}")
-
-
-@dataclass(kw_only=True)
 class DataConfig:
-    """The embedded dataset and how the global-batch plan walks it."""
+    """The dataset (a component) and how the global-batch plan walks it."""
 
-    num_samples: int = 512
-    """Samples in the dataset (one epoch)."""
-    seed: int = 1234
-    """Seed for the synthetic data and the sequence offsets/lengths (independent of trainer.seed)."""
-    seq_min: int = 8
-    """Shortest tiny_gpt sequence, in tokens."""
-    seq_max: int = 32
-    """Longest tiny_gpt sequence; every batch is padded to it with the ignore index."""
+    dataset: Node | None = None
+    """_target_ node of a map-style torch Dataset of samples (``len`` and ``[i]``)."""
+    collate: Node | None = None
+    """_target_ node (with ``_partial_: true``) of ``list[sample] -> batch``; null: torch's default_collate."""
     shuffle: bool = True
     """Reshuffle each epoch from (trainer.seed, epoch)."""
     drop_last: bool = False
     """Drop a partial last window (True) or train on it, weighted by what it holds (False)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: collate in the training process)."""
+    prefetch_factor: int = 2
+    """Micro-batches each DataLoader worker prepares ahead (only with num_workers > 0)."""
 
     def __post_init__(self) -> None:
-        _positive("data", "num_samples", self.num_samples)
-        _positive("data", "seq_min", self.seq_min)
-        if self.seq_max < self.seq_min:
-            raise ValueError(f"data.seq_max={self.seq_max} must be >= data.seq_min={self.seq_min}")
+        self.dataset = _node("data.dataset", self.dataset)
+        self.collate = _node("data.collate", self.collate)
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        _positive("data", "prefetch_factor", self.prefetch_factor)
 
 
 @dataclass(kw_only=True)
@@ -127,7 +117,8 @@ class AccumConfig:
     sync: str = "boundary"
     """boundary: reduce once per optimizer step; every_micro: reduce after every micro-batch."""
     loss_norm: str = "global_count"
-    """global_count: divide by the window's loss items over all ranks; mean_per_micro: classic loss/K."""
+    """global_count: divide by the window's loss items over all ranks; mean_per_micro: classic loss/K
+    (wrong for variable-length items; kept as a negative control for verify)."""
 
     def __post_init__(self) -> None:
         _positive("accum", "micro_batch", self.micro_batch)
@@ -148,6 +139,10 @@ class Split:
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.accum_steps * self.world_size
+
+    def label(self) -> str:
+        """``w2-m4-k4``: world size, micro-batch, accumulation steps."""
+        return f"w{self.world_size}-m{self.micro_batch}-k{self.accum_steps}"
 
 
 def valid_splits(global_batch: int, world_size: int) -> list[Split]:
@@ -233,10 +228,14 @@ class TrainerConfig:
     """Cross-rank consistency tripwire every N optimizer steps (0 disables). One check costs ~3-6%
     of a step on CPU/gloo (measured, see README: Verification), so every 10 steps costs <= 0.6%."""
     init_from: str | None = None
-    """Load initial weights from this state-dict file (a seed checkpoint)."""
+    """Initial weights: a model.safetensors file (or a run's final/ directory) under the plain model's
+    parameter names, e.g. a seed checkpoint; loaded after the model is built, before wrapping."""
     resume: bool = True
     """Resume from run_dir/checkpoint.pt when present (written when a run is stopped by SIGTERM or
     SIGUSR1, after finishing the window in progress)."""
+    save_final: bool = True
+    """Write the trained model to run_dir/final/ (model.safetensors, config; save_pretrained for
+    Hugging Face models) when the run finishes."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes", "max_steps"):
@@ -251,7 +250,7 @@ class LogConfig:
     """Where per-step records go. JSONL in run_dir is always written."""
 
     console: str = "bar"
-    """bar: a progress line per optimizer step; quiet: only the final summary."""
+    """bar: a progress bar on a terminal, a progress line per step otherwise; quiet: only the summary."""
     wandb: bool = False
     """Also log to Weights & Biases (rank 0 only)."""
     wandb_mode: str = "offline"
@@ -284,8 +283,8 @@ class VerifyConfig:
     atol: float | None = None
     """Absolute tolerance; null picks the default for the precision."""
     record: bool = False
-    """Write per-step parameter checksums (checksums.jsonl) and the final parameters
-    (final_params.pt) to run_dir. distaccum verify sets it for the runs it launches."""
+    """Write per-step parameter checksums (checksums.jsonl) to run_dir. distaccum verify sets it for
+    the runs it launches."""
 
     def __post_init__(self) -> None:
         _choice("verify", "splits", self.splits, ("config", "auto"))
@@ -343,15 +342,28 @@ class DebugConfig:
 
     skip_reduction_rank: int | None = None
     """This rank keeps its local gradients instead of the reduced ones (desynchronizes ranks)."""
+    grad_scale_fault: float = 1.0
+    """Multiply every normalized gradient by this constant: a split-independent bug (a loss divided
+    twice, a world size applied twice) that only a reference independent of the loop can see."""
+    nominal_partial_count: bool = False
+    """Normalize a partial window by the item count a full window would hold (N x global_batch /
+    samples) instead of what it holds: the remainder-window bug, the same on every split."""
+
+    def __post_init__(self) -> None:
+        _positive("debug", "grad_scale_fault", self.grad_scale_fault)
 
 
 @dataclass(kw_only=True)
 class RunConfig:
-    """Everything one run needs. Built by :func:`from_mapping`."""
+    """Everything one run needs. Built by :func:`from_mapping` (CLI) or directly (Python API)."""
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Node | None = None
+    """_target_ node of a callable returning the nn.Module to train (built once per rank, after seeding)."""
+    loss: Node | None = None
+    """_target_ node (``_partial_: true``) of ``(model, batch) -> (loss_sum, n_items)``: the SUM of the
+    loss over the batch's n_items loss items (tokens or samples), never a mean."""
     data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     accum: AccumConfig = field(default_factory=AccumConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -362,11 +374,14 @@ class RunConfig:
     precision: str = "fp32"
     """fp32 | bf16 (autocast) | fp16 (autocast + GradScaler) | fp64."""
     run_dir: str = "runs/default"
-    """Directory for every output of the run (metrics.jsonl, summary.json, config)."""
+    """Directory for every output of the run (metrics.jsonl, summary.json, config, final/)."""
 
     def __post_init__(self) -> None:
         _choice("", "precision", self.precision, PRECISIONS)
-        check_combination(self)
+        self.model = _node("model", self.model)
+        self.loss = _node("loss", self.loss)
+        if self.trainer.nnodes > 1 and not self.trainer.rdzv_endpoint:
+            raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
 
     def world_size(self) -> int:
         """World size a local launch of this config produces."""
@@ -376,21 +391,14 @@ class RunConfig:
         """The resolved split for ``world_size`` (default: the launch's world size)."""
         return resolve_split(self.accum, world_size or self.world_size())
 
+    def describe(self, node: str) -> str:
+        """The ``_target_`` of component ``node`` ('model', 'loss', 'dataset', 'collate'), for messages."""
+        value = {"model": self.model, "loss": self.loss, "dataset": self.data.dataset,
+                 "collate": self.data.collate}[node]
+        return str(value["_target_"]) if value else "(none)"
 
-def check_combination(cfg: RunConfig) -> None:
-    """Reject combinations no engine supports, before any worker starts."""
-    if cfg.precision == "fp64" and cfg.engine.name == "deepspeed" and cfg.engine.zero_stage == 0:
-        raise ValueError("precision=fp64 with engine=deepspeed engine.zero_stage=0 is unsupported "
-                         "(DeepSpeed refuses fp64 gradients); use zero_stage 1-3 or another engine")
-    if cfg.precision == "fp16" and cfg.engine.name == "fsdp":
-        raise ValueError("precision=fp16 with engine=fsdp is unsupported (GradScaler needs the "
-                         "sharded scaler); use bf16 or fp32")
-    if cfg.trainer.nnodes > 1 and not cfg.trainer.rdzv_endpoint:
-        raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
-    if cfg.engine.name == "deepspeed":
-        from distaccum.deepspeed_config import check  # reads engine.deepspeed_config; conflicts fail here
 
-        check(cfg)
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(RunConfig)}  # type: ignore[misc]
 
 
 def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
@@ -426,3 +434,19 @@ def to_mapping(cfg: RunConfig) -> dict[str, Any]:
     out = dataclasses.asdict(cfg)
     out["optim"]["betas"] = list(cfg.optim.betas)
     return out
+
+
+def with_overrides(cfg: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
+    """``cfg`` with dotted-key overrides applied (``{"accum.micro_batch": 2, "run_dir": "x"}``), validated."""
+    values = to_mapping(cfg)
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        target = values
+        for part in parents:
+            if not isinstance(target.get(part), dict):
+                raise ValueError(f"unknown config key {dotted!r}")
+            target = target[part]
+        if leaf not in target:
+            raise ValueError(f"unknown config key {dotted!r}")
+        target[leaf] = value
+    return from_mapping(values)

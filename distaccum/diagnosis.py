@@ -10,11 +10,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from distaccum.config import RunConfig, Split
+from torch import nn
+
+from distaccum.config import Split
+from distaccum.models import batch_stat_layers, random_layers
 from distaccum.verify import Report
 
-CAUSES = ("rank_divergence", "batch_statistics", "loss_normalization", "randomness",
-          "nondeterminism", "run_failed", "unexplained")
+CAUSES = ("rank_divergence", "batch_statistics", "loss_normalization", "gradient_scale", "partial_window",
+          "randomness", "nondeterminism", "run_failed", "unexplained")
 
 
 @dataclass(frozen=True)
@@ -41,31 +44,48 @@ class RunFacts:
     """None: not checked; False: two identical reference runs differed (non-deterministic kernels)."""
 
 
-def model_facts(cfg: RunConfig) -> RunFacts:
-    """Facts read off a freshly built model of ``cfg`` (cheap: no training, no processes)."""
-    from distaccum.models import batch_stat_layers, build_model, random_layers
+@dataclass(frozen=True)
+class StepFacts:
+    """What the candidate's and the reference's records say about where they part."""
 
-    model, _ = build_model(cfg.model, cfg.data)
-    return RunFacts(tuple(batch_stat_layers(model)), tuple(random_layers(model)), cfg.accum.loss_norm)
+    first_step_ratio: float | None = None
+    """Candidate / reference grad_norm at step 1 when the step-1 losses agree (same weights, same
+    samples): a constant factor there is a normalization constant, not a split effect."""
+    partial_step: int | None = None
+    """The first divergent step when it is a partial window and every earlier step agreed."""
 
 
-def unequal_items(cfg: RunConfig, split: Split, steps: int) -> str | None:
-    """The first optimizer step whose micro-batches hold different numbers of loss items, described.
+def step_facts(report: Report, ref: list[dict[str, Any]], cand: list[dict[str, Any]],
+               rtol: float) -> StepFacts:
+    """Read :class:`StepFacts` off the two runs' per-step records."""
+    ratio = None
+    if ref and cand and ref[0].get("grad_norm") and abs(cand[0]["loss"] - ref[0]["loss"]) <= rtol * abs(ref[0]["loss"]):
+        r = cand[0]["grad_norm"] / ref[0]["grad_norm"]
+        ratio = r if abs(r - 1.0) > 10 * rtol else None
+    partial = None
+    first = report.first_divergence
+    if first is not None and first.quantity != "ranks" and 1 < first.step <= len(cand):
+        if cand[first.step - 1].get("partial_window"):
+            partial = first.step
+    return StepFacts(ratio, partial)
 
-    Read from the data plan (the same windows the runs consume), so nothing has to run.
+
+def model_facts(model: nn.Module, loss_norm: str) -> RunFacts:
+    """Facts read off a freshly built model (cheap: no training, no processes)."""
+    return RunFacts(tuple(batch_stat_layers(model)), tuple(random_layers(model)), loss_norm)
+
+
+def unequal_items(records: list[dict[str, Any]]) -> str | None:
+    """The first optimizer step whose micro-batches held different numbers of loss items, described.
+
+    Read from a run's records (``micro_items_min`` / ``micro_items_max`` over every rank's
+    micro-batches), so it holds for any dataset and loss.
     """
-    from distaccum.data import GlobalBatchPlan, build_dataset
-
-    dataset = build_dataset(cfg.model, cfg.data)
-    plan = GlobalBatchPlan(len(dataset), split.global_batch, seed=cfg.trainer.seed,
-                           shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
-    for step in range(steps):
-        window = plan.window(step)
-        counts = [dataset.collate(ix).items for rank in range(split.world_size)
-                  for ix in window.rank_micro_batches(split, rank)]
-        if min(counts) != max(counts):
-            return (f"at step {step + 1} the {len(counts)} micro-batches hold {min(counts)} to "
-                    f"{max(counts)} loss items")
+    for record in records:
+        low, high = record.get("micro_items_min"), record.get("micro_items_max")
+        if low is not None and high is not None and low != high:
+            return (f"at step {record['step']} the {record.get('micro_steps', '?')} micro-batches per rank hold "
+                    f"{low} to {high} loss items")
     return None
 
 
@@ -102,6 +122,28 @@ def rule_loss_normalization(facts: RunFacts, unequal: str | None) -> Finding | N
                    "Use accum.loss_norm=global_count (sum over the window / global item count).")
 
 
+def rule_gradient_scale(facts: RunFacts, steps: StepFacts) -> Finding | None:
+    """Same loss, same weights, same samples at step 1 — and a gradient off by a constant factor."""
+    if steps.first_step_ratio is None or facts.loss_norm == "mean_per_micro" or facts.batch_stat_layers \
+            or facts.random_layers:
+        return None
+    return Finding("gradient_scale",
+                   f"at step 1 the loss matches the reference but the gradient is {steps.first_step_ratio:.6g}x "
+                   "the reference's: the gradient is normalized by a wrong constant (the loss divided twice, by "
+                   "K or by the world size, or an engine's own averaging not undone). It does not depend on the "
+                   "split, so every split shows it.")
+
+
+def rule_partial_window(steps: StepFacts) -> Finding | None:
+    """Every full window matches; the first mismatch is a partial (remainder) window."""
+    if steps.partial_step is None:
+        return None
+    return Finding("partial_window",
+                   f"every step before {steps.partial_step} matches and step {steps.partial_step} is a partial window: "
+                   "it is normalized as if it were full (scaled by K or by the nominal batch) instead of by the "
+                   "items it holds. Keep data.drop_last=false only with a count-based normalization.")
+
+
 def rule_randomness(facts: RunFacts, split: Split) -> Finding | None:
     """Dropout masks are drawn per micro-batch and per rank, so they depend on the split."""
     if not facts.random_layers or split.accum_steps * split.world_size == 1:
@@ -123,15 +165,18 @@ def rule_nondeterminism(facts: RunFacts) -> Finding | None:
 
 
 def diagnose(report: Report, facts: RunFacts, split: Split, unequal: str | None,
-             exit_code: int = 0) -> list[Finding]:
+             exit_code: int = 0, steps: StepFacts | None = None) -> list[Finding]:
     """Every finding that explains a failed ``report`` (empty when it passed)."""
     if report.passed:
         return []
+    steps = steps or StepFacts()
     tripwire = rule_rank_divergence(report)
     findings = [f for f in (
         tripwire,
         rule_batch_statistics(facts, split),
         rule_loss_normalization(facts, unequal),
+        rule_gradient_scale(facts, steps),
+        rule_partial_window(steps),
         rule_randomness(facts, split),
         rule_nondeterminism(facts),
     ) if f is not None]

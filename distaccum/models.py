@@ -1,28 +1,21 @@
-"""Embedded models and their summed losses.
+"""Built-in models: ordinary ``_target_`` components like any user model (``configs/model/*.yaml``).
 
-Every loss here is a SUM over loss items (never a mean): the training loop divides by the global
-item count of the whole window, which is the only normalization that makes accumulated gradients
-equal to full-batch gradients when micro-batches hold different numbers of items.
+Each class is its own factory: ``hydra.utils.instantiate({_target_: distaccum.models.TinyGPT,
+width: 64, ...})`` builds it. They need no downloads and train on two CPU cores in seconds.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distaccum.config import DataConfig, ModelConfig
-from distaccum.data import IGNORE_INDEX, corpus_vocab
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 class MLP(nn.Module):
     """Linear(in, width) + ReLU, (depth - 1) x [Linear(width, width) + ReLU], Linear(width, out)."""
 
-    def __init__(self, in_dim: int, width: int, depth: int, out_dim: int, dropout: float = 0.0) -> None:
+    def __init__(self, in_dim: int = 32, width: int = 64, depth: int = 2, out_dim: int = 8,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Linear(in_dim, width), nn.ReLU()]
         for _ in range(depth - 1):
@@ -61,21 +54,30 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A small causal character-level transformer. ``blocks`` is the unit FSDP shards per block."""
+    """A small causal byte-level transformer; ``blocks`` are the units FSDP shards one by one.
 
-    def __init__(self, vocab: int, block_size: int, width: int, depth: int, heads: int,
-                 dropout: float = 0.0) -> None:
+    Right padding never changes the logits of real tokens (attention is causal), so batches may be
+    padded to any length; ``attention_mask`` is accepted and not needed.
+    """
+
+    def __init__(self, vocab_size: int = 256, max_len: int = 64, width: int = 64, depth: int = 2,
+                 heads: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(block_size, width)
+        if width % heads:
+            raise ValueError(f"TinyGPT width={width} must be divisible by heads={heads}")
+        self.max_len = max_len
+        self.tok = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(max_len, width)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(depth))
         self.ln_f = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
+        self.head = nn.Linear(width, vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.tok(idx) + self.pos(pos))
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.shape[1] > self.max_len:
+            raise ValueError(f"TinyGPT got sequences of {input_ids.shape[1]} tokens, max_len={self.max_len}")
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.drop(self.tok(input_ids) + self.pos(pos))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -84,7 +86,7 @@ class TinyGPT(nn.Module):
 class ConvNetBN(nn.Module):
     """Conv + BatchNorm classifier: its batch statistics depend on the micro-batch (a negative control)."""
 
-    def __init__(self, width: int, depth: int, classes: int) -> None:
+    def __init__(self, width: int = 16, depth: int = 2, classes: int = 4) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         channels = 3
@@ -98,44 +100,22 @@ class ConvNetBN(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
-def mse_sum(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Squared error summed over output features, then over samples (one item per sample)."""
-    return F.mse_loss(out, target, reduction="sum")
-
-
-def ce_sum(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over samples."""
-    return F.cross_entropy(out, target, reduction="sum")
-
-
-def token_ce_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy summed over non-ignored tokens."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    if flat.dtype in (torch.float16, torch.bfloat16):  # autocast logits: take the softmax in fp32
-        flat = flat.float()
-    return F.cross_entropy(flat, target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def build_model(model: ModelConfig, data: DataConfig) -> tuple[nn.Module, LossFn]:
-    """The model named by ``model.name`` (seed the RNG first for reproducible weights) and its loss."""
-    if model.name == "mlp":
-        return MLP(model.in_dim, model.width, model.depth, model.out_dim, model.dropout), mse_sum
-    if model.name == "convnet_bn":
-        return ConvNetBN(model.width, model.depth, model.out_dim), ce_sum
-    vocab = len(corpus_vocab())
-    net = TinyGPT(vocab, data.seq_max, model.width, model.depth, model.heads, model.dropout)
-    return net, token_ce_sum
-
-
 def batch_stat_layers(module: nn.Module) -> list[str]:
     """Names of layers whose output depends on batch statistics (so on how a batch is split)."""
     # BatchNorm (and SyncBatchNorm, a subclass) normalizes over the batch; LayerNorm/GroupNorm don't.
     return [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+DROPOUT_ATTRIBUTES = ("dropout", "dropout_p", "attention_dropout", "attn_dropout")
+"""Float attributes through which modules apply dropout functionally (e.g. attention)."""
+
+
 def random_layers(module: nn.Module) -> list[str]:
-    """Names of active dropout layers (their masks depend on how a batch is split)."""
-    names = [name for name, m in module.named_modules()
-             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
-    names += [name for name, m in module.named_modules() if isinstance(m, Block) and m.dropout > 0]
+    """Names of layers that draw random masks in training (their masks depend on the split)."""
+    names = []
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            names.append(name)
+        elif any(isinstance(getattr(m, a, None), float) and getattr(m, a) > 0 for a in DROPOUT_ATTRIBUTES):
+            names.append(name)
     return sorted(set(names))

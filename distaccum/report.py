@@ -18,15 +18,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
-from typing import Any
 
 import yaml
 
+from distaccum.rundir import CONFIG, METRICS, STATUS, SUMMARY, Record, read_json, read_metrics
 from distaccum.sinks import human_bytes
 
-Record = dict[str, Any]
-RUN_FILES = ("metrics.jsonl", "summary.json", "status.json")
-COMPARABLE_SECTIONS = ("model", "data", "optim", "precision")
+RUN_FILES = (METRICS, SUMMARY, STATUS)
+COMPARABLE_SECTIONS = ("model", "data", "loss", "optim", "precision")
 """Config sections that must be equal for two loss curves to be expected to agree."""
 
 
@@ -99,35 +98,10 @@ def is_run_dir(path: Path) -> bool:
     return any((path / name).is_file() for name in RUN_FILES)
 
 
-def _read_json(path: Path) -> Record:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-
-
-def read_metrics(path: Path) -> list[Record]:
-    """Per-step records, sorted by step; a step logged twice (resumed run) keeps its last record and a
-    torn last line (killed job) is skipped."""
-    by_step: dict[int, Record] = {}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "step" in record and "loss" in record:
-            by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def load_run(path: Path, label: str | None = None) -> Run:
     """Read one run directory; missing files give an incomplete or failed run, never an exception."""
-    status_file = _read_json(path / "status.json")
-    summary = _read_json(path / "summary.json")
+    status_file = read_json(path / STATUS)
+    summary = read_json(path / SUMMARY)
     status = status_file.get("status") or ("ok" if summary else "incomplete")
     if status == "ok" and not summary:
         status = "incomplete"
@@ -140,8 +114,8 @@ def load_run(path: Path, label: str | None = None) -> Run:
         loaded = yaml.safe_load(overrides_file.read_text(encoding="utf-8"))
         overrides = [str(o) for o in loaded or []]
     return Run(path=path, label=label or path.name, status=status, error=error,
-               records=read_metrics(path / "metrics.jsonl"), summary=summary,
-               config=_read_json(path / "config.json"), overrides=overrides)
+               records=read_metrics(path), summary=summary,
+               config=read_json(path / CONFIG), overrides=overrides)
 
 
 def sweep_jobs(path: Path) -> list[Path]:
@@ -238,6 +212,8 @@ def comparable_key(run: Run) -> str:
     """Runs with equal keys should produce the same loss curve (up to floating-point rounding)."""
     config = run.config
     key = {name: config.get(name) for name in COMPARABLE_SECTIONS}
+    if isinstance(key["data"], dict):  # how samples are loaded does not change what they are
+        key["data"] = {k: v for k, v in key["data"].items() if k not in ("num_workers", "prefetch_factor")}
     key["seed"] = config.get("trainer", {}).get("seed")
     key["samples_per_step"] = run.records[0].get("samples") if run.records else None
     return json.dumps(key, sort_keys=True, default=str)

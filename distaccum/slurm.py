@@ -76,6 +76,12 @@ def _directives(cfg: RunConfig) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
+def job_world_size(cfg: RunConfig) -> int:
+    """Ranks of the rendered job: nodes x (GPUs per node, or trainer.nproc CPU workers)."""
+    per_node = cfg.slurm.gpus_per_node if cfg.slurm.gpus_per_node > 0 else cfg.trainer.nproc
+    return cfg.slurm.nodes * per_node
+
+
 def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python") -> str:
     """The sbatch script that runs ``distaccum train <overrides> run_dir=<cfg.run_dir>`` on Slurm.
 
@@ -88,7 +94,7 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
         raise ValueError(f"run_dir={cfg.run_dir!r} cannot be used for Slurm: it must be non-empty "
                          "and hold no whitespace or '%' (sbatch reads '%' as a file-name pattern)")
     slurm = cfg.slurm
-    nproc = slurm.gpus_per_node if slurm.gpus_per_node > 0 else cfg.trainer.nproc
+    nproc = job_world_size(cfg) // slurm.nodes
     train_args = [o for o in overrides if not o.startswith("run_dir=")] + [f"run_dir={cfg.run_dir}"]
     launch = [
         f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -m torch.distributed.run",

@@ -2,10 +2,11 @@
 
 One optimizer step is split into phases, each a separate record field:
 
-    data_s     count the window's items (one all-reduce), collate each micro-batch just before
+    data_s     fetch each micro-batch from the DataLoader and move it to the device, just before
                its forward (only one micro-batch's inputs are alive at a time)
     compute_s  forward + backward of every micro-batch, minus the exposed communication
-    optim_s    clip, optimizer step, scheduler, consistency check
+    optim_s    the window's item-count all-reduce, normalize + clip, optimizer step, scheduler,
+               consistency check
     comm_*     from the :class:`~distaccum.comm.CommLedger` (``comm_s`` overlaps compute_s;
                ``comm_exposed_s`` does not, so compute_s + comm_exposed_s = forward+backward time)
 
@@ -64,10 +65,6 @@ class StepTimer:
         self._marks = {"start": self.clock.stamp()}
         self._micro_data = []
 
-    def data_done(self) -> None:
-        """The window's item count is known (its micro-batches are collated one at a time later)."""
-        self._marks["data"] = self.clock.stamp()
-
     def start_micro(self) -> None:
         """Before each micro-batch is collated."""
         self.ledger.start_micro()
@@ -93,10 +90,10 @@ class StepTimer:
             return self.clock.seconds(marks[a], marks[b] if b != "end" else end)
 
         micro_data = sum(self.clock.seconds(a, b) for a, b in self._micro_data)
-        forward_backward = between("data", "compute") - micro_data
+        forward_backward = between("start", "compute") - micro_data
         return StepTimes(
             time_s=between("start", "end"),
-            data_s=between("start", "data") + micro_data,
+            data_s=micro_data,
             compute_s=max(0.0, forward_backward - comm.comm_exposed_s),
             optim_s=between("compute", "end"),
             comm=comm,

@@ -1,9 +1,10 @@
 """Verification: does an accumulated, distributed run compute what one process on the whole batch does?
 
 The file format is tiny and shared with training: every run writes ``metrics.jsonl`` (loss and
-grad_norm per optimizer step); a run launched with ``verify.record=true`` also writes
-``checksums.jsonl`` (fp64 sum and sum of squares of every parameter after every step, from the
-tripwire in :mod:`distaccum.checks`) and ``final_params.pt`` (every parameter at the end).
+grad_norm per optimizer step) and ``final/model.safetensors`` (the trained weights); a run launched
+with ``verify.record=true`` also writes ``checksums.jsonl`` (fp64 sum and sum of squares of every
+parameter after every step, from the tripwire in :mod:`distaccum.checks`). The reference is
+:mod:`distaccum.reference`: plain PyTorch, independent of the loop it checks.
 
 :func:`compare` turns a reference and a candidate run into a :class:`Report` naming the first
 diverging step and parameter. The criterion for any compared quantity (a scalar series or one
@@ -18,7 +19,6 @@ explain a mismatch; the entry layer (``verify_cli``) only launches runs and prin
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -26,14 +26,12 @@ from typing import Any
 
 import torch
 
-from distaccum.backend import Backend
-from distaccum.checks import CHECKSUMS_FILE, read_divergence
+from distaccum.checks import read_divergence
+from distaccum.components import Components, build_model
 from distaccum.config import RunConfig, Split, valid_splits
-
-FINAL_PARAMS_FILE = "final_params.pt"
-"""Every final parameter (rank 0, unsharded), written when ``verify.record`` is set."""
-SEED_FILE = "seed.pt"
-"""The seed checkpoint: initial weights every verify run loads through ``trainer.init_from``."""
+from distaccum.engines.base import Precision
+from distaccum.rundir import CHECKSUMS, final_weights, read_jsonl, read_metrics
+from distaccum.weights import load_weights, save_weights
 
 
 @dataclass(frozen=True)
@@ -113,12 +111,12 @@ def candidate_splits(cfg: RunConfig) -> list[Split]:
     return chosen
 
 
-def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path) -> RunConfig:
+def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) -> RunConfig:
     return replace(
         cfg,
         accum=replace(cfg.accum, micro_batch=split.micro_batch, steps=split.accum_steps, global_batch=None),
-        trainer=replace(cfg.trainer, nproc=split.world_size, nnodes=1, check_every=1, init_from=str(seed),
-                        max_restarts=0),
+        trainer=replace(cfg.trainer, nproc=split.world_size, nnodes=1, check_every=1,
+                        init_from=str(seed) if seed else None, max_restarts=0, resume=False),
         log=replace(cfg.log, console="quiet", wandb=False),
         verify=replace(cfg.verify, record=True),
         run_dir=str(run_dir),
@@ -126,11 +124,11 @@ def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path) -> RunC
 
 
 def reference_config(cfg: RunConfig, run_dir: Path, seed: Path) -> RunConfig:
-    """One process (plain DDP on world 1), the whole global batch in one forward/backward."""
+    """The configuration the plain reference (:mod:`distaccum.reference`) runs with: one process, the
+    seed checkpoint, fp64 when ``verify.reference_dtype=fp64``. Its global batch is the candidates'."""
     ref = _with_split(cfg, Split(cfg.split(cfg.trainer.nproc).global_batch, 1, 1), run_dir, seed)
     precision = "fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision
-    return replace(ref, engine=replace(ref.engine, name="ddp"), precision=precision,
-                   debug=replace(ref.debug, skip_reduction_rank=None))
+    return replace(ref, precision=precision, debug=replace(ref.debug, skip_reduction_rank=None))
 
 
 def candidate_config(cfg: RunConfig, split: Split, run_dir: Path, seed: Path) -> RunConfig:
@@ -140,26 +138,16 @@ def candidate_config(cfg: RunConfig, split: Split, run_dir: Path, seed: Path) ->
 
 def split_label(split: Split) -> str:
     """``w2-m4-k4``: world size, micro-batch, accumulation steps (also the sub-run directory)."""
-    return f"w{split.world_size}-m{split.micro_batch}-k{split.accum_steps}"
+    return split.label()
 
 
 # --- files written by the runs ---------------------------------------------------------------------
 
-def write_seed_checkpoint(cfg: RunConfig, path: Path) -> None:
-    """Build the model exactly as a worker does (same seed) and save its initial state dict."""
-    from distaccum.models import build_model
-
-    torch.manual_seed(cfg.trainer.seed)
-    model, _ = build_model(cfg.model, cfg.data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), path)
-
-
-def save_final_params(backend: Backend, path: Path, rank: int) -> None:
-    """Rank 0 saves every unsharded final parameter. Collective: every rank must call it."""
-    params = {name: t.detach().to("cpu", copy=True) for name, t in backend.full_parameters()}
-    if rank == 0:
-        torch.save(params, path)
+def write_seed_checkpoint(cfg: RunConfig, parts: Components, path: Path) -> None:
+    """Build the model exactly as a worker does (same seed, fp32 or fp64) and save its weights."""
+    model = build_model(parts.model, cfg.trainer.seed, Precision.of(cfg.precision), None,
+                        parts.describe()["model"])
+    save_weights(model.state_dict(), path)
 
 
 @dataclass
@@ -177,16 +165,10 @@ class RunData:
     @classmethod
     def load(cls, run_dir: Path) -> RunData:
         """Read whatever the run left (a failed run may have fewer steps and no final parameters)."""
-        def jsonl(name: str) -> list[dict[str, Any]]:
-            path = run_dir / name
-            if not path.is_file():
-                return []
-            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-        params_path = run_dir / FINAL_PARAMS_FILE
-        params = torch.load(params_path, map_location="cpu", weights_only=True) if params_path.is_file() else None
-        checksums = {row["step"]: row["params"] for row in jsonl(CHECKSUMS_FILE)}
-        return cls(run_dir, jsonl("metrics.jsonl"), checksums, params, read_divergence(run_dir))
+        weights = final_weights(run_dir)
+        params = load_weights(weights) if weights.is_file() else None
+        checksums = {row["step"]: row["params"] for row in read_jsonl(run_dir / CHECKSUMS)}
+        return cls(run_dir, read_metrics(run_dir), checksums, params, read_divergence(run_dir))
 
 
 # --- comparison -----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from distaccum.sinks import Record
+from distaccum.rundir import Record
 
 WANDB_ENV_DIRS = {
     "WANDB_DIR": ".",

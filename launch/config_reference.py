@@ -14,10 +14,10 @@ from pathlib import Path
 from distaccum import config
 
 SECTIONS = {
-    "engine": config.EngineConfig, "model": config.ModelConfig, "data": config.DataConfig,
+    "": config.RunConfig, "data": config.DataConfig, "engine": config.EngineConfig,
     "accum": config.AccumConfig, "optim": config.OptimConfig, "trainer": config.TrainerConfig,
     "log": config.LogConfig, "verify": config.VerifyConfig, "slurm": config.SlurmConfig,
-    "debug": config.DebugConfig, "": config.RunConfig,
+    "debug": config.DebugConfig,
 }
 
 

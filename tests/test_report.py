@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, train
-from distaccum.report_cli import report_main
+from distaccum.cli.report import report_main
 
 pytestmark = pytest.mark.dist
 

@@ -21,7 +21,8 @@ from distaccum.report import (
 
 pytestmark = pytest.mark.unit
 
-CONFIG = {"model": {"name": "tiny_gpt", "width": 64}, "data": {"seed": 1}, "optim": {"lr": 0.003},
+CONFIG = {"model": {"_target_": "distaccum.models.TinyGPT", "width": 64},
+          "data": {"dataset": {"_target_": "distaccum.datasets.CorpusSequences", "seed": 1}}, "optim": {"lr": 0.003},
           "precision": "fp32", "trainer": {"seed": 0}, "log": {"warmup_steps": 1},
           "accum": {"sync": "boundary", "loss_norm": "global_count"}}
 
@@ -56,7 +57,7 @@ def test_read_metrics_keeps_the_last_record_of_a_step_and_skips_a_torn_line(tmp_
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join([json.dumps(step(1, 3.0)), json.dumps(step(2, 2.0)),
                                json.dumps(step(2, 2.5)), '{"step": 3, "lo']) + "\n")
-    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 3.0), (2, 2.5)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 3.0), (2, 2.5)]
 
 
 @pytest.mark.parametrize("status, summary, losses, expected", [

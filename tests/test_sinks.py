@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.sinks import ConsoleSink, JsonlSink, MultiSink, NullSink, build_sinks, human_bytes
+from distaccum.sinks import ConsoleSink, JsonlSink, MultiSink, NullSink, build_sinks, clock, human_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -31,12 +31,33 @@ def test_console_prints_one_progress_line_per_step() -> None:
     sink.close(SUMMARY)
     lines = out.getvalue().splitlines()
     assert len(lines) == 4  # not a tty: every step on its own line, then the summary
-    assert lines[0].startswith("step    1/2 [##########..........] loss 2.0000")
+    assert lines[0].startswith("step 1/2 loss 2.0000")
     assert "123.4 samples/s" in lines[0] and "reduced 3.0MiB in 2 calls" in lines[0]
-    assert "comm  25%" in lines[0]  # 0.1 exposed of 0.4 busy
-    assert "[####################]" in lines[1] and "SKIPPED" in lines[1]
-    assert lines[2].startswith("done: 2 optimizer steps, final loss 1.0000")
+    assert "comm 25%" in lines[0]  # 0.1 exposed of 0.4 busy
+    assert "elapsed 0:00 eta 0:00" in lines[0]  # elapsed time and ETA, for logs
+    assert lines[1].startswith("step 2/2") and "SKIPPED" in lines[1]
+    assert lines[2].startswith("done: 2 optimizer steps in 0:00, final loss 1.0000")
     assert "split 4x2x2=16" in lines[2]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_draws_a_progress_bar_on_a_terminal() -> None:
+    out = Terminal()
+    sink = ConsoleSink(total_steps=4, stream=out, first_step=3)  # a resumed run starts at step 3
+    sink.log(record(3))
+    sink.log(record(4))
+    sink.close({**SUMMARY, "final_model": "runs/x/final"})
+    text = out.getvalue()
+    assert "4/4" in text and "loss 0.5000" in text and "samples/s" in text  # tqdm with our fields
+    assert "trained model: runs/x/final/ (model.safetensors)" in text
+
+
+def test_clock_formats_durations() -> None:
+    assert (clock(5), clock(65), clock(3725)) == ("0:05", "1:05", "1:02:05")
 
 
 def test_console_quiet_prints_only_the_summary() -> None:
@@ -84,7 +105,7 @@ def test_rank_zero_fans_out_to_jsonl_and_console(tmp_path: Path, capsys: pytest.
     assert [type(s).__name__ for s in sink.sinks] == ["JsonlSink", "ConsoleSink"]  # disabled: no wandb
     sink.log(record(1))
     sink.close(SUMMARY)
-    assert "step    1/1" in capsys.readouterr().out
+    assert "step 1/1" in capsys.readouterr().out
     assert (tmp_path / "metrics.jsonl").is_file() and (tmp_path / "summary.json").is_file()
 
 

@@ -42,13 +42,13 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
     from pathlib import Path
 
     from distaccum.config import from_mapping
-    from distaccum.launcher import torchrun_argv
+    from distaccum.launcher import launch_plan, torchrun_argv, worker_args
 
     cfg = from_mapping({"trainer": {"nproc": 4, "nnodes": 2, "rdzv_endpoint": "node01:29500",
                                     "rdzv_id": "exp", "max_restarts": 1}})
-    assert torchrun_argv(cfg, Path("run/launch_config.json"), python="python") == [
+    assert torchrun_argv(launch_plan(cfg), worker_args(Path("run/launch_config.json")), python="python") == [
         "python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
         "--rdzv_endpoint=node01:29500", "--rdzv_id=exp", "--max_restarts=1",
         "-m", "distaccum", "_worker", "run/launch_config.json"]
     single = from_mapping({"trainer": {"nproc": 2}})
-    assert "--rdzv_endpoint=127.0.0.1:0" in torchrun_argv(single, Path("c.json"))
+    assert "--rdzv_endpoint=127.0.0.1:0" in torchrun_argv(launch_plan(single), ["examples/own_loop.py"])

@@ -1,29 +1,27 @@
 """`distaccum verify` end to end: real launches (gloo), a passing matrix and the negative controls.
 
-Each fixture is one ``distaccum verify`` invocation (a reference plus candidates, ~5 s per run on 2
-idle cores), shared by the tests that read it.
+Each fixture is one ``distaccum verify`` invocation (the plain reference plus candidates, ~5 s per
+run on 2 idle cores), shared by the tests that read it. Two negative controls are bugs that do not
+depend on the split (a constant gradient factor; a partial window normalized as if full): every
+split shows them alike, so only a reference independent of the loop can catch them.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from conftest import Run, run_cli
+from distaccum.weights import load_weights
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 
-def verify(tmp_path_factory: pytest.TempPathFactory, name: str, *overrides: str) -> tuple[Run, float]:
-    run_dir = tmp_path_factory.mktemp(name) / "verify"
-    start = time.perf_counter()
-    run = run_cli("verify", run_dir, *overrides, timeout=280)
-    return run, time.perf_counter() - start
+def verify(tmp_path_factory: pytest.TempPathFactory, name: str, *overrides: str) -> Run:
+    return run_cli("verify", tmp_path_factory.mktemp(name) / "verify", *overrides, timeout=280)
 
 
 def report(run: Run) -> dict[str, Any]:
@@ -31,7 +29,7 @@ def report(run: Run) -> dict[str, Any]:
 
 
 MATRIX = {
-    # 3 splits each; tiny_gpt fp32 for 10 steps is also the "under 2 minutes" acceptance run
+    # 3 splits each (its wall time is a benchmark figure: see README, Verification)
     "gpt_fp32": ("model=tiny_gpt", "trainer.max_steps=10"),
     "gpt_fp64": ("model=tiny_gpt", "precision=fp64", "trainer.max_steps=5"),
     "mlp_fp32_ref_fp64": ("model=mlp", "verify.reference_dtype=fp64", "trainer.max_steps=5"),
@@ -40,14 +38,13 @@ MATRIX = {
 
 
 @pytest.fixture(scope="module", params=sorted(MATRIX))
-def passing(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run, float]:
+def passing(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
     name = request.param
-    run, seconds = verify(tmp_path_factory, name, *MATRIX[name], "verify.splits=auto", "verify.max_candidates=3")
-    return name, run, seconds
+    return name, verify(tmp_path_factory, name, *MATRIX[name], "verify.splits=auto", "verify.max_candidates=3")
 
 
-def test_matrix_passes_with_three_splits(passing: tuple[str, Run, float]) -> None:
-    name, run, seconds = passing
+def test_matrix_passes_with_three_splits(passing: tuple[str, Run]) -> None:
+    name, run = passing
     assert run.returncode == 0, run.stdout + run.stderr
     out = report(run)
     assert out["passed"] is True
@@ -64,24 +61,32 @@ def test_matrix_passes_with_three_splits(passing: tuple[str, Run, float]) -> Non
     assert out["reference"]["precision"] == ("fp64" if "fp64" in name else "fp32")
     assert out["reference"]["world_size"] == 1 and out["reference"]["accum_steps"] == 1
     assert "PASS" in run.stdout and "tolerance (" in run.stdout
-    if name == "gpt_fp32":
-        assert seconds < 120, f"3-split verify of tiny_gpt for 10 steps took {seconds:.0f} s"
 
 
-def test_reference_and_candidates_really_trained_the_same_model(passing: tuple[str, Run, float]) -> None:
+def per_tensor_bound(name: str, tensor: str) -> float:
+    """The bar this test holds each final tensor to, tighter than verify's own fp32 5e-3.
+
+    fp64 runs agree to rounding; fp32 runs to 1e-4 per tensor, except attention's ``qkv.bias``,
+    whose true gradient is ~0 (softmax ignores the key bias) so AdamW turns pure rounding noise
+    into updates of up to ~lr (measured max_rel 6.9e-4 after 30 steps; README, Verification).
+    """
+    if name.endswith("fp64") and "ref" not in name:
+        return 1e-9
+    return 5e-3 if tensor.endswith("qkv.bias") else 1e-4
+
+
+def test_reference_and_candidates_really_trained_the_same_model(passing: tuple[str, Run]) -> None:
     """Independent of compare(): the files agree, the model moved, and every step was checksummed."""
-    name, run, _ = passing
-    ref_dir = run.run_dir / "reference"
-    seed = torch.load(run.run_dir / "seed.pt", weights_only=True)
-    ref = torch.load(ref_dir / "final_params.pt", weights_only=True)
-    assert any(not torch.allclose(ref[k].double(), seed[k].double()) for k in ref)
-    bound = 1e-9 if name.endswith("fp64") and "ref" not in name else 5e-3
+    name, run = passing
+    seed = load_weights(run.run_dir / "seed.safetensors")
+    ref = load_weights(run.run_dir / "reference" / "final")
+    assert any(not (ref[k].double() - seed[k].double()).abs().max() < 1e-6 for k in ref)
     for c in report(run)["candidates"]:
-        cand = torch.load(Path(c["run_dir"]) / "final_params.pt", weights_only=True)
+        cand = load_weights(Path(c["run_dir"]) / "final")
         assert cand.keys() == ref.keys()
         for k in ref:
             scale = float(ref[k].double().abs().max()) + 1e-12
-            assert float((cand[k].double() - ref[k].double()).abs().max()) / scale < bound, k
+            assert float((cand[k].double() - ref[k].double()).abs().max()) / scale < per_tensor_bound(name, k), k
         rows = (Path(c["run_dir"]) / "checksums.jsonl").read_text().splitlines()
         assert [json.loads(r)["step"] for r in rows] == list(range(1, report(run)["steps"] + 1))
 
@@ -89,23 +94,38 @@ def test_reference_and_candidates_really_trained_the_same_model(passing: tuple[s
 @pytest.fixture(scope="module")
 def mean_per_micro(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return verify(tmp_path_factory, "mean", "model=tiny_gpt", "accum.loss_norm=mean_per_micro",
-                  "trainer.max_steps=3")[0]
+                  "trainer.max_steps=3")
 
 
 @pytest.fixture(scope="module")
 def batchnorm(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return verify(tmp_path_factory, "bn", "model=convnet_bn", "accum.steps=4", "trainer.max_steps=3")[0]
+    return verify(tmp_path_factory, "bn", "model=convnet_bn", "accum.steps=4", "trainer.max_steps=3")
 
 
 @pytest.fixture(scope="module")
 def desync(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return verify(tmp_path_factory, "desync", "model=tiny_gpt", "debug.skip_reduction_rank=1",
-                  "trainer.max_steps=3")[0]
+                  "trainer.max_steps=3")
 
 
 @pytest.fixture(scope="module")
 def dropout(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return verify(tmp_path_factory, "dropout", "model=mlp", "model.dropout=0.2", "trainer.max_steps=2")[0]
+    return verify(tmp_path_factory, "dropout", "model=mlp", "model.dropout=0.2", "trainer.max_steps=2")
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    # Every split alike: the gradient is 2x what it should be (a loss divided once too few times).
+    return verify(tmp_path_factory, "scaled", "model=mlp", "precision=fp64", "debug.grad_scale_fault=2.0",
+                  "optim.name=sgd", "trainer.max_steps=3", "verify.splits=auto", "verify.max_candidates=2")
+
+
+@pytest.fixture(scope="module")
+def nominal(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    # 40 samples in windows of 16: step 3 is a partial window of 8, normalized as if it held 16.
+    return verify(tmp_path_factory, "nominal", "model=tiny_gpt", "model.width=32", "precision=fp64",
+                  "data.dataset.num_samples=40", "accum.global_batch=16", "accum.micro_batch=2",
+                  "debug.nominal_partial_count=true", "trainer.max_steps=4")
 
 
 def failed_candidate(run: Run) -> dict[str, Any]:
@@ -151,6 +171,23 @@ def test_desynchronized_rank_is_caught_by_the_tripwire(desync: Run) -> None:
     assert (tripwire["step"], tripwire["parameter"], tripwire["rank"]) == (1, first["parameter"], 1)
     assert "ranks diverged after optimizer step 1" in desync.stdout
     assert "RankDivergenceError" in (Path(cand["run_dir"]) / "console.log").read_text()
+
+
+def test_a_constant_gradient_factor_fails_every_split(scaled: Run) -> None:
+    assert scaled.returncode == 1, scaled.stdout + scaled.stderr
+    cands = report(scaled)["candidates"]
+    assert len(cands) == 2 and not any(c["passed"] for c in cands)
+    for cand in cands:
+        assert cand["first_divergence"]["step"] == 1 and cand["first_divergence"]["quantity"] == "grad_norm"
+        assert [d["cause"] for d in cand["diagnosis"]] == ["gradient_scale"]
+        assert "the gradient is 2x the reference's" in cand["diagnosis"][0]["message"]
+
+
+def test_a_partial_window_normalized_as_if_full_fails_at_that_window(nominal: Run) -> None:
+    cand = failed_candidate(nominal)
+    first = cand["first_divergence"]
+    assert first["step"] == 3 and first["quantity"] in ("grad_norm", "parameter")
+    assert [d["cause"] for d in cand["diagnosis"]] == ["partial_window"]
 
 
 def test_bad_config_exits_2_before_any_run(tmp_path: Path) -> None:

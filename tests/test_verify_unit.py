@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from distaccum.checks import CHECKSUMS_FILE, check_consistency
+from distaccum.checks import check_consistency
+from distaccum.components import Components
 from distaccum.config import RunConfig, Split, from_mapping, to_mapping, valid_splits
+from distaccum.datasets import SyntheticRegression
 from distaccum.diagnosis import (
     CAUSES,
     RunFacts,
@@ -23,7 +25,9 @@ from distaccum.diagnosis import (
     rule_randomness,
     unequal_items,
 )
-from distaccum.models import build_model
+from distaccum.losses import mse
+from distaccum.models import MLP, ConvNetBN, TinyGPT
+from distaccum.rundir import CHECKSUMS
 from distaccum.verify import (
     DEFAULT_TOLERANCES,
     Divergence,
@@ -40,6 +44,7 @@ from distaccum.verify import (
     tolerance_for,
     write_seed_checkpoint,
 )
+from distaccum.weights import load_weights
 
 pytestmark = pytest.mark.unit
 
@@ -80,10 +85,10 @@ def test_reference_and_candidate_configs(tmp_path: Path) -> None:
     cfg = make_cfg(accum={"micro_batch": 2, "steps": 4}, trainer={"nproc": 2, "check_every": 0},
                    verify={"reference_dtype": "fp64"}, debug={"skip_reduction_rank": 1},
                    engine={"name": "fsdp"})
-    seed = tmp_path / "seed.pt"
+    seed = tmp_path / "seed.safetensors"
     ref = reference_config(cfg, tmp_path / "ref", seed)
     assert ref.split() == Split(16, 1, 1)
-    assert (ref.engine.name, ref.precision, ref.debug.skip_reduction_rank) == ("ddp", "fp64", None)
+    assert (ref.precision, ref.debug.skip_reduction_rank) == ("fp64", None)
     cand = candidate_config(cfg, Split(1, 8, 2), tmp_path / "c", seed)
     assert cand.split() == Split(1, 8, 2)
     assert (cand.engine.name, cand.precision, cand.debug.skip_reduction_rank) == ("fsdp", "fp32", 1)
@@ -101,15 +106,16 @@ def test_tolerances_per_precision_and_overrides() -> None:
 
 
 def test_seed_checkpoint_holds_the_models_initial_weights(tmp_path: Path) -> None:
-    cfg = make_cfg(model={"name": "mlp"}, trainer={"seed": 7})
-    write_seed_checkpoint(cfg, tmp_path / "seed.pt")
-    state = torch.load(tmp_path / "seed.pt", weights_only=True)
+    cfg = make_cfg(trainer={"seed": 7})
+    parts = Components(model=lambda: MLP(width=8), dataset=SyntheticRegression(8), loss=mse)
+    write_seed_checkpoint(cfg, parts, tmp_path / "seed.safetensors")
+    state = load_weights(tmp_path / "seed.safetensors")
     torch.manual_seed(123)
-    other, _ = build_model(cfg.model, cfg.data)
+    other = MLP(width=8)
     assert not torch.equal(other.state_dict()["net.0.weight"], state["net.0.weight"])
     other.load_state_dict(state)  # a full, loadable state dict
     torch.manual_seed(7)
-    same, _ = build_model(cfg.model, cfg.data)
+    same = MLP(width=8)
     assert all(torch.equal(v, state[k]) for k, v in same.state_dict().items())
 
 
@@ -260,15 +266,17 @@ def test_diagnose_combines_rules_and_falls_back() -> None:
     assert {f.cause for f in diagnose(FAILED, facts, SPLIT, None)} <= set(CAUSES)
 
 
-def test_facts_from_models_and_the_data_plan() -> None:
-    bn = model_facts(make_cfg(model={"name": "convnet_bn"}))
+def test_facts_from_models_and_the_records() -> None:
+    bn = model_facts(ConvNetBN(), "global_count")
     assert bn.batch_stat_layers == ("features.1", "features.4") and bn.random_layers == ()
-    drop = model_facts(make_cfg(model={"name": "mlp", "dropout": 0.1}))
+    drop = model_facts(MLP(dropout=0.1), "global_count")
     assert drop.random_layers and not drop.batch_stat_layers
-    gpt = make_cfg(model={"name": "tiny_gpt"})
-    assert "at step 1" in unequal_items(gpt, Split(4, 4, 2), 3)  # variable-length sequences
-    assert unequal_items(gpt, Split(32, 1, 1), 3) is None  # a single micro-batch
-    assert unequal_items(make_cfg(model={"name": "mlp"}), Split(4, 4, 2), 3) is None  # one item per sample
+    attention = model_facts(TinyGPT(dropout=0.1), "global_count")  # functional dropout in attention
+    assert {"blocks.0", "blocks.0.drop"} <= set(attention.random_layers)
+    records = [{"step": 1, "micro_steps": 4, "micro_items_min": 20, "micro_items_max": 20},
+               {"step": 2, "micro_steps": 4, "micro_items_min": 12, "micro_items_max": 31}]
+    assert unequal_items(records) == "at step 2 the 4 micro-batches per rank hold 12 to 31 loss items"
+    assert unequal_items(records[:1]) is None
 
 
 # --- the tripwire's recording (single process; the multi-rank path runs in test_verify.py) -----------
@@ -284,10 +292,10 @@ class _Params:
 def test_single_process_records_checksums(tmp_path: Path) -> None:
     module = torch.nn.Linear(3, 2)
     check_consistency(_Params(module), 1, tmp_path)  # world 1, not recording: nothing to do
-    assert not (tmp_path / CHECKSUMS_FILE).exists()
+    assert not (tmp_path / CHECKSUMS).exists()
     check_consistency(_Params(module), 1, tmp_path, record=True)
     check_consistency(_Params(module), 2, tmp_path, record=True)
-    rows = [json.loads(line) for line in (tmp_path / CHECKSUMS_FILE).read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / CHECKSUMS).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     s, q, n = rows[0]["params"]["weight"]
     w = module.weight.detach().double()

@@ -7,8 +7,8 @@ loop's on every micro-batch rather than trusting the two counters to stay in ste
 
 Scaling: ``Accelerator.backward`` divides every loss by K, and Accelerate wraps the model in DDP.
 We register the DDP engine's comm hook on that DDP module (so the ledger counts these reductions
-too); it averages over the W ranks (see ``engine_ddp.mean_allreduce_hook`` for why not a sum). Both
-divisions are declared in ``grad_divisor = K * W``: the step sees ``sum(S_rk) / N`` and nothing else.
+too); it averages over the W ranks (see ``engines.ddp.mean_allreduce_hook`` for why not a sum). Both
+divisions are declared in ``grad_divisor = K * W``: the step sees the loop's sum and nothing else.
 """
 
 from __future__ import annotations
@@ -22,29 +22,33 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.backend import OptimizerFactory, Precision
 from distaccum.comm import CommLedger
-from distaccum.config import RunConfig
-from distaccum.engine_ddp import register_counting_hook
+from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult
+from distaccum.engines.ddp import register_counting_hook, step_plain
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16": "bf16", "fp16": "fp16"}
 """Our precision names -> Accelerate's ``mixed_precision`` (it owns autocast and the GradScaler)."""
 
 
-class AccelerateBackend:
+class AccelerateEngine:
     """An ``Accelerator`` driving DDP; gradient sync through ``accumulate()``."""
 
     name = "accelerate"
 
-    def __init__(self, cfg: RunConfig, device: torch.device, ledger: CommLedger) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.ledger = ledger
-        self.precision = Precision.of(cfg.precision)
-        if cfg.precision == "fp16" and device.type == "cpu":  # Accelerate would silently use fp32
+    @classmethod
+    def check(cls, spec: EngineSpec) -> None:
+        """On CPU Accelerate would silently train fp16 in fp32."""
+        if spec.precision.name == "fp16" and spec.device.type == "cpu":
             raise ValueError("engine=accelerate precision=fp16 needs a GPU (on CPU Accelerate trains in "
                              "fp32 without saying so); use bf16 or fp32 on CPU")
-        self.accum_steps = cfg.split(dist.get_world_size()).accum_steps
+
+    def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
+        self.check(spec)
+        self.spec = spec
+        self.device = spec.device
+        self.ledger = ledger
+        self.precision = spec.precision
+        self.accum_steps = spec.split.accum_steps
         # Accelerator.backward divides by K; the DDP comm hook averages over W ranks.
         self.grad_divisor = float(self.accum_steps * dist.get_world_size())
         self.accelerator: Any = None
@@ -56,10 +60,10 @@ class AccelerateBackend:
         from accelerate.utils import GradientAccumulationPlugin
 
         plugin = GradientAccumulationPlugin(num_steps=self.accum_steps,
-                                            sync_each_batch=self.cfg.accum.sync == "every_micro",
+                                            sync_each_batch=self.spec.sync == "every_micro",
                                             sync_with_dataloader=False)  # we bring our own batches
         self.accelerator = Accelerator(cpu=self.device.type == "cpu",
-                                       mixed_precision=MIXED_PRECISION[self.cfg.precision],
+                                       mixed_precision=MIXED_PRECISION[self.precision.name],
                                        gradient_accumulation_plugin=plugin)
         if self.accelerator.num_processes != dist.get_world_size():
             raise RuntimeError(f"Accelerate sees {self.accelerator.num_processes} process(es) but the process "
@@ -69,7 +73,7 @@ class AccelerateBackend:
         optimizer = make_optimizer(list(self.raw.parameters()))
         prepared, self.prepared_optimizer = self.accelerator.prepare(self.raw, optimizer)
         if isinstance(prepared, DDP):
-            register_counting_hook(prepared, self.cfg, self.ledger)
+            register_counting_hook(prepared, self.ledger, self.spec.fault_rank)
         elif dist.get_world_size() > 1:
             raise RuntimeError(f"Accelerate prepared a {type(prepared).__name__}, expected DDP")
         self.module = prepared
@@ -79,7 +83,7 @@ class AccelerateBackend:
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:
         with self.accelerator.accumulate(self.module):
-            will_reduce = self.accelerator.sync_gradients or self.cfg.accum.sync == "every_micro"
+            will_reduce = self.accelerator.sync_gradients or self.spec.sync == "every_micro"
             if will_reduce != enabled:
                 raise RuntimeError(f"Accelerate's accumulate() would {'' if will_reduce else 'not '}sync "
                                    f"this micro-batch but the loop says sync={enabled}: the counters drifted")
@@ -92,24 +96,28 @@ class AccelerateBackend:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)  # divides by K (declared in grad_divisor), scales fp16
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         assert self.raw is not None
-        # Unscales fp16 gradients first (once per step), then torch's clip_grad_norm_.
-        norm = self.accelerator.clip_grad_norm_(self.raw.parameters(), max_norm or float("inf"))
-        return float(norm)
-
-    def step(self) -> bool:
         if not self.accelerator.sync_gradients:
             raise RuntimeError("Accelerate's accumulate() has not reached its boundary at the loop's "
                                "optimizer step: its optimizer.step() would silently do nothing")
-        self.prepared_optimizer.step()
-        self.prepared_optimizer.zero_grad(set_to_none=True)
-        return not self.accelerator.optimizer_step_was_skipped
+        # The torch optimizer and Accelerate's GradScaler directly: the same unscale -> normalize
+        # -> clip -> step as DDP (Accelerate's prepared optimizer would only add its own checks).
+        return step_plain(self.optimizer, list(self.raw.parameters()), max_norm, grad_scale,
+                          self.accelerator.scaler)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.raw is not None
         for name, param in self.raw.named_parameters():
             yield name, param.detach()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.raw is not None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.raw.state_dict().items()}
+
+    def unwrapped(self) -> nn.Module:
+        assert self.raw is not None
+        return self.raw
 
     def state_dict(self) -> dict[str, Any]:
         assert self.raw is not None

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from distaccum.config import RunConfig, Split
+from distaccum.engines.base import EngineSpec
 
 FORBIDDEN = {
     "optimizer": "distaccum builds the optimizer from optim.* and hands it to DeepSpeed",
@@ -24,17 +24,20 @@ FORBIDDEN = {
 """User-config sections we refuse outright, and why."""
 
 
-def generate(cfg: RunConfig, split: Split) -> tuple[dict[str, Any], dict[str, str]]:
-    """Our DeepSpeed config for ``split``, and for each dotted key the setting it comes from."""
-    clip = cfg.optim.clip_norm or 0.0  # DeepSpeed: 0.0 disables clipping
+def generate(spec: EngineSpec) -> tuple[dict[str, Any], dict[str, str]]:
+    """Our DeepSpeed config for ``spec.split``, and for each dotted key the setting it comes from."""
+    split, precision, stage = spec.split, spec.precision.name, spec.engine.zero_stage
+    clip = spec.clip_norm or 0.0  # DeepSpeed: 0.0 disables clipping
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": split.micro_batch,
         "gradient_accumulation_steps": split.accum_steps,
         "train_batch_size": split.global_batch,
         "gradient_clipping": clip,
-        "zero_optimization": {"stage": cfg.engine.zero_stage},
-        "fp16": {"enabled": cfg.precision == "fp16"},
-        "bf16": {"enabled": cfg.precision == "bf16"},
+        "zero_optimization": {"stage": stage},
+        "fp16": {"enabled": precision == "fp16"},
+        "bf16": {"enabled": precision == "bf16"},
+        # We pass our own torch optimizer (optim.name); DeepSpeed only trusts its own for ZeRO.
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # our sinks report progress; DeepSpeed's log would duplicate it
     }
     sources = {
@@ -42,10 +45,11 @@ def generate(cfg: RunConfig, split: Split) -> tuple[dict[str, Any], dict[str, st
         "gradient_accumulation_steps": f"accum.steps={split.accum_steps} (resolved split)",
         "train_batch_size": (f"the global batch {split.global_batch} = micro_batch {split.micro_batch} x "
                              f"{split.accum_steps} steps x {split.world_size} ranks"),
-        "gradient_clipping": f"optim.clip_norm={cfg.optim.clip_norm}",
-        "zero_optimization.stage": f"engine.zero_stage={cfg.engine.zero_stage}",
-        "fp16.enabled": f"precision={cfg.precision}",
-        "bf16.enabled": f"precision={cfg.precision}",
+        "gradient_clipping": f"optim.clip_norm={spec.clip_norm}",
+        "zero_optimization.stage": f"engine.zero_stage={stage}",
+        "fp16.enabled": f"precision={precision}",
+        "bf16.enabled": f"precision={precision}",
+        "zero_allow_untested_optimizer": "optim.name (distaccum builds the torch optimizer)",
         "steps_per_print": "distaccum's own progress reporting",
     }
     return config, sources
@@ -104,27 +108,33 @@ def load_user_config(path: str) -> dict[str, Any]:
     return data
 
 
-def build(cfg: RunConfig, split: Split) -> dict[str, Any]:
+def build(spec: EngineSpec) -> dict[str, Any]:
     """The config passed to ``deepspeed.initialize``: generated, plus the user file if any."""
-    ours, sources = generate(cfg, split)
-    if not cfg.engine.deepspeed_config:
+    ours, sources = generate(spec)
+    path = spec.engine.deepspeed_config
+    if not path:
         return ours
-    user = load_user_config(cfg.engine.deepspeed_config)
-    return merge(ours, user, sources, origin=f"engine.deepspeed_config={cfg.engine.deepspeed_config!r}")
+    return merge(ours, load_user_config(path), sources, origin=f"engine.deepspeed_config={path!r}")
 
 
-def check(cfg: RunConfig) -> None:
-    """Validate ``cfg`` for engine=deepspeed, with the user JSON if any, for the launch's world size.
+def check(spec: EngineSpec) -> None:
+    """Validate a DeepSpeed run (with the user JSON if any) for the launch's world size.
 
-    Raises ValueError; config validation calls it, so errors come before any worker starts.
+    Raises ValueError; the entry layer calls it, so errors come before any worker starts.
     """
-    if cfg.engine.name != "deepspeed":
-        return
-    if cfg.accum.sync == "every_micro" and cfg.engine.zero_stage < 2:
+    stage, precision = spec.engine.zero_stage, spec.precision.name
+    if spec.sync == "every_micro" and stage < 2:
         raise ValueError(
-            f"accum.sync=every_micro with engine=deepspeed engine.zero_stage={cfg.engine.zero_stage}: ZeRO-0/1 "
-            "reduce only at the accumulation boundary (declaring every micro-batch a boundary makes "
-            "ZeRO-1/2 drop accumulated gradients); use accum.sync=boundary, or zero_stage 2/3, which "
-            "reduce on every micro-batch by design")
-    if cfg.engine.deepspeed_config:
-        build(cfg, cfg.split())
+            f"accum.sync=every_micro with engine=deepspeed engine.zero_stage={stage}: ZeRO-0/1 reduce only "
+            "at the accumulation boundary (declaring every micro-batch a boundary makes ZeRO-1/2 drop "
+            "accumulated gradients); use accum.sync=boundary, or zero_stage 2/3, which reduce on every "
+            "micro-batch by design")
+    if precision == "fp64" and stage == 0:
+        raise ValueError("precision=fp64 with engine=deepspeed engine.zero_stage=0 is unsupported "
+                         "(DeepSpeed refuses fp64 gradients); use zero_stage 1-3 or another engine")
+    if precision == "fp16":
+        raise ValueError("engine=deepspeed precision=fp16 is not supported by distaccum: DeepSpeed's dynamic "
+                         "loss scaler would be replaced by the window normalization (see README: Engines); "
+                         "use precision=bf16, which needs no loss scaling")
+    if spec.engine.deepspeed_config:
+        build(spec)

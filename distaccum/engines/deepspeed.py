@@ -1,10 +1,15 @@
-"""DeepSpeed engine (ZeRO 0-3) behind the one backend protocol.
+"""DeepSpeed engine (ZeRO 0-3) behind the one engine protocol.
 
-Scaling, stated once. The loop backpropagates ``S_rk * grad_divisor / N``. DeepSpeed would divide
-that again: by ``gradient_accumulation_steps`` in ``backward`` and by the data-parallel world in its
-gradient reduction (an average). We switch the first off (``backward(loss, scale_wrt_gas=False)``)
-and declare the second (``grad_divisor = world size``), so the step sees exactly
-``sum(S_rk) / N`` — the loss is scaled once, by the loop.
+Scaling, stated once. The loop backpropagates ``S_rk * c * grad_divisor`` and, at the boundary,
+asks for the gradients to be multiplied by ``grad_scale = 1 / (c N)``. DeepSpeed would divide the
+loss again by ``gradient_accumulation_steps`` in ``backward`` and average gradients over the
+data-parallel world in its reduction. We switch the first off (``backward(loss,
+scale_wrt_gas=False)``) and declare the second (``grad_divisor = world size``). ``grad_scale`` is
+applied by DeepSpeed itself: ZeRO optimizers divide the reduced gradient partitions (and the norm
+they clip with) by their loss scale in ``step()``, so for the boundary step we set that scale to
+``1 / grad_scale`` with the public ``override_loss_scale`` and put it back to 1 for the next
+window's backward passes. ZeRO-0 in fp32 steps the torch optimizer on whole, already reduced
+gradients: there we multiply them ourselves. The loss is scaled once, by the loop.
 
 Boundary control is DeepSpeed's public ``set_gradient_accumulation_boundary``, always set to the
 window's real boundary (the last of its K micro-batches): ZeRO-0/1 reduce only there; ZeRO-2/3
@@ -12,14 +17,13 @@ reduce(-scatter) on *every* micro-batch by design (that is how they keep only a 
 partition), so ``accum.sync=every_micro`` changes nothing for them and is refused for ZeRO-0/1
 (declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated gradients).
 
-Clipping happens inside ``engine.step()`` (``gradient_clipping`` in the generated config), so
-``clip_grad_norm`` runs DeepSpeed's step and returns the norm DeepSpeed computed; ``step()`` then
-only reports whether it was applied.
+Clipping happens inside ``engine.step()`` (``gradient_clipping`` in the generated config).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -30,11 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distaccum.backend import OptimizerFactory, Precision
 from distaccum.comm import CommLedger
-from distaccum.comm_tap import tap_gradient_reductions
-from distaccum.config import RunConfig
-from distaccum.deepspeed_config import build
+from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, grads_of
+from distaccum.engines.comm_tap import tap_gradient_reductions
+from distaccum.engines.deepspeed_config import build, check
 
 
 def use_extensions_dir(path: str, rank: int) -> Path:
@@ -54,29 +57,45 @@ def use_extensions_dir(path: str, rank: int) -> Path:
     return resolved
 
 
-class DeepSpeedBackend:
+@contextlib.contextmanager
+def _quiet_deepspeed() -> Iterator[None]:
+    """``override_loss_scale`` logs every change at INFO; twice a step would flood the console."""
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class DeepSpeedEngine:
     """``deepspeed.initialize`` with our torch optimizer and a config generated from ours."""
 
     name = "deepspeed"
 
-    def __init__(self, cfg: RunConfig, device: torch.device, ledger: CommLedger) -> None:
-        self.cfg = cfg
-        self.device = device
+    @classmethod
+    def check(cls, spec: EngineSpec) -> None:
+        """Combinations DeepSpeed cannot run, and conflicts with the user's DeepSpeed JSON."""
+        check(spec)
+        if spec.precision.name == "fp16" and spec.device.type == "cpu":  # pragma: no cover - check() refuses fp16
+            raise ValueError("engine=deepspeed precision=fp16 needs a GPU")
+
+    def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
+        self.check(spec)
+        self.spec = spec
+        self.device = spec.device
         self.ledger = ledger
-        self.precision = Precision.of(cfg.precision)
-        self.stage = cfg.engine.zero_stage
+        self.precision = spec.precision
+        self.stage = spec.engine.zero_stage
         # DeepSpeed averages gradients over the data-parallel world; scale_wrt_gas=False below.
         self.grad_divisor = float(dist.get_world_size())
-        if cfg.precision == "fp16" and device.type == "cpu":
-            raise ValueError("engine=deepspeed precision=fp16 needs a GPU (DeepSpeed's CPU accelerator "
-                             "has no fp16); use bf16 or fp32 on CPU")
-        self.accum_steps = cfg.split(dist.get_world_size()).accum_steps
+        self.accum_steps = spec.split.accum_steps
         self._micro = 0  # micro-batches seen: the loop's windows always hold exactly K
         self.engine: Any = None
-        self._applied: bool | None = None  # set by the DeepSpeed step run in clip_grad_norm
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
-        use_extensions_dir(self.cfg.engine.extensions_dir, dist.get_rank())
+        use_extensions_dir(self.spec.engine.extensions_dir, dist.get_rank())
         # DeepSpeed picks its accelerator by probing (CUDA if present); ours is trainer.device.
         os.environ["DS_ACCELERATOR"] = "cuda" if self.device.type == "cuda" else "cpu"
         # DeepSpeed 0.19 still calls the deprecated torch names; say it once here, not per rank and op.
@@ -84,12 +103,11 @@ class DeepSpeedBackend:
                                 category=FutureWarning)
         import deepspeed
 
-        config = build(self.cfg, self.cfg.split(dist.get_world_size()))
         model = model.to(device=self.device, dtype=self.precision.param_dtype)
         optimizer = make_optimizer(list(model.parameters()))
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=build(self.spec),
                                                dist_init_required=False)
-        # Our LR scheduler wraps this torch optimizer; DeepSpeed's ZeRO/bf16/fp16 wrappers step it
+        # Our LR scheduler wraps this torch optimizer; DeepSpeed's ZeRO/bf16 wrappers step it
         # (over their fp32 partitions) and read its param_groups' lr, so the schedule applies.
         stepped = engine.optimizer
         if stepped is not optimizer and getattr(stepped, "optimizer", None) is not optimizer:
@@ -102,44 +120,45 @@ class DeepSpeedBackend:
     def sync(self, enabled: bool) -> ContextManager[object]:
         self._micro += 1
         boundary = self._micro % self.accum_steps == 0
-        if self.cfg.accum.sync == "boundary" and enabled != boundary:
+        if self.spec.sync == "boundary" and enabled != boundary:
             raise RuntimeError(f"micro-batch {self._micro} of a {self.accum_steps}-step window: the loop says "
                                f"sync={enabled}, DeepSpeed's boundary would be {boundary}")
         self.engine.set_gradient_accumulation_boundary(boundary)
         return contextlib.nullcontext()
 
     def forward_context(self) -> ContextManager[object]:
-        # fp16/bf16 make DeepSpeed hold half-precision weights; autocast casts the float inputs.
+        # bf16 makes DeepSpeed hold half-precision weights; autocast casts the float inputs.
         return self.precision.autocast(self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         with tap_gradient_reductions(self.ledger):  # ZeRO reduces inside backward (hooks, epilogue)
             self.engine.backward(loss, scale_wrt_gas=False)
 
-    def _plain_grad_norm(self) -> float:
-        # ZeRO-0 in fp32 steps the torch optimizer directly and keeps no norm; its gradients are
-        # whole and already reduced at the boundary, so their norm is the global one.
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-
-    def clip_grad_norm(self, max_norm: float | None) -> float:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         assert (max_norm or 0.0) == self.engine.gradient_clipping(), "clipping comes from the generated config"
-        before = self._plain_grad_norm() if self.stage == 0 else None
-        self.engine.step()  # DeepSpeed: norm, clip, optimizer step, zero grads
-        self._applied = self.engine.was_step_applied()
+        wrapper = self.engine.optimizer
+        if wrapper is self.optimizer:
+            # ZeRO-0 fp32: whole gradients on the parameters, reduced at the boundary.
+            grads = grads_of(self.engine.module.parameters())
+            torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            if not (norm == norm and norm != float("inf")):
+                self.engine.zero_grad()
+                return StepResult(norm, False)
+            self.engine.step()  # clips (gradient_clipping) and steps the torch optimizer
+            return StepResult(norm, True)
+        with _quiet_deepspeed():
+            # ZeRO 1-3 / bf16: DeepSpeed divides gradients and their norm by its loss scale in step().
+            wrapper.override_loss_scale(1.0 / float(grad_scale))
+            try:
+                self.engine.step()  # norm, clip, optimizer step (skipped on a non-finite norm), zero grads
+            finally:
+                wrapper.override_loss_scale(1.0)  # the next window's backward is not scaled
         norm = self.engine.get_global_grad_norm()
         if norm is None:
-            if before is None:
-                raise RuntimeError("DeepSpeed reported no gradient norm "
-                                   "(zero_optimization.compute_grad_norm off in the user config?)")
-            norm = before
-        return float(norm)
-
-    def step(self) -> bool:
-        if self._applied is None:  # the loop always clips first; stay correct if it did not
-            self.clip_grad_norm(self.engine.gradient_clipping() or None)
-        applied, self._applied = self._applied, None
-        return bool(applied)
+            raise RuntimeError("DeepSpeed reported no gradient norm "
+                               "(zero_optimization.compute_grad_norm off in the user config?)")
+        return StepResult(float(norm), bool(self.engine.was_step_applied()))
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         # engine.module is the plain model: names without DeepSpeed's "module." prefix.
@@ -150,6 +169,15 @@ class DeepSpeedBackend:
             with deepspeed.zero.GatheredParameters([param], enabled=self.stage == 3):
                 yield name, param.detach().clone()
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {name: t.to("cpu", copy=True) for name, t in self.full_parameters()}
+        for name, buf in self.engine.module.named_buffers():  # buffers are never partitioned
+            out[name] = buf.detach().to("cpu", copy=True)
+        return out
+
+    def unwrapped(self) -> nn.Module:
+        return self.engine.module
+
     def state_dict(self) -> dict[str, Any]:
         model = {name: t.cpu() for name, t in self.full_parameters()}
         # ZeRO optimizer state is partitioned: gather every rank's part (rank 0 saves them all).
@@ -159,15 +187,13 @@ class DeepSpeedBackend:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import deepspeed
-        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
         for name, param in self.engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=self.stage == 3):
                 param.data.copy_(state["model"][name])
         parts = state["optimizer_parts"]
         optimizer = self.engine.optimizer
-        if optimizer is self.optimizer or isinstance(optimizer, FP16_Optimizer | FP16_UnfusedOptimizer):
+        if optimizer is self.optimizer:
             optimizer.load_state_dict(parts[dist.get_rank()])  # ZeRO-0: whole state on every rank
         else:  # ZeRO 1-3 and bf16: every rank's part in, its own fp32 partition restored from them
             optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)

@@ -1,4 +1,4 @@
-"""DDP engine: ``no_sync`` on non-boundary micro-batches, one SUM all-reduce round at the boundary."""
+"""DDP engine: ``no_sync`` on non-boundary micro-batches, one all-reduce round at the boundary."""
 
 # No ``from __future__ import annotations`` here: DDP inspects the comm hook's real annotations.
 
@@ -11,9 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.backend import OptimizerFactory, Precision
 from distaccum.comm import CommLedger
-from distaccum.config import RunConfig
+from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, grads_of, scale_and_clip_
 
 
 @dataclass
@@ -46,24 +45,52 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     return future.then(done)
 
 
-def register_counting_hook(ddp: DDP, cfg: RunConfig, ledger: CommLedger) -> None:
+def register_counting_hook(ddp: DDP, ledger: CommLedger, fault_rank: int | None) -> None:
     """Install :func:`mean_allreduce_hook` on ``ddp`` (also used on Accelerate's DDP module)."""
-    fault_rank = cfg.debug.skip_reduction_rank
     state = HookState(ledger, keep_local=fault_rank is not None and fault_rank == dist.get_rank())
     ddp.register_comm_hook(state, mean_allreduce_hook)
 
 
-class DDPBackend:
+def step_plain(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float | None,
+               grad_scale: torch.Tensor, scaler: "torch.amp.GradScaler | None") -> StepResult:
+    """Normalize, clip and step gradients that live on whole parameters (DDP, Accelerate).
+
+    With fp16 the GradScaler unscales first (once per step) and skips the update on overflow;
+    otherwise a non-finite norm skips it. Reading the norm is the step's one host sync: the
+    update is conditional on it.
+    """
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = float(scale_and_clip_(grads_of(params), grad_scale, max_norm))
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
+        scaler.update()
+        applied = scaler.get_scale() >= before
+    elif norm == norm and norm != float("inf"):
+        optimizer.step()
+        applied = True
+    else:
+        applied = False
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(norm, applied)
+
+
+class DDPEngine:
     """torch DistributedDataParallel with a counting all-reduce (mean over ranks) comm hook."""
 
     name = "ddp"
 
-    def __init__(self, cfg: RunConfig, device: torch.device, ledger: CommLedger) -> None:
-        self.cfg = cfg
-        self.device = device
+    @classmethod
+    def check(cls, spec: EngineSpec) -> None:
+        """Nothing DDP cannot do; every precision works."""
+
+    def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
+        self.spec = spec
+        self.device = spec.device
         self.ledger = ledger
-        self.precision = Precision.of(cfg.precision)
-        self.scaler = torch.amp.GradScaler(device.type) if self.precision.loss_scaling else None
+        self.precision = spec.precision
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.loss_scaling else None
         # The hook averages over ranks: the loop multiplies the loss back by the world size.
         self.grad_divisor = float(dist.get_world_size())
         self.module: nn.Module | None = None
@@ -72,8 +99,8 @@ class DDPBackend:
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         self.raw = model.to(device=self.device, dtype=self.precision.param_dtype)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.cfg.engine.bucket_cap_mb)
-        register_counting_hook(ddp, self.cfg, self.ledger)
+        ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.spec.engine.bucket_cap_mb)
+        register_counting_hook(ddp, self.ledger, self.spec.fault_rank)
         self.module = ddp
         self.optimizer = make_optimizer(list(self.raw.parameters()))
         return ddp
@@ -88,29 +115,22 @@ class DDPBackend:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         assert self.raw is not None
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # once per step, right before clipping
-        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), max_norm or float("inf"))
-        return float(norm)
-
-    def step(self) -> bool:
-        stepped = True
-        if self.scaler:
-            before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips the update when unscale_ found inf/nan
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= before
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return stepped
+        return step_plain(self.optimizer, list(self.raw.parameters()), max_norm, grad_scale, self.scaler)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.raw is not None
         for name, param in self.raw.named_parameters():
             yield name, param.detach()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.raw is not None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.raw.state_dict().items()}
+
+    def unwrapped(self) -> nn.Module:
+        assert self.raw is not None
+        return self.raw
 
     def state_dict(self) -> dict[str, Any]:
         assert self.raw is not None

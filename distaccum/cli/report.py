@@ -12,9 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
 from distaccum.report import build_rows, check_agreement, discover, plot_report, render_markdown
 
-EXIT_OK, EXIT_DISAGREE, EXIT_USAGE = 0, 1, 2
+EXIT_DISAGREE, EXIT_USAGE = EXIT_FAIL, EXIT_CONFIG
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -34,22 +34,35 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distaccum.backend import OptimizerFactory, Precision
 from distaccum.comm import CommLedger
-from distaccum.comm_tap import tap_gradient_reductions
-from distaccum.config import RunConfig
+from distaccum.engines.base import (
+    EngineSpec,
+    OptimizerFactory,
+    Precision,
+    StepResult,
+    grads_of,
+    scale_and_clip_,
+)
+from distaccum.engines.comm_tap import tap_gradient_reductions
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules sharded on their own (each is all-gathered/reduce-scattered as one unit).
 
-    tiny_gpt: each transformer block (the root takes embeddings, final norm and head); mlp and
-    convnet: each Linear/Conv2d layer, so at most one layer is unsharded at a time.
+    In order of preference: the classes a Hugging Face model names in ``_no_split_modules`` (its
+    decoder layers); the children of the largest ``nn.ModuleList`` (transformer blocks, e.g.
+    tiny_gpt's ``blocks``); otherwise every Linear/Conv layer, so at most one layer is unsharded
+    at a time. The root module takes whatever is left (embeddings, final norm, head).
     """
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        return list(blocks)
-    return [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        units = [m for m in model.modules() if type(m).__name__ in names]
+        if units:
+            return units
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if lists:
+        return list(max(lists, key=len))
+    return [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)]
 
 
 def mixed_precision(precision: Precision, reduce_fp32: bool) -> MixedPrecisionPolicy:
@@ -60,26 +73,31 @@ def mixed_precision(precision: Precision, reduce_fp32: bool) -> MixedPrecisionPo
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if reduce_fp32 else low)
 
 
-class FSDPBackend:
+class FSDPEngine:
     """torch FSDP2 (``fully_shard``) with SUM reduce-scatters reported to the ledger by a tap."""
 
     name = "fsdp"
     grad_divisor = 1.0  # SUM reduction (see the module docstring): nothing divides after the loop
 
-    def __init__(self, cfg: RunConfig, device: torch.device, ledger: CommLedger) -> None:
-        self.cfg = cfg
-        self.device = device
+    @classmethod
+    def check(cls, spec: EngineSpec) -> None:
+        """fp16 needs a sharded GradScaler, which distaccum does not drive."""
+        if spec.precision.loss_scaling:
+            raise ValueError("precision=fp16 with engine=fsdp is unsupported (GradScaler needs the sharded "
+                             "scaler); use bf16 or fp32")
+
+    def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
+        self.check(spec)
+        self.spec = spec
+        self.device = spec.device
         self.ledger = ledger
-        self.precision = Precision.of(cfg.precision)
-        if self.precision.loss_scaling:
-            raise ValueError("engine=fsdp does not support precision=fp16 (needs a sharded GradScaler); "
-                             "use bf16 or fp32")
+        self.precision = spec.precision
         self.module: nn.Module | None = None
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model = model.to(device=self.device, dtype=self.precision.param_dtype)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        policy = mixed_precision(self.precision, self.cfg.engine.fsdp_reduce_fp32)
+        policy = mixed_precision(self.precision, self.spec.engine.fsdp_reduce_fp32)
         for unit in shard_units(model):
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -110,20 +128,16 @@ class FSDPBackend:
         with tap_gradient_reductions(self.ledger):
             loss.backward()
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         assert self.module is not None
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        # On sharded DTensor gradients: per-shard norms, one all-reduce for the total (not a
-        # gradient reduction, and outside the tap).
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
-
-    def step(self) -> bool:
-        self.optimizer.step()
+        # Sharded DTensor gradients: per-shard norms and one all-reduce for the total (not a
+        # gradient reduction, and outside the tap); the multiply acts on the local shards.
+        norm = float(scale_and_clip_(grads_of(self.module.parameters()), grad_scale, max_norm))
+        applied = norm == norm and norm != float("inf")  # host sync: the update depends on it
+        if applied:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return True
+        return StepResult(norm, applied)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.module is not None
@@ -133,6 +147,16 @@ class FSDPBackend:
                 yield name, param.full_tensor().detach()  # an all-gather: every rank iterates
             else:
                 yield name, param.detach()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.module is not None
+        # Gathered shard by shard onto rank 0's CPU (the other ranks get an empty dict).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return dict(get_model_state_dict(self.module, options=options))
+
+    def unwrapped(self) -> nn.Module:
+        assert self.module is not None
+        return self.module
 
     def state_dict(self) -> dict[str, Any]:
         assert self.module is not None
@@ -148,7 +172,7 @@ class FSDPBackend:
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
 
     def teardown(self) -> None:
-        # Drop the sharded module and optimizer before the worker's barrier and
-        # destroy_process_group; the worker then leaves with os._exit (see cli._worker_exit).
+        # Drop the sharded module and optimizer before the barrier and destroy_process_group; the
+        # CLI worker then leaves with os._exit (see cli.worker).
         self.module = None
         self.optimizer = None  # type: ignore[assignment]

@@ -1,0 +1,85 @@
+"""The input pipeline: the plan's micro-batches through a ``torch.utils.data.DataLoader``, onto the device.
+
+Each rank's DataLoader takes a batch sampler that walks the plan from the resume position, so
+workers (``data.num_workers``) prefetch exactly the micro-batches this rank will train on, in
+order, and a resumed run continues at the exact next sample. An empty micro-batch (a partial
+window spread over more pieces than it has samples) is replaced by the window's first sample and
+given weight zero by the loop, so every rank still runs K forward/backward passes and takes part
+in every gradient reduction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from distaccum.config import Split
+from distaccum.plan import GlobalBatchPlan
+
+
+class PlanSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batch index lists for optimizer steps ``start .. stop - 1``."""
+
+    def __init__(self, plan: GlobalBatchPlan, split: Split, rank: int, start: int, stop: int) -> None:
+        self.plan, self.split, self.rank, self.start, self.stop = plan, split, rank, start, stop
+
+    def __len__(self) -> int:
+        return max(self.stop - self.start, 0) * self.split.accum_steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start, self.stop):
+            window = self.plan.window(step)
+            for piece in window.rank_micro_batches(self.split, self.rank):
+                # An empty piece still needs a forward/backward (the loop weights it 0).
+                yield (piece if len(piece) else window.indices[:1]).tolist()
+
+
+def build_loader(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
+                 split: Split, rank: int, stop: int, *, num_workers: int = 0, prefetch_factor: int = 2,
+                 pin_memory: bool = False) -> DataLoader:
+    """A DataLoader over this rank's micro-batches from ``plan.next_step`` to optimizer step ``stop``."""
+    sampler = PlanSampler(plan, split, rank, plan.next_step, stop)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate or default_collate,
+                      num_workers=num_workers, pin_memory=pin_memory,
+                      prefetch_factor=prefetch_factor if num_workers > 0 else None)
+
+
+def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
+    """Move every tensor of ``batch`` (tensors, mappings, sequences, dataclasses, nested) to ``device``;
+    floating tensors also to ``float_dtype`` when given (``precision=fp64``). Other values pass through."""
+    if isinstance(batch, torch.Tensor):
+        moved = batch.to(device, non_blocking=True)
+        return moved.to(float_dtype) if float_dtype is not None and moved.is_floating_point() else moved
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(v, device, float_dtype) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device, float_dtype) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device, float_dtype)
+                                             for f in dataclasses.fields(batch) if f.init})
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a collated batch: the leading dimension of its first tensor (0 if it has none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        values: Any = batch.values()
+    elif isinstance(batch, list | tuple):
+        values = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    else:
+        return 0
+    for value in values:
+        n = batch_size(value)
+        if n:
+            return n
+    return 0

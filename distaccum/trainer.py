@@ -1,0 +1,294 @@
+"""The public ``Trainer``: your model, data and loss in; the trained model, records and ledger out.
+
+The same object runs ``distaccum train``'s workers and a user's own ``torchrun`` script::
+
+    trainer = distaccum.Trainer(
+        {"accum": {"micro_batch": 4, "global_batch": 64}, "trainer": {"max_steps": 100},
+         "run_dir": "runs/mine"},
+        model=make_model, dataset=MyDataset(), collate=my_collate, loss=my_loss_sum)
+    summary = trainer.fit()
+
+It joins the process group (or uses the one the script made), seeds and builds the model
+identically on every rank, wraps it with the engine, walks the global-batch plan through a
+DataLoader, runs :func:`distaccum.loop.train`, writes ``metrics.jsonl``/``summary.json`` and the
+trained model to ``run_dir/final/``, and leaves the group as it found it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, default_collate
+
+from distaccum.checkpoint import StopFlag, StopRequested, load, save
+from distaccum.comm import CommLedger
+from distaccum.components import Components, ModelSpec, build_model
+from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
+from distaccum.engines import check_engine, make_engine
+from distaccum.engines.base import EngineSpec, OptimizerFactory, Precision
+from distaccum.loop import LoopSettings, TrainState, train
+from distaccum.losses import LossFn
+from distaccum.models import batch_stat_layers
+from distaccum.optim import build_optimizer, build_scheduler
+from distaccum.pipeline import build_loader
+from distaccum.plan import GlobalBatchPlan
+from distaccum.probe import probe
+from distaccum.procgroup import ensure_process_group, pick_device, shutdown
+from distaccum.reference import run_reference
+from distaccum.rundir import CHECKPOINT, CONFIG, read_metrics, truncate_metrics, write_json
+from distaccum.sinks import Record, build_sinks
+from distaccum.timing import StepTimer
+from distaccum.topology import DistEnv
+from distaccum.weights import save_final
+
+VERIFY_ENV = "DISTACCUM_VERIFY"
+"""Set by ``distaccum verify --script``: JSON telling a script's Trainer to run as the reference or
+as a candidate split (see :func:`verify_overrides`). Nothing else sets or reads it."""
+
+def verify_overrides(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[RunConfig, dict[str, Any] | None]:
+    """Apply ``distaccum verify --script``'s request from ``environ``; returns the config and the
+    request (None for a normal run; its ``mode`` is 'reference' or 'candidate')."""
+    raw = environ.get(VERIFY_ENV)
+    if not raw:
+        return cfg, None
+    request = json.loads(raw)
+    overrides = {"run_dir": request["run_dir"], "verify.record": True, "trainer.check_every": 1,
+                 "log.console": "quiet", "log.wandb": False, "trainer.resume": False}
+    if request.get("init_from"):
+        overrides["trainer.init_from"] = request["init_from"]
+    if request["mode"] == "candidate" and request.get("micro_batch"):
+        overrides.update({"accum.micro_batch": request["micro_batch"], "accum.steps": request["accum_steps"],
+                          "accum.global_batch": None})
+    return with_overrides(cfg, overrides), request
+
+
+@dataclass
+class _Run:
+    """What :meth:`Trainer.setup` built for one run (private to the Trainer)."""
+
+    state: TrainState
+    settings: LoopSettings
+    timer: StepTimer
+    loader: Any
+    names: dict[str, str]
+    resumed_at: int
+
+
+class Trainer:
+    """Train the user's model with gradient accumulation on every rank of the process group.
+
+    ``config`` is a :class:`~distaccum.config.RunConfig` or a mapping of its sections (``{"accum":
+    {...}, "trainer": {...}, "run_dir": ...}``); its ``model``/``data.dataset``/``loss`` nodes are
+    not needed here: the objects are. ``on_step(state, record)`` runs after every optimizer step.
+    """
+
+    def __init__(self, config: RunConfig | Mapping[str, Any] | None = None, *, model: ModelSpec,
+                 dataset: Dataset, loss: LossFn, collate: Callable[[list[Any]], Any] | None = None,
+                 optimizer: OptimizerFactory | None = None, stop: StopFlag | None = None,
+                 on_step: Callable[[TrainState, Record], None] | None = None,
+                 check_components: bool = True, names: dict[str, str] | None = None) -> None:
+        cfg = config if isinstance(config, RunConfig) else from_mapping(config or {})
+        self.cfg, self.verify_request = verify_overrides(cfg, os.environ)
+        self.components = Components(model, dataset, loss, collate, optimizer, names)
+        self.stop = stop
+        self.on_step = on_step
+        self.check_components = check_components
+        self._created_group = False
+        self._run: _Run | None = None
+
+    @property
+    def state(self) -> TrainState:
+        """The wrapped model, engine, scheduler, plan and records (after :meth:`setup`)."""
+        if self._run is None:
+            raise RuntimeError("Trainer.setup() has not run yet")
+        return self._run.state
+
+    def setup(self) -> TrainState:
+        """Join the process group, build and wrap the model, resume from a checkpoint. Idempotent;
+        :meth:`fit` calls it. Call it first to inspect or adjust the state before training."""
+        if self._run is None:
+            env = DistEnv.from_environ(os.environ)
+            device = pick_device(self.cfg.trainer.device, env)
+            self._created_group = ensure_process_group(env, device) or self._created_group
+            try:
+                self._run = self._setup(device)
+            except BaseException:
+                self._leave(clean=False)
+                raise
+        return self._run.state
+
+    def fit(self) -> Record:
+        """Train to ``trainer.max_steps``; returns the run summary (identical on every rank).
+
+        Raises :class:`~distaccum.checkpoint.StopRequested` after checkpointing when a stop was
+        requested (SIGTERM/SIGUSR1 through ``stop``), ``ValueError`` for bad components or config.
+        """
+        request = self.verify_request
+        if request is not None and request["mode"] == "reference":  # one process: no group, no engine
+            cfg = self.cfg
+            return run_reference(cfg, self.components, Path(cfg.run_dir),
+                                 global_batch=cfg.split(int(request["world_size"])).global_batch,
+                                 seed_out=Path(request["seed_out"]) if request.get("seed_out") else None)
+        self.setup()
+        clean = False
+        try:
+            summary = self._train()
+            clean = True
+            return summary
+        except StopRequested:
+            clean = True  # every rank agreed to stop after the same window
+            raise
+        finally:
+            self._leave(clean=clean)
+
+    def _leave(self, *, clean: bool) -> None:
+        if self._created_group:
+            self._created_group = False
+            shutdown(clean=clean)
+
+    def _setup(self, device: torch.device) -> _Run:
+        cfg, parts = self.cfg, self.components
+        names = parts.describe()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        split = cfg.split(world)
+        precision = Precision.of(cfg.precision)
+        spec = EngineSpec(engine=cfg.engine, precision=precision, split=split, sync=cfg.accum.sync,
+                          clip_norm=cfg.optim.clip_norm, device=device, fault_rank=cfg.debug.skip_reduction_rank)
+        check_engine(spec)
+        run_dir = Path(cfg.run_dir)
+        if rank == 0:
+            write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": names})
+
+        model = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, names["model"])
+        collate = parts.collate or default_collate
+        if self.check_components:
+            probe(model, parts.dataset, collate, parts.loss, names=names)
+        layers = batch_stat_layers(model)
+        if layers and split.accum_steps > 1:
+            warnings.warn(
+                f"accumulating {split.accum_steps} micro-batches with batch-statistics layers "
+                f"({', '.join(layers)}): their statistics are computed per micro-batch of {split.micro_batch}, "
+                "not over the effective batch, so results depend on the split", stacklevel=3)
+        # From here on random draws (dropout masks) must differ between ranks, or every rank would
+        # drop the same units of its different samples.
+        torch.manual_seed(cfg.trainer.seed + 1_000_003 * (rank + 1))
+
+        ledger = CommLedger(enabled=cfg.log.ledger)
+        engine = make_engine(spec, ledger)
+        make_optimizer = parts.optimizer or (lambda params: build_optimizer(params, cfg.optim))
+        wrapped = engine.wrap(model, make_optimizer)  # the optimizer after wrapping: engines own parameters
+        scheduler = build_scheduler(engine.optimizer, cfg.optim, cfg.trainer.max_steps)
+        plan = GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
+                               shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+        state = TrainState(wrapped, engine, scheduler, plan)
+        done = resume(run_dir, state) if cfg.trainer.resume else 0
+        if done:
+            if rank == 0:
+                truncate_metrics(run_dir, done)
+                print(f"distaccum: resumed from {run_dir / CHECKPOINT} after optimizer step {done}", flush=True)
+            dist.barrier()
+            state.records = [r for r in read_metrics(run_dir) if int(r["step"]) <= done]
+        settings = LoopSettings(
+            split=split, max_steps=cfg.trainer.max_steps, clip_norm=cfg.optim.clip_norm,
+            every_micro=cfg.accum.sync == "every_micro", loss_norm=cfg.accum.loss_norm,
+            float_dtype=torch.float64 if precision.param_dtype == torch.float64 else None,
+            check_every=cfg.trainer.check_every, record_checksums=cfg.verify.record, run_dir=run_dir,
+            device=device, rank=rank, grad_scale_fault=cfg.debug.grad_scale_fault,
+            nominal_partial_count=cfg.debug.nominal_partial_count)
+        loader = build_loader(parts.dataset, collate, plan, split, rank, cfg.trainer.max_steps,
+                              num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
+                              pin_memory=device.type == "cuda")
+        return _Run(state, settings, StepTimer(device, ledger), loader, names, done)
+
+    def _train(self) -> Record:
+        assert self._run is not None
+        cfg, run = self.cfg, self._run
+        state, settings = run.state, run.settings
+        rank, run_dir = settings.rank, settings.run_dir
+        sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, run_dir, rank,
+                           wandb_config=to_mapping(cfg) if cfg.log.wandb else None, append=bool(run.resumed_at),
+                           first_step=run.resumed_at + 1,
+                           wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
+        records = train(state, settings, iter(run.loader), self.components.loss, run.timer, sink, stop=self.stop,
+                        checkpoint=lambda st: save_checkpoint(run_dir, st, rank), on_step=self.on_step)
+        summary = summarize(cfg, run.names, settings.split, records, state.engine, run_dir)
+        if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
+            config = {**to_mapping(cfg), "components": run.names}
+            summary["final_model"] = str(save_final(state.engine, run_dir, config))
+        sink.close(summary)
+        if rank == 0:  # finished: a later run in this run_dir starts afresh instead of resuming
+            (run_dir / CHECKPOINT).unlink(missing_ok=True)
+        state.engine.teardown()
+        return summary
+
+
+def save_checkpoint(run_dir: Path, state: TrainState, rank: int) -> Path:
+    """Write run_dir/checkpoint.pt between windows (collective: engines may gather shards)."""
+    path = run_dir / CHECKPOINT
+    payload = {"engine": state.engine.state_dict(), "scheduler": state.scheduler.state_dict(),
+               "plan": state.plan.state_dict(), "steps_done": len(state.records)}
+    if rank == 0:
+        save(path, payload)
+    dist.barrier()  # nobody exits before the checkpoint is on disk
+    return path
+
+
+def resume(run_dir: Path, state: TrainState) -> int:
+    """Restore run_dir/checkpoint.pt if present; returns the optimizer steps already done."""
+    payload = load(run_dir / CHECKPOINT)
+    if payload is None:
+        return 0
+    state.engine.load_state_dict(payload["engine"])
+    state.scheduler.load_state_dict(payload["scheduler"])
+    state.plan.load_state_dict(payload["plan"])
+    return int(payload["steps_done"])
+
+
+def summarize(cfg: RunConfig, names: dict[str, str], split: Any, records: list[Record], engine: Any,
+              run_dir: Path) -> Record:
+    """The run summary, including fp64 checksums of every final parameter (collective)."""
+    param_sum = torch.zeros((), dtype=torch.float64)
+    param_sq = torch.zeros((), dtype=torch.float64)
+    for _, tensor in engine.full_parameters():
+        t = tensor.detach().to("cpu", torch.float64)
+        param_sum += t.sum()
+        param_sq += (t * t).sum()
+    steady = records[cfg.log.warmup_steps:] or records
+    total_time = sum(r["time_s"] for r in records)
+
+    def med(key: str) -> float:
+        return median(r[key] for r in steady) if steady else 0.0
+
+    summary: dict[str, Any] = {
+        "engine": cfg.engine.name,
+        "model": names["model"],
+        "precision": cfg.precision,
+        "sync": cfg.accum.sync,
+        "loss_norm": cfg.accum.loss_norm,
+        "world_size": split.world_size,
+        "micro_batch": split.micro_batch,
+        "accum_steps": split.accum_steps,
+        "global_batch": split.global_batch,
+        "steps": len(records),
+        "final_loss": records[-1]["loss"] if records else float("nan"),
+        "samples_per_s": sum(r["samples"] for r in records) / total_time if total_time else 0.0,
+        "param_sum": float(param_sum),
+        "param_l2": float(param_sq.sqrt()),
+        "run_dir": str(run_dir),
+    }
+    for key in ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s",
+                "comm_calls", "comm_bytes", "comm_rounds"):
+        summary[f"median_{key}"] = med(key)
+    summary["peak_mem_bytes"] = max((r["peak_mem_bytes"] for r in records), default=0)
+    busy = summary["median_compute_s"] + summary["median_comm_exposed_s"]
+    summary["comm_share"] = summary["median_comm_exposed_s"] / busy if busy > 0 else 0.0
+    return summary
+

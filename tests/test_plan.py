@@ -1,0 +1,139 @@
+"""The global-batch plan and the input pipeline: the same samples per optimizer step whatever the split."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from distaccum.config import Split
+from distaccum.datasets import CorpusSequences, SyntheticImages, SyntheticRegression, pad_collate
+from distaccum.losses import IGNORE_INDEX
+from distaccum.pipeline import PlanSampler, build_loader, to_device
+from distaccum.plan import GlobalBatchPlan
+
+pytestmark = pytest.mark.unit
+
+SPLITS = [Split(8, 1, 2), Split(2, 4, 2), Split(4, 4, 1), Split(1, 4, 4), Split(16, 1, 1)]
+
+
+def _window_sets(plan: GlobalBatchPlan, split: Split, step: int) -> list[list[int]]:
+    window = plan.window(step)
+    return [[int(i) for i in mb] for r in range(split.world_size) for mb in window.rank_micro_batches(split, r)]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_every_split_covers_exactly_the_window(split: Split) -> None:
+    plan = GlobalBatchPlan(100, 16, seed=3)
+    for step in range(8):  # crosses the epoch boundary and the partial window (100 = 6*16 + 4)
+        pieces = _window_sets(plan, split, step)
+        flat = sorted(i for piece in pieces for i in piece)
+        assert flat == sorted(int(i) for i in plan.window(step).indices)
+        assert len(pieces) == split.world_size * split.accum_steps
+
+
+def test_windows_do_not_depend_on_split_and_epochs_reshuffle() -> None:
+    plan = GlobalBatchPlan(100, 16, seed=3)
+    assert plan.windows_per_epoch == 7
+    epoch0 = torch.cat([plan.window(s).indices for s in range(7)])
+    epoch1 = torch.cat([plan.window(s).indices for s in range(7, 14)])
+    assert sorted(epoch0.tolist()) == list(range(100)) == sorted(epoch1.tolist())
+    assert not torch.equal(epoch0, epoch1)
+    assert plan.window(6).partial and len(plan.window(6).indices) == 4 and not plan.window(5).partial
+
+
+def test_partial_window_spreads_samples_evenly() -> None:
+    plan = GlobalBatchPlan(20, 16, seed=0)
+    sizes = [len(p) for p in plan.window(1).rank_micro_batches(Split(2, 4, 2), rank=0)]
+    sizes += [len(p) for p in plan.window(1).rank_micro_batches(Split(2, 4, 2), rank=1)]
+    assert sum(sizes) == 4 and max(sizes) - min(sizes) <= 1
+
+
+def test_drop_last_skips_the_partial_window_and_refuses_an_impossible_batch() -> None:
+    plan = GlobalBatchPlan(20, 16, seed=0, drop_last=True)
+    assert plan.windows_per_epoch == 1
+    assert not plan.window(1).partial and plan.window(1).epoch == 1
+    with pytest.raises(ValueError, match=r"global batch \(32 samples\) is larger than the dataset \(20 samples\)"):
+        GlobalBatchPlan(20, 32, seed=0, drop_last=True)
+    with pytest.raises(ValueError, match="empty"):
+        GlobalBatchPlan(0, 4, seed=0)
+
+
+def test_plan_state_resumes_at_the_exact_next_window_and_refuses_another_plan() -> None:
+    plan = GlobalBatchPlan(100, 16, seed=3)
+    plan.next_step = 5
+    resumed = GlobalBatchPlan(100, 16, seed=3)
+    resumed.load_state_dict(plan.state_dict())
+    assert resumed.next_step == 5 and torch.equal(resumed.window(5).indices, plan.window(5).indices)
+    with pytest.raises(ValueError, match="global_batch=16 in the checkpoint, 32 now"):
+        GlobalBatchPlan(100, 32, seed=3).load_state_dict(plan.state_dict())
+
+
+def test_sampler_yields_each_ranks_micro_batches_in_plan_order_with_stand_ins_for_empty_pieces() -> None:
+    plan = GlobalBatchPlan(20, 16, seed=0, shuffle=False)
+    split = Split(1, 4, 2)
+    plan.next_step = 1  # resume at the partial window: 4 samples for 8 pieces
+    batches = list(PlanSampler(plan, split, rank=1, start=1, stop=3))
+    assert len(batches) == 8
+    window = plan.window(1)
+    pieces = window.rank_micro_batches(split, 1)
+    for got, piece in zip(batches[:4], pieces, strict=True):
+        assert got == (piece.tolist() if len(piece) else [int(window.indices[0])])
+    assert batches[4:] == [p.tolist() for p in plan.window(2).rank_micro_batches(split, 1)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_collates_the_plan_through_dataloader_workers(workers: int) -> None:
+    dataset = CorpusSequences(num_samples=40, seq_min=3, seq_max=9, seed=1)
+    plan = GlobalBatchPlan(len(dataset), 8, seed=0)
+    split = Split(2, 2, 2)
+    loader = build_loader(dataset, pad_collate, plan, split, rank=0, stop=3, num_workers=workers)
+    got = list(loader)
+    assert len(got) == 3 * split.accum_steps
+    for step in range(3):
+        for k, piece in enumerate(plan.window(step).rank_micro_batches(split, 0)):
+            want = pad_collate([dataset[int(i)] for i in piece])
+            assert torch.equal(got[step * 2 + k]["input_ids"], want["input_ids"])
+
+
+def test_corpus_sequences_have_variable_lengths_and_pad_collate_ignores_padding() -> None:
+    ds = CorpusSequences(num_samples=64, seq_min=4, seq_max=12, seed=0)
+    lengths = [len(ds[i]["input_ids"]) for i in range(64)]
+    assert min(lengths) >= 4 and max(lengths) <= 12 and len(set(lengths)) > 1
+    batch = pad_collate([ds[i] for i in range(8)])
+    real = (batch["labels"] != IGNORE_INDEX).sum()
+    assert int(real) == sum(lengths[:8]) == int(batch["attention_mask"].sum())
+    assert torch.equal(ds[3]["labels"][:-1], ds[3]["input_ids"][1:])  # next-token targets
+    with pytest.raises(ValueError, match="pad_to=4"):
+        pad_collate([ds[i] for i in range(8)], pad_to=4)
+
+
+def test_datasets_are_deterministic() -> None:
+    for make in (lambda: SyntheticRegression(16), lambda: SyntheticImages(16), lambda: CorpusSequences(16)):
+        a, b = make(), make()
+        for i in range(len(a)):
+            first, second = a[i], b[i]
+            values = first.values() if isinstance(first, dict) else first
+            others = second.values() if isinstance(second, dict) else second
+            assert all(torch.equal(x, y) for x, y in zip(values, others, strict=True))
+
+
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclass
+class Holder:
+    x: torch.Tensor
+    tag: str
+
+
+def test_to_device_moves_any_structure_and_casts_floats_only() -> None:
+    batch = {"a": torch.ones(2), "b": [torch.zeros(1, dtype=torch.long), (torch.ones(1),)],
+             "c": Pair(torch.ones(1), 3), "d": Holder(torch.ones(1), "t"), "e": "text"}
+    out = to_device(batch, torch.device("cpu"), torch.float64)
+    assert out["a"].dtype == torch.float64 and out["b"][0].dtype == torch.long
+    assert out["b"][1][0].dtype == torch.float64 and isinstance(out["b"][1], tuple)
+    assert isinstance(out["c"], Pair) and out["c"].x.dtype == torch.float64 and out["c"].y == 3
+    assert isinstance(out["d"], Holder) and out["d"].x.dtype == torch.float64 and out["e"] == "text"
