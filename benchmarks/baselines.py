@@ -71,10 +71,10 @@ class ModelShape:
         """The Hydra overrides that make ``distaccum train`` build this exact model."""
         return [
             "model=mlp",
-            f"model.in_dim={self.in_dim}",
+            f"data.dataset.in_dim={self.in_dim}",
             f"model.width={self.width}",
             f"model.depth={self.depth}",
-            f"model.out_dim={self.out_dim}",
+            f"data.dataset.out_dim={self.out_dim}",
         ]
 
 

@@ -205,8 +205,8 @@ def distaccum_argv(spec: BenchSpec, run_dir: Path, *, ledger: bool, port: int) -
         "optim.warmup_steps": 0,
         "optim.clip_norm": "null",
         # As much data as each baseline rank holds; a multiple of the window, so none is partial.
-        "data.num_samples": pool_micro_batches(spec.accum_steps) * spec.micro_batch * WORLD_SIZE,
-        "data.seed": spec.seed,
+        "data.dataset.num_samples": pool_micro_batches(spec.accum_steps) * spec.micro_batch * WORLD_SIZE,
+        "data.dataset.seed": spec.seed,
         # The baselines walk their data in order; so does distaccum here (its collate then takes
         # views instead of gathering shuffled rows).
         "data.shuffle": "false",
