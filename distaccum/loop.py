@@ -27,7 +27,7 @@ negative control that ``distaccum verify`` must catch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,7 @@ from distaccum.checks import check_consistency
 from distaccum.config import Split
 from distaccum.engines.base import Engine
 from distaccum.losses import LossFn
-from distaccum.pipeline import to_device
-from distaccum.plan import GlobalBatchPlan
+from distaccum.pipeline import WindowSource, to_device
 from distaccum.sinks import Record, Sink
 from distaccum.timing import StepTimer
 
@@ -55,7 +54,8 @@ class TrainState:
     """The wrapped module the loss calls."""
     engine: Engine
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    plan: GlobalBatchPlan
+    source: WindowSource
+    """Where windows come from (its position is checkpointed)."""
     records: list[Record] = field(default_factory=list)
     n_prev: float = 0.0
     """The previous window's global item count (sets the power-of-two c; 0: none yet)."""
@@ -89,39 +89,43 @@ def power_of_two_scale(n_prev: float, global_batch: int) -> float:
     return 2.0 ** -round(math.log2(max(reference, 1.0)))
 
 
-def train(state: TrainState, settings: LoopSettings, micro_batches: Iterator[Any], loss_fn: LossFn,
-          timer: StepTimer, sink: Sink, *, stop: StopFlag | None = None,
+def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: StepTimer, sink: Sink, *,
+          until: int | None = None, stop: StopFlag | None = None,
           checkpoint: Callable[[TrainState], Path] | None = None,
           on_step: Callable[[TrainState, Record], None] | None = None) -> list[Record]:
-    """Run optimizer steps until ``settings.max_steps``; returns the per-step records (all ranks).
+    """Run optimizer steps until step ``until`` (default ``settings.max_steps``); returns the records
+    of the steps run by this call (identical on every rank; ``state.records`` holds them all).
 
-    ``micro_batches`` yields this rank's collated micro-batches in plan order, K per window, from
-    ``state.plan.next_step`` on (see :func:`distaccum.pipeline.build_loader`). On a stop request
-    the window in progress is finished and stepped, ``checkpoint(state)`` runs, and
+    Windows come from ``state.source`` (this rank's K collated micro-batches each). On a stop
+    request the window in progress is finished and stepped, ``checkpoint(state)`` runs, and
     :class:`StopRequested` is raised.
     """
     split, engine, model = settings.split, state.engine, state.model
-    device, rank = settings.device, settings.rank
+    device = settings.device
+    end = min(until if until is not None else settings.max_steps, settings.max_steps)
+    first = len(state.records)
     model.train()
-    while state.plan.next_step < settings.max_steps:
+    while state.source.next_step < end:
         timer.start_step()
-        window = state.plan.window(state.plan.next_step)
-        pieces = window.rank_micro_batches(split, rank)
+        window = state.source.window()
         c = power_of_two_scale(state.n_prev, split.global_batch)
         d = engine.grad_divisor
         items = torch.zeros((), dtype=torch.float64, device=device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         counts: list[torch.Tensor] = []
-        for k, piece in enumerate(pieces):
-            boundary = k == len(pieces) - 1
+        for k in range(split.accum_steps):
+            boundary = k == split.accum_steps - 1
             timer.start_micro()
-            batch = to_device(next(micro_batches), device, settings.float_dtype)
+            micro = next(window.micro)
+            real = micro.samples > 0
+            batch = to_device(micro.batch, device, settings.float_dtype)
+            del micro  # one collated micro-batch alive at a time
             timer.batch_ready()
             with engine.sync(boundary or settings.every_micro):
                 with engine.forward_context():
                     summed, n_items = loss_fn(model, batch)
                 # An empty piece trained a stand-in sample: weight 0, no items (see pipeline).
-                weight = 1.0 if len(piece) else 0.0
+                weight = 1.0 if real else 0.0
                 n = torch.as_tensor(n_items, device=device).to(torch.float64) * weight
                 if settings.loss_norm == "global_count":
                     factor: Any = c * d * weight  # S_rk * c * d: the derivation at the top of this module
@@ -140,7 +144,7 @@ def train(state: TrainState, settings: LoopSettings, micro_batches: Iterator[Any
         dist.all_reduce(totals)
         count = totals[0].clamp(min=1.0)
         if settings.nominal_partial_count and window.partial:  # the remainder-window bug, on purpose
-            count = count * (split.global_batch / len(window.indices))
+            count = count * (split.global_batch / window.samples)
         if settings.loss_norm == "global_count":
             grad_scale = settings.grad_scale_fault / (c * count)
         else:
@@ -149,14 +153,14 @@ def train(state: TrainState, settings: LoopSettings, micro_batches: Iterator[Any
         result = engine.step(settings.clip_norm, grad_scale)  # normalize, clip, step: once per window
         if result.applied:  # a skipped step must not advance the schedule
             state.scheduler.step()
-        state.plan.next_step += 1
+        state.source.advance()
         if settings.check_every and window.step % settings.check_every == 0:
             check_consistency(engine, window.step + 1, settings.run_dir, record=settings.record_checksums)
         times = timer.end_step()
         # Host read of the step's totals (on CUDA the timer already synchronized), then one
         # all-gather of host floats for the per-rank view: compute time and micro-batch item counts.
         n_total, loss_total, stop_votes = totals.tolist()
-        samples = len(window.indices)
+        samples = window.samples
         local = [float(x) for x in torch.stack(counts).tolist()]
         per_rank = timer.gather([times.compute_s, min(local), max(local)])
         state.n_prev = n_total
@@ -167,7 +171,7 @@ def train(state: TrainState, settings: LoopSettings, micro_batches: Iterator[Any
             "lr": lr,
             "samples": samples,
             "items": round(n_total),
-            "micro_steps": len(pieces),
+            "micro_steps": split.accum_steps,
             "partial_window": window.partial,
             "grad_norm": result.grad_norm,
             "skipped": not result.applied,
@@ -186,4 +190,4 @@ def train(state: TrainState, settings: LoopSettings, micro_batches: Iterator[Any
         if stop_votes > 0:
             path = checkpoint(state) if checkpoint is not None else settings.run_dir
             raise StopRequested(window.step + 1, path)
-    return state.records
+    return state.records[first:]

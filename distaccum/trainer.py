@@ -38,13 +38,13 @@ from distaccum.loop import LoopSettings, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.models import batch_stat_layers
 from distaccum.optim import build_optimizer, build_scheduler
-from distaccum.pipeline import build_loader
+from distaccum.pipeline import PlanSource
 from distaccum.plan import GlobalBatchPlan
 from distaccum.probe import probe
 from distaccum.procgroup import ensure_process_group, pick_device, shutdown
 from distaccum.reference import run_reference
 from distaccum.rundir import CHECKPOINT, CONFIG, read_metrics, truncate_metrics, write_json
-from distaccum.sinks import Record, build_sinks
+from distaccum.sinks import Record, Sink, build_sinks
 from distaccum.timing import StepTimer
 from distaccum.topology import DistEnv
 from distaccum.weights import save_final
@@ -77,9 +77,9 @@ class _Run:
     state: TrainState
     settings: LoopSettings
     timer: StepTimer
-    loader: Any
     names: dict[str, str]
     resumed_at: int
+    sink: Sink | None = None
 
 
 class Trainer:
@@ -126,7 +126,8 @@ class Trainer:
         return self._run.state
 
     def fit(self) -> Record:
-        """Train to ``trainer.max_steps``; returns the run summary (identical on every rank).
+        """Train to ``trainer.max_steps``, then :meth:`finish`; returns the run summary (identical on
+        every rank).
 
         Raises :class:`~distaccum.checkpoint.StopRequested` after checkpointing when a stop was
         requested (SIGTERM/SIGUSR1 through ``stop``), ``ValueError`` for bad components or config.
@@ -137,10 +138,10 @@ class Trainer:
             return run_reference(cfg, self.components, Path(cfg.run_dir),
                                  global_batch=cfg.split(int(request["world_size"])).global_batch,
                                  seed_out=Path(request["seed_out"]) if request.get("seed_out") else None)
-        self.setup()
         clean = False
         try:
-            summary = self._train()
+            self.train_steps()
+            summary = self.finish()
             clean = True
             return summary
         except StopRequested:
@@ -148,6 +149,42 @@ class Trainer:
             raise
         finally:
             self._leave(clean=clean)
+
+    def train_steps(self, steps: int | None = None) -> list[Record]:
+        """Run ``steps`` more optimizer steps (default: up to ``trainer.max_steps``) and return their
+        records; :meth:`setup` runs first if needed. Call it repeatedly to interleave your own work
+        (an evaluation, a benchmark's other variants) between chunks of training."""
+        self.setup()
+        assert self._run is not None
+        cfg, run = self.cfg, self._run
+        state, settings = run.state, run.settings
+        if run.sink is None:
+            run.sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, settings.run_dir, settings.rank,
+                                   wandb_config=to_mapping(cfg) if cfg.log.wandb else None,
+                                   append=bool(run.resumed_at), first_step=run.resumed_at + 1,
+                                   wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
+        until = None if steps is None else state.source.next_step + steps
+        return train(state, settings, self.components.loss, run.timer, run.sink, until=until, stop=self.stop,
+                     checkpoint=lambda st: save_checkpoint(settings.run_dir, st, settings.rank),
+                     on_step=self.on_step)
+
+    def finish(self) -> Record:
+        """Summarize, write the trained model to ``run_dir/final/``, close the sinks, release the
+        engine and leave the process group if the Trainer joined it. Collective."""
+        assert self._run is not None, "nothing to finish: train first"
+        cfg, run = self.cfg, self._run
+        state, settings = run.state, run.settings
+        summary = summarize(cfg, run.names, settings.split, state.records, state.engine, settings.run_dir)
+        if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
+            config = {**to_mapping(cfg), "components": run.names}
+            summary["final_model"] = str(save_final(state.engine, settings.run_dir, config))
+        if run.sink is not None:
+            run.sink.close(summary)
+        if settings.rank == 0:  # finished: a later run in this run_dir starts afresh instead of resuming
+            (settings.run_dir / CHECKPOINT).unlink(missing_ok=True)
+        state.engine.teardown()
+        self._leave(clean=True)
+        return summary
 
     def _leave(self, *, clean: bool) -> None:
         if self._created_group:
@@ -188,7 +225,10 @@ class Trainer:
         scheduler = build_scheduler(engine.optimizer, cfg.optim, cfg.trainer.max_steps)
         plan = GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
                                shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
-        state = TrainState(wrapped, engine, scheduler, plan)
+        source = PlanSource(parts.dataset, collate, plan, split, rank, cfg.trainer.max_steps,
+                            num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
+                            pin_memory=device.type == "cuda")
+        state = TrainState(wrapped, engine, scheduler, source)
         done = resume(run_dir, state) if cfg.trainer.resume else 0
         if done:
             if rank == 0:
@@ -203,38 +243,14 @@ class Trainer:
             check_every=cfg.trainer.check_every, record_checksums=cfg.verify.record, run_dir=run_dir,
             device=device, rank=rank, grad_scale_fault=cfg.debug.grad_scale_fault,
             nominal_partial_count=cfg.debug.nominal_partial_count)
-        loader = build_loader(parts.dataset, collate, plan, split, rank, cfg.trainer.max_steps,
-                              num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
-                              pin_memory=device.type == "cuda")
-        return _Run(state, settings, StepTimer(device, ledger), loader, names, done)
-
-    def _train(self) -> Record:
-        assert self._run is not None
-        cfg, run = self.cfg, self._run
-        state, settings = run.state, run.settings
-        rank, run_dir = settings.rank, settings.run_dir
-        sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, run_dir, rank,
-                           wandb_config=to_mapping(cfg) if cfg.log.wandb else None, append=bool(run.resumed_at),
-                           first_step=run.resumed_at + 1,
-                           wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
-        records = train(state, settings, iter(run.loader), self.components.loss, run.timer, sink, stop=self.stop,
-                        checkpoint=lambda st: save_checkpoint(run_dir, st, rank), on_step=self.on_step)
-        summary = summarize(cfg, run.names, settings.split, records, state.engine, run_dir)
-        if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
-            config = {**to_mapping(cfg), "components": run.names}
-            summary["final_model"] = str(save_final(state.engine, run_dir, config))
-        sink.close(summary)
-        if rank == 0:  # finished: a later run in this run_dir starts afresh instead of resuming
-            (run_dir / CHECKPOINT).unlink(missing_ok=True)
-        state.engine.teardown()
-        return summary
+        return _Run(state, settings, StepTimer(device, ledger), names, done)
 
 
 def save_checkpoint(run_dir: Path, state: TrainState, rank: int) -> Path:
     """Write run_dir/checkpoint.pt between windows (collective: engines may gather shards)."""
     path = run_dir / CHECKPOINT
     payload = {"engine": state.engine.state_dict(), "scheduler": state.scheduler.state_dict(),
-               "plan": state.plan.state_dict(), "steps_done": len(state.records)}
+               "source": state.source.state_dict(), "steps_done": len(state.records)}
     if rank == 0:
         save(path, payload)
     dist.barrier()  # nobody exits before the checkpoint is on disk
@@ -248,7 +264,7 @@ def resume(run_dir: Path, state: TrainState) -> int:
         return 0
     state.engine.load_state_dict(payload["engine"])
     state.scheduler.load_state_dict(payload["scheduler"])
-    state.plan.load_state_dict(payload["plan"])
+    state.source.load_state_dict(payload["source"])
     return int(payload["steps_done"])
 
 

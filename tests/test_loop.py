@@ -159,7 +159,7 @@ def test_checkpoint_between_windows_resumes_exactly(tmp_path: Path) -> None:
     resumed = mlp_trainer(tmp_path / "stopped", accum={"micro_batch": 2, "steps": 4}, precision="fp64",
                           trainer={"max_steps": 6})
     state = resumed.setup()
-    assert state.plan.next_step == stop_after and len(state.records) == stop_after
+    assert state.source.next_step == stop_after and len(state.records) == stop_after
     resumed.fit()
     assert [r["step"] for r in state.records] == [1, 2, 3, 4, 5, 6]
     assert torch.equal(params(resumed), params(straight))
@@ -211,3 +211,16 @@ def test_one_collated_micro_batch_is_alive_at_a_time(tmp_path: Path) -> None:
     trainer.fit()
     assert len(trainer.state.records) == 2 and trainer.state.records[0]["micro_steps"] == 16
     assert Tracked.most_alive_at_forward == 1
+
+
+def test_training_in_chunks_equals_one_fit(tmp_path: Path) -> None:
+    whole = mlp_trainer(tmp_path / "whole", accum={"micro_batch": 2, "steps": 4}, trainer={"max_steps": 5})
+    whole.fit()
+    chunked = mlp_trainer(tmp_path / "chunks", accum={"micro_batch": 2, "steps": 4}, trainer={"max_steps": 5})
+    first = chunked.train_steps(2)
+    rest = chunked.train_steps()  # up to trainer.max_steps
+    assert [r["step"] for r in first] == [1, 2] and [r["step"] for r in rest] == [3, 4, 5]
+    assert torch.equal(params(chunked), params(whole))
+    summary = chunked.finish()
+    assert summary["steps"] == 5
+    assert [r["loss"] for r in chunked.state.records] == [r["loss"] for r in whole.state.records]
