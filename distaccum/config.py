@@ -231,8 +231,25 @@ class TrainerConfig:
     """Initial weights: a model.safetensors file (or a run's final/ directory) under the plain model's
     parameter names, e.g. a seed checkpoint; loaded after the model is built, before wrapping."""
     resume: bool = True
-    """Resume from run_dir/checkpoint.pt when present (written when a run is stopped by SIGTERM or
-    SIGUSR1, after finishing the window in progress)."""
+    """Resume from the newest valid checkpoint in run_dir/checkpoints when there is one (its config
+    fingerprint must match); false deletes the run directory's checkpoints and starts afresh."""
+    checkpoint_every: int = 100
+    """Checkpoint after every N-th optimizer step (0: only when stopped and at the end). A stop
+    request (SIGTERM/SIGUSR1) always checkpoints after the window in progress."""
+    checkpoint_every_s: float = 0.0
+    """Also checkpoint when this many seconds passed since the last checkpoint (0: off)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in run_dir/checkpoints (the newest; older ones are deleted after a new one is
+    complete). A finished run keeps its last one next to final/."""
+    max_nonfinite_steps: int = 3
+    """Stop (exit 1, with a diagnosis) after this many consecutive optimizer steps whose loss or
+    gradient was not finite; each such step is skipped on every rank."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this fails the run, naming the unresponsive rank where it
+    can (a stopped or dead process), instead of hanging forever."""
+    shutdown_grace_s: int = 30
+    """Local launches: how long the launcher lets workers exit after SIGTERM (a stop request, or
+    the rest of the group after one rank failed) before it kills them."""
     save_final: bool = True
     """Write the trained model to run_dir/final/ (model.safetensors, config; save_pretrained for
     Hugging Face models) when the run finishes."""
@@ -241,8 +258,12 @@ class TrainerConfig:
         for name in ("nproc", "nnodes", "max_steps"):
             _positive("trainer", name, getattr(self, name))
         _choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
-        if self.check_every < 0 or self.max_restarts < 0:
-            raise ValueError("trainer.check_every and trainer.max_restarts must be >= 0")
+        if self.check_every < 0 or self.max_restarts < 0 or self.checkpoint_every < 0:
+            raise ValueError("trainer.check_every, trainer.max_restarts and trainer.checkpoint_every must be >= 0")
+        if self.checkpoint_every_s < 0:
+            raise ValueError(f"trainer.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
+        for name in ("keep_checkpoints", "max_nonfinite_steps", "collective_timeout_s", "shutdown_grace_s"):
+            _positive("trainer", name, getattr(self, name))
 
 
 @dataclass(kw_only=True)
@@ -349,8 +370,18 @@ class DebugConfig:
     """Normalize a partial window by the item count a full window would hold (N x global_batch /
     samples) instead of what it holds: the remainder-window bug, the same on every split."""
 
+    nan_at_step: int | None = None
+    """Make rank nan_rank's loss NaN at this 1-based optimizer step (and nan_steps - 1 more)."""
+    nan_steps: int = 1
+    """How many consecutive steps nan_at_step poisons."""
+    nan_rank: int = 0
+    """The rank whose loss nan_at_step poisons."""
+    checkpoint_fault_at_step: int | None = None
+    """Fail the checkpoint written after this optimizer step as a full disk would (ENOSPC)."""
+
     def __post_init__(self) -> None:
         _positive("debug", "grad_scale_fault", self.grad_scale_fault)
+        _positive("debug", "nan_steps", self.nan_steps)
 
 
 @dataclass(kw_only=True)

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from distaccum.checkpoint import EXIT_REQUEUE
 from distaccum.config import RunConfig
+from distaccum.stopping import EXIT_REQUEUE
 
 WORKER_COMMAND = ["-m", "distaccum", "_worker"]
 
@@ -31,13 +31,15 @@ class LaunchPlan:
     max_restarts: int
     run_dir: str
     """Named in messages (where the checkpoint and the logs are)."""
+    shutdown_grace_s: int = 30
+    """Seconds workers get to exit after SIGTERM before they are killed."""
 
 
 def launch_plan(cfg: RunConfig) -> LaunchPlan:
     """Single node: a free local port (like ``torchrun --standalone``); multi-node: the configured one."""
     endpoint = cfg.trainer.rdzv_endpoint if cfg.trainer.nnodes > 1 else "127.0.0.1:0"
     return LaunchPlan(cfg.trainer.nnodes, cfg.trainer.nproc, endpoint, cfg.trainer.rdzv_id,
-                      cfg.trainer.max_restarts, cfg.run_dir)
+                      cfg.trainer.max_restarts, cfg.run_dir, cfg.trainer.shutdown_grace_s)
 
 
 def worker_args(config_file: Path) -> list[str]:
@@ -108,6 +110,7 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
         max_restarts=plan.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        shutdown_timeout=plan.shutdown_grace_s,
     )
     try:
         elastic_launch(config, sys.executable)(*args)

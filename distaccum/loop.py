@@ -27,6 +27,7 @@ negative control that ``distaccum verify`` must catch.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distaccum.checkpoint import StopFlag, StopRequested
 from distaccum.checks import check_consistency
 from distaccum.config import Split
 from distaccum.engines.base import Engine
 from distaccum.losses import LossFn
 from distaccum.pipeline import WindowSource, to_device
 from distaccum.sinks import Record, Sink
+from distaccum.stopping import StopFlag, StopRequested
 from distaccum.timing import StepTimer
 
 
@@ -59,6 +60,10 @@ class TrainState:
     records: list[Record] = field(default_factory=list)
     n_prev: float = 0.0
     """The previous window's global item count (sets the power-of-two c; 0: none yet)."""
+    nonfinite_streak: int = 0
+    """Consecutive steps skipped for non-finite values (checkpointed)."""
+    last_checkpoint: float = field(default_factory=time.monotonic)
+    """When the last checkpoint was written (rank 0's clock decides time-based checkpoints)."""
 
 
 @dataclass(frozen=True)
@@ -77,10 +82,25 @@ class LoopSettings:
     run_dir: Path
     device: torch.device
     rank: int
+    checkpoint_every: int = 0
+    """Checkpoint after every N-th optimizer step (0: only when stopping)."""
+    checkpoint_every_s: float = 0.0
+    """Also checkpoint when this many seconds passed since the last one (0: never by time)."""
+    max_nonfinite_steps: int = 3
+    """Stop the run after this many consecutive steps skipped for non-finite values."""
+    loss_scaling: bool = False
+    """fp16 with a GradScaler: its overflow skips are routine and do not count as non-finite."""
     grad_scale_fault: float = 1.0
     """Test-only (``debug.grad_scale_fault``): a constant wrong factor on every gradient."""
     nominal_partial_count: bool = False
     """Test-only (``debug.nominal_partial_count``): normalize partial windows as if they were full."""
+    nan_steps: tuple[int, ...] = ()
+    """Test-only (``debug.nan_at_step``): 1-based steps whose loss is NaN on rank ``nan_rank``."""
+    nan_rank: int = 0
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient."""
 
 
 def power_of_two_scale(n_prev: float, global_batch: int) -> float:
@@ -131,16 +151,20 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
                     factor: Any = c * d * weight  # S_rk * c * d: the derivation at the top of this module
                 else:  # the classic loss/K with a per-micro mean, kept only to show it is wrong
                     factor = c * d * weight / (n.clamp(min=1.0) * split.accum_steps * split.world_size)
+                if window.step + 1 in settings.nan_steps and settings.rank == settings.nan_rank:
+                    summed = summed * float("nan")  # test-only fault injection (debug.nan_at_step)
                 engine.backward(summed * factor)
             items += n
             counts.append(n)
             loss_sum += summed.detach().to(torch.float64) * weight
         timer.compute_done()
 
-        # One all-reduce per step: N, the loss sum and the stop flag (so every rank agrees to stop
-        # after the same window).
-        stop_flag = torch.tensor(float(stop is not None and stop.requested), dtype=torch.float64, device=device)
-        totals = torch.stack([items, loss_sum, stop_flag])
+        # One all-reduce per step: N and the loss sum, plus flags every rank must agree on: a stop
+        # request, a non-finite loss on some rank, and (rank 0's clock) a time-based checkpoint.
+        due = settings.rank == 0 and 0 < settings.checkpoint_every_s <= time.monotonic() - state.last_checkpoint
+        flags = torch.tensor([float(stop is not None and stop.requested), float(due)], dtype=torch.float64,
+                             device=device)
+        totals = torch.cat([torch.stack([items, loss_sum, (~torch.isfinite(loss_sum)).to(torch.float64)]), flags])
         dist.all_reduce(totals)
         count = totals[0].clamp(min=1.0)
         if settings.nominal_partial_count and window.partial:  # the remainder-window bug, on purpose
@@ -149,6 +173,9 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
             grad_scale = settings.grad_scale_fault / (c * count)
         else:
             grad_scale = torch.tensor(settings.grad_scale_fault / c, dtype=torch.float64, device=device)
+        # A non-finite loss on any rank: scale the gradient by NaN, so every engine's own check of
+        # the (global) gradient norm skips the update on every rank alike.
+        grad_scale = torch.where(totals[2] > 0, torch.full_like(totals[2], float("nan")), grad_scale)
         lr = state.scheduler.get_last_lr()[0]
         result = engine.step(settings.clip_norm, grad_scale)  # normalize, clip, step: once per window
         if result.applied:  # a skipped step must not advance the schedule
@@ -159,11 +186,14 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
         times = timer.end_step()
         # Host read of the step's totals (on CUDA the timer already synchronized), then one
         # all-gather of host floats for the per-rank view: compute time and micro-batch item counts.
-        n_total, loss_total, stop_votes = totals.tolist()
+        n_total, loss_total, bad_loss, stop_votes, due_votes = totals.tolist()
         samples = window.samples
         local = [float(x) for x in torch.stack(counts).tolist()]
-        per_rank = timer.gather([times.compute_s, min(local), max(local)])
+        local_bad = float(not math.isfinite(float(loss_sum)))
+        per_rank = timer.gather([times.compute_s, min(local), max(local), local_bad])
         state.n_prev = n_total
+        nonfinite = bad_loss > 0 or (not result.applied and not settings.loss_scaling)
+        state.nonfinite_streak = state.nonfinite_streak + 1 if nonfinite else 0
         record: Record = {
             "step": window.step + 1,
             "epoch": window.epoch,
@@ -175,6 +205,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
             "partial_window": window.partial,
             "grad_norm": result.grad_norm,
             "skipped": not result.applied,
+            "nonfinite": nonfinite,
             **times.as_record(),  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
             "compute_min_s": float(per_rank[:, 0].min()),
             "compute_max_s": float(per_rank[:, 0].max()),
@@ -187,7 +218,24 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
         sink.log(record)
         if on_step is not None:
             on_step(state, record)
+        if state.nonfinite_streak >= settings.max_nonfinite_steps:
+            ranks = [r for r, bad in enumerate(per_rank[:, 3].tolist()) if bad]
+            raise NonFiniteError(
+                f"{state.nonfinite_streak} consecutive optimizer steps (up to step {window.step + 1}) had non-finite "
+                "values and were skipped on every rank (trainer.max_nonfinite_steps="
+                f"{settings.max_nonfinite_steps}). At step {window.step + 1}: "
+                + (f"the loss was non-finite on rank(s) {', '.join(map(str, ranks))}; " if ranks else
+                   "the loss was finite but the gradient was not; ")
+                + f"first parameter with a non-finite gradient on rank 0: {result.nonfinite_param or 'n/a'}. "
+                "Parameters are those of the last finite step; no checkpoint holds a non-finite value. Lower the "
+                "learning rate or check the data of these steps.")
+        periodic = settings.checkpoint_every and (window.step + 1) % settings.checkpoint_every == 0
+        # A skipped step leaves the parameters as the last finite update made them, so a checkpoint
+        # written after one never holds a non-finite value.
+        path = settings.run_dir
+        if checkpoint is not None and (stop_votes > 0 or periodic or due_votes > 0):
+            path = checkpoint(state)
+            state.last_checkpoint = time.monotonic()
         if stop_votes > 0:
-            path = checkpoint(state) if checkpoint is not None else settings.run_dir
             raise StopRequested(window.step + 1, path)
     return state.records[first:]

@@ -7,6 +7,8 @@ case distaccum uses it and leaves it alone; a plain ``python script.py`` gets a 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -23,26 +25,27 @@ def pick_device(device: str, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(env: DistEnv, device: torch.device) -> None:
+def init_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> None:
     """NCCL on GPUs, gloo on CPU. torchrun provides env://; srun tasks rendezvous over tcp://; a
-    single process gets a one-rank group on an in-memory store."""
+    single process gets a one-rank group on an in-memory store. ``timeout`` bounds every collective
+    (``trainer.collective_timeout_s``): a rank that stops responding fails the run instead of hanging it."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if env.source == "torchrun":
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
     elif env.source == "slurm":
         dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size)
+                                rank=env.rank, world_size=env.world_size, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def ensure_process_group(env: DistEnv, device: torch.device) -> bool:
+def ensure_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> bool:
     """Join the process group unless one exists; returns True when this call created it."""
     if dist.is_initialized():
         return False
-    init_process_group(env, device)
+    init_process_group(env, device, timeout)
     return True
 
 

@@ -6,7 +6,8 @@
       metrics.jsonl        one record per optimizer step (rank 0, flushed as written)
       summary.json         the run summary (at the end)
       status.json          ok | failed | invalid_config, written by the CLI
-      checkpoint.pt        written when a run is stopped on request (SIGTERM/SIGUSR1)
+      checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.checkpoint)
+      ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.liveness)
       checksums.jsonl      per-step parameter checksums (verify.record)
       divergence.json      the cross-rank tripwire's report, when it fired
       console.log          a verify sub-run's console output
@@ -27,7 +28,8 @@ LAUNCH_CONFIG = "launch_config.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 STATUS = "status.json"
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINTS = "checkpoints"
+RANKS = "ranks"
 CHECKSUMS = "checksums.jsonl"
 DIVERGENCE = "divergence.json"
 CONSOLE_LOG = "console.log"

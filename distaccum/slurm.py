@@ -135,7 +135,8 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
             "done",
             "# The workers finished their window and wrote a checkpoint: requeue, and the rerun of",
             "# this script resumes at the exact next sample (trainer.resume).",
-            f'if [ "$stop_requested" = 1 ] && [ -f {shlex.quote(cfg.run_dir + "/checkpoint.pt")} ]; then',
+            f'if [ "$stop_requested" = 1 ] && ls {shlex.quote(cfg.run_dir)}/checkpoints/step-*/manifest.json '
+            '>/dev/null 2>&1; then',
             '    scontrol requeue "$SLURM_JOB_ID"',
             "    exit 0",
             "fi",

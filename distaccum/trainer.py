@@ -18,22 +18,25 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from statistics import median
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
-from distaccum.checkpoint import StopFlag, StopRequested, load, save
+from distaccum.checkpoint import fingerprint
+from distaccum.checkpoint import save as save_checkpoint
 from distaccum.comm import CommLedger
 from distaccum.components import Components, ModelSpec, build_model
 from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
 from distaccum.engines import check_engine, make_engine
 from distaccum.engines.base import EngineSpec, OptimizerFactory, Precision
+from distaccum.liveness import Liveness, describe_peers, kill_stopped_peers, short_error
 from distaccum.loop import LoopSettings, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.models import batch_stat_layers
@@ -43,8 +46,11 @@ from distaccum.plan import GlobalBatchPlan
 from distaccum.probe import probe
 from distaccum.procgroup import ensure_process_group, pick_device, shutdown
 from distaccum.reference import run_reference
-from distaccum.rundir import CHECKPOINT, CONFIG, read_metrics, truncate_metrics, write_json
+from distaccum.resume import fresh_start, resume
+from distaccum.rundir import CONFIG, write_json
 from distaccum.sinks import Record, Sink, build_sinks
+from distaccum.stopping import StopFlag, StopRequested
+from distaccum.summary import summarize
 from distaccum.timing import StepTimer
 from distaccum.topology import DistEnv
 from distaccum.weights import save_final
@@ -79,6 +85,9 @@ class _Run:
     timer: StepTimer
     names: dict[str, str]
     resumed_at: int
+    liveness: Liveness
+    fingerprint: dict[str, Any]
+    last_checkpoint_step: int
     sink: Sink | None = None
 
 
@@ -117,9 +126,10 @@ class Trainer:
         if self._run is None:
             env = DistEnv.from_environ(os.environ)
             device = pick_device(self.cfg.trainer.device, env)
-            self._created_group = ensure_process_group(env, device) or self._created_group
+            timeout = timedelta(seconds=self.cfg.trainer.collective_timeout_s)
+            self._created_group = ensure_process_group(env, device, timeout) or self._created_group
             try:
-                self._run = self._setup(device)
+                self._run = self._setup(device, env.restart_count)
             except BaseException:
                 self._leave(clean=False)
                 raise
@@ -164,9 +174,37 @@ class Trainer:
                                    append=bool(run.resumed_at), first_step=run.resumed_at + 1,
                                    wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
         until = None if steps is None else state.source.next_step + steps
-        return train(state, settings, self.components.loss, run.timer, run.sink, until=until, stop=self.stop,
-                     checkpoint=lambda st: save_checkpoint(settings.run_dir, st, settings.rank),
-                     on_step=self.on_step)
+        def on_step(st: TrainState, record: Record) -> None:
+            run.liveness.beat(int(record["step"]))
+            if self.on_step is not None:
+                self.on_step(st, record)
+
+        try:
+            return train(state, settings, self.components.loss, run.timer, run.sink, until=until, stop=self.stop,
+                         checkpoint=self._checkpoint, on_step=on_step)
+        except StopRequested:
+            run.liveness.write("stopped", step=len(state.records))
+            raise
+        except BaseException as err:
+            run.liveness.write("failed", step=len(state.records), error=short_error(err))
+            peers = describe_peers(settings.run_dir, settings.rank)
+            if peers:
+                killed = kill_stopped_peers(settings.run_dir, settings.rank, run.liveness.attempt)
+                print(f"distaccum: rank {settings.rank} failed ({short_error(err)}); the other ranks: "
+                      + "; ".join(peers)
+                      + (f". Killed stopped rank(s) {killed}: they cannot continue, and the launcher would wait "
+                         "for them" if killed else ""), file=sys.stderr, flush=True)
+            raise
+
+    def _checkpoint(self, state: TrainState) -> Path:
+        """Write a checkpoint after the last finished step (collective)."""
+        assert self._run is not None
+        run, cfg = self._run, self.cfg
+        fault = cfg.debug.checkpoint_fault_at_step == state.source.next_step
+        path = save_checkpoint(state, run.settings.run_dir, keep=cfg.trainer.keep_checkpoints,
+                               manifest={"fingerprint": run.fingerprint, "engine": cfg.engine.name}, fault=fault)
+        run.last_checkpoint_step = state.source.next_step
+        return path
 
     def finish(self) -> Record:
         """Summarize, write the trained model to ``run_dir/final/``, close the sinks, release the
@@ -180,8 +218,9 @@ class Trainer:
             summary["final_model"] = str(save_final(state.engine, settings.run_dir, config))
         if run.sink is not None:
             run.sink.close(summary)
-        if settings.rank == 0:  # finished: a later run in this run_dir starts afresh instead of resuming
-            (settings.run_dir / CHECKPOINT).unlink(missing_ok=True)
+        if run.last_checkpoint_step != state.source.next_step:  # keep the end of the run next to final/
+            self._checkpoint(state)
+        run.liveness.write("finished", step=len(state.records))
         state.engine.teardown()
         self._leave(clean=True)
         return summary
@@ -191,7 +230,7 @@ class Trainer:
             self._created_group = False
             shutdown(clean=clean)
 
-    def _setup(self, device: torch.device) -> _Run:
+    def _setup(self, device: torch.device, attempt: int) -> _Run:
         cfg, parts = self.cfg, self.components
         names = parts.describe()
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -202,6 +241,8 @@ class Trainer:
         check_engine(spec)
         run_dir = Path(cfg.run_dir)
         if rank == 0:
+            if not cfg.trainer.resume:
+                fresh_start(run_dir)
             write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": names})
 
         model = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, names["model"])
@@ -214,6 +255,7 @@ class Trainer:
                 f"accumulating {split.accum_steps} micro-batches with batch-statistics layers "
                 f"({', '.join(layers)}): their statistics are computed per micro-batch of {split.micro_batch}, "
                 "not over the effective batch, so results depend on the split", stacklevel=3)
+        fp = fingerprint(cfg, world, names, parts.dataset, model)
         # From here on random draws (dropout masks) must differ between ranks, or every rank would
         # drop the same units of its different samples.
         torch.manual_seed(cfg.trainer.seed + 1_000_003 * (rank + 1))
@@ -229,82 +271,20 @@ class Trainer:
                             num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
                             pin_memory=device.type == "cuda")
         state = TrainState(wrapped, engine, scheduler, source)
-        done = resume(run_dir, state) if cfg.trainer.resume else 0
-        if done:
-            if rank == 0:
-                truncate_metrics(run_dir, done)
-                print(f"distaccum: resumed from {run_dir / CHECKPOINT} after optimizer step {done}", flush=True)
-            dist.barrier()
-            state.records = [r for r in read_metrics(run_dir) if int(r["step"]) <= done]
+        done = resume(state, run_dir, fp, attempt=attempt) if cfg.trainer.resume else 0
+        liveness = Liveness(run_dir, rank, attempt)
+        liveness.beat(done)
         settings = LoopSettings(
             split=split, max_steps=cfg.trainer.max_steps, clip_norm=cfg.optim.clip_norm,
             every_micro=cfg.accum.sync == "every_micro", loss_norm=cfg.accum.loss_norm,
             float_dtype=torch.float64 if precision.param_dtype == torch.float64 else None,
             check_every=cfg.trainer.check_every, record_checksums=cfg.verify.record, run_dir=run_dir,
-            device=device, rank=rank, grad_scale_fault=cfg.debug.grad_scale_fault,
-            nominal_partial_count=cfg.debug.nominal_partial_count)
-        return _Run(state, settings, StepTimer(device, ledger), names, done)
+            device=device, rank=rank, checkpoint_every=cfg.trainer.checkpoint_every,
+            checkpoint_every_s=cfg.trainer.checkpoint_every_s, max_nonfinite_steps=cfg.trainer.max_nonfinite_steps,
+            loss_scaling=precision.loss_scaling, grad_scale_fault=cfg.debug.grad_scale_fault,
+            nominal_partial_count=cfg.debug.nominal_partial_count,
+            nan_steps=tuple(range(cfg.debug.nan_at_step, cfg.debug.nan_at_step + cfg.debug.nan_steps))
+            if cfg.debug.nan_at_step else (), nan_rank=cfg.debug.nan_rank)
+        return _Run(state, settings, StepTimer(device, ledger), names, done, liveness, fp, done)
 
-
-def save_checkpoint(run_dir: Path, state: TrainState, rank: int) -> Path:
-    """Write run_dir/checkpoint.pt between windows (collective: engines may gather shards)."""
-    path = run_dir / CHECKPOINT
-    payload = {"engine": state.engine.state_dict(), "scheduler": state.scheduler.state_dict(),
-               "source": state.source.state_dict(), "steps_done": len(state.records)}
-    if rank == 0:
-        save(path, payload)
-    dist.barrier()  # nobody exits before the checkpoint is on disk
-    return path
-
-
-def resume(run_dir: Path, state: TrainState) -> int:
-    """Restore run_dir/checkpoint.pt if present; returns the optimizer steps already done."""
-    payload = load(run_dir / CHECKPOINT)
-    if payload is None:
-        return 0
-    state.engine.load_state_dict(payload["engine"])
-    state.scheduler.load_state_dict(payload["scheduler"])
-    state.source.load_state_dict(payload["source"])
-    return int(payload["steps_done"])
-
-
-def summarize(cfg: RunConfig, names: dict[str, str], split: Any, records: list[Record], engine: Any,
-              run_dir: Path) -> Record:
-    """The run summary, including fp64 checksums of every final parameter (collective)."""
-    param_sum = torch.zeros((), dtype=torch.float64)
-    param_sq = torch.zeros((), dtype=torch.float64)
-    for _, tensor in engine.full_parameters():
-        t = tensor.detach().to("cpu", torch.float64)
-        param_sum += t.sum()
-        param_sq += (t * t).sum()
-    steady = records[cfg.log.warmup_steps:] or records
-    total_time = sum(r["time_s"] for r in records)
-
-    def med(key: str) -> float:
-        return median(r[key] for r in steady) if steady else 0.0
-
-    summary: dict[str, Any] = {
-        "engine": cfg.engine.name,
-        "model": names["model"],
-        "precision": cfg.precision,
-        "sync": cfg.accum.sync,
-        "loss_norm": cfg.accum.loss_norm,
-        "world_size": split.world_size,
-        "micro_batch": split.micro_batch,
-        "accum_steps": split.accum_steps,
-        "global_batch": split.global_batch,
-        "steps": len(records),
-        "final_loss": records[-1]["loss"] if records else float("nan"),
-        "samples_per_s": sum(r["samples"] for r in records) / total_time if total_time else 0.0,
-        "param_sum": float(param_sum),
-        "param_l2": float(param_sq.sqrt()),
-        "run_dir": str(run_dir),
-    }
-    for key in ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s",
-                "comm_calls", "comm_bytes", "comm_rounds"):
-        summary[f"median_{key}"] = med(key)
-    summary["peak_mem_bytes"] = max((r["peak_mem_bytes"] for r in records), default=0)
-    busy = summary["median_compute_s"] + summary["median_comm_exposed_s"]
-    summary["comm_share"] = summary["median_comm_exposed_s"] / busy if busy > 0 else 0.0
-    return summary
 

@@ -89,7 +89,7 @@ def _worker_main(plan_file: str) -> None:
     An entry with ``"_stop_after": n`` is stopped (checkpoint, ``StopRequested``) before window n + 1,
     as SIGTERM would stop it, and then run again from its checkpoint.
     """
-    from distaccum.checkpoint import StopFlag, StopRequested
+    from distaccum.stopping import StopFlag, StopRequested
     from distaccum.procgroup import ensure_process_group, shutdown
     from distaccum.topology import DistEnv
     from distaccum.trainer import Trainer
@@ -285,7 +285,7 @@ RESUMED = ["fsdp", "zero1", "zero3", "accelerate"]
 def test_checkpoint_resume_is_exact(runs: Runs, engine: str) -> None:
     """state_dict/load_state_dict: sharded parameters and optimizer state come back bit for bit."""
     resumed, straight = runs.records("mlp", f"{engine}-resumed"), runs.records("mlp", engine)
-    checkpoint = runs.dir("mlp", f"{engine}-resumed") / "checkpoint.pt"
+    checkpoint = runs.dir("mlp", f"{engine}-resumed") / "checkpoints" / "step-00000002"
     assert f"resumed from {checkpoint} after optimizer step 2" in runs.stdout
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in straight]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from distaccum import losses
-from distaccum.checkpoint import StopFlag, StopRequested
+from distaccum.stopping import StopFlag, StopRequested
 from distaccum.datasets import SyntheticImages, SyntheticRegression
 from distaccum.models import MLP, ConvNetBN
 from distaccum.optim import lr_factor
@@ -35,7 +35,8 @@ def one_rank_group():
 
 
 def config(run_dir: Path, **sections: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"trainer": {"nproc": 1, "max_steps": 4, "check_every": 0, "save_final": False},
+    base: dict[str, Any] = {"trainer": {"nproc": 1, "max_steps": 4, "check_every": 0, "save_final": False,
+                                        "checkpoint_every": 0},
                             "log": {"console": "quiet"}, "run_dir": str(run_dir)}
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
@@ -154,7 +155,7 @@ def test_checkpoint_between_windows_resumes_exactly(tmp_path: Path) -> None:
     with pytest.raises(StopRequested) as stopped:
         first.fit()
     assert stopped.value.step == stop_after
-    assert (tmp_path / "stopped" / "checkpoint.pt").is_file()
+    assert (tmp_path / "stopped" / "checkpoints" / "step-00000003" / "manifest.json").is_file()
 
     resumed = mlp_trainer(tmp_path / "stopped", accum={"micro_batch": 2, "steps": 4}, precision="fp64",
                           trainer={"max_steps": 6})

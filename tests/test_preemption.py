@@ -37,9 +37,9 @@ def test_sigterm_checkpoints_at_a_window_boundary_and_resumes(tmp_path: Path) ->
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err[-3000:]
     assert "rerun the same command to resume" in err
-    checkpoint = run_dir / "checkpoint.pt"
-    assert checkpoint.is_file()
     done = _lines(run_dir / "metrics.jsonl")
+    checkpoint = run_dir / "checkpoints" / f"step-{done:08d}"
+    assert (checkpoint / "manifest.json").is_file()
     assert 5 <= done < 1000, "the run ended before the signal: raise trainer.max_steps"
 
     resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

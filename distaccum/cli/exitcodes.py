@@ -8,4 +8,4 @@ EXIT_CONFIG = 2
 """Bad input: an invalid config, component or argument, reported before any worker starts."""
 EXIT_REQUEUE = 3
 """Stopped on request after writing a checkpoint; rerun the same command to resume
-(== :data:`distaccum.checkpoint.EXIT_REQUEUE`, not imported here: it would pull in torch)."""
+(== :data:`distaccum.stopping.EXIT_REQUEUE`)."""

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from distaccum.checkpoint import fingerprint
 from distaccum.cli.instantiate import instantiate_components
 from distaccum.components import Components, build_model
 from distaccum.config import ConfigError, RunConfig, Split
@@ -23,6 +24,7 @@ from distaccum.engines import check_engine
 from distaccum.engines.base import EngineSpec, Precision
 from distaccum.plan import GlobalBatchPlan
 from distaccum.probe import probe
+from distaccum.resume import check_resumable
 
 
 @dataclass
@@ -87,6 +89,8 @@ def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = Tr
         probe(model, parts.dataset, parts.collate or default_collate, parts.loss, names=names)
         GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
                         shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+        if cfg.trainer.resume:  # an incompatible or corrupt checkpoint: exit 2 now, not in every worker
+            check_resumable(Path(cfg.run_dir), fingerprint(cfg, split.world_size, names, parts.dataset, model))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return Checked(parts, model, split)

@@ -22,7 +22,7 @@ from distaccum.topology import DistEnv
 
 def stop_flag() -> Any:
     """SIGTERM / SIGUSR1 ask the run to checkpoint after the window in progress and stop."""
-    from distaccum.checkpoint import StopFlag
+    from distaccum.stopping import StopFlag
 
     flag = StopFlag()
     flag.install()
@@ -44,8 +44,8 @@ def worker_exit(run: Callable[[], Any]) -> NoReturn:
     Skipping interpreter shutdown matters: letting Python finalize while gloo threads still free
     tensors aborted FSDP runs now and then ("terminate called without an active exception").
     """
-    from distaccum.checkpoint import StopRequested
     from distaccum.procgroup import shutdown
+    from distaccum.stopping import StopRequested
 
     code = EXIT_OK
     try:

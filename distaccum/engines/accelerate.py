@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distaccum.comm import CommLedger
-from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult
+from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, dcp_load, dcp_save
 from distaccum.engines.ddp import register_counting_hook, step_plain
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -103,7 +104,7 @@ class AccelerateEngine:
                                "optimizer step: its optimizer.step() would silently do nothing")
         # The torch optimizer and Accelerate's GradScaler directly: the same unscale -> normalize
         # -> clip -> step as DDP (Accelerate's prepared optimizer would only add its own checks).
-        return step_plain(self.optimizer, list(self.raw.parameters()), max_norm, grad_scale,
+        return step_plain(self.optimizer, list(self.raw.named_parameters()), max_norm, grad_scale,
                           self.accelerator.scaler)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -119,18 +120,16 @@ class AccelerateEngine:
         assert self.raw is not None
         return self.raw
 
-    def state_dict(self) -> dict[str, Any]:
+    def save_state(self, directory: Path) -> dict[str, Any]:
         assert self.raw is not None
-        scaler = self.accelerator.scaler
-        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None}
+        dcp_save(directory, self.raw, self.optimizer)  # replicated: written once, loadable on any world size
+        return {"scaler": self.accelerator.scaler.state_dict() if self.accelerator.scaler is not None else None}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
         assert self.raw is not None
-        self.raw.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.accelerator.scaler is not None and state.get("scaler"):
-            self.accelerator.scaler.load_state_dict(state["scaler"])
+        dcp_load(directory, self.raw, self.optimizer)
+        if self.accelerator.scaler is not None and extra.get("scaler"):
+            self.accelerator.scaler.load_state_dict(extra["scaler"])
 
     def teardown(self) -> None:
         if self.accelerator is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Protocol
 
 import torch
@@ -69,6 +70,8 @@ class StepResult:
     """Global L2 norm of the normalized gradient, before clipping (inf/nan when non-finite)."""
     applied: bool
     """False when the step was skipped (fp16 overflow or a non-finite gradient)."""
+    nonfinite_param: str | None = None
+    """On a skipped step: the first parameter whose (local) gradient is not finite, when known."""
 
 
 class Engine(Protocol):
@@ -118,12 +121,13 @@ class Engine(Protocol):
         """The user's module inside the wrapper (its parameters may be sharded)."""
         ...
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and loss-scaler state for a checkpoint. Collective on sharded engines."""
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        """Write model and optimizer state into ``directory``, every rank its own part (collective);
+        return small JSON-able extras (e.g. the loss scaler) for the trainer state."""
         ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (on every rank)."""
+    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
+        """Restore what :meth:`save_state` wrote, resharding onto this world size where the engine can."""
         ...
 
     def teardown(self) -> None:
@@ -155,6 +159,40 @@ def scale_and_clip_(grads: list[torch.Tensor], grad_scale: torch.Tensor,
     for dtype, group in by_dtype.items():
         torch._foreach_mul_(group, coef.to(dtype))
     return norm
+
+
+def dcp_save(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer state with ``torch.distributed.checkpoint``: every rank writes its shards
+    (FSDP2) or the replicated tensors once (DDP), under the unwrapped model's names. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
+
+
+def dcp_load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what :func:`dcp_save` wrote into ``model`` and ``optimizer``, resharding to this world
+    size. ``get_state_dict`` first materializes an empty optimizer's state (DCP loads into a template
+    of the same structure). Reads with ``weights_only=True``. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def first_nonfinite(named: Iterable[tuple[str, nn.Parameter]]) -> str | None:
+    """The first parameter whose local gradient holds a NaN or inf (only called on a skipped step)."""
+    for name, param in named:
+        grad = param.grad
+        if grad is not None:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if not bool(torch.isfinite(local).all()):
+                return name
+    return None
 
 
 def grads_of(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ContextManager, Iterator
 
 import torch
@@ -12,7 +13,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distaccum.comm import CommLedger
-from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, grads_of, scale_and_clip_
+from distaccum.engines.base import (
+    EngineSpec,
+    OptimizerFactory,
+    StepResult,
+    dcp_load,
+    dcp_save,
+    first_nonfinite,
+    grads_of,
+    scale_and_clip_,
+)
 
 
 @dataclass
@@ -51,7 +61,7 @@ def register_counting_hook(ddp: DDP, ledger: CommLedger, fault_rank: int | None)
     ddp.register_comm_hook(state, mean_allreduce_hook)
 
 
-def step_plain(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float | None,
+def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
                grad_scale: torch.Tensor, scaler: "torch.amp.GradScaler | None") -> StepResult:
     """Normalize, clip and step gradients that live on whole parameters (DDP, Accelerate).
 
@@ -61,7 +71,7 @@ def step_plain(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = float(scale_and_clip_(grads_of(params), grad_scale, max_norm))
+    norm = float(scale_and_clip_(grads_of(p for _, p in named), grad_scale, max_norm))
     if scaler is not None:
         before = scaler.get_scale()
         scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
@@ -72,8 +82,9 @@ def step_plain(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max
         applied = True
     else:
         applied = False
+    culprit = None if applied else first_nonfinite(named)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(norm, applied)
+    return StepResult(norm, applied, culprit)
 
 
 class DDPEngine:
@@ -117,7 +128,7 @@ class DDPEngine:
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         assert self.raw is not None
-        return step_plain(self.optimizer, list(self.raw.parameters()), max_norm, grad_scale, self.scaler)
+        return step_plain(self.optimizer, list(self.raw.named_parameters()), max_norm, grad_scale, self.scaler)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.raw is not None
@@ -132,17 +143,16 @@ class DDPEngine:
         assert self.raw is not None
         return self.raw
 
-    def state_dict(self) -> dict[str, Any]:
+    def save_state(self, directory: Path) -> dict[str, Any]:
         assert self.raw is not None
-        return {"model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+        dcp_save(directory, self.raw, self.optimizer)  # replicated: written once, loadable on any world size
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
         assert self.raw is not None
-        self.raw.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        dcp_load(directory, self.raw, self.optimizer)
+        if self.scaler is not None and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
 
     def teardown(self) -> None:
         self.module = None

@@ -69,6 +69,10 @@ def _quiet_deepspeed() -> Iterator[None]:
         logger.setLevel(level)
 
 
+DEEPSPEED_TAG = "zero"
+"""The tag (sub-directory) of DeepSpeed's checkpoint inside distaccum's checkpoint directory."""
+
+
 class DeepSpeedEngine:
     """``deepspeed.initialize`` with our torch optimizer and a config generated from ours."""
 
@@ -178,25 +182,21 @@ class DeepSpeedEngine:
     def unwrapped(self) -> nn.Module:
         return self.engine.module
 
-    def state_dict(self) -> dict[str, Any]:
-        model = {name: t.cpu() for name, t in self.full_parameters()}
-        # ZeRO optimizer state is partitioned: gather every rank's part (rank 0 saves them all).
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, self.engine.optimizer.state_dict())
-        return {"model": model, "optimizer_parts": parts}
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        # DeepSpeed's own checkpoint: every rank writes its ZeRO partition (collective).
+        self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
+        return {"world_size": dist.get_world_size()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        import deepspeed
-
-        for name, param in self.engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=self.stage == 3):
-                param.data.copy_(state["model"][name])
-        parts = state["optimizer_parts"]
-        optimizer = self.engine.optimizer
-        if optimizer is self.optimizer:
-            optimizer.load_state_dict(parts[dist.get_rank()])  # ZeRO-0: whole state on every rank
-        else:  # ZeRO 1-3 and bf16: every rank's part in, its own fp32 partition restored from them
-            optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
+        if extra.get("world_size") not in (None, dist.get_world_size()):
+            raise ValueError(f"a DeepSpeed ZeRO checkpoint written by {extra['world_size']} ranks cannot be loaded by "
+                             f"{dist.get_world_size()}: DeepSpeed partitions optimizer state per rank")
+        # DeepSpeed unpickles its own files (its loader): distaccum checked them against the
+        # checkpoint's manifest (sizes and sha256) before this point.
+        path, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}")
 
     def teardown(self) -> None:
         if self.engine is not None:

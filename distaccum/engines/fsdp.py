@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -40,6 +35,9 @@ from distaccum.engines.base import (
     OptimizerFactory,
     Precision,
     StepResult,
+    dcp_load,
+    dcp_save,
+    first_nonfinite,
     grads_of,
     scale_and_clip_,
 )
@@ -136,8 +134,9 @@ class FSDPEngine:
         applied = norm == norm and norm != float("inf")  # host sync: the update depends on it
         if applied:
             self.optimizer.step()
+        culprit = None if applied else first_nonfinite(self.module.named_parameters())
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(norm, applied)
+        return StepResult(norm, applied, culprit)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.module is not None
@@ -158,18 +157,14 @@ class FSDPEngine:
         assert self.module is not None
         return self.module
 
-    def state_dict(self) -> dict[str, Any]:
+    def save_state(self, directory: Path) -> dict[str, Any]:
         assert self.module is not None
-        # Full (unsharded) state on rank 0's CPU; the other ranks get empty dicts (rank 0 saves).
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"model": get_model_state_dict(self.module, options=options),
-                "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=options)}
+        dcp_save(directory, self.module, self.optimizer)  # each rank writes its own shards: no gather
+        return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
         assert self.module is not None
-        options = StateDictOptions(full_state_dict=True)  # every rank holds the full dict: reshard it
-        set_model_state_dict(self.module, state["model"], options=options)
-        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
+        dcp_load(directory, self.module, self.optimizer)  # reshards onto this world size
 
     def teardown(self) -> None:
         # Drop the sharded module and optimizer before the barrier and destroy_process_group; the
