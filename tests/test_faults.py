@@ -1,0 +1,177 @@
+"""The faults tier: real worker processes killed, stopped or poisoned on purpose, and what the user sees.
+
+- SIGKILL of one rank mid-run with ``trainer.max_restarts=1``: torch elastic restarts the group, it
+  resumes from the last periodic checkpoint, every step is in metrics.jsonl exactly once, and the final
+  parameters are bit-identical to an uninterrupted run (DDP, FSDP2 via DCP, DeepSpeed ZeRO-2).
+- A world-2 run resumed on world 1 at the same global batch ends where an uninterrupted world-2 run does.
+- A SIGSTOPped rank ends the run within ``collective_timeout_s`` (+ the launcher's grace), named.
+- A NaN on one rank is skipped by every rank; persistent NaN stops the run with a diagnosis.
+- Incompatible or corrupt checkpoints: exit 2 before any worker starts, naming fields or paths.
+- A checkpoint write that fails leaves the previous checkpoint intact and stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
+
+EXTENSIONS = REPO / ".cache" / "torch_extensions"
+BASE = ("model=mlp", "model.width=128", "accum.micro_batch=2", "accum.global_batch=16", "trainer.check_every=0",
+        "log.console=quiet", "optim.schedule=constant", f"engine.extensions_dir={EXTENSIONS}")
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "distaccum", "train", *BASE, *overrides, f"run_dir={run_dir}"]
+
+
+def env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def run(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(command(run_dir, *overrides), cwd=run_dir.parent, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def rank_pid(run_dir: Path, rank: int, timeout: float = 120) -> int:
+    path = run_dir / "ranks" / f"rank-{rank:05d}.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file():
+            return int(json.loads(path.read_text())["pid"])
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run never reached step {step} (exit {proc.poll()})")
+
+
+ENGINES = {"ddp": ("engine=ddp",), "fsdp": ("engine=fsdp",),
+           "zero2": ("engine=deepspeed", "engine.zero_stage=2")}
+N = 90
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path: Path, engine: str) -> None:
+    overrides = (*ENGINES[engine], f"trainer.max_steps={N}", "trainer.checkpoint_every=10")
+    straight = tmp_path / "straight"
+    assert run(straight, *overrides).returncode == 0
+
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(command(run_dir, *overrides, "trainer.max_restarts=1", "trainer.shutdown_grace_s=5"),
+                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = rank_pid(run_dir, 1)
+    wait_for_step(run_dir, N // 3, proc)
+    os.kill(victim, signal.SIGKILL)  # mid-window: the next window is already under way
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-4000:]
+    assert steps(run_dir) == list(range(1, N + 1))  # none lost, none twice
+    assert "distaccum: elastic restart 1: rank 1 (pid" in err and "died without a trace" in err
+    assert "distaccum: resumed from" in out and "/checkpoints/step-000000" in out
+    for key in ("param_sum", "param_l2"):
+        assert summary(run_dir)[key] == summary(straight)[key]  # bit for bit
+
+
+def test_resuming_on_another_world_size_continues_the_same_run(tmp_path: Path) -> None:
+    common = ("precision=fp64", "trainer.checkpoint_every=5")
+    straight = tmp_path / "straight"
+    assert run(straight, *common, "trainer.nproc=2", "trainer.max_steps=12").returncode == 0
+    moved = tmp_path / "moved"
+    assert run(moved, *common, "trainer.nproc=2", "trainer.max_steps=6").returncode == 0
+    second = run(moved, *common, "trainer.nproc=1", "trainer.max_steps=12")  # K re-derived: 4 -> 8
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {moved}/checkpoints/step-00000006 after optimizer step 6" in second.stdout
+    assert steps(moved) == list(range(1, 13)) and summary(moved)["accum_steps"] == 8
+    for key in ("param_sum", "param_l2"):
+        assert summary(moved)[key] == pytest.approx(summary(straight)[key], rel=1e-12)
+
+
+def test_a_stopped_rank_fails_the_run_in_time_and_is_named(tmp_path: Path) -> None:
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(command(run_dir, "trainer.max_steps=100000", "trainer.collective_timeout_s=10"),
+                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = rank_pid(run_dir, 1)
+    wait_for_step(run_dir, 5, proc)
+    os.kill(victim, signal.SIGSTOP)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 1
+    assert took < 10 + 30, f"the run took {took:.0f} s to end after SIGSTOP"
+    assert f"rank 1 (pid {victim}) is stopped (SIGSTOP" in err and "Timed out" in err
+
+
+def test_nan_on_one_rank_is_skipped_everywhere_and_persistent_nan_stops(tmp_path: Path) -> None:
+    once = tmp_path / "once"
+    proc = run(once, "trainer.max_steps=6", "trainer.check_every=1", "debug.nan_at_step=3", "debug.nan_rank=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the tripwire checked every step: ranks stayed equal
+    records = [json.loads(line) for line in (once / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
+    assert records[2]["nonfinite"] and records[2]["lr"] == records[3]["lr"]
+
+    always = tmp_path / "always"
+    proc = run(always, "trainer.max_steps=20", "debug.nan_at_step=4", "debug.nan_steps=10", "debug.nan_rank=1",
+               "trainer.max_nonfinite_steps=3")
+    assert proc.returncode == 1
+    assert "3 consecutive optimizer steps (up to step 6)" in proc.stderr
+    assert "the loss was non-finite on rank(s) 1" in proc.stderr
+    assert steps(always) == [1, 2, 3, 4, 5, 6]
+
+
+def test_incompatible_and_corrupt_checkpoints_exit_2_before_workers_start(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert run(run_dir, "trainer.max_steps=4", "trainer.checkpoint_every=2").returncode == 0
+    changed = run(run_dir, "trainer.max_steps=8", "model.width=64")
+    assert changed.returncode == 2 and "model:" in changed.stderr and "trainer.resume=false" in changed.stderr
+    assert "equivalent to `" not in changed.stdout and "Traceback" not in changed.stderr
+    batch = run(run_dir, "trainer.max_steps=8", "accum.global_batch=32")
+    assert batch.returncode == 2 and "global_batch: 16 in the checkpoint, 32 now" in batch.stderr
+
+    latest = run_dir / "checkpoints" / "step-00000004"
+    (latest / "trainer_state.json").write_text("{}")
+    fallback = run(run_dir, "trainer.max_steps=6")
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert "skipped unusable checkpoint" in fallback.stderr
+    assert f"resumed from {run_dir}/checkpoints/step-00000002 after optimizer step 2" in fallback.stdout
+
+    for path in (run_dir / "checkpoints").iterdir():
+        shutil.rmtree(path / "model")
+    broken = run(run_dir, "trainer.max_steps=8")
+    assert broken.returncode == 2 and "none is valid" in broken.stderr and "is missing" in broken.stderr
+
+
+def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(tmp_path: Path) -> None:
+    run_dir = tmp_path / "full"
+    proc = run(run_dir, "trainer.max_steps=30", "trainer.checkpoint_every=10", "debug.checkpoint_fault_at_step=20")
+    assert proc.returncode == 1
+    assert "writing the checkpoint after step 20 failed" in proc.stderr and "No space left on device" in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000010"]
+    resumed = run(run_dir, "trainer.max_steps=30")
+    assert resumed.returncode == 0 and "after optimizer step 10" in resumed.stdout
