@@ -195,23 +195,31 @@ def job_state(job_id: str, *, env: Mapping[str, str] | None = None) -> str:
 
 
 def wait_job(job_id: str, *, timeout_s: float | None = None, poll_s: float = 0.5,
-             env: Mapping[str, str] | None = None) -> str:
+             pending_timeout_s: float | None = None, env: Mapping[str, str] | None = None) -> str:
     """Block until the job has left the queue; return its final state (see :func:`job_state`).
 
     Polls ``squeue -h -j ID``, which shows pending, running and completing jobs only: it returns
     seconds after the job ends, where ``sbatch --wait`` returns ~30 s late. Raises TimeoutError
-    after ``timeout_s`` and :class:`SlurmError` when ``squeue`` fails for another reason.
+    after ``timeout_s``, and :class:`SlurmError` with Slurm's pending reason when the job is still
+    pending after ``pending_timeout_s`` (a job asking for more than the cluster has waits forever)
+    or when ``squeue`` fails for another reason.
     """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = None if timeout_s is None else start + timeout_s
     while True:
-        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
+        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True,
                               text=True, env=env, check=False)
         if proc.returncode != 0 and "Invalid job id" not in proc.stderr:
             raise SlurmError(f"squeue -j {job_id} failed (exit {proc.returncode}): {proc.stderr.strip()}")
         if not proc.stdout.strip():  # gone from the queue (or already purged: "Invalid job id")
             return job_state(job_id, env=env)
+        state, _, reason = proc.stdout.strip().splitlines()[0].partition("|")
+        waited = time.monotonic() - start
+        if state == "PENDING" and pending_timeout_s is not None and waited > pending_timeout_s:
+            raise SlurmError(f"Slurm job {job_id} is still pending after {waited:.0f} s: reason {reason!r} "
+                             "(see `scontrol show job` and `sinfo`)")
         if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"Slurm job {job_id} still {proc.stdout.split()[0]} after {timeout_s} s")
+            raise TimeoutError(f"Slurm job {job_id} still {state} ({reason}) after {timeout_s} s")
         time.sleep(poll_s)
 
 

@@ -104,7 +104,7 @@ wait_for() {
 
 write_slurm_conf() {
     local cpus mem_mb
-    cpus=$(nproc)
+    cpus=$(nproc --all)  # GNU nproc alone honours OMP_NUM_THREADS: a 1-CPU node would pend every 2-CPU job
     # Leave 10% of the memory out: slurmd drains the node when RealMemory exceeds what it finds.
     mem_mb=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
     mkdir -p "$state"/{ctld,spool,log,run}
@@ -212,7 +212,7 @@ start() {
     wait_for slurmctld "$state/run/slurmctld.pid" "$state/log/slurmctld.log" scontrol ping
     slurmd -f "$SLURM_CONF"
     wait_for "node $node idle" "$state/run/slurmd.pid" "$state/log/slurmd.log" node_idle
-    log "cluster up in $((SECONDS - t0)) s (node $node, $(nproc) CPUs); source $state/env.sh"
+    log "cluster up in $((SECONDS - t0)) s (node $node, $(nproc --all) CPUs); source $state/env.sh"
 }
 
 node_idle() {

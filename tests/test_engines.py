@@ -89,8 +89,8 @@ def _worker_main(plan_file: str) -> None:
     An entry with ``"_stop_after": n`` is stopped (checkpoint, ``StopRequested``) before window n + 1,
     as SIGTERM would stop it, and then run again from its checkpoint.
     """
-    from distaccum.stopping import StopFlag, StopRequested
     from distaccum.procgroup import ensure_process_group, shutdown
+    from distaccum.stopping import StopFlag, StopRequested
     from distaccum.topology import DistEnv
     from distaccum.trainer import Trainer
 

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from distaccum import losses
-from distaccum.stopping import StopFlag, StopRequested
 from distaccum.datasets import SyntheticImages, SyntheticRegression
 from distaccum.models import MLP, ConvNetBN
 from distaccum.optim import lr_factor
+from distaccum.stopping import StopFlag, StopRequested
 from distaccum.trainer import Trainer
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.slurm import parse_nodelist, wait_job
+from distaccum.slurm import SlurmError, parse_nodelist, wait_job
 from slurm_fixtures import REPO, SlurmCluster
 
 pytestmark = pytest.mark.slurm
@@ -73,7 +73,7 @@ def test_distaccum_submit_trains(slurm_cluster: SlurmCluster, tmp_path: Path) ->
     )
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().splitlines()[-1]
-    state = wait_job(job_id, timeout_s=240, env=slurm_cluster.env)
+    state = wait_job(job_id, timeout_s=240, pending_timeout_s=60, env=slurm_cluster.env)
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(run_dir.glob("slurm-*")))
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -124,14 +124,21 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster: S
     while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 5):
         time.sleep(0.1)
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)  # what the limit's warning sends
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # requeued jobs wait ~120 s; start it now once it is pending
+    # A requeued job waits ~120 s before it may start again; move its start time to now, but only once
+    # it is PENDING *and* its previous allocation is released (the node idle again): earlier, the
+    # update races the allocation's credential revocation and Slurm kills the job ("Job credential
+    # revoked", seen 1 of 2 runs).
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
         state = slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip()
-        if state == "PENDING":
+        node = slurm_cluster.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
+        if state == "PENDING" and node == "idle":
             slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             break
         time.sleep(0.2)
-    state = wait_job(job_id, timeout_s=300, env=slurm_cluster.env)
+    else:
+        raise AssertionError(f"job {job_id} never came back to PENDING on an idle node\n{slurm_cluster.logs()}")
+    state = wait_job(job_id, timeout_s=300, pending_timeout_s=120, env=slurm_cluster.env)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(run_dir.glob("slurm-*")))
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}"
     assert "resumed from" in logs, logs
@@ -150,3 +157,18 @@ def test_srun_tasks_run_as_ranks_in_place(slurm_cluster: SlurmCluster, tmp_path:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
+
+
+def test_a_job_that_does_not_start_fails_fast_with_the_reason(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    # Pending for a reason the test controls (a start time an hour away), instead of a real one
+    # (not enough CPUs) that would depend on the machine.
+    job_id = _sbatch(slurm_cluster, tmp_path / "later.sbatch", f"""\
+#SBATCH --output={tmp_path}/later-%j.out
+#SBATCH --begin=now+3600
+true
+""")
+    start = time.monotonic()
+    with pytest.raises(SlurmError, match="still pending after .* reason 'BeginTime'"):
+        wait_job(job_id, timeout_s=60, pending_timeout_s=2, env=slurm_cluster.env)
+    assert time.monotonic() - start < 30
+    slurm_cluster.run("scancel", job_id, check=False)
