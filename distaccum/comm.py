@@ -94,6 +94,9 @@ class CommStats:
     comm_rounds: int = 0
     comm_s: float = 0.0
     comm_exposed_s: float = 0.0
+    gather_calls: int = 0
+    """Parameter all-gathers (FSDP2 and ZeRO-3 unshard parameters before using them): counted, not timed."""
+    gather_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -115,6 +118,7 @@ class CommLedger:
         self.clock: Clock = clock or HostClock()
         self._lock = threading.Lock()
         self._collectives: list[_Collective] = []
+        self._gathers = self._gather_bytes = 0
         self._micro = 0
         self._step_start: Stamp = None
 
@@ -122,6 +126,7 @@ class CommLedger:
         """Forget the previous step; time is measured from here."""
         with self._lock:
             self._collectives = []
+            self._gathers = self._gather_bytes = 0
             self._micro = 0
             self._step_start = self.clock.stamp() if self.enabled else None
 
@@ -145,6 +150,12 @@ class CommLedger:
         if self.enabled:
             token.end = self.clock.stamp()
 
+    def gathered(self, tensor: torch.Tensor) -> None:
+        """Count a parameter all-gather (its output bytes: the unsharded parameters)."""
+        with self._lock:
+            self._gathers += 1
+            self._gather_bytes += tensor.numel() * tensor.element_size()
+
     @contextmanager
     def blocking(self, tensor: torch.Tensor) -> Iterator[None]:
         """Wrap a collective the caller waits for: all of its time counts as exposed."""
@@ -162,9 +173,11 @@ class CommLedger:
         """
         with self._lock:
             collectives = list(self._collectives)
+            gathers, gather_bytes = self._gathers, self._gather_bytes
         stats = CommStats(comm_calls=len(collectives),
                           comm_bytes=sum(c.nbytes for c in collectives),
-                          comm_rounds=len({c.micro for c in collectives}))
+                          comm_rounds=len({c.micro for c in collectives}),
+                          gather_calls=gathers, gather_bytes=gather_bytes)
         if not self.enabled or not collectives:
             return stats
         if end is None and any(c.end is None for c in collectives):

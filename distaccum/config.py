@@ -69,6 +69,10 @@ class EngineConfig:
     """Where DeepSpeed caches its JIT-compiled C++ ops (TORCH_EXTENSIONS_DIR)."""
     fsdp_reduce_fp32: bool = True
     """FSDP2 mixed precision: reduce gradients in fp32 even when computing in bf16/fp16."""
+    fsdp_unsharded_window: bool = False
+    """FSDP2: keep parameters unsharded from a window's first forward to its last backward: one
+    parameter all-gather per unit per optimizer step instead of two per micro-batch, for a full
+    copy of the parameters in memory during the window."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
 

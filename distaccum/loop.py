@@ -144,28 +144,33 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
             with engine.sync(boundary or settings.every_micro):
                 with engine.forward_context():
                     summed, n_items = loss_fn(model, batch)
+                if window.step + 1 in settings.nan_steps and settings.rank == settings.nan_rank:
+                    summed = summed * float("nan")  # test-only fault injection (debug.nan_at_step)
                 # An empty piece trained a stand-in sample: weight 0, no items (see pipeline).
                 weight = 1.0 if real else 0.0
                 n = torch.as_tensor(n_items, device=device).to(torch.float64) * weight
+                items += n
+                counts.append(n)
+                loss_sum += summed.detach().to(torch.float64) * weight
+                if boundary:
+                    # The window's one all-reduce: N and the loss sum, plus flags every rank must
+                    # agree on (a stop request, a non-finite loss on some rank, a time-based
+                    # checkpoint due by rank 0's clock). Launched before the last backward, which
+                    # it overlaps: only the step after it needs N.
+                    due = settings.rank == 0 and 0 < settings.checkpoint_every_s <= \
+                        time.monotonic() - state.last_checkpoint
+                    flags = torch.tensor([float(stop is not None and stop.requested), float(due)],
+                                         dtype=torch.float64, device=device)
+                    totals = torch.cat([torch.stack([items, loss_sum,
+                                                     (~torch.isfinite(loss_sum)).to(torch.float64)]), flags])
+                    reduction = dist.all_reduce(totals, async_op=True)
                 if settings.loss_norm == "global_count":
                     factor: Any = c * d * weight  # S_rk * c * d: the derivation at the top of this module
                 else:  # the classic loss/K with a per-micro mean, kept only to show it is wrong
                     factor = c * d * weight / (n.clamp(min=1.0) * split.accum_steps * split.world_size)
-                if window.step + 1 in settings.nan_steps and settings.rank == settings.nan_rank:
-                    summed = summed * float("nan")  # test-only fault injection (debug.nan_at_step)
                 engine.backward(summed * factor)
-            items += n
-            counts.append(n)
-            loss_sum += summed.detach().to(torch.float64) * weight
         timer.compute_done()
-
-        # One all-reduce per step: N and the loss sum, plus flags every rank must agree on: a stop
-        # request, a non-finite loss on some rank, and (rank 0's clock) a time-based checkpoint.
-        due = settings.rank == 0 and 0 < settings.checkpoint_every_s <= time.monotonic() - state.last_checkpoint
-        flags = torch.tensor([float(stop is not None and stop.requested), float(due)], dtype=torch.float64,
-                             device=device)
-        totals = torch.cat([torch.stack([items, loss_sum, (~torch.isfinite(loss_sum)).to(torch.float64)]), flags])
-        dist.all_reduce(totals)
+        reduction.wait()
         count = totals[0].clamp(min=1.0)
         if settings.nominal_partial_count and window.partial:  # the remainder-window bug, on purpose
             count = count * (split.global_batch / window.samples)

@@ -194,6 +194,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             plan.append(mapping(model, name, root / f"{model}-{name}", seed))
     seed = root / "mlp-seed.safetensors"
     plan.append(mapping("mlp", "fsdp", root / "mlp-fsdp-every_micro", seed, "every_micro"))
+    for name in ("zero2", "zero3"):  # DeepSpeed's own per-micro-batch schedule (its memory saving)
+        plan.append(mapping("mlp", name, root / f"mlp-{name}-every_micro", seed, "every_micro"))
+    window = mapping("tiny_gpt", "fsdp", root / "tiny_gpt-fsdp-window", root / "tiny_gpt-seed.safetensors")
+    plan.append({**window, "engine": {**window["engine"], "fsdp_unsharded_window": True}})
     for name in RESUMED:  # stopped after 2 windows, checkpointed, resumed in a second run
         plan.append({**mapping("mlp", name, root / f"mlp-{name}-resumed", seed), "_stop_after": 2})
     return Runs(root, launch_many(plan, 2, root, timeout=600))
@@ -253,7 +257,7 @@ def _grad_numel(runs: Runs, model: str) -> int:
 
 # Gradient reductions per optimizer step, by design (boundary mode, K micro-batches):
 # (rounds = micro-batches with a reduction, bytes in units of one fp32 copy of the gradients).
-DESIGN = {"fsdp": (1, 1), "zero0": (1, 1), "zero1": (1, 1), "zero2": (K, K), "zero3": (K, K), "accelerate": (1, 1)}
+DESIGN = {"fsdp": (1, 1), "zero0": (1, 1), "zero1": (1, 1), "zero2": (1, 1), "zero3": (1, 1), "accelerate": (1, 1)}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -276,6 +280,26 @@ def test_fsdp_units_and_every_micro(runs: Runs) -> None:
         assert e["comm_bytes"] == K * b["comm_bytes"]
         assert e["loss"] == pytest.approx(b["loss"], rel=RTOL)
     assert runs.records("tiny_gpt", "fsdp")[0]["comm_calls"] == 3  # two blocks + the root
+
+
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_zero_every_micro_keeps_deepspeeds_per_micro_batch_reduction(runs: Runs, engine: str) -> None:
+    boundary, every = runs.records("mlp", engine), runs.records("mlp", f"{engine}-every_micro")
+    for b, e in zip(boundary, every, strict=True):
+        assert b["comm_rounds"] == 1 and e["comm_rounds"] == K  # coalesced vs DeepSpeed's schedule
+        assert e["comm_bytes"] == pytest.approx(K * b["comm_bytes"], rel=0.01)
+        assert e["loss"] == pytest.approx(b["loss"], rel=RTOL)
+        assert e["grad_norm"] == pytest.approx(b["grad_norm"], rel=RTOL)
+
+
+def test_fsdp_unsharded_window_gathers_parameters_once_per_step(runs: Runs) -> None:
+    default, window = runs.records("tiny_gpt", "fsdp"), runs.records("tiny_gpt", "fsdp-window")
+    blocks = 2  # each block is its own unit; the root's parameters stay gathered from forward to backward
+    for d, w in zip(default[1:], window[1:], strict=True):
+        # Default: every block is gathered for each micro-batch's forward and again for its backward.
+        assert d["gather_calls"] == 2 * K * blocks + K, d["gather_calls"]
+        assert w["gather_calls"] == blocks + 1  # once per unit per step
+        assert w["loss"] == pytest.approx(d["loss"], rel=RTOL) and w["comm_rounds"] == d["comm_rounds"] == 1
 
 
 RESUMED = ["fsdp", "zero1", "zero3", "accelerate"]

@@ -125,14 +125,16 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster: S
         time.sleep(0.1)
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)  # what the limit's warning sends
     # A requeued job waits ~120 s before it may start again; move its start time to now, but only once
-    # it is PENDING *and* its previous allocation is released (the node idle again): earlier, the
-    # update races the allocation's credential revocation and Slurm kills the job ("Job credential
-    # revoked", seen 1 of 2 runs).
+    # it is PENDING, its previous allocation is released (the node idle again) and 2 s have passed:
+    # slurmd refuses a credential created in the same second as the previous allocation's revocation
+    # (its timestamps have 1 s resolution), and Slurm then kills the job ("Killing non-startable
+    # batch job: Job credential revoked", seen 2 of 5 runs when the update came 0.2 s later).
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         state = slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip()
         node = slurm_cluster.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
         if state == "PENDING" and node == "idle":
+            time.sleep(2.0)
             slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             break
         time.sleep(0.2)

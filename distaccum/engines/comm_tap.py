@@ -46,13 +46,22 @@ REDUCTIONS: dict[str, tuple[int, str]] = {
 }
 """Reducing collectives of torch.distributed -> (positional index, keyword) of the tensor reduced."""
 
+GATHERS: dict[str, tuple[int, str]] = {
+    "all_gather_single": (0, "output_tensor"),  # FSDP2 (torch 2.13) unshards parameters with it
+    "all_gather_into_tensor": (0, "output_tensor"),
+    "_all_gather_base": (0, "output_tensor"),
+    "all_gather": (0, "tensor_list"),
+}
+"""Gathering collectives -> (positional index, keyword) of their output: parameter all-gathers."""
+
 _state = threading.local()
 _active = False
 
 
 def reduced_input(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """The tensor a reduction reduces; a list of tensors becomes one meta tensor of their total size."""
-    position, keyword = REDUCTIONS[name]
+    """The tensor a reduction reduces (or a gather fills); a list of tensors becomes one meta tensor of
+    their total size."""
+    position, keyword = REDUCTIONS.get(name) or GATHERS[name]
     value = args[position] if len(args) > position else kwargs[keyword]
     if isinstance(value, torch.Tensor):
         return value
@@ -66,6 +75,13 @@ def _counting(name: str, original: Callable[..., Any], ledger: CommLedger) -> Ca
         if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
             return original(*args, **kwargs)
         tensor = reduced_input(name, args, kwargs)
+        if name in GATHERS:  # parameters being unsharded: counted, never a gradient reduction
+            ledger.gathered(tensor)
+            _state.inside = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _state.inside = False
         _state.inside = True
         try:
             if not kwargs.get("async_op", False):
@@ -87,10 +103,11 @@ def _counting(name: str, original: Callable[..., Any], ledger: CommLedger) -> Ca
 
 @contextmanager
 def tap_gradient_reductions(ledger: CommLedger) -> Iterator[None]:
-    """Report every reducing collective issued inside the block to ``ledger``.
+    """Report every reducing collective issued inside the block to ``ledger``, and count gathers.
 
-    Enter it around the engine's backward call only (that is what makes a reduction a *gradient*
-    reduction). Not re-entrant; the module attributes are restored on exit, even on error.
+    Enter it around the engine's backward call (that is what makes a reduction a *gradient*
+    reduction) and, to count parameter all-gathers, around the forward. Not re-entrant; the module
+    attributes are restored on exit, even on error.
     """
     global _active
     if _active:
@@ -99,7 +116,7 @@ def tap_gradient_reductions(ledger: CommLedger) -> Iterator[None]:
     saved: list[tuple[Any, str, Any]] = []
     try:
         for module in (dist, c10d):
-            for name in REDUCTIONS:
+            for name in (*REDUCTIONS, *GATHERS):
                 original = getattr(module, name, None)
                 if original is not None:
                     saved.append((module, name, original))

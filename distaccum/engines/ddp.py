@@ -110,7 +110,9 @@ class DDPEngine:
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         self.raw = model.to(device=self.device, dtype=self.precision.param_dtype)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.spec.engine.bucket_cap_mb)
+        # gradient_as_bucket_view: gradients live in DDP's buckets (no copy in or out of them).
+        ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.spec.engine.bucket_cap_mb,
+                  gradient_as_bucket_view=True)
         register_counting_hook(ddp, self.ledger, self.spec.fault_rank)
         self.module = ddp
         self.optimizer = make_optimizer(list(self.raw.parameters()))

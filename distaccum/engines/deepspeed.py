@@ -12,10 +12,15 @@ window's backward passes. ZeRO-0 in fp32 steps the torch optimizer on whole, alr
 gradients: there we multiply them ourselves. The loss is scaled once, by the loop.
 
 Boundary control is DeepSpeed's public ``set_gradient_accumulation_boundary``, always set to the
-window's real boundary (the last of its K micro-batches): ZeRO-0/1 reduce only there; ZeRO-2/3
-reduce(-scatter) on *every* micro-batch by design (that is how they keep only a gradient
-partition), so ``accum.sync=every_micro`` changes nothing for them and is refused for ZeRO-0/1
-(declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated gradients).
+window's real boundary (the last of its K micro-batches). With ``accum.sync=boundary`` on ZeRO 1/2/3
+the window's backwards run inside DeepSpeed's ``coalesce_grad_reduction()``: gradients accumulate
+locally and one reduction pass runs when the block closes after the last micro-batch — one round
+per optimizer step, for a full gradient's worth of memory during the window (where DeepSpeed's
+optimizer wrapper does not support it, e.g. bf16 on ZeRO-1, the engine falls back to DeepSpeed's
+own schedule and says so). ``accum.sync=every_micro`` keeps DeepSpeed's per-micro-batch reduction on
+ZeRO-2/3 (each micro-batch's gradient is reduced into the rank's partition and freed: the memory
+saving) and is refused for ZeRO-0/1 (declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop
+accumulated gradients).
 
 Clipping happens inside ``engine.step()`` (``gradient_clipping`` in the generated config).
 """
@@ -97,6 +102,8 @@ class DeepSpeedEngine:
         self.accum_steps = spec.split.accum_steps
         self._micro = 0  # micro-batches seen: the loop's windows always hold exactly K
         self.engine: Any = None
+        self.coalescing = False
+        self._block: Any = None  # the open coalesce_grad_reduction() context of the current window
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         use_extensions_dir(self.spec.engine.extensions_dir, dist.get_rank())
@@ -119,16 +126,36 @@ class DeepSpeedEngine:
                                "the learning-rate schedule would not reach it")
         self.engine = engine
         self.optimizer = optimizer
+        self.coalescing = self.spec.sync == "boundary" and self.stage >= 1
+        if self.coalescing and not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
+            self.coalescing = False  # DeepSpeed raises NotImplementedError for this optimizer wrapper
+            if dist.get_rank() == 0:
+                print(f"distaccum: DeepSpeed cannot coalesce the window's reductions with "
+                      f"{type(engine.optimizer).__name__} (ZeRO-{self.stage}, {self.precision.name}); it reduces "
+                      "on DeepSpeed's own schedule", flush=True)
         return engine
 
-    def sync(self, enabled: bool) -> ContextManager[object]:
+    @contextlib.contextmanager
+    def sync(self, enabled: bool) -> Iterator[None]:
+        first = self._micro % self.accum_steps == 0
         self._micro += 1
         boundary = self._micro % self.accum_steps == 0
         if self.spec.sync == "boundary" and enabled != boundary:
             raise RuntimeError(f"micro-batch {self._micro} of a {self.accum_steps}-step window: the loop says "
                                f"sync={enabled}, DeepSpeed's boundary would be {boundary}")
         self.engine.set_gradient_accumulation_boundary(boundary)
-        return contextlib.nullcontext()
+        if self.coalescing and first:
+            self._block = self.engine.coalesce_grad_reduction()
+            self._block.__enter__()
+        try:
+            yield
+        finally:
+            if self._block is not None and boundary:
+                block, self._block = self._block, None
+                with tap_gradient_reductions(self.ledger):  # the window's one reduction pass
+                    block.__exit__(None, None, None)
+                # The block restores the boundary flag of its first micro-batch; step() needs True.
+                self.engine.set_gradient_accumulation_boundary(True)
 
     def forward_context(self) -> ContextManager[object]:
         # bf16 makes DeepSpeed hold half-precision weights; autocast casts the float inputs.

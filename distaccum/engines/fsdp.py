@@ -5,6 +5,10 @@
   reduce-scatter round per optimizer step, but a full gradient's worth of memory per rank.
 - ``accum.sync=every_micro``: every micro-batch reduce-scatters and frees the unsharded gradient,
   accumulating into the 1/W sharded one — K rounds (K x the bytes), the memory-saving mode.
+- ``engine.fsdp_unsharded_window=true``: parameters stay unsharded from the window's first forward
+  to its last backward (``reshard_after_forward=False`` and ``set_reshard_after_backward(False)``
+  until the boundary): one parameter all-gather per unit per step instead of two per micro-batch,
+  for a full copy of the parameters in memory during the window.
 
 Reduction is a plain SUM (``grad_divisor = 1``): the loop's division by the global item count
 stays the only normalization. FSDP2's default is a mean over ranks; keeping it and declaring
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,13 +95,15 @@ class FSDPEngine:
         self.ledger = ledger
         self.precision = spec.precision
         self.module: nn.Module | None = None
+        self._micro = 0
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model = model.to(device=self.device, dtype=self.precision.param_dtype)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         policy = mixed_precision(self.precision, self.spec.engine.fsdp_reduce_fp32)
+        keep = self.spec.engine.fsdp_unsharded_window
         for unit in shard_units(model):
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         for module in model.modules():  # both setters act on one FSDP unit, not recursively
             if isinstance(module, FSDPModule):
@@ -113,12 +119,23 @@ class FSDPEngine:
 
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:
-        # Recurses into every unit; the reduce-scatter runs in the post-backward hooks.
+        # Both setters recurse into every unit; the reduce-scatter runs in the post-backward hooks.
         self._fsdp().set_requires_gradient_sync(enabled)
+        if self.spec.engine.fsdp_unsharded_window:
+            # Reshard only after the window's last backward (the boundary); every_micro reduces on
+            # every micro-batch but can still keep the parameters gathered in between.
+            self._fsdp().set_reshard_after_backward(self._micro_is_last())
         yield
 
-    def forward_context(self) -> ContextManager[object]:
-        return self.precision.autocast(self.device)
+    def _micro_is_last(self) -> bool:
+        self._micro += 1  # the loop's windows always hold exactly K micro-batches
+        return self._micro % self.spec.split.accum_steps == 0
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        # The tap counts the parameter all-gathers the forward issues (and nothing else there).
+        with self.precision.autocast(self.device), tap_gradient_reductions(self.ledger):
+            yield
 
     def backward(self, loss: torch.Tensor) -> None:
         # Reduce-scatters run inside backward (post-backward hooks, waited for by the root's final
