@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from distaccum.cli.instantiate import instantiate_components
 from distaccum.cli.preflight import preflight
@@ -116,8 +116,6 @@ def plain(root: Path) -> dict[str, float]:
     """The step-1 loss and gradient norm of one plain fp64 forward/backward over the window."""
     parts = instantiate_components(from_mapping(cell_config(CELLS[0], root, root / "seed.safetensors")))
     net = parts.model().double()
-    from safetensors.torch import load_file
-
     net.load_state_dict(load_file(str(root / "seed.safetensors")))
     x, y = zip(*(parts.dataset[i] for i in range(SAMPLES)), strict=True)
     loss_sum, items = parts.loss(net, (torch.stack(x).double(), torch.stack(y).double()))
