@@ -81,3 +81,15 @@ def one_rank_group(device: str) -> Iterator[None]:
             yield
         finally:
             dist.destroy_process_group()
+
+
+def fresh_accelerate_state() -> None:
+    """Forget Accelerate's process-wide state before an in-process run that stands for its own process.
+
+    Accelerate fixes mixed precision and the device once per process (a second ``Accelerator`` with
+    another one raises), so in-process tests that use it with different settings reset it first, as
+    Accelerate's own test scripts do (``AcceleratorState._reset_state``)."""
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)

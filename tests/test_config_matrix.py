@@ -36,6 +36,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import fresh_accelerate_state
 from distaccum.cli.instantiate import instantiate_components
 from distaccum.cli.preflight import preflight
 from distaccum.config import ConfigError, from_mapping
@@ -194,7 +195,7 @@ def _worker_main(plan_file: str) -> None:
         for values in json.loads(Path(plan_file).read_text()):
             cfg = from_mapping(values)
             cell = Path(cfg.run_dir).name
-            _fresh_accelerate_state()
+            fresh_accelerate_state()  # each cell stands for its own `distaccum train` process
             parts = instantiate_components(cfg)
             Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, names=parts.names).fit()
         shutdown()
@@ -205,16 +206,6 @@ def _worker_main(plan_file: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _fresh_accelerate_state() -> None:
-    """Each cell stands for its own ``distaccum train`` process. Accelerate fixes mixed precision once
-    per process (a second Accelerator with another one raises), so forget its state between cells,
-    as Accelerate's own test scripts do."""
-    if "accelerate" in sys.modules:
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState._reset_state()
 
 
 if __name__ == "__main__":

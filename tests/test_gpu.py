@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_loop import check_fp16_overflow_skip
 
-from conftest import one_rank_group, train
+from conftest import fresh_accelerate_state, one_rank_group, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -49,5 +49,6 @@ def test_split_invariance_on_cuda(tmp_path: Path, world: int) -> None:
 @pytest.mark.parametrize("engine", ["ddp", "accelerate"])
 def test_fp16_overflow_skip_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")  # as a launched rank has it (Accelerate reads it)
+    fresh_accelerate_state()
     with one_rank_group("cuda"):
         check_fp16_overflow_skip(tmp_path, engine, "cuda")

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from conftest import train
+from conftest import fresh_accelerate_state, train
 from distaccum import losses
 from distaccum.cli.compose import compose_config
 from distaccum.cli.instantiate import instantiate_components
@@ -146,6 +146,7 @@ def engine_precision(engine: str) -> str:
 def one_step(tmp_path: Path, model: Model, engine: str, samples: int, seed_file: Path, precision: str,
              **debug: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """One optimizer step through ``engine``: the step's record and the parameters after it."""
+    fresh_accelerate_state()
     cfg = {"precision": precision, "run_dir": str(tmp_path / "run"),
            "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS)},
            "accum": {"micro_batch": MICRO, "steps": K}, "optim": SGD, "data": {"shuffle": False},

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import one_rank_group, train
+from conftest import fresh_accelerate_state, one_rank_group, train
 from distaccum import losses
 from distaccum.comm import CudaClock, HostClock
 from distaccum.datasets import CorpusSequences, pad_collate
@@ -77,6 +77,7 @@ def test_steps_are_timed_on_the_devices_clock(tmp_path: Path, monkeypatch: pytes
 def test_host_syncs_per_step_are_the_documented_number(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        engine: str, precision: str) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")  # as a launched rank has it (Accelerate reads it)
+    fresh_accelerate_state()
     per_step: list[int] = []
     where: list[list[str]] = []
     with one_rank_group("cuda"), warnings.catch_warnings(record=True) as caught:
