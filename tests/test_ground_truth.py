@@ -20,6 +20,7 @@ window divided by the nominal batch, is far outside the bound.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,17 @@ def one_rank_group():
         dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1)
         yield
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def environ_restored() -> Any:
+    """Accelerate on CPU writes RANK, WORLD_SIZE, MASTER_PORT... into os.environ (and resizes torch's
+    thread pool unless OMP_NUM_THREADS is set): keep them from leaking into later tests."""
+    saved = dict(os.environ)
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def cast(batch: Any, dtype: torch.dtype) -> Any:
