@@ -66,8 +66,8 @@ def test_steps_are_timed_on_the_devices_clock(tmp_path: Path, monkeypatch: pytes
     assert stamps[unused] == 0, stamps
     # the step's start, each micro-batch's fetch start and end, the end of compute, the step's end
     assert stamps[used] >= 2 * (3 + 2 * K), stamps
-    for r in records:
-        assert r["time_s"] > 0 and r["compute_s"] > 0 and r["data_s"] > 0
+    for r in records:  # (data_s may be ~0 on CUDA: copies of a few KiB between two events)
+        assert r["time_s"] > 0 and r["compute_s"] > 0 and r["data_s"] >= 0
 
 
 @pytest.mark.gpu
