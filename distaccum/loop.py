@@ -19,6 +19,19 @@ scaling expects); being a power of two, multiplying by it is exact in floating p
 changes a bit of the result — a resumed run, whatever its N_prev, matches an uninterrupted one.
 Partial windows need nothing special: N counts what the window holds, never K x micro_batch.
 
+Host synchronizations per optimizer step on CUDA (steady state; ``tests/test_ledger_gpu.py``
+counts them with ``torch.cuda.set_sync_debug_mode``). Nothing in the micro-batch loop waits for the
+device: batches are copied non-blocking from pinned memory and item counts are filled in on the
+device. The loop syncs once, in ``StepTimer.end_step`` (``torch.cuda.synchronize``, after which it
+resolves the step's CUDA events and reads the window's totals and item counts in ONE copy from the
+idle device). The engine's ``step`` adds its own: DDP and Accelerate read the gradient norm once
+(the update depends on it being finite) and fp16 adds GradScaler's three reads (found-inf, the
+scale before and after its update). ``set_sync_debug_mode`` flags the reads, not the explicit
+``synchronize``, so a DDP or Accelerate step shows exactly **2** flagged syncs in fp32/bf16/fp64
+and **5** in fp16. Not included: DDP's one-time bucket rebuild (step 2), tripwire steps
+(``trainer.check_every``: one more read per rank's checksums) and the internals of FSDP (whose
+``step`` also reads the norm once) and DeepSpeed.
+
 ``accum.loss_norm=mean_per_micro`` is the classic loss/K (each micro-batch's mean divided by
 K x W) and is wrong whenever micro-batches hold different numbers of items; it is kept only as a
 negative control that ``distaccum verify`` must catch.
@@ -109,6 +122,14 @@ def power_of_two_scale(n_prev: float, global_batch: int) -> float:
     return 2.0 ** -round(math.log2(max(reference, 1.0)))
 
 
+def item_count(n_items: torch.Tensor | int | float, device: torch.device) -> torch.Tensor:
+    """A micro-batch's loss-item count as a float64 scalar on ``device``, without a host sync: a
+    Python number is filled in on the device (``torch.tensor(n, device=cuda)`` would copy and wait)."""
+    if isinstance(n_items, torch.Tensor):
+        return n_items.to(device, torch.float64, non_blocking=True)
+    return torch.full((), float(n_items), dtype=torch.float64, device=device)
+
+
 def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: StepTimer, sink: Sink, *,
           until: int | None = None, stop: StopFlag | None = None,
           checkpoint: Callable[[TrainState], Path] | None = None,
@@ -148,21 +169,23 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
                     summed = summed * float("nan")  # test-only fault injection (debug.nan_at_step)
                 # An empty piece trained a stand-in sample: weight 0, no items (see pipeline).
                 weight = 1.0 if real else 0.0
-                n = torch.as_tensor(n_items, device=device).to(torch.float64) * weight
+                n = item_count(n_items, device) * weight
                 items += n
                 counts.append(n)
                 loss_sum += summed.detach().to(torch.float64) * weight
                 if boundary:
                     # The window's one all-reduce: N and the loss sum, plus flags every rank must
-                    # agree on (a stop request, a non-finite loss on some rank, a time-based
+                    # agree on (a non-finite loss on some rank, a stop request, a time-based
                     # checkpoint due by rank 0's clock). Launched before the last backward, which
-                    # it overlaps: only the step after it needs N.
+                    # it overlaps: only the step after it needs N. Flags are filled in on the
+                    # device (no host-to-device copy, so no sync).
                     due = settings.rank == 0 and 0 < settings.checkpoint_every_s <= \
                         time.monotonic() - state.last_checkpoint
-                    flags = torch.tensor([float(stop is not None and stop.requested), float(due)],
-                                         dtype=torch.float64, device=device)
-                    totals = torch.cat([torch.stack([items, loss_sum,
-                                                     (~torch.isfinite(loss_sum)).to(torch.float64)]), flags])
+                    flag = float(stop is not None and stop.requested)
+                    totals = torch.stack([items, loss_sum, (~torch.isfinite(loss_sum)).to(torch.float64),
+                                          torch.full((), flag, dtype=torch.float64, device=device),
+                                          torch.full((), float(due), dtype=torch.float64, device=device)])
+                    bad_here = totals[2].clone()  # this rank's own verdict, before the reduction sums it
                     reduction = dist.all_reduce(totals, async_op=True)
                 if settings.loss_norm == "global_count":
                     factor: Any = c * d * weight  # S_rk * c * d: the derivation at the top of this module
@@ -177,7 +200,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
         if settings.loss_norm == "global_count":
             grad_scale = settings.grad_scale_fault / (c * count)
         else:
-            grad_scale = torch.tensor(settings.grad_scale_fault / c, dtype=torch.float64, device=device)
+            grad_scale = torch.full((), settings.grad_scale_fault / c, dtype=torch.float64, device=device)
         # A non-finite loss on any rank: scale the gradient by NaN, so every engine's own check of
         # the (global) gradient norm skips the update on every rank alike.
         grad_scale = torch.where(totals[2] > 0, torch.full_like(totals[2], float("nan")), grad_scale)
@@ -189,12 +212,14 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
         if settings.check_every and window.step % settings.check_every == 0:
             check_consistency(engine, window.step + 1, settings.run_dir, record=settings.record_checksums)
         times = timer.end_step()
-        # Host read of the step's totals (on CUDA the timer already synchronized), then one
-        # all-gather of host floats for the per-rank view: compute time and micro-batch item counts.
-        n_total, loss_total, bad_loss, stop_votes, due_votes = totals.tolist()
+        # One host read of the step's totals, this rank's own non-finite verdict and its
+        # micro-batch item counts (on CUDA the timer has synchronized: the device is idle), then
+        # one all-gather of host floats for the per-rank view: compute time, micro-batch item
+        # counts, and which ranks saw a non-finite loss.
+        host = torch.cat([totals, bad_here.reshape(1), torch.stack(counts)]).tolist()
+        n_total, loss_total, bad_loss, stop_votes, due_votes, local_bad = host[:6]
+        local = host[6:]
         samples = window.samples
-        local = [float(x) for x in torch.stack(counts).tolist()]
-        local_bad = float(not math.isfinite(float(loss_sum)))
         per_rank = timer.gather([times.compute_s, min(local), max(local), local_bad])
         state.n_prev = n_total
         nonfinite = bad_loss > 0 or (not result.applied and not settings.loss_scaling)

@@ -11,9 +11,10 @@ One optimizer step is split into phases, each a separate record field:
                ``comm_exposed_s`` does not, so compute_s + comm_exposed_s = forward+backward time)
 
 On CPU the phases are wall-clock intervals. On CUDA they are CUDA events on the current stream,
-read after ``end_step``'s single ``torch.cuda.synchronize`` — the one host sync per step — and the
-per-rank logging values are all-gathered over a separate gloo group on host tensors, so logging
-adds no further device sync.
+read after ``end_step``'s single ``torch.cuda.synchronize`` — the timer's one host sync per step
+(the engine's step makes its own; :mod:`distaccum.loop` counts them all) — and the per-rank
+logging values are all-gathered over a separate gloo group on host tensors, so logging adds no
+further device sync.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class StepTimer:
         self._marks["compute"] = self.clock.stamp()
 
     def end_step(self) -> StepTimes:
-        """After the optimizer step. On CUDA this is the step's one host synchronization."""
+        """After the optimizer step. On CUDA this is the timer's one host synchronization per step."""
         end = self.clock.stamp()
         self.clock.sync()
         comm = self.ledger.end_step(end)

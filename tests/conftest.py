@@ -6,6 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,3 +59,37 @@ def train(run_dir: Path, *overrides: str, timeout: float = 180, check: bool = Tr
         pytest.fail(f"distaccum train {' '.join(overrides)} exited {run.returncode}\n"
                     f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}")
     return run
+
+
+@contextmanager
+def one_rank_group(device: str) -> Iterator[None]:
+    """A one-rank process group in this process for in-process ``Trainer`` tests: gloo on CPU, NCCL on
+    CUDA (what a launched rank uses). Reuses a group that already exists."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0) if cuda else None)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def fresh_accelerate_state() -> None:
+    """Forget Accelerate's process-wide state before an in-process run that stands for its own process.
+
+    Accelerate fixes mixed precision and the device once per process (a second ``Accelerator`` with
+    another one raises), so in-process tests that use it with different settings reset it first, as
+    Accelerate's own test scripts do (``AcceleratorState._reset_state``)."""
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)

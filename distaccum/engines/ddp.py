@@ -66,8 +66,8 @@ def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Param
     """Normalize, clip and step gradients that live on whole parameters (DDP, Accelerate).
 
     With fp16 the GradScaler unscales first (once per step) and skips the update on overflow;
-    otherwise a non-finite norm skips it. Reading the norm is the step's one host sync: the
-    update is conditional on it.
+    otherwise a non-finite norm skips it. Reading the norm is this function's one host sync (the
+    update is conditional on it); fp16 adds GradScaler's three (found-inf, the scale before and after).
     """
     if scaler is not None:
         scaler.unscale_(optimizer)

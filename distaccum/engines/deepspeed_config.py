@@ -129,9 +129,14 @@ def check(spec: EngineSpec) -> None:
             "at the accumulation boundary (declaring every micro-batch a boundary makes ZeRO-1/2 drop "
             "accumulated gradients); use accum.sync=boundary, or zero_stage 2/3, which reduce on every "
             "micro-batch by design")
-    if precision == "fp64" and stage == 0:
-        raise ValueError("precision=fp64 with engine=deepspeed engine.zero_stage=0 is unsupported "
-                         "(DeepSpeed refuses fp64 gradients); use zero_stage 1-3 or another engine")
+    if precision == "fp64":
+        # ZeRO 1-3 would train, but their master weights are always fp32 (DeepSpeed 0.19
+        # ZeROOptimizer._configure_master_weights): every update rounds through fp32, ~1e-7 off.
+        why = "DeepSpeed refuses fp64 gradients" if stage == 0 else (
+            "its ZeRO optimizer keeps fp32 master weights, so every update would round through fp32 "
+            "(~1e-7 relative) while the run claims fp64")
+        raise ValueError(f"precision=fp64 with engine=deepspeed engine.zero_stage={stage} is unsupported: {why}. "
+                         "Use engine=ddp, fsdp or accelerate for fp64, or precision=fp32 with DeepSpeed")
     if precision == "fp16":
         raise ValueError("engine=deepspeed precision=fp16 is not supported by distaccum: DeepSpeed's dynamic "
                          "loss scaler would be replaced by the window normalization (see README: Engines); "
