@@ -121,7 +121,10 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster: S
     job_id = proc.stdout.strip().splitlines()[-1]
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 5):
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < 5:
+        queue = slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%T %r", check=False).stdout.strip()
+        assert time.monotonic() < deadline and queue.startswith(("PENDING", "RUNNING", "CONFIGURING")), (
+            f"job {job_id} never reached step 5 (squeue: {queue!r})\n{slurm_cluster.logs()}")
         time.sleep(0.1)
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)  # what the limit's warning sends
     # A requeued job waits ~120 s before it may start again; move its start time to now, but only once
