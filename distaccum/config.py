@@ -287,9 +287,14 @@ class LogConfig:
     """Time compute vs communication per step (the comm/compute ledger)."""
     warmup_steps: int = 1
     """Steps excluded from summary medians (first-step compile/allocation noise)."""
+    rank_stats_every: int = 10
+    """Record every rank's compute time (compute_min_s / compute_max_s: the straggler view) every N
+    optimizer steps; it costs one small all-gather (0: never)."""
 
     def __post_init__(self) -> None:
         _choice("log", "console", self.console, ("bar", "quiet"))
+        if self.rank_stats_every < 0:
+            raise ValueError(f"log.rank_stats_every must be >= 0, got {self.rank_stats_every}")
         _choice("log", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
 
 

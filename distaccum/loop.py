@@ -92,6 +92,7 @@ class LoopSettings:
     """Cast floating batch tensors to this dtype (fp64 runs); None leaves them."""
     check_every: int
     record_checksums: bool
+    rank_stats_every: int
     run_dir: Path
     device: torch.device
     rank: int
@@ -176,16 +177,22 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
                 if boundary:
                     # The window's one all-reduce: N and the loss sum, plus flags every rank must
                     # agree on (a non-finite loss on some rank, a stop request, a time-based
-                    # checkpoint due by rank 0's clock). Launched before the last backward, which
-                    # it overlaps: only the step after it needs N. Flags are filled in on the
-                    # device (no host-to-device copy, so no sync).
+                    # checkpoint due by rank 0's clock), plus each rank's non-finite verdict and
+                    # smallest/largest micro-batch item count in its own slot (zeros elsewhere: the
+                    # sum is an all-gather). Launched before the last backward, which it overlaps:
+                    # only the step after it needs N. Everything is filled in on the device (no
+                    # host-to-device copy, so no sync).
                     due = settings.rank == 0 and 0 < settings.checkpoint_every_s <= \
                         time.monotonic() - state.last_checkpoint
                     flag = float(stop is not None and stop.requested)
-                    totals = torch.stack([items, loss_sum, (~torch.isfinite(loss_sum)).to(torch.float64),
-                                          torch.full((), flag, dtype=torch.float64, device=device),
-                                          torch.full((), float(due), dtype=torch.float64, device=device)])
-                    bad_here = totals[2].clone()  # this rank's own verdict, before the reduction sums it
+                    bad = (~torch.isfinite(loss_sum)).to(torch.float64)
+                    per_micro = torch.stack(counts)
+                    slots = torch.zeros(3, split.world_size, dtype=torch.float64, device=device)
+                    slots[:, settings.rank] = torch.stack([bad, per_micro.min(), per_micro.max()])
+                    totals = torch.cat([torch.stack([items, loss_sum, bad,
+                                                     torch.full((), flag, dtype=torch.float64, device=device),
+                                                     torch.full((), float(due), dtype=torch.float64,
+                                                                device=device)]), slots.flatten()])
                     reduction = dist.all_reduce(totals, async_op=True)
                 if settings.loss_norm == "global_count":
                     factor: Any = c * d * weight  # S_rk * c * d: the derivation at the top of this module
@@ -212,15 +219,13 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
         if settings.check_every and window.step % settings.check_every == 0:
             check_consistency(engine, window.step + 1, settings.run_dir, record=settings.record_checksums)
         times = timer.end_step()
-        # One host read of the step's totals, this rank's own non-finite verdict and its
-        # micro-batch item counts (on CUDA the timer has synchronized: the device is idle), then
-        # one all-gather of host floats for the per-rank view: compute time, micro-batch item
-        # counts, and which ranks saw a non-finite loss.
-        host = torch.cat([totals, bad_here.reshape(1), torch.stack(counts)]).tolist()
-        n_total, loss_total, bad_loss, stop_votes, due_votes, local_bad = host[:6]
-        local = host[6:]
+        # One host read of the step's totals (on CUDA the timer has synchronized: the device is idle).
+        host = totals.tolist()
+        n_total, loss_total, bad_loss, stop_votes, due_votes = host[:5]
+        world = split.world_size
+        bad_ranks = [r for r in range(world) if host[5 + r] > 0]
+        items_min, items_max = min(host[5 + world:5 + 2 * world]), max(host[5 + 2 * world:])
         samples = window.samples
-        per_rank = timer.gather([times.compute_s, min(local), max(local), local_bad])
         state.n_prev = n_total
         nonfinite = bad_loss > 0 or (not result.applied and not settings.loss_scaling)
         state.nonfinite_streak = state.nonfinite_streak + 1 if nonfinite else 0
@@ -237,19 +242,22 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
             "skipped": not result.applied,
             "nonfinite": nonfinite,
             **times.as_record(),  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
-            "compute_min_s": float(per_rank[:, 0].min()),
-            "compute_max_s": float(per_rank[:, 0].max()),
-            "micro_items_min": round(float(per_rank[:, 1].min())),
-            "micro_items_max": round(float(per_rank[:, 2].max())),
+            "micro_items_min": round(items_min),
+            "micro_items_max": round(items_max),
             "samples_per_s": samples / times.time_s,
             "items_per_s": n_total / times.time_s,
         }
+        if settings.rank_stats_every and (window.step + 1) % settings.rank_stats_every == 0:
+            # The straggler view: every rank's compute time (one all-gather of host floats; every
+            # N steps, since on a slow interconnect it costs as much as a tiny step).
+            compute = timer.gather([times.compute_s])[:, 0]
+            record["compute_min_s"], record["compute_max_s"] = float(compute.min()), float(compute.max())
         state.records.append(record)
         sink.log(record)
         if on_step is not None:
             on_step(state, record)
         if state.nonfinite_streak >= settings.max_nonfinite_steps:
-            ranks = [r for r, bad in enumerate(per_rank[:, 3].tolist()) if bad]
+            ranks = bad_ranks
             raise NonFiniteError(
                 f"{state.nonfinite_streak} consecutive optimizer steps (up to step {window.step + 1}) had non-finite "
                 "values and were skipped on every rank (trainer.max_nonfinite_steps="

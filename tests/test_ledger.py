@@ -21,7 +21,8 @@ pytestmark = pytest.mark.dist
 
 K, STEPS, WIDTH, DEPTH = 4, 6, 1024, 4
 COMMON = ("model=mlp", f"model.width={WIDTH}", f"model.depth={DEPTH}", "accum.micro_batch=2",
-          f"accum.steps={K}", "engine.bucket_cap_mb=1", f"trainer.max_steps={STEPS}", "trainer.nproc=2")
+          f"accum.steps={K}", "engine.bucket_cap_mb=1", f"trainer.max_steps={STEPS}", "trainer.nproc=2",
+          "log.rank_stats_every=1")
 
 
 def param_count() -> int:
@@ -66,7 +67,8 @@ def test_times_are_consistent(runs: dict[str, Run], sync: str) -> None:
         # positive, i.e. the exposed tail never exceeds the forward+backward time it sits in.
         forward_backward = r["time_s"] - r["data_s"] - r["optim_s"]
         assert r["compute_s"] > 0 and r["comm_exposed_s"] < forward_backward
-        assert r["compute_min_s"] <= r["compute_s"] <= r["compute_max_s"]  # rank 0 within the spread
+        if "compute_min_s" in r:  # the straggler view, every log.rank_stats_every steps
+            assert r["compute_min_s"] <= r["compute_s"] <= r["compute_max_s"]  # rank 0 within the spread
         assert r["samples_per_s"] == pytest.approx(r["samples"] / r["time_s"])
         assert r["items_per_s"] == pytest.approx(r["items"] / r["time_s"])
         assert r["peak_mem_bytes"] > 4 * param_count()

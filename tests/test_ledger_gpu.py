@@ -118,5 +118,6 @@ def test_two_rank_ledger_on_cuda(tmp_path: Path) -> None:
         assert r["comm_s"] > 0 and 0 < r["comm_exposed_s"] <= r["comm_s"] + 1e-9
         forward_backward = r["time_s"] - r["data_s"] - r["optim_s"]
         assert r["compute_s"] > 0 and r["comm_exposed_s"] < forward_backward
-        assert r["compute_min_s"] <= r["compute_s"] <= r["compute_max_s"]
+        if "compute_min_s" in r:
+            assert r["compute_min_s"] <= r["compute_s"] <= r["compute_max_s"]
         assert r["peak_mem_bytes"] >= params  # CUDA allocator peak: at least the parameters
