@@ -21,15 +21,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed  ## set up .venv (torch first, then distaccum and its extras)
 
 demo: install  ## train the embedded default on 2 local workers, then verify it
-	$(VENV)/bin/distaccum train run_dir=runs/demo
+	$(VENV)/bin/distaccum train run_dir=runs/demo trainer.resume=false
 	$(VENV)/bin/distaccum verify run_dir=runs/demo-verify trainer.max_steps=5 log.console=quiet
 
 test: install  ## the whole suite, exactly as CI runs it
-	$(VENV)/bin/ruff check distaccum launch tests benchmarks
+	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install  ## ruff, as `make test` runs it
-	$(VENV)/bin/ruff check distaccum launch tests benchmarks
+	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples
 
 bench: install  ## the full benchmark (by hand; CI runs the smoke size)
 	$(PY) -m benchmarks.run --out runs/bench
