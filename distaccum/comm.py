@@ -13,6 +13,9 @@ each micro-batch and ``end_step``. What comes out, per step and rank (:class:`Co
 - ``comm_calls`` / ``comm_bytes``: gradient collectives launched and the bytes of their input
   tensors (one copy of what was reduced, whatever the algorithm sends on the wire).
 - ``comm_rounds``: micro-batches in which at least one gradient collective was launched.
+- ``gather_calls`` / ``gather_bytes``: parameter all-gathers and the bytes of the full tensors they
+  produce, for engines whose tap counts them (``comm_tap``; FSDP2 today, 0 elsewhere). Counted only,
+  never timed: they are not gradient reductions and take no part in ``comm_s``.
 - ``comm_s``: length of the union of the intervals during which a gradient collective was in flight
   (launch to completion), overlapped with compute or not.
 - ``comm_exposed_s``: length of the union of the intervals during which communication was in flight
@@ -94,6 +97,8 @@ class CommStats:
     comm_rounds: int = 0
     comm_s: float = 0.0
     comm_exposed_s: float = 0.0
+    gather_calls: int = 0
+    gather_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -117,12 +122,14 @@ class CommLedger:
         self._collectives: list[_Collective] = []
         self._micro = 0
         self._step_start: Stamp = None
+        self._gathers = [0, 0]  # calls, bytes
 
     def start_step(self) -> None:
         """Forget the previous step; time is measured from here."""
         with self._lock:
             self._collectives = []
             self._micro = 0
+            self._gathers = [0, 0]
             self._step_start = self.clock.stamp() if self.enabled else None
 
     def start_micro(self) -> None:
@@ -145,6 +152,12 @@ class CommLedger:
         if self.enabled:
             token.end = self.clock.stamp()
 
+    def gathered(self, nbytes: int) -> None:
+        """Count one parameter all-gather producing ``nbytes`` (no time stamps: a count only)."""
+        with self._lock:
+            self._gathers[0] += 1
+            self._gathers[1] += nbytes
+
     @contextmanager
     def blocking(self, tensor: torch.Tensor) -> Iterator[None]:
         """Wrap a collective the caller waits for: all of its time counts as exposed."""
@@ -162,9 +175,11 @@ class CommLedger:
         """
         with self._lock:
             collectives = list(self._collectives)
+            gather_calls, gather_bytes = self._gathers
         stats = CommStats(comm_calls=len(collectives),
                           comm_bytes=sum(c.nbytes for c in collectives),
-                          comm_rounds=len({c.micro for c in collectives}))
+                          comm_rounds=len({c.micro for c in collectives}),
+                          gather_calls=gather_calls, gather_bytes=gather_bytes)
         if not self.enabled or not collectives:
             return stats
         if end is None and any(c.end is None for c in collectives):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from distaccum.engines.base import (
     grads_of,
     scale_and_clip_,
 )
-from distaccum.engines.comm_tap import tap_gradient_reductions
+from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -117,13 +117,17 @@ class FSDPEngine:
         self._fsdp().set_requires_gradient_sync(enabled)
         yield
 
-    def forward_context(self) -> ContextManager[object]:
-        return self.precision.autocast(self.device)
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        # The forward's parameter all-gathers are counted (gather_calls), not timed.
+        with tap_parameter_gathers(self.ledger), self.precision.autocast(self.device):
+            yield
 
     def backward(self, loss: torch.Tensor) -> None:
         # Reduce-scatters run inside backward (post-backward hooks, waited for by the root's final
-        # callback), so the tap sees exactly the gradient collectives of this micro-batch.
-        with tap_gradient_reductions(self.ledger):
+        # callback), so the tap sees exactly the gradient collectives of this micro-batch, and the
+        # re-gathers of units resharded after their forward.
+        with tap_gradient_reductions(self.ledger, gathers=True):
             loss.backward()
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
