@@ -5,8 +5,9 @@
 A CPU run replaces the ``cpu`` section, a GPU run the ``gpu`` section; the prose around them is
 written by hand (what the figures say, which targets are met and why). Refused, so that noise
 never lands in the document: smoke runs, runs with fewer than 6 rounds, runs with a failed launch,
-and runs whose load average shows the machine was shared (``--allow-loaded`` overrides that one,
-for a machine whose load average is known to be misleading; say so in the prose).
+partial runs (``--allow-partial``) and runs whose load average shows the machine was shared
+(``--allow-loaded`` overrides that one, for a machine whose load average is known to be
+misleading; say so in the prose).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cases import FULL_CASES
 from benchmarks.launch import ROOT
 from benchmarks.report import render
 
@@ -36,12 +38,18 @@ def section_of(results: dict[str, Any]) -> str:
     return "gpu" if results["settings"]["device"] == "cuda" else "cpu"
 
 
-def problems(results: dict[str, Any], allow_loaded: bool = False) -> list[str]:
+def problems(results: dict[str, Any], allow_loaded: bool = False, allow_partial: bool = False) -> list[str]:
     """Why these results must not go into the document (empty: they may)."""
     found = []
     settings = results["settings"]
     if settings["smoke"]:
         found.append("a smoke run (tiny model): structure only, not figures")
+    else:
+        measured = {(r["case"], r["k"]) for r in results["timing"]}
+        missing = [f"{c.name} K={k}" for c in FULL_CASES for k in c.ks if (c.name, k) not in measured]
+        if (missing or not results["sweep"]) and not allow_partial:
+            found.append("a partial run (" + (f"no timing of {', '.join(missing)}" if missing else "no engine sweep")
+                         + "): the section would lose figures; run it all, or pass --allow-partial")
     if settings["rounds"] < MIN_ROUNDS and results["timing"]:
         found.append(f"{settings['rounds']} rounds; figures need at least {MIN_ROUNDS}")
     failed = [f"{r['case']} K={r['k']}" for r in results["timing"] if r["status"] != "ok"]
@@ -71,12 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=ROOT / "runs" / "bench" / "results.json")
     p.add_argument("--doc", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--allow-loaded", action="store_true", help="accept a run with a high load average")
+    p.add_argument("--allow-partial", action="store_true", help="accept a run of some cases, Ks or no sweep")
     args = p.parse_args(argv)
     if not args.results.is_file() or not args.doc.is_file():
         print(f"update_docs: need {args.results} (run `make bench` first) and {args.doc}", file=sys.stderr)
         return 2
     results = json.loads(args.results.read_text())
-    refused = problems(results, args.allow_loaded)
+    refused = problems(results, args.allow_loaded, args.allow_partial)
     if refused:
         print("update_docs: not updating " + str(args.doc) + ": " + "; ".join(refused), file=sys.stderr)
         return 1

@@ -228,6 +228,9 @@ class DistaccumTrainer:
     def run(self, steps: int) -> list[Any]:
         self._stamps = [self.clock.stamp()]
         self.records += self.trainer.train_steps(steps)
+        if len(self._stamps) != steps + 1:
+            raise RuntimeError(f"Trainer.train_steps({steps}) called on_step {len(self._stamps) - 1} times: the "
+                               "benchmark times a step from one on_step call to the next and needs one per step")
         return self._stamps
 
     def parameters(self) -> Iterator[torch.Tensor]:
