@@ -156,6 +156,8 @@ class BenchData:
         gen = torch.Generator().manual_seed(spec.seed + 1)
         self.x = torch.randn(size, spec.shape.in_dim, generator=gen)
         self.y = torch.randn(size, spec.shape.out_dim, generator=gen)
+        if spec.device == "cuda":  # every variant copies its micro-batches host -> GPU from pinned memory
+            self.x, self.y = self.x.pin_memory(), self.y.pin_memory()
         self.dataset = IndexDataset(size)
         self.collate = SliceCollate(self.x, self.y)
         self.seed = spec.seed

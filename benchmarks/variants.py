@@ -51,7 +51,7 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 """distaccum variants: name -> (engine.name, dotted config overrides). Add an engine option (e.g.
 the FSDP2 window without re-gathering) as one more line; an override the config does not know
-yet makes that variant fail with the config's own message, not the whole benchmark."""
+yet fails that variant's launch with the config's own message."""
 DEFAULT_VARIANTS = ("ddp_no_sync", "distaccum", "accelerate", "compute_floor", "ddp_every_micro")
 """What ``benchmarks.run`` interleaves unless told otherwise."""
 
