@@ -8,7 +8,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench bench-smoke bench-docs clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,14 @@ test: install  ## the whole suite, exactly as CI runs it
 lint: install  ## ruff, as `make test` runs it
 	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples
 
-bench: install  ## the full benchmark (by hand; CI runs the smoke size)
+bench: install  ## the full benchmark on a quiet machine (by hand; CI runs the smoke size)
 	$(PY) -m benchmarks.run --out runs/bench
+
+bench-smoke: install  ## the CI size of the benchmark (structure, not figures)
+	$(PY) -m benchmarks.run --smoke --out runs/bench-smoke
+
+bench-docs: install  ## put runs/bench/results.json into BENCHMARKS.md
+	$(PY) -m benchmarks.update_docs --results runs/bench/results.json
 
 clean:
 	rm -rf runs .pytest_cache

@@ -13,6 +13,9 @@ each micro-batch and ``end_step``. What comes out, per step and rank (:class:`Co
 - ``comm_calls`` / ``comm_bytes``: gradient collectives launched and the bytes of their input
   tensors (one copy of what was reduced, whatever the algorithm sends on the wire).
 - ``comm_rounds``: micro-batches in which at least one gradient collective was launched.
+- ``gather_calls`` / ``gather_bytes``: parameter all-gathers and the bytes of the full tensors they
+  produce, for engines whose tap counts them (``comm_tap``; FSDP2 today, 0 elsewhere). Counted only,
+  never timed: they are not gradient reductions and take no part in ``comm_s``.
 - ``comm_s``: length of the union of the intervals during which a gradient collective was in flight
   (launch to completion), overlapped with compute or not.
 - ``comm_exposed_s``: length of the union of the intervals during which communication was in flight
@@ -95,7 +98,6 @@ class CommStats:
     comm_s: float = 0.0
     comm_exposed_s: float = 0.0
     gather_calls: int = 0
-    """Parameter all-gathers (FSDP2 and ZeRO-3 unshard parameters before using them): counted, not timed."""
     gather_bytes: int = 0
 
 
@@ -118,16 +120,16 @@ class CommLedger:
         self.clock: Clock = clock or HostClock()
         self._lock = threading.Lock()
         self._collectives: list[_Collective] = []
-        self._gathers = self._gather_bytes = 0
         self._micro = 0
         self._step_start: Stamp = None
+        self._gathers = [0, 0]  # calls, bytes
 
     def start_step(self) -> None:
         """Forget the previous step; time is measured from here."""
         with self._lock:
             self._collectives = []
-            self._gathers = self._gather_bytes = 0
             self._micro = 0
+            self._gathers = [0, 0]
             self._step_start = self.clock.stamp() if self.enabled else None
 
     def start_micro(self) -> None:
@@ -150,11 +152,11 @@ class CommLedger:
         if self.enabled:
             token.end = self.clock.stamp()
 
-    def gathered(self, tensor: torch.Tensor) -> None:
-        """Count a parameter all-gather (its output bytes: the unsharded parameters)."""
+    def gathered(self, nbytes: int) -> None:
+        """Count one parameter all-gather producing ``nbytes`` (no time stamps: a count only)."""
         with self._lock:
-            self._gathers += 1
-            self._gather_bytes += tensor.numel() * tensor.element_size()
+            self._gathers[0] += 1
+            self._gathers[1] += nbytes
 
     @contextmanager
     def blocking(self, tensor: torch.Tensor) -> Iterator[None]:
@@ -173,11 +175,11 @@ class CommLedger:
         """
         with self._lock:
             collectives = list(self._collectives)
-            gathers, gather_bytes = self._gathers, self._gather_bytes
+            gather_calls, gather_bytes = self._gathers
         stats = CommStats(comm_calls=len(collectives),
                           comm_bytes=sum(c.nbytes for c in collectives),
                           comm_rounds=len({c.micro for c in collectives}),
-                          gather_calls=gathers, gather_bytes=gather_bytes)
+                          gather_calls=gather_calls, gather_bytes=gather_bytes)
         if not self.enabled or not collectives:
             return stats
         if end is None and any(c.end is None for c in collectives):

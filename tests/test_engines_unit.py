@@ -15,7 +15,7 @@ from distaccum.comm import CommLedger
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
 from distaccum.engines.base import EngineSpec, Precision, scale_and_clip_
-from distaccum.engines.comm_tap import tap_gradient_reductions
+from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
 from distaccum.models import MLP, TinyGPT
@@ -147,6 +147,30 @@ def test_tap_counts_reductions_once_and_ignores_gathers(one_rank_group: None) ->
     stats = ledger.end_step()
     assert dist.all_reduce is original
     assert (stats.comm_calls, stats.comm_bytes, stats.comm_rounds) == (3, 4 * (10 + 6 + 3), 1)
+    assert (stats.gather_calls, stats.gather_bytes) == (0, 0)  # gathers are counted only when asked
+
+
+@pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:`torch.distributed._all_gather_base` is a private function:FutureWarning")
+def test_gather_tap_counts_parameter_gathers_apart_from_reductions(one_rank_group: None) -> None:
+    ledger = CommLedger()
+    ledger.start_step()
+    ledger.start_micro()
+    with tap_parameter_gathers(ledger):  # what FSDP2 enters around its forward
+        dist.all_gather_single(torch.empty(4), torch.ones(4))
+        dist.all_gather_into_tensor(torch.empty(5), torch.ones(5))
+        dist.all_gather([torch.empty(2)], torch.ones(2))
+        dist.all_reduce(torch.ones(7))  # not a gather, and not tapped here
+    with tap_gradient_reductions(ledger, gathers=True):  # what FSDP2 enters around its backward
+        dist._all_gather_base(torch.empty(3), torch.ones(3))  # deprecated alias: counted once
+        dist.all_reduce(torch.ones(6))
+    dist.all_gather_into_tensor(torch.empty(100), torch.ones(100))  # outside: not counted
+    stats = ledger.end_step()
+    assert (stats.gather_calls, stats.gather_bytes) == (4, 4 * (4 + 5 + 2 + 3))
+    assert (stats.comm_calls, stats.comm_bytes) == (1, 4 * 6)
+    with pytest.raises(RuntimeError, match="not re-entrant"), tap_parameter_gathers(ledger):
+        with tap_gradient_reductions(ledger):
+            pass
 
 
 def test_tap_restores_collectives_after_an_error(one_rank_group: None) -> None:

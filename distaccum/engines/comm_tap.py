@@ -20,6 +20,12 @@ all-gathers (parameters) and is not active during the loop's own all-reduces (it
 DeepSpeed keeps a reference to ``reduce_scatter_tensor`` from its start-up, which is why the
 ``distributed_c10d`` module functions are wrapped too; nested calls (a deprecated alias calling
 the new name) are counted once, at the outermost call.
+
+Parameter all-gathers are counted separately (``CommLedger.gathered``: calls and bytes, no times)
+when an engine asks for them: FSDP2 taps its forward with :func:`tap_parameter_gathers` and its
+backward with ``tap_gradient_reductions(ledger, gathers=True)``, so a step's count covers the
+forward gathers and the backward re-gathers. DeepSpeed does not ask (its count stays 0): ZeRO-1/2
+gather parameters inside ``step()``, outside any tap, so a count would be partial.
 """
 
 from __future__ import annotations
@@ -47,21 +53,22 @@ REDUCTIONS: dict[str, tuple[int, str]] = {
 """Reducing collectives of torch.distributed -> (positional index, keyword) of the tensor reduced."""
 
 GATHERS: dict[str, tuple[int, str]] = {
-    "all_gather_single": (0, "output_tensor"),  # FSDP2 (torch 2.13) unshards parameters with it
+    "all_gather": (0, "tensor_list"),
+    "all_gather_single": (0, "output_tensor"),
     "all_gather_into_tensor": (0, "output_tensor"),
     "_all_gather_base": (0, "output_tensor"),
-    "all_gather": (0, "tensor_list"),
 }
-"""Gathering collectives -> (positional index, keyword) of their output: parameter all-gathers."""
+"""All-gathers of torch.distributed -> (positional index, keyword) of the gathered (output) tensor."""
 
 _state = threading.local()
 _active = False
 
 
-def reduced_input(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """The tensor a reduction reduces (or a gather fills); a list of tensors becomes one meta tensor of
-    their total size."""
-    position, keyword = REDUCTIONS.get(name) or GATHERS[name]
+def reduced_input(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  table: dict[str, tuple[int, str]] = REDUCTIONS) -> torch.Tensor:
+    """The tensor a reduction reduces (a gather: gathers into, with ``table=GATHERS``); a list of
+    tensors becomes one meta tensor of their total size."""
+    position, keyword = table[name]
     value = args[position] if len(args) > position else kwargs[keyword]
     if isinstance(value, torch.Tensor):
         return value
@@ -75,13 +82,6 @@ def _counting(name: str, original: Callable[..., Any], ledger: CommLedger) -> Ca
         if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
             return original(*args, **kwargs)
         tensor = reduced_input(name, args, kwargs)
-        if name in GATHERS:  # parameters being unsharded: counted, never a gradient reduction
-            ledger.gathered(tensor)
-            _state.inside = True
-            try:
-                return original(*args, **kwargs)
-            finally:
-                _state.inside = False
         _state.inside = True
         try:
             if not kwargs.get("async_op", False):
@@ -101,26 +101,58 @@ def _counting(name: str, original: Callable[..., Any], ledger: CommLedger) -> Ca
     return wrapper
 
 
-@contextmanager
-def tap_gradient_reductions(ledger: CommLedger) -> Iterator[None]:
-    """Report every reducing collective issued inside the block to ``ledger``, and count gathers.
+def _gathering(name: str, original: Callable[..., Any], ledger: CommLedger) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
+            return original(*args, **kwargs)
+        tensor = reduced_input(name, args, kwargs, GATHERS)
+        ledger.gathered(tensor.numel() * tensor.element_size())
+        _state.inside = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _state.inside = False
 
-    Enter it around the engine's backward call (that is what makes a reduction a *gradient*
-    reduction) and, to count parameter all-gathers, around the forward. Not re-entrant; the module
-    attributes are restored on exit, even on error.
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+@contextmanager
+def tap_gradient_reductions(ledger: CommLedger, *, gathers: bool = False) -> Iterator[None]:
+    """Report every reducing collective issued inside the block to ``ledger`` (and, with
+    ``gathers``, count every all-gather as a parameter gather).
+
+    Enter it around the engine's backward call only (that is what makes a reduction a *gradient*
+    reduction). Not re-entrant; the module attributes are restored on exit, even on error.
     """
+    wrappers = {name: _counting for name in REDUCTIONS}
+    if gathers:
+        wrappers.update({name: _gathering for name in GATHERS})
+    with _patched(wrappers, ledger):
+        yield
+
+
+@contextmanager
+def tap_parameter_gathers(ledger: CommLedger) -> Iterator[None]:
+    """Count every all-gather issued inside the block as a parameter gather (around a forward)."""
+    with _patched({name: _gathering for name in GATHERS}, ledger):
+        yield
+
+
+@contextmanager
+def _patched(wrappers: dict[str, Callable[..., Any]], ledger: CommLedger) -> Iterator[None]:
     global _active
     if _active:
-        raise RuntimeError("tap_gradient_reductions is already active (it is not re-entrant)")
+        raise RuntimeError("the collective tap is already active (it is not re-entrant)")
     _active = True
     saved: list[tuple[Any, str, Any]] = []
     try:
         for module in (dist, c10d):
-            for name in (*REDUCTIONS, *GATHERS):
+            for name, wrap in wrappers.items():
                 original = getattr(module, name, None)
                 if original is not None:
                     saved.append((module, name, original))
-                    setattr(module, name, _counting(name, original, ledger))
+                    setattr(module, name, wrap(name, original, ledger))
         yield
     finally:
         for module, name, original in reversed(saved):

@@ -45,7 +45,7 @@ from distaccum.engines.base import (
     grads_of,
     scale_and_clip_,
 )
-from distaccum.engines.comm_tap import tap_gradient_reductions
+from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -134,13 +134,13 @@ class FSDPEngine:
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         # The tap counts the parameter all-gathers the forward issues (and nothing else there).
-        with self.precision.autocast(self.device), tap_gradient_reductions(self.ledger):
+        with self.precision.autocast(self.device), tap_parameter_gathers(self.ledger):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
         # Reduce-scatters run inside backward (post-backward hooks, waited for by the root's final
         # callback), so the tap sees exactly the gradient collectives of this micro-batch.
-        with tap_gradient_reductions(self.ledger):
+        with tap_gradient_reductions(self.ledger, gathers=True):  # + re-gathers for the backward
             loss.backward()
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:

@@ -1,0 +1,147 @@
+"""The timing worker: every variant lives in the same two processes and runs in alternating blocks.
+
+``python -m benchmarks.interleave SPEC_JSON OUT_JSON WORKDIR`` on every rank (torchrun-style
+environment; ``benchmarks.run`` starts it). The worker builds every variant of the spec (the same
+model, data and optimizer), warms each up, then runs ``rounds`` rounds; in round r the variants run
+one block of ``steps`` optimizer steps each, in the spec's order rotated by r, both ranks starting
+each block together (a barrier, outside the timed steps). A step's time is the slower rank's, so
+the compute floor, which never synchronizes, is timed like the others. Rank 0 writes every step
+time of every block; ``benchmarks.stats`` turns them into per-round ratios.
+
+Why one process pair for everything: separate launches land on different CPU placements, cache
+and allocator states and machine load, which moved a variant by +-20 % between launches here;
+inside one pair, drift during the run falls on every variant alike (rotation spreads it evenly
+over positions), so per-round ratios are tight even when absolute times move.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.cases import BenchData, Spec
+from benchmarks.device import Clock, bus_bandwidth, join, step_seconds
+from benchmarks.variants import DistaccumTrainer, Variant, build_variant
+
+REFERENCE = "ddp_no_sync"
+"""The variant whose trained parameters the others are compared with."""
+LEDGER_FIELDS = ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s", "comm_calls",
+                 "comm_bytes", "comm_rounds")
+"""distaccum's own per-step record fields summarized next to the timings (where its time goes)."""
+
+
+def rotation(order: Iterable[str], r: int) -> list[str]:
+    """Round ``r``'s order: the first order rotated left by ``r`` (each variant takes every
+    position once per len(order) rounds)."""
+    names = list(order)
+    shift = r % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
+def slowest_rank(local: list[float]) -> list[float]:
+    """Per step, the largest time over ranks (collective; outside the timed steps)."""
+    gathered: list[list[float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return [max(times) for times in zip(*gathered, strict=True)]  # type: ignore[misc]
+
+
+def timed_block(variant: Variant, steps: int, clock: Clock) -> list[float]:
+    """One block of ``steps`` optimizer steps; returns the slower rank's time of each."""
+    dist.barrier()
+    stamps = variant.run(steps)
+    clock.sync()
+    return slowest_rank(step_seconds(clock, stamps))
+
+
+def flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The parameters as one float64 CPU vector."""
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
+
+
+def parameter_agreement(variants: dict[str, Variant]) -> dict[str, float]:
+    """Largest |difference| of each variant's trained parameters from the reference's, relative to
+    the largest |parameter|: ~1e-7 or less when every variant did the same arithmetic on the same
+    data. The compute floor averages nothing over ranks, so it must differ (a negative control)."""
+    if REFERENCE not in variants:
+        return {}
+    reference = flat(variants[REFERENCE].parameters())
+    scale = float(reference.abs().max()) or 1.0
+    out: dict[str, float] = {}
+    for name, variant in variants.items():
+        params = flat(variant.parameters())  # collective for sharded engines: every rank iterates
+        if params.shape != reference.shape:
+            out[name] = float("inf")
+        else:
+            out[name] = float((params - reference).abs().max()) / scale
+    return out
+
+
+def ledger_medians(variant: Variant, warmup: int) -> dict[str, float]:
+    """Medians of distaccum's own per-step record fields over the timed steps."""
+    if not isinstance(variant, DistaccumTrainer):
+        return {}
+    records = variant.records[warmup:]
+    return {key: statistics.median(float(r[key]) for r in records)
+            for key in LEDGER_FIELDS if records and all(key in r for r in records)}
+
+
+def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
+    """Build, warm up and interleave every variant of ``spec``; returns rank 0's record."""
+    device, clock = join(spec.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = BenchData(spec, world)
+    variants = {name: build_variant(name, spec, data, rank, device, clock, workdir) for name in spec.variants}
+    for variant in variants.values():  # allocation, DDP's bucket rebuild, first optimizer step: untimed
+        timed_block(variant, spec.warmup, clock)
+    blocks: dict[str, list[list[float]]] = {name: [] for name in variants}
+    orders = []
+    for r in range(spec.rounds):
+        order = rotation(spec.variants, r)
+        orders.append(order)
+        for name in order:
+            blocks[name].append(timed_block(variants[name], spec.steps, clock))
+    agreement = parameter_agreement(variants)
+    ledger = {name: ledger_medians(v, spec.warmup) for name, v in variants.items()}
+    numel = spec.shape.num_params()
+    busbw = bus_bandwidth(numel, device, clock) if device.type == "cuda" else None
+    for variant in variants.values():
+        variant.close()
+    return {
+        "spec": json.loads(spec.to_json()),
+        "world_size": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "orders": orders,
+        "step_s": blocks,
+        "param_rel_diff": agreement,
+        "distaccum_ledger": {k: v for k, v in ledger.items() if v},
+        "busbw": busbw,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Worker entry: ``SPEC_JSON OUT_JSON WORKDIR``; rank 0 writes the record to OUT_JSON."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        raise SystemExit("usage: python -m benchmarks.interleave SPEC_JSON OUT_JSON WORKDIR")
+    spec, out, workdir = Spec.from_json(args[0]), Path(args[1]), Path(args[2])
+    record = measure(spec, workdir)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+    # gloo threads occasionally abort interpreter teardown; the record is on disk, skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

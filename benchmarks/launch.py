@@ -1,0 +1,95 @@
+"""Start one world of worker processes (torchrun's environment contract), wait, clean up.
+
+Each rank is ``python -m MODULE ARGS...`` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT and
+``OMP_NUM_THREADS=1`` (torchrun's default with several ranks per node), in its own session so a
+timeout or a failed rank kills exactly this launch's processes. ``os.wait4`` gives each rank's
+peak RSS as the kernel saw it (a cross-check of what the workers read themselves).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Launch:
+    """What one launch did."""
+
+    ok: bool
+    codes: list[int]
+    wall_s: float
+    peak_rss_mb: float
+    """Largest ``ru_maxrss`` of the ranks, MiB."""
+    load_1m: tuple[float, float]
+    """1-minute load average before and after: the launch alone adds about its world size."""
+    tail: str
+    """The end of the combined output when a rank failed or timed out."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for the rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment of one rank."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DISTACCUM_VERIFY",)}
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    return env
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[list[int], list[float]]:
+    """Exit codes and peak RSS (MiB) of ``procs``; when one fails or time runs out the others are
+    killed (a lone rank would wait in a collective forever)."""
+    deadline = time.monotonic() + timeout_s
+    codes: dict[int, int] = {}
+    rss: dict[int, float] = {}
+    while len(codes) < len(procs):
+        for proc in procs:
+            if proc.pid in codes:
+                continue
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                codes[pid] = proc.returncode = os.waitstatus_to_exitcode(status)
+                rss[pid] = usage.ru_maxrss / 1024  # KiB on Linux
+        if len(codes) < len(procs) and (any(codes.values()) or time.monotonic() > deadline):
+            for proc in procs:
+                if proc.pid not in codes:
+                    os.killpg(proc.pid, signal.SIGKILL)  # its own session: this launch's processes only
+                    _, status, usage = os.wait4(proc.pid, 0)
+                    codes[proc.pid] = proc.returncode = os.waitstatus_to_exitcode(status) or -9
+                    rss[proc.pid] = usage.ru_maxrss / 1024
+        time.sleep(0.05)
+    return [codes[p.pid] for p in procs], [rss[p.pid] for p in procs]
+
+
+def launch(module: str, args: list[str], world: int, log: Path, timeout_s: float) -> Launch:
+    """Run ``python -m module args`` on ``world`` ranks; their output goes to ``log``."""
+    port = free_port()
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as sink:
+        procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env(rank, world, port), cwd=ROOT,
+                                  stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+                 for rank in range(world)]
+        codes, rss = _wait(procs, timeout_s)
+    wall = time.perf_counter() - start
+    ok = not any(codes)
+    why = f"timed out after {timeout_s:.0f} s; " if wall >= timeout_s else ""
+    tail = "" if ok else f"{why}exit codes {codes}:\n" + log.read_text(errors="replace")[-4000:]
+    return Launch(ok, codes, wall, max(rss), (load_before, os.getloadavg()[0]), tail)

@@ -1,0 +1,215 @@
+"""results.json -> the markdown tables (results.md, and the generated part of BENCHMARKS.md).
+
+Pure functions of the results dictionary: no measurement, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.stats import ISSUE_RATIOS, RATIOS
+from benchmarks.variants import ENGINE_VARIANTS, LETTERS
+
+MEMORY_LIMIT = 1.03
+"""Peak memory at the largest K over the smallest: the issue's "flat in K" bound."""
+
+
+def _num(value: Any, digits: int = 3, scale: float = 1.0) -> str:
+    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+
+
+def _cell(ratio: dict[str, Any] | None) -> str:
+    """``median (q1-q3)`` of a per-round ratio."""
+    if not ratio:
+        return "n/a"
+    return f"{ratio['median']:.3f} ({ratio['q1']:.3f}-{ratio['q3']:.3f})"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """A markdown table; ``align`` gives 'l' (left) or 'r' per leading column, the rest right."""
+    marks = [("---" if i < len(align) and align[i] == "l" else "---:") for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _case_label(results: dict[str, Any], case: str) -> str:
+    about = results.get("cases", {}).get(case, {})
+    if not about:
+        return case
+    params = f"{about['params'] / 1e6:.1f}M" if about["params"] >= 10**5 else f"{about['params']:,}"
+    return f"{case} ({params} params, micro {about['micro_batch']})"
+
+
+def header(results: dict[str, Any]) -> list[str]:
+    """Where and how the figures were taken."""
+    m, s = results["machine"], results["settings"]
+    loads = [x for row in results["timing"] for x in row["launch"]["load_1m"]]
+    load = f"median {sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}" if loads else "n/a"
+    return [
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB, {m['platform']}; "
+        f"Python {m['python']}, torch {m['torch']}, accelerate {m['accelerate']}, deepspeed {m['deepspeed']}. "
+        f"{s['backend']}, world {s['world_size']}, {s['threads']}. Date {results['date']}.",
+        "",
+        f"Command: `{s['command']}` ({s['rounds']} rounds per launch, whole run {results['wall_s']:.0f} s). "
+        f"1-minute load average around the timing launches: {load} (the benchmark alone: about "
+        f"{s['world_size']}; more means other work shared the machine and the figures are noise).",
+        *(["", "**Smoke run: the structure of the benchmark, not figures (tiny model, 2 rounds).**"]
+          if s["smoke"] else []),
+    ]
+
+
+def issue_table(results: dict[str, Any]) -> list[str]:
+    """The issue's table: per case and K, the median of the per-round ratios and their IQR."""
+    rows = []
+    last = None
+    for row in results["timing"]:
+        label = _case_label(results, row["case"]) if row["case"] != last else ""
+        last = row["case"]
+        rows.append([label, str(row["k"]), *(_cell(row["ratios"].get(r)) for r in ISSUE_RATIOS)])
+    return [
+        "Median of the per-round ratios of step times (interquartile range over rounds in brackets):",
+        "",
+        *_table(["case", "K", *ISSUE_RATIOS], rows, "l"),
+    ]
+
+
+def spread_table(results: dict[str, Any]) -> list[str]:
+    """Every ratio with min-max over rounds, its target and whether it is met."""
+    rows = []
+    for row in results["timing"]:
+        for label, ratio in row["ratios"].items():
+            goal = f"<= {ratio['target']:.2f}" if ratio["target"] else ""
+            rows.append([row["case"], str(row["k"]), label, f"{ratio['median']:.3f}",
+                         f"{ratio['q1']:.3f}-{ratio['q3']:.3f}", f"{ratio['min']:.3f}-{ratio['max']:.3f}",
+                         str(ratio["rounds"]),
+                         goal, ratio["verdict"]])
+    return [
+        "Every ratio: median, interquartile range and min-max of the per-round ratios; a target is met "
+        "when the median and the upper quartile are within it, missed when the median and the lower "
+        "quartile are beyond it, otherwise not resolved (within the spread).",
+        "",
+        *_table(["case", "K", "ratio", "median", "IQR", "min-max", "rounds", "target", "verdict"], rows,
+                "lrlrrrrll"),
+    ]
+
+
+def time_table(results: dict[str, Any]) -> list[str]:
+    """Step time per variant: median over rounds of the block medians, with min-max."""
+    names = list(dict.fromkeys(v for row in results["timing"] for v in row["variants"]))
+    rows = []
+    for row in results["timing"]:
+        cells = []
+        for name in names:
+            s = row["variants"].get(name, {}).get("step_s")
+            cells.append("n/a" if not s else f"{s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})")
+        rows.append([row["case"], str(row["k"]), str(row["steps_per_block"]), *cells])
+    heads = [f"{LETTERS.get(n, '')} {n}".strip() for n in names]
+    return ["Time per optimizer step, ms: median over rounds (min-max), slower rank:", "",
+            *_table(["case", "K", "steps/block", *heads], rows, "l")]
+
+
+def ledger_table(results: dict[str, Any]) -> list[str]:
+    """Where distaccum's step goes, from its own per-step records (medians of the timed steps)."""
+    rows = []
+    for row in results["timing"]:
+        led = row["distaccum_ledger"].get("distaccum")
+        if led:
+            rows.append([row["case"], str(row["k"]), *(_num(led.get(k), 1, 1e3) for k in
+                         ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s")),
+                         f"{led.get('comm_rounds', 0):.0f} / {led.get('comm_calls', 0):.0f}"])
+    if not rows:
+        return []
+    return ["distaccum's own ledger in the same runs, ms (medians; rank 0; `comm_s` overlaps `compute_s`):", "",
+            *_table(["case", "K", "time", "data", "compute", "comm", "comm exposed", "optim", "rounds / calls"],
+                    rows, "l")]
+
+
+def agreement_lines(results: dict[str, Any]) -> list[str]:
+    """Same work: the largest parameter difference from ddp_no_sync after the launch."""
+    worst: dict[str, float] = {}
+    for row in results["timing"]:
+        for name, diff in row["param_rel_diff"].items():
+            worst[name] = max(worst.get(name, 0.0), diff)
+    if not worst:
+        return []
+    parts = ", ".join(f"{n} {d:.1e}" for n, d in worst.items() if n not in ("ddp_no_sync", "compute_floor"))
+    floor = worst.get("compute_floor")
+    return [f"Same work: after each launch every variant's parameters are compared with ddp_no_sync's "
+            f"(largest |difference| / largest |parameter|, worst launch): {parts}. The compute floor, which "
+            f"averages nothing over ranks, differs by {_num(floor, 1) if floor is None else f'{floor:.1e}'} "
+            "(a negative control)."]
+
+
+def comm_table(results: dict[str, Any]) -> list[str]:
+    """Per engine variant and K: reductions, gathers, step time, peak memory (fresh processes)."""
+    rows = []
+    for r in results["sweep"]:
+        rec = r.get("records", {})
+        if r["status"] != "ok":
+            rows.append([r["case"], str(r["k"]), r["variant"], r["status"], *[""] * 7])
+            continue
+        engine = ENGINE_VARIANTS.get(r["variant"], ("ddp",))[0]
+        gathers = {"fsdp": f"{rec.get('gather_calls', 0):.0f} ({_bytes(rec.get('gather_bytes'))})",
+                   "deepspeed": "not counted"}.get(engine, "none (replicated)")
+        rows.append([r["case"], str(r["k"]), r["variant"], r["sync"],
+                     _num(rec.get("comm_rounds"), 0), _num(rec.get("comm_calls"), 0),
+                     _bytes(rec.get("comm_bytes")), gathers if rec else "n/a (no ledger)",
+                     f"{r['step_s']['median'] * 1e3:.1f}", f"{r['step_peak_mb']:.0f}", f"{r['process_peak_mb']:.0f}"])
+    return ["Engines, each (variant, K) in fresh processes: per optimizer step, medians over the timed "
+            "steps of distaccum's records (gradient-reduction rounds, calls, bytes reduced; FSDP2 parameter "
+            "all-gathers), step time (separate launches: read only large differences), peak RSS of the "
+            "step and of the process through training, MiB:", "",
+            *_table(["case", "K", "variant", "sync", "rounds", "calls", "reduced", "all-gathers", "step ms",
+                     "step peak", "process peak"], rows, "lrll")]
+
+
+def memory_table(results: dict[str, Any]) -> list[str]:
+    """Peak memory at the largest K over the smallest, per engine variant."""
+    rows = [[m["case"], m["variant"], f"{m['k_low']} -> {m['k_high']}",
+             f"{m['step_peak_low_mb']:.0f} -> {m['step_peak_high_mb']:.0f}", f"{m['step_growth']:.3f}",
+             f"{m['process_peak_low_mb']:.0f} -> {m['process_peak_high_mb']:.0f}", f"{m['process_growth']:.3f}",
+             "yes" if m["flat"] else "**no**"] for m in results["memory"]]
+    return [f"Memory flat in K: peak RSS per rank (MiB, largest rank) at the smallest and largest K; "
+            f"flat means both growths <= {MEMORY_LIMIT:.2f}:", "",
+            *_table(["case", "variant", "K", "step peak", "growth", "process peak", "growth", "flat"], rows,
+                    "llrrrrrl")]
+
+
+def gpu_lines(results: dict[str, Any]) -> list[str]:
+    """MFU and NCCL bus bandwidth, or why they were not measured."""
+    gpu = results.get("gpu")
+    if not gpu:
+        return ["GPU: not measured (no CUDA device in this run)."]
+    lines = [f"GPU: {gpu['device']}, world {gpu['world_size']}, peak {_num(gpu['peak_tflops'], 0)} TFLOP/s "
+             f"({gpu['peak_source']}).", ""]
+    rows = []
+    for r in gpu["mfu"]:
+        rows.append([r["case"], str(r["k"]), r["variant"], f"{r['step_ms']:.2f}", _num(r["mfu"], 3)])
+    lines += _table(["case", "K", "variant", "step ms", "MFU"], rows, "lll")
+    lines.append("")
+    for b in gpu["busbw"]:
+        lines.append(f"- NCCL all-reduce, {b['case']}: " + (
+            f"{b['bytes'] / 2**20:.0f} MiB in {b['time_s'] * 1e3:.2f} ms, algbw {b['algbw_gbps']:.1f} GB/s, "
+            f"busbw {b['busbw_gbps']:.1f} GB/s" if b["status"] == "ok" else f"not measured ({b['why']})"))
+    return lines
+
+
+def render(results: dict[str, Any]) -> str:
+    """results.md: every table, in reading order."""
+    sections = [header(results), issue_table(results), spread_table(results), time_table(results),
+                ledger_table(results), agreement_lines(results)]
+    if results["sweep"]:
+        sections += [comm_table(results), memory_table(results)]
+    sections.append(gpu_lines(results))
+    labels = ", ".join(f"{label} = {num} / {den}" for label, num, den in RATIOS)
+    sections.append([f"Ratios: {labels}."])
+    return "\n\n".join("\n".join(lines) for lines in sections if lines) + "\n"

@@ -1,0 +1,267 @@
+"""The variants a launch interleaves: hand-written loops a user would write, and distaccum's Trainer.
+
+- (a) ``ddp_every_micro``: DDP, gradients all-reduced after every micro-batch.
+- (b) ``ddp_no_sync``: DDP with ``no_sync()`` on micro-batches 1..K-1: one all-reduce per step.
+- (c) ``accelerate``: Accelerate's ``accumulate()``, the loop of its gradient-accumulation guide.
+- (d) ``distaccum``: :class:`distaccum.Trainer` (``engine=ddp``) through its public API, product
+  defaults except the settings in :func:`distaccum_config` (each says why).
+- (e) ``compute_floor``: the K forward/backward passes and the step with no DDP and no
+  communication; it runs on both ranks so they compete for the CPU as in (a)-(d).
+- ``distaccum_no_ledger``, ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
+  the Trainer with another engine or setting, for the engine sweep, or interleaved like the others.
+
+Every variant exposes ``run(steps) -> stamps`` (steps + 1 clock stamps: before the first step and
+after each), ``parameters()`` and ``close()``. Construction is collective (DDP broadcasts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks.cases import Batch, BenchData, Spec, loss_sum, sgd
+from benchmarks.device import Clock
+from benchmarks.launch import ROOT
+from distaccum import Trainer
+
+LETTERS = {"ddp_every_micro": "a", "ddp_no_sync": "b", "accelerate": "c", "distaccum": "d",
+           "compute_floor": "e"}
+"""Variant -> the letter tables use."""
+EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compiled op, built once per checkout
+ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "distaccum": ("ddp", {}),
+    "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
+    "distaccum_fsdp": ("fsdp", {}),
+    "distaccum_fsdp_every_micro": ("fsdp", {"accum.sync": "every_micro"}),
+    "distaccum_zero1": ("deepspeed", {"engine.zero_stage": 1, "engine.extensions_dir": EXTENSIONS}),
+    "distaccum_zero2": ("deepspeed", {"engine.zero_stage": 2, "engine.extensions_dir": EXTENSIONS}),
+    "distaccum_zero2_every_micro": ("deepspeed", {"engine.zero_stage": 2, "accum.sync": "every_micro",
+                                                  "engine.extensions_dir": EXTENSIONS}),
+    "distaccum_zero3": ("deepspeed", {"engine.zero_stage": 3, "engine.extensions_dir": EXTENSIONS}),
+    "distaccum_zero3_every_micro": ("deepspeed", {"engine.zero_stage": 3, "accum.sync": "every_micro",
+                                                  "engine.extensions_dir": EXTENSIONS}),
+    "distaccum_accelerate": ("accelerate", {}),
+}
+"""distaccum variants: name -> (engine.name, dotted config overrides). Add an engine option (e.g.
+the FSDP2 window without re-gathering) as one more line; an override the config does not know
+yet fails that variant's launch with the config's own message."""
+DEFAULT_VARIANTS = ("ddp_no_sync", "distaccum", "accelerate", "compute_floor", "ddp_every_micro")
+"""What ``benchmarks.run`` interleaves unless told otherwise."""
+
+
+class Variant(Protocol):
+    """One way of training, stepped in blocks by the interleaving worker."""
+
+    name: str
+
+    def run(self, steps: int) -> list[Any]:
+        """Run ``steps`` optimizer steps; return steps + 1 clock stamps."""
+        ...
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """The full trained parameters in the plain model's order (collective for sharded engines)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the variant holds (collective)."""
+        ...
+
+
+class HandWritten:
+    """Shared by the hand-written loops: identical model and data; subclasses write ``step``."""
+
+    def __init__(self, name: str, spec: Spec, data: BenchData, rank: int, device: torch.device,
+                 clock: Clock) -> None:
+        self.name, self.spec, self.device, self.clock = name, spec, device, clock
+        self.windows = data.windows(rank)
+        self.position = 0
+        torch.manual_seed(spec.seed)  # the weights distaccum's Trainer builds from trainer.seed
+        self.model: nn.Module = spec.shape.build().to(device)
+
+    def step(self, batches: list[Batch]) -> None:
+        raise NotImplementedError
+
+    def batch(self, batch: Batch) -> Batch:
+        """This micro-batch on the device (a no-op on CPU), moved just before its forward."""
+        x, y = batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def run(self, steps: int) -> list[Any]:
+        stamps = [self.clock.stamp()]
+        for _ in range(steps):
+            self.step(self.windows[self.position % len(self.windows)])
+            self.position += 1
+            stamps.append(self.clock.stamp())
+        return stamps
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        return (p.detach() for p in self.model.parameters())
+
+    def close(self) -> None:
+        pass
+
+
+def _ddp(model: nn.Module, device: torch.device) -> DDP:
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+class DDPEveryMicro(HandWritten):
+    """(a) DDP that all-reduces the gradients of every micro-batch."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.ddp = _ddp(self.model, self.device)
+        self.optimizer = sgd(self.spec.lr)(list(self.model.parameters()))
+
+    def step(self, batches: list[Batch]) -> None:
+        for batch in batches:
+            x, y = self.batch(batch)
+            (F.mse_loss(self.ddp(x), y) / len(batches)).backward()  # DDP all-reduces here
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class DDPNoSync(DDPEveryMicro):
+    """(b) DDP that skips the all-reduce on micro-batches 1..K-1 with ``no_sync()``."""
+
+    def step(self, batches: list[Batch]) -> None:
+        for i, batch in enumerate(batches):
+            x, y = self.batch(batch)
+            # Gradients accumulate locally; only the last backward all-reduces the sum.
+            with contextlib.nullcontext() if i == len(batches) - 1 else self.ddp.no_sync():
+                (F.mse_loss(self.ddp(x), y) / len(batches)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class AccelerateLoop(HandWritten):
+    """(c) Accelerate's ``accumulate()`` (one Accelerator per process: its state is a singleton)."""
+
+    def __init__(self, name: str, spec: Spec, *args: Any) -> None:
+        super().__init__(name, spec, *args)
+        from accelerate import Accelerator  # optional dependency, only this variant needs it
+
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu", gradient_accumulation_steps=spec.accum_steps)
+        optimizer = sgd(spec.lr)(list(self.model.parameters()))
+        self.prepared, self.optimizer = self.accelerator.prepare(self.model, optimizer)
+
+    def step(self, batches: list[Batch]) -> None:
+        for batch in batches:
+            x, y = self.batch(batch)
+            with self.accelerator.accumulate(self.prepared):
+                self.accelerator.backward(F.mse_loss(self.prepared(x), y))  # divides by K; syncs on the K-th
+                self.optimizer.step()  # a no-op until the K-th micro-batch
+                self.optimizer.zero_grad()
+
+    def close(self) -> None:
+        self.accelerator.free_memory()
+
+
+class ComputeFloor(HandWritten):
+    """(e) The same arithmetic without DDP: no communication at all."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.optimizer = sgd(self.spec.lr)(list(self.model.parameters()))
+
+    def step(self, batches: list[Batch]) -> None:
+        for batch in batches:
+            x, y = self.batch(batch)
+            (F.mse_loss(self.model(x), y) / len(batches)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def distaccum_config(spec: Spec, run_dir: Path, *, engine: str = "ddp",
+                     overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Trainer's configuration: product defaults, except what makes it train what the
+    hand-written loops train and keeps work they do not do out of the timed steps."""
+    config: dict[str, Any] = {
+        "engine": {"name": engine},
+        "accum": {"micro_batch": spec.micro_batch, "steps": spec.accum_steps, "global_batch": None},
+        # The baselines' plain SGD comes in as the optimizer factory; the config adds no schedule
+        # and no clipping (default 1.0: the baselines do not clip).
+        "optim": {"schedule": "constant", "warmup_steps": 0, "clip_norm": None},
+        "trainer": {"max_steps": spec.total_steps, "seed": spec.seed, "device": spec.device,
+                    "check_every": 0,  # the cross-rank tripwire (default every 10): a check the baselines lack
+                    "checkpoint_every": 0,  # default 100: no periodic checkpoint inside the timed steps
+                    "save_final": False},  # after timing; irrelevant here
+        "data": {"shuffle": False},  # the baselines' in-order walk; the collate then takes views
+        "log": {"console": "quiet", "warmup_steps": spec.warmup},  # the ledger stays on (default)
+        "precision": "fp32",
+        "run_dir": str(run_dir),
+    }
+    for dotted, value in (overrides or {}).items():
+        *parents, leaf = dotted.split(".")
+        section = config
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[leaf] = value
+    return config
+
+
+class DistaccumTrainer:
+    """(d) distaccum's public Trainer, stepped with ``train_steps(n)`` in blocks."""
+
+    def __init__(self, name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,
+                 run_dir: Path) -> None:
+        self.name, self.clock = name, clock
+        self._stamps: list[Any] = []
+        engine, overrides = ENGINE_VARIANTS[name]
+        config = distaccum_config(spec, run_dir, engine=engine, overrides=overrides)
+        self.trainer = Trainer(config, model=spec.shape.build, dataset=data.dataset, collate=data.collate,
+                               loss=loss_sum, optimizer=sgd(spec.lr), on_step=self._on_step)
+        self.trainer.setup()  # joins the group this process already has, builds and wraps the model
+        self.records: list[dict[str, Any]] = []
+
+    def _on_step(self, state: Any, record: dict[str, Any]) -> None:
+        # Runs after the step's record went to the sinks: the stamp covers all of the step's work.
+        self._stamps.append(self.clock.stamp())
+
+    def run(self, steps: int) -> list[Any]:
+        self._stamps = [self.clock.stamp()]
+        self.records += self.trainer.train_steps(steps)
+        if len(self._stamps) != steps + 1:
+            raise RuntimeError(f"Trainer.train_steps({steps}) called on_step {len(self._stamps) - 1} times: the "
+                               "benchmark times a step from one on_step call to the next and needs one per step")
+        return self._stamps
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        return (tensor for _, tensor in self.trainer.state.engine.full_parameters())
+
+    def close(self) -> None:
+        self.trainer.finish()
+
+
+HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
+                "compute_floor": ComputeFloor}
+
+
+def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,
+                  workdir: Path) -> Variant:
+    """Variant ``name`` for this rank (collective: call in the same order on every rank)."""
+    if name in HAND_WRITTEN:
+        return HAND_WRITTEN[name](name, spec, data, rank, device, clock)
+    if name in ENGINE_VARIANTS:
+        return DistaccumTrainer(name, spec, data, rank, device, clock, workdir / name)
+    raise ValueError(f"unknown variant {name!r}; choose from {', '.join([*HAND_WRITTEN, *ENGINE_VARIANTS])}")
+
+
+def check_variants(names: list[str]) -> None:
+    """Refuse unknown names and combinations one process cannot hold (before any launch)."""
+    unknown = [n for n in names if n not in HAND_WRITTEN and n not in ENGINE_VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join([*HAND_WRITTEN, *ENGINE_VARIANTS])}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a variant is named twice in {', '.join(names)}")
+    if "accelerate" in names and "distaccum_accelerate" in names:
+        raise ValueError("accelerate and distaccum_accelerate cannot share a process: Accelerate's state is a "
+                         "singleton; measure them in separate runs")

@@ -1,0 +1,205 @@
+"""The benchmark harness's arithmetic and bookkeeping, in-process (no launches, no timings)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.cases import FULL_CASES, SMOKE_CASES, BenchData, Spec, launch_spec, loss_sum
+from benchmarks.device import mfu, model_flops_per_step, peak_tflops
+from benchmarks.interleave import rotation
+from benchmarks.report import render
+from benchmarks.run import memory_growth
+from benchmarks.stats import per_round_ratios, spread, summarize_launch, target, verdict
+from benchmarks.update_docs import markers, problems, replace_section
+from benchmarks.variants import DEFAULT_VARIANTS, check_variants, distaccum_config
+from distaccum.config import RunConfig, from_mapping, to_mapping
+from distaccum.pipeline import PlanSampler
+
+pytestmark = pytest.mark.unit
+
+
+def test_rotation_puts_every_variant_in_every_position() -> None:
+    order = list(DEFAULT_VARIANTS)
+    rounds = [rotation(order, r) for r in range(len(order))]
+    for position in range(len(order)):
+        assert sorted(r[position] for r in rounds) == sorted(order)
+    assert rotation(order, len(order)) == order
+
+
+def test_spread_uses_inclusive_quartiles() -> None:
+    s = spread([8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    assert (s.median, s.min, s.max, s.q1, s.q3, s.rounds) == (4.5, 1.0, 8.0, 2.75, 6.25, 8)
+    assert spread([2.0]).q1 == spread([2.0]).q3 == 2.0
+    with pytest.raises(ValueError):
+        spread([])
+
+
+def test_per_round_ratios_cancel_drift_that_falls_on_both_variants() -> None:
+    drift = [1.0, 1.3, 0.8, 1.5, 1.1, 0.9]  # the machine slows down and speeds up between rounds
+    slow, fast = [1.05 * d for d in drift], [1.0 * d for d in drift]
+    ratios = per_round_ratios(slow, fast)
+    assert spread(ratios).max - spread(ratios).min < 1e-12
+    assert spread(slow).max / spread(slow).min > 1.8  # the raw times move by 80 %
+    with pytest.raises(ValueError):
+        per_round_ratios([1.0], [1.0, 2.0])
+
+
+def test_verdict_needs_the_quartile_on_the_same_side_as_the_median() -> None:
+    assert verdict(spread([1.00, 1.01, 1.01, 1.015]), 1.02) == "met"
+    assert verdict(spread([1.00, 1.01, 1.03, 1.04]), 1.02) == "within the spread"
+    assert verdict(spread([1.021, 1.05, 1.06, 1.07]), 1.02) == "missed"
+    assert verdict(spread([1.5]), None) == ""
+    assert target("distaccum / no_sync", "0.9M_micro256", 4) == 1.02
+    assert target("distaccum / floor", "27.3M_micro4", 16) == 1.08
+    assert target("distaccum / floor", "27.3M_micro4", 4) is None
+
+
+def _timing_record(case: str = "smoke", k: int = 2, rounds: int = 6) -> dict[str, Any]:
+    names = list(DEFAULT_VARIANTS)
+    base = {"ddp_no_sync": 1.0, "distaccum": 1.01, "accelerate": 1.02, "compute_floor": 0.9, "ddp_every_micro": 1.5}
+    spec = dataclasses.replace(launch_spec(SMOKE_CASES[0], k, rounds=rounds, variants=tuple(names)), case=case)
+    return {"spec": json.loads(spec.to_json()), "orders": [rotation(names, r) for r in range(rounds)],
+            "step_s": {n: [[base[n] * (1 + 0.1 * r)] * spec.steps for r in range(rounds)] for n in names},
+            "param_rel_diff": {n: 0.0 for n in names} | {"compute_floor": 3e-3},
+            "distaccum_ledger": {"distaccum": {"time_s": 1.0, "comm_rounds": 1.0, "comm_calls": 2.0}}, "busbw": None}
+
+
+def test_summarize_launch_takes_ratios_round_by_round() -> None:
+    row = summarize_launch(_timing_record())
+    assert set(row["ratios"]) == {"distaccum / no_sync", "Accelerate / no_sync", "distaccum / floor",
+                                  "no_sync / floor", "every_micro / no_sync"}  # no ledger-off variant ran
+    ratio = row["ratios"]["distaccum / no_sync"]
+    assert ratio["median"] == pytest.approx(1.01) and ratio["rounds"] == 6 and len(ratio["per_round"]) == 6
+    assert ratio["target"] == 1.02 and ratio["verdict"] == "met"
+    assert row["variants"]["distaccum"]["step_s"]["max"] == pytest.approx(1.01 * 1.5)
+
+
+def _results(**settings: Any) -> dict[str, Any]:
+    row = summarize_launch(_timing_record())
+    row.update({"status": "ok", "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}})
+    sweep = [{"case": "smoke", "k": k, "variant": "distaccum_fsdp", "sync": "boundary", "status": "ok",
+              "step_s": spread([0.01, 0.012]).as_dict(), "step_peak_mb": peak, "process_peak_mb": peak + 10,
+              "setup_peak_mb": 300.0, "records": {"comm_rounds": 1.0, "comm_calls": 3.0, "comm_bytes": 7e3,
+                                                   "gather_calls": 6.0 * k, "gather_bytes": 1.4e4 * k}}
+             for k, peak in ((1, 300.0), (2, 320.0))]
+    machine = {"cpu": "cpu", "logical_cpus": 2, "memory_gib": 1.0, "platform": "linux", "python": "3",
+               "torch": "2", "accelerate": "1", "deepspeed": "0"}
+    return {"date": "2026-11-23", "machine": machine, "wall_s": 10.0, "gpu": None, "timing": [row], "sweep": sweep,
+            "memory": memory_growth(sweep),
+            "cases": {"smoke": {"params": 1732, "micro_batch": 2}},
+            "settings": {"command": "python -m benchmarks.run", "smoke": False, "rounds": 6, "device": "cpu",
+                         "world_size": 2, "backend": "gloo", "threads": "1 thread", **settings}}
+
+
+def test_memory_growth_flags_more_than_three_percent() -> None:
+    (row,) = _results()["memory"]
+    assert (row["k_low"], row["k_high"], row["flat"]) == (1, 2, False)
+    assert row["step_growth"] == pytest.approx(320 / 300)
+
+
+def test_report_holds_the_issue_table_and_every_section() -> None:
+    text = render(_results())
+    assert "| case | K | distaccum / no_sync | Accelerate / no_sync | distaccum / floor | no_sync / floor |" in text
+    assert "1.010 (1.010-1.010)" in text  # median (IQR) of a ratio that never moved
+    for fragment in ("Time per optimizer step", "distaccum's own ledger", "Same work", "Memory flat in K",
+                     "12 (27.3 KiB)", "**no**", "GPU: not measured"):
+        assert fragment in text, fragment
+
+
+def test_update_docs_replaces_only_its_section(tmp_path: Path) -> None:
+    begin, end = markers("cpu")
+    doc = f"# B\n\nprose above\n\n{begin}\n\nold figures\n\n{end}\n\nprose below\n"
+    new = replace_section(doc, "cpu", "new figures")
+    assert new == f"# B\n\nprose above\n\n{begin}\n\nnew figures\n\n{end}\n\nprose below\n"
+    with pytest.raises(ValueError, match="bench:gpu"):
+        replace_section(doc, "gpu", "x")
+
+
+def test_update_docs_refuses_noise() -> None:
+    assert any("partial" in p for p in problems(_results()))  # one smoke-sized launch, not every case and K
+    assert problems(_results(), allow_partial=True) == []
+    assert any("smoke" in p for p in problems(_results(smoke=True)))
+    assert any("rounds" in p for p in problems(_results(rounds=3)))
+    loaded = _results()
+    loaded["timing"][0]["launch"]["load_1m"] = [6.0, 7.5]
+    assert any("shared" in p for p in problems(loaded, allow_partial=True))
+    assert problems(loaded, allow_loaded=True, allow_partial=True) == []
+    failed = _results()
+    failed["sweep"][0]["status"] = "failed"
+    assert any("failed" in p for p in problems(failed))
+    complete = _results()
+    complete["timing"] = [{**complete["timing"][0], "case": c.name, "k": k} for c in FULL_CASES for k in c.ks]
+    assert problems(complete) == []
+
+
+def test_cases_have_the_issue_sizes() -> None:
+    params = {c.name: c.shape.num_params() for c in FULL_CASES}
+    assert round(params["27.3M_micro4"] / 1e6, 1) == 27.3 and round(params["0.9M_micro256"] / 1e6, 1) == 0.9
+    for case in (*FULL_CASES, *SMOKE_CASES):
+        with torch.device("meta"):
+            model = case.shape.build()
+        assert sum(p.numel() for p in model.parameters()) == case.shape.num_params()
+    assert {c.micro_batch for c in FULL_CASES} == {4, 256} and all(c.ks == (1, 4, 16) for c in FULL_CASES)
+
+
+def test_spec_round_trips_through_json() -> None:
+    spec = launch_spec(FULL_CASES[0], 16, rounds=8, variants=DEFAULT_VARIANTS)
+    assert Spec.from_json(spec.to_json()) == spec
+    assert (spec.steps, spec.warmup, spec.total_steps) == (3, 2, 2 + 8 * 3)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_hand_written_loops_see_the_trainer_s_micro_batches_as_views(rank: int) -> None:
+    spec = launch_spec(SMOKE_CASES[0], 2)
+    data = BenchData(spec, world_size=2)
+    windows = data.windows(rank)
+    plan = data.plan()
+    sampler = PlanSampler(plan, data.split, rank, 0, plan.windows_per_epoch)  # what the Trainer's DataLoader walks
+    for (x, y), indices in zip((b for w in windows for b in w), sampler, strict=True):
+        expect_x, expect_y = data.collate(indices)
+        assert torch.equal(x, expect_x) and torch.equal(y, expect_y)
+        assert x.untyped_storage().data_ptr() == data.x.untyped_storage().data_ptr()  # a view, no copy
+
+
+def test_distaccum_loss_over_the_global_count_is_the_hand_written_mean() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    micro = [(torch.randn(5, 3), torch.randn(5, 4)) for _ in range(3)]  # K=3 on one rank
+    with torch.no_grad():
+        hand = sum(F.mse_loss(model(x), y) / len(micro) for x, y in micro)
+        sums, counts = zip(*(loss_sum(model, b) for b in micro), strict=True)
+    assert float(sum(sums) / sum(counts)) == pytest.approx(float(hand), rel=1e-6)
+
+
+def test_distaccum_variant_changes_only_the_documented_settings(tmp_path: Path) -> None:
+    spec = launch_spec(FULL_CASES[1], 4, rounds=8)
+    cfg = to_mapping(from_mapping(distaccum_config(spec, tmp_path)))
+    default = to_mapping(RunConfig())
+    changed = {f"{section}.{key}" for section, values in cfg.items() if isinstance(values, dict)
+               for key, value in values.items() if default[section][key] != value}
+    assert changed == {"accum.micro_batch", "optim.schedule", "optim.warmup_steps", "optim.clip_norm",
+                       "trainer.max_steps", "trainer.device", "trainer.check_every", "trainer.checkpoint_every",
+                       "trainer.save_final", "data.shuffle", "log.console", "log.warmup_steps"}
+    assert cfg["log"]["ledger"] is True and cfg["accum"]["sync"] == "boundary" and cfg["engine"]["name"] == "ddp"
+
+
+def test_check_variants_refuses_unknown_names_and_two_accelerators() -> None:
+    check_variants([*DEFAULT_VARIANTS, "distaccum_no_ledger", "distaccum_zero2"])
+    with pytest.raises(ValueError, match="horovod"):
+        check_variants(["horovod"])
+    with pytest.raises(ValueError, match="singleton"):
+        check_variants(["accelerate", "distaccum_accelerate"])
+
+
+def test_mfu_is_model_flops_over_the_peak() -> None:
+    assert model_flops_per_step(1000, 8) == 48_000
+    assert mfu(10**9, 4, step_s=0.5, peak=48.0) == pytest.approx(6 * 4e9 / 0.5 / 48e12)
+    assert mfu(10**9, 4, step_s=0.5, peak=None) is None
+    assert peak_tflops("fp32", override=100.0) == (100.0, "--peak-tflops")
