@@ -40,6 +40,7 @@ from distaccum.checkpoint import StopFlag, StopRequested
 from distaccum.checks import check_consistency
 from distaccum.config import Split
 from distaccum.engines.base import Engine
+from distaccum.gns import estimate, record_fields, window_terms
 from distaccum.losses import LossFn
 from distaccum.pipeline import WindowSource, to_device
 from distaccum.sinks import Record, Sink
@@ -81,6 +82,8 @@ class LoopSettings:
     """Test-only (``debug.grad_scale_fault``): a constant wrong factor on every gradient."""
     nominal_partial_count: bool = False
     """Test-only (``debug.nominal_partial_count``): normalize partial windows as if they were full."""
+    gns_decay: float | None = None
+    """``log.gns``: record the gradient noise scale, smoothed with this decay (None: off)."""
 
 
 def power_of_two_scale(n_prev: float, global_batch: int) -> float:
@@ -104,6 +107,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
     device = settings.device
     end = min(until if until is not None else settings.max_steps, settings.max_steps)
     first = len(state.records)
+    squares = getattr(engine, "grad_squares", None) if settings.gns_decay is not None else None
     model.train()
     while state.source.next_step < end:
         timer.start_step()
@@ -138,9 +142,12 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
         timer.compute_done()
 
         # One all-reduce per step: N, the loss sum and the stop flag (so every rank agrees to stop
-        # after the same window).
+        # after the same window), and with log.gns the noise-scale terms (distaccum.gns).
         stop_flag = torch.tensor(float(stop is not None and stop.requested), dtype=torch.float64, device=device)
-        totals = torch.stack([items, loss_sum, stop_flag])
+        stats = [items, loss_sum, stop_flag]
+        if squares is not None:
+            stats += window_terms(squares, items, c, d)
+        totals = torch.stack(stats)
         dist.all_reduce(totals)
         count = totals[0].clamp(min=1.0)
         if settings.nominal_partial_count and window.partial:  # the remainder-window bug, on purpose
@@ -159,7 +166,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
         times = timer.end_step()
         # Host read of the step's totals (on CUDA the timer already synchronized), then one
         # all-gather of host floats for the per-rank view: compute time and micro-batch item counts.
-        n_total, loss_total, stop_votes = totals.tolist()
+        n_total, loss_total, stop_votes, *gns_sums = totals.tolist()
         samples = window.samples
         local = [float(x) for x in torch.stack(counts).tolist()]
         per_rank = timer.gather([times.compute_s, min(local), max(local)])
@@ -183,6 +190,10 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
             "samples_per_s": samples / times.time_s,
             "items_per_s": n_total / times.time_s,
         }
+        if squares is not None and settings.gns_decay is not None:
+            grad_sq, trace = estimate(gns_sums, n_total, split.world_size)
+            record.update(record_fields(grad_sq, trace, state.records[-1] if state.records else None,
+                                        settings.gns_decay))
         state.records.append(record)
         sink.log(record)
         if on_step is not None:
