@@ -1,27 +1,27 @@
 """``distaccum plan``: predict step time, communication share and peak memory of every split of a
 global batch, from a few measured windows per micro-batch size, and recommend one.
 
-For G samples per step on W ranks the splits are the divisors m of G/W (K = G/(W m)). The model of
-one optimizer step is linear in K, and its coefficients are measured per micro-batch size m by a
-short trial of the real training loop (the public :class:`~distaccum.trainer.Trainer`, the same code
-a run executes) at split (m, K_t = min(K, trial_accum), W):
+For G samples per step on W ranks the splits are the divisors m of G/W (K = G/(W m)). A step is a
+per-step part plus K micro-batches. For each micro-batch size m a short trial of the real training
+loop (the public :class:`~distaccum.trainer.Trainer`, the same code a run executes) at split
+(m, K_t = min(K, trial_accum), W) measures both:
 
-    step(m, K) = K * micro(m) + boundary(m) + optim(m)
+    step(m, K) = base(m) + (K - K_t) * micro(m)
 
-    micro(m)     mean over the trial's steps of (data_s + compute_s) / K_t: fetching, collating and
-                 the forward/backward of one micro-batch (per micro-batch, whatever K)
-    boundary(m)  mean comm_exposed_s: the boundary reduction's exposed time (once per step)
-    optim(m)     mean optim_s: item-count all-reduce, normalize, clip, optimizer step (once per step)
+    base(m)      median time_s of the trial's steps (K_t micro-batches, the boundary reduction, the
+                 optimizer step)
+    micro(m)     median over the trial's steps of (data_s + compute_s) / K_t: fetching, collating and
+                 forward/backward of one micro-batch
+    comm share   exposed / (K * compute + exposed), medians of comm_exposed_s and compute_s / K_t, as
+                 ``summary.json``'s ``comm_share``
 
-Means, not medians: the record's phases add up to ``time_s``, and only means add (the sum of the
-phases' medians is not the median step; on a loaded machine it was 12% short). Steps are the
-steady ones without the fastest and slowest 10% (:func:`steady_steps`); the plan predicts that
-trimmed mean step time (:func:`typical_step_s`) for each split.
+Splits with K <= trial_accum are measured as they are; larger K are extrapolated. Medians, because a
+shared machine stalls single steps (another process, a garbage collection) by many times their
+length; the median step time is what the plan predicts (:func:`typical_step_s`). Summing the phases'
+medians instead would be wrong: compute and exposed communication trade off between ranks (one rank
+computing late makes the other wait), and on a loaded machine that sum was 12% short of the median step.
 
-    comm share   boundary / (K * compute + boundary), as ``summary.json``'s ``comm_share``
-
-Splits with K <= trial_accum are therefore measured as they are; larger K are extrapolated. Peak
-memory does not depend on K (the accumulated gradient is one buffer): each size's peak comes from a
+Peak memory does not depend on K (the accumulated gradient is one buffer): each size's peak comes from a
 trial window (:mod:`distaccum.autobatch`), measured in ascending order before any timing, so on CPU
 no other model is resident. Sizes whose extrapolated peak exceeds the budget are not tried, and
 neither is anything larger than a size that did not fit. The timing trials of several sizes run
@@ -38,7 +38,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import mean
+from statistics import median
 from typing import Any
 
 import torch
@@ -52,27 +52,29 @@ from distaccum.trainer import Trainer
 
 TRIAL_ACCUM = 4
 """Default accumulation steps of a timing trial (K_t = min(K, TRIAL_ACCUM))."""
-TRIM = 0.1
-"""Share of the fastest and of the slowest steps left out of a plan's means."""
 
 
 @dataclass
 class SizeCost:
-    """The measured coefficients of one micro-batch size."""
+    """The measured coefficients of one micro-batch size (medians over the trial's steady steps)."""
 
     micro_batch: int
     trial_accum: int
     steps: int
     """Steady trial steps behind the medians."""
+    base_s: float
+    """Step time at K = trial_accum."""
     micro_s: float
+    """One micro-batch: data + forward/backward."""
     compute_s: float
-    """Median forward/backward time of one micro-batch (micro_s without the data time)."""
+    """One micro-batch's forward/backward (micro_s without the data time)."""
     boundary_s: float
+    """Exposed communication of the boundary reduction (once per step)."""
     optim_s: float
 
     def step_s(self, accum_steps: int) -> float:
         """Predicted seconds per optimizer step at K = ``accum_steps``."""
-        return accum_steps * self.micro_s + self.boundary_s + self.optim_s
+        return self.base_s + (accum_steps - self.trial_accum) * self.micro_s
 
     def comm_share(self, accum_steps: int) -> float:
         """Predicted exposed communication / (compute + exposed communication)."""
@@ -119,32 +121,27 @@ class Plan:
                    [SizeCost(**c) for c in data.get("costs", [])], Split(**rec) if rec else None)
 
 
-def steady_steps(records: Sequence[Record], warmup: int = 1, trim: float = TRIM) -> list[Record]:
-    """The steps a plan's times describe: after ``warmup``, full windows only, without the fastest and
-    the slowest ``trim`` share of steps (by ``time_s``: a step stalled by another process)."""
-    steady = sorted((r for r in records[warmup:] if not r.get("partial_window")), key=lambda r: r["time_s"])
-    cut = int(len(steady) * trim)
-    return steady[cut:len(steady) - cut] or steady
+def steady_steps(records: Sequence[Record], warmup: int = 1) -> list[Record]:
+    """The steps a plan's times describe: after ``warmup``, full windows only."""
+    return [r for r in records[warmup:] if not r.get("partial_window")] or list(records)
 
 
 def typical_step_s(records: Sequence[Record], warmup: int = 1) -> float:
-    """What the plan predicts for a run: the mean step time over :func:`steady_steps` (the mean, not
-    the median, because the model adds times: the mean of a sum is the sum of the means)."""
-    return mean(r["time_s"] for r in steady_steps(records, warmup))
+    """What the plan predicts for a run: the median step time over :func:`steady_steps`."""
+    return median(r["time_s"] for r in steady_steps(records, warmup))
 
 
 def size_cost(records: Sequence[Record], micro_batch: int, trial_accum: int, warmup: int = 1) -> SizeCost:
-    """Coefficients from a trial's records: means over :func:`steady_steps`, so that
-    ``cost.step_s(trial_accum) == typical_step_s(records)``."""
+    """Coefficients from a trial's records (``cost.step_s(trial_accum) == typical_step_s(records)``)."""
     steady = steady_steps(records, warmup)
 
-    def avg(fn: Callable[[Record], float]) -> float:
-        return mean(fn(r) for r in steady)
+    def med(fn: Callable[[Record], float]) -> float:
+        return median(fn(r) for r in steady)
 
-    return SizeCost(micro_batch, trial_accum, len(steady),
-                    micro_s=avg(lambda r: (r["data_s"] + r["compute_s"]) / trial_accum),
-                    compute_s=avg(lambda r: r["compute_s"] / trial_accum),
-                    boundary_s=avg(lambda r: r["comm_exposed_s"]), optim_s=avg(lambda r: r["optim_s"]))
+    return SizeCost(micro_batch, trial_accum, len(steady), base_s=typical_step_s(records, warmup),
+                    micro_s=med(lambda r: (r["data_s"] + r["compute_s"]) / trial_accum),
+                    compute_s=med(lambda r: r["compute_s"] / trial_accum),
+                    boundary_s=med(lambda r: r["comm_exposed_s"]), optim_s=med(lambda r: r["optim_s"]))
 
 
 def predict(global_batch: int, world_size: int, costs: Sequence[SizeCost], probes: Sequence[Probe]) -> list[Prediction]:
