@@ -181,7 +181,7 @@ def trial_batches(dataset: Any, collate: Callable[[list[Any]], Any], plan: Globa
 
 
 def trial_window(steps: Steps, model: nn.Module, loss_fn: LossFn, batches: Sequence[Any], device: torch.device,
-                 float_dtype: torch.dtype | None = None) -> tuple[int, bool]:
+                 float_dtype: torch.dtype | None = None, max_norm: float | None = None) -> tuple[int, bool]:
     """Run one window of ``batches`` (all but the last accumulated locally, the last with the gradient
     reduction and the optimizer step); returns (peak bytes on this rank, ran out of memory on some rank).
 
@@ -210,7 +210,7 @@ def trial_window(steps: Steps, model: nn.Module, loss_fn: LossFn, batches: Seque
     if not oom:
         try:
             micro(batches[-1], True)
-            steps.step(None, torch.tensor(1.0, dtype=torch.float64, device=device))
+            steps.step(max_norm, torch.tensor(1.0, dtype=torch.float64, device=device))
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not _is_oom(err):
                 raise
@@ -302,19 +302,22 @@ class TrialMeasure:
                                     shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
 
     def run_trial(self, split: Split) -> tuple[int, bool]:
-        """(peak bytes on this rank, out of memory on some rank) of one trial window at ``split``."""
+        """(peak bytes on this rank, out of memory on some rank) of one trial window of ``split``'s
+        micro-batches. The engine is built for a window of that many micro-batches (engines that count
+        micro-batches, Accelerate and DeepSpeed, then place the boundary where the trial does); memory
+        does not depend on K."""
         cfg, parts, precision = self.cfg, self.parts, self.precision
-        spec = EngineSpec(engine=cfg.engine, precision=precision, split=split, sync=cfg.accum.sync,
-                          clip_norm=cfg.optim.clip_norm, device=self.device)
+        count = min(TRIAL_MICRO_BATCHES, split.accum_steps)
+        spec = EngineSpec(engine=cfg.engine, precision=precision, split=Split(split.micro_batch, count, split.world_size),
+                          sync=cfg.accum.sync, clip_norm=cfg.optim.clip_norm, device=self.device)
         engine = make_engine(spec, CommLedger(enabled=False))
         model = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, parts.describe()["model"])
         make_optimizer = parts.optimizer or (lambda params: build_optimizer(params, cfg.optim))
         wrapped = engine.wrap(model, make_optimizer)
         try:
-            batches = trial_batches(parts.dataset, parts.collate or default_collate, self.plan, split, self.rank,
-                                    min(TRIAL_MICRO_BATCHES, split.accum_steps))
+            batches = trial_batches(parts.dataset, parts.collate or default_collate, self.plan, split, self.rank, count)
             float_dtype = torch.float64 if precision.param_dtype == torch.float64 else None
-            return trial_window(engine, wrapped, parts.loss, batches, self.device, float_dtype)
+            return trial_window(engine, wrapped, parts.loss, batches, self.device, float_dtype, cfg.optim.clip_norm)
         finally:
             engine.teardown()
             del wrapped, model, engine
