@@ -179,15 +179,17 @@ class SizeTrial:
                                collate=parts.collate, optimizer=parts.optimizer, check_components=False,
                                names=parts.names)
         self.records: list[Record] = []
+        self.console = io.StringIO()
+        """The trial's console output (its sinks print the run summary): kept off the plan's table."""
 
     def run(self, steps: int) -> None:
         """``steps`` more optimizer steps (the first call also builds the model and engine)."""
-        self.records += self.trainer.train_steps(steps)
+        with contextlib.redirect_stdout(self.console):  # the console sink is built on the first call
+            self.records += self.trainer.train_steps(steps)
 
     def close(self) -> None:
-        """Finish the trial (writes its summary.json; its console summary is not printed) and release
-        its engine. Collective."""
-        with contextlib.redirect_stdout(io.StringIO()):
+        """Finish the trial (writes its summary.json) and release its engine. Collective."""
+        with contextlib.redirect_stdout(self.console):
             self.trainer.finish()
 
     def cost(self) -> SizeCost:

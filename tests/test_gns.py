@@ -117,5 +117,5 @@ def test_the_estimate_agrees_with_the_noise_scale_of_the_data(trained: list[dict
     assert abs(statistics.mean(sqs) - want_g2) <= 3 * se_g2
     b_simple = trace / g2
     assert abs(statistics.mean(traces) / statistics.mean(sqs) - b_simple) <= 0.1 * b_simple
-    # gns_smoothed averages ~39 steps (decay 0.95): about 10% standard error on this task, so 3.5 SE
+    # gns_smoothed (decay 0.95) has the variance of a 39-step mean: ~10% standard error here, so 3.5 SE
     assert abs(trained[-1]["gns_smoothed"] - b_simple) <= 0.35 * b_simple
