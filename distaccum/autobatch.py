@@ -3,8 +3,10 @@
 The global batch G is fixed; on W ranks the candidates are the divisors m of G/W (K = G/(W m)).
 Each candidate is measured by a *trial window* on a throwaway copy of the run (model, engine and
 optimizer built exactly as training builds them, then discarded, so the real run starts untouched):
-K-1 micro-batches of m real samples accumulated locally (``engine.sync(False)``), then the boundary
-micro-batch with its gradient reduction and one optimizer step, which allocates the optimizer state.
+a micro-batch of m real samples accumulated locally (``engine.sync(False)``; when K > 1), then the
+boundary micro-batch with its gradient reduction and one optimizer step, which allocates the
+optimizer state. Memory does not grow with K (the accumulated gradient is one buffer), so two
+micro-batches stand for a window of any length.
 Its peak is what the run's records call ``peak_mem_bytes``: allocated device memory on CUDA, the
 process's peak RSS on CPU. On CUDA an out-of-memory error in the local micro-batches counts as
 "does not fit" and the search retries smaller; every rank reports whether it fit and the ranks agree
