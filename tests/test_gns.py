@@ -11,6 +11,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def per_sample_gradients() -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("gns") / "run"
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -77,6 +78,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
                            str(REPO / "tests" / "fixtures" / "gns_task.py"), str(run_dir)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def trained(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -119,3 +125,13 @@ def test_the_estimate_agrees_with_the_noise_scale_of_the_data(trained: list[dict
     assert abs(statistics.mean(traces) / statistics.mean(sqs) - b_simple) <= 0.1 * b_simple
     # gns_smoothed (decay 0.95) has the variance of a 39-step mean: ~10% standard error here, so 3.5 SE
     assert abs(trained[-1]["gns_smoothed"] - b_simple) <= 0.35 * b_simple
+
+
+@pytest.mark.dist
+def test_report_plots_the_noise_scale(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from distaccum.cli.report import report_main
+
+    assert report_main([str(run_dir), "--out", str(tmp_path)]) == 0
+    assert "## Gradient noise scale" in capsys.readouterr().out
+    png = (tmp_path / "report.png").read_bytes()
+    assert int.from_bytes(png[16:20], "big") == 4 * 6 * 110  # four 6-inch panels at 110 dpi: the noise scale added
