@@ -237,7 +237,7 @@ def fingerprint(cfg: RunConfig, world_size: int, names: Mapping[str, str], datas
         "data.shuffle": cfg.data.shuffle,
         "data.drop_last": cfg.data.drop_last,
         "data.signature": data_signature(dataset),
-        "global_batch": cfg.split(world_size).global_batch,
+        "global_batch": cfg.global_batch(world_size),
         "trainer.seed": cfg.trainer.seed,
         "precision": cfg.precision,
         "optim.name": cfg.optim.name,

@@ -20,6 +20,12 @@ SYNC_MODES = ("boundary", "every_micro")
 LOSS_NORMS = ("global_count", "mean_per_micro")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
+AUTO = "auto"
+"""``accum.micro_batch=auto``: the Trainer picks the largest micro-batch that fits the memory budget."""
+GNS_ENGINES = ("ddp",)
+"""Engines whose gradient comm hook feeds the gradient noise scale monitor (``log.gns``)."""
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 Node = dict[str, Any]
 """A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
@@ -39,6 +45,26 @@ def _positive(section: str, name: str, value: int | float | None, *, allow_none:
         return
     if value is None or value <= 0:
         raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def parse_bytes(where: str, value: int | float | str) -> int:
+    """A size in bytes from an integer or a string such as ``512MiB``, ``6GB``, ``1.5GiB``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{where} must be a size such as 512MiB or 6GB, got {value!r}")
+    if isinstance(value, int | float):
+        size = float(value)
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(number):] or "b"
+        try:
+            size = float(number) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise ValueError(f"{where}={value!r} is not a size: write bytes or a number with a unit "
+                             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB or 6GB") from None
+    if size <= 0:
+        raise ValueError(f"{where} must be > 0, got {value!r}")
+    return int(size)
 
 
 def _node(where: str, value: Any) -> Node | None:
@@ -112,8 +138,9 @@ class DataConfig:
 class AccumConfig:
     """Gradient accumulation: how an optimizer step's global batch is split."""
 
-    micro_batch: int = 4
-    """Samples per micro-batch per rank."""
+    micro_batch: int | str = 4
+    """Samples per micro-batch per rank, or auto: the largest micro-batch whose training step fits
+    memory_budget on every rank, measured when training starts (needs global_batch; steps follow)."""
     steps: int = 4
     """Micro-batches accumulated per optimizer step (K). Ignored when global_batch is set."""
     global_batch: int | None = None
@@ -123,13 +150,36 @@ class AccumConfig:
     loss_norm: str = "global_count"
     """global_count: divide by the window's loss items over all ranks; mean_per_micro: classic loss/K
     (wrong for variable-length items; kept as a negative control for verify)."""
+    memory_budget: int | str | None = None
+    """Peak memory per rank a training step may use, for micro_batch=auto and `distaccum plan`: bytes
+    or a size (6GiB, 512MB), compared with what peak_mem_bytes records (CUDA: allocated device memory;
+    CPU: the process's peak RSS). null: the free device memory on CUDA; on CPU, this process's
+    resident memory plus 80% of the available RAM shared by the node's ranks."""
 
     def __post_init__(self) -> None:
-        _positive("accum", "micro_batch", self.micro_batch)
+        if isinstance(self.micro_batch, str):
+            if self.micro_batch != AUTO:
+                raise ValueError(f"accum.micro_batch must be a positive integer or 'auto', got {self.micro_batch!r}")
+            if self.global_batch is None:
+                raise ValueError("accum.micro_batch=auto needs accum.global_batch (the samples per optimizer "
+                                 "step it keeps fixed while it picks the micro-batch), e.g. accum.global_batch=64")
+        else:
+            _positive("accum", "micro_batch", self.micro_batch)
         _positive("accum", "steps", self.steps)
+        if self.memory_budget is not None:
+            parse_bytes("accum.memory_budget", self.memory_budget)
         _positive("accum", "global_batch", self.global_batch, allow_none=True)
         _choice("accum", "sync", self.sync, SYNC_MODES)
         _choice("accum", "loss_norm", self.loss_norm, LOSS_NORMS)
+
+    @property
+    def auto(self) -> bool:
+        """micro_batch=auto: the split is chosen when training starts."""
+        return self.micro_batch == AUTO
+
+    def budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes (None: the device's default)."""
+        return None if self.memory_budget is None else parse_bytes("accum.memory_budget", self.memory_budget)
 
 
 @dataclass(frozen=True)
@@ -157,20 +207,50 @@ def valid_splits(global_batch: int, world_size: int) -> list[Split]:
     return [Split(m, per_rank // m, world_size) for m in range(1, per_rank + 1) if per_rank % m == 0]
 
 
+def nearest_valid_global_batches(global_batch: int, world_size: int) -> list[int]:
+    """The multiples of ``world_size`` nearest to ``global_batch`` (one below, one above)."""
+    below = global_batch // world_size * world_size
+    return [g for g in (below, below + world_size) if g > 0]
+
+
+def _no_split(global_batch: int, world_size: int) -> str:
+    near = " or ".join(str(g) for g in nearest_valid_global_batches(global_batch, world_size))
+    return (f"accum.global_batch={global_batch} has no split on world_size={world_size} ranks: it must be a "
+            f"multiple of world_size={world_size}; the nearest valid global batches are {near}")
+
+
+def check_split(accum: AccumConfig, world_size: int) -> None:
+    """Raise ValueError (with the valid alternatives) when ``accum`` has no split on ``world_size``
+    ranks. With micro_batch=auto only the global batch can be checked before training starts."""
+    if accum.auto:
+        assert accum.global_batch is not None  # AccumConfig guarantees it
+        _positive("trainer", "world_size", world_size)
+        if accum.global_batch % world_size:
+            raise ValueError(_no_split(accum.global_batch, world_size))
+        return
+    resolve_split(accum, world_size)
+
+
 def resolve_split(accum: AccumConfig, world_size: int) -> Split:
-    """Resolve the configured split for ``world_size`` ranks, or raise ValueError with suggestions."""
+    """Resolve the configured split for ``world_size`` ranks, or raise ValueError with suggestions.
+
+    micro_batch=auto cannot be resolved here: the Trainer measures and picks it at setup."""
     _positive("trainer", "world_size", world_size)
+    if accum.auto:
+        raise ValueError("accum.micro_batch=auto is chosen when training starts (Trainer.setup measures "
+                         "it); give an explicit accum.micro_batch here (`distaccum plan` suggests one)")
+    assert isinstance(accum.micro_batch, int)
     if accum.global_batch is None:
         return Split(accum.micro_batch, accum.steps, world_size)
+    if accum.global_batch % world_size:
+        raise ValueError(_no_split(accum.global_batch, world_size))
     per_step = accum.micro_batch * world_size
     if accum.global_batch % per_step:
         options = valid_splits(accum.global_batch, world_size)
         hint = ", ".join(f"micro_batch={s.micro_batch} (steps={s.accum_steps})" for s in options)
         raise ValueError(
             f"accum.global_batch={accum.global_batch} is not divisible by accum.micro_batch={accum.micro_batch}"
-            f" x world_size={world_size} = {per_step}. "
-            + (f"Valid splits for world_size={world_size}: {hint}." if hint else
-               f"No split exists: global_batch must be a multiple of world_size={world_size}.")
+            f" x world_size={world_size} = {per_step}. Valid splits for world_size={world_size}: {hint}."
         )
     return Split(accum.micro_batch, accum.global_batch // per_step, world_size)
 
@@ -290,11 +370,21 @@ class LogConfig:
     rank_stats_every: int = 10
     """Record every rank's compute time (compute_min_s / compute_max_s: the straggler view) every N
     optimizer steps; it costs one small all-gather (0: never)."""
+    gns: bool = False
+    """Log the gradient noise scale per step (gns, gns_smoothed; McCandlish et al. 2018), estimated
+    from each rank's accumulated gradient and the reduced one as the DDP comm hook sees them: no extra
+    passes or communication, two squared norms of the gradient per step. engine=ddp,
+    accum.sync=boundary and more than one rank only."""
+    gns_ema: float = 0.95
+    """Smoothing of gns_smoothed: exponential moving averages of the |G|^2 and tr(Sigma) estimates with
+    this decay per step (about 1/(1 - gns_ema) steps), then their ratio."""
 
     def __post_init__(self) -> None:
         _choice("log", "console", self.console, ("bar", "quiet"))
         if self.rank_stats_every < 0:
             raise ValueError(f"log.rank_stats_every must be >= 0, got {self.rank_stats_every}")
+        if not 0.0 <= self.gns_ema < 1.0:
+            raise ValueError(f"log.gns_ema must be in [0, 1), got {self.gns_ema}")
         _choice("log", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
 
 
@@ -422,6 +512,10 @@ class RunConfig:
         self.loss = _node("loss", self.loss)
         if self.trainer.nnodes > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
+        if self.log.gns and (self.engine.name not in GNS_ENGINES or self.accum.sync != "boundary"):
+            raise ValueError(f"log.gns=true reads the gradients the DDP comm hook reduces once per step: it needs "
+                             f"engine={' or '.join(GNS_ENGINES)} and accum.sync=boundary, got "
+                             f"engine={self.engine.name} accum.sync={self.accum.sync}")
 
     def world_size(self) -> int:
         """World size a local launch of this config produces."""
@@ -430,6 +524,12 @@ class RunConfig:
     def split(self, world_size: int | None = None) -> Split:
         """The resolved split for ``world_size`` (default: the launch's world size)."""
         return resolve_split(self.accum, world_size or self.world_size())
+
+    def global_batch(self, world_size: int | None = None) -> int:
+        """Samples per optimizer step on ``world_size`` ranks (known even with micro_batch=auto)."""
+        if self.accum.global_batch is not None:
+            return self.accum.global_batch
+        return self.split(world_size).global_batch
 
     def describe(self, node: str) -> str:
         """The ``_target_`` of component ``node`` ('model', 'loss', 'dataset', 'collate'), for messages."""

@@ -53,6 +53,7 @@ from torch import nn
 from distaccum.checks import check_consistency
 from distaccum.config import Split
 from distaccum.engines.base import Engine
+from distaccum.gns import estimate, record_fields, window_terms
 from distaccum.losses import LossFn
 from distaccum.pipeline import WindowSource, to_device
 from distaccum.sinks import Record, Sink
@@ -111,6 +112,8 @@ class LoopSettings:
     nan_steps: tuple[int, ...] = ()
     """Test-only (``debug.nan_at_step``): 1-based steps whose loss is NaN on rank ``nan_rank``."""
     nan_rank: int = 0
+    gns_decay: float | None = None
+    """``log.gns``: record the gradient noise scale, smoothed with this decay (None: off)."""
 
 
 class NonFiniteError(RuntimeError):
@@ -146,6 +149,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
     device = settings.device
     end = min(until if until is not None else settings.max_steps, settings.max_steps)
     first = len(state.records)
+    squares = getattr(engine, "grad_squares", None) if settings.gns_decay is not None else None
     model.train()
     while state.source.next_step < end:
         timer.start_step()
@@ -201,6 +205,12 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
                 engine.backward(summed * factor)
         timer.compute_done()
         reduction.wait()
+        gns_totals = None
+        if squares is not None:
+            # log.gns: the noise-scale terms (distaccum.gns) exist only after the boundary backward
+            # (the DDP hook measured them): one more all-reduce, of three numbers.
+            gns_totals = torch.stack(window_terms(squares, items, c, d))
+            dist.all_reduce(gns_totals)
         count = totals[0].clamp(min=1.0)
         if settings.nominal_partial_count and window.partial:  # the remainder-window bug, on purpose
             count = count * (split.global_batch / window.samples)
@@ -252,6 +262,10 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
             # N steps, since on a slow interconnect it costs as much as a tiny step).
             compute = timer.gather([times.compute_s])[:, 0]
             record["compute_min_s"], record["compute_max_s"] = float(compute.min()), float(compute.max())
+        if gns_totals is not None and settings.gns_decay is not None:
+            grad_sq, trace = estimate(gns_totals.tolist(), n_total, split.world_size)
+            record.update(record_fields(grad_sq, trace, state.records[-1] if state.records else None,
+                                        settings.gns_decay))
         state.records.append(record)
         sink.log(record)
         if on_step is not None:

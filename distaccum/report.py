@@ -205,6 +205,29 @@ def table_row(run: Run) -> Row:
     )
 
 
+def gns_series(run: Run) -> dict[int, tuple[float, float]]:
+    """step -> (raw, smoothed) gradient noise scale, for runs trained with ``log.gns=true``."""
+    return {int(r["step"]): (float(r["gns"]), float(r["gns_smoothed"])) for r in run.records if "gns_smoothed" in r}
+
+
+def render_gns(runs: list[Run]) -> list[str]:
+    """The report.md section on the gradient noise scale (empty when no run measured it)."""
+    measured = [(r, gns_series(r)) for r in runs]
+    measured = [(r, series) for r, series in measured if series]
+    if not measured:
+        return []
+    lines = ["", "## Gradient noise scale", "",
+             "B_simple = tr(Sigma) / |G|^2 in loss items (McCandlish et al. 2018), smoothed "
+             "(`gns_smoothed`, ratio of moving averages). Well below the items per step: a smaller global batch "
+             "would do nearly as much per sample; well above it: larger batches still pay off.", "",
+             "| run | items per step | gns_smoothed (last) | ratio |", "|---|---|---|---|"]
+    for run, series in measured:
+        items = median(float(r.get("items", 0)) for r in run.records)
+        last = series[max(series)][1]
+        lines.append(f"| `{run.label}` | {items:.0f} | {_num(last, '.1f')} | {_num(last / items if items else math.nan, '.2f')} |")
+    return lines
+
+
 # ---------------------------------------------------------------- agreement
 
 
@@ -327,6 +350,7 @@ def render_markdown(rows: list[Row], agreements: list[Agreement], runs: list[Run
         lines.append(f"**{len(bad)} run(s) disagree with their reference:**")
         lines += [f"- `{a.label}` vs `{a.reference}`: first out of tolerance at step {a.first_bad_step}, "
                   f"max relative difference {a.max_rel_diff:.2e}" for a in bad]
+    lines += render_gns(runs)
     problems = [r for r in runs if r.status not in ("ok",)]
     if problems:
         lines += ["", "## Runs that did not finish", ""]
@@ -338,10 +362,11 @@ def render_markdown(rows: list[Row], agreements: list[Agreement], runs: list[Run
 
 
 def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements: list[Agreement],
-                path: Path, rtol: float) -> None:
+                path: Path, rtol: float, gns: dict[str, dict[int, tuple[float, float]]] | None = None) -> None:
     """``report.png``: per run, the median step split into compute / exposed comm / data / optimizer
     (left); the loss curves overlaid, disagreeing runs dashed (middle); each compared run's relative
-    loss difference to its reference, against ``rtol`` (right)."""
+    loss difference to its reference, against ``rtol`` (right); with ``gns`` (step -> raw, smoothed
+    noise scale per run) a fourth panel of the gradient noise scale."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; also safe when called from a worker or CI
@@ -350,8 +375,10 @@ def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements
 
     flagged = {a.label for a in agreements if not a.ok}
     shown = [r for r in rows if r.steps > 0]
-    fig, (bars, losses, diffs) = plt.subplots(1, 3, figsize=(18, max(4.5, 1.5 + 0.45 * len(rows))),
-                                              gridspec_kw={"width_ratios": [1, 1, 1]})
+    noise = {label: series for label, series in (gns or {}).items() if series}
+    panels = 4 if noise else 3
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, max(4.5, 1.5 + 0.45 * len(rows))))
+    bars, losses, diffs = axes[:3]
     labels = [f"{r.label} {r.split}" if r.split != "-" else r.label for r in shown]
     left = [0.0] * len(shown)
     parts = (("compute_s", "compute (fwd+bwd)", "tab:blue"),
@@ -398,6 +425,19 @@ def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements
     diffs.set_title("loss agreement" if agreements else "loss agreement: no comparable runs", fontsize=10)
     diffs.xaxis.set_major_locator(MaxNLocator(integer=True))
     diffs.legend(fontsize=8)
+    if noise:
+        ax = axes[3]
+        for label, series in noise.items():
+            steps = sorted(series)
+            line = ax.plot(steps, [series[s][1] for s in steps], label=f"{label} (smoothed)")[0]
+            ax.plot(steps, [series[s][0] for s in steps], linestyle="none", marker=".", alpha=0.3,
+                    color=line.get_color())
+        ax.set_yscale("symlog")  # raw per-step estimates can be negative
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("B_simple (loss items)")
+        ax.set_title("gradient noise scale: smoothed (line), per step (dots)", fontsize=10)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

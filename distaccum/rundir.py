@@ -12,6 +12,8 @@
       divergence.json      the cross-rank tripwire's report, when it fired
       console.log          a verify sub-run's console output
       final/               the trained model: model.safetensors, run_config.json (+ HF layout)
+      plan.json, plan.md   `distaccum plan`: measured costs, predictions, recommendation (+ trials/)
+      sweep.sh             `distaccum plan --sweep`: the multirun command measuring every split
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ RANKS = "ranks"
 CHECKSUMS = "checksums.jsonl"
 DIVERGENCE = "divergence.json"
 CONSOLE_LOG = "console.log"
+PLAN = "plan.json"
+PLAN_TABLE = "plan.md"
+SWEEP_SCRIPT = "sweep.sh"
 FINAL_DIR = "final"
 FINAL_WEIGHTS = "model.safetensors"
 FINAL_CONFIG = "run_config.json"

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
+from distaccum.autobatch import AutoChoice, auto_micro_batch
 from distaccum.checkpoint import fingerprint
 from distaccum.checkpoint import save as save_checkpoint
 from distaccum.comm import CommLedger
@@ -112,6 +113,8 @@ class Trainer:
         self.check_components = check_components
         self._created_group = False
         self._run: _Run | None = None
+        self.auto_choice: AutoChoice | None = None
+        """What ``accum.micro_batch=auto`` chose at :meth:`setup` (None for an explicit micro-batch)."""
 
     @property
     def state(self) -> TrainState:
@@ -146,7 +149,7 @@ class Trainer:
         if request is not None and request["mode"] == "reference":  # one process: no group, no engine
             cfg = self.cfg
             return run_reference(cfg, self.components, Path(cfg.run_dir),
-                                 global_batch=cfg.split(int(request["world_size"])).global_batch,
+                                 global_batch=cfg.global_batch(int(request["world_size"])),
                                  seed_out=Path(request["seed_out"]) if request.get("seed_out") else None)
         clean = False
         try:
@@ -213,6 +216,8 @@ class Trainer:
         cfg, run = self.cfg, self._run
         state, settings = run.state, run.settings
         summary = summarize(cfg, run.names, settings.split, state.records, state.engine, settings.run_dir)
+        if self.auto_choice is not None:
+            summary["auto_micro_batch"] = self.auto_choice.as_record()
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
             config = {**to_mapping(cfg), "components": run.names}
             summary["final_model"] = str(save_final(state.engine, settings.run_dir, config))
@@ -234,11 +239,18 @@ class Trainer:
         cfg, parts = self.cfg, self.components
         names = parts.describe()
         rank, world = dist.get_rank(), dist.get_world_size()
+        if cfg.accum.auto:  # measured once, here, on every rank; the run then uses the chosen split
+            self.auto_choice = auto_micro_batch(cfg, parts, device, DistEnv.from_environ(os.environ).local_world_size)
+            self.cfg = cfg = with_overrides(cfg, {"accum.micro_batch": self.auto_choice.micro_batch})
         split = cfg.split(world)
         precision = Precision.of(cfg.precision)
         spec = EngineSpec(engine=cfg.engine, precision=precision, split=split, sync=cfg.accum.sync,
-                          clip_norm=cfg.optim.clip_norm, device=device, fault_rank=cfg.debug.skip_reduction_rank)
+                          clip_norm=cfg.optim.clip_norm, device=device, fault_rank=cfg.debug.skip_reduction_rank,
+                          gns=cfg.log.gns)
         check_engine(spec)
+        if cfg.log.gns and world < 2:
+            raise ValueError("log.gns=true compares each rank's gradient with the reduced one: it needs at least "
+                             "2 ranks")
         run_dir = Path(cfg.run_dir)
         if rank == 0:
             if not cfg.trainer.resume:
@@ -285,7 +297,8 @@ class Trainer:
             loss_scaling=precision.loss_scaling, grad_scale_fault=cfg.debug.grad_scale_fault,
             nominal_partial_count=cfg.debug.nominal_partial_count,
             nan_steps=tuple(range(cfg.debug.nan_at_step, cfg.debug.nan_at_step + cfg.debug.nan_steps))
-            if cfg.debug.nan_at_step else (), nan_rank=cfg.debug.nan_rank)
+            if cfg.debug.nan_at_step else (), nan_rank=cfg.debug.nan_rank,
+            gns_decay=cfg.log.gns_ema if cfg.log.gns else None)
         return _Run(state, settings, StepTimer(device, ledger), names, done, liveness, fp, done)
 
 

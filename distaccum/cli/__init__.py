@@ -1,6 +1,6 @@
 """The ``distaccum`` console script: the only place with argv, Hydra and exit codes.
 
-One module per subcommand (``train``, ``verify``, ``report``, ``submit``), shared exit codes
+One module per subcommand (``train``, ``verify``, ``plan``, ``report``, ``submit``), shared exit codes
 (:mod:`~distaccum.cli.exitcodes`), Hydra composition (:mod:`~distaccum.cli.compose`), component
 instantiation and pre-flight checks. The library below never imports this package.
 """
@@ -26,6 +26,8 @@ commands:
                                                         torchrun / srun); the trained model is kept
   verify  [overrides]                                  compare a run step by step with a single-process
           --script FILE [--nproc N] [-- ARGS]          reference (a config, or your own Trainer script)
+  plan    [overrides] [--run] [--sweep]                predict step time, comm share and peak memory of
+                                                        every split of the global batch; recommend one
   report  RUN_DIR [RUN_DIR ...] [--out DIR]            tables and plots of finished runs and sweeps
   submit  [overrides] [--dry-run]                      render an sbatch script and submit it to Slurm
 
@@ -38,6 +40,8 @@ examples:
   distaccum train model=mlp accum.global_batch=64 accum.micro_batch=8 trainer.max_steps=100
   distaccum train --config-dir ./conf model=mytask data=mytask loss=mytask
   distaccum verify engine=fsdp precision=fp64
+  distaccum plan model=mlp accum.global_batch=64        which micro-batch x accumulation steps is fastest
+  distaccum train accum.micro_batch=auto accum.global_batch=64   the largest micro-batch that fits
   distaccum train --cfg job                         print the composed configuration
   distaccum train --help                            every config group and option
 
@@ -120,6 +124,14 @@ def main(argv: list[str] | None = None) -> None:
         from distaccum.cli.verify import verify_main
 
         raise SystemExit(verify_main(rest, lambda task: _run_hydra(command, rest, task)))
+    elif command == "plan":
+        from distaccum.cli.plan import plan_main
+
+        raise SystemExit(plan_main(rest))
+    elif command == "_plan":
+        from distaccum.cli.plan import plan_worker
+
+        plan_worker(rest[0])
     elif command == "report":
         from distaccum.cli.report import report_main
 

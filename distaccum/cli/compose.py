@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
+from distaccum.config import ConfigError, RunConfig, check_split, from_mapping, to_mapping
 
 CONFIG_MODULE = "distaccum.configs"
 CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
@@ -76,7 +76,7 @@ def to_run_config(dcfg: Any, run_dir: str | None = None) -> RunConfig:
         if run_dir is not None:
             values["run_dir"] = run_dir
         cfg = from_mapping(values)
-        cfg.split()  # validates the split for the launch's world size (suggests valid ones)
+        check_split(cfg.accum, cfg.world_size())  # suggests valid splits or global batches
     except (ValueError, OmegaConfBaseException) as err:
         raise ConfigError(str(err)) from err
     return cfg

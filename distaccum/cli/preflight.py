@@ -16,10 +16,11 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from distaccum.autobatch import budget_too_small, one_sample_peak
 from distaccum.checkpoint import fingerprint
 from distaccum.cli.instantiate import instantiate_components
 from distaccum.components import Components, build_model
-from distaccum.config import ConfigError, RunConfig, Split
+from distaccum.config import ConfigError, RunConfig, Split, check_split
 from distaccum.engines import check_engine
 from distaccum.engines.base import EngineSpec, Precision
 from distaccum.plan import GlobalBatchPlan
@@ -29,11 +30,14 @@ from distaccum.resume import check_resumable
 
 @dataclass
 class Checked:
-    """What pre-flight built: the components (for verify's reference) and a probed model."""
+    """What pre-flight built: the components (for verify's reference) and a probed model (with
+    micro_batch=auto and a memory budget on CPU, also stepped once to measure one sample's peak)."""
 
     components: Components
     model: nn.Module
     split: Split
+    """The configured split; with micro_batch=auto a provisional one (micro-batch 1) of the same global
+    batch, for the checks: the workers measure and pick the real one."""
 
 
 def check_run_dir(run_dir: str, *, create: bool = True) -> None:
@@ -69,9 +73,15 @@ def engine_spec(cfg: RunConfig, split: Split) -> EngineSpec:
 
 def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = True) -> Checked:
     """Run every check; raise ConfigError (exit 2) naming the value and the fix."""
+    world = world_size or cfg.world_size()
     try:
-        split = cfg.split(world_size)
-        check_engine(engine_spec(cfg, split))
+        check_split(cfg.accum, world)
+        split = Split(1, cfg.global_batch(world) // world, world) if cfg.accum.auto else cfg.split(world)
+        spec = engine_spec(cfg, split)
+        check_engine(spec)
+        if cfg.log.gns and world < 2:
+            raise ValueError("log.gns=true compares each rank's gradient with the reduced one: it needs at least "
+                             f"2 ranks, got world_size={world}")
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if write:
@@ -93,4 +103,10 @@ def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = Tr
             check_resumable(Path(cfg.run_dir), fingerprint(cfg, split.world_size, names, parts.dataset, model))
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    budget = cfg.accum.budget_bytes()
+    if cfg.accum.auto and budget is not None and spec.device.type == "cpu":
+        # One sample's step, measured here; on CUDA the workers measure it (same error, exit 2).
+        need = one_sample_peak(model, parts, cfg, spec.device)
+        if need is None or need > budget:
+            raise budget_too_small(need, budget, spec.device)
     return Checked(parts, model, split)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
-from distaccum.report import build_rows, check_agreement, discover, plot_report, render_markdown
+from distaccum.report import build_rows, check_agreement, discover, gns_series, plot_report, render_markdown
 
 EXIT_DISAGREE, EXIT_USAGE = EXIT_FAIL, EXIT_CONFIG
 
@@ -50,7 +50,8 @@ def report_main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(rows, agreements, runs, args.rtol, args.atol)
     (out / "report.md").write_text(markdown, encoding="utf-8")
-    plot_report(rows, {r.label: r.losses for r in runs}, agreements, out / "report.png", args.rtol)
+    plot_report(rows, {r.label: r.losses for r in runs}, agreements, out / "report.png", args.rtol,
+                gns={r.label: gns_series(r) for r in runs})
     print(markdown)
     print(f"wrote {out / 'report.md'} and {out / 'report.png'}")
     return EXIT_OK if all(a.ok for a in agreements) else EXIT_DISAGREE

@@ -49,9 +49,10 @@ def train_task(dcfg: Any) -> int:
     config_file.write_text(json.dumps(to_mapping(cfg), indent=2) + "\n")
     split = checked.split
     names = checked.components.describe()
+    how = ("micro_batch auto (measured by the workers) x the accumulation steps that follow"
+           if cfg.accum.auto else f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps")
     print(f"distaccum: {names['model']} on {names['dataset']}, {cfg.engine.name} x{split.world_size} ranks, "
-          f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps = {split.global_batch} "
-          f"samples per optimizer step, run_dir {cfg.run_dir}", flush=True)
+          f"{how} = {split.global_batch} samples per optimizer step, run_dir {cfg.run_dir}", flush=True)
     print("distaccum: equivalent to `" + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file))) + "`", flush=True)
     code = launch_local(cfg, config_file)
     write_json(Path(cfg.run_dir) / STATUS, {"status": "ok" if code == EXIT_OK else "failed", "exit_code": code})

@@ -60,6 +60,8 @@ class EngineSpec:
     device: torch.device
     fault_rank: int | None = None
     """Test-only: this rank keeps its local gradients (``debug.skip_reduction_rank``)."""
+    gns: bool = False
+    """Measure the squared gradient norms the noise scale needs (``log.gns``; DDP only)."""
 
 
 @dataclass(frozen=True)

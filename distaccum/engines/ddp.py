@@ -23,6 +23,7 @@ from distaccum.engines.base import (
     grads_of,
     scale_and_clip_,
 )
+from distaccum.gns import GradSquares
 
 
 @dataclass
@@ -32,6 +33,8 @@ class HookState:
     ledger: CommLedger
     keep_local: bool = False
     """Fault injection: take part in the all-reduce but keep the local gradient (desyncs this rank)."""
+    squares: GradSquares | None = None
+    """When set (``log.gns``), the bucket's squared norm before and after the reduction."""
 
 
 def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -44,20 +47,25 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     """
     buffer = bucket.buffer()
     local = buffer.clone() if state.keep_local else None
+    if state.squares is not None:  # this rank's accumulated gradient, before the reduction overwrites it
+        state.squares.add_local(buffer)
     token = state.ledger.launched(buffer)
     buffer.div_(dist.get_world_size())
     future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         state.ledger.completed(token)
+        if state.squares is not None:
+            state.squares.add_reduced(fut.value()[0])
         return local if local is not None else fut.value()[0]
 
     return future.then(done)
 
 
-def register_counting_hook(ddp: DDP, ledger: CommLedger, fault_rank: int | None) -> None:
+def register_counting_hook(ddp: DDP, ledger: CommLedger, fault_rank: int | None,
+                           squares: GradSquares | None = None) -> None:
     """Install :func:`mean_allreduce_hook` on ``ddp`` (also used on Accelerate's DDP module)."""
-    state = HookState(ledger, keep_local=fault_rank is not None and fault_rank == dist.get_rank())
+    state = HookState(ledger, keep_local=fault_rank is not None and fault_rank == dist.get_rank(), squares=squares)
     ddp.register_comm_hook(state, mean_allreduce_hook)
 
 
@@ -106,6 +114,8 @@ class DDPEngine:
         self.grad_divisor = float(dist.get_world_size())
         self.module: nn.Module | None = None
         self.raw: nn.Module | None = None
+        self.grad_squares = GradSquares() if spec.gns else None
+        """What the gradient noise scale reads each step (``log.gns``), filled by the comm hook."""
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         self.raw = model.to(device=self.device, dtype=self.precision.param_dtype)
@@ -113,7 +123,7 @@ class DDPEngine:
         # gradient_as_bucket_view: gradients live in DDP's buckets (no copy in or out of them).
         ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.spec.engine.bucket_cap_mb,
                   gradient_as_bucket_view=True)
-        register_counting_hook(ddp, self.ledger, self.spec.fault_rank)
+        register_counting_hook(ddp, self.ledger, self.spec.fault_rank, self.grad_squares)
         self.module = ddp
         self.optimizer = make_optimizer(list(self.raw.parameters()))
         return ddp

@@ -1,0 +1,320 @@
+"""Checkpoints at window boundaries: written atomically, verified before use, resumable on any world size.
+
+Layout (``run_dir/checkpoints/``)::
+
+    step-00000040/
+      model/               the engine's state: torch.distributed.checkpoint (DCP) shards written by
+                           every rank (DDP, FSDP2, Accelerate), or DeepSpeed's own ZeRO checkpoint
+      trainer_state.json   steps done, scheduler, data position, loss scaler, skip streak
+      rng/rank-00000.pt    each rank's RNG state (restored only on the same world size)
+      manifest.json        written last: step, config fingerprint, size + sha256 of every file
+
+A checkpoint is written into ``step-….tmp/`` and renamed into place only after every rank's files
+are on disk (fsync) and the manifest is written: a preempted or failed write never leaves a
+half-written checkpoint where a resume would look, and never touches the previous one. A
+checkpoint counts only if its manifest exists and every file matches it; a corrupt latest
+checkpoint is skipped (with a warning) for the previous valid one.
+
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distaccum.config import RunConfig
+from distaccum.rundir import CHECKPOINTS, read_json, write_json
+
+if TYPE_CHECKING:
+    from distaccum.loop import TrainState
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+MODEL_DIR = "model"
+RNG_DIR = "rng"
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the previous one is intact) or none valid could be read."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The directory of the checkpoint taken after optimizer step ``step``."""
+    return root / f"step-{step:08d}"
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` and the directories themselves to disk."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def file_digests(path: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``path`` (relative names), the manifest excluded."""
+    out: dict[str, dict[str, Any]] = {}
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        out[str(file.relative_to(path))] = {"size": file.stat().st_size, "sha256": digest.hexdigest()}
+    return out
+
+
+def commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Seal a fully written checkpoint: digests into the manifest, fsync, atomic rename (rank 0 only)."""
+    fsync_tree(tmp)
+    write_json(tmp / MANIFEST, {**manifest, "format": FORMAT, "files": file_digests(tmp)})
+    fsync_tree(tmp)
+    if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_tree(final.parent)
+
+
+def problems(path: Path) -> list[str]:
+    """Why ``path`` is not a usable checkpoint (empty list: it is)."""
+    manifest = read_json(path / MANIFEST)
+    if not manifest:
+        return [f"{path}: no readable {MANIFEST} (an unfinished or truncated write)"]
+    if manifest.get("format") != FORMAT:
+        return [f"{path}: checkpoint format {manifest.get('format')!r}, this distaccum reads {FORMAT}"]
+    found = []
+    for name, want in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            found.append(f"{path}: {name} is missing")
+        elif file.stat().st_size != want["size"]:
+            found.append(f"{path}: {name} has {file.stat().st_size} bytes, the manifest says {want['size']}")
+    if found:
+        return found
+    digests = file_digests(path)
+    return [f"{path}: {name} does not match its sha256 in the manifest"
+            for name, want in manifest["files"].items() if digests.get(name, {}).get("sha256") != want["sha256"]]
+
+
+def candidates(root: Path) -> list[Path]:
+    """Checkpoint directories under ``root``, newest step first (unfinished ``.tmp`` ones excluded)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+@dataclass(frozen=True)
+class Found:
+    """The checkpoint a resume will use, and the newer ones it had to skip."""
+
+    path: Path | None
+    skipped: list[str]
+    """One line per unusable newer checkpoint (why)."""
+
+
+def latest_valid(root: Path) -> Found:
+    """The newest checkpoint whose files all match its manifest."""
+    skipped: list[str] = []
+    for path in candidates(root):
+        issues = problems(path)
+        if not issues:
+            return Found(path, skipped)
+        skipped.append("; ".join(issues))
+    return Found(None, skipped)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and stale ``.tmp`` directories (rank 0 only)."""
+    for stale in root.glob("step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in candidates(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint directory."""
+    return read_json(path / MANIFEST)
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The loop-level state of a checkpoint (JSON: no unpickling)."""
+    return json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    """Where a run keeps its checkpoints."""
+    return Path(run_dir) / CHECKPOINTS
+
+
+def fingerprint_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """One line per fingerprint field that differs between a checkpoint and the configuration now."""
+    return [f"{key}: {json.dumps(saved.get(key), sort_keys=True, default=str)} in the checkpoint, "
+            f"{json.dumps(now.get(key), sort_keys=True, default=str)} now"
+            for key in sorted(set(saved) | set(now)) if saved.get(key) != now.get(key)]
+
+
+def describe_skipped(skipped: Iterable[str]) -> str:
+    """A warning for checkpoints a resume could not use."""
+    lines = list(skipped)
+    return "skipped unusable checkpoint(s): " + " | ".join(lines) if lines else ""
+
+
+def warn_skipped(found: Found) -> None:
+    """Warn (once, by the caller's rank 0) about newer checkpoints that were unusable."""
+    if found.skipped:
+        warnings.warn(describe_skipped(found.skipped) + f"; resuming from {found.path}", stacklevel=2)
+
+
+# --- what a resume must not silently change --------------------------------------------------------
+
+def _digest(value: Any, h: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"tensor{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            h.update(str(key).encode())
+            _digest(value[key], h)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _digest(item, h)
+    else:
+        h.update(repr(value).encode())
+
+
+def data_signature(dataset: Any) -> str:
+    """A hash of the samples at the start, middle and end of a map-style dataset: a resume notices
+    a data file that changed under an unchanged configuration."""
+    h = hashlib.sha256()
+    try:
+        size = len(dataset)
+    except TypeError:
+        return "iterable"
+    h.update(str(size).encode())
+    for i in sorted({0, size // 2, size - 1}):
+        _digest(dataset[i], h)
+    return h.hexdigest()[:16]
+
+
+def model_signature(model: nn.Module) -> str:
+    """The model's architecture: its state-dict names, shapes and dtypes (not its values)."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+    count = sum(p.numel() for p in model.parameters())
+    return f"{count} parameters, {h.hexdigest()[:16]}"
+
+
+def fingerprint(cfg: RunConfig, world_size: int, names: Mapping[str, str], dataset: Any,
+                model: nn.Module) -> dict[str, Any]:
+    """The fields a checkpoint must agree with to be resumed: the model's architecture, data, loss,
+    global batch, seed, precision, optimizer and the engine's sharding. ``max_steps``, logging, the
+    learning rate, the micro-batch (at a fixed global batch) and the world size (except for
+    DeepSpeed) may change."""
+    out: dict[str, Any] = {
+        "model": model_signature(model),
+        "loss": cfg.loss or names.get("loss"),
+        "data.dataset": cfg.data.dataset or names.get("dataset"),
+        "data.collate": cfg.data.collate or names.get("collate"),
+        "data.shuffle": cfg.data.shuffle,
+        "data.drop_last": cfg.data.drop_last,
+        "data.signature": data_signature(dataset),
+        "global_batch": cfg.split(world_size).global_batch,
+        "trainer.seed": cfg.trainer.seed,
+        "precision": cfg.precision,
+        "optim.name": cfg.optim.name,
+        "engine.name": cfg.engine.name,
+    }
+    if cfg.engine.name == "deepspeed":  # ZeRO partitions are per rank
+        out["engine.zero_stage"] = cfg.engine.zero_stage
+        out["world_size"] = world_size
+    return out
+
+
+# --- writing and reading (collective) -------------------------------------------------------------
+
+def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any],
+         fault: bool = False) -> Path:
+    """Write a checkpoint of ``state`` after its last step; every rank calls it. Raises
+    :class:`CheckpointError` (on every rank) when any rank failed to write: the previous checkpoint
+    is untouched and the partial one removed."""
+    rank = dist.get_rank()
+    step = state.source.next_step
+    root = checkpoint_root(run_dir)
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    error = ""
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        extra = state.engine.save_state(tmp / MODEL_DIR)
+        (tmp / RNG_DIR).mkdir(exist_ok=True)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, tmp / RNG_DIR / f"rank-{rank:05d}.pt")
+        if rank == 0:
+            if fault:  # test-only: what a full disk does in the middle of a write
+                raise OSError(28, "No space left on device (debug.checkpoint_fault_at_step)")
+            trainer_state = {"steps_done": len(state.records), "next_step": step,
+                             "scheduler": state.scheduler.state_dict(), "source": state.source.state_dict(),
+                             "engine": extra, "nonfinite_streak": state.nonfinite_streak,
+                             "world_size": dist.get_world_size()}
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2) + "\n", encoding="utf-8")
+    except Exception as err:  # noqa: BLE001 - every rank must learn that one rank failed
+        error = f"{type(err).__name__}: {err}"
+    failed = torch.tensor([1.0 if error else 0.0])
+    dist.all_reduce(failed)
+    if failed.item() == 0 and rank == 0:
+        try:
+            commit(tmp, final, {**manifest, "step": step, "world_size": dist.get_world_size()})
+            prune(root, keep)
+        except Exception as err:  # noqa: BLE001
+            error = f"{type(err).__name__}: {err}"
+    verdict = torch.tensor([1.0 if error else 0.0])
+    dist.all_reduce(verdict)
+    if verdict.item() > 0:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = candidates(root)
+        raise CheckpointError(f"writing the checkpoint after step {step} failed"
+                              + (f" on this rank ({error})" if error else " on another rank")
+                              + f"; the previous checkpoint is intact ({previous[0] if previous else 'none'})")
+    return final
+
+
+def restore(state: TrainState, path: Path) -> dict[str, Any]:
+    """Load checkpoint ``path`` into ``state`` on every rank; returns its trainer state. RNG states
+    come back only on the world size that wrote them."""
+    trainer_state = read_trainer_state(path)
+    state.engine.load_state(path / MODEL_DIR, trainer_state.get("engine", {}))
+    state.scheduler.load_state_dict(trainer_state["scheduler"])
+    state.source.load_state_dict(trainer_state["source"])
+    state.nonfinite_streak = int(trainer_state.get("nonfinite_streak", 0))
+    rng_file = path / RNG_DIR / f"rank-{dist.get_rank():05d}.pt"
+    if trainer_state.get("world_size") == dist.get_world_size() and rng_file.is_file():
+        rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return trainer_state

@@ -1,0 +1,121 @@
+"""Cross-rank consistency tripwire: after a boundary step every rank must hold the same parameters.
+
+A misplaced ``no_sync`` (or a rank that skipped the reduction) leaves ranks training different
+models while losses still look plausible. Each rank computes a fp64 (sum, sum of squares) per
+parameter — 2 numbers per tensor — and one all-gather compares them with rank 0's.
+
+Cost (measured, see docs/verify.md): one all-gather of 16 bytes per parameter tensor plus one fp64
+pass over the parameters; for ``full_parameters()`` of a sharded engine (FSDP) it is also an
+all-gather of the whole model, which is why training checks only every ``trainer.check_every`` steps.
+
+``distaccum verify`` also asks every run to *record* the checksums of each step
+(``checksums.jsonl``, rank 0) so a mismatch with the reference can be located to the first step
+and parameter; a world-size-1 run records without comparing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distaccum.engines.base import Engine
+from distaccum.rundir import CHECKSUMS, DIVERGENCE
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks hold different parameters after an optimizer step."""
+
+    def __init__(self, message: str, *, step: int, parameter: str, rank: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.parameter = parameter
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable despite keyword-only fields
+        return (_rebuild_divergence, (str(self), self.step, self.parameter, self.rank))
+
+
+def _rebuild_divergence(message: str, step: int, parameter: str, rank: int) -> RankDivergenceError:
+    return RankDivergenceError(message, step=step, parameter=parameter, rank=rank)
+
+
+def parameter_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[int], torch.Tensor]:
+    """Names, element counts and a [P, 2] fp64 tensor of (sum, sum of squares) per full parameter.
+
+    The tensor stays on the parameters' device; the caller moves it once (no per-parameter sync).
+    """
+    names: list[str] = []
+    numels: list[int] = []
+    rows: list[torch.Tensor] = []
+    for name, tensor in named:
+        t = tensor.detach().to(torch.float64)
+        names.append(name)
+        numels.append(t.numel())
+        rows.append(torch.stack([t.sum(), (t * t).sum()]))
+    if not rows:
+        return names, numels, torch.zeros(0, 2, dtype=torch.float64)
+    return names, numels, torch.stack([r.to(rows[0].device) for r in rows])
+
+
+def check_consistency(engine: Engine, step: int, run_dir: Path | None = None, *,
+                      record: bool = False) -> None:
+    """Raise :class:`RankDivergenceError` naming the step and parameter if ranks disagree.
+
+    With ``run_dir``, rank 0 also writes ``divergence.json`` there before raising, and with
+    ``record`` appends this step's checksums to ``checksums.jsonl`` (used by ``distaccum verify``).
+    Collective: every rank must call it at the same step.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 and not record:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    names, numels, local = parameter_checksums(engine.full_parameters())
+    if world > 1:
+        if dist.get_backend() == "nccl":  # NCCL only moves device tensors
+            local = local.to(torch.device("cuda", torch.cuda.current_device()))
+        else:
+            local = local.cpu()
+        gathered = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        _compare_ranks(names, [g.cpu() for g in gathered], step, run_dir if rank == 0 else None)
+    if record and rank == 0 and run_dir is not None:
+        append_checksums(run_dir, step, names, numels, local)
+
+
+def append_checksums(run_dir: Path, step: int, names: list[str], numels: list[int], values: torch.Tensor) -> None:
+    """Append one step's checksums to ``checksums.jsonl`` (the format ``distaccum verify`` reads)."""
+    rows = values.cpu().tolist()
+    row = {"step": step, "params": {n: [s, q, c] for n, (s, q), c in zip(names, rows, numels, strict=True)}}
+    with open(run_dir / CHECKSUMS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _compare_ranks(names: list[str], gathered: list[torch.Tensor], step: int,
+                   report_dir: Path | None) -> None:
+    reference = gathered[0]
+    for rank, other in enumerate(gathered[1:], start=1):
+        # Reduced gradients are bitwise identical on every rank, so parameters must be too.
+        bad = (other != reference).any(dim=1).nonzero().flatten()
+        if len(bad):
+            i = int(bad[0])
+            message = (
+                f"ranks diverged after optimizer step {step}: parameter {names[i]!r} has checksum "
+                f"{other[i].tolist()} on rank {rank} but {reference[i].tolist()} on rank 0 "
+                f"({len(bad)} of {len(names)} parameters differ). Gradients were not reduced "
+                "identically on every rank (misplaced no_sync, a skipped reduction, or rank-dependent code)."
+            )
+            if report_dir is not None:
+                report = {"step": step, "parameter": names[i], "rank": rank,
+                          "differing_parameters": len(bad), "message": message}
+                (report_dir / DIVERGENCE).write_text(json.dumps(report, indent=2) + "\n")
+            raise RankDivergenceError(message, step=step, parameter=names[i], rank=rank)
+
+
+def read_divergence(run_dir: Path) -> dict[str, object] | None:
+    """The tripwire's report from a run directory, or None when it did not fire."""
+    path = run_dir / DIVERGENCE
+    return json.loads(path.read_text()) if path.is_file() else None

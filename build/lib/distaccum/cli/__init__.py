@@ -1,0 +1,133 @@
+"""The ``distaccum`` console script: the only place with argv, Hydra and exit codes.
+
+One module per subcommand (``train``, ``verify``, ``report``, ``submit``), shared exit codes
+(:mod:`~distaccum.cli.exitcodes`), Hydra composition (:mod:`~distaccum.cli.compose`), component
+instantiation and pre-flight checks. The library below never imports this package.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+from distaccum import __version__
+from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
+from distaccum.topology import is_worker
+
+USAGE = """\
+usage: distaccum <command> [options] [overrides]
+
+Distributed PyTorch training with gradient accumulation: one gradient reduction per optimizer
+step, the loss divided by the global item count of the step, verified against one process.
+
+commands:
+  train   [overrides] [--config-dir DIR] [--multirun]  train on local workers (or as one rank under
+                                                        torchrun / srun); the trained model is kept
+  verify  [overrides]                                  compare a run step by step with a single-process
+          --script FILE [--nproc N] [-- ARGS]          reference (a config, or your own Trainer script)
+  report  RUN_DIR [RUN_DIR ...] [--out DIR]            tables and plots of finished runs and sweeps
+  submit  [overrides] [--dry-run]                      render an sbatch script and submit it to Slurm
+
+Overrides use Hydra's syntax: key=value (accum.micro_batch=8), group=option (model=mlp),
++new.key=value. Your own model, data and loss: a directory with model/, data/ and loss/ groups
+(_target_ nodes), passed with --config-dir.
+
+examples:
+  distaccum train                                   tiny_gpt on the embedded corpus, DDP, 2 workers
+  distaccum train model=mlp accum.global_batch=64 accum.micro_batch=8 trainer.max_steps=100
+  distaccum train --config-dir ./conf model=mytask data=mytask loss=mytask
+  distaccum verify engine=fsdp precision=fp64
+  distaccum train --cfg job                         print the composed configuration
+  distaccum train --help                            every config group and option
+
+exit codes: 0 ok; 1 a worker failed or verify found a mismatch; 2 bad input (reported before any
+worker starts); 3 stopped after a checkpoint (rerun the same command to resume).
+docs: README.md, https://github.com/distaccum/distaccum"""
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose plain overrides before Hydra runs, so a composition error or an unusable run_dir is one
+    paragraph and exit 2 rather than Hydra's traceback. Hydra's own flags (--multirun, --cfg, ...)
+    are left to Hydra."""
+    from distaccum.cli.compose import compose_config
+    from distaccum.cli.preflight import check_run_dir
+    from distaccum.config import ConfigError
+
+    if any(a.startswith("-") and not a.startswith("--config-dir") and a != "-cd" for a in argv):
+        return
+    try:
+        check_run_dir(compose_config(argv).run_dir, create=False)
+    except ConfigError as err:
+        print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
+
+
+def _run_hydra(command: str, rest: list[str], task: Callable[[Any], int]) -> None:
+    """Run ``task`` as a Hydra app over the packaged configs (gives --multirun, --cfg, --config-dir).
+
+    Hydra exits 1 on composition errors (an unknown group option, a malformed override) before the
+    task runs: those are bad input, exit 2.
+    """
+    import hydra
+
+    from distaccum.cli.compose import CONFIG_NAME, CONFIG_PATH, register_defaults
+
+    register_defaults()
+    started = False
+
+    @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
+    def app(dcfg: Any) -> int:
+        nonlocal started
+        started = True
+        return task(dcfg)
+
+    precheck(rest)
+    sys.argv = [f"distaccum {command}", *rest]
+    try:
+        app()
+    except SystemExit as stop:
+        if stop.code == EXIT_FAIL and not started:
+            raise SystemExit(EXIT_CONFIG) from None
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``distaccum`` console script and ``python -m distaccum``."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        raise SystemExit(EXIT_OK if args else EXIT_CONFIG)
+    if args[0] in ("-V", "--version", "version"):
+        import torch
+
+        print(f"distaccum {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")
+        raise SystemExit(EXIT_OK)
+    command, rest = args[0], args[1:]
+    if command == "_worker":
+        from distaccum.cli.worker import worker_from_file
+
+        worker_from_file(rest[0])
+    elif command == "train":
+        if is_worker(os.environ):
+            from distaccum.cli.worker import worker_in_place
+
+            worker_in_place(rest)
+        from distaccum.cli.train import train_task
+
+        _run_hydra(command, rest, train_task)
+    elif command == "verify":
+        from distaccum.cli.verify import verify_main
+
+        raise SystemExit(verify_main(rest, lambda task: _run_hydra(command, rest, task)))
+    elif command == "report":
+        from distaccum.cli.report import report_main
+
+        raise SystemExit(report_main(rest))
+    elif command == "submit":
+        from distaccum.cli.submit import submit_main
+
+        raise SystemExit(submit_main(rest))
+    else:
+        print(f"distaccum: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)

@@ -1,0 +1,102 @@
+"""Hydra composition: the packaged configs, the user's config directories, overrides -> RunConfig.
+
+The primary config is ``pkg://distaccum.configs`` (it ships inside the package, so an installed
+``distaccum`` works from any directory). ``--config-dir DIR`` adds a directory of the user's own
+groups (``DIR/model/mytask.yaml``, ``DIR/data/...``, ``DIR/loss/...``) to the search path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
+
+CONFIG_MODULE = "distaccum.configs"
+CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
+CONFIG_NAME = "config"
+COMPONENT_SECTIONS = ("model", "loss")
+"""Top-level sections that are component nodes (selected by config groups, default null)."""
+
+
+def defaults_node() -> dict[str, Any]:
+    """Every field's dataclass default, offered to Hydra as the ``distaccum_defaults`` node.
+
+    ``configs/config.yaml`` lists it first, so every field can be overridden from the command line
+    (Hydra's struct mode still rejects unknown keys) while the YAML files only select and override.
+    """
+    return to_mapping(RunConfig())
+
+
+def register_defaults() -> None:
+    """Store :func:`defaults_node` in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="distaccum_defaults", node=defaults_node())
+
+
+def split_config_dirs(argv: list[str]) -> tuple[list[str], list[Path]]:
+    """Take ``--config-dir DIR`` / ``--config-dir=DIR`` / ``-cd DIR`` out of ``argv``."""
+    rest: list[str] = []
+    dirs: list[Path] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in ("--config-dir", "-cd"):
+            value = next(it, None)
+            if value is None:
+                raise ConfigError(f"{arg} needs a directory")
+            dirs.append(Path(value))
+        elif arg.startswith("--config-dir="):
+            dirs.append(Path(arg.split("=", 1)[1]))
+        else:
+            rest.append(arg)
+    for d in dirs:
+        if not d.is_dir():
+            raise ConfigError(f"--config-dir {d}: no such directory (from {Path.cwd()})")
+    return rest, dirs
+
+
+def searchpath_override(dirs: list[Path]) -> list[str]:
+    """The Hydra override adding user config directories to the search path (before the package's)."""
+    if not dirs:
+        return []
+    return ["hydra.searchpath=[" + ",".join(f"file://{d.resolve()}" for d in dirs) + "]"]
+
+
+def to_run_config(dcfg: Any, run_dir: str | None = None) -> RunConfig:
+    """OmegaConf -> RunConfig at the boundary; raises ConfigError for any invalid value or split."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        values = OmegaConf.to_container(dcfg, resolve=True)
+        assert isinstance(values, dict)
+        values.pop("hydra", None)
+        if run_dir is not None:
+            values["run_dir"] = run_dir
+        cfg = from_mapping(values)
+        cfg.split()  # validates the split for the launch's world size (suggests valid ones)
+    except (ValueError, OmegaConfBaseException) as err:
+        raise ConfigError(str(err)) from err
+    return cfg
+
+
+def compose_config(argv: list[str]) -> RunConfig:
+    """Compose the packaged configs with ``argv`` (overrides and ``--config-dir``) outside a Hydra app
+    (workers started by torchrun/srun, ``distaccum submit``)."""
+    from hydra import compose, initialize_config_module
+
+    overrides, dirs = split_config_dirs(argv)
+    register_defaults()
+    with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
+        try:
+            dcfg = compose(config_name=CONFIG_NAME, overrides=overrides + searchpath_override(dirs))
+        except Exception as err:  # hydra's composition errors share no public base class
+            raise ConfigError(str(err)) from err
+    return to_run_config(dcfg)
+
+
+def replace_run_dir(cfg: RunConfig, run_dir: str) -> RunConfig:
+    """``cfg`` with another run directory."""
+    return dataclasses.replace(cfg, run_dir=run_dir)

@@ -1,0 +1,60 @@
+"""``distaccum train``: validate and pre-flight the config, then start the local workers (or, under
+torchrun/srun, run as one rank). In a Hydra sweep every job is recorded, failures included."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from distaccum.cli.compose import to_run_config
+from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
+from distaccum.cli.preflight import preflight
+from distaccum.config import ConfigError, to_mapping
+from distaccum.rundir import LAUNCH_CONFIG, STATUS, write_json
+
+
+def in_multirun() -> tuple[bool, str | None]:
+    """Whether this Hydra job is part of a sweep, and its output directory."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return hc.mode == RunMode.MULTIRUN, hc.runtime.output_dir
+
+
+def config_error(err: Exception) -> None:
+    """Print a configuration error as one paragraph and exit 2."""
+    print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
+    raise SystemExit(EXIT_CONFIG)
+
+
+def train_task(dcfg: Any) -> int:
+    """One Hydra job: validate and pre-flight, then start the workers."""
+    from distaccum.launcher import launch_local, launch_plan, torchrun_argv, worker_args
+
+    multirun, job_dir = in_multirun()
+    try:
+        cfg = to_run_config(dcfg, run_dir=job_dir if multirun else None)
+        checked = preflight(cfg)
+    except ConfigError as err:
+        if not multirun:
+            config_error(err)
+        print(f"distaccum: skipping invalid sweep job {job_dir}: {err}", file=sys.stderr)
+        write_json(Path(str(job_dir)) / STATUS, {"status": "invalid_config", "error": str(err)})
+        return EXIT_CONFIG
+    config_file = Path(cfg.run_dir) / LAUNCH_CONFIG
+    config_file.write_text(json.dumps(to_mapping(cfg), indent=2) + "\n")
+    split = checked.split
+    names = checked.components.describe()
+    print(f"distaccum: {names['model']} on {names['dataset']}, {cfg.engine.name} x{split.world_size} ranks, "
+          f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps = {split.global_batch} "
+          f"samples per optimizer step, run_dir {cfg.run_dir}", flush=True)
+    print("distaccum: equivalent to `" + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file))) + "`", flush=True)
+    code = launch_local(cfg, config_file)
+    write_json(Path(cfg.run_dir) / STATUS, {"status": "ok" if code == EXIT_OK else "failed", "exit_code": code})
+    if code and not multirun:
+        raise SystemExit(code)
+    return code

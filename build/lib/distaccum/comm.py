@@ -1,0 +1,215 @@
+"""Counting and timing of gradient-reduction collectives, per optimizer step.
+
+Engines feed the ledger from their communication hooks (DDP's ``register_comm_hook``) or from a
+tap on the torch.distributed collectives they call (FSDP2, DeepSpeed):
+
+- asynchronous collectives: ``token = ledger.launched(tensor)`` when the collective is issued and
+  ``ledger.completed(token)`` from its completion callback (``future.then``);
+- blocking collectives (the caller waits for the result): ``with ledger.blocking(tensor): ...``.
+
+The loop (through :class:`distaccum.timing.StepTimer`) calls ``start_step``, ``start_micro`` before
+each micro-batch and ``end_step``. What comes out, per step and rank (:class:`CommStats`):
+
+- ``comm_calls`` / ``comm_bytes``: gradient collectives launched and the bytes of their input
+  tensors (one copy of what was reduced, whatever the algorithm sends on the wire).
+- ``comm_rounds``: micro-batches in which at least one gradient collective was launched.
+- ``gather_calls`` / ``gather_bytes``: parameter all-gathers and the bytes of the full tensors they
+  produce, for engines whose tap counts them (``comm_tap``; FSDP2 today, 0 elsewhere). Counted only,
+  never timed: they are not gradient reductions and take no part in ``comm_s``.
+- ``comm_s``: length of the union of the intervals during which a gradient collective was in flight
+  (launch to completion), overlapped with compute or not.
+- ``comm_exposed_s``: length of the union of the intervals during which communication was in flight
+  and no gradient computation was left to hide it: every blocking collective in full, plus, for each
+  micro-batch, the tail from its *last* asynchronous launch to the completion of its last
+  collective. The last launch marks the end of the gradient computation — DDP launches a bucket as
+  soon as its last gradient is produced, and the bucket holding the first layers is produced last —
+  so anything still in flight after it is time the backward call spends waiting for the network.
+
+Timestamps come from a :class:`Clock`: ``perf_counter`` on CPU; CUDA events on GPU, resolved after
+the step's one host synchronization (``StepTimer.end_step``), so the ledger itself never syncs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+Stamp = Any
+"""A point in time: a ``perf_counter`` float (host clock) or a recorded ``torch.cuda.Event``."""
+
+
+class Clock(Protocol):
+    """Where timestamps come from; ``seconds`` is only valid after ``sync``."""
+
+    def stamp(self) -> Stamp: ...
+
+    def seconds(self, start: Stamp, end: Stamp) -> float: ...
+
+    def sync(self) -> None: ...
+
+
+class HostClock:
+    """Wall clock of this process (CPU runs: the work happens on the host, so wall time is the time)."""
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def sync(self) -> None:
+        pass
+
+
+class CudaClock:
+    """CUDA events recorded on the calling thread's current stream; resolved after one sync per step.
+
+    Host timestamps would measure when kernels were *queued*, not when they ran.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stamp(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1000.0
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)  # host sync: every event of the step has completed after it
+
+
+@dataclass
+class CommStats:
+    """Gradient-reduction counters of one optimizer step on one rank."""
+
+    comm_calls: int = 0
+    comm_bytes: int = 0
+    comm_rounds: int = 0
+    comm_s: float = 0.0
+    comm_exposed_s: float = 0.0
+    gather_calls: int = 0
+    gather_bytes: int = 0
+
+
+@dataclass(eq=False)
+class _Collective:
+    micro: int
+    nbytes: int
+    blocking: bool
+    start: Stamp = None
+    end: Stamp = None
+
+
+class CommLedger:
+    """Per-step record of gradient collectives. Thread-safe: completion callbacks run on the process
+    group's worker threads. With ``enabled=False`` it still counts calls and bytes but takes no time
+    stamps."""
+
+    def __init__(self, enabled: bool = True, clock: Clock | None = None) -> None:
+        self.enabled = enabled
+        self.clock: Clock = clock or HostClock()
+        self._lock = threading.Lock()
+        self._collectives: list[_Collective] = []
+        self._micro = 0
+        self._step_start: Stamp = None
+        self._gathers = [0, 0]  # calls, bytes
+
+    def start_step(self) -> None:
+        """Forget the previous step; time is measured from here."""
+        with self._lock:
+            self._collectives = []
+            self._micro = 0
+            self._gathers = [0, 0]
+            self._step_start = self.clock.stamp() if self.enabled else None
+
+    def start_micro(self) -> None:
+        """Mark the start of the next micro-batch (rounds and exposed tails are per micro-batch)."""
+        with self._lock:
+            self._micro += 1
+
+    def launched(self, tensor: torch.Tensor, *, blocking: bool = False) -> object:
+        """Record a gradient collective on ``tensor`` being issued; returns the token for ``completed``."""
+        record = _Collective(self._micro, tensor.numel() * tensor.element_size(), blocking)
+        if self.enabled:
+            record.start = self.clock.stamp()
+        with self._lock:
+            self._collectives.append(record)
+        return record
+
+    def completed(self, token: object) -> None:
+        """Record the collective behind ``token`` (from ``launched``) having finished."""
+        assert isinstance(token, _Collective)
+        if self.enabled:
+            token.end = self.clock.stamp()
+
+    def gathered(self, nbytes: int) -> None:
+        """Count one parameter all-gather producing ``nbytes`` (no time stamps: a count only)."""
+        with self._lock:
+            self._gathers[0] += 1
+            self._gathers[1] += nbytes
+
+    @contextmanager
+    def blocking(self, tensor: torch.Tensor) -> Iterator[None]:
+        """Wrap a collective the caller waits for: all of its time counts as exposed."""
+        token = self.launched(tensor, blocking=True)
+        try:
+            yield
+        finally:
+            self.completed(token)
+
+    def end_step(self, end: Stamp = None) -> CommStats:
+        """Counters of the step that just ended. On CUDA call it after the clock's sync.
+
+        ``end`` (default: now) closes collectives still in flight; the engines here wait for their
+        reductions before the optimizer step, so there are normally none.
+        """
+        with self._lock:
+            collectives = list(self._collectives)
+            gather_calls, gather_bytes = self._gathers
+        stats = CommStats(comm_calls=len(collectives),
+                          comm_bytes=sum(c.nbytes for c in collectives),
+                          comm_rounds=len({c.micro for c in collectives}),
+                          gather_calls=gather_calls, gather_bytes=gather_bytes)
+        if not self.enabled or not collectives:
+            return stats
+        if end is None and any(c.end is None for c in collectives):
+            end = self.clock.stamp()
+
+        def at(stamp: Stamp) -> float:
+            return self.clock.seconds(self._step_start, stamp)
+
+        spans = [(at(c.start), at(c.end if c.end is not None else end), c) for c in collectives]
+        stats.comm_s = union_length([(s, e) for s, e, _ in spans])
+        exposed = [(s, e) for s, e, c in spans if c.blocking]
+        for micro in {c.micro for c in collectives}:
+            tail = [(s, e) for s, e, c in spans if c.micro == micro and not c.blocking]
+            if tail:
+                exposed.append((max(s for s, _ in tail), max(e for _, e in tail)))
+        stats.comm_exposed_s = union_length(exposed)
+        return stats
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping ``(start, end)`` intervals (empty ones ignored)."""
+    total = 0.0
+    cur_start = cur_end = None
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total

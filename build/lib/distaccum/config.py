@@ -1,0 +1,492 @@
+"""Typed run configuration: the only place config fields are declared and validated.
+
+Hydra composes YAML from ``configs/`` (shipped inside the package); the entry layer converts it
+to a plain mapping and calls :func:`from_mapping`, which builds these dataclasses and validates
+them. The user's components (``model``, ``data.dataset``, ``data.collate``, ``loss``) stay
+``_target_`` nodes here: the entry layer instantiates them, the library receives objects.
+Everything downstream takes a :class:`RunConfig` and never sees Hydra or OmegaConf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+SYNC_MODES = ("boundary", "every_micro")
+LOSS_NORMS = ("global_count", "mean_per_micro")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+
+Node = dict[str, Any]
+"""A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: reported with exit code 2 before (or instead of) training."""
+
+
+def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{section}.{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(section: str, name: str, value: int | float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _node(where: str, value: Any) -> Node | None:
+    """Validate a component node: None, or a mapping with a dotted ``_target_`` string."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping with a _target_ (e.g. {{_target_: mypkg.make_model}}), "
+                         f"got {value!r}")
+    target = value.get("_target_")
+    if not isinstance(target, str) or "." not in target:
+        raise ValueError(f"{where} needs a _target_ naming an importable callable such as "
+                         f"'mypkg.module.name', got _target_={target!r}")
+    return dict(value)
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Which distributed engine wraps the model, and its engine-specific knobs."""
+
+    name: str = "ddp"
+    """ddp | fsdp | deepspeed | accelerate."""
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage (0-3); ignored by other engines."""
+    deepspeed_config: str | None = None
+    """Path to a user DeepSpeed JSON merged into the generated one; conflicts are errors."""
+    extensions_dir: str = ".cache/torch_extensions"
+    """Where DeepSpeed caches its JIT-compiled C++ ops (TORCH_EXTENSIONS_DIR)."""
+    fsdp_reduce_fp32: bool = True
+    """FSDP2 mixed precision: reduce gradients in fp32 even when computing in bf16/fp16."""
+    fsdp_unsharded_window: bool = False
+    """FSDP2: keep parameters unsharded from a window's first forward to its last backward: one
+    parameter all-gather per unit per optimizer step instead of two per micro-batch, for a full
+    copy of the parameters in memory during the window."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB."""
+
+    def __post_init__(self) -> None:
+        _choice("engine", "name", self.name, ENGINES)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"engine.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _positive("engine", "bucket_cap_mb", self.bucket_cap_mb)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The dataset (a component) and how the global-batch plan walks it."""
+
+    dataset: Node | None = None
+    """_target_ node of a map-style torch Dataset of samples (``len`` and ``[i]``)."""
+    collate: Node | None = None
+    """_target_ node (with ``_partial_: true``) of ``list[sample] -> batch``; null: torch's default_collate."""
+    shuffle: bool = True
+    """Reshuffle each epoch from (trainer.seed, epoch)."""
+    drop_last: bool = False
+    """Drop a partial last window (True) or train on it, weighted by what it holds (False)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: collate in the training process)."""
+    prefetch_factor: int = 2
+    """Micro-batches each DataLoader worker prepares ahead (only with num_workers > 0)."""
+
+    def __post_init__(self) -> None:
+        self.dataset = _node("data.dataset", self.dataset)
+        self.collate = _node("data.collate", self.collate)
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        _positive("data", "prefetch_factor", self.prefetch_factor)
+
+
+@dataclass(kw_only=True)
+class AccumConfig:
+    """Gradient accumulation: how an optimizer step's global batch is split."""
+
+    micro_batch: int = 4
+    """Samples per micro-batch per rank."""
+    steps: int = 4
+    """Micro-batches accumulated per optimizer step (K). Ignored when global_batch is set."""
+    global_batch: int | None = None
+    """Samples per optimizer step over all ranks; when set, steps = global_batch / (micro_batch * world)."""
+    sync: str = "boundary"
+    """boundary: reduce once per optimizer step; every_micro: reduce after every micro-batch."""
+    loss_norm: str = "global_count"
+    """global_count: divide by the window's loss items over all ranks; mean_per_micro: classic loss/K
+    (wrong for variable-length items; kept as a negative control for verify)."""
+
+    def __post_init__(self) -> None:
+        _positive("accum", "micro_batch", self.micro_batch)
+        _positive("accum", "steps", self.steps)
+        _positive("accum", "global_batch", self.global_batch, allow_none=True)
+        _choice("accum", "sync", self.sync, SYNC_MODES)
+        _choice("accum", "loss_norm", self.loss_norm, LOSS_NORMS)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A resolved split: global_batch = micro_batch * accum_steps * world_size."""
+
+    micro_batch: int
+    accum_steps: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accum_steps * self.world_size
+
+    def label(self) -> str:
+        """``w2-m4-k4``: world size, micro-batch, accumulation steps."""
+        return f"w{self.world_size}-m{self.micro_batch}-k{self.accum_steps}"
+
+
+def valid_splits(global_batch: int, world_size: int) -> list[Split]:
+    """Every (micro_batch, steps) that yields ``global_batch`` on ``world_size`` ranks."""
+    if global_batch % world_size:
+        return []
+    per_rank = global_batch // world_size
+    return [Split(m, per_rank // m, world_size) for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
+def resolve_split(accum: AccumConfig, world_size: int) -> Split:
+    """Resolve the configured split for ``world_size`` ranks, or raise ValueError with suggestions."""
+    _positive("trainer", "world_size", world_size)
+    if accum.global_batch is None:
+        return Split(accum.micro_batch, accum.steps, world_size)
+    per_step = accum.micro_batch * world_size
+    if accum.global_batch % per_step:
+        options = valid_splits(accum.global_batch, world_size)
+        hint = ", ".join(f"micro_batch={s.micro_batch} (steps={s.accum_steps})" for s in options)
+        raise ValueError(
+            f"accum.global_batch={accum.global_batch} is not divisible by accum.micro_batch={accum.micro_batch}"
+            f" x world_size={world_size} = {per_step}. "
+            + (f"Valid splits for world_size={world_size}: {hint}." if hint else
+               f"No split exists: global_batch must be a multiple of world_size={world_size}.")
+        )
+    return Split(accum.micro_batch, accum.global_batch // per_step, world_size)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer, learning-rate schedule and clipping (all applied once per optimizer step)."""
+
+    name: str = "adamw"
+    """sgd | adamw."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """Decoupled (adamw) or L2 (sgd) weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    schedule: str = "cosine"
+    """constant | cosine | linear (decay after warmup to min_lr_ratio * lr at trainer.max_steps)."""
+    warmup_steps: int = 2
+    """Linear warmup, in optimizer steps."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of lr (cosine/linear)."""
+    clip_norm: float | None = 1.0
+    """Clip the global gradient norm to this value at the boundary; null disables clipping."""
+
+    def __post_init__(self) -> None:
+        _choice("optim", "name", self.name, OPTIMIZERS)
+        _choice("optim", "schedule", self.schedule, SCHEDULES)
+        _positive("optim", "lr", self.lr)
+        _positive("optim", "clip_norm", self.clip_norm, allow_none=True)
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Process topology and the length of the run."""
+
+    nproc: int = 2
+    """Worker processes per node (torchrun --nproc_per_node)."""
+    nnodes: int = 1
+    """Nodes taking part; > 1 needs rdzv_endpoint."""
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    """host:port of the c10d rendezvous (the first node)."""
+    rdzv_id: str = "distaccum"
+    """Rendezvous id shared by all nodes of one job."""
+    max_restarts: int = 0
+    """Elastic restarts of the worker group after a failure."""
+    max_steps: int = 20
+    """Optimizer steps to run (not micro-batches)."""
+    seed: int = 0
+    """Seed for initial weights and data shuffling."""
+    device: str = "auto"
+    """auto (cuda when present) | cpu | cuda."""
+    check_every: int = 10
+    """Cross-rank consistency tripwire every N optimizer steps (0 disables). One check costs ~3-6%
+    of a step on CPU/gloo (measured, see README: Verification), so every 10 steps costs <= 0.6%."""
+    init_from: str | None = None
+    """Initial weights: a model.safetensors file (or a run's final/ directory) under the plain model's
+    parameter names, e.g. a seed checkpoint; loaded after the model is built, before wrapping."""
+    resume: bool = True
+    """Resume from the newest valid checkpoint in run_dir/checkpoints when there is one (its config
+    fingerprint must match); false deletes the run directory's checkpoints and starts afresh."""
+    checkpoint_every: int = 100
+    """Checkpoint after every N-th optimizer step (0: only when stopped and at the end). A stop
+    request (SIGTERM/SIGUSR1) always checkpoints after the window in progress."""
+    checkpoint_every_s: float = 0.0
+    """Also checkpoint when this many seconds passed since the last checkpoint (0: off)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in run_dir/checkpoints (the newest; older ones are deleted after a new one is
+    complete). A finished run keeps its last one next to final/."""
+    max_nonfinite_steps: int = 3
+    """Stop (exit 1, with a diagnosis) after this many consecutive optimizer steps whose loss or
+    gradient was not finite; each such step is skipped on every rank."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this fails the run, naming the unresponsive rank where it
+    can (a stopped or dead process), instead of hanging forever."""
+    shutdown_grace_s: int = 30
+    """Local launches: how long the launcher lets workers exit after SIGTERM (a stop request, or
+    the rest of the group after one rank failed) before it kills them."""
+    save_final: bool = True
+    """Write the trained model to run_dir/final/ (model.safetensors, config; save_pretrained for
+    Hugging Face models) when the run finishes."""
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "nnodes", "max_steps"):
+            _positive("trainer", name, getattr(self, name))
+        _choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.check_every < 0 or self.max_restarts < 0 or self.checkpoint_every < 0:
+            raise ValueError("trainer.check_every, trainer.max_restarts and trainer.checkpoint_every must be >= 0")
+        if self.checkpoint_every_s < 0:
+            raise ValueError(f"trainer.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
+        for name in ("keep_checkpoints", "max_nonfinite_steps", "collective_timeout_s", "shutdown_grace_s"):
+            _positive("trainer", name, getattr(self, name))
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    """Where per-step records go. JSONL in run_dir is always written."""
+
+    console: str = "bar"
+    """bar: a progress bar on a terminal, a progress line per step otherwise; quiet: only the summary."""
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0 only)."""
+    wandb_mode: str = "offline"
+    """offline (default, no account or network needed) | online (needs WANDB_API_KEY or a netrc
+    entry; without one it warns and logs offline) | disabled (no wandb even with log.wandb=true)."""
+    wandb_project: str = "distaccum"
+    """wandb project name."""
+    ledger: bool = True
+    """Time compute vs communication per step (the comm/compute ledger)."""
+    warmup_steps: int = 1
+    """Steps excluded from summary medians (first-step compile/allocation noise)."""
+    rank_stats_every: int = 10
+    """Record every rank's compute time (compute_min_s / compute_max_s: the straggler view) every N
+    optimizer steps; it costs one small all-gather (0: never)."""
+
+    def __post_init__(self) -> None:
+        _choice("log", "console", self.console, ("bar", "quiet"))
+        if self.rank_stats_every < 0:
+            raise ValueError(f"log.rank_stats_every must be >= 0, got {self.rank_stats_every}")
+        _choice("log", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+
+
+@dataclass(kw_only=True)
+class VerifyConfig:
+    """`distaccum verify`: candidates and tolerances."""
+
+    splits: str = "config"
+    """config: only the configured split; auto: every valid split up to max_candidates."""
+    max_candidates: int = 4
+    """Upper bound on candidates with splits=auto."""
+    reference_dtype: str = "same"
+    """same: reference in the run's precision; fp64: reference in fp64 to separate rounding from bugs."""
+    rtol: float | None = None
+    """Relative tolerance; null picks the default for the precision."""
+    atol: float | None = None
+    """Absolute tolerance; null picks the default for the precision."""
+    record: bool = False
+    """Write per-step parameter checksums (checksums.jsonl) to run_dir. distaccum verify sets it for
+    the runs it launches."""
+
+    def __post_init__(self) -> None:
+        _choice("verify", "splits", self.splits, ("config", "auto"))
+        _choice("verify", "reference_dtype", self.reference_dtype, ("same", "fp64"))
+        _positive("verify", "max_candidates", self.max_candidates)
+
+
+@dataclass(kw_only=True)
+class SlurmConfig:
+    """`distaccum submit`: what the rendered sbatch script asks for."""
+
+    nodes: int = 1
+    """Nodes (one torchrun per node)."""
+    gpus_per_node: int = 0
+    """GPUs per node; 0 means CPU workers (trainer.nproc per node)."""
+    cpus_per_task: int = 2
+    """CPUs for each node's torchrun task."""
+    partition: str | None = None
+    """--partition, when set."""
+    account: str | None = None
+    """--account, when set."""
+    time: str = "01:00:00"
+    """--time limit."""
+    job_name: str = "distaccum"
+    """--job-name."""
+    rdzv_port: int = 29500
+    """Port of the c10d rendezvous on the first node."""
+    extra: list[str] = field(default_factory=list)
+    """Extra #SBATCH directives, e.g. ['--qos=high', '--exclusive']."""
+    signal_seconds: int = 120
+    """Send USR1 this many seconds before the time limit so a partial window is checkpointed; 0: never."""
+
+    def __post_init__(self) -> None:
+        _positive("slurm", "nodes", self.nodes)
+        _positive("slurm", "cpus_per_task", self.cpus_per_task)
+        if self.gpus_per_node < 0:
+            raise ValueError(f"slurm.gpus_per_node must be >= 0, got {self.gpus_per_node}")
+        if not 0 <= self.signal_seconds <= 65535:
+            raise ValueError(f"slurm.signal_seconds must be in [0, 65535], got {self.signal_seconds}")
+        if not 1 <= self.rdzv_port <= 65535:
+            raise ValueError(f"slurm.rdzv_port must be in [1, 65535], got {self.rdzv_port}")
+        for name in ("job_name", "time", "partition", "account"):
+            value = getattr(self, name)
+            if value is not None and (not value or any(c.isspace() for c in value)):
+                raise ValueError(f"slurm.{name}={value!r} must be non-empty without whitespace")
+        self.extra = list(self.extra)
+        for directive in self.extra:
+            if not directive.startswith("-") or "\n" in directive:
+                raise ValueError(f"slurm.extra entry {directive!r} must be one sbatch option like '--qos=high'")
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    """Test-only fault injection. Never set these in real runs."""
+
+    skip_reduction_rank: int | None = None
+    """This rank keeps its local gradients instead of the reduced ones (desynchronizes ranks)."""
+    grad_scale_fault: float = 1.0
+    """Multiply every normalized gradient by this constant: a split-independent bug (a loss divided
+    twice, a world size applied twice) that only a reference independent of the loop can see."""
+    nominal_partial_count: bool = False
+    """Normalize a partial window by the item count a full window would hold (N x global_batch /
+    samples) instead of what it holds: the remainder-window bug, the same on every split."""
+
+    nan_at_step: int | None = None
+    """Make rank nan_rank's loss NaN at this 1-based optimizer step (and nan_steps - 1 more)."""
+    nan_steps: int = 1
+    """How many consecutive steps nan_at_step poisons."""
+    nan_rank: int = 0
+    """The rank whose loss nan_at_step poisons."""
+    checkpoint_fault_at_step: int | None = None
+    """Fail the checkpoint written after this optimizer step as a full disk would (ENOSPC)."""
+
+    def __post_init__(self) -> None:
+        _positive("debug", "grad_scale_fault", self.grad_scale_fault)
+        _positive("debug", "nan_steps", self.nan_steps)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one run needs. Built by :func:`from_mapping` (CLI) or directly (Python API)."""
+
+    model: Node | None = None
+    """_target_ node of a callable returning the nn.Module to train (built once per rank, after seeding)."""
+    loss: Node | None = None
+    """_target_ node (``_partial_: true``) of ``(model, batch) -> (loss_sum, n_items)``: the SUM of the
+    loss over the batch's n_items loss items (tokens or samples), never a mean."""
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    accum: AccumConfig = field(default_factory=AccumConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    precision: str = "fp32"
+    """fp32 | bf16 (autocast) | fp16 (autocast + GradScaler) | fp64."""
+    run_dir: str = "runs/default"
+    """Directory for every output of the run (metrics.jsonl, summary.json, config, final/)."""
+
+    def __post_init__(self) -> None:
+        _choice("", "precision", self.precision, PRECISIONS)
+        self.model = _node("model", self.model)
+        self.loss = _node("loss", self.loss)
+        if self.trainer.nnodes > 1 and not self.trainer.rdzv_endpoint:
+            raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
+
+    def world_size(self) -> int:
+        """World size a local launch of this config produces."""
+        return self.trainer.nproc * self.trainer.nnodes
+
+    def split(self, world_size: int | None = None) -> Split:
+        """The resolved split for ``world_size`` (default: the launch's world size)."""
+        return resolve_split(self.accum, world_size or self.world_size())
+
+    def describe(self, node: str) -> str:
+        """The ``_target_`` of component ``node`` ('model', 'loss', 'dataset', 'collate'), for messages."""
+        value = {"model": self.model, "loss": self.loss, "dataset": self.data.dataset,
+                 "collate": self.data.collate}[node]
+        return str(value["_target_"]) if value else "(none)"
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(RunConfig)}  # type: ignore[misc]
+
+
+def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, recursing into nested config sections."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{path or 'config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join(f'{path}{k}' for k in unknown)}; "
+                         f"valid keys under {path or 'the top level'}: {', '.join(sorted(names))}")
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            kwargs[name] = _build(hint, value, f"{path}{name}.")
+        else:
+            kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # wrong value types from YAML end up here
+        raise ValueError(f"bad value in {path or 'config'}: {err}") from err
+
+
+def from_mapping(values: Mapping[str, Any]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a plain (resolved) mapping."""
+    return _build(RunConfig, values, "")
+
+
+def to_mapping(cfg: RunConfig) -> dict[str, Any]:
+    """The inverse of :func:`from_mapping` (JSON-serializable)."""
+    out = dataclasses.asdict(cfg)
+    out["optim"]["betas"] = list(cfg.optim.betas)
+    return out
+
+
+def with_overrides(cfg: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
+    """``cfg`` with dotted-key overrides applied (``{"accum.micro_batch": 2, "run_dir": "x"}``), validated."""
+    values = to_mapping(cfg)
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        target = values
+        for part in parents:
+            if not isinstance(target.get(part), dict):
+                raise ValueError(f"unknown config key {dotted!r}")
+            target = target[part]
+        if leaf not in target:
+            raise ValueError(f"unknown config key {dotted!r}")
+        target[leaf] = value
+    return from_mapping(values)

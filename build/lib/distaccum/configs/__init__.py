@@ -1,0 +1,1 @@
+# The packaged Hydra configs (`pkg://distaccum.configs`); distaccum/configs links here.

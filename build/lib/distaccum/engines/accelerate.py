@@ -1,0 +1,137 @@
+"""Accelerate engine: ``Accelerator(gradient_accumulation_steps=K)`` and ``accumulate()``.
+
+``accumulate()`` decides when gradients sync: it counts calls and syncs on every K-th (the loop's
+windows always hold exactly K micro-batches, so that is the boundary), or on every call with
+``accum.sync=every_micro`` (Accelerate's ``sync_each_batch``). We check that its decision is the
+loop's on every micro-batch rather than trusting the two counters to stay in step.
+
+Scaling: ``Accelerator.backward`` divides every loss by K, and Accelerate wraps the model in DDP.
+We register the DDP engine's comm hook on that DDP module (so the ledger counts these reductions
+too); it averages over the W ranks (see ``engines.ddp.mean_allreduce_hook`` for why not a sum). Both
+divisions are declared in ``grad_divisor = K * W``: the step sees the loop's sum and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distaccum.comm import CommLedger
+from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, dcp_load, dcp_save
+from distaccum.engines.ddp import register_counting_hook, step_plain
+
+MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16": "bf16", "fp16": "fp16"}
+"""Our precision names -> Accelerate's ``mixed_precision`` (it owns autocast and the GradScaler)."""
+
+
+class AccelerateEngine:
+    """An ``Accelerator`` driving DDP; gradient sync through ``accumulate()``."""
+
+    name = "accelerate"
+
+    @classmethod
+    def check(cls, spec: EngineSpec) -> None:
+        """On CPU Accelerate would silently train fp16 in fp32."""
+        if spec.precision.name == "fp16" and spec.device.type == "cpu":
+            raise ValueError("engine=accelerate precision=fp16 needs a GPU (on CPU Accelerate trains in "
+                             "fp32 without saying so); use bf16 or fp32 on CPU")
+
+    def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
+        self.check(spec)
+        self.spec = spec
+        self.device = spec.device
+        self.ledger = ledger
+        self.precision = spec.precision
+        self.accum_steps = spec.split.accum_steps
+        # Accelerator.backward divides by K; the DDP comm hook averages over W ranks.
+        self.grad_divisor = float(self.accum_steps * dist.get_world_size())
+        self.accelerator: Any = None
+        self.module: nn.Module | None = None
+        self.raw: nn.Module | None = None
+
+    def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
+        from accelerate import Accelerator
+        from accelerate.utils import GradientAccumulationPlugin
+
+        plugin = GradientAccumulationPlugin(num_steps=self.accum_steps,
+                                            sync_each_batch=self.spec.sync == "every_micro",
+                                            sync_with_dataloader=False)  # we bring our own batches
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu",
+                                       mixed_precision=MIXED_PRECISION[self.precision.name],
+                                       gradient_accumulation_plugin=plugin)
+        if self.accelerator.num_processes != dist.get_world_size():
+            raise RuntimeError(f"Accelerate sees {self.accelerator.num_processes} process(es) but the process "
+                               f"group has {dist.get_world_size()}: start workers with torchrun-style "
+                               "variables (RANK, WORLD_SIZE, LOCAL_RANK), as distaccum's launcher does")
+        self.raw = model.to(dtype=self.precision.param_dtype)
+        optimizer = make_optimizer(list(self.raw.parameters()))
+        prepared, self.prepared_optimizer = self.accelerator.prepare(self.raw, optimizer)
+        if isinstance(prepared, DDP):
+            register_counting_hook(prepared, self.ledger, self.spec.fault_rank)
+        elif dist.get_world_size() > 1:
+            raise RuntimeError(f"Accelerate prepared a {type(prepared).__name__}, expected DDP")
+        self.module = prepared
+        self.optimizer = optimizer  # the torch optimizer our scheduler drives (Accelerate wraps it)
+        return prepared
+
+    @contextlib.contextmanager
+    def sync(self, enabled: bool) -> Iterator[None]:
+        with self.accelerator.accumulate(self.module):
+            will_reduce = self.accelerator.sync_gradients or self.spec.sync == "every_micro"
+            if will_reduce != enabled:
+                raise RuntimeError(f"Accelerate's accumulate() would {'' if will_reduce else 'not '}sync "
+                                   f"this micro-batch but the loop says sync={enabled}: the counters drifted")
+            yield
+
+    def forward_context(self) -> ContextManager[object]:
+        # Accelerate wrapped the model's forward in autocast for bf16/fp16 already.
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)  # divides by K (declared in grad_divisor), scales fp16
+
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+        assert self.raw is not None
+        if not self.accelerator.sync_gradients:
+            raise RuntimeError("Accelerate's accumulate() has not reached its boundary at the loop's "
+                               "optimizer step: its optimizer.step() would silently do nothing")
+        # The torch optimizer and Accelerate's GradScaler directly: the same unscale -> normalize
+        # -> clip -> step as DDP (Accelerate's prepared optimizer would only add its own checks).
+        return step_plain(self.optimizer, list(self.raw.named_parameters()), max_norm, grad_scale,
+                          self.accelerator.scaler)
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self.raw is not None
+        for name, param in self.raw.named_parameters():
+            yield name, param.detach()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.raw is not None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.raw.state_dict().items()}
+
+    def unwrapped(self) -> nn.Module:
+        assert self.raw is not None
+        return self.raw
+
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        assert self.raw is not None
+        dcp_save(directory, self.raw, self.optimizer)  # replicated: written once, loadable on any world size
+        return {"scaler": self.accelerator.scaler.state_dict() if self.accelerator.scaler is not None else None}
+
+    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
+        assert self.raw is not None
+        dcp_load(directory, self.raw, self.optimizer)
+        if self.accelerator.scaler is not None and extra.get("scaler"):
+            self.accelerator.scaler.load_state_dict(extra["scaler"])
+
+    def teardown(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.free_memory()  # drops its references to the model and optimizer
+        self.module = self.raw = self.accelerator = None

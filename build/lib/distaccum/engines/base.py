@@ -1,0 +1,200 @@
+"""The one engine protocol every backend implements, the precision policy and the step helpers they share.
+
+The training loop talks only to :class:`Engine`; there is no ``if engine == ...`` anywhere else.
+Engines receive an :class:`EngineSpec` (what they use, resolved once at the worker boundary), never
+the whole run configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Protocol
+
+import torch
+from torch import nn
+
+from distaccum.config import EngineConfig, Split
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a precision name maps to parameter dtype, autocast and loss scaling."""
+
+    name: str
+    param_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    loss_scaling: bool
+
+    @classmethod
+    def of(cls, name: str) -> Precision:
+        """The policy for ``fp32`` | ``fp64`` | ``bf16`` | ``fp16``."""
+        return {
+            "fp32": cls("fp32", torch.float32, None, False),
+            "fp64": cls("fp64", torch.float64, None, False),
+            "bf16": cls("bf16", torch.float32, torch.bfloat16, False),
+            "fp16": cls("fp16", torch.float32, torch.float16, True),
+        }[name]
+
+    def autocast(self, device: torch.device) -> ContextManager[object]:
+        """Autocast for the forward pass (a no-op for fp32/fp64)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine uses, resolved once at the worker boundary."""
+
+    engine: EngineConfig
+    precision: Precision
+    split: Split
+    sync: str
+    """boundary | every_micro."""
+    clip_norm: float | None
+    device: torch.device
+    fault_rank: int | None = None
+    """Test-only: this rank keeps its local gradients (``debug.skip_reduction_rank``)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    grad_norm: float
+    """Global L2 norm of the normalized gradient, before clipping (inf/nan when non-finite)."""
+    applied: bool
+    """False when the step was skipped (fp16 overflow or a non-finite gradient)."""
+    nonfinite_param: str | None = None
+    """On a skipped step: the first parameter whose (local) gradient is not finite, when known."""
+
+
+class Engine(Protocol):
+    """What the loop needs from a distributed engine. One implementation per engine.
+
+    ``grad_divisor`` states how the engine itself scales the summed gradient: the loop multiplies
+    each micro-batch loss by it so that, after the engine's own division, the accumulated gradient
+    is exactly the sum of the micro-batch losses' gradients (times the loop's power-of-two c).
+    """
+
+    name: str
+    grad_divisor: float
+    optimizer: torch.optim.Optimizer
+
+    def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
+        """Wrap ``model`` for data parallelism and create the optimizer; returns the module to call."""
+        ...
+
+    def sync(self, enabled: bool) -> ContextManager[object]:
+        """Context for one micro-batch's forward+backward: reduce gradients iff ``enabled``."""
+        ...
+
+    def forward_context(self) -> ContextManager[object]:
+        """Autocast (or nothing) around the forward pass."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (already multiplied by ``grad_divisor`` and c)."""
+        ...
+
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+        """Multiply the reduced gradients by ``grad_scale`` (the window's 1/(c N)), clip the global
+        norm to ``max_norm`` when set, step the optimizer and zero the gradients. Skips the update
+        (and says so) when the gradient is not finite. Called once per optimizer step."""
+        ...
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, unsharded, in a stable order. Collective: all ranks must iterate."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain model's state dict (parameters and buffers), unsharded, on the CPU, under the
+        unwrapped model's names. Collective; complete on rank 0 (other ranks may get an empty dict)."""
+        ...
+
+    def unwrapped(self) -> nn.Module:
+        """The user's module inside the wrapper (its parameters may be sharded)."""
+        ...
+
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        """Write model and optimizer state into ``directory``, every rank its own part (collective);
+        return small JSON-able extras (e.g. the loss scaler) for the trainer state."""
+        ...
+
+    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
+        """Restore what :meth:`save_state` wrote, resharding onto this world size where the engine can."""
+        ...
+
+    def teardown(self) -> None:
+        """Release engine resources (the process group is destroyed by whoever created it)."""
+        ...
+
+
+def scale_and_clip_(grads: list[torch.Tensor], grad_scale: torch.Tensor,
+                    max_norm: float | None) -> torch.Tensor:
+    """Normalize and clip ``grads`` in place with one norm pass and one multiply; returns the norm.
+
+    ``grads`` are the accumulated (reduced) gradients G; the true gradient is ``grad_scale * G``.
+    Its norm is ``grad_scale * |G|`` and the clip coefficient is torch's
+    ``min(1, max_norm / (norm + 1e-6))``, so one multiply by ``grad_scale * coef`` both normalizes
+    and clips. The norm stays a tensor (no host sync here). Sharded (DTensor) gradients give a
+    DTensor norm; callers make it full.
+    """
+    raw = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+    if hasattr(raw, "full_tensor"):  # DTensor: per-shard norms, one all-reduce for the total
+        raw = raw.full_tensor()
+    norm = raw.to(torch.float64) * grad_scale.to(raw.device, torch.float64)
+    coef = grad_scale.to(raw.device, torch.float64)
+    if max_norm is not None:
+        coef = coef * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in locals_:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, coef.to(dtype))
+    return norm
+
+
+def dcp_save(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer state with ``torch.distributed.checkpoint``: every rank writes its shards
+    (FSDP2) or the replicated tensors once (DDP), under the unwrapped model's names. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
+
+
+def dcp_load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what :func:`dcp_save` wrote into ``model`` and ``optimizer``, resharding to this world
+    size. ``get_state_dict`` first materializes an empty optimizer's state (DCP loads into a template
+    of the same structure). Reads with ``weights_only=True``. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def first_nonfinite(named: Iterable[tuple[str, nn.Parameter]]) -> str | None:
+    """The first parameter whose local gradient holds a NaN or inf (only called on a skipped step)."""
+    for name, param in named:
+        grad = param.grad
+        if grad is not None:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if not bool(torch.isfinite(local).all()):
+                return name
+    return None
+
+
+def grads_of(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients that exist (parameters without one did not take part in the loss)."""
+    return [p.grad for p in params if p.grad is not None]

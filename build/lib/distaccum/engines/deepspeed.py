@@ -1,0 +1,231 @@
+"""DeepSpeed engine (ZeRO 0-3) behind the one engine protocol.
+
+Scaling, stated once. The loop backpropagates ``S_rk * c * grad_divisor`` and, at the boundary,
+asks for the gradients to be multiplied by ``grad_scale = 1 / (c N)``. DeepSpeed would divide the
+loss again by ``gradient_accumulation_steps`` in ``backward`` and average gradients over the
+data-parallel world in its reduction. We switch the first off (``backward(loss,
+scale_wrt_gas=False)``) and declare the second (``grad_divisor = world size``). ``grad_scale`` is
+applied by DeepSpeed itself: ZeRO optimizers divide the reduced gradient partitions (and the norm
+they clip with) by their loss scale in ``step()``, so for the boundary step we set that scale to
+``1 / grad_scale`` with the public ``override_loss_scale`` and put it back to 1 for the next
+window's backward passes. ZeRO-0 in fp32 steps the torch optimizer on whole, already reduced
+gradients: there we multiply them ourselves. The loss is scaled once, by the loop.
+
+Boundary control is DeepSpeed's public ``set_gradient_accumulation_boundary``, always set to the
+window's real boundary (the last of its K micro-batches). With ``accum.sync=boundary`` on ZeRO 1/2/3
+the window's backwards run inside DeepSpeed's ``coalesce_grad_reduction()``: gradients accumulate
+locally and one reduction pass runs when the block closes after the last micro-batch — one round
+per optimizer step, for a full gradient's worth of memory during the window (where DeepSpeed's
+optimizer wrapper does not support it, e.g. bf16 on ZeRO-1, the engine falls back to DeepSpeed's
+own schedule and says so). ``accum.sync=every_micro`` keeps DeepSpeed's per-micro-batch reduction on
+ZeRO-2/3 (each micro-batch's gradient is reduced into the rank's partition and freed: the memory
+saving) and is refused for ZeRO-0/1 (declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop
+accumulated gradients).
+
+Clipping happens inside ``engine.step()`` (``gradient_clipping`` in the generated config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distaccum.comm import CommLedger
+from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, grads_of
+from distaccum.engines.comm_tap import tap_gradient_reductions
+from distaccum.engines.deepspeed_config import build, check
+
+
+def use_extensions_dir(path: str, rank: int) -> Path:
+    """Point torch's JIT extension cache at ``path`` (relative: to the cwd) and say so on rank 0.
+
+    DeepSpeed compiles a C++ op the first time its communication layer starts (on CPU: the
+    shared-memory all-reduce, ~40 s with g++ and ninja); torch reads the cache location only from
+    the ``TORCH_EXTENSIONS_DIR`` environment variable, so the engine sets it before that happens.
+    """
+    resolved = Path(path).resolve()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(resolved)
+    if rank == 0:
+        cached = resolved.is_dir() and any(resolved.iterdir())
+        state = ("reusing the ops cached there" if cached
+                 else "first use: compiling them there (a minute or more, once)")
+        print(f"distaccum: DeepSpeed C++ ops cache (engine.extensions_dir): {resolved} — {state}", flush=True)
+    return resolved
+
+
+@contextlib.contextmanager
+def _quiet_deepspeed() -> Iterator[None]:
+    """``override_loss_scale`` logs every change at INFO; twice a step would flood the console."""
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+DEEPSPEED_TAG = "zero"
+"""The tag (sub-directory) of DeepSpeed's checkpoint inside distaccum's checkpoint directory."""
+
+
+class DeepSpeedEngine:
+    """``deepspeed.initialize`` with our torch optimizer and a config generated from ours."""
+
+    name = "deepspeed"
+
+    @classmethod
+    def check(cls, spec: EngineSpec) -> None:
+        """Combinations DeepSpeed cannot run, and conflicts with the user's DeepSpeed JSON."""
+        check(spec)
+        if spec.precision.name == "fp16" and spec.device.type == "cpu":  # pragma: no cover - check() refuses fp16
+            raise ValueError("engine=deepspeed precision=fp16 needs a GPU")
+
+    def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
+        self.check(spec)
+        self.spec = spec
+        self.device = spec.device
+        self.ledger = ledger
+        self.precision = spec.precision
+        self.stage = spec.engine.zero_stage
+        # DeepSpeed averages gradients over the data-parallel world; scale_wrt_gas=False below.
+        self.grad_divisor = float(dist.get_world_size())
+        self.accum_steps = spec.split.accum_steps
+        self._micro = 0  # micro-batches seen: the loop's windows always hold exactly K
+        self.engine: Any = None
+        self.coalescing = False
+        self._block: Any = None  # the open coalesce_grad_reduction() context of the current window
+
+    def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
+        use_extensions_dir(self.spec.engine.extensions_dir, dist.get_rank())
+        # DeepSpeed picks its accelerator by probing (CUDA if present); ours is trainer.device.
+        os.environ["DS_ACCELERATOR"] = "cuda" if self.device.type == "cuda" else "cpu"
+        # DeepSpeed 0.19 still calls the deprecated torch names; say it once here, not per rank and op.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                                category=FutureWarning)
+        import deepspeed
+
+        model = model.to(device=self.device, dtype=self.precision.param_dtype)
+        optimizer = make_optimizer(list(model.parameters()))
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=build(self.spec),
+                                               dist_init_required=False)
+        # Our LR scheduler wraps this torch optimizer; DeepSpeed's ZeRO/bf16 wrappers step it
+        # (over their fp32 partitions) and read its param_groups' lr, so the schedule applies.
+        stepped = engine.optimizer
+        if stepped is not optimizer and getattr(stepped, "optimizer", None) is not optimizer:
+            raise RuntimeError(f"DeepSpeed steps {type(stepped).__name__}, not the optimizer we passed; "
+                               "the learning-rate schedule would not reach it")
+        self.engine = engine
+        self.optimizer = optimizer
+        self.coalescing = self.spec.sync == "boundary" and self.stage >= 1
+        if self.coalescing and not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
+            self.coalescing = False  # DeepSpeed raises NotImplementedError for this optimizer wrapper
+            if dist.get_rank() == 0:
+                print(f"distaccum: DeepSpeed cannot coalesce the window's reductions with "
+                      f"{type(engine.optimizer).__name__} (ZeRO-{self.stage}, {self.precision.name}); it reduces "
+                      "on DeepSpeed's own schedule", flush=True)
+        return engine
+
+    @contextlib.contextmanager
+    def sync(self, enabled: bool) -> Iterator[None]:
+        first = self._micro % self.accum_steps == 0
+        self._micro += 1
+        boundary = self._micro % self.accum_steps == 0
+        if self.spec.sync == "boundary" and enabled != boundary:
+            raise RuntimeError(f"micro-batch {self._micro} of a {self.accum_steps}-step window: the loop says "
+                               f"sync={enabled}, DeepSpeed's boundary would be {boundary}")
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        if self.coalescing and first:
+            self._block = self.engine.coalesce_grad_reduction()
+            self._block.__enter__()
+        try:
+            yield
+        finally:
+            if self._block is not None and boundary:
+                block, self._block = self._block, None
+                with tap_gradient_reductions(self.ledger):  # the window's one reduction pass
+                    block.__exit__(None, None, None)
+                # The block restores the boundary flag of its first micro-batch; step() needs True.
+                self.engine.set_gradient_accumulation_boundary(True)
+
+    def forward_context(self) -> ContextManager[object]:
+        # bf16 makes DeepSpeed hold half-precision weights; autocast casts the float inputs.
+        return self.precision.autocast(self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with tap_gradient_reductions(self.ledger):  # ZeRO reduces inside backward (hooks, epilogue)
+            self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+        assert (max_norm or 0.0) == self.engine.gradient_clipping(), "clipping comes from the generated config"
+        wrapper = self.engine.optimizer
+        if wrapper is self.optimizer:
+            # ZeRO-0 fp32: whole gradients on the parameters, reduced at the boundary.
+            grads = grads_of(self.engine.module.parameters())
+            torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            if not (norm == norm and norm != float("inf")):
+                self.engine.zero_grad()
+                return StepResult(norm, False)
+            self.engine.step()  # clips (gradient_clipping) and steps the torch optimizer
+            return StepResult(norm, True)
+        with _quiet_deepspeed():
+            # ZeRO 1-3 / bf16: DeepSpeed divides gradients and their norm by its loss scale in step().
+            wrapper.override_loss_scale(1.0 / float(grad_scale))
+            try:
+                self.engine.step()  # norm, clip, optimizer step (skipped on a non-finite norm), zero grads
+            finally:
+                wrapper.override_loss_scale(1.0)  # the next window's backward is not scaled
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            raise RuntimeError("DeepSpeed reported no gradient norm "
+                               "(zero_optimization.compute_grad_norm off in the user config?)")
+        return StepResult(float(norm), bool(self.engine.was_step_applied()))
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # engine.module is the plain model: names without DeepSpeed's "module." prefix.
+        import deepspeed
+
+        for name, param in self.engine.module.named_parameters():
+            # ZeRO-3 holds a 1/W partition; gather one parameter at a time (collective).
+            with deepspeed.zero.GatheredParameters([param], enabled=self.stage == 3):
+                yield name, param.detach().clone()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {name: t.to("cpu", copy=True) for name, t in self.full_parameters()}
+        for name, buf in self.engine.module.named_buffers():  # buffers are never partitioned
+            out[name] = buf.detach().to("cpu", copy=True)
+        return out
+
+    def unwrapped(self) -> nn.Module:
+        return self.engine.module
+
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        # DeepSpeed's own checkpoint: every rank writes its ZeRO partition (collective).
+        self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
+        return {"world_size": dist.get_world_size()}
+
+    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
+        if extra.get("world_size") not in (None, dist.get_world_size()):
+            raise ValueError(f"a DeepSpeed ZeRO checkpoint written by {extra['world_size']} ranks cannot be loaded by "
+                             f"{dist.get_world_size()}: DeepSpeed partitions optimizer state per rank")
+        # DeepSpeed unpickles its own files (its loader): distaccum checked them against the
+        # checkpoint's manifest (sizes and sha256) before this point.
+        path, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}")
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy()  # removes ZeRO hooks and buffers
+        self.engine = None

@@ -1,0 +1,184 @@
+"""The input pipeline: windows of micro-batches for the loop, through a ``torch.utils.data.DataLoader``.
+
+The loop asks a :class:`WindowSource` for one window at a time: what the window holds (step,
+epoch, samples over all ranks, partial or not) and this rank's K micro-batches, collated just
+before each forward. :class:`PlanSource` serves a map-style dataset through the deterministic
+global-batch plan: each rank's DataLoader takes a batch sampler that walks the plan from the
+resume position, so workers (``data.num_workers``) prefetch exactly the micro-batches this rank
+will train on, in order, and a resumed run continues at the exact next sample. An empty
+micro-batch (a partial window spread over more pieces than it has samples) is replaced by the
+window's first sample with ``samples=0``, which the loop weights zero, so every rank still runs K
+forward/backward passes and takes part in every gradient reduction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from distaccum.config import Split
+from distaccum.plan import GlobalBatchPlan
+
+
+class PlanSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batch index lists for optimizer steps ``start .. stop - 1``."""
+
+    def __init__(self, plan: GlobalBatchPlan, split: Split, rank: int, start: int, stop: int) -> None:
+        self.plan, self.split, self.rank, self.start, self.stop = plan, split, rank, start, stop
+
+    def __len__(self) -> int:
+        return max(self.stop - self.start, 0) * self.split.accum_steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start, self.stop):
+            window = self.plan.window(step)
+            for piece in window.rank_micro_batches(self.split, self.rank):
+                # An empty piece still needs a forward/backward (the loop weights it 0).
+                yield (piece if len(piece) else window.indices[:1]).tolist()
+
+
+def build_loader(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
+                 split: Split, rank: int, stop: int, *, num_workers: int = 0, prefetch_factor: int = 2,
+                 pin_memory: bool = False) -> DataLoader:
+    """A DataLoader over this rank's micro-batches from ``plan.next_step`` to optimizer step ``stop``."""
+    sampler = PlanSampler(plan, split, rank, plan.next_step, stop)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate or default_collate,
+                      num_workers=num_workers, pin_memory=pin_memory,
+                      prefetch_factor=prefetch_factor if num_workers > 0 else None)
+
+
+@dataclass
+class MicroBatch:
+    """One collated micro-batch of this rank."""
+
+    batch: Any
+    samples: int
+    """Real samples in it; 0 for the stand-in of an empty piece (trained with weight 0)."""
+
+
+@dataclass
+class WindowBatches:
+    """One optimizer step's window, as this rank sees it."""
+
+    step: int
+    """0-based optimizer step."""
+    epoch: int
+    samples: int
+    """Samples of the window over all ranks."""
+    partial: bool
+    """Fewer samples than the global batch (the last window of an epoch)."""
+    micro: Iterator[MicroBatch]
+    """This rank's K micro-batches, collated one at a time as the loop asks for them."""
+
+
+class WindowSource(Protocol):
+    """Where the loop's windows come from; its position is part of every checkpoint."""
+
+    next_step: int
+    """The 0-based optimizer step :meth:`window` serves next."""
+
+    def window(self) -> WindowBatches:
+        """The window at ``next_step`` (the loop calls :meth:`advance` once it is stepped)."""
+        ...
+
+    def advance(self) -> None:
+        """Move to the next window."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and identity, enough to resume at the exact next sample."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume; refuses a state from a different data plan."""
+        ...
+
+
+class PlanSource:
+    """A map-style dataset served window by window through the global-batch plan and a DataLoader."""
+
+    def __init__(self, dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
+                 split: Split, rank: int, stop: int, *, num_workers: int = 0, prefetch_factor: int = 2,
+                 pin_memory: bool = False) -> None:
+        self.dataset, self.collate, self.plan, self.split, self.rank, self.stop = \
+            dataset, collate, plan, split, rank, stop
+        self.loader_options = {"num_workers": num_workers, "prefetch_factor": prefetch_factor,
+                               "pin_memory": pin_memory}
+        self._batches: Iterator[Any] | None = None
+        self._at = -1  # the step the DataLoader iterator is positioned at
+
+    @property
+    def next_step(self) -> int:
+        return self.plan.next_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self.plan.next_step = step
+
+    def window(self) -> WindowBatches:
+        step = self.plan.next_step
+        if self._batches is None or self._at != step:  # first window, or the position moved (resume)
+            self._batches = iter(build_loader(self.dataset, self.collate, self.plan, self.split, self.rank,
+                                              self.stop, **self.loader_options))  # type: ignore[arg-type]
+            self._at = step
+        window = self.plan.window(step)
+        pieces = window.rank_micro_batches(self.split, self.rank)
+        batches = self._batches
+
+        def micro() -> Iterator[MicroBatch]:
+            for piece in pieces:
+                yield MicroBatch(next(batches), len(piece))
+
+        return WindowBatches(window.step, window.epoch, len(window.indices), window.partial, micro())
+
+    def advance(self) -> None:
+        self.plan.next_step += 1
+        self._at += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.plan.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.plan.load_state_dict(state)
+
+
+def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
+    """Move every tensor of ``batch`` (tensors, mappings, sequences, dataclasses, nested) to ``device``;
+    floating tensors also to ``float_dtype`` when given (``precision=fp64``). Other values pass through."""
+    if isinstance(batch, torch.Tensor):
+        moved = batch.to(device, non_blocking=True)
+        return moved.to(float_dtype) if float_dtype is not None and moved.is_floating_point() else moved
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(v, device, float_dtype) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device, float_dtype) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device, float_dtype)
+                                             for f in dataclasses.fields(batch) if f.init})
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a collated batch: the leading dimension of its first tensor (0 if it has none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        values: Any = batch.values()
+    elif isinstance(batch, list | tuple):
+        values = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    else:
+        return 0
+    for value in values:
+        n = batch_size(value)
+        if n:
+            return n
+    return 0

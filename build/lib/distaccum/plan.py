@@ -1,0 +1,97 @@
+"""The deterministic global-batch plan: which samples each optimizer step, rank and micro-batch takes.
+
+The plan is what makes split invariance possible: optimizer step ``s`` consumes the same set of
+sample indices whatever (micro_batch, accum_steps, world_size) is, and each rank's micro-batches are
+fixed slices of that set. It depends only on (num_samples, global_batch, seed, shuffle, drop_last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distaccum.config import Split
+
+
+@dataclass(frozen=True)
+class Window:
+    """The samples of one optimizer step (one accumulation window)."""
+
+    step: int
+    """0-based optimizer step."""
+    epoch: int
+    indices: torch.Tensor
+    """Global sample indices, in plan order; fewer than global_batch only for a partial last window."""
+    global_batch: int
+
+    @property
+    def partial(self) -> bool:
+        """True for a last window holding fewer than global_batch samples."""
+        return len(self.indices) < self.global_batch
+
+    def rank_micro_batches(self, split: Split, rank: int) -> list[torch.Tensor]:
+        """This rank's ``accum_steps`` micro-batch index slices.
+
+        The window is cut into accum_steps * world_size pieces laid out [micro][rank]: micro-batch m
+        of rank r is piece m * world + r. A full window gives every piece micro_batch samples; a
+        partial one spreads what it has as evenly as possible (sizes differ by at most one), so a
+        piece may be empty. The loop weights every piece by its real item count, never by K.
+        """
+        pieces = torch.tensor_split(self.indices, split.accum_steps * split.world_size)
+        return [pieces[m * split.world_size + rank] for m in range(split.accum_steps)]
+
+
+class GlobalBatchPlan:
+    """Deterministic, epoch-aware walk over the dataset in windows of ``global_batch`` samples.
+
+    Depends only on (num_samples, global_batch, seed, shuffle, drop_last), never on the split, so
+    every split of the same global batch sees the same samples at the same optimizer step.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, *, seed: int, shuffle: bool = True,
+                 drop_last: bool = False) -> None:
+        if num_samples <= 0:
+            raise ValueError("the dataset is empty: there is nothing to train on")
+        if global_batch > num_samples and drop_last:
+            raise ValueError(f"the global batch ({global_batch} samples) is larger than the dataset "
+                             f"({num_samples} samples) with data.drop_last=true: no window would ever run. "
+                             "Lower accum.global_batch (or micro_batch x steps x world) or set data.drop_last=false")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.next_step = 0
+        """Position: the 0-based optimizer step the plan hands out next (resume state)."""
+
+    @property
+    def windows_per_epoch(self) -> int:
+        full, rest = divmod(self.num_samples, self.global_batch)
+        return full if (self.drop_last or rest == 0) else full + 1
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=gen)
+
+    def window(self, step: int) -> Window:
+        """The window of 0-based optimizer step ``step`` (pure: does not move the position)."""
+        epoch, k = divmod(step, self.windows_per_epoch)
+        order = self._order(epoch)
+        indices = order[k * self.global_batch : (k + 1) * self.global_batch]
+        return Window(step, epoch, indices, self.global_batch)
+
+    def state_dict(self) -> dict[str, int]:
+        """Position and identity, enough to resume at the exact next sample."""
+        return {"next_step": self.next_step, "global_batch": self.global_batch, "seed": self.seed,
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume; refuses a state from a plan with a different global batch, seed or dataset."""
+        for key in ("global_batch", "seed", "num_samples"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"cannot resume: plan {key}={state[key]} in the checkpoint, "
+                                 f"{getattr(self, key)} now")
+        self.next_step = int(state["next_step"])

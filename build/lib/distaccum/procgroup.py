@@ -1,0 +1,60 @@
+"""The process group: pick the device, join (or reuse) the group, leave it cleanly.
+
+A run started by distaccum's launcher, by ``torchrun`` or by ``srun`` joins from the environment
+(:class:`~distaccum.topology.DistEnv`); a user script may have created the group already, in which
+case distaccum uses it and leaves it alone; a plain ``python script.py`` gets a one-rank group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from distaccum.topology import DistEnv
+
+
+def pick_device(device: str, env: DistEnv) -> torch.device:
+    """cuda:<local_rank> when CUDA is asked for (or ``auto`` and present), else cpu."""
+    want_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device=cuda but CUDA is not available")
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> None:
+    """NCCL on GPUs, gloo on CPU. torchrun provides env://; srun tasks rendezvous over tcp://; a
+    single process gets a one-rank group on an in-memory store. ``timeout`` bounds every collective
+    (``trainer.collective_timeout_s``): a rank that stops responding fails the run instead of hanging it."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.source == "torchrun":
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    elif env.source == "slurm":
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def ensure_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> bool:
+    """Join the process group unless one exists; returns True when this call created it."""
+    if dist.is_initialized():
+        return False
+    init_process_group(env, device, timeout)
+    return True
+
+
+def shutdown(*, clean: bool = True) -> None:
+    """Leave the process group. ``clean``: barrier first, so no rank tears gloo down while a peer
+    still sends (FSDP runs aborted at exit now and then without it); after a failure on some rank
+    the barrier could wait forever, so a failing rank destroys the group without one."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()

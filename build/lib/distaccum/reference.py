@@ -1,0 +1,111 @@
+"""The independent reference ``distaccum verify`` compares every run with: plain PyTorch, one process.
+
+It shares only the user's model factory, dataset, collate, loss and optimizer factory (and the
+learning-rate schedule) with the run it checks — no engine wrapper, no process group, no
+accumulation loop, no gradient scaling. Each optimizer step takes the whole window the plan gives
+that step, runs ONE forward/backward of
+
+    sum(loss over the window's items) / (the window's item count)
+
+clips with ``torch.nn.utils.clip_grad_norm_`` and steps the optimizer. A mistake that does not
+depend on the split (a wrong constant in the normalization, a gradient divided by the world size
+twice, a partial window divided by the nominal batch) therefore shows up as a difference from this
+reference, which split-against-split comparisons cannot see.
+
+It writes the same files as a training run (``metrics.jsonl`` with loss and grad_norm per step,
+``checksums.jsonl``, ``final/model.safetensors``, ``summary.json``), so :func:`distaccum.verify.compare`
+reads both alike.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from distaccum.checks import append_checksums, parameter_checksums
+from distaccum.components import Components, build_model
+from distaccum.config import RunConfig, to_mapping
+from distaccum.engines.base import Precision
+from distaccum.models import batch_stat_layers, random_layers
+from distaccum.optim import build_optimizer, build_scheduler
+from distaccum.pipeline import to_device
+from distaccum.plan import GlobalBatchPlan
+from distaccum.rundir import (
+    CHECKSUMS,
+    CONFIG,
+    FINAL_CONFIG,
+    FINAL_DIR,
+    FINAL_WEIGHTS,
+    METRICS,
+    Record,
+    write_json,
+)
+from distaccum.sinks import JsonlSink
+from distaccum.weights import save_weights
+
+
+def run_reference(cfg: RunConfig, parts: Components, run_dir: Path, *, global_batch: int,
+                  seed_out: Path | None = None) -> Record:
+    """Train ``cfg.trainer.max_steps`` plain steps of ``global_batch`` samples; returns the summary.
+
+    The model is built exactly as a training run builds it (seed, precision, ``init_from``);
+    ``seed_out`` saves those initial weights first (the seed checkpoint other runs start from).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (METRICS, CHECKSUMS):
+        (run_dir / stale).unlink(missing_ok=True)
+    names = parts.describe()
+    write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": names})
+    precision = Precision.of(cfg.precision)
+    device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
+    model = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, names["model"])
+    if seed_out is not None:
+        save_weights(model.state_dict(), seed_out)
+    facts = {"batch_stat_layers": batch_stat_layers(model), "random_layers": random_layers(model)}
+    torch.manual_seed(cfg.trainer.seed + 1_000_003)  # what rank 0 of a run draws from (dropout)
+    model = model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = parts.optimizer(params) if parts.optimizer else build_optimizer(params, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    collate = parts.collate or torch.utils.data.default_collate
+    plan = GlobalBatchPlan(len(parts.dataset), global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
+                           shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+    float_dtype = torch.float64 if precision.param_dtype == torch.float64 else None
+    sink = JsonlSink(run_dir)
+    records: list[Record] = []
+    model.train()
+    for step in range(cfg.trainer.max_steps):
+        window = plan.window(step)
+        batch = to_device(collate([parts.dataset[int(i)] for i in window.indices]), device, float_dtype)
+        with precision.autocast(device):
+            loss_sum, n_items = parts.loss(model, batch)
+        items = float(n_items)
+        (loss_sum / items).backward()  # the whole window at once: sum over its items / their count
+        lr = scheduler.get_last_lr()[0]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_norm or math.inf))
+        applied = math.isfinite(norm)
+        if applied:
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        names_, numels, values = parameter_checksums(model.named_parameters())
+        append_checksums(run_dir, step + 1, names_, numels, values)
+        record: Record = {"step": step + 1, "epoch": window.epoch, "loss": float(loss_sum.detach()) / items, "lr": lr,
+                          "samples": len(window.indices), "items": round(items), "micro_steps": 1,
+                          "partial_window": window.partial, "grad_norm": norm, "skipped": not applied}
+        records.append(record)
+        sink.log(record)
+    final = run_dir / FINAL_DIR
+    save_weights(model.state_dict(), final / FINAL_WEIGHTS)
+    write_json(final / FINAL_CONFIG, {**to_mapping(cfg), "components": names})
+    flat = torch.cat([p.detach().double().flatten().cpu() for p in model.parameters()])
+    summary: Record = {"reference": "plain PyTorch, one process, one forward/backward per window",
+                       "model": names["model"], "precision": cfg.precision, "world_size": 1,
+                       "micro_batch": global_batch, "accum_steps": 1, "global_batch": global_batch,
+                       "steps": len(records), "final_loss": records[-1]["loss"] if records else math.nan,
+                       "param_sum": float(flat.sum()), "param_l2": float(flat.norm()),
+                       "run_dir": str(run_dir), "final_model": str(final), **facts}
+    sink.close(summary)  # also writes summary.json
+    return summary

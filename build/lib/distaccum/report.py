@@ -1,0 +1,403 @@
+"""Compare finished runs and sweeps: one table, a loss-curve agreement check, one figure.
+
+Everything here is a pure function of the run directories (``metrics.jsonl``, ``summary.json``,
+``status.json``, ``config.json``, Hydra's ``.hydra/overrides.yaml``) except :func:`plot_report`,
+which takes already computed data and a path. ``distaccum report`` (``report_cli``) wires them.
+
+Loss-curve agreement: runs are comparable when they train the same model on the same data with the
+same optimizer, precision, seed and effective batch (samples per optimizer step) — i.e. they differ
+only in the split, the engine, the sync mode or the loss normalization. Within each such group the
+reference is the medoid (smallest summed distance to the others) and a run agrees when every common
+step satisfies ``|loss - ref| <= atol + rtol * |ref|``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+import yaml
+
+from distaccum.rundir import CONFIG, METRICS, STATUS, SUMMARY, Record, read_json, read_metrics
+from distaccum.sinks import human_bytes
+
+RUN_FILES = (METRICS, SUMMARY, STATUS)
+COMPARABLE_SECTIONS = ("model", "data", "loss", "optim", "precision")
+"""Config sections that must be equal for two loss curves to be expected to agree."""
+
+
+@dataclass
+class Run:
+    """One run directory as found on disk."""
+
+    path: Path
+    label: str
+    status: str
+    """ok | failed | invalid_config | incomplete (no summary yet) | ... as in ``status.json``."""
+    error: str = ""
+    records: list[Record] = field(default_factory=list)
+    summary: Record = field(default_factory=dict)
+    config: Record = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """step -> loss."""
+        return {int(r["step"]): float(r["loss"]) for r in self.records}
+
+
+@dataclass
+class Agreement:
+    """How one run's loss curve compares with its group's reference."""
+
+    label: str
+    reference: str
+    steps: int
+    max_rel_diff: float
+    first_bad_step: int | None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_bad_step is None
+
+
+@dataclass
+class Row:
+    """One table row: medians over the steps after warm-up."""
+
+    label: str
+    status: str
+    varied: str
+    split: str
+    engine: str
+    sync: str
+    loss_norm: str
+    steps: int
+    samples_per_s: float
+    data_s: float
+    compute_s: float
+    comm_s: float
+    comm_exposed_s: float
+    optim_s: float
+    comm_share: float
+    comm_bytes: float
+    comm_calls: float
+    peak_mem_bytes: int
+    final_loss: float
+    agreement: str = "-"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory written by one ``distaccum train`` run (or one sweep job)."""
+    return any((path / name).is_file() for name in RUN_FILES)
+
+
+def load_run(path: Path, label: str | None = None) -> Run:
+    """Read one run directory; missing files give an incomplete or failed run, never an exception."""
+    status_file = read_json(path / STATUS)
+    summary = read_json(path / SUMMARY)
+    status = status_file.get("status") or ("ok" if summary else "incomplete")
+    if status == "ok" and not summary:
+        status = "incomplete"
+    error = str(status_file.get("error") or "")
+    if not error and status == "failed":
+        error = f"exit code {status_file.get('exit_code')}"
+    overrides_file = path / ".hydra" / "overrides.yaml"
+    overrides: list[str] = []
+    if overrides_file.is_file():
+        loaded = yaml.safe_load(overrides_file.read_text(encoding="utf-8"))
+        overrides = [str(o) for o in loaded or []]
+    return Run(path=path, label=label or path.name, status=status, error=error,
+               records=read_metrics(path), summary=summary,
+               config=read_json(path / CONFIG), overrides=overrides)
+
+
+def sweep_jobs(path: Path) -> list[Path]:
+    """Job directories of a Hydra multirun directory, in job-number order."""
+    jobs = [p for p in path.iterdir() if p.is_dir() and is_run_dir(p)]
+    return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def discover(paths: list[Path]) -> list[Run]:
+    """Runs for each path: a run directory, or a sweep directory expanded into its jobs.
+
+    Raises ValueError for a path that is neither.
+    """
+    runs: list[Run] = []
+    for path in paths:
+        if is_run_dir(path):
+            runs.append(load_run(path))
+            continue
+        jobs = sweep_jobs(path) if path.is_dir() else []
+        if not jobs:
+            raise ValueError(f"{path}: not a run directory (no {', '.join(RUN_FILES)}) "
+                             "and not a sweep directory holding any")
+        prefix = f"{path.name}/" if len(paths) > 1 else ""
+        runs.extend(load_run(job, f"{prefix}{job.name}") for job in jobs)
+    for run, varied in zip(runs, varied_overrides(runs), strict=True):
+        run.overrides = varied
+    seen: dict[str, int] = {}
+    for run in runs:  # labels name runs in the table and the agreement check: keep them unique
+        seen[run.label] = seen.get(run.label, 0) + 1
+        if seen[run.label] > 1:
+            run.label = f"{run.label}#{seen[run.label]}"
+    return runs
+
+
+def varied_overrides(runs: list[Run]) -> list[list[str]]:
+    """Per run, the Hydra overrides not shared by every run (``run_dir=`` and ``hydra.`` left out):
+    what tells the runs of a sweep, or runs compared side by side, apart."""
+    common = set.intersection(*(set(r.overrides) for r in runs)) if runs else set()
+    return [[o for o in r.overrides if o not in common and not o.lstrip("+~").startswith(("run_dir=", "hydra."))]
+            for r in runs]
+
+
+# ---------------------------------------------------------------- table
+
+
+def _split(run: Run) -> str:
+    s = run.summary
+    if {"micro_batch", "accum_steps", "world_size", "global_batch"} <= s.keys():
+        return f"{s['micro_batch']}x{s['accum_steps']}x{s['world_size']}={s['global_batch']}"
+    return "-"
+
+
+def table_row(run: Run) -> Row:
+    """Medians over the run's steady steps (``log.warmup_steps`` dropped, default 1)."""
+    warmup = int(run.config.get("log", {}).get("warmup_steps", 1))
+    steady = run.records[warmup:] or run.records
+    accum = run.config.get("accum", {})
+
+    def med(key: str) -> float:
+        values = [float(r[key]) for r in steady if key in r]
+        return median(values) if values else math.nan
+
+    total_time = sum(float(r.get("time_s", 0.0)) for r in run.records)
+    samples = sum(int(r.get("samples", 0)) for r in run.records)
+    compute, exposed = med("compute_s"), med("comm_exposed_s")
+    busy = compute + exposed
+    return Row(
+        label=run.label,
+        status=run.status,
+        varied=" ".join(run.overrides),
+        split=_split(run),
+        engine=str(run.summary.get("engine", run.config.get("engine", {}).get("name", "-"))),
+        sync=str(run.summary.get("sync", accum.get("sync", "-"))),
+        loss_norm=str(run.summary.get("loss_norm", accum.get("loss_norm", "-"))),
+        steps=len(run.records),
+        samples_per_s=samples / total_time if total_time > 0 else math.nan,
+        data_s=med("data_s"),
+        compute_s=compute,
+        comm_s=med("comm_s"),
+        comm_exposed_s=exposed,
+        optim_s=med("optim_s"),
+        comm_share=exposed / busy if busy > 0 else math.nan,
+        comm_bytes=med("comm_bytes"),
+        comm_calls=med("comm_calls"),
+        peak_mem_bytes=max((int(r.get("peak_mem_bytes", 0)) for r in run.records), default=0),
+        final_loss=float(run.records[-1]["loss"]) if run.records else math.nan,
+    )
+
+
+# ---------------------------------------------------------------- agreement
+
+
+def comparable_key(run: Run) -> str:
+    """Runs with equal keys should produce the same loss curve (up to floating-point rounding)."""
+    config = run.config
+    key = {name: config.get(name) for name in COMPARABLE_SECTIONS}
+    if isinstance(key["data"], dict):  # how samples are loaded does not change what they are
+        key["data"] = {k: v for k, v in key["data"].items() if k not in ("num_workers", "prefetch_factor")}
+    key["seed"] = config.get("trainer", {}).get("seed")
+    key["samples_per_step"] = run.records[0].get("samples") if run.records else None
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def rel_diff(a: float, b: float) -> float:
+    """|a - b| relative to |b| (absolute when b is 0)."""
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def _max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float:
+    common = a.keys() & b.keys()
+    return max((rel_diff(a[s], b[s]) for s in common), default=0.0)
+
+
+def compare_curves(cand: dict[int, float], ref: dict[int, float], rtol: float,
+                   atol: float) -> tuple[float, int | None, int]:
+    """(max relative difference, first step out of tolerance or None, steps compared)."""
+    common = sorted(cand.keys() & ref.keys())
+    first_bad = next((s for s in common if abs(cand[s] - ref[s]) > atol + rtol * abs(ref[s])), None)
+    return _max_rel_diff(cand, ref), first_bad, len(common)
+
+
+def check_agreement(runs: list[Run], rtol: float, atol: float) -> list[Agreement]:
+    """Compare every run that has steps with its comparable group's medoid; a run alone in its group
+    is not reported."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        if run.records:
+            groups.setdefault(comparable_key(run), []).append(run)
+    results: list[Agreement] = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        curves = [r.losses for r in group]
+        spread = [sum(_max_rel_diff(c, o) for o in curves) for c in curves]
+        ref = group[spread.index(min(spread))]
+        for run in group:
+            if run is ref:
+                continue
+            worst, first_bad, steps = compare_curves(run.losses, ref.losses, rtol, atol)
+            results.append(Agreement(run.label, ref.label, steps, worst, first_bad))
+    return results
+
+
+def build_rows(runs: list[Run], agreements: list[Agreement]) -> list[Row]:
+    """Table rows with the agreement column filled in."""
+    by_label = {a.label: a for a in agreements}
+    refs = {a.reference for a in agreements}
+    rows = []
+    for run in runs:
+        row = table_row(run)
+        if run.label in refs:
+            row.agreement = "reference"
+        elif run.label in by_label:
+            a = by_label[run.label]
+            row.agreement = (f"ok ({a.max_rel_diff:.1e})" if a.ok
+                             else f"DISAGREES at step {a.first_bad_step} ({a.max_rel_diff:.1e})")
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _num(value: float, fmt: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+COLUMNS = ("run", "status", "overrides", "split (mb x K x W = G)", "engine", "sync", "loss norm", "steps",
+           "samples/s", "compute s", "exposed comm s", "comm in flight s", "comm share",
+           "reduced/step", "peak mem", "final loss", "loss curve")
+
+
+def _cells(row: Row) -> list[str]:
+    valid = row.steps > 0
+    return [
+        f"`{row.label}`", row.status, f"`{row.varied}`" if row.varied else "", row.split, row.engine,
+        row.sync, row.loss_norm, str(row.steps),
+        _num(row.samples_per_s, ".1f"), _num(row.compute_s, ".4f"), _num(row.comm_exposed_s, ".4f"),
+        _num(row.comm_s, ".4f"), _num(row.comm_share, ".1%"),
+        f"{human_bytes(row.comm_bytes)} / {row.comm_calls:.0f} calls"
+        if valid and not math.isnan(row.comm_bytes + row.comm_calls) else "-",
+        human_bytes(row.peak_mem_bytes) if valid else "-", _num(row.final_loss, ".5f"), row.agreement,
+    ]
+
+
+def render_markdown(rows: list[Row], agreements: list[Agreement], runs: list[Run], rtol: float,
+                    atol: float) -> str:
+    """``report.md``: the table, the agreement verdict, and why each invalid or failed run is so."""
+    lines = ["# distaccum report", ""]
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.status] = counts.get(row.status, 0) + 1
+    lines += [f"{len(rows)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())), ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    lines += ["", "Times are medians per optimizer step after warm-up, on rank 0. *exposed comm*: time "
+              "the step waited on gradient communication; *comm in flight*: time any gradient "
+              "collective was running, hidden or not; *comm share* = exposed / (compute + exposed).",
+              "", f"## Loss-curve agreement (rtol {rtol:g}, atol {atol:g})", ""]
+    bad = [a for a in agreements if not a.ok]
+    if not agreements:
+        lines.append("No two comparable runs (same model, data, optimizer, precision, seed and "
+                     "effective batch): nothing to compare.")
+    elif not bad:
+        worst = max(a.max_rel_diff for a in agreements)
+        lines.append(f"All {len(agreements) + len({a.reference for a in agreements})} comparable runs "
+                     f"agree (largest relative loss difference {worst:.2e}).")
+    else:
+        lines.append(f"**{len(bad)} run(s) disagree with their reference:**")
+        lines += [f"- `{a.label}` vs `{a.reference}`: first out of tolerance at step {a.first_bad_step}, "
+                  f"max relative difference {a.max_rel_diff:.2e}" for a in bad]
+    problems = [r for r in runs if r.status not in ("ok",)]
+    if problems:
+        lines += ["", "## Runs that did not finish", ""]
+        lines += [f"- `{r.label}`: {r.status}" + (f": {r.error}" if r.error else "") for r in problems]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- figure
+
+
+def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements: list[Agreement],
+                path: Path, rtol: float) -> None:
+    """``report.png``: per run, the median step split into compute / exposed comm / data / optimizer
+    (left); the loss curves overlaid, disagreeing runs dashed (middle); each compared run's relative
+    loss difference to its reference, against ``rtol`` (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; also safe when called from a worker or CI
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    flagged = {a.label for a in agreements if not a.ok}
+    shown = [r for r in rows if r.steps > 0]
+    fig, (bars, losses, diffs) = plt.subplots(1, 3, figsize=(18, max(4.5, 1.5 + 0.45 * len(rows))),
+                                              gridspec_kw={"width_ratios": [1, 1, 1]})
+    labels = [f"{r.label} {r.split}" if r.split != "-" else r.label for r in shown]
+    left = [0.0] * len(shown)
+    parts = (("compute_s", "compute (fwd+bwd)", "tab:blue"),
+             ("comm_exposed_s", "exposed communication", "tab:red"),
+             ("data_s", "data", "tab:gray"), ("optim_s", "optimizer", "tab:green"))
+    for key, name, color in parts:
+        widths = [0.0 if math.isnan(getattr(r, key)) else getattr(r, key) for r in shown]
+        bars.barh(labels, widths, left=left, label=name, color=color)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    for y, row in enumerate(shown):
+        if not math.isnan(row.comm_share):
+            bars.text(left[y], y, f" {row.comm_share:.0%} comm", va="center", fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlim(0, 1.2 * max(left, default=0.0) or 1.0)  # room for the share labels
+    bars.set_xlabel("median seconds per optimizer step")
+    skipped = [f"{r.label} ({r.status})" for r in rows if r.steps == 0]
+    bars.set_title("median step: compute vs exposed communication"
+                   + ("\nnot run: " + ", ".join(skipped) if skipped else ""), fontsize=10)
+    bars.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8)
+    for label, curve in curves.items():
+        if not curve:
+            continue
+        steps = sorted(curve)
+        bad = label in flagged
+        losses.plot(steps, [curve[s] for s in steps], linestyle="--" if bad else "-", marker=".",
+                    label=label + (" (disagrees)" if bad else ""), alpha=0.85)
+    losses.set_xlabel("optimizer step")
+    losses.set_ylabel("loss")
+    losses.set_title("loss curves", fontsize=10)
+    losses.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if curves:
+        losses.legend(fontsize=8)
+    for a in agreements:
+        cand, ref = curves[a.label], curves[a.reference]
+        steps = sorted(cand.keys() & ref.keys())
+        # identical losses have no place on a log axis: draw them at 1e-17 (below fp64 resolution)
+        values = [max(rel_diff(cand[s], ref[s]), 1e-17) for s in steps]
+        diffs.plot(steps, values, linestyle="-" if a.ok else "--", marker=".",
+                   label=f"{a.label} vs {a.reference}")
+    diffs.axhline(rtol, color="black", linewidth=1, linestyle=":", label=f"rtol {rtol:g}")
+    diffs.set_yscale("log")
+    diffs.set_xlabel("optimizer step")
+    diffs.set_ylabel("|loss - reference| / |reference|")
+    diffs.set_title("loss agreement" if agreements else "loss agreement: no comparable runs", fontsize=10)
+    diffs.xaxis.set_major_locator(MaxNLocator(integer=True))
+    diffs.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,117 @@
+"""The run directory: the one module that names its files and reads them back.
+
+    run_dir/
+      config.json          the resolved configuration (rank 0, at start)
+      launch_config.json   what the local launcher handed its workers
+      metrics.jsonl        one record per optimizer step (rank 0, flushed as written)
+      summary.json         the run summary (at the end)
+      status.json          ok | failed | invalid_config, written by the CLI
+      checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.checkpoint)
+      ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.liveness)
+      checksums.jsonl      per-step parameter checksums (verify.record)
+      divergence.json      the cross-rank tripwire's report, when it fired
+      console.log          a verify sub-run's console output
+      final/               the trained model: model.safetensors, run_config.json (+ HF layout)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from distaccum.config import RunConfig, from_mapping
+
+CONFIG = "config.json"
+LAUNCH_CONFIG = "launch_config.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+STATUS = "status.json"
+CHECKPOINTS = "checkpoints"
+RANKS = "ranks"
+CHECKSUMS = "checksums.jsonl"
+DIVERGENCE = "divergence.json"
+CONSOLE_LOG = "console.log"
+FINAL_DIR = "final"
+FINAL_WEIGHTS = "model.safetensors"
+FINAL_CONFIG = "run_config.json"
+SEED = "seed.safetensors"
+"""A verify seed checkpoint: the initial weights every verify run loads through ``trainer.init_from``."""
+
+Record = dict[str, Any]
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` as indented JSON atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``, or {} when missing or unreadable."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def read_jsonl(path: Path) -> list[Record]:
+    """Every JSON object line of ``path``; a torn last line (killed job) is skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[Record]:
+    """Per-step records sorted by step; a step logged twice (a resumed run) keeps its last record."""
+    by_step: dict[int, Record] = {}
+    for record in read_jsonl(Path(run_dir) / METRICS):
+        if "step" in record and "loss" in record:
+            by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def truncate_metrics(run_dir: Path, steps: int) -> list[Record]:
+    """Keep the first ``steps`` records of ``metrics.jsonl`` (a resumed run drops later lines) and
+    return them."""
+    path = Path(run_dir) / METRICS
+    records = [r for r in read_metrics(run_dir) if int(r["step"]) <= steps]
+    if path.is_file():
+        path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records), encoding="utf-8")
+    return records
+
+
+def read_run_config(run_dir: Path) -> RunConfig:
+    """The resolved configuration a run wrote to ``config.json`` (its ``components`` note dropped)."""
+    values = read_json(Path(run_dir) / CONFIG)
+    if not values:
+        raise ValueError(f"{run_dir}: no readable {CONFIG}")
+    values.pop("components", None)
+    return from_mapping(values)
+
+
+def final_weights(run_dir: Path) -> Path:
+    """Where a finished run keeps its trained weights."""
+    return Path(run_dir) / FINAL_DIR / FINAL_WEIGHTS
+
+
+def resolve_weights(path: str | Path) -> Path:
+    """A weights file from a file path or a directory holding ``model.safetensors`` (a run's final/)."""
+    candidate = Path(path)
+    if candidate.is_dir():
+        candidate = candidate / FINAL_WEIGHTS
+    return candidate

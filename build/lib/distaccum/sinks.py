@@ -1,0 +1,156 @@
+"""Where per-step records go: one two-method interface, a null object, and rank-0-only sinks.
+
+The same record dict feeds the console, ``metrics.jsonl``, wandb and ``distaccum verify``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from distaccum.rundir import METRICS, SUMMARY, Record, write_json
+
+
+class Sink(Protocol):
+    """Receives one record per optimizer step and the run summary at the end."""
+
+    def log(self, record: Record) -> None: ...
+
+    def close(self, summary: Record) -> None: ...
+
+
+class NullSink:
+    """Used on ranks other than 0: every method does nothing."""
+
+    def log(self, record: Record) -> None:
+        pass
+
+    def close(self, summary: Record) -> None:
+        pass
+
+
+class JsonlSink:
+    """``metrics.jsonl`` (one JSON object per step, flushed as written) and ``summary.json``."""
+
+    def __init__(self, run_dir: Path, *, append: bool = False) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not append:
+            (run_dir / METRICS).write_text("", encoding="utf-8")
+
+    def log(self, record: Record) -> None:
+        # Opened per step (microseconds): a killed or stopped job keeps every finished step and
+        # leaves no open file behind.
+        with open(self.run_dir / METRICS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self, summary: Record) -> None:
+        write_json(self.run_dir / SUMMARY, summary)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GiB"  # pragma: no cover
+
+
+def clock(seconds: float) -> str:
+    """``1:02:03`` / ``2:03`` for a duration in seconds."""
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class ConsoleSink:
+    """Progress per optimizer step: a tqdm bar on a terminal, one plain line per step otherwise (log
+    files, CI), each with loss, lr, samples/s, bytes reduced, comm share, elapsed time and ETA.
+    Quiet mode prints only the summary."""
+
+    def __init__(self, total_steps: int, *, quiet: bool = False, stream: IO[str] | None = None,
+                 first_step: int = 1) -> None:
+        self.total = total_steps
+        self.quiet = quiet
+        self.stream = stream or sys.stdout
+        self.first_step = first_step
+        self.started = time.monotonic()
+        self.bar: Any = None
+        if not quiet and self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=first_step - 1, file=self.stream, unit="step",
+                            dynamic_ncols=True, leave=True)
+
+    def _fields(self, record: Record) -> str:
+        busy = record.get("compute_s", 0.0) + record.get("comm_exposed_s", 0.0)
+        share = record.get("comm_exposed_s", 0.0) / busy if busy > 0 else 0.0
+        calls = record.get("comm_calls", 0)
+        return (f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record.get('samples_per_s', 0):.1f} samples/s "
+                f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'} "
+                f"comm {share:.0%}" + (" SKIPPED" if record.get("skipped") else ""))
+
+    def log(self, record: Record) -> None:
+        if self.quiet:
+            return
+        step = int(record["step"])
+        if self.bar is not None:
+            self.bar.set_postfix_str(self._fields(record), refresh=False)
+            self.bar.update(step - self.bar.n)
+            return
+        elapsed = time.monotonic() - self.started
+        done = step - self.first_step + 1
+        eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        print(f"step {step:>{len(str(self.total))}}/{self.total} {self._fields(record)} "
+              f"elapsed {clock(elapsed)} eta {clock(eta)}", file=self.stream, flush=True)
+
+    def close(self, summary: Record) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        loss = summary.get("final_loss", math.nan)
+        print(f"done: {summary['steps']} optimizer steps in {clock(time.monotonic() - self.started)}, final loss "
+              f"{loss:.4f}, {summary['samples_per_s']:.1f} samples/s, {summary['engine']} world {summary['world_size']} "
+              f"split {summary['micro_batch']}x{summary['accum_steps']}x{summary['world_size']}"
+              f"={summary['global_batch']}", file=self.stream)
+        print(f"records: {summary['run_dir']}/metrics.jsonl, summary.json", file=self.stream)
+        if summary.get("final_model"):
+            print(f"trained model: {summary['final_model']}/ (model.safetensors)", file=self.stream)
+        self.stream.flush()
+
+
+class MultiSink:
+    """Fans one record out to several sinks."""
+
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+
+    def log(self, record: Record) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+
+    def close(self, summary: Record) -> None:
+        for sink in self.sinks:
+            sink.close(summary)
+
+
+def build_sinks(console: str, total_steps: int, run_dir: Path, rank: int, *,
+                wandb_config: dict[str, Any] | None = None, wandb_mode: str = "offline",
+                wandb_project: str = "distaccum", append: bool = False, first_step: int = 1) -> Sink:
+    """Rank 0 gets console + JSONL (+ wandb when ``wandb_config`` is given and ``wandb_mode`` is not
+    ``disabled``); other ranks a NullSink."""
+    if rank != 0:
+        return NullSink()
+    quiet = console == "quiet"
+    sinks: list[Sink] = [JsonlSink(run_dir, append=append),
+                         ConsoleSink(total_steps, quiet=quiet, first_step=first_step)]
+    if wandb_config is not None and wandb_mode != "disabled":
+        from distaccum.wandb_sink import WandbSink  # imported lazily: wandb is optional
+
+        sinks.append(WandbSink(run_dir, wandb_config, mode=wandb_mode, project=wandb_project,
+                               quiet=quiet, resume=append))
+    return MultiSink(sinks)

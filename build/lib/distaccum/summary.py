@@ -1,0 +1,55 @@
+"""The run summary: medians of the per-step records and fp64 checksums of the final parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+from distaccum.config import RunConfig, Split
+from distaccum.engines.base import Engine
+from distaccum.rundir import Record
+
+
+def summarize(cfg: RunConfig, names: dict[str, str], split: Split, records: list[Record], engine: Engine,
+              run_dir: Path) -> Record:
+    """The run summary, including fp64 checksums of every final parameter (collective)."""
+    param_sum = torch.zeros((), dtype=torch.float64)
+    param_sq = torch.zeros((), dtype=torch.float64)
+    for _, tensor in engine.full_parameters():
+        t = tensor.detach().to("cpu", torch.float64)
+        param_sum += t.sum()
+        param_sq += (t * t).sum()
+    steady = records[cfg.log.warmup_steps:] or records
+    total_time = sum(r["time_s"] for r in records)
+
+    def med(key: str) -> float:
+        return median(r[key] for r in steady) if steady else 0.0
+
+    summary: dict[str, Any] = {
+        "engine": cfg.engine.name,
+        "model": names["model"],
+        "precision": cfg.precision,
+        "sync": cfg.accum.sync,
+        "loss_norm": cfg.accum.loss_norm,
+        "world_size": split.world_size,
+        "micro_batch": split.micro_batch,
+        "accum_steps": split.accum_steps,
+        "global_batch": split.global_batch,
+        "steps": len(records),
+        "final_loss": records[-1]["loss"] if records else float("nan"),
+        "samples_per_s": sum(r["samples"] for r in records) / total_time if total_time else 0.0,
+        "param_sum": float(param_sum),
+        "param_l2": float(param_sq.sqrt()),
+        "run_dir": str(run_dir),
+    }
+    for key in ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s",
+                "comm_calls", "comm_bytes", "comm_rounds"):
+        summary[f"median_{key}"] = med(key)
+    summary["peak_mem_bytes"] = max((r["peak_mem_bytes"] for r in records), default=0)
+    busy = summary["median_compute_s"] + summary["median_comm_exposed_s"]
+    summary["comm_share"] = summary["median_comm_exposed_s"] / busy if busy > 0 else 0.0
+    return summary
+

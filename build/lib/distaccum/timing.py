@@ -1,0 +1,109 @@
+"""The step timer the training loop is handed: phase times, communication ledger, peak memory.
+
+One optimizer step is split into phases, each a separate record field:
+
+    data_s     fetch each micro-batch from the DataLoader and move it to the device, just before
+               its forward (only one micro-batch's inputs are alive at a time)
+    compute_s  forward + backward of every micro-batch, minus the exposed communication
+    optim_s    the window's item-count all-reduce, normalize + clip, optimizer step, scheduler,
+               consistency check
+    comm_*     from the :class:`~distaccum.comm.CommLedger` (``comm_s`` overlaps compute_s;
+               ``comm_exposed_s`` does not, so compute_s + comm_exposed_s = forward+backward time)
+
+On CPU the phases are wall-clock intervals. On CUDA they are CUDA events on the current stream,
+read after ``end_step``'s single ``torch.cuda.synchronize`` — the timer's one host sync per step
+(the engine's step makes its own; :mod:`distaccum.loop` counts them all) — and the per-rank
+logging values are all-gathered over a separate gloo group on host tensors, so logging adds no
+further device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from distaccum.comm import Clock, CommLedger, CommStats, CudaClock, HostClock, Stamp
+from distaccum.memory import peak_memory_bytes, reset_peak_memory
+
+
+@dataclass
+class StepTimes:
+    """Timing of one optimizer step on one rank (seconds)."""
+
+    time_s: float
+    data_s: float
+    compute_s: float
+    optim_s: float
+    comm: CommStats
+    peak_mem_bytes: int
+
+    def as_record(self) -> dict[str, float | int]:
+        """The per-step record fields (flat; names as in ``metrics.jsonl``)."""
+        fields = {k: v for k, v in asdict(self).items() if k != "comm"}
+        return {**fields, **asdict(self.comm)}
+
+
+class StepTimer:
+    """Marks the phases of each optimizer step; created once per run, on every rank (collective on
+    CUDA: it creates the host-side gloo group)."""
+
+    def __init__(self, device: torch.device, ledger: CommLedger) -> None:
+        self.device = device
+        self.ledger = ledger
+        self.clock: Clock = CudaClock(device) if device.type == "cuda" else HostClock()
+        ledger.clock = self.clock  # engines' comm hooks stamp on the same clock as the phases
+        self._group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        self._marks: dict[str, Stamp] = {}
+        self._micro_start: Stamp | None = None
+        self._micro_data: list[tuple[Stamp, Stamp]] = []
+
+    def start_step(self) -> None:
+        """Before anything of the step happens (resets the peak-memory window)."""
+        reset_peak_memory(self.device)
+        self.ledger.start_step()
+        self._marks = {"start": self.clock.stamp()}
+        self._micro_data = []
+
+    def start_micro(self) -> None:
+        """Before each micro-batch is collated."""
+        self.ledger.start_micro()
+        self._micro_start = self.clock.stamp()
+
+    def batch_ready(self) -> None:
+        """The micro-batch is collated and on the device; its forward starts next."""
+        assert self._micro_start is not None
+        self._micro_data.append((self._micro_start, self.clock.stamp()))
+
+    def compute_done(self) -> None:
+        """After the last micro-batch's backward (all gradient reductions have been waited for)."""
+        self._marks["compute"] = self.clock.stamp()
+
+    def end_step(self) -> StepTimes:
+        """After the optimizer step. On CUDA this is the timer's one host synchronization per step."""
+        end = self.clock.stamp()
+        self.clock.sync()
+        comm = self.ledger.end_step(end)
+        marks = self._marks
+
+        def between(a: str, b: str) -> float:
+            return self.clock.seconds(marks[a], marks[b] if b != "end" else end)
+
+        micro_data = sum(self.clock.seconds(a, b) for a, b in self._micro_data)
+        forward_backward = between("start", "compute") - micro_data
+        return StepTimes(
+            time_s=between("start", "end"),
+            data_s=micro_data,
+            compute_s=max(0.0, forward_backward - comm.comm_exposed_s),
+            optim_s=between("compute", "end"),
+            comm=comm,
+            peak_mem_bytes=peak_memory_bytes(self.device),
+        )
+
+    def gather(self, values: list[float]) -> torch.Tensor:
+        """All-gather host floats from every rank: a float64 CPU tensor of shape (world, len(values))."""
+        local = torch.tensor(values, dtype=torch.float64)
+        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(gathered, local, group=self._group)
+        return torch.stack(gathered)

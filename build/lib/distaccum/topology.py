@@ -1,0 +1,105 @@
+"""Where this process sits in the job: a pure function of the environment mapping.
+
+Two launch contracts are understood:
+- torchrun / torch elastic: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+- srun started one task per device: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE
+  (or SLURM_STEP_TASKS_PER_NODE), SLURM_JOB_NODELIST; MASTER_ADDR defaults to the first node.
+Nothing here writes the environment; the worker entry hands ``init_env()`` to the process group.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Rank layout of one worker process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+    """'torchrun', 'slurm' or 'single' (not distributed)."""
+    restart_count: int = 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // max(self.local_world_size, 1)
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> DistEnv:
+        """Read the layout from an environment mapping (``os.environ`` or a test dict)."""
+        if "RANK" in env and "WORLD_SIZE" in env:
+            world = int(env["WORLD_SIZE"])
+            return cls(
+                rank=int(env["RANK"]),
+                world_size=world,
+                local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+                local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+                source="torchrun",
+                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            )
+        if is_srun_task(env):
+            world = int(env["SLURM_NTASKS"])
+            per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or str(world)
+            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+            return cls(
+                rank=int(env["SLURM_PROCID"]),
+                world_size=world,
+                local_rank=int(env.get("SLURM_LOCALID", 0)),
+                local_world_size=_first_count(per_node),
+                master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+                master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+                source="slurm",
+                restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
+            )
+        return cls(0, 1, 0, 1, "127.0.0.1", DEFAULT_PORT, "single")
+
+    def init_env(self) -> dict[str, str]:
+        """Variables torch.distributed's env:// init expects, for this layout."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def is_worker(env: Mapping[str, str]) -> bool:
+    """True when a launcher (torchrun or srun) already started this process as one rank."""
+    return ("RANK" in env and "WORLD_SIZE" in env) or is_srun_task(env)
+
+
+def is_srun_task(env: Mapping[str, str]) -> bool:
+    """An ``srun`` job step with more than one task (a batch script itself is not a step task)."""
+    return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+def _first_count(tasks_per_node: str) -> int:
+    """'2(x3),1' -> 2: Slurm's compressed tasks-per-node list, first node's count."""
+    match = re.match(r"\s*(\d+)", tasks_per_node)
+    return int(match.group(1)) if match else 1
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist such as 'node[03-05,09],gpu1' -> 'node03'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot parse Slurm nodelist {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{first}"

@@ -1,0 +1,317 @@
+"""Verification: does an accumulated, distributed run compute what one process on the whole batch does?
+
+The file format is tiny and shared with training: every run writes ``metrics.jsonl`` (loss and
+grad_norm per optimizer step) and ``final/model.safetensors`` (the trained weights); a run launched
+with ``verify.record=true`` also writes ``checksums.jsonl`` (fp64 sum and sum of squares of every
+parameter after every step, from the tripwire in :mod:`distaccum.checks`). The reference is
+:mod:`distaccum.reference`: plain PyTorch, independent of the loop it checks.
+
+:func:`compare` turns a reference and a candidate run into a :class:`Report` naming the first
+diverging step and parameter. The criterion for any compared quantity (a scalar series or one
+parameter tensor) is
+
+    max |candidate - reference|  <=  atol + rtol * max |reference|
+
+so ``max_rel_diff`` is relative to the tensor's scale, not element by element (elements near zero
+would make an element-wise ratio meaningless). The diagnosis rules in :mod:`distaccum.diagnosis`
+explain a mismatch; the entry layer (``verify_cli``) only launches runs and prints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distaccum.checks import read_divergence
+from distaccum.components import Components, build_model
+from distaccum.config import RunConfig, Split, valid_splits
+from distaccum.engines.base import Precision
+from distaccum.rundir import CHECKSUMS, final_weights, read_jsonl, read_metrics
+from distaccum.weights import load_weights, save_weights
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A quantity passes when ``max|cand - ref| <= atol + rtol * max|ref|``."""
+
+    rtol: float
+    atol: float
+
+    def bound(self, scale: float) -> float:
+        """The largest absolute difference allowed for a quantity of magnitude ``scale``."""
+        return self.atol + self.rtol * scale
+
+    def __str__(self) -> str:
+        return f"{self.atol:g} + {self.rtol:g} * max|ref|"
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """One precision's tolerances: per-step metrics and final parameters are held to different bars.
+
+    loss and grad_norm are reductions over the whole batch, so reordered sums change them only at
+    the precision's rounding level. A parameter whose true gradient is ~0 (e.g. the key bias of
+    attention: softmax ignores it) receives pure rounding noise, which AdamW divides by
+    sqrt(v) + eps and turns into updates of up to ~lr: in fp32 such a tensor drifts ~1e-4 from the
+    reference after 30 steps (measured, docs/verify.md) while every other tensor agrees to ~1e-6.
+    """
+
+    steps: Tolerance
+    params: Tolerance
+
+
+DEFAULT_TOLERANCES: dict[str, Tolerances] = {
+    # fp64: measured differences ~1e-15; bugs show at >= 1e-3.
+    "fp64": Tolerances(steps=Tolerance(rtol=1e-9, atol=1e-12), params=Tolerance(rtol=1e-9, atol=1e-12)),
+    # fp32: measured loss/grad_norm <= 3e-7 relative, parameters <= 7e-4 (see Tolerances).
+    "fp32": Tolerances(steps=Tolerance(rtol=1e-4, atol=1e-6), params=Tolerance(rtol=5e-3, atol=1e-5)),
+    "bf16": Tolerances(steps=Tolerance(rtol=2e-2, atol=1e-3), params=Tolerance(rtol=5e-2, atol=1e-3)),
+    "fp16": Tolerances(steps=Tolerance(rtol=2e-2, atol=1e-3), params=Tolerance(rtol=5e-2, atol=1e-3)),
+}
+
+
+def tolerance_for(cfg: RunConfig) -> Tolerances:
+    """The default for ``cfg.precision``; verify.rtol / verify.atol, when set, replace both tiers."""
+    base = DEFAULT_TOLERANCES[cfg.precision]
+
+    def override(tol: Tolerance) -> Tolerance:
+        return Tolerance(rtol=tol.rtol if cfg.verify.rtol is None else cfg.verify.rtol,
+                         atol=tol.atol if cfg.verify.atol is None else cfg.verify.atol)
+
+    return Tolerances(steps=override(base.steps), params=override(base.params))
+
+
+# --- which runs to launch (pure) ------------------------------------------------------------------
+
+def candidate_splits(cfg: RunConfig) -> list[Split]:
+    """The configured split, plus with ``verify.splits=auto`` other splits of the same global batch.
+
+    World sizes go up to ``trainer.nproc`` (one node). The reference's own split (world 1, one
+    micro-batch) is never a candidate. Extra candidates alternate between world sizes (largest
+    first) and between most and least accumulation, so a small bound still covers the extremes.
+    """
+    configured = cfg.split(cfg.trainer.nproc)
+    chosen = [configured]
+    if cfg.verify.splits == "auto":
+        lanes: list[list[Split]] = []
+        for world in range(cfg.trainer.nproc, 0, -1):
+            options = sorted(valid_splits(configured.global_batch, world), key=lambda s: -s.accum_steps)
+            options = [s for s in options if s.accum_steps * s.world_size > 1 and s != configured]
+            # most accumulation, least, then inwards
+            lanes.append([options[i // 2] if i % 2 == 0 else options[-1 - i // 2]
+                          for i in range(len(options))])
+        while any(lanes) and len(chosen) < cfg.verify.max_candidates:
+            for lane in lanes:
+                if lane and len(chosen) < cfg.verify.max_candidates:
+                    chosen.append(lane.pop(0))
+    return chosen
+
+
+def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) -> RunConfig:
+    return replace(
+        cfg,
+        accum=replace(cfg.accum, micro_batch=split.micro_batch, steps=split.accum_steps, global_batch=None),
+        trainer=replace(cfg.trainer, nproc=split.world_size, nnodes=1, check_every=1,
+                        init_from=str(seed) if seed else None, max_restarts=0, resume=False),
+        log=replace(cfg.log, console="quiet", wandb=False),
+        verify=replace(cfg.verify, record=True),
+        run_dir=str(run_dir),
+    )
+
+
+def reference_config(cfg: RunConfig, run_dir: Path, seed: Path) -> RunConfig:
+    """The configuration the plain reference (:mod:`distaccum.reference`) runs with: one process, the
+    seed checkpoint, fp64 when ``verify.reference_dtype=fp64``. Its global batch is the candidates'."""
+    ref = _with_split(cfg, Split(cfg.split(cfg.trainer.nproc).global_batch, 1, 1), run_dir, seed)
+    precision = "fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision
+    return replace(ref, precision=precision, debug=replace(ref.debug, skip_reduction_rank=None))
+
+
+def candidate_config(cfg: RunConfig, split: Split, run_dir: Path, seed: Path) -> RunConfig:
+    """``cfg`` with ``split``, the seed checkpoint, the tripwire on every step, and recording on."""
+    return _with_split(cfg, split, run_dir, seed)
+
+
+def split_label(split: Split) -> str:
+    """``w2-m4-k4``: world size, micro-batch, accumulation steps (also the sub-run directory)."""
+    return split.label()
+
+
+# --- files written by the runs ---------------------------------------------------------------------
+
+def write_seed_checkpoint(cfg: RunConfig, parts: Components, path: Path) -> None:
+    """Build the model exactly as a worker does (same seed, fp32 or fp64) and save its weights."""
+    model = build_model(parts.model, cfg.trainer.seed, Precision.of(cfg.precision), None,
+                        parts.describe()["model"])
+    save_weights(model.state_dict(), path)
+
+
+@dataclass
+class RunData:
+    """What verify reads back from one run directory."""
+
+    run_dir: Path
+    records: list[dict[str, Any]]
+    checksums: dict[int, dict[str, list[float]]]
+    """step -> parameter -> [sum, sum of squares, numel]."""
+    params: dict[str, torch.Tensor] | None
+    divergence: dict[str, Any] | None
+    """The tripwire's report when ranks diverged (see :mod:`distaccum.checks`)."""
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunData:
+        """Read whatever the run left (a failed run may have fewer steps and no final parameters)."""
+        weights = final_weights(run_dir)
+        params = load_weights(weights) if weights.is_file() else None
+        checksums = {row["step"]: row["params"] for row in read_jsonl(run_dir / CHECKSUMS)}
+        return cls(run_dir, read_metrics(run_dir), checksums, params, read_divergence(run_dir))
+
+
+# --- comparison -----------------------------------------------------------------------------------
+
+@dataclass
+class Divergence:
+    """Where a tolerance was first exceeded."""
+
+    step: int
+    """1-based optimizer step (parameters: after that step)."""
+    quantity: str
+    """loss | grad_norm | parameter | ranks (the tripwire) | missing (the run stopped early)."""
+    parameter: str | None
+    """The parameter over tolerance, or (for loss/grad_norm) whose checksum moved furthest that step."""
+    reference: float | None = None
+    candidate: float | None = None
+    abs_diff: float | None = None
+
+
+@dataclass
+class Report:
+    """The comparison of one candidate with the reference."""
+
+    passed: bool
+    steps_compared: int
+    max_abs_diff: float
+    """Largest |cand - ref| over every element of every final parameter (nan if none compared)."""
+    max_rel_diff: float
+    """Largest per-tensor max|cand - ref| / max|ref| over final parameters."""
+    worst_parameter: str | None
+    max_loss_diff: float
+    max_grad_norm_diff: float
+    first_divergence: Divergence | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _scalar_gap(a: float, b: float, tol: Tolerance) -> tuple[float, bool]:
+    diff = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+    return diff, diff > tol.bound(abs(b))
+
+
+def checksum_gaps(ref: dict[str, list[float]], cand: dict[str, list[float]],
+                  tol: Tolerance) -> list[tuple[float, str, bool]]:
+    """Per parameter: (gap / allowed, name, proven over tolerance), largest gap first.
+
+    From (sum, sum of squares) alone, |Δsum|/n and |‖c‖-‖r‖|/√n are lower bounds of max|c - r|,
+    and ‖r‖ is an upper bound of max|r|: a gap above ``atol + rtol*‖r‖`` proves the tensor is over
+    tolerance (no false alarms; small differences may go unnoticed until the final comparison).
+    """
+    out = []
+    for name, (r_sum, r_sq, n) in ref.items():
+        if name not in cand:
+            out.append((math.inf, name, True))
+            continue
+        c_sum, c_sq, _ = cand[name]
+        r_norm, c_norm = math.sqrt(max(r_sq, 0.0)), math.sqrt(max(c_sq, 0.0))
+        lower = max(abs(c_sum - r_sum) / n, abs(c_norm - r_norm) / math.sqrt(n))
+        proven = not (lower <= tol.bound(r_norm))  # nan counts as over
+        rms = r_norm / math.sqrt(n)
+        ratio = lower / tol.bound(rms) if tol.bound(rms) > 0 else math.inf
+        out.append((ratio if not math.isnan(ratio) else math.inf, name, proven))
+    return sorted(out, key=lambda t: -t[0])
+
+
+def compare_params(ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor],
+                   tol: Tolerance) -> tuple[float, float, str | None, list[str]]:
+    """(max abs diff, max rel diff, worst parameter by rel diff, parameters over tolerance in order)."""
+    max_abs, max_rel, worst, over = 0.0, 0.0, None, []
+    for name, r in ref.items():
+        c = cand.get(name)
+        if c is None or c.shape != r.shape:
+            over.append(name)
+            max_abs = max_rel = math.inf
+            worst = name
+            continue
+        r64, c64 = r.to(torch.float64), c.to(torch.float64)
+        diff = float((c64 - r64).abs().max()) if r.numel() else 0.0
+        scale = float(r64.abs().max()) if r.numel() else 0.0
+        if math.isnan(diff):
+            diff = math.inf
+        rel = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+        if diff > tol.bound(scale):
+            over.append(name)
+        max_abs = max(max_abs, diff)
+        if rel > max_rel or worst is None:
+            max_rel, worst = max(rel, max_rel), name
+    return max_abs, max_rel, worst, over
+
+
+def compare(ref: RunData, cand: RunData, tol: Tolerances) -> Report:
+    """Compare per step (loss, grad_norm, parameter checksums) and the final parameters."""
+    first: Divergence | None = None
+    notes: list[str] = []
+    steps = min(len(ref.records), len(cand.records))
+    max_loss = max_gn = 0.0
+    for i in range(steps):
+        r, c = ref.records[i], cand.records[i]
+        step = int(r["step"])
+        loss_diff, loss_over = _scalar_gap(c["loss"], r["loss"], tol.steps)
+        gn_diff, gn_over = _scalar_gap(c["grad_norm"], r["grad_norm"], tol.steps)
+        max_loss, max_gn = max(max_loss, loss_diff), max(max_gn, gn_diff)
+        if first is not None:
+            continue
+        gaps = checksum_gaps(ref.checksums.get(step, {}), cand.checksums.get(step, {}), tol.params) \
+            if step in ref.checksums and step in cand.checksums else []
+        furthest = gaps[0][1] if gaps and gaps[0][0] > 0 else None
+        if loss_over:
+            first = Divergence(step, "loss", furthest, r["loss"], c["loss"], loss_diff)
+        elif gn_over:
+            first = Divergence(step, "grad_norm", furthest, r["grad_norm"], c["grad_norm"], gn_diff)
+        elif gaps and gaps[0][2]:
+            first = Divergence(step, "parameter", gaps[0][1])
+
+    max_abs = max_rel = math.nan
+    worst: str | None = None
+    complete = len(cand.records) >= len(ref.records) and cand.params is not None
+    if ref.params is not None and cand.params is not None:
+        max_abs, max_rel, worst, over = compare_params(ref.params, cand.params, tol.params)
+        if over and first is None:
+            first = Divergence(len(ref.records), "parameter", over[0])
+    if cand.divergence is not None:  # the tripwire stopped the run: that is the first divergence
+        d = cand.divergence
+        first = Divergence(int(d["step"]), "ranks", str(d["parameter"]))
+        notes.append(str(d["message"]))
+    elif not complete and first is None:
+        first = Divergence(len(cand.records) + 1, "missing", None)
+    if not complete:
+        notes.append(f"candidate finished {len(cand.records)} of {len(ref.records)} steps"
+                     + ("" if cand.params is not None else " and wrote no final parameters"))
+    if steps == 0:
+        max_loss = max_gn = math.nan
+    passed = complete and first is None and cand.divergence is None
+    return Report(passed, steps, max_abs, max_rel, worst, max_loss, max_gn, first, notes)
+
+
+def reproducible(first: RunData, second: RunData) -> bool:
+    """True when two runs of the same configuration agree bit for bit (losses, norms, parameters)."""
+    if [(r["loss"], r["grad_norm"]) for r in first.records] != \
+            [(r["loss"], r["grad_norm"]) for r in second.records]:
+        return False
+    if first.params is None or second.params is None or first.params.keys() != second.params.keys():
+        return False
+    return all(torch.equal(first.params[k], second.params[k]) for k in first.params)

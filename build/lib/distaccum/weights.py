@@ -1,0 +1,65 @@
+"""Model weights on disk: safetensors under the plain model's state-dict names.
+
+Every finished run keeps ``run_dir/final/``: ``model.safetensors`` (gathered from FSDP/ZeRO
+shards, no ``module.`` prefixes), ``run_config.json``, and for a Hugging Face ``PreTrainedModel`` its
+``save_pretrained`` layout (``config.json``, generation config) around the same weights file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from distaccum.engines.base import Engine
+from distaccum.rundir import FINAL_CONFIG, FINAL_DIR, FINAL_WEIGHTS, resolve_weights, write_json
+
+
+def is_hf_pretrained(module: nn.Module) -> bool:
+    """A Hugging Face ``PreTrainedModel`` (duck-typed: transformers is optional)."""
+    return callable(getattr(module, "save_pretrained", None)) and hasattr(module, "config")
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``state`` as safetensors (contiguous CPU copies; tied tensors become separate entries)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(path),
+              metadata={"format": "pt"})
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict from a ``model.safetensors`` file or a directory holding one (a run's ``final/``)."""
+    file = resolve_weights(path)
+    if not file.is_file():
+        raise ValueError(f"no weights at {path}: expected a .safetensors file or a directory with "
+                         f"{FINAL_WEIGHTS} (e.g. a finished run's final/)")
+    return load_file(str(file))
+
+
+def load_into(model: nn.Module, path: str | Path) -> None:
+    """Load weights into ``model`` (strict: every name and shape must match), casting to its dtypes."""
+    state = load_weights(path)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"weights in {path} do not fit the model: {err}") from err
+
+
+def save_final(engine: Engine, run_dir: Path, run_config: dict[str, Any]) -> Path:
+    """Write the trained model to ``run_dir/final/``. Collective (gathers shards); rank 0 writes."""
+    state = engine.full_state_dict()
+    final = Path(run_dir) / FINAL_DIR
+    if dist.get_rank() == 0:
+        final.mkdir(parents=True, exist_ok=True)
+        module = engine.unwrapped()
+        if is_hf_pretrained(module):
+            module.save_pretrained(str(final), state_dict=state, safe_serialization=True)
+        else:
+            save_weights(state, final / FINAL_WEIGHTS)
+        write_json(final / FINAL_CONFIG, run_config)
+    dist.barrier()  # nobody reports the path before the files are there
+    return final

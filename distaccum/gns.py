@@ -1,0 +1,108 @@
+"""The gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"),
+from what one optimizer step already computes: no extra forward/backward, no extra communication.
+
+The simple noise scale is ``B_simple = tr(Sigma) / |G|^2``: G is the true (expected) gradient of the
+per-item loss, Sigma the per-item gradient covariance. A mean gradient over B i.i.d. items has
+``E|G_B|^2 = |G|^2 + tr(Sigma) / B``, so squared norms at two batch sizes give unbiased estimates of
+both (the paper's appendix A.1). Under ``accum.sync=boundary`` DDP sees both sizes in every step:
+
+- rank r's accumulated gradient before the boundary reduction: the mean over its n_r items of the
+  window (micro_batch x K samples; n_r loss items), and
+- the reduced gradient: the mean over all N = sum_r n_r items.
+
+Normalization. The loop backpropagates ``S_rk * c * d`` (sums, times the power-of-two c and the
+engine's divisor d; see :mod:`distaccum.loop`), so the bucket the comm hook receives on rank r holds
+``c d L_r`` with ``L_r = sum_k grad S_rk`` (a sum over the rank's items), and the hook's mean over
+ranks returns ``c d L / W`` with ``L = sum_r L_r``. Hence ``|G_r|^2 = |local|^2 / (c d n_r)^2`` and
+``|G_N|^2 = |reduced|^2 (W / (c d N))^2``. With unequal item counts the ranks' estimates average to
+``mean_r |G_r|^2 = |G|^2 + tr(Sigma) mean_r(1/n_r)``, so
+
+    tr(Sigma) = (mean_r |G_r|^2 - |G_N|^2) / (mean_r(1/n_r) - 1/N)
+    |G|^2     = |G_N|^2 - tr(Sigma) / N
+
+Assumptions: items (samples, or tokens for a token loss) are i.i.d. draws, so B is counted in loss
+items; tokens of one sequence are correlated, which makes a token-level B_simple an effective, not
+literal, batch size. Per step the two estimates are noisy and |G|^2 can come out negative, so the
+logged ``gns`` is raw; ``gns_smoothed`` is the ratio of exponential moving averages
+of the two estimates (decay ``log.gns_ema``: an average over roughly 1/(1 - decay) steps), as the
+paper recommends (average numerator and denominator separately, then divide). Under fp16 loss scaling both estimates carry the scale squared;
+their ratio does not.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+class GradSquares:
+    """Sums of squares of the gradient buckets a comm hook reduces in one step, before and after.
+
+    Tensors on the gradients' device (no host sync in the hook); :meth:`take` returns and resets.
+    """
+
+    def __init__(self) -> None:
+        self.local: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None
+
+    @staticmethod
+    def _sq(buffer: torch.Tensor) -> torch.Tensor:
+        flat = buffer.reshape(-1)
+        return torch.dot(flat, flat).to(torch.float64)
+
+    def add_local(self, buffer: torch.Tensor) -> None:
+        """A bucket as this rank produced it (before the reduction touches it)."""
+        sq = self._sq(buffer)
+        self.local = sq if self.local is None else self.local + sq
+
+    def add_reduced(self, buffer: torch.Tensor) -> None:
+        """The same bucket after the reduction."""
+        sq = self._sq(buffer)
+        self.reduced = sq if self.reduced is None else self.reduced + sq
+
+    def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of squares before, after) of the step's buckets, and reset."""
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        local = self.local if self.local is not None else zero
+        reduced = self.reduced if self.reduced is not None else zero
+        self.local = self.reduced = None
+        return local.to(device), reduced.to(device)
+
+
+def window_terms(squares: GradSquares, local_items: torch.Tensor, c: float, d: float) -> list[torch.Tensor]:
+    """This rank's three numbers for the step's one all-reduce: |G_r|^2, 1/n_r and |L|^2 (identical
+    on every rank; the loop divides the sum by W). Their sums feed :func:`estimate`."""
+    local_sq, reduced_sq = squares.take(local_items.device)
+    n = local_items.to(torch.float64).clamp(min=1.0)
+    return [local_sq / (c * d * n) ** 2, 1.0 / n, reduced_sq / (c * d) ** 2]
+
+
+def estimate(sums: list[float], n_total: float, world: int) -> tuple[float, float]:
+    """(|G|^2, tr(Sigma)) from the all-reduced :func:`window_terms` of ``world`` ranks and the
+    window's global item count ``n_total``."""
+    small_sq, inv_small = sums[0] / world, sums[1] / world
+    big_sq = (sums[2] / world) * world**2 / n_total**2  # |c d L / W|^2 per rank -> |L / N|^2
+    inv_big = 1.0 / n_total
+    if inv_small <= inv_big:  # one rank, or every item on one rank: the two sizes coincide
+        return math.nan, math.nan
+    trace = (small_sq - big_sq) / (inv_small - inv_big)
+    return big_sq - trace * inv_big, trace
+
+
+def record_fields(grad_sq: float, trace: float, previous: dict[str, Any] | None, decay: float) -> dict[str, float]:
+    """The step's ``gns*`` record fields. The smoothing state rides in the records (``gns_grad_sq_ema``,
+    ``gns_trace_ema``), so a resumed run, whose records are restored, continues the same averages.
+    An undefined step (all of a partial window's items on one rank) leaves the averages as they were.
+    Bias-correcting the two averages (as Adam does) would divide both by the same factor: their
+    ratio needs none."""
+    prev = previous or {}
+    fields = {"gns_grad_sq": grad_sq, "gns_trace": trace,
+              "gns": trace / grad_sq if grad_sq else math.nan}
+    for key, value in (("gns_grad_sq_ema", grad_sq), ("gns_trace_ema", trace)):
+        before = prev.get(key, 0.0)
+        fields[key] = decay * before + (1.0 - decay) * value if math.isfinite(value) else before
+    ema_sq = fields["gns_grad_sq_ema"]
+    fields["gns_smoothed"] = fields["gns_trace_ema"] / ema_sq if ema_sq else math.nan
+    return fields
