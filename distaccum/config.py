@@ -373,8 +373,8 @@ class LogConfig:
     gns: bool = False
     """Log the gradient noise scale per step (gns, gns_smoothed; McCandlish et al. 2018), estimated
     from each rank's accumulated gradient and the reduced one as the DDP comm hook sees them: no extra
-    passes or communication, two squared norms of the gradient per step. engine=ddp,
-    accum.sync=boundary and more than one rank only."""
+    passes; two squared norms of the gradient and one all-reduce of three numbers per step.
+    engine=ddp, accum.sync=boundary and more than one rank only."""
     gns_ema: float = 0.95
     """Smoothing of gns_smoothed: exponential moving averages of the |G|^2 and tr(Sigma) estimates with
     this decay per step (about 1/(1 - gns_ema) steps), then their ratio."""

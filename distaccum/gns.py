@@ -1,5 +1,5 @@
 """The gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"),
-from what one optimizer step already computes: no extra forward/backward, no extra communication.
+from what one optimizer step already computes: no extra forward/backward; one all-reduce of three numbers.
 
 The simple noise scale is ``B_simple = tr(Sigma) / |G|^2``: G is the true (expected) gradient of the
 per-item loss, Sigma the per-item gradient covariance. A mean gradient over B i.i.d. items has
@@ -72,7 +72,7 @@ class GradSquares:
 
 
 def window_terms(squares: GradSquares, local_items: torch.Tensor, c: float, d: float) -> list[torch.Tensor]:
-    """This rank's three numbers for the step's one all-reduce: |G_r|^2, 1/n_r and |L|^2 (identical
+    """This rank's three numbers for the noise-scale all-reduce: |G_r|^2, 1/n_r and |L|^2 (identical
     on every rank; the loop divides the sum by W). Their sums feed :func:`estimate`."""
     local_sq, reduced_sq = squares.take(local_items.device)
     n = local_items.to(torch.float64).clamp(min=1.0)
