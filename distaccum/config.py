@@ -20,6 +20,7 @@ SYNC_MODES = ("boundary", "every_micro")
 LOSS_NORMS = ("global_count", "mean_per_micro")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
+LR_SCALINGS = ("none", "linear", "sqrt")
 
 Node = dict[str, Any]
 """A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
@@ -193,15 +194,33 @@ class OptimConfig:
     """Final lr as a fraction of lr (cosine/linear)."""
     clip_norm: float | None = 1.0
     """Clip the global gradient norm to this value at the boundary; null disables clipping."""
+    lr_scaling: str = "none"
+    """none | linear | sqrt: train with lr x f(global_batch / base_batch), f(r) = r (the linear scaling
+    rule, for SGD) or sqrt(r) (adaptive optimizers), so a sweep over accum.global_batch keeps the
+    update size comparable; warmup stays in optimizer steps."""
+    base_batch: int | None = None
+    """The global batch (samples per optimizer step) that lr is set for; needed by lr_scaling."""
 
     def __post_init__(self) -> None:
         _choice("optim", "name", self.name, OPTIMIZERS)
         _choice("optim", "schedule", self.schedule, SCHEDULES)
+        _choice("optim", "lr_scaling", self.lr_scaling, LR_SCALINGS)
         _positive("optim", "lr", self.lr)
         _positive("optim", "clip_norm", self.clip_norm, allow_none=True)
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         self.betas = tuple(self.betas)  # type: ignore[assignment]
+        _positive("optim", "base_batch", self.base_batch, allow_none=True)
+        if self.lr_scaling != "none" and self.base_batch is None:
+            raise ValueError(f"optim.lr_scaling={self.lr_scaling} needs optim.base_batch: the global batch "
+                             f"optim.lr={self.lr:g} was chosen for (e.g. optim.base_batch=64)")
+
+    def lr_scale(self, global_batch: int) -> float:
+        """``f(global_batch / base_batch)``: 1 (``none``), the ratio (``linear``) or its square root (``sqrt``)."""
+        if self.lr_scaling == "none" or self.base_batch is None:
+            return 1.0
+        ratio = global_batch / self.base_batch
+        return ratio if self.lr_scaling == "linear" else ratio ** 0.5
 
 
 @dataclass(kw_only=True)
