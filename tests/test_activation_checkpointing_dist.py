@@ -299,5 +299,17 @@ def test_bad_values_exit_2_before_workers_start(tmp_path: Path, case: str) -> No
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
+def test_the_trade_off_benchmark_runs(tmp_path: Path) -> None:
+    """``python -m benchmarks.checkpointing --smoke``: the table in docs/companions.md, CI-sized."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpointing", "--smoke", "--rounds", "1",
+                           "--out", str(tmp_path)], cwd=REPO, env=hf_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (result,) = json.loads((tmp_path / "results.json").read_text())
+    assert result["saved_bytes"]["blocks"] < result["saved_bytes"]["none"]
+    assert all(result["peak"][v]["peak_rss"] > 0 and len(result["step_s"][v]) == 1 for v in ("none", "blocks"))
+    assert "| tiny_gpt w32 (2 blocks) |" in (tmp_path / "results.md").read_text()
+
+
 if __name__ == "__main__":
     _worker_main(sys.argv[1])
