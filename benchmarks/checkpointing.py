@@ -7,8 +7,9 @@ micro-batch's training step (forward, backward, AdamW step) of each model with a
 - **saved bytes**: what autograd keeps for backward after the forward
   (:func:`distaccum.activation_checkpointing.saved_activation_bytes`; exact, no timing, no allocator).
 - **peak RSS**: a fresh process per (model, variant) does one warm-up step, resets the peak
-  (``/proc/self/clear_refs``) and reports the peak resident set of the next step, and how far it
-  rose above the resident set before the step.
+  (``/proc/self/clear_refs``) and reports the peak resident set of the next step (it includes
+  torch itself, the weights and the optimizer state, the same in both variants; ``rise`` in the
+  JSON, the growth above the resident set before the step, depends on what the allocator kept).
 - **step time**: both variants in one process, alternating (order swapped every round), ``--rounds``
   rounds of 3 steps; the median per round, then the median and range over rounds.
 
@@ -152,8 +153,8 @@ def _ms(times: list[float]) -> str:
 
 def render(results: list[dict[str, Any]], rounds: int, threads: int) -> str:
     lines = [f"| model | params | micro-batch x tokens | saved for backward, MiB (none -> blocks) | peak RSS of a step, "
-             f"MiB | RSS rise during the step, MiB | step time, ms (median, range over {rounds} rounds) | "
-             "time ratio blocks/none |", "|---|---|---|---|---|---|---|---|"]
+             f"MiB | step time, ms (median, range over {rounds} rounds) | "
+             "time ratio blocks/none |", "|---|---|---|---|---|---|---|"]
     for r in results:
         saved, peak, times = r["saved_bytes"], r["peak"], r["step_s"]
 
@@ -162,8 +163,8 @@ def render(results: list[dict[str, Any]], rounds: int, threads: int) -> str:
         lines.append(
             f"| {r['case']} ({r['depth']} blocks) | {r['params'] / 1e6:.2f} M | {r['micro_batch']} x {r['seq']} | "
             f"{mib(saved['none'])} -> {mib(saved['blocks'])} ({saved['blocks'] / saved['none']:.0%}) | "
-            f"{mib(peak['none']['peak_rss'])} -> {mib(peak['blocks']['peak_rss'])} | "
-            f"{mib(peak['none']['rise'])} -> {mib(peak['blocks']['rise'])} | "
+            f"{mib(peak['none']['peak_rss'])} -> {mib(peak['blocks']['peak_rss'])} "
+            f"({mib(peak['blocks']['peak_rss'] - peak['none']['peak_rss'])}) | "
             f"{_ms(times['none'])} -> {_ms(times['blocks'])} | {statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) |")
     lines += ["", f"fp32 on CPU, torch {torch.__version__}, {threads} intra-op thread(s); one step = forward, "
               "backward and an AdamW step of one micro-batch."]
