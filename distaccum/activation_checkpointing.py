@@ -138,7 +138,7 @@ def apply_activation_checkpointing(model: nn.Module, spec: Checkpointing | str |
     on the plain model, before any engine wraps it (``Trainer(activation_checkpointing=...)`` does).
     Raises ValueError for a setting that selects nothing.
     """
-    spec = parse_checkpointing(spec if not isinstance(spec, list) else tuple(spec))
+    spec = parse_checkpointing(spec)
     if spec is None:
         return []
     enable = _hf_checkpointing(model) if spec == "blocks" else None
