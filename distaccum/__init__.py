@@ -18,6 +18,7 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "Trainer": "distaccum.trainer",
+    "apply_activation_checkpointing": "distaccum.activation_checkpointing",
     "Components": "distaccum.components",
     "RunConfig": "distaccum.config",
     "from_mapping": "distaccum.config",

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from distaccum.activation_checkpointing import Checkpointing
 from distaccum.engines.base import OptimizerFactory, Precision
 from distaccum.losses import LossFn
 from distaccum.probe import check_model
@@ -38,6 +39,10 @@ class Components:
     """``params -> torch.optim.Optimizer``; None: built from the config's ``optim`` section."""
     names: dict[str, str] | None = None
     """Component -> ``_target_`` (or a description), for messages and the run's config.json."""
+    activation_checkpointing: Checkpointing = None
+    """Modules of the model that recompute their activations in backward: None, ``"blocks"`` or
+    module-name patterns (:mod:`distaccum.activation_checkpointing`); applied by the Trainer to the
+    plain model before the engine wraps it, never by the verify reference."""
 
     def describe(self) -> dict[str, str]:
         """What each component is, for messages and records."""

@@ -14,6 +14,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+# Split and its helpers live in a leaf module of their own; importing them from here keeps working.
+from distaccum.split import Split, nearest_valid_global_batches, no_split_message, valid_splits  # noqa: F401
+
 ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 SYNC_MODES = ("boundary", "every_micro")
@@ -26,6 +29,7 @@ GNS_ENGINES = ("ddp",)
 """Engines whose gradient comm hook feeds the gradient noise scale monitor (``log.gns``)."""
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+LR_SCALINGS = ("none", "linear", "sqrt")
 
 Node = dict[str, Any]
 """A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
@@ -182,43 +186,6 @@ class AccumConfig:
         return None if self.memory_budget is None else parse_bytes("accum.memory_budget", self.memory_budget)
 
 
-@dataclass(frozen=True)
-class Split:
-    """A resolved split: global_batch = micro_batch * accum_steps * world_size."""
-
-    micro_batch: int
-    accum_steps: int
-    world_size: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.accum_steps * self.world_size
-
-    def label(self) -> str:
-        """``w2-m4-k4``: world size, micro-batch, accumulation steps."""
-        return f"w{self.world_size}-m{self.micro_batch}-k{self.accum_steps}"
-
-
-def valid_splits(global_batch: int, world_size: int) -> list[Split]:
-    """Every (micro_batch, steps) that yields ``global_batch`` on ``world_size`` ranks."""
-    if global_batch % world_size:
-        return []
-    per_rank = global_batch // world_size
-    return [Split(m, per_rank // m, world_size) for m in range(1, per_rank + 1) if per_rank % m == 0]
-
-
-def nearest_valid_global_batches(global_batch: int, world_size: int) -> list[int]:
-    """The multiples of ``world_size`` nearest to ``global_batch`` (one below, one above)."""
-    below = global_batch // world_size * world_size
-    return [g for g in (below, below + world_size) if g > 0]
-
-
-def _no_split(global_batch: int, world_size: int) -> str:
-    near = " or ".join(str(g) for g in nearest_valid_global_batches(global_batch, world_size))
-    return (f"accum.global_batch={global_batch} has no split on world_size={world_size} ranks: it must be a "
-            f"multiple of world_size={world_size}; the nearest valid global batches are {near}")
-
-
 def check_split(accum: AccumConfig, world_size: int) -> None:
     """Raise ValueError (with the valid alternatives) when ``accum`` has no split on ``world_size``
     ranks. With micro_batch=auto only the global batch can be checked before training starts."""
@@ -226,7 +193,7 @@ def check_split(accum: AccumConfig, world_size: int) -> None:
         assert accum.global_batch is not None  # AccumConfig guarantees it
         _positive("trainer", "world_size", world_size)
         if accum.global_batch % world_size:
-            raise ValueError(_no_split(accum.global_batch, world_size))
+            raise ValueError(no_split_message(accum.global_batch, world_size))
         return
     resolve_split(accum, world_size)
 
@@ -243,7 +210,7 @@ def resolve_split(accum: AccumConfig, world_size: int) -> Split:
     if accum.global_batch is None:
         return Split(accum.micro_batch, accum.steps, world_size)
     if accum.global_batch % world_size:
-        raise ValueError(_no_split(accum.global_batch, world_size))
+        raise ValueError(no_split_message(accum.global_batch, world_size))
     per_step = accum.micro_batch * world_size
     if accum.global_batch % per_step:
         options = valid_splits(accum.global_batch, world_size)
@@ -277,15 +244,33 @@ class OptimConfig:
     """Final lr as a fraction of lr (cosine/linear)."""
     clip_norm: float | None = 1.0
     """Clip the global gradient norm to this value at the boundary; null disables clipping."""
+    lr_scaling: str = "none"
+    """none | linear | sqrt: train with lr x f(global_batch / base_batch), f(r) = r (the linear scaling
+    rule, for SGD) or sqrt(r) (adaptive optimizers), so a sweep over accum.global_batch keeps the
+    update size comparable; warmup stays in optimizer steps."""
+    base_batch: int | None = None
+    """The global batch (samples per optimizer step) that lr is set for; needed by lr_scaling."""
 
     def __post_init__(self) -> None:
         _choice("optim", "name", self.name, OPTIMIZERS)
         _choice("optim", "schedule", self.schedule, SCHEDULES)
+        _choice("optim", "lr_scaling", self.lr_scaling, LR_SCALINGS)
         _positive("optim", "lr", self.lr)
         _positive("optim", "clip_norm", self.clip_norm, allow_none=True)
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         self.betas = tuple(self.betas)  # type: ignore[assignment]
+        _positive("optim", "base_batch", self.base_batch, allow_none=True)
+        if self.lr_scaling != "none" and self.base_batch is None:
+            raise ValueError(f"optim.lr_scaling={self.lr_scaling} needs optim.base_batch: the global batch "
+                             f"optim.lr={self.lr:g} was chosen for (e.g. optim.base_batch=64)")
+
+    def lr_scale(self, global_batch: int) -> float:
+        """``f(global_batch / base_batch)``: 1 (``none``), the ratio (``linear``) or its square root (``sqrt``)."""
+        if self.lr_scaling == "none" or self.base_batch is None:
+            return 1.0
+        ratio = global_batch / self.base_batch
+        return ratio if self.lr_scaling == "linear" else ratio ** 0.5
 
 
 @dataclass(kw_only=True)

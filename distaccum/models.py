@@ -100,6 +100,22 @@ class ConvNetBN(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+def block_units(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (transformer layers), outermost first; [] when it has none.
+
+    The classes a Hugging Face model names in ``_no_split_modules`` (its decoder layers), else the
+    children of its largest ``nn.ModuleList`` (tiny_gpt's ``blocks``). FSDP shards these units one
+    by one; ``activation_checkpointing=blocks`` recomputes them. A module listed twice (shared
+    weights) appears once.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    units = [m for m in model.modules() if type(m).__name__ in names] if names else []
+    if not units:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+        units = list(max(lists, key=len)) if lists else []
+    return list({id(m): m for m in units}.values())
+
+
 def batch_stat_layers(module: nn.Module) -> list[str]:
     """Names of layers whose output depends on batch statistics (so on how a batch is split)."""
     # BatchNorm (and SyncBatchNorm, a subclass) normalizes over the batch; LayerNorm/GroupNorm don't.

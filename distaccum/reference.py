@@ -68,7 +68,7 @@ def run_reference(cfg: RunConfig, parts: Components, run_dir: Path, *, global_ba
     model = model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = parts.optimizer(params) if parts.optimizer else build_optimizer(params, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps, global_batch=global_batch)
     collate = parts.collate or torch.utils.data.default_collate
     plan = GlobalBatchPlan(len(parts.dataset), global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
                            shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)

@@ -6,9 +6,9 @@ which takes already computed data and a path. ``distaccum report`` (``report_cli
 
 Loss-curve agreement: runs are comparable when they train the same model on the same data with the
 same optimizer, precision, seed and effective batch (samples per optimizer step) — i.e. they differ
-only in the split, the engine, the sync mode or the loss normalization. Within each such group the
-reference is the medoid (smallest summed distance to the others) and a run agrees when every common
-step satisfies ``|loss - ref| <= atol + rtol * |ref|``.
+only in the split, the engine, the sync mode, the loss normalization or activation checkpointing.
+Within each such group the reference is the medoid (smallest summed distance to the others) and a
+run agrees when every common step satisfies ``|loss - ref| <= atol + rtol * |ref|``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from statistics import median
 
 import yaml
 
+from distaccum.config import OptimConfig
 from distaccum.rundir import CONFIG, METRICS, STATUS, SUMMARY, Record, read_json, read_metrics
 from distaccum.sinks import human_bytes
 
@@ -76,6 +77,8 @@ class Row:
     sync: str
     loss_norm: str
     steps: int
+    effective_lr: float
+    """The learning rate after ``optim.lr_scaling`` (before warmup and decay)."""
     samples_per_s: float
     data_s: float
     compute_s: float
@@ -168,6 +171,19 @@ def _split(run: Run) -> str:
     return "-"
 
 
+def effective_lr(run: Run) -> float:
+    """``summary.json``'s ``effective_lr``; for runs without one, ``optim.lr`` x the scaling of the
+    global batch their config and first record give (nan when unknown)."""
+    if "effective_lr" in run.summary:
+        return float(run.summary["effective_lr"])
+    global_batch = run.summary.get("global_batch") or (run.records[0].get("samples") if run.records else None)
+    try:
+        optim = OptimConfig(**run.config["optim"])
+    except (KeyError, TypeError, ValueError):
+        return math.nan
+    return optim.lr * optim.lr_scale(int(global_batch)) if global_batch else math.nan
+
+
 def table_row(run: Run) -> Row:
     """Medians over the run's steady steps (``log.warmup_steps`` dropped, default 1)."""
     warmup = int(run.config.get("log", {}).get("warmup_steps", 1))
@@ -191,6 +207,7 @@ def table_row(run: Run) -> Row:
         sync=str(run.summary.get("sync", accum.get("sync", "-"))),
         loss_norm=str(run.summary.get("loss_norm", accum.get("loss_norm", "-"))),
         steps=len(run.records),
+        effective_lr=effective_lr(run),
         samples_per_s=samples / total_time if total_time > 0 else math.nan,
         data_s=med("data_s"),
         compute_s=compute,
@@ -237,6 +254,8 @@ def comparable_key(run: Run) -> str:
     key = {name: config.get(name) for name in COMPARABLE_SECTIONS}
     if isinstance(key["data"], dict):  # how samples are loaded does not change what they are
         key["data"] = {k: v for k, v in key["data"].items() if k not in ("num_workers", "prefetch_factor")}
+    if isinstance(key["model"], dict):  # recomputing activations does not change a single value
+        key["model"] = {k: v for k, v in key["model"].items() if k != "activation_checkpointing"}
     key["seed"] = config.get("trainer", {}).get("seed")
     key["samples_per_step"] = run.records[0].get("samples") if run.records else None
     return json.dumps(key, sort_keys=True, default=str)
@@ -307,7 +326,7 @@ def _num(value: float, fmt: str) -> str:
 
 
 COLUMNS = ("run", "status", "overrides", "split (mb x K x W = G)", "engine", "sync", "loss norm", "steps",
-           "samples/s", "compute s", "exposed comm s", "comm in flight s", "comm share",
+           "effective lr", "samples/s", "compute s", "exposed comm s", "comm in flight s", "comm share",
            "reduced/step", "peak mem", "final loss", "loss curve")
 
 
@@ -315,7 +334,7 @@ def _cells(row: Row) -> list[str]:
     valid = row.steps > 0
     return [
         f"`{row.label}`", row.status, f"`{row.varied}`" if row.varied else "", row.split, row.engine,
-        row.sync, row.loss_norm, str(row.steps),
+        row.sync, row.loss_norm, str(row.steps), _num(row.effective_lr, ".4g"),
         _num(row.samples_per_s, ".1f"), _num(row.compute_s, ".4f"), _num(row.comm_exposed_s, ".4f"),
         _num(row.comm_s, ".4f"), _num(row.comm_share, ".1%"),
         f"{human_bytes(row.comm_bytes)} / {row.comm_calls:.0f} calls"

@@ -38,6 +38,10 @@ def summarize(cfg: RunConfig, names: dict[str, str], split: Split, records: list
         "micro_batch": split.micro_batch,
         "accum_steps": split.accum_steps,
         "global_batch": split.global_batch,
+        "lr_scaling": cfg.optim.lr_scaling,
+        "base_batch": cfg.optim.base_batch,
+        # The optimizer's own lr (a user's optimizer factory may set another than optim.lr), scaled.
+        "effective_lr": engine.optimizer.param_groups[0]["initial_lr"] * cfg.optim.lr_scale(split.global_batch),
         "steps": len(records),
         "final_loss": records[-1]["loss"] if records else float("nan"),
         "samples_per_s": sum(r["samples"] for r in records) / total_time if total_time else 0.0,

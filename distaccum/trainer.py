@@ -29,6 +29,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
+from distaccum.activation_checkpointing import (
+    Checkpointing,
+    apply_activation_checkpointing,
+    check_engine_compatible,
+    parse_checkpointing,
+)
 from distaccum.autobatch import AutoChoice, auto_micro_batch
 from distaccum.checkpoint import fingerprint
 from distaccum.checkpoint import save as save_checkpoint
@@ -41,7 +47,7 @@ from distaccum.liveness import Liveness, describe_peers, kill_stopped_peers, sho
 from distaccum.loop import LoopSettings, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.models import batch_stat_layers
-from distaccum.optim import build_optimizer, build_scheduler
+from distaccum.optim import build_optimizer, build_scheduler, describe_lr
 from distaccum.pipeline import PlanSource
 from distaccum.plan import GlobalBatchPlan
 from distaccum.probe import probe
@@ -98,16 +104,20 @@ class Trainer:
     ``config`` is a :class:`~distaccum.config.RunConfig` or a mapping of its sections (``{"accum":
     {...}, "trainer": {...}, "run_dir": ...}``); its ``model``/``data.dataset``/``loss`` nodes are
     not needed here: the objects are. ``on_step(state, record)`` runs after every optimizer step.
+    ``activation_checkpointing`` (``"blocks"`` or module-name patterns) makes those modules recompute
+    their activations in backward (:mod:`distaccum.activation_checkpointing`).
     """
 
     def __init__(self, config: RunConfig | Mapping[str, Any] | None = None, *, model: ModelSpec,
                  dataset: Dataset, loss: LossFn, collate: Callable[[list[Any]], Any] | None = None,
                  optimizer: OptimizerFactory | None = None, stop: StopFlag | None = None,
                  on_step: Callable[[TrainState, Record], None] | None = None,
-                 check_components: bool = True, names: dict[str, str] | None = None) -> None:
+                 check_components: bool = True, names: dict[str, str] | None = None,
+                 activation_checkpointing: Checkpointing | list[str] = None) -> None:
         cfg = config if isinstance(config, RunConfig) else from_mapping(config or {})
         self.cfg, self.verify_request = verify_overrides(cfg, os.environ)
-        self.components = Components(model, dataset, loss, collate, optimizer, names)
+        checkpointing = parse_checkpointing(activation_checkpointing, "activation_checkpointing")
+        self.components = Components(model, dataset, loss, collate, optimizer, names, checkpointing)
         self.stop = stop
         self.on_step = on_step
         self.check_components = check_components
@@ -258,6 +268,12 @@ class Trainer:
             write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": names})
 
         model = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, names["model"])
+        checkpointed = apply_activation_checkpointing(model, parts.activation_checkpointing)
+        check_engine_compatible(model, cfg.engine.name)
+        if checkpointed and rank == 0:
+            shown = ", ".join(checkpointed[:3]) + (", ..." if len(checkpointed) > 3 else "")
+            print(f"distaccum: activation checkpointing (non-reentrant) on {len(checkpointed)} modules: {shown}",
+                  flush=True)
         collate = parts.collate or default_collate
         if self.check_components:
             probe(model, parts.dataset, collate, parts.loss, names=names)
@@ -276,7 +292,10 @@ class Trainer:
         engine = make_engine(spec, ledger)
         make_optimizer = parts.optimizer or (lambda params: build_optimizer(params, cfg.optim))
         wrapped = engine.wrap(model, make_optimizer)  # the optimizer after wrapping: engines own parameters
-        scheduler = build_scheduler(engine.optimizer, cfg.optim, cfg.trainer.max_steps)
+        scheduler = build_scheduler(engine.optimizer, cfg.optim, cfg.trainer.max_steps,
+                                    global_batch=split.global_batch)
+        if cfg.optim.lr_scaling != "none" and rank == 0:
+            print(f"distaccum: {describe_lr(cfg.optim, split.global_batch, scheduler.base_lrs[0])}", flush=True)
         plan = GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
                                shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
         source = PlanSource(parts.dataset, collate, plan, split, rank, cfg.trainer.max_steps,

@@ -3,6 +3,10 @@
 Hydra's ``instantiate`` in its conventional role, with errors that name the component, its
 ``_target_`` and the fix. The current directory is importable (as it is for the workers, which
 run ``python -m``), so ``mytask.py`` next to the command works without installing it.
+
+The model node's keys are its factory's keyword arguments, except the ones distaccum reserves
+(:data:`MODEL_RESERVED`): they are removed before the factory is called and passed to the library
+as typed values.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from distaccum.activation_checkpointing import parse_checkpointing
 from distaccum.components import Components
 from distaccum.config import ConfigError, Node, RunConfig
 
 REQUIRED = ("model", "dataset", "loss")
+MODEL_RESERVED = ("activation_checkpointing",)
+"""Keys of the model node that configure distaccum, not the model factory."""
 
 
 def _importable_cwd() -> None:
@@ -72,7 +79,11 @@ def instantiate_components(cfg: RunConfig) -> Components:
         raise ConfigError(f"no {', '.join(missing)} configured: select a config group (model=..., data=..., "
                           "loss=...) or give a _target_ node")
     assert cfg.model is not None and cfg.data.dataset is not None and cfg.loss is not None
-    model_node = cfg.model
+    model_node = {k: v for k, v in cfg.model.items() if k not in MODEL_RESERVED}
+    try:
+        checkpointing = parse_checkpointing(cfg.model.get("activation_checkpointing"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     _locate("model", model_node)
     model = _instantiate("model", model_node, partial=True)  # built per rank, after seeding
     dataset = _instantiate("data.dataset", cfg.data.dataset, partial=False)
@@ -81,4 +92,5 @@ def instantiate_components(cfg: RunConfig) -> Components:
     names = {"model": cfg.describe("model"), "dataset": cfg.describe("dataset"), "loss": cfg.describe("loss")}
     if collate is not None:
         names["collate"] = cfg.describe("collate")
-    return Components(model=model, dataset=dataset, loss=loss, collate=collate, names=names)
+    return Components(model=model, dataset=dataset, loss=loss, collate=collate, names=names,
+                      activation_checkpointing=checkpointing)

@@ -2,7 +2,8 @@
 
 Config values are validated when the RunConfig is built; here come the checks that need the
 user's components or the machine: the engine/precision combination, importing and building every
-``_target_``, the normalization probe, the data plan, ``init_from`` and a writable ``run_dir``.
+``_target_``, activation checkpointing (its modules exist; no reentrant variant on DDP), the
+normalization probe, the data plan, ``init_from`` and a writable ``run_dir``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
 from distaccum.autobatch import budget_too_small, one_sample_peak
 from distaccum.checkpoint import fingerprint
 from distaccum.cli.instantiate import instantiate_components
@@ -96,6 +98,8 @@ def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = Tr
     except Exception as err:
         raise ConfigError(f"model: calling {names['model']} failed: {type(err).__name__}: {err}") from err
     try:
+        apply_activation_checkpointing(model, parts.activation_checkpointing)
+        check_engine_compatible(model, cfg.engine.name)
         probe(model, parts.dataset, parts.collate or default_collate, parts.loss, names=names)
         GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
                         shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)

@@ -46,24 +46,20 @@ from distaccum.engines.base import (
     scale_and_clip_,
 )
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
+from distaccum.models import block_units
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules sharded on their own (each is all-gathered/reduce-scattered as one unit).
 
-    In order of preference: the classes a Hugging Face model names in ``_no_split_modules`` (its
-    decoder layers); the children of the largest ``nn.ModuleList`` (transformer blocks, e.g.
-    tiny_gpt's ``blocks``); otherwise every Linear/Conv layer, so at most one layer is unsharded
-    at a time. The root module takes whatever is left (embeddings, final norm, head).
+    The model's blocks (:func:`distaccum.models.block_units`: a Hugging Face model's
+    ``_no_split_modules`` layers, else the children of the largest ``nn.ModuleList``); without
+    blocks, every Linear/Conv layer, so at most one layer is unsharded at a time. The root module
+    takes whatever is left (embeddings, final norm, head).
     """
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    if names:
-        units = [m for m in model.modules() if type(m).__name__ in names]
-        if units:
-            return units
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if lists:
-        return list(max(lists, key=len))
+    units = block_units(model)
+    if units:
+        return units
     return [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)]
 
 
