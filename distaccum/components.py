@@ -29,7 +29,7 @@ class Components:
     """An ``nn.Module``, or a zero-argument factory returning one (called once per rank after
     seeding, so every rank and every split starts from the same weights)."""
     dataset: Dataset
-    """A map-style dataset of samples."""
+    """A dataset of samples: map-style (walked by the global-batch plan) or an ``IterableDataset`` (a stream)."""
     loss: LossFn
     """``(model, batch) -> (loss_sum, n_items)``: see :mod:`distaccum.losses`."""
     collate: Callable[[list[Any]], Any] | None = None
@@ -38,6 +38,8 @@ class Components:
     """``params -> torch.optim.Optimizer``; None: built from the config's ``optim`` section."""
     names: dict[str, str] | None = None
     """Component -> ``_target_`` (or a description), for messages and the run's config.json."""
+    eval_dataset: Dataset | None = None
+    """A map-style held-out dataset; None: the dataset's ``held_out()`` split when it has one."""
 
     def describe(self) -> dict[str, str]:
         """What each component is, for messages and records."""

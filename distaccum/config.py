@@ -84,17 +84,19 @@ class DataConfig:
     """The dataset (a component) and how the global-batch plan walks it."""
 
     dataset: Node | None = None
-    """_target_ node of a map-style torch Dataset of samples (``len`` and ``[i]``)."""
+    """_target_ node of a torch Dataset of samples: map-style (``len`` and ``[i]``, walked by the global-batch
+    plan) or an IterableDataset (a stream, cut into windows in order)."""
     collate: Node | None = None
     """_target_ node (with ``_partial_: true``) of ``list[sample] -> batch``; null: torch's default_collate."""
     shuffle: bool = True
-    """Reshuffle each epoch from (trainer.seed, epoch)."""
+    """Reshuffle each epoch from (trainer.seed, epoch) (map-style datasets; a stream keeps its own order)."""
     drop_last: bool = False
     """Drop a partial last window (True) or train on it, weighted by what it holds (False)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0: collate in the training process)."""
+    """DataLoader worker processes per rank (0: collate in the training process). A stream is read
+    through them (samples; collated in the training process)."""
     prefetch_factor: int = 2
-    """Micro-batches each DataLoader worker prepares ahead (only with num_workers > 0)."""
+    """Micro-batches (stream: samples) each DataLoader worker prepares ahead (only with num_workers > 0)."""
 
     def __post_init__(self) -> None:
         self.dataset = _node("data.dataset", self.dataset)
@@ -102,6 +104,29 @@ class DataConfig:
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
         _positive("data", "prefetch_factor", self.prefetch_factor)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: loss and perplexity over every rank's shard, reduced by the global item count."""
+
+    dataset: Node | None = None
+    """_target_ node of a map-style held-out dataset; null: the training dataset's held_out() split when
+    it has one (data=text_files: data.dataset.eval_fraction or data.dataset.eval_files), else no evaluation."""
+    every: int = 0
+    """Evaluate every N optimizer steps (0: not during training)."""
+    at_start: bool = False
+    """Also evaluate before the first optimizer step (step 0)."""
+    at_end: bool = True
+    """Evaluate after the last optimizer step (when there is held-out data); the result goes to summary.json."""
+    micro_batch: int | None = None
+    """Samples per eval forward per rank; null: accum.micro_batch."""
+
+    def __post_init__(self) -> None:
+        self.dataset = _node("eval.dataset", self.dataset)
+        if self.every < 0:
+            raise ValueError(f"eval.every must be >= 0, got {self.every}")
+        _positive("eval", "micro_batch", self.micro_batch, allow_none=True)
 
 
 @dataclass(kw_only=True)
@@ -363,6 +388,7 @@ class RunConfig:
     """_target_ node (``_partial_: true``) of ``(model, batch) -> (loss_sum, n_items)``: the SUM of the
     loss over the batch's n_items loss items (tokens or samples), never a mean."""
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     accum: AccumConfig = field(default_factory=AccumConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -392,9 +418,10 @@ class RunConfig:
         return resolve_split(self.accum, world_size or self.world_size())
 
     def describe(self, node: str) -> str:
-        """The ``_target_`` of component ``node`` ('model', 'loss', 'dataset', 'collate'), for messages."""
+        """The ``_target_`` of component ``node`` ('model', 'loss', 'dataset', 'collate', 'eval_dataset'),
+        for messages."""
         value = {"model": self.model, "loss": self.loss, "dataset": self.data.dataset,
-                 "collate": self.data.collate}[node]
+                 "collate": self.data.collate, "eval_dataset": self.eval.dataset}[node]
         return str(value["_target_"]) if value else "(none)"
 
 

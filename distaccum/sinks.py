@@ -1,6 +1,7 @@
 """Where per-step records go: one two-method interface, a null object, and rank-0-only sinks.
 
-The same record dict feeds the console, ``metrics.jsonl``, wandb and ``distaccum verify``.
+The same record dict feeds the console, ``metrics.jsonl``, wandb and ``distaccum verify``. Evaluation
+lines (``eval_loss``, ``eval_ppl``: :mod:`distaccum.evaluate`) go through the same sinks.
 """
 
 from __future__ import annotations
@@ -97,6 +98,14 @@ class ConsoleSink:
 
     def log(self, record: Record) -> None:
         if self.quiet:
+            return
+        if "eval_loss" in record:  # an evaluation line (distaccum.evaluate), not a step
+            line = (f"eval after step {record['step']}: loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f} "
+                    f"on {record['eval_items']} items of {record['eval_samples']} samples ({record['eval_s']:.1f} s)")
+            if self.bar is not None:
+                self.bar.write(line, file=self.stream)
+            else:
+                print(line, file=self.stream, flush=True)
             return
         step = int(record["step"])
         if self.bar is not None:

@@ -10,8 +10,9 @@ The same object runs ``distaccum train``'s workers and a user's own ``torchrun``
 
 It joins the process group (or uses the one the script made), seeds and builds the model
 identically on every rank, wraps it with the engine, walks the global-batch plan through a
-DataLoader, runs :func:`distaccum.loop.train`, writes ``metrics.jsonl``/``summary.json`` and the
-trained model to ``run_dir/final/``, and leaves the group as it found it.
+DataLoader (or cuts a stream into windows: :mod:`distaccum.stream`), runs :func:`distaccum.loop.train`,
+evaluates on held-out data when asked (:mod:`distaccum.evaluate`), writes ``metrics.jsonl``/``summary.json``
+and the trained model to ``run_dir/final/``, and leaves the group as it found it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from distaccum.components import Components, ModelSpec, build_model
 from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
 from distaccum.engines import check_engine, make_engine
 from distaccum.engines.base import EngineSpec, OptimizerFactory, Precision
+from distaccum.evaluate import EvalResult, eval_dataset, evaluate
 from distaccum.loop import LoopSettings, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.models import batch_stat_layers
@@ -45,6 +47,7 @@ from distaccum.procgroup import ensure_process_group, pick_device, shutdown
 from distaccum.reference import run_reference
 from distaccum.rundir import CHECKPOINT, CONFIG, read_metrics, truncate_metrics, write_json
 from distaccum.sinks import Record, Sink, build_sinks
+from distaccum.stream import StreamSource, is_stream
 from distaccum.timing import StepTimer
 from distaccum.topology import DistEnv
 from distaccum.weights import save_final
@@ -79,7 +82,11 @@ class _Run:
     timer: StepTimer
     names: dict[str, str]
     resumed_at: int
+    collate: Callable[[list[Any]], Any]
+    eval_set: Dataset | None
     sink: Sink | None = None
+    last_eval: tuple[int, EvalResult] | None = None
+    """(optimizer steps done, result) of the latest evaluation."""
 
 
 class Trainer:
@@ -88,16 +95,19 @@ class Trainer:
     ``config`` is a :class:`~distaccum.config.RunConfig` or a mapping of its sections (``{"accum":
     {...}, "trainer": {...}, "run_dir": ...}``); its ``model``/``data.dataset``/``loss`` nodes are
     not needed here: the objects are. ``on_step(state, record)`` runs after every optimizer step.
+    ``dataset`` may be map-style or an ``IterableDataset`` (a stream); ``eval_dataset`` (map-style) is the
+    held-out data for ``eval.*`` (default: ``dataset.held_out()`` when the dataset has it).
     """
 
     def __init__(self, config: RunConfig | Mapping[str, Any] | None = None, *, model: ModelSpec,
                  dataset: Dataset, loss: LossFn, collate: Callable[[list[Any]], Any] | None = None,
                  optimizer: OptimizerFactory | None = None, stop: StopFlag | None = None,
                  on_step: Callable[[TrainState, Record], None] | None = None,
-                 check_components: bool = True, names: dict[str, str] | None = None) -> None:
+                 check_components: bool = True, names: dict[str, str] | None = None,
+                 eval_dataset: Dataset | None = None) -> None:
         cfg = config if isinstance(config, RunConfig) else from_mapping(config or {})
         self.cfg, self.verify_request = verify_overrides(cfg, os.environ)
-        self.components = Components(model, dataset, loss, collate, optimizer, names)
+        self.components = Components(model, dataset, loss, collate, optimizer, names, eval_dataset)
         self.stop = stop
         self.on_step = on_step
         self.check_components = check_components
@@ -164,9 +174,33 @@ class Trainer:
                                    append=bool(run.resumed_at), first_step=run.resumed_at + 1,
                                    wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
         until = None if steps is None else state.source.next_step + steps
+        if cfg.eval.at_start and run.last_eval is None and state.source.next_step == 0:
+            self.evaluate()
+
+        def after_step(st: TrainState, record: Record) -> None:
+            if self.on_step is not None:
+                self.on_step(st, record)
+            if cfg.eval.every and record["step"] % cfg.eval.every == 0:
+                self.evaluate()
+
         return train(state, settings, self.components.loss, run.timer, run.sink, until=until, stop=self.stop,
                      checkpoint=lambda st: save_checkpoint(settings.run_dir, st, settings.rank),
-                     on_step=self.on_step)
+                     on_step=after_step)
+
+    def evaluate(self) -> EvalResult | None:
+        """Evaluate on the held-out data now and log ``eval_loss``/``eval_ppl`` (console, metrics.jsonl,
+        wandb); None without held-out data. Collective: every rank calls it after the same step."""
+        run = self._run
+        assert run is not None and run.sink is not None, "train first: evaluate() logs through the run's sinks"
+        if run.eval_set is None:
+            return None
+        state, settings = run.state, run.settings
+        result = evaluate(state.model, run.eval_set, run.collate, self.components.loss,
+                          micro_batch=self.cfg.eval.micro_batch or settings.split.micro_batch, device=settings.device,
+                          float_dtype=settings.float_dtype, forward_context=state.engine.forward_context)
+        run.last_eval = (len(state.records), result)
+        run.sink.log(result.record(len(state.records)))
+        return result
 
     def finish(self) -> Record:
         """Summarize, write the trained model to ``run_dir/final/``, close the sinks, release the
@@ -174,10 +208,16 @@ class Trainer:
         assert self._run is not None, "nothing to finish: train first"
         cfg, run = self.cfg, self._run
         state, settings = run.state, run.settings
+        if cfg.eval.at_end and run.sink is not None and (run.last_eval is None
+                                                         or run.last_eval[0] != len(state.records)):
+            self.evaluate()
         summary = summarize(cfg, run.names, settings.split, state.records, state.engine, settings.run_dir)
+        if run.last_eval is not None:
+            summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
             config = {**to_mapping(cfg), "components": run.names}
-            summary["final_model"] = str(save_final(state.engine, settings.run_dir, config))
+            tokenizer = getattr(self.components.dataset, "tokenizer", None)
+            summary["final_model"] = str(save_final(state.engine, settings.run_dir, config, tokenizer))
         if run.sink is not None:
             run.sink.close(summary)
         if settings.rank == 0:  # finished: a later run in this run_dir starts afresh instead of resuming
@@ -223,11 +263,17 @@ class Trainer:
         make_optimizer = parts.optimizer or (lambda params: build_optimizer(params, cfg.optim))
         wrapped = engine.wrap(model, make_optimizer)  # the optimizer after wrapping: engines own parameters
         scheduler = build_scheduler(engine.optimizer, cfg.optim, cfg.trainer.max_steps)
-        plan = GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
-                               shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
-        source = PlanSource(parts.dataset, collate, plan, split, rank, cfg.trainer.max_steps,
-                            num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
-                            pin_memory=device.type == "cuda")
+        source: PlanSource | StreamSource
+        if is_stream(parts.dataset):  # no length: windows are cut from the stream in order
+            source = StreamSource(parts.dataset, collate, split, rank, drop_last=cfg.data.drop_last,  # type: ignore[arg-type]
+                                  num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor)
+        else:
+            plan = GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
+                                   shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+            source = PlanSource(parts.dataset, collate, plan, split, rank, cfg.trainer.max_steps,
+                                num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
+                                pin_memory=device.type == "cuda")
+        eval_set = eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset)
         state = TrainState(wrapped, engine, scheduler, source)
         done = resume(run_dir, state) if cfg.trainer.resume else 0
         if done:
@@ -243,7 +289,7 @@ class Trainer:
             check_every=cfg.trainer.check_every, record_checksums=cfg.verify.record, run_dir=run_dir,
             device=device, rank=rank, grad_scale_fault=cfg.debug.grad_scale_fault,
             nominal_partial_count=cfg.debug.nominal_partial_count)
-        return _Run(state, settings, StepTimer(device, ledger), names, done)
+        return _Run(state, settings, StepTimer(device, ledger), names, done, collate, eval_set)
 
 
 def save_checkpoint(run_dir: Path, state: TrainState, rank: int) -> Path:

@@ -49,17 +49,20 @@ def load_into(model: nn.Module, path: str | Path) -> None:
         raise ValueError(f"weights in {path} do not fit the model: {err}") from err
 
 
-def save_final(engine: Engine, run_dir: Path, run_config: dict[str, Any]) -> Path:
-    """Write the trained model to ``run_dir/final/``. Collective (gathers shards); rank 0 writes."""
+def save_final(engine: Engine, run_dir: Path, run_config: dict[str, Any], tokenizer: Any = None) -> Path:
+    """Write the trained model to ``run_dir/final/`` (and ``tokenizer`` when it has ``save_pretrained``,
+    so the directory loads with ``AutoTokenizer`` too). Collective (gathers shards); rank 0 writes."""
     state = engine.full_state_dict()
     final = Path(run_dir) / FINAL_DIR
     if dist.get_rank() == 0:
         final.mkdir(parents=True, exist_ok=True)
         module = engine.unwrapped()
         if is_hf_pretrained(module):
-            module.save_pretrained(str(final), state_dict=state, safe_serialization=True)
+            module.save_pretrained(str(final), state_dict=state)
         else:
             save_weights(state, final / FINAL_WEIGHTS)
+        if callable(getattr(tokenizer, "save_pretrained", None)):
+            tokenizer.save_pretrained(str(final))
         write_json(final / FINAL_CONFIG, run_config)
     dist.barrier()  # nobody reports the path before the files are there
     return final

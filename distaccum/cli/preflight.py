@@ -2,7 +2,8 @@
 
 Config values are validated when the RunConfig is built; here come the checks that need the
 user's components or the machine: the engine/precision combination, importing and building every
-``_target_``, the normalization probe, the data plan, ``init_from`` and a writable ``run_dir``.
+``_target_``, the normalization probe (and a dataset's own ``check_model``: vocabulary, positions),
+the data plan, the held-out split, ``init_from`` and a writable ``run_dir``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from distaccum.components import Components, build_model
 from distaccum.config import ConfigError, RunConfig, Split
 from distaccum.engines import check_engine
 from distaccum.engines.base import EngineSpec, Precision
+from distaccum.evaluate import eval_dataset
 from distaccum.plan import GlobalBatchPlan
 from distaccum.probe import probe
+from distaccum.stream import is_stream
 
 
 @dataclass
@@ -85,8 +88,10 @@ def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = Tr
         raise ConfigError(f"model: calling {names['model']} failed: {type(err).__name__}: {err}") from err
     try:
         probe(model, parts.dataset, parts.collate or default_collate, parts.loss, names=names)
-        GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
-                        shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+        if not is_stream(parts.dataset):
+            GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
+                            shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+        parts.eval_dataset = eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return Checked(parts, model, split)
