@@ -67,7 +67,8 @@ def eval_dataset(config: EvalConfig, dataset: Any, given: Dataset | None) -> Dat
             raise ValueError(f"eval.every={config.every} / eval.at_start={config.at_start} ask for an evaluation but "
                              "there is no held-out data: set eval.dataset (a _target_ node), pass eval_dataset= to "
                              "the Trainer, or use a dataset with a held-out split (data=text_files: "
-                             "data.dataset.eval_fraction=0.05 or data.dataset.eval_files=[...])")
+                             "data.dataset.eval_fraction=0.05 or data.dataset.eval_files=[...]); or train without "
+                             "evaluation: eval.every=0 eval.at_start=false")
         return None
     try:
         size = len(given)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from distaccum.config import Split
-from distaccum.pipeline import MicroBatch, WindowBatches
+from distaccum.pipeline import MicroBatch, WindowBatches, ignore_stop_signals
 from distaccum.plan import Window
 
 
@@ -76,7 +76,7 @@ class StreamWindows:
         if not self.num_workers:
             return iter(self.dataset)
         return iter(DataLoader(self.dataset, batch_size=None, collate_fn=_identity, num_workers=self.num_workers,
-                               prefetch_factor=self.prefetch_factor))
+                               prefetch_factor=self.prefetch_factor, worker_init_fn=ignore_stop_signals))
 
     def __iter__(self) -> Iterator[StreamWindow]:
         epoch, index = self.epoch, self.index

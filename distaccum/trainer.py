@@ -168,11 +168,7 @@ class Trainer:
         assert self._run is not None
         cfg, run = self.cfg, self._run
         state, settings = run.state, run.settings
-        if run.sink is None:
-            run.sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, settings.run_dir, settings.rank,
-                                   wandb_config=to_mapping(cfg) if cfg.log.wandb else None,
-                                   append=bool(run.resumed_at), first_step=run.resumed_at + 1,
-                                   wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
+        sink = self._sink()
         until = None if steps is None else state.source.next_step + steps
         if cfg.eval.at_start and run.last_eval is None and state.source.next_step == 0:
             self.evaluate()
@@ -183,15 +179,27 @@ class Trainer:
             if cfg.eval.every and record["step"] % cfg.eval.every == 0:
                 self.evaluate()
 
-        return train(state, settings, self.components.loss, run.timer, run.sink, until=until, stop=self.stop,
+        return train(state, settings, self.components.loss, run.timer, sink, until=until, stop=self.stop,
                      checkpoint=lambda st: save_checkpoint(settings.run_dir, st, settings.rank),
                      on_step=after_step)
+
+    def _sink(self) -> Sink:
+        """The run's sinks (console, metrics.jsonl, wandb on rank 0), opened on first use."""
+        assert self._run is not None
+        cfg, run = self.cfg, self._run
+        if run.sink is None:
+            run.sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, run.settings.run_dir, run.settings.rank,
+                                   wandb_config=to_mapping(cfg) if cfg.log.wandb else None,
+                                   append=bool(run.resumed_at), first_step=run.resumed_at + 1,
+                                   wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
+        return run.sink
 
     def evaluate(self) -> EvalResult | None:
         """Evaluate on the held-out data now and log ``eval_loss``/``eval_ppl`` (console, metrics.jsonl,
         wandb); None without held-out data. Collective: every rank calls it after the same step."""
+        self.setup()
         run = self._run
-        assert run is not None and run.sink is not None, "train first: evaluate() logs through the run's sinks"
+        assert run is not None
         if run.eval_set is None:
             return None
         state, settings = run.state, run.settings
@@ -199,7 +207,7 @@ class Trainer:
                           micro_batch=self.cfg.eval.micro_batch or settings.split.micro_batch, device=settings.device,
                           float_dtype=settings.float_dtype, forward_context=state.engine.forward_context)
         run.last_eval = (len(state.records), result)
-        run.sink.log(result.record(len(state.records)))
+        self._sink().log(result.record(len(state.records)))
         return result
 
     def finish(self) -> Record:
@@ -208,8 +216,7 @@ class Trainer:
         assert self._run is not None, "nothing to finish: train first"
         cfg, run = self.cfg, self._run
         state, settings = run.state, run.settings
-        if cfg.eval.at_end and run.sink is not None and (run.last_eval is None
-                                                         or run.last_eval[0] != len(state.records)):
+        if cfg.eval.at_end and (run.last_eval is None or run.last_eval[0] != len(state.records)):
             self.evaluate()
         summary = summarize(cfg, run.names, settings.split, state.records, state.engine, settings.run_dir)
         if run.last_eval is not None:

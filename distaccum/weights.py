@@ -27,8 +27,16 @@ def is_hf_pretrained(module: nn.Module) -> bool:
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     """Write ``state`` as safetensors (contiguous CPU copies; tied tensors become separate entries)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(path),
-              metadata={"format": "pt"})
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, value in state.items():
+        tensor = value.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in storages:  # a tied weight (GPT-2's lm_head is its embedding): safetensors wants a copy
+            tensor = tensor.clone()
+        storages.add(storage)
+        tensors[name] = tensor
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -58,7 +66,12 @@ def save_final(engine: Engine, run_dir: Path, run_config: dict[str, Any], tokeni
         final.mkdir(parents=True, exist_ok=True)
         module = engine.unwrapped()
         if is_hf_pretrained(module):
-            module.save_pretrained(str(final), state_dict=state)
+            module.save_pretrained(str(final), state_dict=dict(state))  # it removes tied names in place
+            if (final / FINAL_WEIGHTS).is_file():
+                # save_pretrained drops tied duplicates (GPT-2's lm_head.weight); rewrite the file with
+                # every state-dict name so it loads strictly into the plain model (init_from, verify).
+                # from_pretrained reads it all the same.
+                save_weights(state, final / FINAL_WEIGHTS)
         else:
             save_weights(state, final / FINAL_WEIGHTS)
         if callable(getattr(tokenizer, "save_pretrained", None)):

@@ -29,6 +29,22 @@ def write_text_files(directory: Path, count: int = 240, files: int = 2) -> list[
     return paths
 
 
+def write_bpe_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
+    """A small byte-level BPE tokenizer trained here on the topics (``tokenizers``; no download), saved
+    with ``save_pretrained`` so ``AutoTokenizer.from_pretrained(directory)`` loads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(paragraphs(300), trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>").save_pretrained(str(directory))
+    return directory
+
+
 def write_jsonl(path: Path, count: int = 40, field: str = "content") -> Path:
     """A JSONL file whose records hold the text under ``field``."""
     path.parent.mkdir(parents=True, exist_ok=True)

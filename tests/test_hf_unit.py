@@ -183,7 +183,7 @@ def test_model_loss_equals_our_summed_loss_and_its_mean_fails_the_probe(corpus: 
     batch = pad_collate([ds[i] for i in range(6)])
     ours, n = token_cross_entropy(model, batch, shift=True)
     theirs, m = model_loss(model, batch)
-    assert int(n) == int(m) and float(theirs) == pytest.approx(float(ours), rel=1e-6)
+    assert int(n) == int(m) and float(theirs.detach()) == pytest.approx(float(ours.detach()), rel=1e-6)
     probe(model, ds, pad_collate, model_loss)  # the labels= path made a sum: accepted
     with pytest.raises(ValueError, match="does not return a sum.*That is a mean"):
         probe(model, ds, pad_collate, lambda mdl, b: model_loss(mdl, b, as_sum=False))

@@ -50,7 +50,8 @@ def report_main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(rows, agreements, runs, args.rtol, args.atol)
     (out / "report.md").write_text(markdown, encoding="utf-8")
-    plot_report(rows, {r.label: r.losses for r in runs}, agreements, out / "report.png", args.rtol)
+    plot_report(rows, {r.label: r.losses for r in runs}, agreements, out / "report.png", args.rtol,
+                {r.label: r.eval_losses for r in runs})
     print(markdown)
     print(f"wrote {out / 'report.md'} and {out / 'report.png'}")
     return EXIT_OK if all(a.ok for a in agreements) else EXIT_DISAGREE
