@@ -262,7 +262,8 @@ def test_evaluate_is_the_global_mean_whatever_the_micro_batch(corpus: tuple[list
     assert held is not None
     model = tiny().double()
     loss = partial(token_cross_entropy, shift=True)
-    whole, items = loss(model, pad_collate([held[i] for i in range(len(held))]))
+    with torch.no_grad():
+        whole, items = loss(model, pad_collate([held[i] for i in range(len(held))]))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         results = [evaluate(model, held, pad_collate, loss, micro_batch=mb, device=torch.device("cpu"))
@@ -285,3 +286,19 @@ def test_truncating_metrics_on_resume_keeps_the_evaluations(tmp_path: Path) -> N
     assert [r["step"] for r in truncate_metrics(tmp_path, 2)] == [1, 2]
     assert [r["step"] for r in read_evals(tmp_path)] == [0, 2]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_eval_dataset_node_is_instantiated_at_the_edge(corpus: tuple[list[Path], str]) -> None:
+    from distaccum.cli.instantiate import instantiate_components
+    from distaccum.config import from_mapping
+
+    files, cache = corpus
+    node = {"_target_": "distaccum.textdata.TextFiles", "files": [str(files[0])], "cache_dir": cache,
+            "block_size": 32}
+    cfg = from_mapping({"model": {"_target_": "distaccum.hf.causal_lm"},
+                        "loss": {"_target_": "distaccum.losses.token_cross_entropy", "_partial_": True, "shift": True},
+                        "data": {"dataset": {**node, "files": [str(f) for f in files]}},
+                        "eval": {"dataset": node, "every": 2}})
+    parts = instantiate_components(cfg)
+    assert isinstance(parts.eval_dataset, TextFiles) and len(parts.eval_dataset) < len(parts.dataset)
+    assert eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset) is parts.eval_dataset
