@@ -127,6 +127,7 @@ class HandWrittenVariant:
         import torch
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data import DataLoader
 
         from distaccum.config import Split
         from distaccum.datasets import pad_collate
@@ -139,16 +140,20 @@ class HandWrittenVariant:
         self.model = DDP(self.raw)
         self.optimizer = torch.optim.AdamW(self.raw.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                            foreach=False)
-        self.plan = GlobalBatchPlan(len(dataset), spec.global_batch, seed=spec.seed, shuffle=False)
-        self.split = Split(spec.micro_batch, spec.accum_steps, WORLD)
-        self.dataset, self.collate, self.step = dataset, pad_collate, 0
+        # The same samples as distaccum's run, step by step, through a plain DataLoader (what a user writes).
+        plan = GlobalBatchPlan(len(dataset), spec.global_batch, seed=spec.seed, shuffle=False)
+        split, steps = Split(spec.micro_batch, spec.accum_steps, WORLD), spec.warmup + spec.rounds * spec.steps
+        if steps > plan.windows_per_epoch:
+            raise ValueError(f"{steps} steps need more than one epoch of {plan.windows_per_epoch} windows: more text")
+        order = [piece.tolist() for step in range(steps)
+                 for piece in plan.window(step).rank_micro_batches(split, dist.get_rank())]
+        self.batches = iter(DataLoader(dataset, batch_sampler=order, collate_fn=pad_collate))
+        self.accum_steps, self.step = spec.accum_steps, 0
 
     def one_step(self) -> Any:
-        torch, dist, rank = self.torch, self.dist, self.dist.get_rank()
-        window = self.plan.window(self.step)
+        torch, dist = self.torch, self.dist
         # The recipe fetches the whole window first: it needs the item count before any forward.
-        batches = [self.collate([self.dataset[int(i)] for i in piece])
-                   for piece in window.rank_micro_batches(self.split, rank)]
+        batches = [next(self.batches) for _ in range(self.accum_steps)]
         items = sum((b["labels"][..., 1:] != -100).sum() for b in batches).to(torch.float32)
         dist.all_reduce(items)  # num_items_in_batch gathered across ranks
         loss_total = torch.zeros(())

@@ -233,6 +233,11 @@ class TextFiles(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return _sample(self.rows[int(self.index[i])]["input_ids"])
 
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """A micro-batch's samples in one arrow read (the DataLoader's fetcher calls this when present)."""
+        ids = self.rows[self.index[indices].tolist()]["input_ids"]  # a 2-D tensor when packed, else a list
+        return [_sample(row) for row in ids]
+
     def held_out(self) -> TextFiles | None:
         """The held-out samples (``eval_files`` or every round(1/eval_fraction)-th sample), or None."""
         if self.options.eval_files is not None:

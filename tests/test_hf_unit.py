@@ -96,6 +96,8 @@ def test_packed_blocks_are_the_text_bytes_and_tokenized_once(corpus: tuple[list[
     assert len(ds) == len(text.encode()) // 32
     assert bytes(ds[1]["input_ids"].tolist()) == text.encode()[32:64]
     assert torch.equal(ds[3]["labels"], ds[3]["input_ids"])  # the loss shifts (shift=true)
+    batch = ds.__getitems__([3, 0, 5])  # the DataLoader's one-read fetch gives the same samples
+    assert all(torch.equal(b["input_ids"], ds[i]["input_ids"]) for b, i in zip(batch, (3, 0, 5), strict=True))
     texts: list[str] = []
     real = ByteTokenizer.__call__
     monkeypatch.setattr(ByteTokenizer, "__call__", lambda self, t, **k: texts.extend(t) or real(self, t, **k))
