@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,6 @@ CONFIG_NAMES: dict[str, dict[str, str]] = {
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 """Any one of these makes a directory a tokenizer directory."""
-
-
-def _offline() -> None:
-    # Only local files are ever read; say so to huggingface_hub too, so a typo never turns into a
-    # network request (or a hang on a machine without network).
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _quiet() -> None:
@@ -68,7 +61,6 @@ def causal_lm(*, model_type: str = "llama", pretrained: str | None = None, vocab
     ``intermediate`` defaults to 4 x width; ``config`` sets any other field of the model's config
     (``{rope_theta: 10000.0}``). Dropout defaults to 0: random layers make runs differ by split.
     """
-    _offline()
     _quiet()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -156,7 +148,6 @@ def load_tokenizer(path: str | None) -> Any:
     """``AutoTokenizer.from_pretrained(path)`` from local files only, or a :class:`ByteTokenizer`."""
     if path is None:
         return ByteTokenizer()
-    _offline()
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"tokenizer={path!r} is not a directory: give a local tokenizer directory (written by "
