@@ -135,13 +135,9 @@ class _TextOptions:
         self.period = round(1.0 / eval_fraction) if eval_fraction else 0
         """Sample i is held out when ``i % period == period - 1`` (0: nothing held out)."""
 
-    @property
-    def json(self) -> bool:
-        return self.files[0].suffix.lower() in JSON_SUFFIXES
-
     def load_args(self, files: list[Path]) -> tuple[str, dict[str, Any]]:
-        """``datasets.load_dataset``'s builder and keyword arguments for ``files``."""
-        if self.json:
+        """``datasets.load_dataset``'s builder and keyword arguments for ``files`` (all of one kind)."""
+        if files[0].suffix.lower() in JSON_SUFFIXES:
             return "json", {"data_files": [str(f) for f in files]}
         return "text", {"data_files": [str(f) for f in files], "sample_by": self.sample_by}
 

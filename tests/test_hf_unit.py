@@ -137,7 +137,11 @@ def test_held_out_split_is_every_kth_sample_and_the_stream_matches(corpus: tuple
     assert all(torch.equal(s["input_ids"], padded[i]["input_ids"]) for i, s in enumerate(padded_stream))
 
 
-def test_jsonl_text_field(tmp_path: Path) -> None:
+def test_jsonl_text_field(tmp_path: Path, corpus: tuple[list[Path], str]) -> None:
+    path = write_jsonl(tmp_path / "r.jsonl", field="text")
+    text = TextFiles([str(corpus[0][0])], eval_files=[str(path)], cache_dir=corpus[1], block_size=32)
+    held = text.held_out()  # .txt training files, JSONL eval files
+    assert held is not None and bytes(held[0]["input_ids"].tolist()).startswith(paragraphs(1)[0][:32].encode())
     path = write_jsonl(tmp_path / "r.jsonl", field="content")
     ds = TextFiles([str(path)], text_field="content", cache_dir=str(tmp_path / "c"), packing=False, block_size=4096)
     assert bytes(ds[0]["input_ids"].tolist()).decode() == paragraphs(1)[0]
