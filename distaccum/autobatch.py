@@ -44,7 +44,7 @@ from distaccum.memory import peak_memory_bytes, reset_peak_memory
 from distaccum.optim import build_optimizer
 from distaccum.pipeline import to_device
 from distaccum.plan import GlobalBatchPlan
-from distaccum.sinks import human_bytes
+from distaccum.units import human_bytes
 
 CPU_RAM_FRACTION = 0.8
 """Default CPU budget: this share of the available RAM, divided among the node's ranks."""

@@ -30,7 +30,7 @@ class Components:
     """An ``nn.Module``, or a zero-argument factory returning one (called once per rank after
     seeding, so every rank and every split starts from the same weights)."""
     dataset: Dataset
-    """A map-style dataset of samples."""
+    """A dataset of samples: map-style (walked by the global-batch plan) or an ``IterableDataset`` (a stream)."""
     loss: LossFn
     """``(model, batch) -> (loss_sum, n_items)``: see :mod:`distaccum.losses`."""
     collate: Callable[[list[Any]], Any] | None = None
@@ -43,6 +43,8 @@ class Components:
     """Modules of the model that recompute their activations in backward: None, ``"blocks"`` or
     module-name patterns (:mod:`distaccum.activation_checkpointing`); applied by the Trainer to the
     plain model before the engine wraps it, never by the verify reference."""
+    eval_dataset: Dataset | None = None
+    """A map-style held-out dataset; None: the dataset's ``held_out()`` split when it has one."""
 
     def describe(self) -> dict[str, str]:
         """What each component is, for messages and records."""

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 # Split and its helpers live in a leaf module of their own; importing them from here keeps working.
 from distaccum.split import Split, nearest_valid_global_batches, no_split_message, valid_splits  # noqa: F401
+from distaccum.units import parse_bytes
 
 ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
@@ -27,8 +28,6 @@ AUTO = "auto"
 """``accum.micro_batch=auto``: the Trainer picks the largest micro-batch that fits the memory budget."""
 GNS_ENGINES = ("ddp",)
 """Engines whose gradient comm hook feeds the gradient noise scale monitor (``log.gns``)."""
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 Node = dict[str, Any]
@@ -49,26 +48,6 @@ def _positive(section: str, name: str, value: int | float | None, *, allow_none:
         return
     if value is None or value <= 0:
         raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
-
-
-def parse_bytes(where: str, value: int | float | str) -> int:
-    """A size in bytes from an integer or a string such as ``512MiB``, ``6GB``, ``1.5GiB``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{where} must be a size such as 512MiB or 6GB, got {value!r}")
-    if isinstance(value, int | float):
-        size = float(value)
-    else:
-        text = str(value).strip().lower().replace(" ", "")
-        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(number):] or "b"
-        try:
-            size = float(number) * _UNITS[unit]
-        except (ValueError, KeyError):
-            raise ValueError(f"{where}={value!r} is not a size: write bytes or a number with a unit "
-                             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB or 6GB") from None
-    if size <= 0:
-        raise ValueError(f"{where} must be > 0, got {value!r}")
-    return int(size)
 
 
 def _node(where: str, value: Any) -> Node | None:
@@ -118,17 +97,19 @@ class DataConfig:
     """The dataset (a component) and how the global-batch plan walks it."""
 
     dataset: Node | None = None
-    """_target_ node of a map-style torch Dataset of samples (``len`` and ``[i]``)."""
+    """_target_ node of a torch Dataset of samples: map-style (``len`` and ``[i]``, walked by the global-batch
+    plan) or an IterableDataset (a stream, cut into windows in order)."""
     collate: Node | None = None
     """_target_ node (with ``_partial_: true``) of ``list[sample] -> batch``; null: torch's default_collate."""
     shuffle: bool = True
-    """Reshuffle each epoch from (trainer.seed, epoch)."""
+    """Reshuffle each epoch from (trainer.seed, epoch) (map-style datasets; a stream keeps its own order)."""
     drop_last: bool = False
     """Drop a partial last window (True) or train on it, weighted by what it holds (False)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0: collate in the training process)."""
+    """DataLoader worker processes per rank (0: collate in the training process). A stream is read
+    through them (samples; collated in the training process)."""
     prefetch_factor: int = 2
-    """Micro-batches each DataLoader worker prepares ahead (only with num_workers > 0)."""
+    """Micro-batches (stream: samples) each DataLoader worker prepares ahead (only with num_workers > 0)."""
 
     def __post_init__(self) -> None:
         self.dataset = _node("data.dataset", self.dataset)
@@ -136,6 +117,29 @@ class DataConfig:
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
         _positive("data", "prefetch_factor", self.prefetch_factor)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: loss and perplexity over every rank's shard, reduced by the global item count."""
+
+    dataset: Node | None = None
+    """_target_ node of a map-style held-out dataset; null: the training dataset's held_out() split when
+    it has one (data=text_files: data.dataset.eval_fraction or data.dataset.eval_files), else no evaluation."""
+    every: int = 0
+    """Evaluate every N optimizer steps (0: not during training)."""
+    at_start: bool = False
+    """Also evaluate before the first optimizer step (step 0)."""
+    at_end: bool = True
+    """Evaluate after the last optimizer step (when there is held-out data); the result goes to summary.json."""
+    micro_batch: int | None = None
+    """Samples per eval forward per rank; null: accum.micro_batch."""
+
+    def __post_init__(self) -> None:
+        self.dataset = _node("eval.dataset", self.dataset)
+        if self.every < 0:
+            raise ValueError(f"eval.every must be >= 0, got {self.every}")
+        _positive("eval", "micro_batch", self.micro_batch, allow_none=True)
 
 
 @dataclass(kw_only=True)
@@ -478,6 +482,7 @@ class RunConfig:
     """_target_ node (``_partial_: true``) of ``(model, batch) -> (loss_sum, n_items)``: the SUM of the
     loss over the batch's n_items loss items (tokens or samples), never a mean."""
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     accum: AccumConfig = field(default_factory=AccumConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -517,9 +522,10 @@ class RunConfig:
         return self.split(world_size).global_batch
 
     def describe(self, node: str) -> str:
-        """The ``_target_`` of component ``node`` ('model', 'loss', 'dataset', 'collate'), for messages."""
+        """The ``_target_`` of component ``node`` ('model', 'loss', 'dataset', 'collate', 'eval_dataset'),
+        for messages."""
         value = {"model": self.model, "loss": self.loss, "dataset": self.data.dataset,
-                 "collate": self.data.collate}[node]
+                 "collate": self.data.collate, "eval_dataset": self.eval.dataset}[node]
         return str(value["_target_"]) if value else "(none)"
 
 

@@ -14,6 +14,7 @@ forward/backward passes and takes part in every gradient reduction.
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -42,6 +43,18 @@ class PlanSampler(Sampler[list[int]]):
                 yield (piece if len(piece) else window.indices[:1]).tolist()
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """``worker_init_fn`` of distaccum's DataLoaders: SIGTERM/SIGUSR1 are the training process's to handle.
+
+    torch elastic and Slurm signal a rank's whole process group; a DataLoader worker killed by it
+    would crash its rank ("DataLoader worker exited unexpectedly") before the rank finished the
+    window and wrote its checkpoint. The workers hold no state of their own and exit with their rank
+    (the DataLoader's watchdog sees the parent go).
+    """
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def build_loader(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
                  split: Split, rank: int, stop: int, *, num_workers: int = 0, prefetch_factor: int = 2,
                  pin_memory: bool = False) -> DataLoader:
@@ -49,7 +62,8 @@ def build_loader(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, p
     sampler = PlanSampler(plan, split, rank, plan.next_step, stop)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate or default_collate,
                       num_workers=num_workers, pin_memory=pin_memory,
-                      prefetch_factor=prefetch_factor if num_workers > 0 else None)
+                      prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                      worker_init_fn=ignore_stop_signals if num_workers > 0 else None)
 
 
 @dataclass

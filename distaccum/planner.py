@@ -47,8 +47,9 @@ import torch.distributed as dist
 from distaccum.autobatch import Probe, auto_trial, default_budget, memory_kind, micro_batch_sizes
 from distaccum.components import Components
 from distaccum.config import RunConfig, Split, check_split, valid_splits, with_overrides
-from distaccum.sinks import Record, human_bytes
+from distaccum.sinks import Record
 from distaccum.trainer import Trainer
+from distaccum.units import human_bytes
 
 TRIAL_ACCUM = 4
 """Default accumulation steps of a timing trial (K_t = min(K, TRIAL_ACCUM))."""

@@ -18,11 +18,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from distaccum.losses import LossFn
 from distaccum.models import batch_stat_layers
 from distaccum.pipeline import to_device
+
+_EMPTY = object()
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,9 @@ def check_model(model: Any, target: str) -> nn.Module:
 
 def probe(model: nn.Module, dataset: Dataset, collate: Callable[[list[Any]], Any], loss: LossFn, *,
           names: dict[str, str] | None = None, rtol: float = 1e-4) -> ProbeReport:
-    """Run the component checks and the normalization probe on sample 0; raise ValueError on failure.
+    """Run the component checks and the normalization probe on sample 0 (a stream's first sample);
+    raise ValueError on failure. A dataset with ``check_model(model)`` checks that the model fits its
+    samples (distaccum.textdata: vocabulary, positions).
 
     ``names`` maps 'model', 'dataset', 'collate', 'loss' to their ``_target_`` for messages. The
     model runs in eval mode without gradients, and the global RNG state is restored afterwards, so
@@ -81,19 +85,27 @@ def probe(model: nn.Module, dataset: Dataset, collate: Callable[[list[Any]], Any
     """
     names = {"model": "(model)", "dataset": "(dataset)", "collate": "(collate)", "loss": "(loss)",
              **(names or {})}
-    try:
-        size = len(dataset)  # type: ignore[arg-type]
-    except TypeError as err:
-        raise ValueError(f"dataset {names['dataset']} has no len(): distaccum's global-batch plan needs a "
-                         "map-style dataset (__len__ and __getitem__)") from err
-    if size == 0:
-        raise ValueError(f"dataset {names['dataset']} is empty: there is nothing to train on")
+    stream = isinstance(dataset, IterableDataset)
+    if not stream:
+        try:
+            size = len(dataset)  # type: ignore[arg-type]
+        except TypeError as err:
+            raise ValueError(f"dataset {names['dataset']} has no len(): distaccum's global-batch plan needs a "
+                             "map-style dataset (__len__ and __getitem__), or a torch IterableDataset (a stream)"
+                             ) from err
+        if size == 0:
+            raise ValueError(f"dataset {names['dataset']} is empty: there is nothing to train on")
+    check_fit = getattr(dataset, "check_model", None)
+    if callable(check_fit):  # a dataset that knows what its samples need (vocabulary, positions)
+        check_fit(model)
     with torch.random.fork_rng(devices=[]):
         try:
-            sample = dataset[0]
+            sample = next(iter(dataset), _EMPTY) if stream else dataset[0]
         except Exception as err:
             raise ValueError(f"dataset {names['dataset']}: reading sample 0 failed: "
                              f"{type(err).__name__}: {err}") from err
+        if sample is _EMPTY:
+            raise ValueError(f"dataset {names['dataset']} (a stream) yields no sample: there is nothing to train on")
         batches = []
         for count in (1, 2):
             try:

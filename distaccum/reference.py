@@ -3,7 +3,7 @@
 It shares only the user's model factory, dataset, collate, loss and optimizer factory (and the
 learning-rate schedule) with the run it checks — no engine wrapper, no process group, no
 accumulation loop, no gradient scaling. Each optimizer step takes the whole window the plan gives
-that step, runs ONE forward/backward of
+that step (for a stream: the next ``global_batch`` samples read off it), runs ONE forward/backward of
 
     sum(loss over the window's items) / (the window's item count)
 
@@ -20,7 +20,10 @@ reads both alike.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from itertools import count
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,7 +46,23 @@ from distaccum.rundir import (
     write_json,
 )
 from distaccum.sinks import JsonlSink
+from distaccum.stream import is_stream, stream_windows
 from distaccum.weights import save_weights
+
+
+def window_samples(cfg: RunConfig, parts: Components, global_batch: int) -> Iterator[tuple[int, list[Any], bool]]:
+    """(epoch, samples, partial) of each optimizer step's window, as a run's source serves them: from the
+    global-batch plan (map-style) or read off the stream in order (:mod:`distaccum.stream`)."""
+    if is_stream(parts.dataset):
+        for window in stream_windows(parts.dataset, global_batch, drop_last=cfg.data.drop_last,  # type: ignore[arg-type]
+                                     num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor):
+            yield window.epoch, window.samples, len(window.samples) < global_batch
+        return
+    plan = GlobalBatchPlan(len(parts.dataset), global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
+                           shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+    for step in count():
+        window = plan.window(step)
+        yield window.epoch, [parts.dataset[int(i)] for i in window.indices], window.partial
 
 
 def run_reference(cfg: RunConfig, parts: Components, run_dir: Path, *, global_batch: int,
@@ -70,15 +89,14 @@ def run_reference(cfg: RunConfig, parts: Components, run_dir: Path, *, global_ba
     optimizer = parts.optimizer(params) if parts.optimizer else build_optimizer(params, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps, global_batch=global_batch)
     collate = parts.collate or torch.utils.data.default_collate
-    plan = GlobalBatchPlan(len(parts.dataset), global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
-                           shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
     float_dtype = torch.float64 if precision.param_dtype == torch.float64 else None
     sink = JsonlSink(run_dir)
     records: list[Record] = []
     model.train()
+    windows = window_samples(cfg, parts, global_batch)
     for step in range(cfg.trainer.max_steps):
-        window = plan.window(step)
-        batch = to_device(collate([parts.dataset[int(i)] for i in window.indices]), device, float_dtype)
+        epoch, samples, partial = next(windows)
+        batch = to_device(collate(samples), device, float_dtype)
         with precision.autocast(device):
             loss_sum, n_items = parts.loss(model, batch)
         items = float(n_items)
@@ -92,9 +110,9 @@ def run_reference(cfg: RunConfig, parts: Components, run_dir: Path, *, global_ba
         optimizer.zero_grad(set_to_none=True)
         names_, numels, values = parameter_checksums(model.named_parameters())
         append_checksums(run_dir, step + 1, names_, numels, values)
-        record: Record = {"step": step + 1, "epoch": window.epoch, "loss": float(loss_sum.detach()) / items, "lr": lr,
-                          "samples": len(window.indices), "items": round(items), "micro_steps": 1,
-                          "partial_window": window.partial, "grad_norm": norm, "skipped": not applied}
+        record: Record = {"step": step + 1, "epoch": epoch, "loss": float(loss_sum.detach()) / items, "lr": lr,
+                          "samples": len(samples), "items": round(items), "micro_steps": 1,
+                          "partial_window": partial, "grad_norm": norm, "skipped": not applied}
         records.append(record)
         sink.log(record)
     final = run_dir / FINAL_DIR

@@ -1,6 +1,7 @@
 """Compare finished runs and sweeps: one table, a loss-curve agreement check, one figure.
 
-Everything here is a pure function of the run directories (``metrics.jsonl``, ``summary.json``,
+Everything here is a pure function of the run directories (``metrics.jsonl`` with its held-out
+evaluation lines, ``summary.json``,
 ``status.json``, ``config.json``, Hydra's ``.hydra/overrides.yaml``) except :func:`plot_report`,
 which takes already computed data and a path. ``distaccum report`` (``report_cli``) wires them.
 
@@ -22,8 +23,8 @@ from statistics import median
 import yaml
 
 from distaccum.config import OptimConfig
-from distaccum.rundir import CONFIG, METRICS, STATUS, SUMMARY, Record, read_json, read_metrics
-from distaccum.sinks import human_bytes
+from distaccum.rundir import CONFIG, METRICS, STATUS, SUMMARY, Record, read_evals, read_json, read_metrics
+from distaccum.units import human_bytes
 
 RUN_FILES = (METRICS, SUMMARY, STATUS)
 COMPARABLE_SECTIONS = ("model", "data", "loss", "optim", "precision")
@@ -43,11 +44,18 @@ class Run:
     summary: Record = field(default_factory=dict)
     config: Record = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
+    evals: list[Record] = field(default_factory=list)
+    """Held-out evaluations (``eval_loss``, ``eval_ppl``) by optimizer steps done."""
 
     @property
     def losses(self) -> dict[int, float]:
         """step -> loss."""
         return {int(r["step"]): float(r["loss"]) for r in self.records}
+
+    @property
+    def eval_losses(self) -> dict[int, float]:
+        """step -> held-out eval loss."""
+        return {int(r["step"]): float(r["eval_loss"]) for r in self.evals}
 
 
 @dataclass
@@ -90,6 +98,8 @@ class Row:
     comm_calls: float
     peak_mem_bytes: int
     final_loss: float
+    eval_loss: float = math.nan
+    """The last held-out evaluation's loss (nan without one)."""
     agreement: str = "-"
 
 
@@ -118,7 +128,7 @@ def load_run(path: Path, label: str | None = None) -> Run:
         overrides = [str(o) for o in loaded or []]
     return Run(path=path, label=label or path.name, status=status, error=error,
                records=read_metrics(path), summary=summary,
-               config=read_json(path / CONFIG), overrides=overrides)
+               config=read_json(path / CONFIG), overrides=overrides, evals=read_evals(path))
 
 
 def sweep_jobs(path: Path) -> list[Path]:
@@ -219,6 +229,7 @@ def table_row(run: Run) -> Row:
         comm_calls=med("comm_calls"),
         peak_mem_bytes=max((int(r.get("peak_mem_bytes", 0)) for r in run.records), default=0),
         final_loss=float(run.records[-1]["loss"]) if run.records else math.nan,
+        eval_loss=float(run.evals[-1]["eval_loss"]) if run.evals else math.nan,
     )
 
 
@@ -327,7 +338,7 @@ def _num(value: float, fmt: str) -> str:
 
 COLUMNS = ("run", "status", "overrides", "split (mb x K x W = G)", "engine", "sync", "loss norm", "steps",
            "effective lr", "samples/s", "compute s", "exposed comm s", "comm in flight s", "comm share",
-           "reduced/step", "peak mem", "final loss", "loss curve")
+           "reduced/step", "peak mem", "final loss", "eval loss (ppl)", "loss curve")
 
 
 def _cells(row: Row) -> list[str]:
@@ -339,7 +350,9 @@ def _cells(row: Row) -> list[str]:
         _num(row.comm_s, ".4f"), _num(row.comm_share, ".1%"),
         f"{human_bytes(row.comm_bytes)} / {row.comm_calls:.0f} calls"
         if valid and not math.isnan(row.comm_bytes + row.comm_calls) else "-",
-        human_bytes(row.peak_mem_bytes) if valid else "-", _num(row.final_loss, ".5f"), row.agreement,
+        human_bytes(row.peak_mem_bytes) if valid else "-", _num(row.final_loss, ".5f"),
+        "-" if math.isnan(row.eval_loss) else f"{row.eval_loss:.4f} ({math.exp(min(row.eval_loss, 700)):.2f})",
+        row.agreement,
     ]
 
 
@@ -381,11 +394,12 @@ def render_markdown(rows: list[Row], agreements: list[Agreement], runs: list[Run
 
 
 def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements: list[Agreement],
-                path: Path, rtol: float, gns: dict[str, dict[int, tuple[float, float]]] | None = None) -> None:
+                path: Path, rtol: float, eval_curves: dict[str, dict[int, float]] | None = None,
+                gns: dict[str, dict[int, tuple[float, float]]] | None = None) -> None:
     """``report.png``: per run, the median step split into compute / exposed comm / data / optimizer
-    (left); the loss curves overlaid, disagreeing runs dashed (middle); each compared run's relative
-    loss difference to its reference, against ``rtol`` (right); with ``gns`` (step -> raw, smoothed
-    noise scale per run) a fourth panel of the gradient noise scale."""
+    (left); the loss curves overlaid, disagreeing runs dashed, held-out eval losses as crosses
+    (middle); each compared run's relative loss difference to its reference, against ``rtol`` (right);
+    with ``gns`` (step -> raw, smoothed noise scale per run) a fourth panel of the gradient noise scale."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; also safe when called from a worker or CI
@@ -424,11 +438,16 @@ def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements
         bad = label in flagged
         losses.plot(steps, [curve[s] for s in steps], linestyle="--" if bad else "-", marker=".",
                     label=label + (" (disagrees)" if bad else ""), alpha=0.85)
+    for label, curve in (eval_curves or {}).items():
+        if curve:
+            steps = sorted(curve)
+            losses.plot(steps, [curve[s] for s in steps], linestyle=":", marker="x", label=f"{label} eval")
     losses.set_xlabel("optimizer step")
     losses.set_ylabel("loss")
-    losses.set_title("loss curves", fontsize=10)
+    losses.set_title("loss curves (x: held-out eval)" if any((eval_curves or {}).values()) else "loss curves",
+                     fontsize=10)
     losses.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if curves:
+    if curves or eval_curves:
         losses.legend(fontsize=8)
     for a in agreements:
         cand, ref = curves[a.label], curves[a.reference]

@@ -3,7 +3,7 @@
     run_dir/
       config.json          the resolved configuration (rank 0, at start)
       launch_config.json   what the local launcher handed its workers
-      metrics.jsonl        one record per optimizer step (rank 0, flushed as written)
+      metrics.jsonl        one record per optimizer step, plus eval lines (rank 0, flushed as written)
       summary.json         the run summary (at the end)
       status.json          ok | failed | invalid_config, written by the CLI
       checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.checkpoint)
@@ -90,13 +90,26 @@ def read_metrics(run_dir: Path) -> list[Record]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def read_evals(run_dir: Path) -> list[Record]:
+    """The evaluation lines of ``metrics.jsonl`` (``eval_loss``, ``eval_ppl``; ``step`` = optimizer steps
+    done when it ran, 0 before training), sorted by step; a step evaluated twice keeps its last line."""
+    by_step: dict[int, Record] = {}
+    for record in read_jsonl(Path(run_dir) / METRICS):
+        if "step" in record and "eval_loss" in record:
+            by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def truncate_metrics(run_dir: Path, steps: int) -> list[Record]:
-    """Keep the first ``steps`` records of ``metrics.jsonl`` (a resumed run drops later lines) and
-    return them."""
+    """Keep the first ``steps`` step records of ``metrics.jsonl`` and the evaluations up to them (a
+    resumed run drops later lines); return the step records."""
     path = Path(run_dir) / METRICS
     records = [r for r in read_metrics(run_dir) if int(r["step"]) <= steps]
+    evals = [r for r in read_evals(run_dir) if int(r["step"]) <= steps]
+    lines = sorted([(int(r["step"]), 0, r) for r in records] + [(int(r["step"]), 1, r) for r in evals],
+                   key=lambda line: line[:2])
     if path.is_file():
-        path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records), encoding="utf-8")
+        path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for _, _, r in lines), encoding="utf-8")
     return records
 
 

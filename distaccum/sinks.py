@@ -1,6 +1,7 @@
 """Where per-step records go: one two-method interface, a null object, and rank-0-only sinks.
 
-The same record dict feeds the console, ``metrics.jsonl``, wandb and ``distaccum verify``.
+The same record dict feeds the console, ``metrics.jsonl``, wandb and ``distaccum verify``. Evaluation
+lines (``eval_loss``, ``eval_ppl``: :mod:`distaccum.evaluate`) go through the same sinks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from distaccum.rundir import METRICS, SUMMARY, Record, write_json
+from distaccum.units import human_bytes
 
 
 class Sink(Protocol):
@@ -52,14 +54,6 @@ class JsonlSink:
         write_json(self.run_dir / SUMMARY, summary)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}GiB"  # pragma: no cover
-
-
 def clock(seconds: float) -> str:
     """``1:02:03`` / ``2:03`` for a duration in seconds."""
     seconds = max(0, int(round(seconds)))
@@ -97,6 +91,14 @@ class ConsoleSink:
 
     def log(self, record: Record) -> None:
         if self.quiet:
+            return
+        if "eval_loss" in record:  # an evaluation line (distaccum.evaluate), not a step
+            line = (f"eval after step {record['step']}: loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f} "
+                    f"on {record['eval_items']} items of {record['eval_samples']} samples ({record['eval_s']:.1f} s)")
+            if self.bar is not None:
+                self.bar.write(line, file=self.stream)
+            else:
+                print(line, file=self.stream, flush=True)
             return
         step = int(record["step"])
         if self.bar is not None:

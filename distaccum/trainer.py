@@ -43,6 +43,7 @@ from distaccum.components import Components, ModelSpec, build_model
 from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
 from distaccum.engines import check_engine, make_engine
 from distaccum.engines.base import EngineSpec, OptimizerFactory, Precision
+from distaccum.evaluate import EvalResult, eval_dataset, evaluate
 from distaccum.liveness import Liveness, describe_peers, kill_stopped_peers, short_error
 from distaccum.loop import LoopSettings, TrainState, train
 from distaccum.losses import LossFn
@@ -57,6 +58,7 @@ from distaccum.resume import fresh_start, resume
 from distaccum.rundir import CONFIG, write_json
 from distaccum.sinks import Record, Sink, build_sinks
 from distaccum.stopping import StopFlag, StopRequested
+from distaccum.stream import StreamSource, is_stream
 from distaccum.summary import summarize
 from distaccum.timing import StepTimer
 from distaccum.topology import DistEnv
@@ -95,7 +97,11 @@ class _Run:
     liveness: Liveness
     fingerprint: dict[str, Any]
     last_checkpoint_step: int
+    collate: Callable[[list[Any]], Any]
+    eval_set: Dataset | None
     sink: Sink | None = None
+    last_eval: tuple[int, EvalResult] | None = None
+    """(optimizer steps done, result) of the latest evaluation."""
 
 
 class Trainer:
@@ -105,7 +111,9 @@ class Trainer:
     {...}, "trainer": {...}, "run_dir": ...}``); its ``model``/``data.dataset``/``loss`` nodes are
     not needed here: the objects are. ``on_step(state, record)`` runs after every optimizer step.
     ``activation_checkpointing`` (``"blocks"`` or module-name patterns) makes those modules recompute
-    their activations in backward (:mod:`distaccum.activation_checkpointing`).
+    their activations in backward (:mod:`distaccum.activation_checkpointing`). ``dataset`` may be
+    map-style or an ``IterableDataset`` (a stream); ``eval_dataset`` (map-style) is the held-out data for
+    ``eval.*`` (default: ``dataset.held_out()`` when the dataset has it).
     """
 
     def __init__(self, config: RunConfig | Mapping[str, Any] | None = None, *, model: ModelSpec,
@@ -113,11 +121,13 @@ class Trainer:
                  optimizer: OptimizerFactory | None = None, stop: StopFlag | None = None,
                  on_step: Callable[[TrainState, Record], None] | None = None,
                  check_components: bool = True, names: dict[str, str] | None = None,
-                 activation_checkpointing: Checkpointing | list[str] = None) -> None:
+                 activation_checkpointing: Checkpointing | list[str] = None,
+                 eval_dataset: Dataset | None = None) -> None:
         cfg = config if isinstance(config, RunConfig) else from_mapping(config or {})
         self.cfg, self.verify_request = verify_overrides(cfg, os.environ)
         checkpointing = parse_checkpointing(activation_checkpointing, "activation_checkpointing")
-        self.components = Components(model, dataset, loss, collate, optimizer, names, checkpointing)
+        self.components = Components(model, dataset, loss, collate, optimizer, names,
+                                     activation_checkpointing=checkpointing, eval_dataset=eval_dataset)
         self.stop = stop
         self.on_step = on_step
         self.check_components = check_components
@@ -181,20 +191,21 @@ class Trainer:
         assert self._run is not None
         cfg, run = self.cfg, self._run
         state, settings = run.state, run.settings
-        if run.sink is None:
-            run.sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, settings.run_dir, settings.rank,
-                                   wandb_config=to_mapping(cfg) if cfg.log.wandb else None,
-                                   append=bool(run.resumed_at), first_step=run.resumed_at + 1,
-                                   wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
+        sink = self._sink()
         until = None if steps is None else state.source.next_step + steps
-        def on_step(st: TrainState, record: Record) -> None:
+        if cfg.eval.at_start and run.last_eval is None and state.source.next_step == 0:
+            self.evaluate()
+
+        def after_step(st: TrainState, record: Record) -> None:
             run.liveness.beat(int(record["step"]))
             if self.on_step is not None:
                 self.on_step(st, record)
+            if cfg.eval.every and record["step"] % cfg.eval.every == 0:
+                self.evaluate()
 
         try:
-            return train(state, settings, self.components.loss, run.timer, run.sink, until=until, stop=self.stop,
-                         checkpoint=self._checkpoint, on_step=on_step)
+            return train(state, settings, self.components.loss, run.timer, sink, until=until, stop=self.stop,
+                         checkpoint=self._checkpoint, on_step=after_step)
         except StopRequested:
             run.liveness.write("stopped", step=len(state.records))
             raise
@@ -208,6 +219,33 @@ class Trainer:
                       + (f". Killed stopped rank(s) {killed}: they cannot continue, and the launcher would wait "
                          "for them" if killed else ""), file=sys.stderr, flush=True)
             raise
+
+    def _sink(self) -> Sink:
+        """The run's sinks (console, metrics.jsonl, wandb on rank 0), opened on first use."""
+        assert self._run is not None
+        cfg, run = self.cfg, self._run
+        if run.sink is None:
+            run.sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, run.settings.run_dir, run.settings.rank,
+                                   wandb_config=to_mapping(cfg) if cfg.log.wandb else None,
+                                   append=bool(run.resumed_at), first_step=run.resumed_at + 1,
+                                   wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
+        return run.sink
+
+    def evaluate(self) -> EvalResult | None:
+        """Evaluate on the held-out data now and log ``eval_loss``/``eval_ppl`` (console, metrics.jsonl,
+        wandb); None without held-out data. Collective: every rank calls it after the same step."""
+        self.setup()
+        run = self._run
+        assert run is not None
+        if run.eval_set is None:
+            return None
+        state, settings = run.state, run.settings
+        result = evaluate(state.model, run.eval_set, run.collate, self.components.loss,
+                          micro_batch=self.cfg.eval.micro_batch or settings.split.micro_batch, device=settings.device,
+                          float_dtype=settings.float_dtype, forward_context=state.engine.forward_context)
+        run.last_eval = (len(state.records), result)
+        self._sink().log(result.record(len(state.records)))
+        return result
 
     def _checkpoint(self, state: TrainState) -> Path:
         """Write a checkpoint after the last finished step (collective)."""
@@ -225,12 +263,17 @@ class Trainer:
         assert self._run is not None, "nothing to finish: train first"
         cfg, run = self.cfg, self._run
         state, settings = run.state, run.settings
+        if cfg.eval.at_end and (run.last_eval is None or run.last_eval[0] != len(state.records)):
+            self.evaluate()
         summary = summarize(cfg, run.names, settings.split, state.records, state.engine, settings.run_dir)
         if self.auto_choice is not None:
             summary["auto_micro_batch"] = self.auto_choice.as_record()
+        if run.last_eval is not None:
+            summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
             config = {**to_mapping(cfg), "components": run.names}
-            summary["final_model"] = str(save_final(state.engine, settings.run_dir, config))
+            tokenizer = getattr(self.components.dataset, "tokenizer", None)
+            summary["final_model"] = str(save_final(state.engine, settings.run_dir, config, tokenizer))
         if run.sink is not None:
             run.sink.close(summary)
         if run.last_checkpoint_step != state.source.next_step:  # keep the end of the run next to final/
@@ -296,11 +339,17 @@ class Trainer:
                                     global_batch=split.global_batch)
         if cfg.optim.lr_scaling != "none" and rank == 0:
             print(f"distaccum: {describe_lr(cfg.optim, split.global_batch, scheduler.base_lrs[0])}", flush=True)
-        plan = GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
-                               shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
-        source = PlanSource(parts.dataset, collate, plan, split, rank, cfg.trainer.max_steps,
-                            num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
-                            pin_memory=device.type == "cuda")
+        source: PlanSource | StreamSource
+        if is_stream(parts.dataset):  # no length: windows are cut from the stream in order
+            source = StreamSource(parts.dataset, collate, split, rank, drop_last=cfg.data.drop_last,  # type: ignore[arg-type]
+                                  num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor)
+        else:
+            plan = GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
+                                   shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+            source = PlanSource(parts.dataset, collate, plan, split, rank, cfg.trainer.max_steps,
+                                num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor,
+                                pin_memory=device.type == "cuda")
+        eval_set = eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset)
         state = TrainState(wrapped, engine, scheduler, source)
         done = resume(state, run_dir, fp, attempt=attempt) if cfg.trainer.resume else 0
         liveness = Liveness(run_dir, rank, attempt)
@@ -318,6 +367,6 @@ class Trainer:
             nan_steps=tuple(range(cfg.debug.nan_at_step, cfg.debug.nan_at_step + cfg.debug.nan_steps))
             if cfg.debug.nan_at_step else (), nan_rank=cfg.debug.nan_rank,
             gns_decay=cfg.log.gns_ema if cfg.log.gns else None)
-        return _Run(state, settings, StepTimer(device, ledger), names, done, liveness, fp, done)
+        return _Run(state, settings, StepTimer(device, ledger), names, done, liveness, fp, done, collate, eval_set)
 
 

@@ -27,8 +27,16 @@ def is_hf_pretrained(module: nn.Module) -> bool:
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     """Write ``state`` as safetensors (contiguous CPU copies; tied tensors become separate entries)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(path),
-              metadata={"format": "pt"})
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, value in state.items():
+        tensor = value.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in storages:  # a tied weight (GPT-2's lm_head is its embedding): safetensors wants a copy
+            tensor = tensor.clone()
+        storages.add(storage)
+        tensors[name] = tensor
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -49,17 +57,25 @@ def load_into(model: nn.Module, path: str | Path) -> None:
         raise ValueError(f"weights in {path} do not fit the model: {err}") from err
 
 
-def save_final(engine: Engine, run_dir: Path, run_config: dict[str, Any]) -> Path:
-    """Write the trained model to ``run_dir/final/``. Collective (gathers shards); rank 0 writes."""
+def save_final(engine: Engine, run_dir: Path, run_config: dict[str, Any], tokenizer: Any = None) -> Path:
+    """Write the trained model to ``run_dir/final/`` (and ``tokenizer`` when it has ``save_pretrained``,
+    so the directory loads with ``AutoTokenizer`` too). Collective (gathers shards); rank 0 writes."""
     state = engine.full_state_dict()
     final = Path(run_dir) / FINAL_DIR
     if dist.get_rank() == 0:
         final.mkdir(parents=True, exist_ok=True)
         module = engine.unwrapped()
         if is_hf_pretrained(module):
-            module.save_pretrained(str(final), state_dict=state, safe_serialization=True)
+            module.save_pretrained(str(final), state_dict=dict(state))  # it removes tied names in place
+            if (final / FINAL_WEIGHTS).is_file():
+                # save_pretrained drops tied duplicates (GPT-2's lm_head.weight); rewrite the file with
+                # every state-dict name so it loads strictly into the plain model (init_from, verify).
+                # from_pretrained reads it all the same.
+                save_weights(state, final / FINAL_WEIGHTS)
         else:
             save_weights(state, final / FINAL_WEIGHTS)
+        if callable(getattr(tokenizer, "save_pretrained", None)):
+            tokenizer.save_pretrained(str(final))
         write_json(final / FINAL_CONFIG, run_config)
     dist.barrier()  # nobody reports the path before the files are there
     return final

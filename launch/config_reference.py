@@ -14,7 +14,7 @@ from pathlib import Path
 from distaccum import config
 
 SECTIONS = {
-    "": config.RunConfig, "data": config.DataConfig, "engine": config.EngineConfig,
+    "": config.RunConfig, "data": config.DataConfig, "eval": config.EvalConfig, "engine": config.EngineConfig,
     "accum": config.AccumConfig, "optim": config.OptimConfig, "trainer": config.TrainerConfig,
     "log": config.LogConfig, "verify": config.VerifyConfig, "slurm": config.SlurmConfig,
     "debug": config.DebugConfig,

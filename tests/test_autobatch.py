@@ -21,13 +21,13 @@ from distaccum.config import (
     check_split,
     from_mapping,
     nearest_valid_global_batches,
-    parse_bytes,
     resolve_split,
 )
 from distaccum.datasets import SyntheticRegression
 from distaccum.engines.base import Precision
 from distaccum.losses import mse
 from distaccum.models import MLP
+from distaccum.units import parse_bytes
 
 pytestmark = pytest.mark.unit
 MiB = 2**20

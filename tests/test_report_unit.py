@@ -148,3 +148,22 @@ def test_markdown_reports_invalid_runs_and_no_comparison(tmp_path: Path) -> None
     assert "nothing to compare" in markdown
     assert "- `bad`: invalid_config: oops" in markdown
     assert "| `bad` | invalid_config |" in markdown
+
+
+def test_eval_lines_become_a_column_and_crosses_on_the_loss_panel(tmp_path: Path) -> None:
+    path = write_run(tmp_path / "r", [3.0, 2.0, 1.5, 1.0])
+    with (path / "metrics.jsonl").open("a") as f:
+        for s, loss in ((0, 3.5), (2, 2.1), (4, 1.2)):
+            f.write(json.dumps({"step": s, "eval_loss": loss, "eval_ppl": math.exp(loss)}) + "\n")
+    run = load_run(path)
+    assert [r["step"] for r in run.records] == [1, 2, 3, 4]  # eval lines are not steps
+    assert run.eval_losses == {0: 3.5, 2: 2.1, 4: 1.2}
+    rows = build_rows([run], [])
+    assert rows[0].eval_loss == 1.2 and rows[0].final_loss == 1.0
+    markdown = render_markdown(rows, [], [run], 1e-4, 1e-6)
+    assert "| eval loss (ppl) |" in markdown and f"| 1.2000 ({math.exp(1.2):.2f}) |" in markdown
+    pytest.importorskip("matplotlib")
+    from distaccum.report import plot_report
+
+    plot_report(rows, {"r": run.losses}, [], tmp_path / "report.png", 1e-4, {"r": run.eval_losses})
+    assert (tmp_path / "report.png").stat().st_size > 10_000

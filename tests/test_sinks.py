@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.sinks import ConsoleSink, JsonlSink, MultiSink, NullSink, build_sinks, clock, human_bytes
+from distaccum.sinks import ConsoleSink, JsonlSink, MultiSink, NullSink, build_sinks, clock
+from distaccum.units import human_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -128,3 +129,16 @@ def test_wandb_online_needs_a_key(tmp_path: Path) -> None:
     netrc.chmod(0o600)
     assert api_key_available({"NETRC": str(netrc)})
     assert not api_key_available({"NETRC": str(netrc), "WANDB_BASE_URL": "https://wandb.example.org"})
+
+
+def test_console_prints_eval_lines_apart_from_steps() -> None:
+    out = io.StringIO()
+    sink = ConsoleSink(total_steps=2, stream=out)
+    sink.log(record(1))
+    sink.log({"step": 1, "eval_loss": 2.5, "eval_ppl": 12.18, "eval_items": 300, "eval_samples": 8, "eval_s": 0.2})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step 1/2 ") and lines[1] == (
+        "eval after step 1: loss 2.5000 ppl 12.18 on 300 items of 8 samples (0.2 s)")
+    quiet = io.StringIO()
+    ConsoleSink(total_steps=2, stream=quiet, quiet=True).log({"step": 1, "eval_loss": 2.5})
+    assert quiet.getvalue() == ""

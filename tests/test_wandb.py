@@ -117,3 +117,29 @@ def test_the_api_key_is_never_printed_or_written(run: dict[str, Any]) -> None:
         if path.is_file():
             assert SECRET.encode() not in path.read_bytes(), path
 
+
+
+def test_eval_lines_reach_wandb_at_the_step_they_follow(tmp_path: Path) -> None:
+    import wandb
+
+    from distaccum.evaluate import EvalResult
+    from distaccum.wandb_sink import WandbSink
+
+    saved = dict(os.environ)  # WandbSink points wandb's directories into the run through the environment
+    try:
+        for var in [k for k in os.environ if k.startswith("WANDB_")]:
+            del os.environ[var]
+        sink = WandbSink(tmp_path / "run", {"model": "x"}, mode="offline", quiet=True)
+        sink.log({"step": 1, "loss": 2.5})
+        sink.log(EvalResult(loss=2.25, items=100, samples=4, seconds=0.1).record(1))
+        sink.log({"step": 2, "loss": 2.0})
+        sink.close({"final_loss": 2.0, "eval_loss": 2.25})
+        wandb.teardown()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    records = wandb_records(next((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")))
+    history = [items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
+    assert [h["_step"] for h in history] == [1, 2]
+    assert history[0]["loss"] == 2.5 and history[0]["eval_loss"] == 2.25
+    assert history[0]["eval_ppl"] == pytest.approx(9.487735836358526) and "eval_loss" not in history[1]

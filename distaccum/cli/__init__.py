@@ -39,6 +39,7 @@ examples:
   distaccum train                                   tiny_gpt on the embedded corpus, DDP, 2 workers
   distaccum train model=mlp accum.global_batch=64 accum.micro_batch=8 trainer.max_steps=100
   distaccum train --config-dir ./conf model=mytask data=mytask loss=mytask
+  distaccum train model=hf_causal_lm data=text_files  a Hugging Face causal LM on local text (distaccum[hf])
   distaccum verify engine=fsdp precision=fp64
   distaccum plan model=mlp accum.global_batch=64        which micro-batch x accumulation steps is fastest
   distaccum train accum.micro_batch=auto accum.global_batch=64   the largest micro-batch that fits

@@ -71,7 +71,7 @@ def _callable_node(what: str, node: Node) -> Callable[..., Any]:
 
 
 def instantiate_components(cfg: RunConfig) -> Components:
-    """The model factory (called later, per rank, after seeding), dataset, collate and loss."""
+    """The model factory (called later, per rank, after seeding), dataset, collate, loss and eval dataset."""
     _importable_cwd()
     missing = [name for name, node in (("model", cfg.model), ("dataset", cfg.data.dataset), ("loss", cfg.loss))
                if node is None]
@@ -89,8 +89,9 @@ def instantiate_components(cfg: RunConfig) -> Components:
     dataset = _instantiate("data.dataset", cfg.data.dataset, partial=False)
     collate = _callable_node("data.collate", cfg.data.collate) if cfg.data.collate else None
     loss = _callable_node("loss", cfg.loss)
+    eval_dataset = _instantiate("eval.dataset", cfg.eval.dataset, partial=False) if cfg.eval.dataset else None
     names = {"model": cfg.describe("model"), "dataset": cfg.describe("dataset"), "loss": cfg.describe("loss")}
     if collate is not None:
         names["collate"] = cfg.describe("collate")
     return Components(model=model, dataset=dataset, loss=loss, collate=collate, names=names,
-                      activation_checkpointing=checkpointing)
+                      activation_checkpointing=checkpointing, eval_dataset=eval_dataset)

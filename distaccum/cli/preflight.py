@@ -3,7 +3,8 @@
 Config values are validated when the RunConfig is built; here come the checks that need the
 user's components or the machine: the engine/precision combination, importing and building every
 ``_target_``, activation checkpointing (its modules exist; no reentrant variant on DDP), the
-normalization probe, the data plan, ``init_from`` and a writable ``run_dir``.
+normalization probe (and a dataset's own ``check_model``: vocabulary, positions), the data plan,
+the held-out split, ``init_from`` and a writable ``run_dir``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from distaccum.components import Components, build_model
 from distaccum.config import ConfigError, RunConfig, Split, check_split
 from distaccum.engines import check_engine
 from distaccum.engines.base import EngineSpec, Precision
+from distaccum.evaluate import eval_dataset
 from distaccum.plan import GlobalBatchPlan
 from distaccum.probe import probe
 from distaccum.resume import check_resumable
+from distaccum.stream import is_stream
 
 
 @dataclass
@@ -101,8 +104,10 @@ def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = Tr
         apply_activation_checkpointing(model, parts.activation_checkpointing)
         check_engine_compatible(model, cfg.engine.name)
         probe(model, parts.dataset, parts.collate or default_collate, parts.loss, names=names)
-        GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
-                        shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+        if not is_stream(parts.dataset):
+            GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
+                            shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+        parts.eval_dataset = eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset)
         if cfg.trainer.resume:  # an incompatible or corrupt checkpoint: exit 2 now, not in every worker
             check_resumable(Path(cfg.run_dir), fingerprint(cfg, split.world_size, names, parts.dataset, model))
     except ValueError as err:

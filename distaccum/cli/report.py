@@ -51,6 +51,7 @@ def report_main(argv: list[str]) -> int:
     markdown = render_markdown(rows, agreements, runs, args.rtol, args.atol)
     (out / "report.md").write_text(markdown, encoding="utf-8")
     plot_report(rows, {r.label: r.losses for r in runs}, agreements, out / "report.png", args.rtol,
+                {r.label: r.eval_losses for r in runs},
                 gns={r.label: gns_series(r) for r in runs})
     print(markdown)
     print(f"wrote {out / 'report.md'} and {out / 'report.png'}")
