@@ -1,1 +1,0 @@
-# The packaged Hydra configs (`pkg://distaccum.configs`); distaccum/configs links here.
