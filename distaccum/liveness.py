@@ -31,6 +31,13 @@ def short_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}"[:200]
 
 
+def is_timeout(err: BaseException) -> bool:
+    """Whether a failed collective timed out. Gloo words it "Timed out waiting ...ms for recv", or,
+    when the op had a callback (the async window all-reduce), "Application timeout caused pair closure"."""
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
+
+
 def rank_file(run_dir: Path, rank: int) -> Path:
     """Where rank ``rank`` keeps its sign of life."""
     return Path(run_dir) / RANKS / f"rank-{rank:05d}.json"

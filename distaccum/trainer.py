@@ -44,7 +44,7 @@ from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
 from distaccum.engines import check_engine, make_engine
 from distaccum.engines.base import EngineSpec, OptimizerFactory, Precision
 from distaccum.evaluate import EvalResult, eval_dataset, evaluate
-from distaccum.liveness import Liveness, describe_peers, kill_stopped_peers, short_error
+from distaccum.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.loop import LoopSettings, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.models import batch_stat_layers
@@ -214,7 +214,9 @@ class Trainer:
             peers = describe_peers(settings.run_dir, settings.rank)
             if peers:
                 killed = kill_stopped_peers(settings.run_dir, settings.rank, run.liveness.attempt)
-                print(f"distaccum: rank {settings.rank} failed ({short_error(err)}); the other ranks: "
+                timeout = (f"; a collective waited trainer.collective_timeout_s={cfg.trainer.collective_timeout_s:g} s "
+                           "and timed out" if is_timeout(err) else "")
+                print(f"distaccum: rank {settings.rank} failed ({short_error(err)}{timeout}); the other ranks: "
                       + "; ".join(peers)
                       + (f". Killed stopped rank(s) {killed}: they cannot continue, and the launcher would wait "
                          "for them" if killed else ""), file=sys.stderr, flush=True)

@@ -125,7 +125,8 @@ def test_a_stopped_rank_fails_the_run_in_time_and_is_named(tmp_path: Path) -> No
     took = time.monotonic() - start
     assert proc.returncode == 1
     assert took < 10 + 30, f"the run took {took:.0f} s to end after SIGSTOP"
-    assert f"rank 1 (pid {victim}) is stopped (SIGSTOP" in err and "Timed out" in err
+    assert f"rank 1 (pid {victim}) is stopped (SIGSTOP" in err, err[-3000:]
+    assert "a collective waited trainer.collective_timeout_s=10 s and timed out" in err, err[-3000:]
 
 
 def test_nan_on_one_rank_is_skipped_everywhere_and_persistent_nan_stops(tmp_path: Path) -> None:
