@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.run import ROOT, free_port, worker_env
+from benchmarks.launch import ROOT, launch
 
 VARIANTS = ("distaccum", "hf_ddp")
 WORLD = 2
@@ -270,16 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="distaccum-hf-bench-") as scratch:
         out = Path(scratch) / "rank0.json"
-        port = free_port()
-        argv_ = [sys.executable, "-m", "benchmarks.hf_tokens", "--worker", json.dumps(dataclasses.asdict(spec)), str(out)]
         log = args.out / "output.log"
-        with log.open("wb") as sink:
-            procs = [subprocess.Popen(argv_, env=worker_env(rank, port), cwd=ROOT, stdout=sink,
-                                      stderr=subprocess.STDOUT) for rank in range(WORLD)]
-            codes = [p.wait(timeout=args.timeout) for p in procs]
-        if any(codes) or not out.is_file():
-            print(f"benchmark ranks exited {codes}; see {log}:\n{log.read_text(errors='replace')[-3000:]}",
-                  file=sys.stderr)
+        done = launch("benchmarks.hf_tokens", ["--worker", json.dumps(dataclasses.asdict(spec)), str(out)],
+                      WORLD, log, timeout_s=args.timeout)
+        if not done.ok or not out.is_file():
+            print(f"benchmark ranks failed; see {log}:\n{done.tail}", file=sys.stderr)
             return 1
         result = summarize(spec, json.loads(out.read_text()))
     result["smoke"] = args.smoke
