@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: install demo test lint bench bench-smoke bench-docs clean
 
