@@ -64,7 +64,7 @@ def torchrun_argv(plan: LaunchPlan, args: Sequence[str], *, python: str = sys.ex
 def worker_environment(nproc: int) -> dict[str, str]:
     """Variables the launcher sets for its workers (only the launcher writes the environment)."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    return {
+    env = {
         # Elastic restarts re-rendezvous reliably only without the shared agent store (gloo
         # connectFullMesh refused 5 of 8 restarts here with it; 0 of 4 without).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -72,6 +72,17 @@ def worker_environment(nproc: int) -> dict[str, str]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
         "PYTHONUNBUFFERED": "1",
     }
+    if not os.environ.get("DS_ACCELERATOR") and not _has_cuda():
+        # DeepSpeed (its engine, and Accelerate when saving a model) otherwise warns on every rank
+        # that it "was unable to detect" a GPU: on a CPU-only machine there is none to detect.
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def launch(plan: LaunchPlan, args: Sequence[str], extra_env: Mapping[str, str] | None = None) -> int:

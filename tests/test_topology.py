@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from distaccum.topology import DistEnv, first_host, is_worker
@@ -52,3 +54,17 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
         "-m", "distaccum", "_worker", "run/launch_config.json"]
     single = from_mapping({"trainer": {"nproc": 2}})
     assert "--rdzv_endpoint=127.0.0.1:0" in torchrun_argv(launch_plan(single), ["examples/own_loop.py"])
+
+
+def test_cpu_workers_tell_deepspeed_there_is_no_gpu_to_detect(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from distaccum.launcher import worker_environment
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = worker_environment(2)
+    assert env.get("DS_ACCELERATOR") == (None if torch.cuda.is_available() else "cpu")
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")  # the user's choice is kept
+    assert "DS_ACCELERATOR" not in worker_environment(2)
