@@ -29,11 +29,11 @@ def report(run: Run) -> dict[str, Any]:
 
 
 MATRIX = {
-    # 3 splits each (its wall time is a benchmark figure: see README, Verification)
+    # 3 splits each. fp64 on a variable-length model (tiny_gpt) is the tight proof; mlp in fp64 is
+    # covered at 1e-15 by the ground-truth tier (tests/test_ground_truth.py) at a fraction of the cost.
     "gpt_fp32": ("model=tiny_gpt", "trainer.max_steps=10"),
     "gpt_fp64": ("model=tiny_gpt", "precision=fp64", "trainer.max_steps=5"),
     "mlp_fp32_ref_fp64": ("model=mlp", "verify.reference_dtype=fp64", "trainer.max_steps=5"),
-    "mlp_fp64": ("model=mlp", "precision=fp64", "trainer.max_steps=5"),
 }
 
 
