@@ -8,8 +8,12 @@ timed steps). GPU mode is only entered when CUDA is present; nothing here touche
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -139,3 +143,19 @@ def bus_bandwidth(numel: int, device: torch.device, clock: Clock, iters: int = 2
     algbw = tensor.numel() * tensor.element_size() / seconds
     return {"status": "ok", "bytes": tensor.numel() * tensor.element_size(), "time_s": seconds,
             "algbw_gbps": algbw / 1e9, "busbw_gbps": algbw * 2 * (world - 1) / world / 1e9}
+
+
+def worker_main(module: str, measure: Callable[[Any, Path], dict[str, Any]], spec_from_json: Callable[[str], Any],
+                argv: list[str] | None = None) -> None:
+    """A benchmark worker's entry: ``SPEC_JSON OUT_JSON WORKDIR``; rank 0 writes ``measure``'s record."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        raise SystemExit(f"usage: python -m {module} SPEC_JSON OUT_JSON WORKDIR")
+    record = measure(spec_from_json(args[0]), Path(args[2]))
+    if dist.get_rank() == 0:
+        Path(args[1]).write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo threads occasionally abort interpreter teardown; the record is on disk

@@ -17,9 +17,7 @@ over positions), so per-round ratios are tight even when absolute times move.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.cases import BenchData, Spec
-from benchmarks.device import Clock, bus_bandwidth, join, step_seconds
+from benchmarks.device import Clock, bus_bandwidth, join, step_seconds, worker_main
 from benchmarks.variants import DistaccumTrainer, Variant, build_variant
 
 REFERENCE = "ddp_no_sync"
@@ -128,19 +126,7 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Worker entry: ``SPEC_JSON OUT_JSON WORKDIR``; rank 0 writes the record to OUT_JSON."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 3:
-        raise SystemExit("usage: python -m benchmarks.interleave SPEC_JSON OUT_JSON WORKDIR")
-    spec, out, workdir = Spec.from_json(args[0]), Path(args[1]), Path(args[2])
-    record = measure(spec, workdir)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
-    # gloo threads occasionally abort interpreter teardown; the record is on disk, skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    worker_main("benchmarks.interleave", measure, Spec.from_json, argv)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,7 @@ owns its processes and nothing else ran in them.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.cases import BenchData, Spec
-from benchmarks.device import join, step_seconds
+from benchmarks.device import join, step_seconds, worker_main
 from benchmarks.variants import DistaccumTrainer, Variant, build_variant
 from distaccum.memory import peak_memory_bytes, reset_peak_memory
 
@@ -95,18 +93,7 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Worker entry: ``SPEC_JSON OUT_JSON WORKDIR``; rank 0 writes the record to OUT_JSON."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 3:
-        raise SystemExit("usage: python -m benchmarks.sweep SPEC_JSON OUT_JSON WORKDIR")
-    spec, out, workdir = Spec.from_json(args[0]), Path(args[1]), Path(args[2])
-    record = measure(spec, workdir)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo threads occasionally abort interpreter teardown; the record is on disk
+    worker_main("benchmarks.sweep", measure, Spec.from_json, argv)
 
 
 if __name__ == "__main__":

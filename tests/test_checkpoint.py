@@ -5,14 +5,13 @@ one intact, and non-finite steps are skipped together and stop the run after too
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from conftest import one_rank_group as process_group
 from distaccum import losses
 from distaccum.checkpoint import CheckpointError, candidates, checkpoint_root, latest_valid, problems
 from distaccum.datasets import SyntheticRegression
@@ -26,13 +25,8 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
-    if dist.is_initialized():
+    with process_group("cpu"):  # conftest: gloo, reusing a group that already exists
         yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
 
 
 def trainer(run_dir: Path, width: int = 16, on_step: Any = None, **sections: Any) -> Trainer:

@@ -4,13 +4,13 @@ collective tap (on a one-rank gloo group), and which modules FSDP shards."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import one_rank_group as process_group
 from distaccum.comm import CommLedger
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
@@ -121,13 +121,8 @@ def test_scale_and_clip_normalizes_and_clips_in_one_multiply() -> None:
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    if dist.is_initialized():  # another module's group: reuse it
+    with process_group("cpu"):  # conftest: gloo, reusing a group that already exists
         yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")

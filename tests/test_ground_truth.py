@@ -21,19 +21,18 @@ window divided by the nominal batch, is far outside the bound.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from conftest import fresh_accelerate_state, train
+from conftest import one_rank_group as process_group
 from distaccum import losses
 from distaccum.cli.compose import compose_config
 from distaccum.cli.instantiate import instantiate_components
@@ -82,13 +81,8 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    if dist.is_initialized():  # another module's group: reuse it
+    with process_group("cpu"):  # conftest: gloo, reusing a group that already exists
         yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

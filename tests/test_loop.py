@@ -5,14 +5,13 @@ scale, and memory flat in K (one collated micro-batch alive at a time)."""
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from conftest import one_rank_group as process_group
 from distaccum import losses
 from distaccum.datasets import SyntheticImages, SyntheticRegression
 from distaccum.models import MLP, ConvNetBN
@@ -25,13 +24,8 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
-    if dist.is_initialized():  # another module's group: reuse it
+    with process_group("cpu"):  # conftest: gloo, reusing a group that already exists
         yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
 
 
 def config(run_dir: Path, **sections: Any) -> dict[str, Any]:
