@@ -7,6 +7,10 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= --durations=25
+# Tests run on this many pytest-xdist workers, a whole test file per worker (module fixtures are
+# built once). Most tests wait on process start-up more than they compute, so 2 fill CI's 2 cores;
+# `serial` tests (timings) still run alone (tests/serial_lock.py). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test lint bench bench-smoke bench-docs clean
 
@@ -26,7 +30,7 @@ demo: install  ## train the embedded default on 2 local workers, then verify it
 
 test: install  ## the whole suite, exactly as CI runs it
 	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install  ## ruff, as `make test` runs it
 	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples

@@ -15,7 +15,10 @@ from typing import Any
 
 import pytest
 
-pytest_plugins = ["slurm_fixtures"]  # the `slurm_cluster` fixture (real local Slurm)
+pytest_plugins = [
+    "slurm_fixtures",  # the `slurm_cluster` fixture (real local Slurm)
+    "serial_lock",  # `serial` tests run alone under pytest-xdist
+]
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -113,6 +113,7 @@ def test_resuming_on_another_world_size_continues_the_same_run(tmp_path: Path) -
         assert summary(moved)[key] == pytest.approx(summary(straight)[key], rel=1e-12)
 
 
+@pytest.mark.serial  # asserts how long the run takes to end
 def test_a_stopped_rank_fails_the_run_in_time_and_is_named(tmp_path: Path) -> None:
     run_dir = tmp_path / "stopped"
     proc = subprocess.Popen(command(run_dir, "trainer.max_steps=100000", "trainer.collective_timeout_s=10"),

@@ -17,7 +17,7 @@ import pytest
 from conftest import Run, train
 from distaccum.models import MLP
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.serial]  # compares communication times between two runs
 
 K, STEPS, WIDTH, DEPTH = 4, 6, 1024, 4
 COMMON = ("model=mlp", f"model.width={WIDTH}", f"model.depth={DEPTH}", "accum.micro_batch=2",

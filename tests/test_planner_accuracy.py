@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.serial]  # predicted against measured step times
 
 
 def test_predicted_step_times_match_the_real_splits(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from distaccum.slurm import SlurmError, parse_nodelist, wait_job
 from slurm_fixtures import REPO, SlurmCluster
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.serial]  # job time limits, signals before the limit
 
 
 def _sbatch(cluster: SlurmCluster, script: Path, body: str) -> str:

@@ -1,0 +1,109 @@
+"""The lock that lets ``serial`` tests run alone while pytest-xdist runs the others two at a time."""
+
+from __future__ import annotations
+
+import fcntl
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import serial_lock
+from serial_lock import machine_share
+
+pytestmark = pytest.mark.unit
+
+
+def _holder(name: str, exclusive: bool, log: list[str], entered: threading.Event,
+            release: threading.Event) -> threading.Thread:
+    def hold() -> None:
+        with machine_share(exclusive):
+            log.append(f"{name} in")
+            entered.set()
+            assert release.wait(10)
+            log.append(f"{name} out")
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    return thread
+
+
+def _until_held(path: Path) -> None:
+    """Return once somebody else holds ``path``'s lock exclusively."""
+    deadline = time.monotonic() + 10
+    with open(path, "a+b") as handle:
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            time.sleep(0.01)
+    raise AssertionError(f"nobody took {path}")
+
+
+def test_a_serial_test_waits_for_the_running_test_and_later_tests_wait_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "unit")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    log: list[str] = []
+    events = {name: (threading.Event(), threading.Event()) for name in ("ordinary", "serial", "later")}
+
+    first = _holder("ordinary", False, log, *events["ordinary"])
+    assert events["ordinary"][0].wait(10)
+    serial = _holder("serial", True, log, *events["serial"])
+    _until_held(tmp_path / "distaccum-tests-unit" / "turnstile")  # the serial test is waiting
+    later = _holder("later", False, log, *events["later"])
+    time.sleep(0.3)
+    assert log == ["ordinary in"]  # neither the serial test nor a later ordinary one got in
+
+    events["ordinary"][1].set()
+    assert events["serial"][0].wait(10)
+    time.sleep(0.3)
+    assert log == ["ordinary in", "ordinary out", "serial in"]  # the later test still waits
+
+    events["serial"][1].set()
+    assert events["later"][0].wait(10)
+    events["later"][1].set()
+    for thread in (first, serial, later):
+        thread.join(10)
+    assert log == ["ordinary in", "ordinary out", "serial in", "serial out", "later in", "later out"]
+
+
+def test_ordinary_tests_share_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "unit")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with machine_share(exclusive=False):
+        entered, release = threading.Event(), threading.Event()
+        other = _holder("other", False, [], entered, release)
+        assert entered.wait(10)  # a second ordinary test runs alongside
+        release.set()
+        other.join(10)
+
+
+def test_without_xdist_nothing_is_locked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
+    with machine_share(exclusive=True), machine_share(exclusive=True):
+        pass  # would deadlock if it locked
+
+
+class _Item:
+    def __init__(self, nodeid: str, *markers: str) -> None:
+        self.nodeid, self.markers = nodeid, markers
+
+    def get_closest_marker(self, name: str) -> object | None:
+        return name if name in self.markers else None
+
+
+def test_launching_files_go_first_then_unit_files_then_serial_files() -> None:
+    items = [_Item("tests/test_a_unit.py::x", "unit"), _Item("tests/test_b_dist.py::x", "dist"),
+             _Item("tests/test_c_serial.py::x", "dist", "serial"), _Item("tests/test_d_mixed.py::x", "dist"),
+             _Item("tests/test_d_mixed.py::y", "dist", "serial"), _Item("tests/test_e_unit.py::x", "unit"),
+             _Item("tests/test_b_dist.py::y", "dist")]
+    serial_lock.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
+    assert [item.nodeid for item in items] == [
+        "tests/test_b_dist.py::x", "tests/test_d_mixed.py::x", "tests/test_d_mixed.py::y",
+        "tests/test_b_dist.py::y", "tests/test_a_unit.py::x", "tests/test_e_unit.py::x",
+        "tests/test_c_serial.py::x"]
