@@ -42,13 +42,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The environment of one rank."""
+def rank_env(rank: int, world: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one rank (``extra`` last)."""
     env = {k: v for k, v in os.environ.items() if k not in ("DISTACCUM_VERIFY",)}
     env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    env.update(extra or {})
     return env
 
 
@@ -77,14 +78,15 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[list[
     return [codes[p.pid] for p in procs], [rss[p.pid] for p in procs]
 
 
-def launch(module: str, args: list[str], world: int, log: Path, timeout_s: float) -> Launch:
-    """Run ``python -m module args`` on ``world`` ranks; their output goes to ``log``."""
+def launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
+           env: dict[str, str] | None = None) -> Launch:
+    """Run ``python -m module args`` on ``world`` ranks (``env`` added to theirs); output goes to ``log``."""
     port = free_port()
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
-        procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env(rank, world, port), cwd=ROOT,
+        procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env(rank, world, port, env), cwd=ROOT,
                                   stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
                  for rank in range(world)]
         codes, rss = _wait(procs, timeout_s)

@@ -167,7 +167,9 @@ def comm_table(results: dict[str, Any]) -> list[str]:
     return ["Engines, each (variant, K) in fresh processes: per optimizer step, medians over the timed "
             "steps of distaccum's records (gradient-reduction rounds, calls, bytes reduced; FSDP2 parameter "
             "all-gathers), step time (separate launches: read only large differences), peak RSS of the "
-            "step and of the process through training, MiB:", "",
+            "step and of the process through training, MiB"
+            + (f" (workers' environment: {' '.join(f'{k}={v}' for k, v in results['settings'].get('sweep_env', {}).items())}; "
+               "see docs/benchmarks.md)" if results["settings"].get("sweep_env") else "") + ":", "",
             *_table(["case", "K", "variant", "sync", "rounds", "calls", "reduced", "all-gathers", "step ms",
                      "step peak", "process peak"], rows, "lrll")]
 

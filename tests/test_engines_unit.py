@@ -189,3 +189,46 @@ def test_fsdp_shards_blocks_hf_layers_or_linear_layers() -> None:
 
     decoder = Decoder()
     assert shard_units(decoder) == list(decoder.inner.blocks)
+
+
+def _ddp_window_grad_pointers(grads_to_none: bool | None) -> tuple[list[int], list[int]]:
+    """Three K=3 windows through the DDP engine on one rank; the gradients' addresses after the second
+    window's boundary backward (bucket views once DDP has rebuilt its buckets) and after the third
+    window's first, ``no_sync``, backward. ``grads_to_none=None`` steps through the engine itself."""
+    from distaccum.engines.ddp import DDPEngine, step_plain
+
+    torch.manual_seed(0)
+    spec = EngineSpec(engine=EngineConfig(name="ddp"), precision=Precision.of("fp32"), split=Split(2, 3, 1),
+                      sync="boundary", clip_norm=None, device=torch.device("cpu"))
+    engine = DDPEngine(spec, CommLedger())
+    module = engine.wrap(MLP(in_dim=8, width=16, depth=2, out_dim=4), lambda p: torch.optim.SGD(p, lr=0.1))
+    params = list(engine.unwrapped().parameters())
+    x, y = torch.randn(2, 8), torch.randn(2, 4)
+    after_boundary: list[int] = []
+    in_window: list[int] = []
+    for window in range(3):
+        for k in range(3):
+            with engine.sync(k == 2):
+                engine.backward(((module(x) - y) ** 2).sum())
+            if window == 1 and k == 2:
+                after_boundary = [p.grad.data_ptr() for p in params]
+            if window == 2 and k == 0:
+                in_window = [p.grad.data_ptr() for p in params]
+        scale = torch.ones((), dtype=torch.float64)
+        if grads_to_none is None:
+            engine.step(None, scale)
+        else:
+            step_plain(engine.optimizer, list(engine.unwrapped().named_parameters()), None, scale, None,
+                       grads_to_none=grads_to_none)
+    return after_boundary, in_window
+
+
+@pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
+def test_ddp_no_sync_backwards_accumulate_in_the_buckets_without_a_second_gradient_copy(
+        one_rank_group: None) -> None:
+    after_boundary, in_window = _ddp_window_grad_pointers(None)
+    assert in_window == after_boundary  # the engine's step keeps the gradients as bucket views
+    # The control: dropping the gradients (zero_grad(set_to_none=True)) makes the next window's
+    # no_sync backwards allocate new ones next to the buckets.
+    after_boundary, in_window = _ddp_window_grad_pointers(True)
+    assert not set(in_window) & set(after_boundary)

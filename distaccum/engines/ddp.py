@@ -70,12 +70,15 @@ def register_counting_hook(ddp: DDP, ledger: CommLedger, fault_rank: int | None,
 
 
 def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
-               grad_scale: torch.Tensor, scaler: "torch.amp.GradScaler | None") -> StepResult:
+               grad_scale: torch.Tensor, scaler: "torch.amp.GradScaler | None", *,
+               grads_to_none: bool = True) -> StepResult:
     """Normalize, clip and step gradients that live on whole parameters (DDP, Accelerate).
 
     With fp16 the GradScaler unscales first (once per step) and skips the update on overflow;
     otherwise a non-finite norm skips it. Reading the norm is this function's one host sync (the
     update is conditional on it); fp16 adds GradScaler's three (found-inf, the scale before and after).
+    ``grads_to_none=False`` zeroes the gradients in place instead of dropping them: needed when they
+    are views into DDP's buckets (see :meth:`DDPEngine.wrap`).
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -91,7 +94,7 @@ def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Param
     else:
         applied = False
     culprit = None if applied else first_nonfinite(named)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=grads_to_none)
     return StepResult(norm, applied, culprit)
 
 
@@ -120,7 +123,11 @@ class DDPEngine:
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         self.raw = model.to(device=self.device, dtype=self.precision.param_dtype)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # gradient_as_bucket_view: gradients live in DDP's buckets (no copy in or out of them).
+        # gradient_as_bucket_view: gradients live in DDP's buckets (no copy in or out of them). They
+        # stay there only if the step zeroes them in place (step's grads_to_none=False): set to None,
+        # the next window's no_sync backwards would allocate a second, separate set of gradients
+        # that lives until the boundary copies it into the buckets -- one more copy of the
+        # parameters' size at every K > 1, none at K = 1 (tests/test_engines_unit.py).
         ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.spec.engine.bucket_cap_mb,
                   gradient_as_bucket_view=True)
         register_counting_hook(ddp, self.ledger, self.spec.fault_rank, self.grad_squares)
@@ -140,7 +147,8 @@ class DDPEngine:
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         assert self.raw is not None
-        return step_plain(self.optimizer, list(self.raw.named_parameters()), max_norm, grad_scale, self.scaler)
+        return step_plain(self.optimizer, list(self.raw.named_parameters()), max_norm, grad_scale, self.scaler,
+                          grads_to_none=False)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.raw is not None
