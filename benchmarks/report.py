@@ -164,12 +164,12 @@ def comm_table(results: dict[str, Any]) -> list[str]:
                      _num(rec.get("comm_rounds"), 0), _num(rec.get("comm_calls"), 0),
                      _bytes(rec.get("comm_bytes")), gathers if rec else "n/a (no ledger)",
                      f"{r['step_s']['median'] * 1e3:.1f}", f"{r['step_peak_mb']:.0f}", f"{r['process_peak_mb']:.0f}"])
+    env = " ".join(f"{k}={v}" for k, v in results["settings"].get("sweep_env", {}).items())
+    env_note = f" (workers' environment: {env}; see docs/benchmarks.md)" if env else ""
     return ["Engines, each (variant, K) in fresh processes: per optimizer step, medians over the timed "
             "steps of distaccum's records (gradient-reduction rounds, calls, bytes reduced; FSDP2 parameter "
             "all-gathers), step time (separate launches: read only large differences), peak RSS of the "
-            "step and of the process through training, MiB"
-            + (f" (workers' environment: {' '.join(f'{k}={v}' for k, v in results['settings'].get('sweep_env', {}).items())}; "
-               "see docs/benchmarks.md)" if results["settings"].get("sweep_env") else "") + ":", "",
+            f"step and of the process through training, MiB{env_note}:", "",
             *_table(["case", "K", "variant", "sync", "rounds", "calls", "reduced", "all-gathers", "step ms",
                      "step peak", "process peak"], rows, "lrll")]
 

@@ -91,8 +91,8 @@ def _sync_of(variant: str) -> str:
 
 
 def run_sweep(cases: Sequence[Case], variants: tuple[str, ...], device: str, world: int, scratch: Path,
-              timeout: float) -> list[dict[str, Any]]:
-    """One fresh launch per case, K and variant."""
+              timeout: float, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One fresh launch per case, K and variant (``env`` added to the workers' environment)."""
     rows = []
     for case in cases:
         for k in case.sweep_ks:
@@ -100,7 +100,7 @@ def run_sweep(cases: Sequence[Case], variants: tuple[str, ...], device: str, wor
                 spec = launch_spec(case, k, variants=(variant,), device=device)
                 out, work = scratch / f"sweep-{case.name}-k{k}-{variant}.json", scratch / f"sweep-{case.name}-k{k}-{variant}"
                 result = launch("benchmarks.sweep", [spec.to_json(), str(out), str(work)], world,
-                                work / "output.log", timeout, env=SWEEP_CPU_ENV if device == "cpu" else None)
+                                work / "output.log", timeout, env=env)
                 row: dict[str, Any] = {"case": case.name, "k": k, "variant": variant, "sync": _sync_of(variant),
                                        "status": "ok" if out.exists() else "failed", "launch": _launch_info(result)}
                 if out.exists():
@@ -229,11 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     world = args.world or (torch.cuda.device_count() if device == "cuda" else 2)
+    sweep_env = SWEEP_CPU_ENV if device == "cpu" else {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="distaccum-bench-") as tmp:
         scratch = Path(tmp)
         timing = [] if args.no_timing else run_timing(cases, variants, rounds, device, world, scratch, args.timeout)
-        sweep = run_sweep(cases, sweep_names, device, world, scratch, args.timeout)
+        sweep = run_sweep(cases, sweep_names, device, world, scratch, args.timeout, sweep_env)
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine_info(),
@@ -242,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "backend": "nccl" if device == "cuda" else "gloo",
                      "threads": "CUDA" if device == "cuda" else "1 intra-op thread per rank",
                      "variants": list(variants), "sweep_variants": list(sweep_names),
-                     "sweep_env": SWEEP_CPU_ENV if device == "cpu" else {}},
+                     "sweep_env": sweep_env},
         "cases": {c.name: {"about": c.about, "shape": c.shape.__dict__, "params": c.shape.num_params(),
                            "micro_batch": c.micro_batch, "ks": list(c.ks), "sweep_ks": list(c.sweep_ks)}
                   for c in cases},

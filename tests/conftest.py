@@ -86,6 +86,13 @@ def one_rank_group(device: str) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def cpu_group() -> Iterator[None]:
+    """:func:`one_rank_group` on gloo for a whole test module (reusing a group that already exists)."""
+    with one_rank_group("cpu"):
+        yield
+
+
 def fresh_accelerate_state() -> None:
     """Forget Accelerate's process-wide state before an in-process run that stands for its own process.
 

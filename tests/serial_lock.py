@@ -74,11 +74,11 @@ def _file_rank(items: list[pytest.Item]) -> int:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    by_file: dict[str, list[pytest.Item]] = {}
+    by_file: dict[Path, list[pytest.Item]] = {}
     for item in items:
-        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+        by_file.setdefault(item.path, []).append(item)
     rank = {path: _file_rank(file_items) for path, file_items in by_file.items()}
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: files keep their own order
+    items.sort(key=lambda item: rank[item.path])  # stable: files keep their own order
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: waiting is not the test's time

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import one_rank_group as process_group
 from distaccum import losses
 from distaccum.checkpoint import CheckpointError, candidates, checkpoint_root, latest_valid, problems
 from distaccum.datasets import SyntheticRegression
@@ -20,13 +19,8 @@ from distaccum.models import MLP
 from distaccum.resume import ResumeError
 from distaccum.trainer import Trainer
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("cpu_group")]  # conftest: one gloo rank
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    with process_group("cpu"):  # conftest: gloo, reusing a group that already exists
-        yield
 
 
 def trainer(run_dir: Path, width: int = 16, on_step: Any = None, **sections: Any) -> Trainer:

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import one_rank_group as process_group
 from distaccum.comm import CommLedger
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
 from distaccum.engines.base import EngineSpec, Precision, scale_and_clip_
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
+from distaccum.engines.ddp import DDPEngine, step_plain
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
 from distaccum.models import MLP, TinyGPT
@@ -119,14 +119,9 @@ def test_scale_and_clip_normalizes_and_clips_in_one_multiply() -> None:
     assert float(torch.linalg.vector_norm(torch.cat(grads))) == pytest.approx(1.0, rel=1e-5)
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    with process_group("cpu"):  # conftest: gloo, reusing a group that already exists
-        yield
-
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
-def test_tap_counts_reductions_once_and_ignores_gathers(one_rank_group: None) -> None:
+def test_tap_counts_reductions_once_and_ignores_gathers(cpu_group: None) -> None:
     ledger = CommLedger()
     ledger.start_step()
     ledger.start_micro()
@@ -147,7 +142,7 @@ def test_tap_counts_reductions_once_and_ignores_gathers(one_rank_group: None) ->
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 @pytest.mark.filterwarnings("ignore:`torch.distributed._all_gather_base` is a private function:FutureWarning")
-def test_gather_tap_counts_parameter_gathers_apart_from_reductions(one_rank_group: None) -> None:
+def test_gather_tap_counts_parameter_gathers_apart_from_reductions(cpu_group: None) -> None:
     ledger = CommLedger()
     ledger.start_step()
     ledger.start_micro()
@@ -168,7 +163,7 @@ def test_gather_tap_counts_parameter_gathers_apart_from_reductions(one_rank_grou
             pass
 
 
-def test_tap_restores_collectives_after_an_error(one_rank_group: None) -> None:
+def test_tap_restores_collectives_after_an_error(cpu_group: None) -> None:
     original = dist.distributed_c10d.reduce_scatter_single
     with pytest.raises(RuntimeError, match="boom"), tap_gradient_reductions(CommLedger()):
         raise RuntimeError("boom")
@@ -195,8 +190,6 @@ def _ddp_window_grad_pointers(grads_to_none: bool | None) -> tuple[list[int], li
     """Three K=3 windows through the DDP engine on one rank; the gradients' addresses after the second
     window's boundary backward (bucket views once DDP has rebuilt its buckets) and after the third
     window's first, ``no_sync``, backward. ``grads_to_none=None`` steps through the engine itself."""
-    from distaccum.engines.ddp import DDPEngine, step_plain
-
     torch.manual_seed(0)
     spec = EngineSpec(engine=EngineConfig(name="ddp"), precision=Precision.of("fp32"), split=Split(2, 3, 1),
                       sync="boundary", clip_norm=None, device=torch.device("cpu"))
@@ -225,7 +218,7 @@ def _ddp_window_grad_pointers(grads_to_none: bool | None) -> tuple[list[int], li
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 def test_ddp_no_sync_backwards_accumulate_in_the_buckets_without_a_second_gradient_copy(
-        one_rank_group: None) -> None:
+        cpu_group: None) -> None:
     after_boundary, in_window = _ddp_window_grad_pointers(None)
     assert in_window == after_boundary  # the engine's step keeps the gradients as bucket views
     # The control: dropping the gradients (zero_grad(set_to_none=True)) makes the next window's

@@ -32,7 +32,6 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from conftest import fresh_accelerate_state, train
-from conftest import one_rank_group as process_group
 from distaccum import losses
 from distaccum.cli.compose import compose_config
 from distaccum.cli.instantiate import instantiate_components
@@ -78,11 +77,6 @@ MODELS = {
                       losses.token_cross_entropy, pad_collate),
 }
 
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    with process_group("cpu"):  # conftest: gloo, reusing a group that already exists
-        yield
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +175,7 @@ def unit_case(tmp_path: Path, model_name: str, window: str, dtype: torch.dtype) 
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_one_sgd_step_is_minus_the_plain_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  one_rank_group: None, engine: str, model_name: str,
+                                                  cpu_group: None, engine: str, model_name: str,
                                                   window: str) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed asserts that a launcher set it
     precision = engine_precision(engine)
@@ -207,7 +201,7 @@ def test_one_sgd_step_is_minus_the_plain_gradient(tmp_path: Path, monkeypatch: p
 @pytest.mark.unit
 @pytest.mark.parametrize(("window", "fault"), [("full", {"grad_scale_fault": 1.0 + 1e-6}),
                                                ("partial", {"nominal_partial_count": True})])
-def test_the_ground_truth_sees_split_independent_faults(tmp_path: Path, one_rank_group: None, window: str,
+def test_the_ground_truth_sees_split_independent_faults(tmp_path: Path, cpu_group: None, window: str,
                                                         fault: dict) -> None:
     """The check can fail: a gradient off by one part in a million, or a partial window normalized by
     the nominal batch, breaks the 1e-12 bound (by at least 100x)."""

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import one_rank_group as process_group
 from distaccum import losses
 from distaccum.datasets import SyntheticImages, SyntheticRegression
 from distaccum.models import MLP, ConvNetBN
@@ -19,13 +18,8 @@ from distaccum.optim import lr_factor
 from distaccum.stopping import StopFlag, StopRequested
 from distaccum.trainer import Trainer
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("cpu_group")]  # conftest: one gloo rank
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    with process_group("cpu"):  # conftest: gloo, reusing a group that already exists
-        yield
 
 
 def config(run_dir: Path, **sections: Any) -> dict[str, Any]:

@@ -92,6 +92,7 @@ def test_without_xdist_nothing_is_locked(monkeypatch: pytest.MonkeyPatch) -> Non
 class _Item:
     def __init__(self, nodeid: str, *markers: str) -> None:
         self.nodeid, self.markers = nodeid, markers
+        self.path = Path(nodeid.split("::")[0])
 
     def get_closest_marker(self, name: str) -> object | None:
         return name if name in self.markers else None
