@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from distaccum.config import Split
+from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.models import MLP
-from distaccum.plan import GlobalBatchPlan
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

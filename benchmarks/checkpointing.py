@@ -33,8 +33,8 @@ from torch import nn
 
 from distaccum.activation_checkpointing import apply_activation_checkpointing, saved_activation_bytes
 from distaccum.losses import token_cross_entropy
-from distaccum.memory import peak_memory_bytes, reset_peak_memory
 from distaccum.models import TinyGPT
+from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 
 VARIANTS = ("none", "blocks")
 

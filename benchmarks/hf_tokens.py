@@ -129,9 +129,9 @@ class HandWrittenVariant:
         from torch.utils.data import DataLoader
 
         from distaccum.config import Split
+        from distaccum.data.global_batch import GlobalBatchPlan
         from distaccum.datasets import pad_collate
         from distaccum.hf import causal_lm
-        from distaccum.plan import GlobalBatchPlan
 
         self.torch, self.dist = torch, dist
         torch.manual_seed(spec.seed)  # the same initial weights as distaccum's build_model

@@ -5,7 +5,7 @@ variant (a distaccum engine variant, or the hand-written ``ddp_no_sync`` as a re
 warm-up and the timed steps one at a time, and reads after each step:
 
 - the step's peak memory: process peak RSS (VmHWM, reset at the step's start) on CPU, the CUDA
-  allocator's peak on GPU (``distaccum.memory``, the same reading distaccum's records carry);
+  allocator's peak on GPU (``distaccum.telemetry.memory``, the same reading distaccum's records carry);
 - distaccum's own per-step record: ``comm_rounds``, ``comm_calls``, ``comm_bytes`` (gradient
   reductions), ``gather_calls``/``gather_bytes`` (FSDP2 parameter all-gathers), ``time_s``, ...
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from benchmarks.cases import BenchData, Spec
 from benchmarks.device import join, step_seconds, worker_main
 from benchmarks.variants import DistaccumTrainer, Variant, build_variant
-from distaccum.memory import peak_memory_bytes, reset_peak_memory
+from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 
 RECORD_FIELDS = ("time_s", "comm_rounds", "comm_calls", "comm_bytes", "gather_calls", "gather_bytes", "comm_s",
                  "comm_exposed_s", "compute_s", "optim_s", "peak_mem_bytes")

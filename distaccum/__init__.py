@@ -22,9 +22,9 @@ _EXPORTS = {
     "Components": "distaccum.components",
     "RunConfig": "distaccum.config",
     "from_mapping": "distaccum.config",
-    "StopFlag": "distaccum.checkpoint",
-    "StopRequested": "distaccum.checkpoint",
-    "load_weights": "distaccum.weights",
+    "StopFlag": "distaccum.cluster.stopping",
+    "StopRequested": "distaccum.cluster.stopping",
+    "load_weights": "distaccum.rundir.weights",
     "losses": "distaccum.losses",
 }
 __all__ = ["__version__", *_EXPORTS]

@@ -17,7 +17,7 @@ from distaccum.activation_checkpointing import Checkpointing
 from distaccum.engines.base import OptimizerFactory, Precision
 from distaccum.losses import LossFn
 from distaccum.probe import check_model
-from distaccum.weights import load_into
+from distaccum.rundir.weights import load_into
 
 ModelSpec = nn.Module | Callable[[], nn.Module]
 

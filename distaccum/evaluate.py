@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from distaccum.config import EvalConfig
+from distaccum.data.pipeline import to_device
 from distaccum.losses import LossFn
-from distaccum.pipeline import to_device
 from distaccum.rundir import Record
 
 

@@ -50,15 +50,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distaccum.checks import check_consistency
+from distaccum.cluster.stopping import StopFlag, StopRequested
 from distaccum.config import Split
+from distaccum.data.pipeline import WindowSource, to_device
 from distaccum.engines.base import Engine
-from distaccum.gns import estimate, record_fields, window_terms
 from distaccum.losses import LossFn
-from distaccum.pipeline import WindowSource, to_device
-from distaccum.sinks import Record, Sink
-from distaccum.stopping import StopFlag, StopRequested
-from distaccum.timing import StepTimer
+from distaccum.telemetry.gns import estimate, record_fields, window_terms
+from distaccum.telemetry.sinks import Record, Sink
+from distaccum.telemetry.timing import StepTimer
+from distaccum.verify.tripwire import check_consistency
 
 
 @dataclass
@@ -207,7 +207,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: Ste
         reduction.wait()
         gns_totals = None
         if squares is not None:
-            # log.gns: the noise-scale terms (distaccum.gns) exist only after the boundary backward
+            # log.gns: the noise-scale terms (distaccum.telemetry.gns) exist only after the boundary backward
             # (the DDP hook measured them): one more all-reduce, of three numbers.
             gns_totals = torch.stack(window_terms(squares, items, c, d))
             dist.all_reduce(gns_totals)

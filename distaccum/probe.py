@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
+from distaccum.data.pipeline import to_device
 from distaccum.losses import LossFn
 from distaccum.models import batch_stat_layers
-from distaccum.pipeline import to_device
 
 _EMPTY = object()
 

@@ -6,7 +6,7 @@ once and cached, packed into fixed-length blocks or kept as variable-length samp
   mtime), the tokenizer and the options, so the arrow cache under ``cache_dir`` is reused by every
   later run and every rank instead of tokenizing again.
 - :class:`TextStream` is the same samples, in the same order, as a ``torch.utils.data.IterableDataset``
-  over ``datasets`` streaming: nothing is cached or counted ahead (``distaccum.stream`` serves it).
+  over ``datasets`` streaming: nothing is cached or counted ahead (``distaccum.data.stream`` serves it).
 - ``packing=true``: documents joined by the tokenizer's end-of-text token (a blank line for the
   byte-level tokenizer) and cut into blocks of ``block_size`` tokens (the remainder is dropped);
   ``packing=false``: one sample per document (a paragraph, line or JSONL record), truncated to

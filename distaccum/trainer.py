@@ -35,34 +35,34 @@ from distaccum.activation_checkpointing import (
     check_engine_compatible,
     parse_checkpointing,
 )
-from distaccum.autobatch import AutoChoice, auto_micro_batch
-from distaccum.checkpoint import fingerprint
-from distaccum.checkpoint import save as save_checkpoint
-from distaccum.comm import CommLedger
+from distaccum.cluster.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
+from distaccum.cluster.procgroup import ensure_process_group, pick_device, shutdown
+from distaccum.cluster.stopping import StopFlag, StopRequested
+from distaccum.cluster.topology import DistEnv
 from distaccum.components import Components, ModelSpec, build_model
 from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
+from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.pipeline import PlanSource
+from distaccum.data.stream import StreamSource, is_stream
 from distaccum.engines import check_engine, make_engine
 from distaccum.engines.base import EngineSpec, OptimizerFactory, Precision
 from distaccum.evaluate import EvalResult, eval_dataset, evaluate
-from distaccum.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.loop import LoopSettings, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.models import batch_stat_layers
 from distaccum.optim import build_optimizer, build_scheduler, describe_lr
-from distaccum.pipeline import PlanSource
-from distaccum.plan import GlobalBatchPlan
 from distaccum.probe import probe
-from distaccum.procgroup import ensure_process_group, pick_device, shutdown
-from distaccum.reference import run_reference
-from distaccum.resume import fresh_start, resume
 from distaccum.rundir import CONFIG, write_json
-from distaccum.sinks import Record, Sink, build_sinks
-from distaccum.stopping import StopFlag, StopRequested
-from distaccum.stream import StreamSource, is_stream
-from distaccum.summary import summarize
-from distaccum.timing import StepTimer
-from distaccum.topology import DistEnv
-from distaccum.weights import save_final
+from distaccum.rundir.checkpoint import fingerprint
+from distaccum.rundir.checkpoint import save as save_checkpoint
+from distaccum.rundir.resume import fresh_start, resume
+from distaccum.rundir.weights import save_final
+from distaccum.telemetry.ledger import CommLedger
+from distaccum.telemetry.sinks import Record, Sink, build_sinks
+from distaccum.telemetry.summary import summarize
+from distaccum.telemetry.timing import StepTimer
+from distaccum.tuning.autobatch import AutoChoice, auto_micro_batch
+from distaccum.verify.reference import run_reference
 
 VERIFY_ENV = "DISTACCUM_VERIFY"
 """Set by ``distaccum verify --script``: JSON telling a script's Trainer to run as the reference or
@@ -162,7 +162,7 @@ class Trainer:
         """Train to ``trainer.max_steps``, then :meth:`finish`; returns the run summary (identical on
         every rank).
 
-        Raises :class:`~distaccum.checkpoint.StopRequested` after checkpointing when a stop was
+        Raises :class:`~distaccum.rundir.checkpoint.StopRequested` after checkpointing when a stop was
         requested (SIGTERM/SIGUSR1 through ``stop``), ``ValueError`` for bad components or config.
         """
         request = self.verify_request

@@ -124,8 +124,8 @@ def _worker_main(plan_file: str) -> None:
     """Worker entry (under torch.distributed.run): train each config through the public Trainer, as
     the CLI's workers do (components instantiated from the config, checkpointing included), then
     run :func:`reentrant_demo`."""
-    from distaccum.procgroup import ensure_process_group, shutdown
-    from distaccum.topology import DistEnv
+    from distaccum.cluster.procgroup import ensure_process_group, shutdown
+    from distaccum.cluster.topology import DistEnv
     from distaccum.trainer import Trainer
 
     sys.path.insert(0, str(FIXTURES))

@@ -6,15 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distaccum.autobatch import (
-    LocalSteps,
-    Probe,
-    budget_too_small,
-    micro_batch_sizes,
-    one_sample_peak,
-    search,
-    trial_window,
-)
 from distaccum.components import Components
 from distaccum.config import (
     AccumConfig,
@@ -27,6 +18,15 @@ from distaccum.datasets import SyntheticRegression
 from distaccum.engines.base import Precision
 from distaccum.losses import mse
 from distaccum.models import MLP
+from distaccum.tuning.autobatch import (
+    LocalSteps,
+    Probe,
+    budget_too_small,
+    micro_batch_sizes,
+    one_sample_peak,
+    search,
+    trial_window,
+)
 from distaccum.units import parse_bytes
 
 pytestmark = pytest.mark.unit

@@ -20,7 +20,7 @@ from benchmarks.stats import per_round_ratios, spread, summarize_launch, target,
 from benchmarks.update_docs import markers, problems, replace_section
 from benchmarks.variants import DEFAULT_VARIANTS, check_variants, distaccum_config
 from distaccum.config import RunConfig, from_mapping, to_mapping
-from distaccum.pipeline import PlanSampler
+from distaccum.data.pipeline import PlanSampler
 
 pytestmark = pytest.mark.unit
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from distaccum import losses
-from distaccum.checkpoint import CheckpointError, candidates, checkpoint_root, latest_valid, problems
 from distaccum.datasets import SyntheticRegression
 from distaccum.loop import NonFiniteError
 from distaccum.models import MLP
-from distaccum.resume import ResumeError
+from distaccum.rundir.checkpoint import CheckpointError, candidates, checkpoint_root, latest_valid, problems
+from distaccum.rundir.resume import ResumeError
 from distaccum.trainer import Trainer
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("cpu_group")]  # conftest: one gloo rank

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from distaccum.comm import CommLedger, HostClock, union_length
-from distaccum.memory import peak_memory_bytes, reset_peak_memory
-from distaccum.timing import StepTimer
+from distaccum.telemetry.ledger import CommLedger, HostClock, union_length
+from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
+from distaccum.telemetry.timing import StepTimer
 
 pytestmark = pytest.mark.unit
 

@@ -31,10 +31,10 @@ from torch.utils.data import default_collate
 from distaccum.cli.compose import compose_config
 from distaccum.cli.instantiate import instantiate_components
 from distaccum.config import from_mapping, to_mapping, with_overrides
-from distaccum.reference import run_reference
 from distaccum.rundir import read_run_config
-from distaccum.verify import RunData, compare, reference_config, tolerance_for, write_seed_checkpoint
-from distaccum.weights import load_weights
+from distaccum.rundir.weights import load_weights
+from distaccum.verify.compare import RunData, compare, reference_config, tolerance_for, write_seed_checkpoint
+from distaccum.verify.reference import run_reference
 
 pytestmark = pytest.mark.dist
 
@@ -89,9 +89,9 @@ def _worker_main(plan_file: str) -> None:
     An entry with ``"_stop_after": n`` is stopped (checkpoint, ``StopRequested``) before window n + 1,
     as SIGTERM would stop it, and then run again from its checkpoint.
     """
-    from distaccum.procgroup import ensure_process_group, shutdown
-    from distaccum.stopping import StopFlag, StopRequested
-    from distaccum.topology import DistEnv
+    from distaccum.cluster.procgroup import ensure_process_group, shutdown
+    from distaccum.cluster.stopping import StopFlag, StopRequested
+    from distaccum.cluster.topology import DistEnv
     from distaccum.trainer import Trainer
 
     class StopAfter(StopFlag):

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distaccum.comm import CommLedger
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
 from distaccum.engines.base import EngineSpec, Precision, scale_and_clip_
@@ -19,6 +18,7 @@ from distaccum.engines.ddp import DDPEngine, step_plain
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
 from distaccum.models import MLP, TinyGPT
+from distaccum.telemetry.ledger import CommLedger
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from distaccum.gns import estimate, record_fields
+from distaccum.telemetry.gns import estimate, record_fields
 
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))
 import gns_task  # noqa: E402
@@ -89,7 +89,7 @@ def trained(run_dir: Path) -> list[dict]:
 @pytest.mark.dist
 def test_every_step_matches_the_direct_computation(trained: list[dict]) -> None:
     from distaccum.config import Split
-    from distaccum.plan import GlobalBatchPlan
+    from distaccum.data.global_batch import GlobalBatchPlan
 
     grads = per_sample_gradients()
     split = Split(gns_task.MICRO, gns_task.ACCUM, gns_task.WORLD)

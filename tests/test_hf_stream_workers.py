@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("datasets")
 
-from distaccum.stream import StreamWindows  # noqa: E402
+from distaccum.data.stream import StreamWindows  # noqa: E402
 from distaccum.textdata import TextStream  # noqa: E402
 from hf_corpus import OFFLINE, write_text_files  # noqa: E402
 

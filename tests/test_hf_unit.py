@@ -16,15 +16,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from distaccum.config import EvalConfig, Split  # noqa: E402
+from distaccum.data.global_batch import GlobalBatchPlan  # noqa: E402
+from distaccum.data.pipeline import PlanSource  # noqa: E402
+from distaccum.data.stream import StreamSource, StreamWindows  # noqa: E402
 from distaccum.datasets import pad_collate  # noqa: E402
 from distaccum.evaluate import eval_dataset, evaluate, shard_batches  # noqa: E402
 from distaccum.hf import ByteTokenizer, causal_lm, load_tokenizer, model_loss  # noqa: E402
 from distaccum.losses import token_cross_entropy  # noqa: E402
-from distaccum.pipeline import PlanSource  # noqa: E402
-from distaccum.plan import GlobalBatchPlan  # noqa: E402
 from distaccum.probe import probe  # noqa: E402
 from distaccum.rundir import read_evals, read_metrics, truncate_metrics  # noqa: E402
-from distaccum.stream import StreamSource, StreamWindows  # noqa: E402
 from distaccum.textdata import TextFiles, TextStream, pack_blocks  # noqa: E402
 from hf_corpus import OFFLINE, paragraphs, write_jsonl, write_text_files  # noqa: E402
 

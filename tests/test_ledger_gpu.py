@@ -20,9 +20,9 @@ import torch
 
 from conftest import fresh_accelerate_state, one_rank_group, train
 from distaccum import losses
-from distaccum.comm import CudaClock, HostClock
 from distaccum.datasets import CorpusSequences, pad_collate
 from distaccum.models import TinyGPT
+from distaccum.telemetry.ledger import CudaClock, HostClock
 from distaccum.trainer import Trainer
 
 NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.liveness import (
+from distaccum.cluster.liveness import (
     Liveness,
     describe_peers,
     is_timeout,

@@ -13,7 +13,7 @@ import torch
 
 from distaccum.config import OptimConfig, from_mapping
 from distaccum.optim import build_scheduler, describe_lr
-from distaccum.report import effective_lr, load_run, table_row
+from distaccum.telemetry.report import effective_lr, load_run, table_row
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distaccum.weights import load_weights
+from distaccum.rundir.weights import load_weights
 
 pytestmark = pytest.mark.dist
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from distaccum.config import Split
+from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.pipeline import PlanSampler, build_loader, to_device
 from distaccum.datasets import CorpusSequences, SyntheticImages, SyntheticRegression, pad_collate
 from distaccum.losses import IGNORE_INDEX
-from distaccum.pipeline import PlanSampler, build_loader, to_device
-from distaccum.plan import GlobalBatchPlan
 
 pytestmark = pytest.mark.unit
 

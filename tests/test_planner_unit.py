@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from distaccum.autobatch import Probe
 from distaccum.cli.plan import train_command, user_overrides
 from distaccum.config import Split
-from distaccum.planner import (
+from distaccum.tuning.autobatch import Probe
+from distaccum.tuning.planner import (
     Plan,
     interleave,
     predict,

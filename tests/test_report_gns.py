@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.report import build_rows, discover, render_markdown
+from distaccum.telemetry.report import build_rows, discover, render_markdown
 
 pytestmark = pytest.mark.unit
 

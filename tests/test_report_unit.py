@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.report import (
+from distaccum.telemetry.report import (
     build_rows,
     check_agreement,
     compare_curves,
@@ -163,7 +163,7 @@ def test_eval_lines_become_a_column_and_crosses_on_the_loss_panel(tmp_path: Path
     markdown = render_markdown(rows, [], [run], 1e-4, 1e-6)
     assert "| eval loss (ppl) |" in markdown and f"| 1.2000 ({math.exp(1.2):.2f}) |" in markdown
     pytest.importorskip("matplotlib")
-    from distaccum.report import plot_report
+    from distaccum.telemetry.report import plot_report
 
     plot_report(rows, {"r": run.losses}, [], tmp_path / "report.png", 1e-4, {"r": run.eval_losses})
     assert (tmp_path / "report.png").stat().st_size > 10_000

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.sinks import ConsoleSink, JsonlSink, MultiSink, NullSink, build_sinks, clock
+from distaccum.telemetry.sinks import ConsoleSink, JsonlSink, MultiSink, NullSink, build_sinks, clock
 from distaccum.units import human_bytes
 
 pytestmark = pytest.mark.unit
@@ -116,7 +116,7 @@ def test_human_bytes(n: int, text: str) -> None:
 
 
 def test_wandb_online_needs_a_key(tmp_path: Path) -> None:
-    from distaccum.wandb_sink import api_key_available, resolve_mode
+    from distaccum.telemetry.wandb_sink import api_key_available, resolve_mode
 
     no_netrc = {"NETRC": str(tmp_path / "missing")}
     assert resolve_mode("offline", no_netrc) == "offline"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.slurm import SlurmError, parse_nodelist, wait_job
+from distaccum.cluster.slurm import SlurmError, parse_nodelist, wait_job
 from slurm_fixtures import REPO, SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.serial]  # job time limits, signals before the limit

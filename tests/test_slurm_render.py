@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from distaccum.cluster.slurm import SlurmError, parse_nodelist, render_sbatch, submit
 from distaccum.config import from_mapping
-from distaccum.slurm import SlurmError, parse_nodelist, render_sbatch, submit
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +81,7 @@ def test_render_is_deterministic_across_processes() -> None:
     """The iteration order of a set of strings changes with the hash seed; the script must not."""
     here = {name: _render(name) for name in CASES}
     assert here == {name: _render(name) for name in CASES}
-    code = ("import json, sys; from distaccum.config import from_mapping; from distaccum.slurm import render_sbatch; "
+    code = ("import json, sys; from distaccum.config import from_mapping; from distaccum.cluster.slurm import render_sbatch; "
             "print(json.dumps({name: render_sbatch(from_mapping(m), o, python=p) "
             "for name, (m, o, p) in json.loads(sys.argv[1]).items()}))")
     seeds = ("0", "1")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from distaccum.topology import DistEnv, first_host, is_worker
+from distaccum.cluster.topology import DistEnv, first_host, is_worker
 
 pytestmark = pytest.mark.unit
 
@@ -43,8 +43,8 @@ def test_first_host(nodelist: str, head: str) -> None:
 def test_torchrun_argv_renders_the_equivalent_launch() -> None:
     from pathlib import Path
 
+    from distaccum.cluster.local import launch_plan, torchrun_argv, worker_args
     from distaccum.config import from_mapping
-    from distaccum.launcher import launch_plan, torchrun_argv, worker_args
 
     cfg = from_mapping({"trainer": {"nproc": 4, "nnodes": 2, "rdzv_endpoint": "node01:29500",
                                     "rdzv_id": "exp", "max_restarts": 1}})
@@ -59,7 +59,7 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
 def test_cpu_workers_tell_deepspeed_there_is_no_gpu_to_detect(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from distaccum.launcher import worker_environment
+    from distaccum.cluster.local import worker_environment
 
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

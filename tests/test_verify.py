@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import Run, run_cli
-from distaccum.weights import load_weights
+from distaccum.rundir.weights import load_weights
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

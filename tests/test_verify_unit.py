@@ -10,25 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from distaccum.checks import check_consistency
 from distaccum.components import Components
 from distaccum.config import RunConfig, Split, from_mapping, to_mapping, valid_splits
 from distaccum.datasets import SyntheticRegression
-from distaccum.diagnosis import (
-    CAUSES,
-    RunFacts,
-    diagnose,
-    model_facts,
-    rule_batch_statistics,
-    rule_loss_normalization,
-    rule_nondeterminism,
-    rule_randomness,
-    unequal_items,
-)
 from distaccum.losses import mse
 from distaccum.models import MLP, ConvNetBN, TinyGPT
 from distaccum.rundir import CHECKSUMS
-from distaccum.verify import (
+from distaccum.rundir.weights import load_weights
+from distaccum.verify.compare import (
     DEFAULT_TOLERANCES,
     Divergence,
     Report,
@@ -44,7 +33,18 @@ from distaccum.verify import (
     tolerance_for,
     write_seed_checkpoint,
 )
-from distaccum.weights import load_weights
+from distaccum.verify.diagnosis import (
+    CAUSES,
+    RunFacts,
+    diagnose,
+    model_facts,
+    rule_batch_statistics,
+    rule_loss_normalization,
+    rule_nondeterminism,
+    rule_randomness,
+    unequal_items,
+)
+from distaccum.verify.tripwire import check_consistency
 
 pytestmark = pytest.mark.unit
 
@@ -305,7 +305,7 @@ def test_single_process_records_checksums(tmp_path: Path) -> None:
 def test_tripwire_error_carries_step_and_parameter_through_pickle() -> None:
     import pickle
 
-    from distaccum.checks import RankDivergenceError
+    from distaccum.verify.tripwire import RankDivergenceError
 
     err = pickle.loads(pickle.dumps(RankDivergenceError("ranks diverged", step=3, parameter="w", rank=1)))
     assert (str(err), err.step, err.parameter, err.rank) == ("ranks diverged", 3, "w", 1)

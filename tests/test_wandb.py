@@ -123,7 +123,7 @@ def test_eval_lines_reach_wandb_at_the_step_they_follow(tmp_path: Path) -> None:
     import wandb
 
     from distaccum.evaluate import EvalResult
-    from distaccum.wandb_sink import WandbSink
+    from distaccum.telemetry.wandb_sink import WandbSink
 
     saved = dict(os.environ)  # WandbSink points wandb's directories into the run through the environment
     try:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from distaccum import __version__
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
-from distaccum.topology import is_worker
+from distaccum.cluster.topology import is_worker
 
 USAGE = """\
 usage: distaccum <command> [options] [overrides]

@@ -1,5 +1,5 @@
 """``distaccum plan [overrides] [--run] [--sweep]``: every split of the global batch, its predicted step
-time, communication share and peak memory, and a recommendation (:mod:`distaccum.planner`).
+time, communication share and peak memory, and a recommendation (:mod:`distaccum.tuning.planner`).
 
 The measurements run on the configured world (``trainer.nproc`` local workers, like ``train``);
 rank 0 writes ``plan.json``, this process prints the table and writes ``plan.md``. ``--run`` then
@@ -23,9 +23,9 @@ from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
 from distaccum.cli.instantiate import instantiate_components
 from distaccum.cli.preflight import preflight
 from distaccum.cli.worker import worker_exit
+from distaccum.cluster.topology import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.rundir import PLAN, PLAN_TABLE, SWEEP_SCRIPT, read_json
-from distaccum.topology import DistEnv
 
 PLAN_CONFIG = "plan_config.json"
 SPLIT_KEYS = ("accum.micro_batch", "accum.steps", "accum.global_batch", "run_dir")
@@ -65,8 +65,8 @@ def train_command(overrides: list[str], global_batch: int, micro: str, run_dir: 
 
 def plan_main(argv: list[str]) -> int:
     """Entry of ``distaccum plan``; returns the exit code."""
-    from distaccum.launcher import launch, launch_plan
-    from distaccum.planner import Plan, render_table
+    from distaccum.cluster.local import launch, launch_plan
+    from distaccum.tuning.planner import Plan, render_table
 
     try:
         args, overrides = parse_args(argv)
@@ -128,9 +128,9 @@ def plan_worker(config_file: str) -> NoReturn:
     def run() -> None:
         import torch.distributed as dist
 
-        from distaccum.planner import plan_splits
-        from distaccum.procgroup import ensure_process_group, pick_device
+        from distaccum.cluster.procgroup import ensure_process_group, pick_device
         from distaccum.rundir import write_json
+        from distaccum.tuning.planner import plan_splits
 
         payload: dict[str, Any] = json.loads(Path(config_file).read_text())
         cfg: RunConfig = from_mapping(payload["config"])

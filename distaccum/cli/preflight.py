@@ -19,18 +19,18 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
-from distaccum.autobatch import budget_too_small, one_sample_peak
-from distaccum.checkpoint import fingerprint
 from distaccum.cli.instantiate import instantiate_components
 from distaccum.components import Components, build_model
 from distaccum.config import ConfigError, RunConfig, Split, check_split
+from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.stream import is_stream
 from distaccum.engines import check_engine
 from distaccum.engines.base import EngineSpec, Precision
 from distaccum.evaluate import eval_dataset
-from distaccum.plan import GlobalBatchPlan
 from distaccum.probe import probe
-from distaccum.resume import check_resumable
-from distaccum.stream import is_stream
+from distaccum.rundir.checkpoint import fingerprint
+from distaccum.rundir.resume import check_resumable
+from distaccum.tuning.autobatch import budget_too_small, one_sample_peak
 
 
 @dataclass

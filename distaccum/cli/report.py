@@ -13,7 +13,14 @@ import sys
 from pathlib import Path
 
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
-from distaccum.report import build_rows, check_agreement, discover, gns_series, plot_report, render_markdown
+from distaccum.telemetry.report import (
+    build_rows,
+    check_agreement,
+    discover,
+    gns_series,
+    plot_report,
+    render_markdown,
+)
 
 EXIT_DISAGREE, EXIT_USAGE = EXIT_FAIL, EXIT_CONFIG
 

@@ -33,7 +33,7 @@ def config_error(err: Exception) -> None:
 
 def train_task(dcfg: Any) -> int:
     """One Hydra job: validate and pre-flight, then start the workers."""
-    from distaccum.launcher import launch_local, launch_plan, torchrun_argv, worker_args
+    from distaccum.cluster.local import launch_local, launch_plan, torchrun_argv, worker_args
 
     multirun, job_dir = in_multirun()
     try:

@@ -3,13 +3,13 @@
 Two ways in, one comparison:
 
 - a config (``distaccum verify [overrides]``): components are instantiated here, the reference
-  (:mod:`distaccum.reference`) runs in this process, candidates through the real launcher;
+  (:mod:`distaccum.verify.reference`) runs in this process, candidates through the real launcher;
 - a script (``distaccum verify --script FILE [--nproc N] [-- ARGS]``): the user's own ``Trainer``
   script is run once as the reference (one process) and once per candidate under the launcher,
   told what to be through ``DISTACCUM_VERIFY``.
 
 Each run gets a sub-directory of run_dir (its console output in ``console.log``); the library's
-reports (:mod:`distaccum.verify`, :mod:`distaccum.diagnosis`) become a table, ``verify.json`` and an
+reports (:mod:`distaccum.verify`, :mod:`distaccum.verify.diagnosis`) become a table, ``verify.json`` and an
 exit code: 0 all candidates match, 1 a mismatch or failed run, 2 bad input.
 """
 
@@ -32,9 +32,8 @@ from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
 from distaccum.cli.preflight import preflight
 from distaccum.config import ConfigError, RunConfig, Split, from_mapping, to_mapping, with_overrides
-from distaccum.diagnosis import Finding, RunFacts, diagnose, model_facts, step_facts, unequal_items
 from distaccum.rundir import CONFIG, CONSOLE_LOG, LAUNCH_CONFIG, SEED, read_json
-from distaccum.verify import (
+from distaccum.verify.compare import (
     Report,
     RunData,
     Tolerances,
@@ -46,6 +45,7 @@ from distaccum.verify import (
     tolerance_for,
     write_seed_checkpoint,
 )
+from distaccum.verify.diagnosis import Finding, RunFacts, diagnose, model_facts, step_facts, unequal_items
 
 VERIFY_FILE = "verify.json"
 
@@ -259,8 +259,8 @@ def run_verify(plan: Plan, root: Path) -> int:
 
 def config_plan(cfg: RunConfig, splits: list[Split]) -> Plan:
     """Verify ``cfg``: components instantiated (and pre-flight checked) here, reference in-process."""
-    from distaccum.launcher import launch_local
-    from distaccum.reference import run_reference
+    from distaccum.cluster.local import launch_local
+    from distaccum.verify.reference import run_reference
 
     checked = preflight(cfg)
     root = Path(cfg.run_dir)
@@ -318,7 +318,7 @@ def script_plan(script: Path, args: list[str], nproc: int, root: Path, auto: boo
     the candidate splits follow (the script's own split on ``nproc`` ranks, plus others with
     ``auto``).
     """
-    from distaccum.launcher import LaunchPlan, launch
+    from distaccum.cluster.local import LaunchPlan, launch
     from distaccum.trainer import VERIFY_ENV
 
     seed = root / SEED

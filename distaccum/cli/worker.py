@@ -15,14 +15,14 @@ from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, EXIT_REQUEUE
 from distaccum.cli.instantiate import instantiate_components
 from distaccum.cli.preflight import preflight
+from distaccum.cluster.topology import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.rundir import Record
-from distaccum.topology import DistEnv
 
 
 def stop_flag() -> Any:
     """SIGTERM / SIGUSR1 ask the run to checkpoint after the window in progress and stop."""
-    from distaccum.stopping import StopFlag
+    from distaccum.cluster.stopping import StopFlag
 
     flag = StopFlag()
     flag.install()
@@ -45,8 +45,8 @@ def worker_exit(run: Callable[[], Any]) -> NoReturn:
     Skipping interpreter shutdown matters: letting Python finalize while gloo threads still free
     tensors aborted FSDP runs now and then ("terminate called without an active exception").
     """
-    from distaccum.procgroup import shutdown
-    from distaccum.stopping import StopRequested
+    from distaccum.cluster.procgroup import shutdown
+    from distaccum.cluster.stopping import StopRequested
 
     code = EXIT_OK
     try:
@@ -80,7 +80,7 @@ def worker_in_place(argv: list[str]) -> NoReturn:
     def run() -> None:
         import torch.distributed as dist
 
-        from distaccum.procgroup import ensure_process_group, pick_device
+        from distaccum.cluster.procgroup import ensure_process_group, pick_device
 
         env = DistEnv.from_environ(os.environ)
         cfg = compose_config(argv)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 
-from distaccum.comm import CommLedger
 from distaccum.config import ENGINES as ENGINE_NAMES
 from distaccum.engines.base import Engine, EngineSpec
+from distaccum.telemetry.ledger import CommLedger
 
 ENGINES: dict[str, str] = {
     "ddp": "distaccum.engines.ddp:DDPEngine",

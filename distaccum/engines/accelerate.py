@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.comm import CommLedger
 from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, dcp_load, dcp_save
 from distaccum.engines.ddp import register_counting_hook, step_plain
+from distaccum.telemetry.ledger import CommLedger
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16": "bf16", "fp16": "fp16"}
 """Our precision names -> Accelerate's ``mixed_precision`` (it owns autocast and the GradScaler)."""

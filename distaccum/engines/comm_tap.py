@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from distaccum.comm import CommLedger
+from distaccum.telemetry.ledger import CommLedger
 
 REDUCTIONS: dict[str, tuple[int, str]] = {
     "all_reduce": (0, "tensor"),

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.comm import CommLedger
 from distaccum.engines.base import (
     EngineSpec,
     OptimizerFactory,
@@ -23,7 +22,8 @@ from distaccum.engines.base import (
     grads_of,
     scale_and_clip_,
 )
-from distaccum.gns import GradSquares
+from distaccum.telemetry.gns import GradSquares
+from distaccum.telemetry.ledger import CommLedger
 
 
 @dataclass

@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distaccum.comm import CommLedger
 from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, grads_of
 from distaccum.engines.comm_tap import tap_gradient_reductions
 from distaccum.engines.deepspeed_config import build, check
+from distaccum.telemetry.ledger import CommLedger
 
 
 def use_extensions_dir(path: str, rank: int) -> Path:

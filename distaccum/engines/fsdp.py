@@ -33,7 +33,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distaccum.comm import CommLedger
 from distaccum.engines.base import (
     EngineSpec,
     OptimizerFactory,
@@ -47,6 +46,7 @@ from distaccum.engines.base import (
 )
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.models import block_units
+from distaccum.telemetry.ledger import CommLedger
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from distaccum.config import Split
 from distaccum.models import batch_stat_layers, random_layers
-from distaccum.verify import Report
+from distaccum.verify.compare import Report
 
 CAUSES = ("rank_divergence", "batch_statistics", "loss_normalization", "gradient_scale", "partial_window",
           "randomness", "nondeterminism", "run_failed", "unexplained")

@@ -3,8 +3,8 @@
 The file format is tiny and shared with training: every run writes ``metrics.jsonl`` (loss and
 grad_norm per optimizer step) and ``final/model.safetensors`` (the trained weights); a run launched
 with ``verify.record=true`` also writes ``checksums.jsonl`` (fp64 sum and sum of squares of every
-parameter after every step, from the tripwire in :mod:`distaccum.checks`). The reference is
-:mod:`distaccum.reference`: plain PyTorch, independent of the loop it checks.
+parameter after every step, from the tripwire in :mod:`distaccum.verify.tripwire`). The reference is
+:mod:`distaccum.verify.reference`: plain PyTorch, independent of the loop it checks.
 
 :func:`compare` turns a reference and a candidate run into a :class:`Report` naming the first
 diverging step and parameter. The criterion for any compared quantity (a scalar series or one
@@ -13,7 +13,7 @@ parameter tensor) is
     max |candidate - reference|  <=  atol + rtol * max |reference|
 
 so ``max_rel_diff`` is relative to the tensor's scale, not element by element (elements near zero
-would make an element-wise ratio meaningless). The diagnosis rules in :mod:`distaccum.diagnosis`
+would make an element-wise ratio meaningless). The diagnosis rules in :mod:`distaccum.verify.diagnosis`
 explain a mismatch; the entry layer (``verify_cli``) only launches runs and prints.
 """
 
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from distaccum.checks import read_divergence
 from distaccum.components import Components, build_model
 from distaccum.config import RunConfig, Split, valid_splits
 from distaccum.engines.base import Precision
 from distaccum.rundir import CHECKSUMS, final_weights, read_jsonl, read_metrics
-from distaccum.weights import load_weights, save_weights
+from distaccum.rundir.weights import load_weights, save_weights
+from distaccum.verify.tripwire import read_divergence
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) 
 
 
 def reference_config(cfg: RunConfig, run_dir: Path, seed: Path) -> RunConfig:
-    """The configuration the plain reference (:mod:`distaccum.reference`) runs with: one process, the
+    """The configuration the plain reference (:mod:`distaccum.verify.reference`) runs with: one process, the
     seed checkpoint, fp64 when ``verify.reference_dtype=fp64``. Its global batch is the candidates'."""
     ref = _with_split(cfg, Split(cfg.split(cfg.trainer.nproc).global_batch, 1, 1), run_dir, seed)
     precision = "fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision
@@ -160,7 +160,7 @@ class RunData:
     """step -> parameter -> [sum, sum of squares, numel]."""
     params: dict[str, torch.Tensor] | None
     divergence: dict[str, Any] | None
-    """The tripwire's report when ranks diverged (see :mod:`distaccum.checks`)."""
+    """The tripwire's report when ranks diverged (see :mod:`distaccum.verify.tripwire`)."""
 
     @classmethod
     def load(cls, run_dir: Path) -> RunData:

@@ -14,7 +14,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distaccum.checkpoint import (
+from distaccum.cluster.liveness import previous_attempt
+from distaccum.loop import TrainState
+from distaccum.rundir import RANKS, read_metrics, truncate_metrics
+from distaccum.rundir.checkpoint import (
     checkpoint_root,
     fingerprint_differences,
     latest_valid,
@@ -22,9 +25,6 @@ from distaccum.checkpoint import (
     restore,
     warn_skipped,
 )
-from distaccum.liveness import previous_attempt
-from distaccum.loop import TrainState
-from distaccum.rundir import RANKS, read_metrics, truncate_metrics
 
 FRESH_START = "start afresh with trainer.resume=false (its checkpoints are deleted) or choose a new run_dir"
 

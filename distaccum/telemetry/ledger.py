@@ -7,7 +7,7 @@ tap on the torch.distributed collectives they call (FSDP2, DeepSpeed):
   ``ledger.completed(token)`` from its completion callback (``future.then``);
 - blocking collectives (the caller waits for the result): ``with ledger.blocking(tensor): ...``.
 
-The loop (through :class:`distaccum.timing.StepTimer`) calls ``start_step``, ``start_micro`` before
+The loop (through :class:`distaccum.telemetry.timing.StepTimer`) calls ``start_step``, ``start_micro`` before
 each micro-batch and ``end_step``. What comes out, per step and rank (:class:`CommStats`):
 
 - ``comm_calls`` / ``comm_bytes``: gradient collectives launched and the bytes of their input

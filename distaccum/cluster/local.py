@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from distaccum.cluster.stopping import EXIT_REQUEUE
 from distaccum.config import RunConfig
-from distaccum.stopping import EXIT_REQUEUE
 
 WORKER_COMMAND = ["-m", "distaccum", "_worker"]
 

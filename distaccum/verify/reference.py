@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from distaccum.checks import append_checksums, parameter_checksums
 from distaccum.components import Components, build_model
 from distaccum.config import RunConfig, to_mapping
+from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.pipeline import to_device
+from distaccum.data.stream import is_stream, stream_windows
 from distaccum.engines.base import Precision
 from distaccum.models import batch_stat_layers, random_layers
 from distaccum.optim import build_optimizer, build_scheduler
-from distaccum.pipeline import to_device
-from distaccum.plan import GlobalBatchPlan
 from distaccum.rundir import (
     CHECKSUMS,
     CONFIG,
@@ -45,14 +45,14 @@ from distaccum.rundir import (
     Record,
     write_json,
 )
-from distaccum.sinks import JsonlSink
-from distaccum.stream import is_stream, stream_windows
-from distaccum.weights import save_weights
+from distaccum.rundir.weights import save_weights
+from distaccum.telemetry.sinks import JsonlSink
+from distaccum.verify.tripwire import append_checksums, parameter_checksums
 
 
 def window_samples(cfg: RunConfig, parts: Components, global_batch: int) -> Iterator[tuple[int, list[Any], bool]]:
     """(epoch, samples, partial) of each optimizer step's window, as a run's source serves them: from the
-    global-batch plan (map-style) or read off the stream in order (:mod:`distaccum.stream`)."""
+    global-batch plan (map-style) or read off the stream in order (:mod:`distaccum.data.stream`)."""
     if is_stream(parts.dataset):
         for window in stream_windows(parts.dataset, global_batch, drop_last=cfg.data.drop_last,  # type: ignore[arg-type]
                                      num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor):

@@ -7,7 +7,7 @@ One optimizer step is split into phases, each a separate record field:
     compute_s  forward + backward of every micro-batch, minus the exposed communication
     optim_s    the window's item-count all-reduce, normalize + clip, optimizer step, scheduler,
                consistency check
-    comm_*     from the :class:`~distaccum.comm.CommLedger` (``comm_s`` overlaps compute_s;
+    comm_*     from the :class:`~distaccum.telemetry.ledger.CommLedger` (``comm_s`` overlaps compute_s;
                ``comm_exposed_s`` does not, so compute_s + comm_exposed_s = forward+backward time)
 
 On CPU the phases are wall-clock intervals. On CUDA they are CUDA events on the current stream,
@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from distaccum.comm import Clock, CommLedger, CommStats, CudaClock, HostClock, Stamp
-from distaccum.memory import peak_memory_bytes, reset_peak_memory
+from distaccum.telemetry.ledger import Clock, CommLedger, CommStats, CudaClock, HostClock, Stamp
+from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 
 
 @dataclass

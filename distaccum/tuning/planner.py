@@ -22,7 +22,7 @@ medians instead would be wrong: compute and exposed communication trade off betw
 computing late makes the other wait), and on a loaded machine that sum was 12% short of the median step.
 
 Peak memory does not depend on K (the accumulated gradient is one buffer): each size's peak comes from a
-trial window (:mod:`distaccum.autobatch`), measured in ascending order before any timing, so on CPU
+trial window (:mod:`distaccum.tuning.autobatch`), measured in ascending order before any timing, so on CPU
 no other model is resident. Sizes whose extrapolated peak exceeds the budget are not tried, and
 neither is anything larger than a size that did not fit. The timing trials of several sizes run
 interleaved, a few steps each per round with the order rotated, so drift of a shared machine falls on
@@ -44,11 +44,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distaccum.autobatch import Probe, auto_trial, default_budget, memory_kind, micro_batch_sizes
 from distaccum.components import Components
 from distaccum.config import RunConfig, Split, check_split, valid_splits, with_overrides
-from distaccum.sinks import Record
+from distaccum.telemetry.sinks import Record
 from distaccum.trainer import Trainer
+from distaccum.tuning.autobatch import Probe, auto_trial, default_budget, memory_kind, micro_batch_sizes
 from distaccum.units import human_bytes
 
 TRIAL_ACCUM = 4

@@ -1,13 +1,13 @@
 """Streaming data: an ``IterableDataset`` cut into windows of ``global_batch`` samples, split across ranks.
 
-A stream has no length and no random access, so the global-batch plan of :mod:`distaccum.plan`
+A stream has no length and no random access, so the global-batch plan of :mod:`distaccum.data.global_batch`
 cannot index it. Instead :class:`StreamWindows` reads the stream in order and cuts it into windows
 of ``global_batch`` samples: window ``s`` of an epoch is samples ``s*G .. s*G+G-1`` of that epoch,
 whatever the split. The last window of an epoch is partial (or dropped with ``data.drop_last``);
 then the stream is read again from its start (``set_epoch(epoch)`` first, when the dataset has it).
 
 Every rank reads the whole stream and keeps only its own pieces of each window (the same
-``[micro][rank]`` layout as :meth:`distaccum.plan.Window.rank_micro_batches`), so every split of the
+``[micro][rank]`` layout as :meth:`distaccum.data.global_batch.Window.rank_micro_batches`), so every split of the
 same global batch trains the same samples at the same step — and an unshuffled map-style dataset
 holding the same samples gives bit-identical micro-batches. Reading is repeated on every rank; only
 the training is split. (Sharding the files by rank instead would make the sample order depend on
@@ -37,8 +37,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from distaccum.config import Split
-from distaccum.pipeline import MicroBatch, WindowBatches, ignore_stop_signals
-from distaccum.plan import Window
+from distaccum.data.global_batch import Window
+from distaccum.data.pipeline import MicroBatch, WindowBatches, ignore_stop_signals
 
 
 def is_stream(dataset: Any) -> bool:
@@ -101,7 +101,7 @@ class StreamWindows:
 
 
 class StreamSource:
-    """A :class:`~distaccum.pipeline.WindowSource` over an ``IterableDataset``: this rank's pieces of
+    """A :class:`~distaccum.data.pipeline.WindowSource` over an ``IterableDataset``: this rank's pieces of
     each window of the global stream, collated one micro-batch at a time as the loop asks."""
 
     def __init__(self, dataset: IterableDataset, collate: Callable[[list[Any]], Any] | None, split: Split,

@@ -109,7 +109,7 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
     ]
     lines = [
         "#!/bin/bash",
-        "# Rendered by distaccum.slurm.render_sbatch; submit with `distaccum submit` or sbatch.",
+        "# Rendered by distaccum.cluster.slurm.render_sbatch; submit with `distaccum submit` or sbatch.",
         *_directives(cfg),
         "",
         "set -euo pipefail",

@@ -151,7 +151,7 @@ def build_sinks(console: str, total_steps: int, run_dir: Path, rank: int, *,
     sinks: list[Sink] = [JsonlSink(run_dir, append=append),
                          ConsoleSink(total_steps, quiet=quiet, first_step=first_step)]
     if wandb_config is not None and wandb_mode != "disabled":
-        from distaccum.wandb_sink import WandbSink  # imported lazily: wandb is optional
+        from distaccum.telemetry.wandb_sink import WandbSink  # imported lazily: wandb is optional
 
         sinks.append(WandbSink(run_dir, wandb_config, mode=wandb_mode, project=wandb_project,
                                quiet=quiet, resume=append))

@@ -6,8 +6,8 @@
       metrics.jsonl        one record per optimizer step, plus eval lines (rank 0, flushed as written)
       summary.json         the run summary (at the end)
       status.json          ok | failed | invalid_config, written by the CLI
-      checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.checkpoint)
-      ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.liveness)
+      checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.rundir.checkpoint)
+      ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.cluster.liveness)
       checksums.jsonl      per-step parameter checksums (verify.record)
       divergence.json      the cross-rank tripwire's report, when it fired
       console.log          a verify sub-run's console output

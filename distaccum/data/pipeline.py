@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from distaccum.config import Split
-from distaccum.plan import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchPlan
 
 
 class PlanSampler(Sampler[list[int]]):

@@ -1,7 +1,7 @@
 """The process group: pick the device, join (or reuse) the group, leave it cleanly.
 
 A run started by distaccum's launcher, by ``torchrun`` or by ``srun`` joins from the environment
-(:class:`~distaccum.topology.DistEnv`); a user script may have created the group already, in which
+(:class:`~distaccum.cluster.topology.DistEnv`); a user script may have created the group already, in which
 case distaccum uses it and leaves it alone; a plain ``python script.py`` gets a one-rank group.
 """
 
@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from distaccum.topology import DistEnv
+from distaccum.cluster.topology import DistEnv
 
 
 def pick_device(device: str, env: DistEnv) -> torch.device:

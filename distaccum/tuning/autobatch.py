@@ -34,16 +34,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from distaccum.comm import CommLedger
 from distaccum.components import Components, build_model
 from distaccum.config import ConfigError, RunConfig, Split, check_split
+from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.pipeline import to_device
 from distaccum.engines import make_engine
 from distaccum.engines.base import EngineSpec, Precision, StepResult
 from distaccum.losses import LossFn
-from distaccum.memory import peak_memory_bytes, reset_peak_memory
 from distaccum.optim import build_optimizer
-from distaccum.pipeline import to_device
-from distaccum.plan import GlobalBatchPlan
+from distaccum.telemetry.ledger import CommLedger
+from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 from distaccum.units import human_bytes
 
 CPU_RAM_FRACTION = 0.8

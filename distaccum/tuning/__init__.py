@@ -1,0 +1,1 @@
+"""Choosing the split: ``accum.micro_batch=auto`` trial windows and ``distaccum plan``'s predictions."""
