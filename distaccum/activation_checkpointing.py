@@ -39,14 +39,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from distaccum.engines import engine_class
 from distaccum.models import block_units
 
 Checkpointing = str | tuple[str, ...] | None
 """None (off), ``"blocks"``, or module-name patterns (``fnmatch``, matched against ``named_modules``)."""
-
-REENTRANT_UNSAFE_ENGINES = ("ddp", "accelerate")
-"""Engines whose gradient hooks break under reentrant checkpointing (both run torch DDP)."""
-
 
 def parse_checkpointing(value: Any, where: str = "model.activation_checkpointing") -> Checkpointing:
     """Normalize a user's setting: ``none``/None -> None, ``blocks``, or a list of patterns -> tuple."""
@@ -174,8 +171,9 @@ def reentrant_modules(model: nn.Module) -> list[str]:
 
 
 def check_engine_compatible(model: nn.Module, engine: str) -> None:
-    """Refuse reentrant checkpointing on engines it breaks (ValueError naming the modules and the fix)."""
-    if engine not in REENTRANT_UNSAFE_ENGINES:
+    """Refuse reentrant checkpointing on engines it breaks (``reentrant_checkpointing_safe`` False on the
+    engine class: DDP and Accelerate, whose DDP hooks break); ValueError naming the modules and the fix."""
+    if engine_class(engine).reentrant_checkpointing_safe:
         return
     found = reentrant_modules(model)
     if found:

@@ -57,6 +57,20 @@ class Components:
         return {**found, **(self.names or {})}
 
 
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How every rank (and the verify reference) builds the same initial model: seed, precision, weights."""
+
+    seed: int
+    precision: Precision
+    init_from: str | None = None
+    """A ``model.safetensors`` (or a run's ``final/``) loaded after building (``trainer.init_from``)."""
+
+    def build(self, parts: Components) -> nn.Module:
+        """Seed, build the user's model, cast it for the precision, load ``init_from``."""
+        return build_model(parts.model, self.seed, self.precision, self.init_from, parts.describe()["model"])
+
+
 def build_model(spec: ModelSpec, seed: int, precision: Precision, init_from: str | None,
                 target: str) -> nn.Module:
     """Seed, build (or take) the model, cast it for ``precision`` (fp64), load ``init_from``."""

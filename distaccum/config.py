@@ -4,7 +4,8 @@ Hydra composes YAML from ``configs/`` (shipped inside the package); the entry la
 to a plain mapping and calls :func:`from_mapping`, which builds these dataclasses and validates
 them. The user's components (``model``, ``data.dataset``, ``data.collate``, ``loss``) stay
 ``_target_`` nodes here: the entry layer instantiates them, the library receives objects.
-Everything downstream takes a :class:`RunConfig` and never sees Hydra or OmegaConf.
+The library resolves it once (:func:`distaccum.resolve.resolve`) into the narrow objects each part
+uses; nothing below the Trainer sees a :class:`RunConfig`, Hydra or OmegaConf.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 AUTO = "auto"
 """``accum.micro_batch=auto``: the Trainer picks the largest micro-batch that fits the memory budget."""
-GNS_ENGINES = ("ddp",)
-"""Engines whose gradient comm hook feeds the gradient noise scale monitor (``log.gns``)."""
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 Node = dict[str, Any]
@@ -363,7 +362,7 @@ class LogConfig:
     """Log the gradient noise scale per step (gns, gns_smoothed; McCandlish et al. 2018), estimated
     from each rank's accumulated gradient and the reduced one as the DDP comm hook sees them: no extra
     passes; two squared norms of the gradient and one all-reduce of three numbers per step.
-    engine=ddp, accum.sync=boundary and more than one rank only."""
+    Engines whose comm hook measures it (engine=ddp), accum.sync=boundary and more than one rank only."""
     gns_ema: float = 0.95
     """Smoothing of gns_smoothed: exponential moving averages of the |G|^2 and tr(Sigma) estimates with
     this decay per step (about 1/(1 - gns_ema) steps), then their ratio."""
@@ -446,33 +445,6 @@ class SlurmConfig:
 
 
 @dataclass(kw_only=True)
-class DebugConfig:
-    """Test-only fault injection. Never set these in real runs."""
-
-    skip_reduction_rank: int | None = None
-    """This rank keeps its local gradients instead of the reduced ones (desynchronizes ranks)."""
-    grad_scale_fault: float = 1.0
-    """Multiply every normalized gradient by this constant: a split-independent bug (a loss divided
-    twice, a world size applied twice) that only a reference independent of the loop can see."""
-    nominal_partial_count: bool = False
-    """Normalize a partial window by the item count a full window would hold (N x global_batch /
-    samples) instead of what it holds: the remainder-window bug, the same on every split."""
-
-    nan_at_step: int | None = None
-    """Make rank nan_rank's loss NaN at this 1-based optimizer step (and nan_steps - 1 more)."""
-    nan_steps: int = 1
-    """How many consecutive steps nan_at_step poisons."""
-    nan_rank: int = 0
-    """The rank whose loss nan_at_step poisons."""
-    checkpoint_fault_at_step: int | None = None
-    """Fail the checkpoint written after this optimizer step as a full disk would (ENOSPC)."""
-
-    def __post_init__(self) -> None:
-        _positive("debug", "grad_scale_fault", self.grad_scale_fault)
-        _positive("debug", "nan_steps", self.nan_steps)
-
-
-@dataclass(kw_only=True)
 class RunConfig:
     """Everything one run needs. Built by :func:`from_mapping` (CLI) or directly (Python API)."""
 
@@ -490,7 +462,6 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
     precision: str = "fp32"
     """fp32 | bf16 (autocast) | fp16 (autocast + GradScaler) | fp64."""
     run_dir: str = "runs/default"
@@ -502,10 +473,9 @@ class RunConfig:
         self.loss = _node("loss", self.loss)
         if self.trainer.nnodes > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
-        if self.log.gns and (self.engine.name not in GNS_ENGINES or self.accum.sync != "boundary"):
-            raise ValueError(f"log.gns=true reads the gradients the DDP comm hook reduces once per step: it needs "
-                             f"engine={' or '.join(GNS_ENGINES)} and accum.sync=boundary, got "
-                             f"engine={self.engine.name} accum.sync={self.accum.sync}")
+        if self.log.gns and self.accum.sync != "boundary":
+            raise ValueError(f"log.gns=true reads the gradients the comm hook reduces once per step: it needs "
+                             f"accum.sync=boundary, got accum.sync={self.accum.sync}")
 
     def world_size(self) -> int:
         """World size a local launch of this config produces."""

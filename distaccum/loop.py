@@ -32,6 +32,11 @@ and **5** in fp16. Not included: DDP's one-time bucket rebuild (step 2), tripwir
 (``trainer.check_every``: one more read per rank's checksums) and the internals of FSDP (whose
 ``step`` also reads the norm once) and DeepSpeed.
 
+What is not step math lives in the components that own it and is handed in (:class:`LoopParts`):
+when to checkpoint (:class:`~distaccum.rundir.checkpoint.Checkpointer`), what to do about non-finite
+steps (:class:`NonFinitePolicy`), and per-step observers (:class:`StepMonitor`: the cross-rank
+tripwire, the straggler view, the gradient noise scale).
+
 ``accum.loss_norm=mean_per_micro`` is the classic loss/K (each micro-batch's mean divided by
 K x W) and is wrong whenever micro-batches hold different numbers of items; it is kept only as a
 negative control that ``distaccum verify`` must catch.
@@ -40,25 +45,22 @@ negative control that ``distaccum verify`` must catch.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distaccum.cluster.stopping import StopFlag, StopRequested
-from distaccum.config import Split
-from distaccum.data.pipeline import WindowSource, to_device
-from distaccum.engines.base import Engine
+from distaccum.data.pipeline import WindowBatches, WindowSource, to_device
+from distaccum.engines.base import Engine, StepResult
 from distaccum.losses import LossFn
-from distaccum.telemetry.gns import estimate, record_fields, window_terms
+from distaccum.split import Split
 from distaccum.telemetry.sinks import Record, Sink
-from distaccum.telemetry.timing import StepTimer
-from distaccum.verify.tripwire import check_consistency
+from distaccum.telemetry.timing import StepTimer, StepTimes
 
 
 @dataclass
@@ -76,44 +78,22 @@ class TrainState:
     """The previous window's global item count (sets the power-of-two c; 0: none yet)."""
     nonfinite_streak: int = 0
     """Consecutive steps skipped for non-finite values (checkpointed)."""
-    last_checkpoint: float = field(default_factory=time.monotonic)
-    """When the last checkpoint was written (rank 0's clock decides time-based checkpoints)."""
 
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """What the loop needs besides its state, resolved once at the worker boundary."""
+    """What the loop needs besides its state and parts, resolved once (:func:`distaccum.resolve.resolve`)."""
 
     split: Split
     max_steps: int
     clip_norm: float | None
     every_micro: bool
+    """Reduce after every micro-batch (``accum.sync=every_micro``) instead of only at the boundary."""
     loss_norm: str
     float_dtype: torch.dtype | None
     """Cast floating batch tensors to this dtype (fp64 runs); None leaves them."""
-    check_every: int
-    record_checksums: bool
-    rank_stats_every: int
-    run_dir: Path
     device: torch.device
     rank: int
-    checkpoint_every: int = 0
-    """Checkpoint after every N-th optimizer step (0: only when stopping)."""
-    checkpoint_every_s: float = 0.0
-    """Also checkpoint when this many seconds passed since the last one (0: never by time)."""
-    max_nonfinite_steps: int = 3
-    """Stop the run after this many consecutive steps skipped for non-finite values."""
-    loss_scaling: bool = False
-    """fp16 with a GradScaler: its overflow skips are routine and do not count as non-finite."""
-    grad_scale_fault: float = 1.0
-    """Test-only (``debug.grad_scale_fault``): a constant wrong factor on every gradient."""
-    nominal_partial_count: bool = False
-    """Test-only (``debug.nominal_partial_count``): normalize partial windows as if they were full."""
-    nan_steps: tuple[int, ...] = ()
-    """Test-only (``debug.nan_at_step``): 1-based steps whose loss is NaN on rank ``nan_rank``."""
-    nan_rank: int = 0
-    gns_decay: float | None = None
-    """``log.gns``: record the gradient noise scale, smoothed with this decay (None: off)."""
 
 
 class NonFiniteError(RuntimeError):
@@ -134,160 +114,215 @@ def item_count(n_items: torch.Tensor | int | float, device: torch.device) -> tor
     return torch.full((), float(n_items), dtype=torch.float64, device=device)
 
 
-def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, timer: StepTimer, sink: Sink, *,
-          until: int | None = None, stop: StopFlag | None = None,
-          checkpoint: Callable[[TrainState], Path] | None = None,
-          on_step: Callable[[TrainState, Record], None] | None = None) -> list[Record]:
+@dataclass(frozen=True)
+class WindowResult:
+    """The window's all-reduced totals, read on the host once per step (identical on every rank)."""
+
+    items: float
+    """N: the window's loss items over all ranks."""
+    loss_sum: float
+    bad_ranks: list[int]
+    """Ranks whose loss was not finite."""
+    stop_votes: float
+    checkpoint_votes: float
+    items_min: float
+    """The smallest and largest micro-batch item count over every rank's micro-batches."""
+    items_max: float
+
+
+class WindowTotals:
+    """The window's running sums on this rank, and its ONE all-reduce.
+
+    The all-reduced tensor: N, the loss sum, and flags every rank must agree on (a non-finite loss on
+    some rank, a stop request, a time-based checkpoint due by rank 0's clock), then each rank's
+    non-finite verdict and smallest/largest micro-batch item count in its own slot (zeros elsewhere:
+    the sum is an all-gather). Everything is filled in on the device (no host-to-device copy, so no sync).
+    """
+
+    def __init__(self, split: Split, rank: int, device: torch.device) -> None:
+        self.split, self.rank, self.device = split, rank, device
+        self.items = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.counts: list[torch.Tensor] = []
+        self.totals = torch.zeros(0, dtype=torch.float64, device=device)
+        self._work: Any = None
+
+    def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor:
+        """Count one micro-batch (``weight`` 0: a stand-in sample); returns its item count n."""
+        n = item_count(n_items, self.device) * weight
+        self.items += n
+        self.counts.append(n)
+        self.loss_sum += summed.detach().to(torch.float64) * weight
+        return n
+
+    def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
+        """Launch the window's all-reduce (asynchronous: it overlaps the last backward)."""
+        def scalar(x: float) -> torch.Tensor:
+            return torch.full((), x, dtype=torch.float64, device=self.device)
+
+        bad = (~torch.isfinite(self.loss_sum)).to(torch.float64)
+        per_micro = torch.stack(self.counts)
+        slots = torch.zeros(3, self.split.world_size, dtype=torch.float64, device=self.device)
+        slots[:, self.rank] = torch.stack([bad, per_micro.min(), per_micro.max()])
+        self.totals = torch.cat([torch.stack([self.items, self.loss_sum, bad, scalar(float(stop)),
+                                              scalar(float(checkpoint_due))]), slots.flatten()])
+        self._work = dist.all_reduce(self.totals, async_op=True)
+
+    def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
+        """Wait for the all-reduce; the factor the engine multiplies the accumulated gradient by: 1/(c N)
+        (mean_per_micro: 1/c). NaN when any rank's loss was not finite, so every engine's own check of the
+        (global) gradient norm skips the update on every rank alike."""
+        self._work.wait()
+        count = self.totals[0].clamp(min=1.0)
+        scale = 1.0 / (c * count) if loss_norm == "global_count" else \
+            torch.full((), 1.0 / c, dtype=torch.float64, device=self.device)
+        return torch.where(self.totals[2] > 0, torch.full_like(scale, float("nan")), scale)
+
+    def read(self) -> WindowResult:
+        """The one host read of the step's totals (on CUDA after the timer's synchronize: the device is idle)."""
+        host, world = self.totals.tolist(), self.split.world_size
+        return WindowResult(items=host[0], loss_sum=host[1], bad_ranks=[r for r in range(world) if host[5 + r] > 0],
+                            stop_votes=host[3], checkpoint_votes=host[4], items_min=min(host[5 + world:5 + 2 * world]),
+                            items_max=max(host[5 + 2 * world:]))
+
+
+def micro_factor(loss_norm: str, scale: float, n: torch.Tensor, split: Split) -> Any:
+    """What one micro-batch's summed loss is multiplied by before backward: c * d (* its weight); the
+    classic loss/K divides by the micro-batch's own items and K x W instead (the negative control)."""
+    if loss_norm == "global_count":
+        return scale
+    return scale / (n.clamp(min=1.0) * split.accum_steps * split.world_size)
+
+
+class StepMonitor(Protocol):
+    """Observes each optimizer step; owns its own cadence. ``after_step`` runs before the step's timing
+    ends (it may issue collectives: every rank calls it); ``fields`` adds record fields afterwards."""
+
+    def after_step(self, step: int, window: WindowTotals, c: float, d: float) -> None: ...
+
+    def fields(self, record: Record, times: StepTimes, records: list[Record]) -> Record: ...
+
+
+class NonFinitePolicy:
+    """Non-finite steps are skipped on every rank alike; after ``max_steps`` in a row the run stops.
+    fp16 GradScaler overflow skips (``loss_scaling``) are routine and do not count."""
+
+    def __init__(self, max_steps: int, loss_scaling: bool) -> None:
+        self.max_steps, self.loss_scaling = max_steps, loss_scaling
+
+    def observe(self, state: TrainState, totals: WindowResult, result: StepResult) -> bool:
+        """Whether this step counts as non-finite (updates the streak)."""
+        nonfinite = bool(totals.bad_ranks) or (not result.applied and not self.loss_scaling)
+        state.nonfinite_streak = state.nonfinite_streak + 1 if nonfinite else 0
+        return nonfinite
+
+    def enforce(self, state: TrainState, step: int, totals: WindowResult, result: StepResult) -> None:
+        """Raise :class:`NonFiniteError` with a diagnosis once the streak reaches ``max_steps``."""
+        if state.nonfinite_streak < self.max_steps:
+            return
+        ranks = totals.bad_ranks
+        raise NonFiniteError(
+            f"{state.nonfinite_streak} consecutive optimizer steps (up to step {step}) had non-finite "
+            f"values and were skipped on every rank (trainer.max_nonfinite_steps={self.max_steps}). At step "
+            f"{step}: " + (f"the loss was non-finite on rank(s) {', '.join(map(str, ranks))}; " if ranks else
+                           "the loss was finite but the gradient was not; ")
+            + f"first parameter with a non-finite gradient on rank 0: {result.nonfinite_param or 'n/a'}. "
+            "Parameters are those of the last finite step; no checkpoint holds a non-finite value. Lower the "
+            "learning rate or check the data of these steps.")
+
+
+class Checkpointing(Protocol):
+    """When to checkpoint (:class:`distaccum.rundir.checkpoint.Checkpointer`)."""
+
+    def due_by_time(self) -> bool: ...
+
+    def after_step(self, state: TrainState, step: int, *, due: bool, stopping: bool) -> Path | None: ...
+
+
+@dataclass
+class LoopParts:
+    """The components the loop hands each step to."""
+
+    timer: StepTimer
+    sink: Sink
+    nonfinite: NonFinitePolicy
+    checkpointer: Checkpointing | None = None
+    monitors: list[StepMonitor] = field(default_factory=list)
+    stop: StopFlag | None = None
+    on_step: Callable[[TrainState, Record], None] | None = None
+
+
+def step_record(window: WindowBatches, split: Split, totals: WindowResult, result: StepResult, lr: float,
+                times: StepTimes, nonfinite: bool) -> Record:
+    """The step's ``metrics.jsonl`` line (identical on every rank but the timings)."""
+    n = totals.items
+    return {"step": window.step + 1, "epoch": window.epoch, "loss": totals.loss_sum / n if n else float("nan"),
+            "lr": lr, "samples": window.samples, "items": round(n), "micro_steps": split.accum_steps,
+            "partial_window": window.partial, "grad_norm": result.grad_norm, "skipped": not result.applied,
+            "nonfinite": nonfinite,
+            **times.as_record(),  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
+            "micro_items_min": round(totals.items_min), "micro_items_max": round(totals.items_max),
+            "samples_per_s": window.samples / times.time_s, "items_per_s": n / times.time_s}
+
+
+def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts, *,
+          until: int | None = None) -> list[Record]:
     """Run optimizer steps until step ``until`` (default ``settings.max_steps``); returns the records
     of the steps run by this call (identical on every rank; ``state.records`` holds them all).
 
     Windows come from ``state.source`` (this rank's K collated micro-batches each). On a stop
-    request the window in progress is finished and stepped, ``checkpoint(state)`` runs, and
-    :class:`StopRequested` is raised.
+    request the window in progress is finished and stepped, the checkpointer writes a checkpoint,
+    and :class:`StopRequested` is raised.
     """
-    split, engine, model = settings.split, state.engine, state.model
-    device = settings.device
+    split, engine, model, timer = settings.split, state.engine, state.model, parts.timer
     end = min(until if until is not None else settings.max_steps, settings.max_steps)
     first = len(state.records)
-    squares = getattr(engine, "grad_squares", None) if settings.gns_decay is not None else None
     model.train()
     while state.source.next_step < end:
         timer.start_step()
-        window = state.source.window()
+        window = state.source.window()  # 1. fetch the window
         c = power_of_two_scale(state.n_prev, split.global_batch)
         d = engine.grad_divisor
-        items = torch.zeros((), dtype=torch.float64, device=device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        counts: list[torch.Tensor] = []
-        for k in range(split.accum_steps):
+        totals = WindowTotals(split, settings.rank, settings.device)
+        for k in range(split.accum_steps):  # 2. K micro-steps, gradients accumulating locally
             boundary = k == split.accum_steps - 1
             timer.start_micro()
             micro = next(window.micro)
-            real = micro.samples > 0
-            batch = to_device(micro.batch, device, settings.float_dtype)
+            weight = 1.0 if micro.samples > 0 else 0.0  # an empty piece trained a stand-in sample (pipeline)
+            batch = to_device(micro.batch, settings.device, settings.float_dtype)
             del micro  # one collated micro-batch alive at a time
             timer.batch_ready()
             with engine.sync(boundary or settings.every_micro):
                 with engine.forward_context():
                     summed, n_items = loss_fn(model, batch)
-                if window.step + 1 in settings.nan_steps and settings.rank == settings.nan_rank:
-                    summed = summed * float("nan")  # test-only fault injection (debug.nan_at_step)
-                # An empty piece trained a stand-in sample: weight 0, no items (see pipeline).
-                weight = 1.0 if real else 0.0
-                n = item_count(n_items, device) * weight
-                items += n
-                counts.append(n)
-                loss_sum += summed.detach().to(torch.float64) * weight
-                if boundary:
-                    # The window's one all-reduce: N and the loss sum, plus flags every rank must
-                    # agree on (a non-finite loss on some rank, a stop request, a time-based
-                    # checkpoint due by rank 0's clock), plus each rank's non-finite verdict and
-                    # smallest/largest micro-batch item count in its own slot (zeros elsewhere: the
-                    # sum is an all-gather). Launched before the last backward, which it overlaps:
-                    # only the step after it needs N. Everything is filled in on the device (no
-                    # host-to-device copy, so no sync).
-                    due = settings.rank == 0 and 0 < settings.checkpoint_every_s <= \
-                        time.monotonic() - state.last_checkpoint
-                    flag = float(stop is not None and stop.requested)
-                    bad = (~torch.isfinite(loss_sum)).to(torch.float64)
-                    per_micro = torch.stack(counts)
-                    slots = torch.zeros(3, split.world_size, dtype=torch.float64, device=device)
-                    slots[:, settings.rank] = torch.stack([bad, per_micro.min(), per_micro.max()])
-                    totals = torch.cat([torch.stack([items, loss_sum, bad,
-                                                     torch.full((), flag, dtype=torch.float64, device=device),
-                                                     torch.full((), float(due), dtype=torch.float64,
-                                                                device=device)]), slots.flatten()])
-                    reduction = dist.all_reduce(totals, async_op=True)
-                if settings.loss_norm == "global_count":
-                    factor: Any = c * d * weight  # S_rk * c * d: the derivation at the top of this module
-                else:  # the classic loss/K with a per-micro mean, kept only to show it is wrong
-                    factor = c * d * weight / (n.clamp(min=1.0) * split.accum_steps * split.world_size)
-                engine.backward(summed * factor)
+                n = totals.add(summed, n_items, weight)
+                if boundary:  # N's all-reduce, launched before the last backward, which it overlaps
+                    totals.reduce(stop=parts.stop is not None and parts.stop.requested,
+                                  checkpoint_due=parts.checkpointer is not None and parts.checkpointer.due_by_time())
+                engine.backward(summed * micro_factor(settings.loss_norm, c * d * weight, n, split))
         timer.compute_done()
-        reduction.wait()
-        gns_totals = None
-        if squares is not None:
-            # log.gns: the noise-scale terms (distaccum.telemetry.gns) exist only after the boundary backward
-            # (the DDP hook measured them): one more all-reduce, of three numbers.
-            gns_totals = torch.stack(window_terms(squares, items, c, d))
-            dist.all_reduce(gns_totals)
-        count = totals[0].clamp(min=1.0)
-        if settings.nominal_partial_count and window.partial:  # the remainder-window bug, on purpose
-            count = count * (split.global_batch / window.samples)
-        if settings.loss_norm == "global_count":
-            grad_scale = settings.grad_scale_fault / (c * count)
-        else:
-            grad_scale = torch.full((), settings.grad_scale_fault / c, dtype=torch.float64, device=device)
-        # A non-finite loss on any rank: scale the gradient by NaN, so every engine's own check of
-        # the (global) gradient norm skips the update on every rank alike.
-        grad_scale = torch.where(totals[2] > 0, torch.full_like(totals[2], float("nan")), grad_scale)
+        grad_scale = totals.grad_scale(c, settings.loss_norm)  # 3. the one reduction: 1/(c N)
         lr = state.scheduler.get_last_lr()[0]
-        result = engine.step(settings.clip_norm, grad_scale)  # normalize, clip, step: once per window
+        result = engine.step(settings.clip_norm, grad_scale)  # 4. normalize, clip, step: once per window
         if result.applied:  # a skipped step must not advance the schedule
             state.scheduler.step()
         state.source.advance()
-        if settings.check_every and window.step % settings.check_every == 0:
-            check_consistency(engine, window.step + 1, settings.run_dir, record=settings.record_checksums)
+        for monitor in parts.monitors:
+            monitor.after_step(window.step + 1, totals, c, d)
         times = timer.end_step()
-        # One host read of the step's totals (on CUDA the timer has synchronized: the device is idle).
-        host = totals.tolist()
-        n_total, loss_total, bad_loss, stop_votes, due_votes = host[:5]
-        world = split.world_size
-        bad_ranks = [r for r in range(world) if host[5 + r] > 0]
-        items_min, items_max = min(host[5 + world:5 + 2 * world]), max(host[5 + 2 * world:])
-        samples = window.samples
-        state.n_prev = n_total
-        nonfinite = bad_loss > 0 or (not result.applied and not settings.loss_scaling)
-        state.nonfinite_streak = state.nonfinite_streak + 1 if nonfinite else 0
-        record: Record = {
-            "step": window.step + 1,
-            "epoch": window.epoch,
-            "loss": loss_total / n_total if n_total else float("nan"),
-            "lr": lr,
-            "samples": samples,
-            "items": round(n_total),
-            "micro_steps": split.accum_steps,
-            "partial_window": window.partial,
-            "grad_norm": result.grad_norm,
-            "skipped": not result.applied,
-            "nonfinite": nonfinite,
-            **times.as_record(),  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
-            "micro_items_min": round(items_min),
-            "micro_items_max": round(items_max),
-            "samples_per_s": samples / times.time_s,
-            "items_per_s": n_total / times.time_s,
-        }
-        if settings.rank_stats_every and (window.step + 1) % settings.rank_stats_every == 0:
-            # The straggler view: every rank's compute time (one all-gather of host floats; every
-            # N steps, since on a slow interconnect it costs as much as a tiny step).
-            compute = timer.gather([times.compute_s])[:, 0]
-            record["compute_min_s"], record["compute_max_s"] = float(compute.min()), float(compute.max())
-        if gns_totals is not None and settings.gns_decay is not None:
-            grad_sq, trace = estimate(gns_totals.tolist(), n_total, split.world_size)
-            record.update(record_fields(grad_sq, trace, state.records[-1] if state.records else None,
-                                        settings.gns_decay))
+        host = totals.read()  # 5. record
+        state.n_prev = host.items
+        nonfinite = parts.nonfinite.observe(state, host, result)
+        record = step_record(window, split, host, result, lr, times, nonfinite)
+        for monitor in parts.monitors:
+            record.update(monitor.fields(record, times, state.records))
         state.records.append(record)
-        sink.log(record)
-        if on_step is not None:
-            on_step(state, record)
-        if state.nonfinite_streak >= settings.max_nonfinite_steps:
-            ranks = bad_ranks
-            raise NonFiniteError(
-                f"{state.nonfinite_streak} consecutive optimizer steps (up to step {window.step + 1}) had non-finite "
-                "values and were skipped on every rank (trainer.max_nonfinite_steps="
-                f"{settings.max_nonfinite_steps}). At step {window.step + 1}: "
-                + (f"the loss was non-finite on rank(s) {', '.join(map(str, ranks))}; " if ranks else
-                   "the loss was finite but the gradient was not; ")
-                + f"first parameter with a non-finite gradient on rank 0: {result.nonfinite_param or 'n/a'}. "
-                "Parameters are those of the last finite step; no checkpoint holds a non-finite value. Lower the "
-                "learning rate or check the data of these steps.")
-        periodic = settings.checkpoint_every and (window.step + 1) % settings.checkpoint_every == 0
-        # A skipped step leaves the parameters as the last finite update made them, so a checkpoint
-        # written after one never holds a non-finite value.
-        path = settings.run_dir
-        if checkpoint is not None and (stop_votes > 0 or periodic or due_votes > 0):
-            path = checkpoint(state)
-            state.last_checkpoint = time.monotonic()
-        if stop_votes > 0:
+        parts.sink.log(record)
+        if parts.on_step is not None:
+            parts.on_step(state, record)
+        parts.nonfinite.enforce(state, window.step + 1, host, result)
+        path = None if parts.checkpointer is None else parts.checkpointer.after_step(
+            state, window.step + 1, due=host.checkpoint_votes > 0, stopping=host.stop_votes > 0)
+        if host.stop_votes > 0:
             raise StopRequested(window.step + 1, path)
     return state.records[first:]

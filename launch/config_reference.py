@@ -17,7 +17,6 @@ SECTIONS = {
     "": config.RunConfig, "data": config.DataConfig, "eval": config.EvalConfig, "engine": config.EngineConfig,
     "accum": config.AccumConfig, "optim": config.OptimConfig, "trainer": config.TrainerConfig,
     "log": config.LogConfig, "verify": config.VerifyConfig, "slurm": config.SlurmConfig,
-    "debug": config.DebugConfig,
 }
 
 

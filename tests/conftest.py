@@ -21,6 +21,22 @@ pytest_plugins = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
+FAULTS = REPO / "tests" / "fixtures" / "faults"
+"""A config directory with ``loss=injected``: the run's loss wrapped by the testing seam."""
+
+
+def fault(name: str, **kwargs: Any) -> str:
+    """A fault of :mod:`distaccum.testing.faults` as a Hydra dict (for :func:`inject`)."""
+    fields = "".join(f",{key}:{value}" for key, value in kwargs.items())
+    return f"{{_target_:distaccum.testing.faults.{name}{fields}}}"
+
+
+def inject(loss: str, *faults: str) -> list[str]:
+    """CLI overrides that wrap the run's loss (the ``_target_`` of a summed loss) in
+    :class:`distaccum.testing.Inject` with ``faults`` (see :func:`fault`): every worker the launcher starts
+    installs them when it builds its components; the product itself has no fault switch."""
+    return ["--config-dir", str(FAULTS), "loss=injected", f"loss.component={{_target_:{loss},_partial_:true}}",
+            f"loss.faults=[{','.join(faults)}]"]
 
 
 @dataclass

@@ -37,10 +37,10 @@ from distaccum.activation_checkpointing import (
     saved_activation_bytes,
 )
 from distaccum.cli.compose import compose_config
-from distaccum.cli.instantiate import instantiate_components
 from distaccum.cli.report import report_main
 from distaccum.config import from_mapping, to_mapping
 from distaccum.losses import token_cross_entropy
+from distaccum.preflight import instantiate_components
 
 pytestmark = pytest.mark.dist
 

@@ -18,9 +18,10 @@ from distaccum.datasets import SyntheticRegression
 from distaccum.engines.base import Precision
 from distaccum.losses import mse
 from distaccum.models import MLP
+from distaccum.resolve import resolve
 from distaccum.tuning.autobatch import (
     LocalSteps,
-    Probe,
+    Measurement,
     budget_too_small,
     micro_batch_sizes,
     one_sample_peak,
@@ -44,7 +45,6 @@ def test_sizes_parse(text: str | int, size: int) -> None:
     ({"accum": {"micro_batch": "big", "global_batch": 8}}, "a positive integer or 'auto', got 'big'"),
     ({"accum": {"micro_batch": "auto", "global_batch": 8, "memory_budget": "12 parsecs"}}, "is not a size"),
     ({"accum": {"memory_budget": "-3GB"}}, "accum.memory_budget must be > 0"),
-    ({"log": {"gns": True}, "engine": {"name": "fsdp"}}, "engine=ddp and accum.sync=boundary"),
     ({"log": {"gns": True}, "accum": {"sync": "every_micro"}}, "accum.sync=every_micro"),
     ({"log": {"gns_ema": 1.0}}, "log.gns_ema must be in [0, 1)"),
 ])
@@ -52,6 +52,14 @@ def test_bad_auto_budget_and_gns_config(mapping: dict, fragment: str) -> None:
     with pytest.raises(ValueError) as err:
         from_mapping(mapping)
     assert fragment in str(err.value)
+
+
+def test_gns_needs_an_engine_whose_comm_hook_measures_it() -> None:
+    """Checked when the run is resolved (the engine class says whether it supports it), before any worker."""
+    cfg = from_mapping({"log": {"gns": True}, "engine": {"name": "fsdp"}})
+    with pytest.raises(ValueError, match="engine=fsdp has no such hook .engines that do: ddp"):
+        resolve(cfg, 2, torch.device("cpu"))
+    resolve(from_mapping({"log": {"gns": True}}), 2, torch.device("cpu"))  # ddp: fine
 
 
 def test_no_split_names_the_nearest_valid_global_batches() -> None:
@@ -74,13 +82,13 @@ def test_auto_cannot_be_resolved_without_measuring() -> None:
 def linear(base: int, per_sample: int, oom_from: int | None = None, log: list[int] | None = None):  # noqa: ANN201
     """A measurement whose peak grows linearly (and runs out of memory from ``oom_from`` on)."""
 
-    def measure(m: int) -> Probe:
+    def measure(m: int) -> Measurement:
         if log is not None:
             log.append(m)
         if oom_from is not None and m >= oom_from:
-            return Probe(m, 0, False, oom=True)
+            return Measurement(m, 0, False, oom=True)
         peak = base + per_sample * m
-        return Probe(m, peak, peak <= BUDGET)
+        return Measurement(m, peak, peak <= BUDGET)
 
     return measure
 
@@ -128,5 +136,6 @@ def test_trial_window_measures_a_real_step() -> None:
 def test_one_sample_peak_is_a_process_peak() -> None:
     cfg = from_mapping({"accum": {"micro_batch": "auto", "global_batch": 8}, "trainer": {"nproc": 2}})
     components = parts()
-    peak = one_sample_peak(MLP(in_dim=8, width=32, out_dim=2), components, cfg, torch.device("cpu"))
+    run = resolve(cfg, 2, torch.device("cpu"))
+    peak = one_sample_peak(run, components, MLP(in_dim=8, width=32, out_dim=2))
     assert peak is not None and peak > 10 * MiB

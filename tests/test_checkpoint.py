@@ -17,6 +17,8 @@ from distaccum.loop import NonFiniteError
 from distaccum.models import MLP
 from distaccum.rundir.checkpoint import CheckpointError, candidates, checkpoint_root, latest_valid, problems
 from distaccum.rundir.resume import ResumeError
+from distaccum.testing import injected
+from distaccum.testing.faults import FullDisk, NanLoss
 from distaccum.trainer import Trainer
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("cpu_group")]  # conftest: one gloo rank
@@ -107,8 +109,9 @@ def test_resume_false_starts_afresh(tmp_path: Path) -> None:
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_and_stops(tmp_path: Path) -> None:
-    run = trainer(tmp_path, debug={"checkpoint_fault_at_step": 4})
-    with pytest.raises(CheckpointError, match="after step 4 failed .*No space left on device.*step-00000002"):
+    run = trainer(tmp_path)
+    with injected(FullDisk(step=4)), \
+            pytest.raises(CheckpointError, match="after step 4 failed .*No space left on device.*step-00000002"):
         run.fit()
     root = checkpoint_root(tmp_path)
     assert [p.name for p in candidates(root)] == ["step-00000002"] and problems(root / "step-00000002") == []
@@ -126,8 +129,9 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_model_as_it_was(tmp_path: P
     def keep(state: Any, record: dict) -> None:
         snapshots.append(torch.cat([p.detach().flatten().clone() for _, p in state.engine.full_parameters()]))
 
-    run = trainer(tmp_path, on_step=keep, debug={"nan_at_step": 3})
-    run.fit()
+    run = trainer(tmp_path, on_step=keep)
+    with injected(NanLoss(step=3)):
+        run.fit()
     records = run.state.records
     assert [(r["skipped"], r["nonfinite"]) for r in records] == [(False, False)] * 2 + [(True, True)] + \
         [(False, False)] * 3
@@ -137,8 +141,8 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_model_as_it_was(tmp_path: P
 
 
 def test_too_many_non_finite_steps_stop_the_run_with_a_diagnosis(tmp_path: Path) -> None:
-    run = trainer(tmp_path, debug={"nan_at_step": 2, "nan_steps": 3}, trainer={"max_nonfinite_steps": 3})
-    with pytest.raises(NonFiniteError) as err:
+    run = trainer(tmp_path, trainer={"max_nonfinite_steps": 3})
+    with injected(NanLoss(step=2, steps=3)), pytest.raises(NonFiniteError) as err:
         run.fit()
     message = str(err.value)
     assert "3 consecutive optimizer steps (up to step 4)" in message

@@ -4,7 +4,7 @@ The matrix: engine (DDP, FSDP2, DeepSpeed ZeRO 0-3, Accelerate) x optimizer (sgd
 (fp32, fp64, bf16, fp16) x sync mode (boundary, every_micro), on a tiny MLP, CPU. For each cell:
 
 - refused: the pre-flight ``distaccum train`` runs before any worker starts
-  (:func:`distaccum.cli.preflight.preflight`) raises ``ConfigError`` (exit 2) with the reason in
+  (:func:`distaccum.preflight.preflight`) raises ``ConfigError`` (exit 2) with the reason in
   :data:`REFUSALS`; nothing else may refuse;
 - accepted: the cell trains one optimizer step on 2 ranks (micro-batch 2 x 2 steps) through the
   public ``Trainer``: the step is applied, the tripwire passes, the final model is saved, and the
@@ -37,9 +37,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import fresh_accelerate_state
-from distaccum.cli.instantiate import instantiate_components
-from distaccum.cli.preflight import preflight
 from distaccum.config import ConfigError, from_mapping
+from distaccum.preflight import instantiate_components, preflight
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 

@@ -29,12 +29,14 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
 from distaccum.cli.compose import compose_config
-from distaccum.cli.instantiate import instantiate_components
 from distaccum.config import from_mapping, to_mapping, with_overrides
-from distaccum.rundir import read_run_config
+from distaccum.preflight import instantiate_components
+from distaccum.resolve import resolve
+from distaccum.rundir import read_config
 from distaccum.rundir.weights import load_weights
-from distaccum.verify.compare import RunData, compare, reference_config, tolerance_for, write_seed_checkpoint
+from distaccum.verify.compare import RunData, compare, tolerance_for
 from distaccum.verify.reference import run_reference
+from distaccum.verify.runner import reference_config, write_seed_checkpoint
 
 pytestmark = pytest.mark.dist
 
@@ -187,7 +189,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         seed = root / f"{model}-seed.safetensors"
         cfg = from_mapping(mapping(model, "ddp", root / "unused", seed))
         parts = instantiate_components(cfg)
-        write_seed_checkpoint(cfg, parts, seed)
+        write_seed_checkpoint(resolve(cfg, 1, torch.device("cpu")).model, parts, seed)
         ref_dir = root / f"{model}-reference"
         run_reference(reference_config(cfg, ref_dir, seed), parts, ref_dir, global_batch=cfg.split().global_batch)
         for name in ENGINES:
@@ -223,7 +225,7 @@ def test_final_weights_reproduce_the_trained_model(runs: Runs, model: str, engin
     """final/model.safetensors (gathered from shards, plain names) in a fresh model: the run's param_sum
     bit for bit, and the trained model's outputs on a batch."""
     run_dir = runs.dir(model, engine)
-    cfg = read_run_config(run_dir)
+    cfg = from_mapping(read_config(run_dir))
     parts = instantiate_components(cfg)
     fresh = parts.model()
     state = load_weights(run_dir / "final")
@@ -244,9 +246,9 @@ def test_final_weights_reproduce_the_trained_model(runs: Runs, model: str, engin
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_engine_passes_verify_comparison(runs: Runs, model: str, engine: str) -> None:
     """What ``distaccum verify`` decides for this run: same criterion, same tolerance."""
-    cfg = read_run_config(runs.dir(model, engine))
+    cfg = from_mapping(read_config(runs.dir(model, engine)))
     report = compare(RunData.load(runs.dir(model, "reference")), RunData.load(runs.dir(model, engine)),
-                     tolerance_for(cfg))
+                     tolerance_for(cfg.precision, cfg.verify))
     assert report.passed, report.to_dict()
     assert report.steps_compared == 4
 

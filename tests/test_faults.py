@@ -23,13 +23,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, fault, inject
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
 EXTENSIONS = REPO / ".cache" / "torch_extensions"
 BASE = ("model=mlp", "model.width=128", "accum.micro_batch=2", "accum.global_batch=16", "trainer.check_every=0",
         "log.console=quiet", "optim.schedule=constant", f"engine.extensions_dir={EXTENSIONS}")
+
+
+LOSS = "distaccum.losses.mse"  # model=mlp's loss
+
+
+def nan_loss(**kwargs: int) -> list[str]:
+    """Overrides making the loss NaN on a rank at some steps (distaccum.testing.faults.NanLoss)."""
+    return inject(LOSS, fault("NanLoss", **kwargs))
 
 
 def command(run_dir: Path, *overrides: str) -> list[str]:
@@ -132,15 +140,14 @@ def test_a_stopped_rank_fails_the_run_in_time_and_is_named(tmp_path: Path) -> No
 
 def test_nan_on_one_rank_is_skipped_everywhere_and_persistent_nan_stops(tmp_path: Path) -> None:
     once = tmp_path / "once"
-    proc = run(once, "trainer.max_steps=6", "trainer.check_every=1", "debug.nan_at_step=3", "debug.nan_rank=1")
+    proc = run(once, "trainer.max_steps=6", "trainer.check_every=1", *nan_loss(step=3, rank=1))
     assert proc.returncode == 0, proc.stderr[-3000:]  # the tripwire checked every step: ranks stayed equal
     records = [json.loads(line) for line in (once / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
     assert records[2]["nonfinite"] and records[2]["lr"] == records[3]["lr"]
 
     always = tmp_path / "always"
-    proc = run(always, "trainer.max_steps=20", "debug.nan_at_step=4", "debug.nan_steps=10", "debug.nan_rank=1",
-               "trainer.max_nonfinite_steps=3")
+    proc = run(always, "trainer.max_steps=20", *nan_loss(step=4, steps=10, rank=1), "trainer.max_nonfinite_steps=3")
     assert proc.returncode == 1
     assert "3 consecutive optimizer steps (up to step 6)" in proc.stderr
     assert "the loss was non-finite on rank(s) 1" in proc.stderr
@@ -171,9 +178,11 @@ def test_incompatible_and_corrupt_checkpoints_exit_2_before_workers_start(tmp_pa
 
 def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(tmp_path: Path) -> None:
     run_dir = tmp_path / "full"
-    proc = run(run_dir, "trainer.max_steps=30", "trainer.checkpoint_every=10", "debug.checkpoint_fault_at_step=20")
+    proc = run(run_dir, "trainer.max_steps=30", "trainer.checkpoint_every=10",
+               *inject(LOSS, fault("FullDisk", step=20)))
     assert proc.returncode == 1
     assert "writing the checkpoint after step 20 failed" in proc.stderr and "No space left on device" in proc.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000010"]
-    resumed = run(run_dir, "trainer.max_steps=30")
-    assert resumed.returncode == 0 and "after optimizer step 10" in resumed.stdout
+    # The same loss node (a resume must not change it); it stops before step 20's checkpoint.
+    resumed = run(run_dir, "trainer.max_steps=15", *inject(LOSS, fault("FullDisk", step=20)))
+    assert resumed.returncode == 0 and "after optimizer step 10" in resumed.stdout, resumed.stderr[-3000:]

@@ -34,9 +34,11 @@ from torch.utils.data import Dataset, default_collate
 from conftest import fresh_accelerate_state, train
 from distaccum import losses
 from distaccum.cli.compose import compose_config
-from distaccum.cli.instantiate import instantiate_components
 from distaccum.datasets import CorpusSequences, SyntheticRegression, pad_collate
 from distaccum.models import MLP, TinyGPT
+from distaccum.preflight import instantiate_components
+from distaccum.testing import injected
+from distaccum.testing.faults import GradScale, NominalPartialCount
 from distaccum.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
@@ -144,18 +146,20 @@ def engine_precision(engine: str) -> str:
 
 
 def one_step(tmp_path: Path, model: Model, engine: str, samples: int, seed_file: Path, precision: str,
-             **debug: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """One optimizer step through ``engine``: the step's record and the parameters after it."""
+             *faults: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One optimizer step through ``engine`` (with ``faults`` injected): the step's record and the parameters
+    after it."""
     fresh_accelerate_state()
     cfg = {"precision": precision, "run_dir": str(tmp_path / "run"),
            "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS)},
            "accum": {"micro_batch": MICRO, "steps": K}, "optim": SGD, "data": {"shuffle": False},
            "trainer": {"nproc": 1, "max_steps": 1, "check_every": 0, "save_final": False, "device": "cpu",
                        "init_from": str(seed_file)},
-           "log": {"console": "quiet"}, "debug": debug}
+           "log": {"console": "quiet"}}
     trainer = Trainer(cfg, model=model.make, dataset=model.dataset(samples), loss=model.loss,
                       collate=model.collate)
-    (record,) = trainer.train_steps()
+    with injected(*faults):
+        (record,) = trainer.train_steps()
     params = {name: t.detach().to("cpu", copy=True) for name, t in trainer.state.engine.full_parameters()}
     trainer.finish()  # releases the engine; the group stays (the Trainer did not create it)
     return record, params
@@ -199,14 +203,14 @@ def test_one_sgd_step_is_minus_the_plain_gradient(tmp_path: Path, monkeypatch: p
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("window", "fault"), [("full", {"grad_scale_fault": 1.0 + 1e-6}),
-                                               ("partial", {"nominal_partial_count": True})])
+@pytest.mark.parametrize(("window", "fault"), [("full", lambda: GradScale(1.0 + 1e-6)),
+                                               ("partial", NominalPartialCount)])
 def test_the_ground_truth_sees_split_independent_faults(tmp_path: Path, cpu_group: None, window: str,
-                                                        fault: dict) -> None:
+                                                        fault: Any) -> None:
     """The check can fail: a gradient off by one part in a million, or a partial window normalized by
     the nominal batch, breaks the 1e-12 bound (by at least 100x)."""
     model, samples, plain = unit_case(tmp_path, "mlp", window, torch.float64)
-    record, params = one_step(tmp_path, model, "ddp", samples, tmp_path / "seed.safetensors", "fp64", **fault)
+    record, params = one_step(tmp_path, model, "ddp", samples, tmp_path / "seed.safetensors", "fp64", fault())
     assert plain.error(params) > 100 * FP64_ATOL, plain.error(params)
     assert record["grad_norm"] != pytest.approx(plain.grad_norm, rel=1e-9, abs=0)
 

@@ -295,8 +295,8 @@ def test_truncating_metrics_on_resume_keeps_the_evaluations(tmp_path: Path) -> N
 
 
 def test_eval_dataset_node_is_instantiated_at_the_edge(corpus: tuple[list[Path], str]) -> None:
-    from distaccum.cli.instantiate import instantiate_components
     from distaccum.config import from_mapping
+    from distaccum.preflight import instantiate_components
 
     files, cache = corpus
     node = {"_target_": "distaccum.textdata.TextFiles", "files": [str(files[0])], "cache_dir": cache,

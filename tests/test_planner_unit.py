@@ -9,9 +9,9 @@ import pytest
 
 from distaccum.cli.plan import train_command, user_overrides
 from distaccum.config import Split
-from distaccum.tuning.autobatch import Probe
+from distaccum.tuning.autobatch import Measurement
 from distaccum.tuning.planner import (
-    Plan,
+    SplitPlan,
     interleave,
     predict,
     probe_sizes,
@@ -54,7 +54,7 @@ def test_typical_step_drops_warmup_and_partial_windows_and_resists_stalls() -> N
 
 
 def test_predictions_cover_every_split_and_recommend_the_fastest_that_fits() -> None:
-    probes = [Probe(1, 100, True), Probe(2, 110, True), Probe(4, 130, True), Probe(8, 500, False)]
+    probes = [Measurement(1, 100, True), Measurement(2, 110, True), Measurement(4, 130, True), Measurement(8, 500, False)]
     costs = [size_cost(trial(min(8 // m, 4), micro=0.002 + 0.001 * m, boundary=0.003, optim=0.001, jitter=[0.0] * 4),
                        m, min(8 // m, 4)) for m in (1, 2, 4)]
     preds = predict(16, 2, costs, probes)
@@ -62,18 +62,18 @@ def test_predictions_cover_every_split_and_recommend_the_fastest_that_fits() -> 
     assert preds[-1].step_s is None and not preds[-1].fits
     assert math.isclose(preds[0].step_s or 0, 8 * 0.003 + 0.004)  # K x micro + boundary + optim
     assert recommend(preds) == Split(4, 2, 2)  # 2 x 0.006 + 0.004 beats 4 x 0.004 + 0.004
-    table = render_table(Plan(16, 2, 200, "cpu peak rss", preds, costs, recommend(preds)))
+    table = render_table(SplitPlan(16, 2, 200, "cpu peak rss", preds, costs, recommend(preds)))
     assert "| w2-m4-k2 | 4 | 2 | 16.0 ms |" in table and "<- recommended" in table and "| w2-m8-k1 | 8 | 1 | - |" in table
-    again = Plan.from_dict(Plan(16, 2, 200, "cpu peak rss", preds, costs, recommend(preds)).as_dict())
+    again = SplitPlan.from_dict(SplitPlan(16, 2, 200, "cpu peak rss", preds, costs, recommend(preds)).as_dict())
     assert again.recommended == Split(4, 2, 2) and again.predictions == preds
 
 
 def test_memory_probes_stop_before_sizes_predicted_not_to_fit() -> None:
     tried: list[int] = []
 
-    def measure(m: int) -> Probe:
+    def measure(m: int) -> Measurement:
         tried.append(m)
-        return Probe(m, 100 + 10 * m, 100 + 10 * m <= 300)
+        return Measurement(m, 100 + 10 * m, 100 + 10 * m <= 300)
 
     probes = probe_sizes([1, 2, 4, 8, 16, 32], measure, 300)
     assert tried == [1, 2, 4, 8, 16]  # 32 extrapolates to 420 > 300: never run

@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from distaccum import losses
-from distaccum.cli.instantiate import instantiate_components
 from distaccum.config import ConfigError, from_mapping
 from distaccum.datasets import CorpusSequences, SyntheticImages, SyntheticRegression, pad_collate
 from distaccum.models import MLP, ConvNetBN, TinyGPT
+from distaccum.preflight import instantiate_components
 from distaccum.probe import probe
 
 pytestmark = pytest.mark.unit

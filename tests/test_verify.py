@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Run, run_cli
+from conftest import Run, fault, inject, run_cli
 from distaccum.rundir.weights import load_weights
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -104,8 +104,8 @@ def batchnorm(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def desync(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return verify(tmp_path_factory, "desync", "model=tiny_gpt", "debug.skip_reduction_rank=1",
-                  "trainer.max_steps=3")
+    return verify(tmp_path_factory, "desync", "model=tiny_gpt", "trainer.max_steps=3",
+                  *inject("distaccum.losses.token_cross_entropy", fault("SkipReduction", rank=1)))
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,9 @@ def dropout(tmp_path_factory: pytest.TempPathFactory) -> Run:
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # Every split alike: the gradient is 2x what it should be (a loss divided once too few times).
-    return verify(tmp_path_factory, "scaled", "model=mlp", "precision=fp64", "debug.grad_scale_fault=2.0",
-                  "optim.name=sgd", "trainer.max_steps=3", "verify.splits=auto", "verify.max_candidates=2")
+    return verify(tmp_path_factory, "scaled", "model=mlp", "precision=fp64", "optim.name=sgd", "trainer.max_steps=3",
+                  "verify.splits=auto", "verify.max_candidates=2",
+                  *inject("distaccum.losses.mse", fault("GradScale", factor=2.0)))
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def nominal(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # 40 samples in windows of 16: step 3 is a partial window of 8, normalized as if it held 16.
     return verify(tmp_path_factory, "nominal", "model=tiny_gpt", "model.width=32", "precision=fp64",
                   "data.dataset.num_samples=40", "accum.global_batch=16", "accum.micro_batch=2",
-                  "debug.nominal_partial_count=true", "trainer.max_steps=4")
+                  "trainer.max_steps=4", *inject("distaccum.losses.token_cross_entropy", fault("NominalPartialCount")))
 
 
 def failed_candidate(run: Run) -> dict[str, Any]:

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from distaccum.components import Components
+from distaccum.components import Components, ModelRecipe
 from distaccum.config import RunConfig, Split, from_mapping, to_mapping, valid_splits
 from distaccum.datasets import SyntheticRegression
+from distaccum.engines.base import Precision
 from distaccum.losses import mse
 from distaccum.models import MLP, ConvNetBN, TinyGPT
 from distaccum.rundir import CHECKSUMS
@@ -24,14 +25,10 @@ from distaccum.verify.compare import (
     RunData,
     Tolerance,
     Tolerances,
-    candidate_config,
-    candidate_splits,
     checksum_gaps,
     compare,
-    reference_config,
     reproducible,
     tolerance_for,
-    write_seed_checkpoint,
 )
 from distaccum.verify.diagnosis import (
     CAUSES,
@@ -43,6 +40,13 @@ from distaccum.verify.diagnosis import (
     rule_nondeterminism,
     rule_randomness,
     unequal_items,
+)
+from distaccum.verify.runner import (
+    candidate_config,
+    candidate_splits,
+    parse_split,
+    reference_config,
+    write_seed_checkpoint,
 )
 from distaccum.verify.tripwire import check_consistency
 
@@ -83,32 +87,37 @@ def test_auto_mode_covers_both_world_sizes_and_excludes_the_reference() -> None:
 
 def test_reference_and_candidate_configs(tmp_path: Path) -> None:
     cfg = make_cfg(accum={"micro_batch": 2, "steps": 4}, trainer={"nproc": 2, "check_every": 0},
-                   verify={"reference_dtype": "fp64"}, debug={"skip_reduction_rank": 1},
-                   engine={"name": "fsdp"})
+                   verify={"reference_dtype": "fp64"}, engine={"name": "fsdp"})
     seed = tmp_path / "seed.safetensors"
     ref = reference_config(cfg, tmp_path / "ref", seed)
     assert ref.split() == Split(16, 1, 1)
-    assert (ref.precision, ref.debug.skip_reduction_rank) == ("fp64", None)
+    assert ref.precision == "fp64"
     cand = candidate_config(cfg, Split(1, 8, 2), tmp_path / "c", seed)
     assert cand.split() == Split(1, 8, 2)
-    assert (cand.engine.name, cand.precision, cand.debug.skip_reduction_rank) == ("fsdp", "fp32", 1)
+    assert (cand.engine.name, cand.precision) == ("fsdp", "fp32")
     for run in (ref, cand):
         assert run.trainer.check_every == 1 and run.verify.record
         assert run.trainer.init_from == str(seed) and run.trainer.max_steps == cfg.trainer.max_steps
 
 
+def test_split_labels_parse_back() -> None:
+    assert parse_split("w2-m4-k4") == Split(4, 4, 2) and parse_split(Split(1, 8, 2).label()) == Split(1, 8, 2)
+    for bad in ("w2-m4", "2-4-4", "w2-m4-k0", "w2-k4-m4"):
+        with pytest.raises(ValueError, match="w<world>-m<micro_batch>-k<accum_steps>"):
+            parse_split(bad)
+
+
 def test_tolerances_per_precision_and_overrides() -> None:
-    assert tolerance_for(make_cfg(precision="fp64")) == DEFAULT_TOLERANCES["fp64"]
+    assert tolerance_for("fp64", make_cfg().verify) == DEFAULT_TOLERANCES["fp64"]
     fp32 = DEFAULT_TOLERANCES["fp32"]
     assert fp32.steps.rtol < fp32.params.rtol and DEFAULT_TOLERANCES["fp64"].params.rtol < fp32.steps.rtol
-    custom = tolerance_for(make_cfg(verify={"rtol": 0.5}))
+    custom = tolerance_for("fp32", make_cfg(verify={"rtol": 0.5}).verify)
     assert custom.steps == Tolerance(0.5, fp32.steps.atol) and custom.params == Tolerance(0.5, fp32.params.atol)
 
 
 def test_seed_checkpoint_holds_the_models_initial_weights(tmp_path: Path) -> None:
-    cfg = make_cfg(trainer={"seed": 7})
     parts = Components(model=lambda: MLP(width=8), dataset=SyntheticRegression(8), loss=mse)
-    write_seed_checkpoint(cfg, parts, tmp_path / "seed.safetensors")
+    write_seed_checkpoint(ModelRecipe(7, Precision.of("fp32")), parts, tmp_path / "seed.safetensors")
     state = load_weights(tmp_path / "seed.safetensors")
     torch.manual_seed(123)
     other = MLP(width=8)

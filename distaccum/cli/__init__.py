@@ -56,8 +56,8 @@ def precheck(argv: list[str]) -> None:
     paragraph and exit 2 rather than Hydra's traceback. Hydra's own flags (--multirun, --cfg, ...)
     are left to Hydra."""
     from distaccum.cli.compose import compose_config
-    from distaccum.cli.preflight import check_run_dir
     from distaccum.config import ConfigError
+    from distaccum.preflight import check_run_dir
 
     if any(a.startswith("-") and not a.startswith("--config-dir") and a != "-cd" for a in argv):
         return
@@ -66,6 +66,22 @@ def precheck(argv: list[str]) -> None:
     except ConfigError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
+
+
+def config_dirs_first(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config-dir DIR`` / ``-cd DIR`` moved to the front: Hydra's argument parser takes
+    no overrides after an option, so ``model=x --config-dir ./conf loss=y`` would fail."""
+    dirs: list[str] = []
+    rest: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in ("--config-dir", "-cd"):
+            dirs += [arg, next(it, "")]
+        elif arg.startswith("--config-dir="):
+            dirs.append(arg)
+        else:
+            rest.append(arg)
+    return dirs + rest
 
 
 def _run_hydra(command: str, rest: list[str], task: Callable[[Any], int]) -> None:
@@ -88,7 +104,7 @@ def _run_hydra(command: str, rest: list[str], task: Callable[[Any], int]) -> Non
         return task(dcfg)
 
     precheck(rest)
-    sys.argv = [f"distaccum {command}", *rest]
+    sys.argv = [f"distaccum {command}", *config_dirs_first(rest)]
     try:
         app()
     except SystemExit as stop:
@@ -121,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         from distaccum.cli.train import train_task
 
         _run_hydra(command, rest, train_task)
+    elif command == "_verify_script":
+        from distaccum.cli.verify import verify_script_entry
+
+        verify_script_entry(rest)
     elif command == "verify":
         from distaccum.cli.verify import verify_main
 

@@ -20,11 +20,10 @@ from typing import Any, NoReturn
 
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
-from distaccum.cli.instantiate import instantiate_components
-from distaccum.cli.preflight import preflight
 from distaccum.cli.worker import worker_exit
 from distaccum.cluster.topology import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
+from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import PLAN, PLAN_TABLE, SWEEP_SCRIPT, read_json
 
 PLAN_CONFIG = "plan_config.json"
@@ -66,7 +65,7 @@ def train_command(overrides: list[str], global_batch: int, micro: str, run_dir: 
 def plan_main(argv: list[str]) -> int:
     """Entry of ``distaccum plan``; returns the exit code."""
     from distaccum.cluster.local import launch, launch_plan
-    from distaccum.tuning.planner import Plan, render_table
+    from distaccum.tuning.planner import SplitPlan, render_table
 
     try:
         args, overrides = parse_args(argv)
@@ -84,14 +83,14 @@ def plan_main(argv: list[str]) -> int:
     config_file = run_dir / PLAN_CONFIG
     config_file.write_text(json.dumps({"config": to_mapping(cfg), "options": options}, indent=2) + "\n")
     names = checked.components.describe()
-    global_batch = checked.split.global_batch
-    print(f"distaccum plan: {names['model']} on {names['dataset']}, {cfg.engine.name} x{checked.split.world_size} "
+    global_batch = checked.run.split.global_batch
+    print(f"distaccum plan: {names['model']} on {names['dataset']}, {cfg.engine.name} x{checked.run.split.world_size} "
           f"ranks, global batch {global_batch}: measuring every micro-batch size, run_dir {run_dir}", flush=True)
     code = launch(launch_plan(cfg), ["-m", "distaccum", "_plan", str(config_file)])
     if code:
         print(f"distaccum plan: the measuring workers failed (exit {code}); see their output above", file=sys.stderr)
         return code
-    plan = Plan.from_dict(read_json(run_dir / PLAN))
+    plan = SplitPlan.from_dict(read_json(run_dir / PLAN))
     table = render_table(plan)
     fitting = [p.split.micro_batch for p in plan.predictions if p.fits]
     sweep = train_command(overrides, global_batch, ",".join(map(str, fitting)), str(run_dir / "sweep"), multirun=True)

@@ -8,9 +8,9 @@ import sys
 
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
-from distaccum.cli.preflight import preflight
 from distaccum.cluster.slurm import SlurmError, job_world_size, submit
 from distaccum.config import ConfigError
+from distaccum.preflight import preflight
 
 
 def submit_main(argv: list[str]) -> int:

@@ -11,8 +11,8 @@ from typing import Any
 
 from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
-from distaccum.cli.preflight import preflight
 from distaccum.config import ConfigError, to_mapping
+from distaccum.preflight import preflight
 from distaccum.rundir import LAUNCH_CONFIG, STATUS, write_json
 
 
@@ -47,7 +47,7 @@ def train_task(dcfg: Any) -> int:
         return EXIT_CONFIG
     config_file = Path(cfg.run_dir) / LAUNCH_CONFIG
     config_file.write_text(json.dumps(to_mapping(cfg), indent=2) + "\n")
-    split = checked.split
+    split = checked.run.split
     names = checked.components.describe()
     how = ("micro_batch auto (measured by the workers) x the accumulation steps that follow"
            if cfg.accum.auto else f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps")

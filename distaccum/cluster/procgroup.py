@@ -7,6 +7,8 @@ case distaccum uses it and leaves it alone; a plain ``python script.py`` gets a 
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -23,6 +25,11 @@ def pick_device(device: str, env: DistEnv) -> torch.device:
             raise ValueError("trainer.device=cuda but CUDA is not available")
         return torch.device("cuda", env.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def planned_device(device: str) -> torch.device:
+    """The device type the workers will pick for ``trainer.device`` (checked before any worker starts)."""
+    return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
 
 
 def init_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> None:
@@ -58,3 +65,22 @@ def shutdown(*, clean: bool = True) -> None:
     if clean:
         dist.barrier()
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Joined:
+    """This process's place in the job after :func:`join`."""
+
+    env: DistEnv
+    device: torch.device
+    created: bool
+    """True when :func:`join` created the process group (so its caller leaves it)."""
+
+
+def join(device: str, timeout_s: float) -> Joined:
+    """Pick this rank's device from ``trainer.device`` and the launch environment (torchrun, srun or a
+    plain process: this process's ``os.environ``) and join the process group unless one exists."""
+    env = DistEnv.from_environ(os.environ)
+    picked = pick_device(device, env)
+    created = ensure_process_group(env, picked, timedelta(seconds=timeout_s))
+    return Joined(env, picked, created)

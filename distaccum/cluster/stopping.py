@@ -34,7 +34,8 @@ class StopFlag:
 class StopRequested(Exception):
     """Raised by the loop after a checkpoint was written because a stop was requested."""
 
-    def __init__(self, step: int, path: Path) -> None:
-        super().__init__(f"stopped on request after optimizer step {step}; checkpoint {path}")
+    def __init__(self, step: int, path: Path | None) -> None:
+        super().__init__(f"stopped on request after optimizer step {step}; "
+                         + (f"checkpoint {path}" if path is not None else "no checkpoint written"))
         self.step = step
         self.path = path

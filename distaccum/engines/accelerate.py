@@ -6,8 +6,8 @@ windows always hold exactly K micro-batches, so that is the boundary), or on eve
 loop's on every micro-batch rather than trusting the two counters to stay in step.
 
 Scaling: ``Accelerator.backward`` divides every loss by K, and Accelerate wraps the model in DDP.
-We register the DDP engine's comm hook on that DDP module (so the ledger counts these reductions
-too); it averages over the W ranks (see ``engines.ddp.mean_allreduce_hook`` for why not a sum). Both
+We register the replicated engines' comm hook on that DDP module (so the ledger counts these reductions
+too); it averages over the W ranks (see ``engines.replicated.mean_allreduce_hook`` for why not a sum). Both
 divisions are declared in ``grad_divisor = K * W``: the step sees the loop's sum and nothing else.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
@@ -23,18 +22,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, dcp_load, dcp_save
-from distaccum.engines.ddp import register_counting_hook, step_plain
+from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult
+from distaccum.engines.replicated import ReplicatedEngine
 from distaccum.telemetry.ledger import CommLedger
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16": "bf16", "fp16": "fp16"}
 """Our precision names -> Accelerate's ``mixed_precision`` (it owns autocast and the GradScaler)."""
 
 
-class AccelerateEngine:
+class AccelerateEngine(ReplicatedEngine):
     """An ``Accelerator`` driving DDP; gradient sync through ``accumulate()``."""
 
     name = "accelerate"
+    reentrant_checkpointing_safe = False  # Accelerate wraps the model in DDP
 
     @classmethod
     def check(cls, spec: EngineSpec) -> None:
@@ -74,11 +74,12 @@ class AccelerateEngine:
         optimizer = make_optimizer(list(self.raw.parameters()))
         prepared, self.prepared_optimizer = self.accelerator.prepare(self.raw, optimizer)
         if isinstance(prepared, DDP):
-            register_counting_hook(prepared, self.ledger, self.spec.fault_rank)
+            self.register_hook(prepared)
         elif dist.get_world_size() > 1:
             raise RuntimeError(f"Accelerate prepared a {type(prepared).__name__}, expected DDP")
         self.module = prepared
         self.optimizer = optimizer  # the torch optimizer our scheduler drives (Accelerate wraps it)
+        self.scaler = self.accelerator.scaler  # Accelerate's GradScaler (fp16), driven by the shared step
         return prepared
 
     @contextlib.contextmanager
@@ -98,40 +99,15 @@ class AccelerateEngine:
         self.accelerator.backward(loss)  # divides by K (declared in grad_divisor), scales fp16
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
-        assert self.raw is not None
         if not self.accelerator.sync_gradients:
             raise RuntimeError("Accelerate's accumulate() has not reached its boundary at the loop's "
                                "optimizer step: its optimizer.step() would silently do nothing")
         # The torch optimizer and Accelerate's GradScaler directly: the same unscale -> normalize
         # -> clip -> step as DDP (Accelerate's prepared optimizer would only add its own checks).
-        return step_plain(self.optimizer, list(self.raw.named_parameters()), max_norm, grad_scale,
-                          self.accelerator.scaler)
-
-    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        assert self.raw is not None
-        for name, param in self.raw.named_parameters():
-            yield name, param.detach()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        assert self.raw is not None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.raw.state_dict().items()}
-
-    def unwrapped(self) -> nn.Module:
-        assert self.raw is not None
-        return self.raw
-
-    def save_state(self, directory: Path) -> dict[str, Any]:
-        assert self.raw is not None
-        dcp_save(directory, self.raw, self.optimizer)  # replicated: written once, loadable on any world size
-        return {"scaler": self.accelerator.scaler.state_dict() if self.accelerator.scaler is not None else None}
-
-    def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
-        assert self.raw is not None
-        dcp_load(directory, self.raw, self.optimizer)
-        if self.accelerator.scaler is not None and extra.get("scaler"):
-            self.accelerator.scaler.load_state_dict(extra["scaler"])
+        return super().step(max_norm, grad_scale)
 
     def teardown(self) -> None:
         if self.accelerator is not None:
             self.accelerator.free_memory()  # drops its references to the model and optimizer
         self.module = self.raw = self.accelerator = None
+        self.scaler = None

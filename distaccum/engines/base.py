@@ -1,8 +1,9 @@
 """The one engine protocol every backend implements, the precision policy and the step helpers they share.
 
 The training loop talks only to :class:`Engine`; there is no ``if engine == ...`` anywhere else.
-Engines receive an :class:`EngineSpec` (what they use, resolved once at the worker boundary), never
-the whole run configuration.
+Engines receive an :class:`EngineSpec` (what they use, resolved once by :func:`distaccum.resolve.resolve`),
+never the whole run configuration. What an engine can do is said on its class (:class:`EngineBase`'s
+capability attributes), so no other module tests an engine's name.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ClassVar, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -58,10 +59,8 @@ class EngineSpec:
     """boundary | every_micro."""
     clip_norm: float | None
     device: torch.device
-    fault_rank: int | None = None
-    """Test-only: this rank keeps its local gradients (``debug.skip_reduction_rank``)."""
     gns: bool = False
-    """Measure the squared gradient norms the noise scale needs (``log.gns``; DDP only)."""
+    """Measure the squared gradient norms the noise scale needs (``log.gns``; engines with ``supports_gns``)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,9 @@ class Engine(Protocol):
     name: str
     grad_divisor: float
     optimizer: torch.optim.Optimizer
+    grad_squares: Any
+    """The noise-scale terms its comm hook measured this step (:class:`~distaccum.telemetry.gns.GradSquares`),
+    or None (``log.gns`` off, or an engine without ``supports_gns``)."""
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         """Wrap ``model`` for data parallelism and create the optimizer; returns the module to call."""
@@ -135,6 +137,32 @@ class Engine(Protocol):
     def teardown(self) -> None:
         """Release engine resources (the process group is destroyed by whoever created it)."""
         ...
+
+
+class EngineBase:
+    """What every engine class declares about itself (capabilities), and the defaults they share.
+
+    Capabilities are read off the class before any engine exists (pre-flight, fingerprints), so they
+    are class attributes, never tests of ``name``.
+    """
+
+    name: ClassVar[str] = "?"
+    supports_gns: ClassVar[bool] = False
+    """Its gradient comm hook can measure the gradient noise scale's terms (``log.gns``)."""
+    reentrant_checkpointing_safe: ClassVar[bool] = True
+    """Reentrant activation checkpointing (``use_reentrant=True``) trains correctly under it."""
+    reshardable_checkpoints: ClassVar[bool] = True
+    """Its checkpoints (DCP) load on another world size; False ties them to the world that wrote them."""
+    grad_squares: Any = None
+
+    @classmethod
+    def check(cls, spec: EngineSpec) -> None:
+        """Raise ValueError for what this engine cannot run (called before any worker starts)."""
+
+    @classmethod
+    def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
+        """Engine settings a checkpoint must agree with to be resumed (beyond the engine's name)."""
+        return {}
 
 
 def scale_and_clip_(grads: list[torch.Tensor], grad_scale: torch.Tensor,

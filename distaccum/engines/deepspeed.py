@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult, grads_of
+from distaccum.config import EngineConfig
+from distaccum.engines.base import EngineBase, EngineSpec, OptimizerFactory, StepResult, grads_of
 from distaccum.engines.comm_tap import tap_gradient_reductions
 from distaccum.engines.deepspeed_config import build, check
 from distaccum.telemetry.ledger import CommLedger
@@ -78,10 +79,16 @@ DEEPSPEED_TAG = "zero"
 """The tag (sub-directory) of DeepSpeed's checkpoint inside distaccum's checkpoint directory."""
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(EngineBase):
     """``deepspeed.initialize`` with our torch optimizer and a config generated from ours."""
 
     name = "deepspeed"
+    reshardable_checkpoints = False  # ZeRO partitions optimizer state per rank
+
+    @classmethod
+    def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
+        """The ZeRO stage decides how the checkpoint is partitioned."""
+        return {"engine.zero_stage": config.zero_stage}
 
     @classmethod
     def check(cls, spec: EngineSpec) -> None:

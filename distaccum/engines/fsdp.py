@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distaccum.engines.base import (
+    EngineBase,
     EngineSpec,
     OptimizerFactory,
     Precision,
@@ -71,7 +72,7 @@ def mixed_precision(precision: Precision, reduce_fp32: bool) -> MixedPrecisionPo
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if reduce_fp32 else low)
 
 
-class FSDPEngine:
+class FSDPEngine(EngineBase):
     """torch FSDP2 (``fully_shard``) with SUM reduce-scatters reported to the ledger by a tap."""
 
     name = "fsdp"

@@ -23,8 +23,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from distaccum.config import RunConfig, from_mapping
-
 CONFIG = "config.json"
 LAUNCH_CONFIG = "launch_config.json"
 METRICS = "metrics.jsonl"
@@ -113,13 +111,14 @@ def truncate_metrics(run_dir: Path, steps: int) -> list[Record]:
     return records
 
 
-def read_run_config(run_dir: Path) -> RunConfig:
-    """The resolved configuration a run wrote to ``config.json`` (its ``components`` note dropped)."""
+def read_config(run_dir: Path) -> dict[str, Any]:
+    """The resolved configuration a run wrote to ``config.json`` (its ``components`` note dropped), as
+    the mapping :func:`distaccum.config.from_mapping` builds a ``RunConfig`` from."""
     values = read_json(Path(run_dir) / CONFIG)
     if not values:
         raise ValueError(f"{run_dir}: no readable {CONFIG}")
     values.pop("components", None)
-    return from_mapping(values)
+    return values
 
 
 def final_weights(run_dir: Path) -> Path:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -33,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distaccum.config import RunConfig
 from distaccum.rundir import CHECKPOINTS, read_json, write_json
 
 if TYPE_CHECKING:
@@ -223,39 +223,29 @@ def model_signature(model: nn.Module) -> str:
     return f"{count} parameters, {h.hexdigest()[:16]}"
 
 
-def fingerprint(cfg: RunConfig, world_size: int, names: Mapping[str, str], dataset: Any,
-                model: nn.Module) -> dict[str, Any]:
-    """The fields a checkpoint must agree with to be resumed: the model's architecture, data, loss,
-    global batch, seed, precision, optimizer and the engine's sharding. ``max_steps``, logging, the
-    learning rate, the micro-batch (at a fixed global batch) and the world size (except for
-    DeepSpeed) may change."""
-    out: dict[str, Any] = {
-        "model": model_signature(model),
-        "loss": cfg.loss or names.get("loss"),
-        "data.dataset": cfg.data.dataset or names.get("dataset"),
-        "data.collate": cfg.data.collate or names.get("collate"),
-        "data.shuffle": cfg.data.shuffle,
-        "data.drop_last": cfg.data.drop_last,
-        "data.signature": data_signature(dataset),
-        "global_batch": cfg.global_batch(world_size),
-        "trainer.seed": cfg.trainer.seed,
-        "precision": cfg.precision,
-        "optim.name": cfg.optim.name,
-        "engine.name": cfg.engine.name,
-    }
-    if cfg.engine.name == "deepspeed":  # ZeRO partitions are per rank
-        out["engine.zero_stage"] = cfg.engine.zero_stage
-        out["world_size"] = world_size
-    return out
-
-
 # --- writing and reading (collective) -------------------------------------------------------------
 
+class CheckpointWriter:
+    """Writes the files of a checkpoint that distaccum itself writes (the engines write their own state).
+
+    One object, so a test can wrap it to fail a write midway, as a full disk would, and check that the
+    previous checkpoint survives (``distaccum.testing``)."""
+
+    def write_text(self, path: Path, text: str) -> None:
+        """Write ``text`` to ``path`` (UTF-8)."""
+        path.write_text(text, encoding="utf-8")
+
+    def save_tensors(self, value: Any, path: Path) -> None:
+        """``torch.save`` ``value`` (tensors only: read back with ``weights_only=True``)."""
+        torch.save(value, path)
+
+
 def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any],
-         fault: bool = False) -> Path:
+         writer: CheckpointWriter | None = None) -> Path:
     """Write a checkpoint of ``state`` after its last step; every rank calls it. Raises
     :class:`CheckpointError` (on every rank) when any rank failed to write: the previous checkpoint
     is untouched and the partial one removed."""
+    writer = writer or CheckpointWriter()
     rank = dist.get_rank()
     step = state.source.next_step
     root = checkpoint_root(run_dir)
@@ -272,15 +262,13 @@ def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, tmp / RNG_DIR / f"rank-{rank:05d}.pt")
+        writer.save_tensors(rng, tmp / RNG_DIR / f"rank-{rank:05d}.pt")
         if rank == 0:
-            if fault:  # test-only: what a full disk does in the middle of a write
-                raise OSError(28, "No space left on device (debug.checkpoint_fault_at_step)")
             trainer_state = {"steps_done": len(state.records), "next_step": step,
                              "scheduler": state.scheduler.state_dict(), "source": state.source.state_dict(),
                              "engine": extra, "nonfinite_streak": state.nonfinite_streak,
                              "world_size": dist.get_world_size()}
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2) + "\n", encoding="utf-8")
+            writer.write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
     except Exception as err:  # noqa: BLE001 - every rank must learn that one rank failed
         error = f"{type(err).__name__}: {err}"
     failed = torch.tensor([1.0 if error else 0.0])
@@ -318,3 +306,37 @@ def restore(state: TrainState, path: Path) -> dict[str, Any]:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return trainer_state
+
+
+class Checkpointer:
+    """Decides when the run checkpoints, and writes it: every ``every`` optimizer steps, when ``every_s``
+    seconds passed by rank 0's clock (the loop makes every rank agree through the window's all-reduce),
+    and always when the run stops on request. Keeps the newest ``keep``."""
+
+    def __init__(self, run_dir: Path, *, keep: int, every: int, every_s: float, manifest: dict[str, Any],
+                 rank: int, writer: CheckpointWriter | None = None) -> None:
+        self.run_dir, self.keep, self.every, self.every_s = run_dir, keep, every, every_s
+        self.manifest, self.rank = manifest, rank
+        self.writer = writer or CheckpointWriter()
+        self.last_time = time.monotonic()
+        self.last_step: int | None = None
+        """Optimizer steps done when the latest checkpoint was written (None: none yet by this run)."""
+
+    def due_by_time(self) -> bool:
+        """Rank 0's vote for a time-based checkpoint (the other ranks vote no)."""
+        return self.rank == 0 and 0 < self.every_s <= time.monotonic() - self.last_time
+
+    def after_step(self, state: TrainState, step: int, *, due: bool, stopping: bool) -> Path | None:
+        """Checkpoint after optimizer step ``step`` if it is periodic, ``due`` (agreed by time) or the run
+        is ``stopping``; collective. A skipped step leaves the parameters as the last finite update made
+        them, so a checkpoint written after one never holds a non-finite value."""
+        if stopping or due or (self.every and step % self.every == 0):
+            return self.save(state)
+        return None
+
+    def save(self, state: TrainState) -> Path:
+        """Write a checkpoint after the last finished step now (collective)."""
+        path = save(state, self.run_dir, keep=self.keep, manifest=self.manifest, writer=self.writer)
+        self.last_time = time.monotonic()
+        self.last_step = state.source.next_step
+        return path

@@ -35,6 +35,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class GradSquares:
@@ -106,3 +107,24 @@ def record_fields(grad_sq: float, trace: float, previous: dict[str, Any] | None,
     ema_sq = fields["gns_grad_sq_ema"]
     fields["gns_smoothed"] = fields["gns_trace_ema"] / ema_sq if ema_sq else math.nan
     return fields
+
+
+class GnsMonitor:
+    """``log.gns``: the noise-scale terms of each step (a :class:`~distaccum.loop.StepMonitor`).
+
+    After the boundary backward the engine's comm hook has measured the squared norms; one more
+    all-reduce, of three numbers, combines them over the ranks; the record gets the raw estimate and
+    its smoothed ratio (the averages ride in the records, so a resumed run continues them)."""
+
+    def __init__(self, squares: GradSquares, decay: float, world_size: int) -> None:
+        self.squares, self.decay, self.world = squares, decay, world_size
+        self._sums: torch.Tensor | None = None
+
+    def after_step(self, step: int, window: Any, c: float, d: float) -> None:
+        self._sums = torch.stack(window_terms(self.squares, window.items, c, d))
+        dist.all_reduce(self._sums)
+
+    def fields(self, record: dict[str, Any], times: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self._sums is not None, "after_step first"
+        grad_sq, trace = estimate(self._sums.tolist(), float(record["items"]), self.world)
+        return record_fields(grad_sq, trace, records[-1] if records else None, self.decay)

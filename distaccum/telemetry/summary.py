@@ -8,40 +8,31 @@ from typing import Any
 
 import torch
 
-from distaccum.config import RunConfig, Split
 from distaccum.engines.base import Engine
 from distaccum.rundir import Record
 
 
-def summarize(cfg: RunConfig, names: dict[str, str], split: Split, records: list[Record], engine: Engine,
-              run_dir: Path) -> Record:
-    """The run summary, including fp64 checksums of every final parameter (collective)."""
+def summarize(header: Record, records: list[Record], engine: Engine, run_dir: Path, *, warmup_steps: int,
+              lr_scale: float) -> Record:
+    """The run summary: ``header`` (what ran: :meth:`distaccum.resolve.ResolvedRun.summary_header`), medians
+    of the records after ``warmup_steps``, the effective learning rate (the optimizer's own initial lr times
+    ``lr_scale``) and fp64 checksums of every final parameter (collective)."""
     param_sum = torch.zeros((), dtype=torch.float64)
     param_sq = torch.zeros((), dtype=torch.float64)
     for _, tensor in engine.full_parameters():
         t = tensor.detach().to("cpu", torch.float64)
         param_sum += t.sum()
         param_sq += (t * t).sum()
-    steady = records[cfg.log.warmup_steps:] or records
+    steady = records[warmup_steps:] or records
     total_time = sum(r["time_s"] for r in records)
 
     def med(key: str) -> float:
         return median(r[key] for r in steady) if steady else 0.0
 
     summary: dict[str, Any] = {
-        "engine": cfg.engine.name,
-        "model": names["model"],
-        "precision": cfg.precision,
-        "sync": cfg.accum.sync,
-        "loss_norm": cfg.accum.loss_norm,
-        "world_size": split.world_size,
-        "micro_batch": split.micro_batch,
-        "accum_steps": split.accum_steps,
-        "global_batch": split.global_batch,
-        "lr_scaling": cfg.optim.lr_scaling,
-        "base_batch": cfg.optim.base_batch,
+        **header,
         # The optimizer's own lr (a user's optimizer factory may set another than optim.lr), scaled.
-        "effective_lr": engine.optimizer.param_groups[0]["initial_lr"] * cfg.optim.lr_scale(split.global_batch),
+        "effective_lr": engine.optimizer.param_groups[0]["initial_lr"] * lr_scale,
         "steps": len(records),
         "final_loss": records[-1]["loss"] if records else float("nan"),
         "samples_per_s": sum(r["samples"] for r in records) / total_time if total_time else 0.0,

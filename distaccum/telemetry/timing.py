@@ -107,3 +107,22 @@ class StepTimer:
         gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(self._group))]
         dist.all_gather(gathered, local, group=self._group)
         return torch.stack(gathered)
+
+
+class RankStats:
+    """The straggler view (a :class:`~distaccum.loop.StepMonitor`): every ``every`` optimizer steps, every
+    rank's compute time (``compute_min_s`` / ``compute_max_s``): one all-gather of host floats, every N
+    steps only, since on a slow interconnect it costs as much as a tiny step."""
+
+    def __init__(self, timer: StepTimer, every: int) -> None:
+        self.timer, self.every = timer, every
+
+    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+        pass
+
+    def fields(self, record: dict[str, object], times: StepTimes, records: list[dict[str, object]]
+               ) -> dict[str, object]:
+        if not self.every or int(record["step"]) % self.every:  # type: ignore[call-overload]
+            return {}
+        compute = self.timer.gather([times.compute_s])[:, 0]
+        return {"compute_min_s": float(compute.min()), "compute_max_s": float(compute.max())}

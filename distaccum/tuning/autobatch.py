@@ -34,14 +34,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from distaccum.components import Components, build_model
-from distaccum.config import ConfigError, RunConfig, Split, check_split
+from distaccum.components import Components
+from distaccum.config import ConfigError
 from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.data.pipeline import to_device
 from distaccum.engines import make_engine
-from distaccum.engines.base import EngineSpec, Precision, StepResult
+from distaccum.engines.base import Precision, StepResult
 from distaccum.losses import LossFn
-from distaccum.optim import build_optimizer
+from distaccum.resolve import ResolvedRun
+from distaccum.split import Split
 from distaccum.telemetry.ledger import CommLedger
 from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 from distaccum.units import human_bytes
@@ -53,7 +54,7 @@ TRIAL_MICRO_BATCHES = 2
 
 
 @dataclass
-class Probe:
+class Measurement:
     """One measured micro-batch size."""
 
     micro_batch: int
@@ -79,7 +80,7 @@ class AutoChoice:
     """The smallest budget over the ranks."""
     memory: str
     """What the peak measures: 'cuda allocated' or 'cpu peak rss'."""
-    probes: list[Probe] = field(default_factory=list)
+    probes: list[Measurement] = field(default_factory=list)
 
     def as_record(self) -> dict[str, Any]:
         """The ``auto_micro_batch`` entry of ``summary.json``."""
@@ -222,15 +223,15 @@ def trial_window(steps: Steps, model: nn.Module, loss_fn: LossFn, batches: Seque
     return peak, oom
 
 
-def search(sizes: Sequence[int], measure: Callable[[int], Probe], budget: int) -> tuple[int | None, list[Probe]]:
+def search(sizes: Sequence[int], measure: Callable[[int], Measurement], budget: int) -> tuple[int | None, list[Measurement]]:
     """The largest size in ``sizes`` (ascending) that fits, and every probe measured on the way.
 
     None when even the smallest does not fit. ``measure(m)`` must give the same verdict on every
     rank (it agrees over them), so every rank takes the same path.
     """
-    probes: dict[int, Probe] = {}
+    probes: dict[int, Measurement] = {}
 
-    def probe(m: int) -> Probe:
+    def probe(m: int) -> Measurement:
         probes[m] = measure(m)
         return probes[m]
 
@@ -272,89 +273,72 @@ def budget_too_small(need: int | None, budget: int, device: torch.device) -> Con
         f"Raise accum.memory_budget, leave it unset to use {default}, or use a smaller model or shorter samples")
 
 
-def one_sample_peak(model: nn.Module, parts: Components, cfg: RunConfig, device: torch.device) -> int | None:
+def one_sample_peak(run: ResolvedRun, parts: Components, model: nn.Module) -> int | None:
     """Peak memory of a plain one-process training step of one sample (the plan's first) on ``model``
     (pre-flight, before any worker starts); None when it ran out of memory. Steps ``model``."""
-    precision = Precision.of(cfg.precision)
-    model = model.to(device)
-    make_optimizer = parts.optimizer or (lambda params: build_optimizer(params, cfg.optim))
-    steps = LocalSteps(make_optimizer(list(model.parameters())), precision, device)
-    plan = GlobalBatchPlan(len(parts.dataset), cfg.global_batch(), seed=cfg.trainer.seed,  # type: ignore[arg-type]
-                           shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
-    split = Split(1, max(plan.global_batch // cfg.world_size(), 1), cfg.world_size())
+    model = model.to(run.device)
+    steps = LocalSteps(run.optimizer(parts)(list(model.parameters())), run.precision, run.device)
+    plan = run.data.plan(parts.dataset, run.global_batch)
+    split = Split(1, max(plan.global_batch // run.world_size, 1), run.world_size)
     batches = trial_batches(parts.dataset, parts.collate or default_collate, plan, split, 0, 1)
-    float_dtype = torch.float64 if precision.param_dtype == torch.float64 else None
-    peak, oom = trial_window(steps, model, parts.loss, batches, device, float_dtype)
+    peak, oom = trial_window(steps, model, parts.loss, batches, run.device, run.loop.float_dtype)
     return None if oom else peak
 
 
 class TrialMeasure:
-    """``measure(m) -> Probe``: a trial window at micro-batch ``m`` on a throwaway copy of the run
+    """``measure(m) -> Measurement``: a trial window at micro-batch ``m`` on a throwaway copy of the run
     (model, engine and optimizer built as training builds them: same seed, precision, ``init_from``
     and engine settings; then discarded). Collective; the verdict is agreed over the ranks."""
 
-    def __init__(self, cfg: RunConfig, parts: Components, device: torch.device, budget: int) -> None:
-        self.cfg, self.parts, self.device = cfg, parts, device
+    def __init__(self, run: ResolvedRun, parts: Components, budget: int) -> None:
+        self.run, self.parts, self.device = run, parts, run.device
         self.budget = int(_agree(float(budget), dist.ReduceOp.MIN))
         """The smallest budget over the ranks."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.global_batch = cfg.global_batch(self.world)
-        self.precision = Precision.of(cfg.precision)
-        self.plan = GlobalBatchPlan(len(parts.dataset), self.global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
-                                    shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+        self.global_batch = run.global_batch
+        self.plan = run.data.plan(parts.dataset, self.global_batch)
 
     def run_trial(self, split: Split) -> tuple[int, bool]:
         """(peak bytes on this rank, out of memory on some rank) of one trial window of ``split``'s
         micro-batches. The engine is built for a window of that many micro-batches (engines that count
         micro-batches, Accelerate and DeepSpeed, then place the boundary where the trial does); memory
         does not depend on K."""
-        cfg, parts, precision = self.cfg, self.parts, self.precision
+        parts = self.parts
         count = min(TRIAL_MICRO_BATCHES, split.accum_steps)
-        spec = EngineSpec(engine=cfg.engine, precision=precision, split=Split(split.micro_batch, count, split.world_size),
-                          sync=cfg.accum.sync, clip_norm=cfg.optim.clip_norm, device=self.device)
-        engine = make_engine(spec, CommLedger(enabled=False))
-        model = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, parts.describe()["model"])
-        make_optimizer = parts.optimizer or (lambda params: build_optimizer(params, cfg.optim))
-        wrapped = engine.wrap(model, make_optimizer)
+        trial = self.run.with_split(Split(split.micro_batch, count, split.world_size))
+        engine = make_engine(trial.engine, CommLedger(enabled=False))
+        model = trial.model.build(parts)
+        wrapped = engine.wrap(model, trial.optimizer(parts))
         try:
             batches = trial_batches(parts.dataset, parts.collate or default_collate, self.plan, split, self.rank, count)
-            float_dtype = torch.float64 if precision.param_dtype == torch.float64 else None
-            return trial_window(engine, wrapped, parts.loss, batches, self.device, float_dtype, cfg.optim.clip_norm)
+            return trial_window(engine, wrapped, parts.loss, batches, self.device, trial.loop.float_dtype,
+                                trial.loop.clip_norm)
         finally:
             engine.teardown()
             del wrapped, model, engine
             _release(self.device)
 
-    def __call__(self, micro_batch: int) -> Probe:
+    def __call__(self, micro_batch: int) -> Measurement:
         per_rank = self.global_batch // self.world
         peak, oom = self.run_trial(Split(micro_batch, per_rank // micro_batch, self.world))
         worst = int(_agree(float(peak), dist.ReduceOp.MAX))
         fits = _agree(float(not oom and peak <= self.budget), dist.ReduceOp.MIN) > 0
-        return Probe(micro_batch, worst, fits, oom=_agree(float(oom), dist.ReduceOp.MAX) > 0)
+        return Measurement(micro_batch, worst, fits, oom=_agree(float(oom), dist.ReduceOp.MAX) > 0)
 
 
-def auto_trial(cfg: RunConfig, parts: Components, device: torch.device, budget: int) -> TrialMeasure:
-    """The trial measurement of ``cfg``'s run (see :class:`TrialMeasure`); collective."""
-    return TrialMeasure(cfg, parts, device, budget)
-
-
-def auto_micro_batch(cfg: RunConfig, parts: Components, device: torch.device, local_world_size: int) -> AutoChoice:
-    """Resolve ``accum.micro_batch=auto`` for ``cfg`` on the current process group (collective): the
-    :func:`search` over trial windows. Rank 0 prints the choice. Raises :class:`ConfigError` when one
-    sample per micro-batch does not fit the budget (naming what it needs) or the global batch has
-    no split."""
+def auto_micro_batch(run: ResolvedRun, parts: Components, budget: int) -> AutoChoice:
+    """Resolve ``accum.micro_batch=auto`` for ``run`` (resolved with its provisional split) on the current
+    process group (collective): the :func:`search` over trial windows within ``budget`` bytes per rank.
+    Rank 0 prints the choice. Raises :class:`ConfigError` when one sample per micro-batch does not fit
+    (naming what it needs)."""
     world = dist.get_world_size()
-    try:
-        check_split(cfg.accum, world)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    measure = auto_trial(cfg, parts, device, cfg.accum.budget_bytes() or default_budget(device, local_world_size))
+    measure = TrialMeasure(run, parts, budget)
     best, probes = search(micro_batch_sizes(measure.global_batch, world), measure, measure.budget)
     if best is None:
-        raise budget_too_small(None if probes[0].oom else probes[0].peak_bytes, measure.budget, device)
+        raise budget_too_small(None if probes[0].oom else probes[0].peak_bytes, measure.budget, run.device)
     chosen = next(p for p in probes if p.micro_batch == best)
     choice = AutoChoice(best, measure.global_batch // world // best, chosen.peak_bytes, measure.budget,
-                        memory_kind(device), probes)
+                        memory_kind(run.device), probes)
     if dist.get_rank() == 0:
         print(f"distaccum: {choice.describe()}", flush=True)
     return choice

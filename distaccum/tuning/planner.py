@@ -46,9 +46,16 @@ import torch.distributed as dist
 
 from distaccum.components import Components
 from distaccum.config import RunConfig, Split, check_split, valid_splits, with_overrides
+from distaccum.resolve import resolve
 from distaccum.telemetry.sinks import Record
 from distaccum.trainer import Trainer
-from distaccum.tuning.autobatch import Probe, auto_trial, default_budget, memory_kind, micro_batch_sizes
+from distaccum.tuning.autobatch import (
+    Measurement,
+    TrialMeasure,
+    default_budget,
+    memory_kind,
+    micro_batch_sizes,
+)
 from distaccum.units import human_bytes
 
 TRIAL_ACCUM = 4
@@ -98,7 +105,7 @@ class Prediction:
 
 
 @dataclass
-class Plan:
+class SplitPlan:
     """Everything ``distaccum plan`` prints and writes to ``plan.json``."""
 
     global_batch: int
@@ -114,7 +121,7 @@ class Plan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
+    def from_dict(cls, data: dict[str, Any]) -> SplitPlan:
         """Inverse of :meth:`as_dict`."""
         preds = [Prediction(**{**p, "split": Split(**p["split"])}) for p in data["predictions"]]
         rec = data.get("recommended")
@@ -145,7 +152,7 @@ def size_cost(records: Sequence[Record], micro_batch: int, trial_accum: int, war
                     boundary_s=med(lambda r: r["comm_exposed_s"]), optim_s=med(lambda r: r["optim_s"]))
 
 
-def predict(global_batch: int, world_size: int, costs: Sequence[SizeCost], probes: Sequence[Probe]) -> list[Prediction]:
+def predict(global_batch: int, world_size: int, costs: Sequence[SizeCost], probes: Sequence[Measurement]) -> list[Prediction]:
     """One prediction per valid split (ascending micro-batch)."""
     by_size = {c.micro_batch: c for c in costs}
     by_probe = {p.micro_batch: p for p in probes}
@@ -206,28 +213,28 @@ def interleave(runners: Sequence[Callable[[int], None]], rounds: int, steps: int
             runners[(i + r) % len(runners)](steps)
 
 
-def probe_sizes(sizes: Sequence[int], measure: Callable[[int], Probe], budget: int) -> list[Probe]:
+def probe_sizes(sizes: Sequence[int], measure: Callable[[int], Measurement], budget: int) -> list[Measurement]:
     """Measure each size in ascending order; stop measuring at the first that does not fit, or when
     the peak extrapolated linearly from the last two sizes exceeds ``budget`` (the rest are marked
     with that extrapolation, or the failed size's peak, and do not fit)."""
-    probes: list[Probe] = []
+    probes: list[Measurement] = []
     for m in sizes:
         fitted = [p for p in probes if p.fits]
         if probes and not probes[-1].fits:
-            probes.append(Probe(m, probes[-1].peak_bytes, False, measured=False))
+            probes.append(Measurement(m, probes[-1].peak_bytes, False, measured=False))
             continue
         if len(fitted) >= 2:
             (m0, p0), (m1, p1) = [(p.micro_batch, p.peak_bytes) for p in fitted[-2:]]
             guess = int(p1 + max((p1 - p0) / (m1 - m0), 0.0) * (m - m1))
             if guess > budget:
-                probes.append(Probe(m, guess, False, measured=False))
+                probes.append(Measurement(m, guess, False, measured=False))
                 continue
         probes.append(measure(m))
     return probes
 
 
 class SplitPlanner:
-    """The measurements behind a :class:`Plan`, in three steps so that a caller can interleave its own
+    """The measurements behind a :class:`SplitPlan`, in three steps so that a caller can interleave its own
     work with the timing rounds (the prediction test times the real splits in the same rounds):
     construction probes the memory of every size and creates the timing trials of those that fit;
     :attr:`runners` are the trials' ``run(steps)``; :meth:`finish` closes them and predicts. Collective."""
@@ -238,7 +245,8 @@ class SplitPlanner:
         check_split(cfg.accum, world)
         self.device, self.world = device, world
         self.global_batch = cfg.global_batch(world)
-        self.measure = auto_trial(cfg, parts, device, cfg.accum.budget_bytes() or default_budget(device, local_world_size))
+        budget = cfg.accum.budget_bytes() or default_budget(device, local_world_size)
+        self.measure = TrialMeasure(resolve(cfg, world, device, rank=dist.get_rank()), parts, budget)
         self.probes = probe_sizes(micro_batch_sizes(self.global_batch, world), self.measure, self.measure.budget)
         per_rank = self.global_batch // world
         self.trials = [SizeTrial(cfg, parts, p.micro_batch, min(per_rank // p.micro_batch, trial_accum), max_steps,
@@ -249,19 +257,19 @@ class SplitPlanner:
         """``run(steps)`` of every timing trial."""
         return [t.run for t in self.trials]
 
-    def finish(self) -> Plan:
+    def finish(self) -> SplitPlan:
         """Close the trials and predict every split."""
         for trial in self.trials:
             trial.close()
         costs = [t.cost() for t in self.trials]
         predictions = predict(self.global_batch, self.world, costs, self.probes)
-        return Plan(self.global_batch, self.world, self.measure.budget, memory_kind(self.device), predictions, costs,
+        return SplitPlan(self.global_batch, self.world, self.measure.budget, memory_kind(self.device), predictions, costs,
                     recommend(predictions))
 
 
 def plan_splits(cfg: RunConfig, parts: Components, device: torch.device, local_world_size: int, run_dir: Path, *,
                 rounds: int = 5, steps: int = 2, trial_accum: int = TRIAL_ACCUM,
-                interleaved: bool | None = None) -> Plan:
+                interleaved: bool | None = None) -> SplitPlan:
     """Measure and predict every split of ``cfg``'s global batch on the current process group
     (collective): one warm-up step per size, then ``rounds`` x ``steps`` timed steps, interleaved
     (default on CPU) or one size after another. Trial run directories go under ``run_dir/trials``."""
@@ -280,7 +288,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:.1f} ms"
 
 
-def render_table(plan: Plan) -> str:
+def render_table(plan: SplitPlan) -> str:
     """The plan as a markdown table plus the recommendation line."""
     lines = ["| split | micro-batch | K | predicted step | predicted comm share | predicted peak memory | fits |",
              "|---|---|---|---|---|---|---|"]

@@ -14,23 +14,21 @@ parameter tensor) is
 
 so ``max_rel_diff`` is relative to the tensor's scale, not element by element (elements near zero
 would make an element-wise ratio meaningless). The diagnosis rules in :mod:`distaccum.verify.diagnosis`
-explain a mismatch; the entry layer (``verify_cli``) only launches runs and prints.
+explain a mismatch; :mod:`distaccum.verify.runner` launches the runs and reports.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from distaccum.components import Components, build_model
-from distaccum.config import RunConfig, Split, valid_splits
-from distaccum.engines.base import Precision
+from distaccum.config import VerifyConfig
 from distaccum.rundir import CHECKSUMS, final_weights, read_jsonl, read_metrics
-from distaccum.rundir.weights import load_weights, save_weights
+from distaccum.rundir.weights import load_weights
 from distaccum.verify.tripwire import read_divergence
 
 
@@ -74,81 +72,18 @@ DEFAULT_TOLERANCES: dict[str, Tolerances] = {
 }
 
 
-def tolerance_for(cfg: RunConfig) -> Tolerances:
-    """The default for ``cfg.precision``; verify.rtol / verify.atol, when set, replace both tiers."""
-    base = DEFAULT_TOLERANCES[cfg.precision]
+def tolerance_for(precision: str, verify: VerifyConfig) -> Tolerances:
+    """The default for ``precision``; ``verify.rtol`` / ``verify.atol``, when set, replace both tiers."""
+    base = DEFAULT_TOLERANCES[precision]
 
     def override(tol: Tolerance) -> Tolerance:
-        return Tolerance(rtol=tol.rtol if cfg.verify.rtol is None else cfg.verify.rtol,
-                         atol=tol.atol if cfg.verify.atol is None else cfg.verify.atol)
+        return Tolerance(rtol=tol.rtol if verify.rtol is None else verify.rtol,
+                         atol=tol.atol if verify.atol is None else verify.atol)
 
     return Tolerances(steps=override(base.steps), params=override(base.params))
 
 
-# --- which runs to launch (pure) ------------------------------------------------------------------
-
-def candidate_splits(cfg: RunConfig) -> list[Split]:
-    """The configured split, plus with ``verify.splits=auto`` other splits of the same global batch.
-
-    World sizes go up to ``trainer.nproc`` (one node). The reference's own split (world 1, one
-    micro-batch) is never a candidate. Extra candidates alternate between world sizes (largest
-    first) and between most and least accumulation, so a small bound still covers the extremes.
-    """
-    configured = cfg.split(cfg.trainer.nproc)
-    chosen = [configured]
-    if cfg.verify.splits == "auto":
-        lanes: list[list[Split]] = []
-        for world in range(cfg.trainer.nproc, 0, -1):
-            options = sorted(valid_splits(configured.global_batch, world), key=lambda s: -s.accum_steps)
-            options = [s for s in options if s.accum_steps * s.world_size > 1 and s != configured]
-            # most accumulation, least, then inwards
-            lanes.append([options[i // 2] if i % 2 == 0 else options[-1 - i // 2]
-                          for i in range(len(options))])
-        while any(lanes) and len(chosen) < cfg.verify.max_candidates:
-            for lane in lanes:
-                if lane and len(chosen) < cfg.verify.max_candidates:
-                    chosen.append(lane.pop(0))
-    return chosen
-
-
-def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) -> RunConfig:
-    return replace(
-        cfg,
-        accum=replace(cfg.accum, micro_batch=split.micro_batch, steps=split.accum_steps, global_batch=None),
-        trainer=replace(cfg.trainer, nproc=split.world_size, nnodes=1, check_every=1,
-                        init_from=str(seed) if seed else None, max_restarts=0, resume=False),
-        log=replace(cfg.log, console="quiet", wandb=False),
-        verify=replace(cfg.verify, record=True),
-        run_dir=str(run_dir),
-    )
-
-
-def reference_config(cfg: RunConfig, run_dir: Path, seed: Path) -> RunConfig:
-    """The configuration the plain reference (:mod:`distaccum.verify.reference`) runs with: one process, the
-    seed checkpoint, fp64 when ``verify.reference_dtype=fp64``. Its global batch is the candidates'."""
-    ref = _with_split(cfg, Split(cfg.split(cfg.trainer.nproc).global_batch, 1, 1), run_dir, seed)
-    precision = "fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision
-    return replace(ref, precision=precision, debug=replace(ref.debug, skip_reduction_rank=None))
-
-
-def candidate_config(cfg: RunConfig, split: Split, run_dir: Path, seed: Path) -> RunConfig:
-    """``cfg`` with ``split``, the seed checkpoint, the tripwire on every step, and recording on."""
-    return _with_split(cfg, split, run_dir, seed)
-
-
-def split_label(split: Split) -> str:
-    """``w2-m4-k4``: world size, micro-batch, accumulation steps (also the sub-run directory)."""
-    return split.label()
-
-
 # --- files written by the runs ---------------------------------------------------------------------
-
-def write_seed_checkpoint(cfg: RunConfig, parts: Components, path: Path) -> None:
-    """Build the model exactly as a worker does (same seed, fp32 or fp64) and save its weights."""
-    model = build_model(parts.model, cfg.trainer.seed, Precision.of(cfg.precision), None,
-                        parts.describe()["model"])
-    save_weights(model.state_dict(), path)
-
 
 @dataclass
 class RunData:

@@ -119,3 +119,19 @@ def read_divergence(run_dir: Path) -> dict[str, object] | None:
     """The tripwire's report from a run directory, or None when it did not fire."""
     path = run_dir / DIVERGENCE
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+class Tripwire:
+    """The cross-rank consistency check every ``every`` optimizer steps (after steps 1, every + 1, ...), a
+    :class:`~distaccum.loop.StepMonitor`. With ``record`` it also writes every checked step's checksums
+    (``distaccum verify`` runs with ``every=1`` and ``record``)."""
+
+    def __init__(self, engine: Engine, every: int, run_dir: Path, *, record: bool) -> None:
+        self.engine, self.every, self.run_dir, self.record = engine, every, run_dir, record
+
+    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+        if self.every and (step - 1) % self.every == 0:
+            check_consistency(self.engine, step, self.run_dir, record=self.record)
+
+    def fields(self, record: dict[str, object], times: object, records: list[dict[str, object]]) -> dict[str, object]:
+        return {}

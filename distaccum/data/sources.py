@@ -1,0 +1,46 @@
+"""Where a run's windows come from: a map-style dataset through the global-batch plan, or a stream.
+
+:class:`DataOptions` is the narrow part of the configuration the data side uses (resolved once by
+:func:`distaccum.resolve.resolve`); :func:`build_source` picks the source for a dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.pipeline import PlanSource, WindowSource
+from distaccum.data.stream import StreamSource, is_stream
+from distaccum.split import Split
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """How the plan walks the data and how the loaders read it (``data.*`` and ``trainer.seed``)."""
+
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    num_workers: int
+    prefetch_factor: int
+
+    def plan(self, dataset: Dataset, global_batch: int) -> GlobalBatchPlan:
+        """The global-batch plan over a map-style ``dataset`` (ValueError when no window would run)."""
+        return GlobalBatchPlan(len(dataset), global_batch, seed=self.seed,  # type: ignore[arg-type]
+                               shuffle=self.shuffle, drop_last=self.drop_last)
+
+
+def build_source(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, split: Split, rank: int,
+                 max_steps: int, options: DataOptions, *, pin_memory: bool = False) -> WindowSource:
+    """This rank's windows: a stream (no length) is cut into windows in order; a map-style dataset is
+    walked by the global-batch plan through a DataLoader."""
+    if is_stream(dataset):
+        return StreamSource(dataset, collate, split, rank, drop_last=options.drop_last,  # type: ignore[arg-type]
+                            num_workers=options.num_workers, prefetch_factor=options.prefetch_factor)
+    return PlanSource(dataset, collate, options.plan(dataset, split.global_batch), split, rank, max_steps,
+                      num_workers=options.num_workers, prefetch_factor=options.prefetch_factor,
+                      pin_memory=pin_memory)

@@ -1,0 +1,179 @@
+"""Everything that can be checked before a worker starts, so bad input is one paragraph (exit 2 in the CLI).
+
+Config values are validated when the RunConfig is built; here come the checks that need the user's
+components or the machine. :func:`instantiate_components` turns the ``_target_`` nodes into objects
+(Hydra's ``instantiate`` in its conventional role, with errors that name the component, its
+``_target_`` and the fix; the one library module that imports Hydra). :func:`preflight` then resolves
+the run (:mod:`distaccum.resolve`: the split, the engine/precision combination), builds and checks the
+model as the workers will (activation checkpointing, the normalization probe, a dataset's own
+``check_model``, the data plan, the held-out split), ``init_from``, a resumable checkpoint, the memory
+budget of ``micro_batch=auto`` and a writable ``run_dir``. The CLI and the Python ``verify`` API call it.
+
+The current directory is importable (as it is for the workers, which run ``python -m``), so
+``mytask.py`` next to the command works without installing it. The model node's keys are its
+factory's keyword arguments, except the ones distaccum reserves (:data:`MODEL_RESERVED`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from distaccum.activation_checkpointing import parse_checkpointing
+from distaccum.cluster.procgroup import planned_device
+from distaccum.components import Components
+from distaccum.config import ConfigError, Node, RunConfig
+from distaccum.resolve import ResolvedRun, prepare, resolve
+from distaccum.rundir.resume import check_resumable
+from distaccum.tuning.autobatch import budget_too_small, one_sample_peak
+
+REQUIRED = ("model", "dataset", "loss")
+MODEL_RESERVED = ("activation_checkpointing",)
+"""Keys of the model node that configure distaccum, not the model factory."""
+
+
+def _importable_cwd() -> None:
+    cwd = str(Path.cwd())
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def _locate(what: str, node: Node) -> Any:
+    from hydra.utils import get_object
+
+    target = node["_target_"]
+    try:
+        return get_object(target)
+    except Exception as err:  # ImportError, AttributeError, ValueError from hydra's locator
+        cause = err.__cause__ or err
+        raise ConfigError(f"{what}: cannot import _target_ {target!r}: {type(cause).__name__}: {cause}. "
+                          "Check the spelling and that its module is importable (on PYTHONPATH, installed, "
+                          "or in the current directory)") from err
+
+
+def _instantiate(what: str, node: Node, *, partial: bool) -> Any:
+    from hydra.utils import instantiate
+
+    obj = _locate(what, node)
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
+    if not callable(obj):
+        raise ConfigError(f"{what}: _target_ {node['_target_']!r} is a {type(obj).__name__}, not callable")
+    try:
+        return instantiate({**node, "_partial_": partial}, _convert_="all")
+    except Exception as err:
+        cause = err.__cause__ or err
+        raise ConfigError(f"{what}: building {node['_target_']}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) "
+                          f"failed: {type(cause).__name__}: {cause}") from err
+
+
+def _callable_node(what: str, node: Node) -> Callable[..., Any]:
+    """A loss or collate: a function (``_partial_`` implied) or an object built by a class target."""
+    target = _locate(what, node)
+    wants_partial = node.get("_partial_", inspect.isfunction(target) or inspect.isbuiltin(target))
+    value = _instantiate(what, node, partial=bool(wants_partial))
+    if not callable(value):
+        raise ConfigError(f"{what}: _target_ {node['_target_']!r} gave a {type(value).__name__}, which is not "
+                          "callable")
+    return value
+
+
+def instantiate_components(cfg: RunConfig) -> Components:
+    """The model factory (called later, per rank, after seeding), dataset, collate, loss and eval dataset."""
+    _importable_cwd()
+    missing = [name for name, node in (("model", cfg.model), ("dataset", cfg.data.dataset), ("loss", cfg.loss))
+               if node is None]
+    if missing:
+        raise ConfigError(f"no {', '.join(missing)} configured: select a config group (model=..., data=..., "
+                          "loss=...) or give a _target_ node")
+    assert cfg.model is not None and cfg.data.dataset is not None and cfg.loss is not None
+    model_node = {k: v for k, v in cfg.model.items() if k not in MODEL_RESERVED}
+    try:
+        checkpointing = parse_checkpointing(cfg.model.get("activation_checkpointing"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    _locate("model", model_node)
+    model = _instantiate("model", model_node, partial=True)  # built per rank, after seeding
+    dataset = _instantiate("data.dataset", cfg.data.dataset, partial=False)
+    collate = _callable_node("data.collate", cfg.data.collate) if cfg.data.collate else None
+    loss = _callable_node("loss", cfg.loss)
+    eval_dataset = _instantiate("eval.dataset", cfg.eval.dataset, partial=False) if cfg.eval.dataset else None
+    names = {"model": cfg.describe("model"), "dataset": cfg.describe("dataset"), "loss": cfg.describe("loss")}
+    if collate is not None:
+        names["collate"] = cfg.describe("collate")
+    return Components(model=model, dataset=dataset, loss=loss, collate=collate, names=names,
+                      activation_checkpointing=checkpointing, eval_dataset=eval_dataset)
+
+
+@dataclass
+class Checked:
+    """What pre-flight built: the components (for verify's reference), the resolved run and a checked
+    model (with micro_batch=auto and a memory budget on CPU, also stepped once to measure one sample)."""
+
+    components: Components
+    run: ResolvedRun
+    """Resolved on the launch's world; with micro_batch=auto a provisional split (micro-batch 1) of the same
+    global batch: the workers measure and pick the real one."""
+    model: nn.Module
+
+
+def check_run_dir(run_dir: str, *, create: bool = True) -> None:
+    """``run_dir`` can be created and written (a clear error instead of a traceback from the workers).
+
+    ``create=False`` only looks: the nearest existing ancestor must be a writable directory.
+    """
+    path = Path(run_dir)
+    if not create:
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            what = "is not a directory" if existing.exists() and not existing.is_dir() else "is not writable"
+            raise ConfigError(f"run_dir={run_dir!r} cannot be created: {existing} {what}; choose another run_dir")
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"run_dir={run_dir!r} is not writable: {err.strerror or err} "
+                          f"({os.path.abspath(run_dir)}); choose another run_dir") from err
+
+
+def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = True) -> Checked:
+    """Run every check; raise ConfigError (exit 2) naming the value and the fix."""
+    world = world_size or cfg.world_size()
+    try:
+        run = resolve(cfg, world, planned_device(cfg.trainer.device))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if write:
+        check_run_dir(cfg.run_dir)
+    parts = instantiate_components(cfg)
+    names = parts.describe()
+    try:
+        model = run.model.build(parts)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    except Exception as err:
+        raise ConfigError(f"model: calling {names['model']} failed: {type(err).__name__}: {err}") from err
+    try:
+        prepared = prepare(cfg, run, parts, model=model)
+        parts.eval_dataset = prepared.eval_set
+        if cfg.trainer.resume:  # an incompatible or corrupt checkpoint: exit 2 now, not in every worker
+            check_resumable(Path(cfg.run_dir), prepared.fingerprint)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    budget = cfg.accum.budget_bytes()
+    if cfg.accum.auto and budget is not None and run.device.type == "cpu":
+        # One sample's step, measured here; on CUDA the workers measure it (same error, exit 2).
+        need = one_sample_peak(run, parts, model)
+        if need is None or need > budget:
+            raise budget_too_small(need, budget, run.device)
+    return Checked(parts, run, model)

@@ -1,0 +1,191 @@
+"""Resolve a run once: the configuration and the world it runs on become the narrow objects each part uses.
+
+::
+
+    RunConfig + world size + device  --resolve()-->  ResolvedRun
+        split       accum.* on this world (micro_batch=auto: provisional until the Trainer measures it)
+        precision   the fp32 | fp64 | bf16 | fp16 policy
+        engine      the EngineSpec (built here and nowhere else), checked against the engine's class
+        loop        LoopSettings
+        data        DataOptions: how the global-batch plan walks the data, how the loaders read it
+        model       ModelRecipe: seed, precision, init_from (identical initial weights everywhere)
+
+    ResolvedRun + the user's components  --prepare()-->  Prepared
+        the model built and checked (activation checkpointing, its compatibility with the engine,
+        the normalization probe, a warning for batch statistics), the held-out set, and the
+        fingerprint a checkpoint must match to be resumed
+
+Pre-flight (:mod:`distaccum.preflight`), the :class:`~distaccum.trainer.Trainer`, ``micro_batch=auto``,
+``distaccum plan`` and ``distaccum verify`` all go through these two functions; below them nothing
+takes the whole :class:`~distaccum.config.RunConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
+from distaccum.components import Components, ModelRecipe
+from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split
+from distaccum.data.sources import DataOptions
+from distaccum.data.stream import is_stream
+from distaccum.engines import check_engine, engine_class
+from distaccum.engines.base import EngineSpec, Precision
+from distaccum.evaluate import eval_dataset
+from distaccum.loop import LoopSettings
+from distaccum.models import batch_stat_layers
+from distaccum.optim import build_optimizer
+from distaccum.probe import probe
+from distaccum.rundir.checkpoint import data_signature, model_signature
+from distaccum.split import Split
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """One run on one world, resolved: what every part below the Trainer is handed (narrow pieces)."""
+
+    world_size: int
+    rank: int
+    device: torch.device
+    split: Split
+    """The split; with ``micro_batch=auto`` before the Trainer measured it, a provisional one (micro-batch
+    1) of the same global batch."""
+    auto: bool
+    """``accum.micro_batch=auto`` and not yet measured."""
+    precision: Precision
+    engine: EngineSpec
+    loop: LoopSettings
+    data: DataOptions
+    model: ModelRecipe
+    optim: OptimConfig
+    run_dir: Path
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.split.global_batch
+
+    def with_split(self, split: Split) -> ResolvedRun:
+        """The same run at another split of the world (``micro_batch=auto`` trials, the planner)."""
+        return dataclasses.replace(self, split=split, auto=False, engine=dataclasses.replace(self.engine, split=split),
+                                   loop=dataclasses.replace(self.loop, split=split))
+
+    def optimizer(self, parts: Components) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+        """The optimizer factory: the user's, else ``optim.*``."""
+        return parts.optimizer or (lambda params: build_optimizer(params, self.optim))
+
+    def summary_header(self, model_name: str) -> dict[str, Any]:
+        """The run-description fields of ``summary.json``."""
+        return {"engine": self.engine.engine.name, "model": model_name, "precision": self.precision.name,
+                "sync": self.engine.sync, "loss_norm": self.loop.loss_norm, "world_size": self.split.world_size,
+                "micro_batch": self.split.micro_batch, "accum_steps": self.split.accum_steps,
+                "global_batch": self.split.global_batch, "lr_scaling": self.optim.lr_scaling,
+                "base_batch": self.optim.base_batch}
+
+
+def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int = 0,
+            micro_batch: int | None = None) -> ResolvedRun:
+    """Resolve ``cfg`` for ``world_size`` ranks on ``device``; ``micro_batch`` is what ``micro_batch=auto``
+    chose. Raises ValueError for a split the world cannot take or a combination the engine cannot run."""
+    check_split(cfg.accum, world_size)  # no split on this world: ValueError naming the valid ones
+    auto = cfg.accum.auto and micro_batch is None
+    if auto:
+        split = Split(1, cfg.global_batch(world_size) // world_size, world_size)
+    else:
+        accum = dataclasses.replace(cfg.accum, micro_batch=micro_batch) if micro_batch else cfg.accum
+        split = resolve_split(accum, world_size)
+    precision = Precision.of(cfg.precision)
+    if cfg.log.gns and not engine_class(cfg.engine.name).supports_gns:
+        raise ValueError(f"log.gns=true reads the gradients the comm hook reduces once per step; engine="
+                         f"{cfg.engine.name} has no such hook (engines that do: ddp)")
+    if cfg.log.gns and world_size < 2:
+        raise ValueError("log.gns=true compares each rank's gradient with the reduced one: it needs at least "
+                         f"2 ranks, got world_size={world_size}")
+    spec = EngineSpec(engine=cfg.engine, precision=precision, split=split, sync=cfg.accum.sync,
+                      clip_norm=cfg.optim.clip_norm, device=device, gns=cfg.log.gns)
+    check_engine(spec)
+    loop = LoopSettings(split=split, max_steps=cfg.trainer.max_steps, clip_norm=cfg.optim.clip_norm,
+                        every_micro=cfg.accum.sync == "every_micro", loss_norm=cfg.accum.loss_norm,
+                        float_dtype=torch.float64 if precision.param_dtype == torch.float64 else None,
+                        device=device, rank=rank)
+    data = DataOptions(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last,
+                       num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor)
+    return ResolvedRun(world_size=world_size, rank=rank, device=device, split=split, auto=auto, precision=precision,
+                       engine=spec, loop=loop, data=data, model=ModelRecipe(cfg.trainer.seed, precision,
+                                                                            cfg.trainer.init_from),
+                       optim=cfg.optim, run_dir=Path(cfg.run_dir))
+
+
+@dataclass
+class Prepared:
+    """The user's model built and checked for a resolved run, and what follows from it."""
+
+    model: nn.Module
+    checkpointed: list[str]
+    """Modules that recompute their activations in backward (activation checkpointing)."""
+    collate: Callable[[list[Any]], Any]
+    eval_set: Dataset | None
+    fingerprint: dict[str, Any]
+    names: dict[str, str]
+
+
+def prepare(cfg: RunConfig, run: ResolvedRun, parts: Components, *, model: nn.Module | None = None,
+            check_components: bool = True) -> Prepared:
+    """Build the model as every rank builds it (or take ``model``, built by ``run.model``) and check everything
+    that needs it (ValueError on failure): activation checkpointing and the engine, the normalization probe
+    (``check_components``), the data plan, the held-out set. Warns when batch-statistics layers meet
+    accumulation."""
+    names = parts.describe()
+    model = model if model is not None else run.model.build(parts)
+    checkpointed = apply_activation_checkpointing(model, parts.activation_checkpointing)
+    check_engine_compatible(model, run.engine.engine.name)
+    collate = parts.collate or default_collate
+    if check_components:
+        probe(model, parts.dataset, collate, parts.loss, names=names)
+    if not is_stream(parts.dataset):
+        run.data.plan(parts.dataset, run.global_batch)  # a plan that would never run a window is an error now
+    layers = batch_stat_layers(model)
+    if layers and run.split.accum_steps > 1 and not run.auto:
+        warnings.warn(
+            f"accumulating {run.split.accum_steps} micro-batches with batch-statistics layers "
+            f"({', '.join(layers)}): their statistics are computed per micro-batch of {run.split.micro_batch}, "
+            "not over the effective batch, so results depend on the split", stacklevel=3)
+    eval_set = eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset)
+    return Prepared(model, checkpointed, collate, eval_set, fingerprint(cfg, run.world_size, names, parts.dataset,
+                                                                        model), names)
+
+
+def fingerprint(cfg: RunConfig, world_size: int, names: Mapping[str, str], dataset: Any,
+                model: nn.Module) -> dict[str, Any]:
+    """The fields a checkpoint must agree with to be resumed: the model's architecture, data, loss,
+    global batch, seed, precision, optimizer and the engine's sharding. ``max_steps``, logging, the
+    learning rate, the micro-batch (at a fixed global batch) and the world size (except for engines
+    whose checkpoints do not reshard) may change."""
+    engine = engine_class(cfg.engine.name)
+    out: dict[str, Any] = {
+        "model": model_signature(model),
+        "loss": cfg.loss or names.get("loss"),
+        "data.dataset": cfg.data.dataset or names.get("dataset"),
+        "data.collate": cfg.data.collate or names.get("collate"),
+        "data.shuffle": cfg.data.shuffle,
+        "data.drop_last": cfg.data.drop_last,
+        "data.signature": data_signature(dataset),
+        "global_batch": cfg.global_batch(world_size),
+        "trainer.seed": cfg.trainer.seed,
+        "precision": cfg.precision,
+        "optim.name": cfg.optim.name,
+        "engine.name": cfg.engine.name,
+        **engine.fingerprint(cfg.engine),
+    }
+    if not engine.reshardable_checkpoints:
+        out["world_size"] = world_size
+    return out

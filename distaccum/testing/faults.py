@@ -1,0 +1,160 @@
+"""Faults for tests and the bug zoo: each wraps a real object at a :data:`~distaccum.testing.POINTS` entry.
+
+Every fault is an ordinary object (``_target_``-constructible, so :class:`~distaccum.testing.Inject` can
+install it in launched workers) whose ``wrap(point, obj)`` returns a wrapper at the points it targets.
+"""
+
+# No ``from __future__ import annotations``: DDP inspects a comm hook's real annotations.
+
+import errno
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distaccum.data.pipeline import WindowBatches
+
+
+class Proxy:
+    """Forwards every attribute (read and write) to the wrapped object; subclasses override methods."""
+
+    def __init__(self, inner: Any) -> None:
+        object.__setattr__(self, "inner", inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.inner, name, value)
+
+
+class WatchedSource(Proxy):
+    """A window source that remembers the window it served last (``current``)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        object.__setattr__(self, "current", None)
+
+    def window(self) -> "WindowBatches":
+        window = self.inner.window()
+        object.__setattr__(self, "current", window)
+        return window
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class NanLoss:
+    """Rank ``rank``'s loss is NaN at 1-based optimizer steps ``step`` .. ``step + steps - 1``."""
+
+    def __init__(self, step: int, steps: int = 1, rank: int = 0) -> None:
+        self.steps = range(step, step + steps)
+        self.rank = rank
+        self.source: WatchedSource | None = None
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        if point == "source":
+            self.source = WatchedSource(obj)
+            return self.source
+        if point == "loss":
+            def loss(model: Any, batch: Any) -> Any:
+                summed, n_items = obj(model, batch)
+                window = self.source.current if self.source is not None else None
+                if window is not None and window.step + 1 in self.steps and rank() == self.rank:
+                    summed = summed * float("nan")
+                return summed, n_items
+            return loss
+        return obj
+
+
+class SkipReduction:
+    """Rank ``rank`` takes part in every gradient all-reduce but keeps its own local gradient (the ranks
+    desynchronize). Wraps the engine's comm hook, so it needs an engine that has one (DDP, Accelerate)."""
+
+    def __init__(self, rank: int = 1) -> None:
+        self.rank = rank
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        if point != "engine" or rank() != self.rank:
+            return obj
+        if not hasattr(obj, "comm_hook"):
+            raise ValueError(f"SkipReduction wraps a gradient comm hook; engine {obj.name!r} has none")
+        original = obj.comm_hook
+
+        def keep_local(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            local = bucket.buffer().clone()
+            return original(state, bucket).then(lambda _: local)
+
+        obj.comm_hook = keep_local
+        return obj
+
+
+class ScaledStep(Proxy):
+    """An engine whose step multiplies the normalization factor by ``factor(grad_scale)``."""
+
+    def __init__(self, inner: Any, factor: Any) -> None:
+        super().__init__(inner)
+        object.__setattr__(self, "factor", factor)
+
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> Any:
+        return self.inner.step(max_norm, grad_scale * self.factor())
+
+
+class GradScale:
+    """Every normalized gradient is multiplied by the constant ``factor``: a split-independent bug (a loss
+    divided twice, a world size applied twice) that only a reference independent of the loop can see."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        return ScaledStep(obj, lambda: self.factor) if point == "engine" else obj
+
+
+class NominalPartialCount:
+    """A partial window is normalized by the item count a full one would hold (N x global_batch / samples)
+    instead of what it holds: the remainder-window bug, the same on every split."""
+
+    def __init__(self) -> None:
+        self.source: WatchedSource | None = None
+
+    def _factor(self) -> float:
+        window = self.source.current if self.source is not None else None
+        if window is None or not window.partial:
+            return 1.0
+        return window.samples / self.source.split.global_batch  # type: ignore[union-attr]
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        if point == "source":
+            self.source = WatchedSource(obj)
+            return self.source
+        return ScaledStep(obj, self._factor) if point == "engine" else obj
+
+
+class FailingWriter(Proxy):
+    """A checkpoint writer whose write of the trainer state after step ``step`` fails on a full disk."""
+
+    def __init__(self, inner: Any, step: int) -> None:
+        super().__init__(inner)
+        object.__setattr__(self, "step", step)
+
+    def write_text(self, path: Path, text: str) -> None:
+        found = re.match(r"step-(\d+)", path.parent.name)
+        if found and int(found.group(1)) == self.step:
+            raise OSError(errno.ENOSPC, f"No space left on device (a test's fault, writing {path.name})")
+        self.inner.write_text(path, text)
+
+
+class FullDisk:
+    """The checkpoint written after optimizer step ``step`` fails midway, as a full disk would (ENOSPC):
+    the engine state is written, the trainer state is not."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        return FailingWriter(obj, self.step) if point == "checkpoint_writer" else obj

@@ -1,0 +1,417 @@
+"""Run a verification: the plain single-process reference and each candidate split, compared and explained.
+
+The library API (also what ``distaccum verify`` runs)::
+
+    from distaccum.verify import verify
+    result = verify({"model": {"_target_": "mytask.make_model"}, "data": {"dataset": {...}},
+                     "loss": {"_target_": "mytask.loss_sum"}, "accum": {"micro_batch": 2, "global_batch": 16},
+                     "trainer": {"nproc": 2, "max_steps": 5}, "run_dir": "runs/check"},
+                    splits=["w2-m2-k4", "w1-m4-k4"])
+    result.passed, result.rows[0].report.max_rel_diff, result.rows[0].findings
+
+Components are ``_target_`` nodes because the candidates run in worker processes started by the real
+launcher (as ``distaccum train`` starts them); the reference runs in this process
+(:mod:`distaccum.verify.reference`). Each run gets a sub-directory of ``run_dir`` (its console output
+in ``console.log``); the comparison (:mod:`distaccum.verify.compare`) and the diagnosis
+(:mod:`distaccum.verify.diagnosis`) become a :class:`VerifyResult`, a table and ``verify.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distaccum.cluster.local import launch_local
+from distaccum.components import Components, ModelRecipe
+from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping, valid_splits
+from distaccum.preflight import preflight
+from distaccum.rundir import CONSOLE_LOG, LAUNCH_CONFIG, SEED
+from distaccum.rundir.weights import save_weights
+from distaccum.split import Split
+from distaccum.verify.compare import Report, RunData, Tolerances, compare, reproducible, tolerance_for
+from distaccum.verify.diagnosis import Finding, RunFacts, diagnose, model_facts, step_facts, unequal_items
+from distaccum.verify.reference import run_reference
+
+VERIFY_FILE = "verify.json"
+EXIT_OK, EXIT_FAIL = 0, 1
+
+
+# --- which runs to launch (pure) ------------------------------------------------------------------
+
+def candidate_splits(cfg: RunConfig) -> list[Split]:
+    """The configured split, plus with ``verify.splits=auto`` other splits of the same global batch.
+
+    World sizes go up to ``trainer.nproc`` (one node). The reference's own split (world 1, one
+    micro-batch) is never a candidate. Extra candidates alternate between world sizes (largest
+    first) and between most and least accumulation, so a small bound still covers the extremes.
+    """
+    configured = cfg.split(cfg.trainer.nproc)
+    chosen = [configured]
+    if cfg.verify.splits == "auto":
+        lanes: list[list[Split]] = []
+        for world in range(cfg.trainer.nproc, 0, -1):
+            options = sorted(valid_splits(configured.global_batch, world), key=lambda s: -s.accum_steps)
+            options = [s for s in options if s.accum_steps * s.world_size > 1 and s != configured]
+            # most accumulation, least, then inwards
+            lanes.append([options[i // 2] if i % 2 == 0 else options[-1 - i // 2]
+                          for i in range(len(options))])
+        while any(lanes) and len(chosen) < cfg.verify.max_candidates:
+            for lane in lanes:
+                if lane and len(chosen) < cfg.verify.max_candidates:
+                    chosen.append(lane.pop(0))
+    return chosen
+
+
+def parse_split(label: str) -> Split:
+    """``w2-m4-k4`` (world size, micro-batch, accumulation steps) -> a :class:`Split`."""
+    try:
+        world, micro, accum = (int(part[1:]) for part in label.split("-"))
+        if min(world, micro, accum) < 1 or label != Split(micro, accum, world).label():
+            raise ValueError(label)
+    except ValueError:
+        raise ValueError(f"split {label!r} is not of the form w<world>-m<micro_batch>-k<accum_steps>, "
+                         "e.g. w2-m4-k4") from None
+    return Split(micro, accum, world)
+
+
+def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) -> RunConfig:
+    return replace(
+        cfg,
+        accum=replace(cfg.accum, micro_batch=split.micro_batch, steps=split.accum_steps, global_batch=None),
+        trainer=replace(cfg.trainer, nproc=split.world_size, nnodes=1, check_every=1,
+                        init_from=str(seed) if seed else None, max_restarts=0, resume=False),
+        log=replace(cfg.log, console="quiet", wandb=False),
+        verify=replace(cfg.verify, record=True),
+        run_dir=str(run_dir),
+    )
+
+
+def reference_config(cfg: RunConfig, run_dir: Path, seed: Path) -> RunConfig:
+    """The configuration the plain reference (:mod:`distaccum.verify.reference`) runs with: one process, the
+    seed checkpoint, fp64 when ``verify.reference_dtype=fp64``. Its global batch is the candidates'."""
+    ref = _with_split(cfg, Split(cfg.split(cfg.trainer.nproc).global_batch, 1, 1), run_dir, seed)
+    return replace(ref, precision="fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision)
+
+
+def candidate_config(cfg: RunConfig, split: Split, run_dir: Path, seed: Path) -> RunConfig:
+    """``cfg`` with ``split``, the seed checkpoint, the tripwire on every step, and recording on."""
+    return _with_split(cfg, split, run_dir, seed)
+
+
+def write_seed_checkpoint(recipe: ModelRecipe, parts: Components, path: Path) -> None:
+    """Build the model exactly as a worker does (same seed, fp32 or fp64; no ``init_from``: this file is
+    what the runs start from) and save its weights."""
+    save_weights(replace(recipe, init_from=None).build(parts).state_dict(), path)
+
+
+# --- running ----------------------------------------------------------------------------------------
+
+@dataclass
+class Launched:
+    """One finished run: its split, exit code, wall time and what it wrote."""
+
+    split: Split
+    engine: str
+    exit_code: int
+    seconds: float
+    data: RunData
+
+    def describe(self) -> dict[str, Any]:
+        """Its row of ``verify.json`` (without the comparison)."""
+        s = self.split
+        return {"engine": self.engine, "world_size": s.world_size, "micro_batch": s.micro_batch,
+                "accum_steps": s.accum_steps, "run_dir": str(self.data.run_dir), "exit_code": self.exit_code,
+                "seconds": round(self.seconds, 2)}
+
+
+@dataclass
+class VerifyJob:
+    """One verify: what to run and how. ``reference(run_dir)`` and ``candidate(split, run_dir)`` return
+    exit codes; both write their files into ``run_dir``."""
+
+    cfg: RunConfig
+    """The configuration verified (global batch, precision, steps, tolerances)."""
+    splits: list[Split]
+    reference: Callable[[Path], int]
+    candidate: Callable[[Split, Path], int]
+    facts: Callable[[], RunFacts]
+    what: str
+    """The model, as named in the header."""
+    reference_ran: tuple[int, float] | None = None
+    """(exit code, seconds) when the reference already ran into run_dir/reference."""
+
+
+@dataclass
+class VerifyRow:
+    """One candidate split: how it ran, how it compares, and why it differs when it does."""
+
+    run: Launched
+    report: Report
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed
+
+
+@dataclass
+class VerifyResult:
+    """What a verification found (``verify.json`` is :meth:`to_dict`)."""
+
+    passed: bool
+    rows: list[VerifyRow]
+    summary: dict[str, Any]
+    """The JSON-ready record: the header, tolerances, the reference and one entry per candidate."""
+    root: Path
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every candidate matched the reference, 1 otherwise."""
+        return EXIT_OK if self.passed else EXIT_FAIL
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.summary
+
+
+@contextmanager
+def console_to(path: Path) -> Iterator[None]:
+    """Send this process's (and its children's) stdout/stderr to ``path``: the table stays readable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    env_before = dict(os.environ)
+    # Verify runs are tiny: one intra-op thread per worker. Two threads on a loaded 2-core machine
+    # made the world-1 reference 3-10x slower (spinning OpenMP workers); a user's setting wins.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        with open(path, "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+        os.environ.clear()
+        os.environ.update(env_before)
+
+
+def log_tail(run_dir: Path, lines: int = 15) -> str:
+    """The last lines of a run's ``console.log``, indented."""
+    path = run_dir / CONSOLE_LOG
+    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join("    | " + line for line in text[-lines:])
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2e}"
+
+
+def _finite(value: Any) -> Any:
+    """JSON without NaN/Infinity (not valid JSON): non-finite floats become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def where(report: Report) -> str:
+    """The first divergence, in a few words."""
+    d = report.first_divergence
+    if d is None:
+        return "-"
+    what = {"ranks": "ranks differ", "missing": "run stopped"}.get(d.quantity, d.quantity)
+    return f"step {d.step}: {what}; {d.parameter}" if d.parameter else f"step {d.step}: {what}"
+
+
+def render_table(rows: Sequence[VerifyRow]) -> str:
+    """The candidates as a table, then every failure explained."""
+    head = (f"  {'split':<12}{'engine':<11}{'world':>5}{'micro':>6}{'accum':>6}  {'max_abs':>8}{'max_rel':>9}"
+            f"{'loss_diff':>10}  {'first divergence':<30}{'result':<7}{'time':>6}")
+    lines = ["", head, "  " + "-" * (len(head) - 2)]
+    for row in rows:
+        s, report = row.run.split, row.report
+        lines.append(f"  {s.label():<12}{row.run.engine:<11}{s.world_size:>5}{s.micro_batch:>6}"
+                     f"{s.accum_steps:>6}  {_num(report.max_abs_diff):>8}{_num(report.max_rel_diff):>9}"
+                     f"{_num(report.max_loss_diff):>10}  {where(report)[:29]:<30}"
+                     f"{'PASS' if report.passed else 'FAIL':<7}{row.run.seconds:>5.1f}s")
+    for row in rows:
+        report = row.report
+        if report.passed:
+            continue
+        lines += ["", f"  {row.run.split.label()} FAILED: {where(report)}"]
+        d = report.first_divergence
+        if d is not None and d.reference is not None:
+            lines.append(f"    reference {d.reference:.9g}, candidate {d.candidate:.9g}, |diff| {d.abs_diff:.3g}")
+        lines += [f"    note: {note}" for note in report.notes]
+        lines += [f"    diagnosis [{f.cause}]: {f.message}" for f in row.findings]
+        if row.run.exit_code and d and d.quantity != "ranks":
+            lines.append(f"    last lines of {row.run.data.run_dir}/{CONSOLE_LOG}:\n{log_tail(row.run.data.run_dir)}")
+    return "\n".join(lines)
+
+
+def timed_run(run: Callable[[], int], log: Path) -> tuple[int, float]:
+    """Run ``run`` with its console output in ``log``; (exit code, seconds). An exception is exit 1."""
+    start = time.perf_counter()
+    with console_to(log):
+        try:
+            code = run()
+        except Exception:  # noqa: BLE001 - an in-process reference that raised is a failed run
+            traceback.print_exc()
+            code = EXIT_FAIL
+    return code, time.perf_counter() - start
+
+
+def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = print) -> VerifyResult:
+    """Run the reference and every candidate, compare, diagnose, write ``verify.json``; ``echo`` gets the
+    progress lines and the table."""
+    cfg = job.cfg
+    root.mkdir(parents=True, exist_ok=True)
+    tol: Tolerances = tolerance_for(cfg.precision, cfg.verify)
+    global_batch = cfg.split(cfg.trainer.nproc).global_batch
+    ref_precision = "fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision
+    echo(f"distaccum verify: {job.what}, {cfg.engine.name}, {cfg.precision}, global batch {global_batch}, "
+         f"{cfg.trainer.max_steps} optimizer steps, {len(job.splits)} candidate split(s)")
+    echo(f"  reference: plain PyTorch in one process, the whole window ({global_batch} samples) in one "
+         f"forward/backward, {ref_precision}, the same seed checkpoint, samples, optimizer and schedule")
+    echo(f"  tolerance ({cfg.precision}): loss, grad_norm at every step: |cand - ref| <= {tol.steps}; "
+         f"final parameters: {tol.params}")
+    started = time.perf_counter()
+    ref_dir = root / "reference"
+    code, seconds = job.reference_ran or timed_run(lambda: job.reference(ref_dir), ref_dir / CONSOLE_LOG)
+    ref = Launched(Split(global_batch, 1, 1), "plain", code, seconds, RunData.load(ref_dir))
+    echo(f"  reference: {len(ref.data.records)} steps ({seconds:.1f} s)")
+    summary: dict[str, Any] = {
+        "passed": False, "model": job.what, "precision": cfg.precision,
+        "reference_dtype": cfg.verify.reference_dtype, "global_batch": global_batch,
+        "steps": cfg.trainer.max_steps,
+        "tolerance": {"steps": asdict(tol.steps), "params": asdict(tol.params),
+                      "criterion": "max|cand - ref| <= atol + rtol * max|ref|, per scalar or tensor"},
+        "reference": {**ref.describe(), "precision": ref_precision},
+        "reference_reproducible": None, "candidates": [],
+    }
+    if code or len(ref.data.records) < cfg.trainer.max_steps or ref.data.params is None:
+        echo(f"distaccum verify: the reference run failed (exit {code}); last lines of "
+             f"{ref_dir}/{CONSOLE_LOG}:\n{log_tail(ref_dir)}")
+        (root / VERIFY_FILE).write_text(json.dumps(_finite(summary), indent=2) + "\n")
+        return VerifyResult(False, [], summary, root)
+
+    runs: list[tuple[Launched, Report]] = []
+    for split in job.splits:
+        run_dir = root / split.label()
+        code, seconds = timed_run(lambda s=split, d=run_dir: job.candidate(s, d), run_dir / CONSOLE_LOG)
+        cand = Launched(split, cfg.engine.name, code, seconds, RunData.load(run_dir))
+        runs.append((cand, compare(ref.data, cand.data, tol)))
+        echo(f"  {split.label()}: {'pass' if runs[-1][1].passed else 'FAIL'} ({seconds:.1f} s)")
+
+    facts = job.facts()
+
+    def explain(run: Launched, report: Report) -> list[Finding]:
+        if report.passed:
+            return []
+        steps = step_facts(report, ref.data.records, run.data.records, tol.steps.rtol)
+        return diagnose(report, facts, run.split, unequal_items(run.data.records), run.exit_code, steps)
+
+    if any([f.cause for f in explain(run, report)] == ["unexplained"] for run, report in runs):
+        # Only then pay for a second reference run: is the reference itself reproducible?
+        again_dir = root / "reference-rerun"
+        again_code, again_s = timed_run(lambda: job.reference(again_dir), again_dir / CONSOLE_LOG)
+        same = again_code == 0 and reproducible(ref.data, RunData.load(again_dir))
+        facts = replace(facts, reference_reproducible=same)
+        summary["reference_reproducible"] = same
+        echo(f"  reference rerun: {'bitwise identical' if same else 'DIFFERS'} ({again_s:.1f} s)")
+
+    rows = [VerifyRow(run, report, explain(run, report)) for run, report in runs]
+    for row in rows:
+        summary["candidates"].append({"split": row.run.split.label(), **row.run.describe(), **row.report.to_dict(),
+                                      "diagnosis": [f.to_dict() for f in row.findings]})
+    summary["passed"] = all(row.passed for row in rows)
+    summary["seconds"] = round(time.perf_counter() - started, 2)
+    echo(render_table(rows))
+    (root / VERIFY_FILE).write_text(json.dumps(_finite(summary), indent=2) + "\n")
+    verdict = "PASSED" if summary["passed"] else "FAILED"
+    echo(f"\nverify {verdict}: {sum(row.passed for row in rows)}/{len(rows)} split(s) match the single-process "
+         f"reference ({summary['seconds']:.0f} s) -> {root / VERIFY_FILE}")
+    return VerifyResult(summary["passed"], rows, summary, root)
+
+
+# --- a config -----------------------------------------------------------------------------------------
+
+def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
+    """Verify ``cfg``: components instantiated (and pre-flight checked) here, reference in-process,
+    candidates through the real launcher."""
+    checked = preflight(cfg)
+    root = Path(cfg.run_dir)
+    seed = Path(cfg.trainer.init_from) if cfg.trainer.init_from else root / SEED
+    if not cfg.trainer.init_from:
+        write_seed_checkpoint(checked.run.model, checked.components, seed)
+    global_batch = cfg.split(cfg.trainer.nproc).global_batch
+
+    def reference(run_dir: Path) -> int:
+        # console_to's OMP_NUM_THREADS reaches the launched candidates, not this process: torch read
+        # the variable when it was imported. Apply it here too (2 threads on a loaded 2-core machine
+        # made the in-process reference 4-9x slower than 1; measured on the hf_causal_lm default).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or threads))
+        try:
+            run_reference(reference_config(cfg, run_dir, seed), checked.components, run_dir,
+                          global_batch=global_batch)
+        finally:
+            torch.set_num_threads(threads)
+        return EXIT_OK
+
+    def candidate(split: Split, run_dir: Path) -> int:
+        cand = candidate_config(cfg, split, run_dir, seed)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_file = run_dir / LAUNCH_CONFIG
+        config_file.write_text(json.dumps(to_mapping(cand), indent=2) + "\n")
+        return launch_local(cand, config_file)
+
+    return VerifyJob(cfg, splits, reference, candidate, lambda: model_facts(checked.model, cfg.accum.loss_norm),
+                     checked.components.describe()["model"])
+
+
+def verify(config: RunConfig | Mapping[str, Any], *, splits: Sequence[Split | str] | None = None,
+           run_dir: str | Path | None = None, echo: Callable[[str], None] = print) -> VerifyResult:
+    """Verify a configuration against plain PyTorch: the single-process reference in this process, each
+    candidate split on worker processes started by the launcher, as ``distaccum verify`` does.
+
+    ``config`` is a :class:`~distaccum.config.RunConfig` or a mapping of its sections whose ``model``,
+    ``data.dataset`` and ``loss`` (and optionally ``data.collate``) are ``_target_`` nodes of importable
+    callables. ``splits`` are :class:`~distaccum.split.Split` objects or labels (``"w2-m4-k4"``: world size,
+    micro-batch, accumulation steps) of the configured global batch; default: the configured split (with
+    ``verify.splits=auto``, more). Raises :class:`~distaccum.config.ConfigError` (a ValueError) for bad input
+    before anything runs; returns the :class:`VerifyResult` (``passed``, one row per split with its
+    report and diagnosis), also written to ``run_dir/verify.json``.
+    """
+    cfg = config if isinstance(config, RunConfig) else from_mapping(config)
+    if run_dir is not None:
+        cfg = replace(cfg, run_dir=str(run_dir))
+    try:
+        chosen = [s if isinstance(s, Split) else parse_split(s) for s in splits] if splits else candidate_splits(cfg)
+        global_batch = cfg.global_batch(cfg.trainer.nproc)
+        for split in chosen:
+            if split.global_batch != global_batch:
+                raise ValueError(f"split {split.label()} holds {split.global_batch} samples per step; the "
+                                 f"configuration's global batch is {global_batch}")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return run_verify(config_job(cfg, chosen), Path(cfg.run_dir), echo=echo)
