@@ -102,6 +102,17 @@ def one_rank_group(device: str) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def no_faults_left_behind() -> Iterator[None]:
+    """Faults a test installed in this process (``distaccum.testing``) end with the test."""
+    from distaccum import testing
+
+    before = testing.installed()
+    yield
+    testing.uninstall()
+    testing.install(*before)
+
+
 @pytest.fixture(scope="module")
 def cpu_group() -> Iterator[None]:
     """:func:`one_rank_group` on gloo for a whole test module (reusing a group that already exists)."""

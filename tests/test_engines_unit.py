@@ -12,12 +12,11 @@ import torch.distributed as dist
 
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
-from distaccum.engines.base import EngineSpec, Precision, scale_and_clip_
+from distaccum.engines.base import EngineSpec, Precision, scale_and_clip_, step_plain
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
-from distaccum.engines.replicated import step_plain
 from distaccum.models import MLP, TinyGPT
 from distaccum.telemetry.ledger import CommLedger
 

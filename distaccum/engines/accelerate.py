@@ -44,11 +44,7 @@ class AccelerateEngine(ReplicatedEngine):
                              "fp32 without saying so); use bf16 or fp32 on CPU")
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
-        self.check(spec)
-        self.spec = spec
-        self.device = spec.device
-        self.ledger = ledger
-        self.precision = spec.precision
+        super().__init__(spec, ledger)
         self.accum_steps = spec.split.accum_steps
         # Accelerator.backward divides by K; the DDP comm hook averages over W ranks.
         self.grad_divisor = float(self.accum_steps * dist.get_world_size())

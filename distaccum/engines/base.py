@@ -155,6 +155,15 @@ class EngineBase:
     """Its checkpoints (DCP) load on another world size; False ties them to the world that wrote them."""
     grad_squares: Any = None
 
+    def __init__(self, spec: EngineSpec, ledger: Any) -> None:
+        """Refuse what the engine cannot run (:meth:`check`), then keep what every engine uses."""
+        self.check(spec)
+        self.spec = spec
+        self.device = spec.device
+        self.ledger = ledger
+        """The :class:`~distaccum.telemetry.ledger.CommLedger` its gradient collectives report to."""
+        self.precision = spec.precision
+
     @classmethod
     def check(cls, spec: EngineSpec) -> None:
         """Raise ValueError for what this engine cannot run (called before any worker starts)."""
@@ -228,3 +237,33 @@ def first_nonfinite(named: Iterable[tuple[str, nn.Parameter]]) -> str | None:
 def grads_of(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     """The gradients that exist (parameters without one did not take part in the loss)."""
     return [p.grad for p in params if p.grad is not None]
+
+
+def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
+               grad_scale: torch.Tensor, scaler: torch.amp.GradScaler | None, *,
+               grads_to_none: bool = True) -> StepResult:
+    """Normalize, clip and step the gradients of ``named`` parameters (whole, or DTensor shards for FSDP2).
+
+    With fp16 the GradScaler unscales first (once per step) and skips the update on overflow;
+    otherwise a non-finite norm skips it. Reading the norm is this function's one host sync (the
+    update is conditional on it); fp16 adds GradScaler's three (found-inf, the scale before and after).
+    ``grads_to_none=False`` zeroes the gradients in place instead of dropping them: needed when they
+    are views into DDP's buckets (see :meth:`distaccum.engines.ddp.DDPEngine.wrap`). Sharded (DTensor)
+    gradients: per-shard norms and one all-reduce for the total; the multiply acts on the local shards.
+    """
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = float(scale_and_clip_(grads_of(p for _, p in named), grad_scale, max_norm))
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
+        scaler.update()
+        applied = scaler.get_scale() >= before
+    elif norm == norm and norm != float("inf"):
+        optimizer.step()
+        applied = True
+    else:
+        applied = False
+    culprit = None if applied else first_nonfinite(named)
+    optimizer.zero_grad(set_to_none=grads_to_none)
+    return StepResult(norm, applied, culprit)

@@ -25,10 +25,7 @@ class DDPEngine(ReplicatedEngine):
     grads_to_none = False  # gradients are views into DDP's buckets: zeroed in place (see wrap)
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
-        self.spec = spec
-        self.device = spec.device
-        self.ledger = ledger
-        self.precision = spec.precision
+        super().__init__(spec, ledger)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.loss_scaling else None
         # The hook averages over ranks: the loop multiplies the loss back by the world size.
         self.grad_divisor = float(dist.get_world_size())

@@ -98,11 +98,7 @@ class DeepSpeedEngine(EngineBase):
             raise ValueError("engine=deepspeed precision=fp16 needs a GPU")
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
-        self.check(spec)
-        self.spec = spec
-        self.device = spec.device
-        self.ledger = ledger
-        self.precision = spec.precision
+        super().__init__(spec, ledger)
         self.stage = spec.engine.zero_stage
         # DeepSpeed averages gradients over the data-parallel world; scale_wrt_gas=False below.
         self.grad_divisor = float(dist.get_world_size())

@@ -41,9 +41,7 @@ from distaccum.engines.base import (
     StepResult,
     dcp_load,
     dcp_save,
-    first_nonfinite,
-    grads_of,
-    scale_and_clip_,
+    step_plain,
 )
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.models import block_units
@@ -86,11 +84,7 @@ class FSDPEngine(EngineBase):
                              "scaler); use bf16 or fp32")
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
-        self.check(spec)
-        self.spec = spec
-        self.device = spec.device
-        self.ledger = ledger
-        self.precision = spec.precision
+        super().__init__(spec, ledger)
         self.module: nn.Module | None = None
         self._micro = 0
 
@@ -142,15 +136,9 @@ class FSDPEngine(EngineBase):
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         assert self.module is not None
-        # Sharded DTensor gradients: per-shard norms and one all-reduce for the total (not a
-        # gradient reduction, and outside the tap); the multiply acts on the local shards.
-        norm = float(scale_and_clip_(grads_of(self.module.parameters()), grad_scale, max_norm))
-        applied = norm == norm and norm != float("inf")  # host sync: the update depends on it
-        if applied:
-            self.optimizer.step()
-        culprit = None if applied else first_nonfinite(self.module.named_parameters())
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(norm, applied, culprit)
+        # Sharded DTensor gradients: per-shard norms and one all-reduce for the total (not a gradient
+        # reduction, and outside the tap); the multiply acts on the local shards.
+        return step_plain(self.optimizer, list(self.module.named_parameters()), max_norm, grad_scale, None)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.module is not None

@@ -1,5 +1,5 @@
-"""What the replicated engines (DDP, and Accelerate, which drives DDP) share: the counting comm hook,
-the plain normalize-clip-step, and whole-parameter state on every rank.
+"""What the replicated engines (DDP, and Accelerate, which drives DDP) share: the counting comm hook
+and whole-parameter state on every rank.
 
 Each rank holds every parameter and every (reduced) gradient, so the step, the full parameters, the
 state dict and the checkpoint are the same code for both; only wrapping and sync control differ.
@@ -16,15 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.engines.base import (
-    EngineBase,
-    StepResult,
-    dcp_load,
-    dcp_save,
-    first_nonfinite,
-    grads_of,
-    scale_and_clip_,
-)
+from distaccum.engines.base import EngineBase, StepResult, dcp_load, dcp_save, step_plain
 from distaccum.telemetry.gns import GradSquares
 from distaccum.telemetry.ledger import CommLedger
 
@@ -63,35 +55,6 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
 
 
 CommHook = Callable[[HookState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
-               grad_scale: torch.Tensor, scaler: "torch.amp.GradScaler | None", *,
-               grads_to_none: bool = True) -> StepResult:
-    """Normalize, clip and step gradients that live on whole parameters (DDP, Accelerate).
-
-    With fp16 the GradScaler unscales first (once per step) and skips the update on overflow;
-    otherwise a non-finite norm skips it. Reading the norm is this function's one host sync (the
-    update is conditional on it); fp16 adds GradScaler's three (found-inf, the scale before and after).
-    ``grads_to_none=False`` zeroes the gradients in place instead of dropping them: needed when they
-    are views into DDP's buckets (see :meth:`distaccum.engines.ddp.DDPEngine.wrap`).
-    """
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    norm = float(scale_and_clip_(grads_of(p for _, p in named), grad_scale, max_norm))
-    if scaler is not None:
-        before = scaler.get_scale()
-        scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
-        scaler.update()
-        applied = scaler.get_scale() >= before
-    elif norm == norm and norm != float("inf"):
-        optimizer.step()
-        applied = True
-    else:
-        applied = False
-    culprit = None if applied else first_nonfinite(named)
-    optimizer.zero_grad(set_to_none=grads_to_none)
-    return StepResult(norm, applied, culprit)
 
 
 class ReplicatedEngine(EngineBase):
