@@ -204,10 +204,15 @@ class DeepSpeedEngine(EngineBase):
                 yield name, param.detach().clone()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {name: t.to("cpu", copy=True) for name, t in self.full_parameters()}
-        for name, buf in self.engine.module.named_buffers():  # buffers are never partitioned
-            out[name] = buf.detach().to("cpu", copy=True)
-        return out
+        # Exactly the plain model's state_dict() keys: persistent buffers only (a non-persistent one, such
+        # as a Llama's rotary ``original_inv_freq``, would be an unexpected key for from_pretrained), and a
+        # tied parameter under each of its names. ZeRO-3 parameters are gathered (full_parameters);
+        # buffers are never partitioned.
+        module = self.engine.module
+        gathered = {name: t.to("cpu", copy=True) for name, t in self.full_parameters()}
+        names = {id(param): name for name, param in module.named_parameters()}
+        return {key: gathered[names[id(value)]] if id(value) in names else value.detach().to("cpu", copy=True)
+                for key, value in module.state_dict(keep_vars=True).items()}
 
     def unwrapped(self) -> nn.Module:
         return self.engine.module
