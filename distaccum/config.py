@@ -299,6 +299,12 @@ class TrainerConfig:
     check_every: int = 10
     """Cross-rank consistency tripwire every N optimizer steps (0 disables). One check costs ~3-6%
     of a step on CPU/gloo (measured, see README: Verification), so every 10 steps costs <= 0.6%."""
+    fingerprint: bool = True
+    """After every boundary reduction, before the step, compare a fingerprint of the reduced gradient
+    (engines that replicate it: ddp, accelerate), of each rank's data and of its random seed across
+    ranks in one all-gather of 5 numbers per rank: a gradient difference stops the run at that step (exit
+    1, naming the ranks); identical data or random numbers on every rank are warned about. Off only to
+    save that collective (and on CUDA its host read) per step; world size 1 skips it."""
     init_from: str | None = None
     """Initial weights: a model.safetensors file (or a run's final/ directory) under the plain model's
     parameter names, e.g. a seed checkpoint; loaded after the model is built, before wrapping."""

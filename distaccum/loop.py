@@ -34,8 +34,9 @@ and **5** in fp16. Not included: DDP's one-time bucket rebuild (step 2), tripwir
 
 What is not step math lives in the components that own it and is handed in (:class:`LoopParts`):
 when to checkpoint (:class:`~distaccum.rundir.checkpoint.Checkpointer`), what to do about non-finite
-steps (:class:`NonFinitePolicy`), and per-step observers (:class:`StepMonitor`: the cross-rank
-tripwire, the straggler view, the gradient noise scale).
+steps (:class:`NonFinitePolicy`), checks of the reduced gradient before the step uses it
+(:class:`ReductionCheck`: the reduction fingerprint), and per-step observers (:class:`StepMonitor`: the
+cross-rank tripwire, the straggler view, the gradient noise scale).
 
 ``accum.loss_norm=mean_per_micro`` is the classic loss/K (each micro-batch's mean divided by
 K x W) and is wrong whenever micro-batches hold different numbers of items; it is kept only as a
@@ -203,6 +204,13 @@ class StepMonitor(Protocol):
     def fields(self, record: Record, times: StepTimes, records: list[Record]) -> Record: ...
 
 
+class ReductionCheck(Protocol):
+    """Looks at the step right after the boundary reduction, before the optimizer uses the gradient (it may
+    issue collectives: every rank calls it; it raises to stop the run before the step is applied)."""
+
+    def after_reduction(self, step: int, window: WindowTotals) -> None: ...
+
+
 class NonFinitePolicy:
     """Non-finite steps are skipped on every rank alike; after ``max_steps`` in a row the run stops.
     fp16 GradScaler overflow skips (``loss_scaling``) are routine and do not count."""
@@ -248,6 +256,7 @@ class LoopParts:
     nonfinite: NonFinitePolicy
     checkpointer: Checkpointing | None = None
     monitors: list[StepMonitor] = field(default_factory=list)
+    checks: list[ReductionCheck] = field(default_factory=list)
     stop: StopFlag | None = None
     on_step: Callable[[TrainState, Record], None] | None = None
 
@@ -302,6 +311,8 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
                 engine.backward(summed * micro_factor(settings.loss_norm, c * d * weight, n, split))
         timer.compute_done()
         grad_scale = totals.grad_scale(c, settings.loss_norm)  # 3. the one reduction: 1/(c N)
+        for check in parts.checks:  # the reduced gradient, before the step uses it
+            check.after_reduction(window.step + 1, totals)
         lr = state.scheduler.get_last_lr()[0]
         result = engine.step(settings.clip_norm, grad_scale)  # 4. normalize, clip, step: once per window
         if result.applied:  # a skipped step must not advance the schedule

@@ -52,6 +52,7 @@ from distaccum.telemetry.sinks import NullSink, Record, Sink, build_sinks
 from distaccum.telemetry.summary import summarize
 from distaccum.telemetry.timing import RankStats, StepTimer
 from distaccum.tuning.autobatch import AutoChoice, auto_micro_batch, default_budget
+from distaccum.verify.fingerprint import Fingerprint
 from distaccum.verify.tripwire import Tripwire
 
 
@@ -288,6 +289,7 @@ class Trainer:
             monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world))
         parts = LoopParts(timer=timer, sink=NullSink(),  # the real sinks open on the first train_steps
                           nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
-                          checkpointer=checkpointer, monitors=monitors, stop=self.stop, on_step=self._after_step)
+                          checkpointer=checkpointer, monitors=monitors, stop=self.stop, on_step=self._after_step,
+                          checks=[Fingerprint(engine, run_dir, rank, world, device)] if cfg.trainer.fingerprint else [])
         return _Run(resolved, prepared, state, parts, testing.intercept("loss", self.components.loss), checkpointer,
                     done, liveness)

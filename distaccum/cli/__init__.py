@@ -1,6 +1,6 @@
 """The ``distaccum`` console script: the only place with argv, Hydra and exit codes.
 
-One module per subcommand (``train``, ``verify``, ``plan``, ``report``, ``submit``), shared exit codes
+One module per subcommand (``train``, ``verify``, ``plan``, ``report``, ``submit``, ``bugzoo``), shared exit codes
 (:mod:`~distaccum.cli.exitcodes`), Hydra composition (:mod:`~distaccum.cli.compose`), component
 instantiation and pre-flight checks. The library below never imports this package.
 """
@@ -30,6 +30,8 @@ commands:
                                                         every split of the global batch; recommend one
   report  RUN_DIR [RUN_DIR ...] [--out DIR]            tables and plots of finished runs and sweeps
   submit  [overrides] [--dry-run]                      render an sbatch script and submit it to Slurm
+  bugzoo  [--run-dir DIR] [--only NAME,...] [--list]   inject known accumulation bugs into real runs: what
+                                                        catches each one, and is the diagnosis right
 
 Overrides use Hydra's syntax: key=value (accum.micro_batch=8), group=option (model=mlp),
 +new.key=value. Your own model, data and loss: a directory with model/, data/ and loss/ groups
@@ -157,6 +159,14 @@ def main(argv: list[str] | None = None) -> None:
         from distaccum.cli.report import report_main
 
         raise SystemExit(report_main(rest))
+    elif command == "_bugzoo_worker":
+        from distaccum.cli.bugzoo import bugzoo_worker
+
+        bugzoo_worker(rest[0])
+    elif command == "bugzoo":
+        from distaccum.cli.bugzoo import bugzoo_main
+
+        raise SystemExit(bugzoo_main(rest))
     elif command == "submit":
         from distaccum.cli.submit import submit_main
 

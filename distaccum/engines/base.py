@@ -85,6 +85,8 @@ class Engine(Protocol):
 
     name: str
     grad_divisor: float
+    replicated_gradients: bool
+    """Every rank holds the whole reduced gradient (:attr:`EngineBase.replicated_gradients`)."""
     optimizer: torch.optim.Optimizer
     grad_squares: Any
     """The noise-scale terms its comm hook measured this step (:class:`~distaccum.telemetry.gns.GradSquares`),
@@ -153,6 +155,10 @@ class EngineBase:
     """Reentrant activation checkpointing (``use_reentrant=True``) trains correctly under it."""
     reshardable_checkpoints: ClassVar[bool] = True
     """Its checkpoints (DCP) load on another world size; False ties them to the world that wrote them."""
+    replicated_gradients: ClassVar[bool] = False
+    """After the boundary reduction every rank holds the whole reduced gradient on its parameters' ``.grad``
+    (bitwise identical everywhere), so the reduction fingerprint can compare it; sharded engines hold
+    each reduced shard once."""
     grad_squares: Any = None
 
     def __init__(self, spec: EngineSpec, ledger: Any) -> None:

@@ -67,6 +67,7 @@ class ReplicatedEngine(EngineBase):
     comm_hook: ClassVar[CommHook] = staticmethod(mean_allreduce_hook)  # type: ignore[assignment]
     """The gradient comm hook installed on the DDP module: DDP takes exactly one, so anything that wants
     to see or change the reduction (the ledger, the noise scale, a test's fault) goes through it."""
+    replicated_gradients = True  # every rank's .grad holds the whole all-reduced gradient
     grads_to_none: ClassVar[bool] = True
     """Drop gradients after the step (True) or zero them in place (False: they are bucket views)."""
     raw: nn.Module | None = None

@@ -9,7 +9,8 @@
       checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.rundir.checkpoint)
       ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.cluster.liveness)
       checksums.jsonl      per-step parameter checksums (verify.record)
-      divergence.json      the cross-rank tripwire's report, when it fired
+      divergence.json      the cross-rank tripwire's (or the fingerprint's) report, when it fired
+      warnings.jsonl       the runtime checks' warnings (identical data or random numbers on every rank)
       console.log          a verify sub-run's console output
       final/               the trained model: model.safetensors, run_config.json (+ HF layout)
       plan.json, plan.md   `distaccum plan`: measured costs, predictions, recommendation (+ trials/)
@@ -32,6 +33,7 @@ CHECKPOINTS = "checkpoints"
 RANKS = "ranks"
 CHECKSUMS = "checksums.jsonl"
 DIVERGENCE = "divergence.json"
+WARNINGS = "warnings.jsonl"
 CONSOLE_LOG = "console.log"
 PLAN = "plan.json"
 PLAN_TABLE = "plan.md"
@@ -109,6 +111,11 @@ def truncate_metrics(run_dir: Path, steps: int) -> list[Record]:
     if path.is_file():
         path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for _, _, r in lines), encoding="utf-8")
     return records
+
+
+def read_warnings(run_dir: Path) -> list[Record]:
+    """The runtime checks' warnings of a run (``warnings.jsonl``: step, check, message), in order."""
+    return read_jsonl(Path(run_dir) / WARNINGS)
 
 
 def read_config(run_dir: Path) -> dict[str, Any]:

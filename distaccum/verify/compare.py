@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from distaccum.config import VerifyConfig
-from distaccum.rundir import CHECKSUMS, final_weights, read_jsonl, read_metrics
+from distaccum.rundir import CHECKSUMS, CONSOLE_LOG, final_weights, read_jsonl, read_metrics, read_warnings
 from distaccum.rundir.weights import load_weights
 from distaccum.verify.tripwire import read_divergence
 
@@ -95,7 +95,11 @@ class RunData:
     """step -> parameter -> [sum, sum of squares, numel]."""
     params: dict[str, torch.Tensor] | None
     divergence: dict[str, Any] | None
-    """The tripwire's report when ranks diverged (see :mod:`distaccum.verify.tripwire`)."""
+    """The tripwire's (or the fingerprint's) report when ranks diverged (:mod:`distaccum.verify.tripwire`)."""
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+    """The runtime checks' warnings (:mod:`distaccum.verify.fingerprint`)."""
+    console: str = ""
+    """The last lines of its ``console.log`` (a verify sub-run's output), when there is one."""
 
     @classmethod
     def load(cls, run_dir: Path) -> RunData:
@@ -103,7 +107,10 @@ class RunData:
         weights = final_weights(run_dir)
         params = load_weights(weights) if weights.is_file() else None
         checksums = {row["step"]: row["params"] for row in read_jsonl(run_dir / CHECKSUMS)}
-        return cls(run_dir, read_metrics(run_dir), checksums, params, read_divergence(run_dir))
+        log = run_dir / CONSOLE_LOG
+        console = "\n".join(log.read_text(errors="replace").splitlines()[-200:]) if log.is_file() else ""
+        return cls(run_dir, read_metrics(run_dir), checksums, params, read_divergence(run_dir),
+                   read_warnings(run_dir), console)
 
 
 # --- comparison -----------------------------------------------------------------------------------
@@ -233,6 +240,7 @@ def compare(ref: RunData, cand: RunData, tol: Tolerances) -> Report:
         notes.append(str(d["message"]))
     elif not complete and first is None:
         first = Divergence(len(cand.records) + 1, "missing", None)
+    notes += [f"runtime warning at step {w.get('step')}: {w.get('message')}" for w in cand.warnings]
     if not complete:
         notes.append(f"candidate finished {len(cand.records)} of {len(ref.records)} steps"
                      + ("" if cand.params is not None else " and wrote no final parameters"))

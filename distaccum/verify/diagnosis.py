@@ -1,8 +1,10 @@
 """Why a verify candidate differs from the reference: facts about the run, and one pure rule per cause.
 
-Facts come from the configuration alone (a freshly built model, the data plan) or from files the
-runs wrote (the tripwire's report, a second reference run); nothing here launches anything. Each
-rule returns a :class:`Finding` or None, so tests can check every rule with hand-made facts.
+Facts come from the configuration alone (a freshly built model, the data plan), from files the runs
+wrote (the tripwire's or the fingerprint's report, the runtime warnings, the console's last lines, a
+second reference run) or from a replay of step 1 (:mod:`distaccum.verify.replay`); nothing here launches
+anything. Each rule returns a :class:`Finding` or None, so tests can check every rule with hand-made
+facts. ``distaccum bugzoo`` (:mod:`distaccum.verify.bugzoo`) checks them against real injected bugs.
 """
 
 from __future__ import annotations
@@ -16,8 +18,21 @@ from distaccum.config import Split
 from distaccum.models import batch_stat_layers, random_layers
 from distaccum.verify.compare import Report
 
-CAUSES = ("rank_divergence", "batch_statistics", "loss_normalization", "gradient_scale", "partial_window",
+CAUSES = ("rank_divergence", "known_error", "shared_data", "shared_rng", "batch_statistics", "loss_normalization",
+          "lr_schedule", "stale_gradients", "lost_gradients", "clipping", "gradient_scale", "partial_window",
           "randomness", "nondeterminism", "run_failed", "unexplained")
+
+KNOWN_ERRORS = {
+    "expect_autograd_hooks_ INTERNAL ASSERT FAILED": (
+        "DistributedDataParallel(static_graph=True) with no_sync(): torch (2.13 included) fails the first backward "
+        "under no_sync with this internal assert (pytorch/pytorch#187732). Past the assert, the same bug silently "
+        "stops DDP's all-reduce from the second window on — the reduction fingerprint stops such a run at its "
+        "first unreduced step. Do not combine static_graph=True with no_sync gradient accumulation."),
+    "No inf checks were recorded prior to update": (
+        "GradScaler.update() ran with no unscale_()/step() since the previous update: the scaler is updated per "
+        "micro-batch. Update it once per optimizer step, after step() (distaccum's engines do)."),
+}
+"""Error signatures in a failed run's console, and what they mean."""
 
 
 @dataclass(frozen=True)
@@ -53,21 +68,51 @@ class StepFacts:
     samples): a constant factor there is a normalization constant, not a split effect."""
     partial_step: int | None = None
     """The first divergent step when it is a partial window and every earlier step agreed."""
+    items: tuple[float, float, int, int] | None = None
+    """(candidate, reference) loss items of step 1 when they differ, with the window's samples and its
+    non-empty micro-batches over all ranks."""
+    lr: tuple[int, float, float] | None = None
+    """(step, candidate, reference) learning rate at the first step where they differ."""
+    stale_step: int | None = None
+    """A full window s > 1 whose gradient norm differs while its loss and learning rate match and every
+    earlier step agreed: the weights and samples were the reference's, the gradient was not."""
+    warnings: tuple[tuple[str, str], ...] = ()
+    """The run's runtime warnings: (check, message) (``warnings.jsonl``)."""
+    console: str = ""
+    """The last lines of a failed run's console."""
+    replayed: tuple[tuple[str, str], ...] = ()
+    """(cause, message) of each known wrong combination of step 1's micro-batch gradients that reproduces
+    the candidate's gradient norm while the correct one does not (:mod:`distaccum.verify.replay`)."""
+
+
+def _close(a: Any, b: Any, rtol: float) -> bool:
+    return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= rtol * abs(b) + 1e-12
 
 
 def step_facts(report: Report, ref: list[dict[str, Any]], cand: list[dict[str, Any]],
-               rtol: float) -> StepFacts:
-    """Read :class:`StepFacts` off the two runs' per-step records."""
+               rtol: float, split: Split | None = None) -> StepFacts:
+    """Read :class:`StepFacts` off the two runs' per-step records (``split``: the candidate's)."""
     ratio = None
-    if ref and cand and ref[0].get("grad_norm") and abs(cand[0]["loss"] - ref[0]["loss"]) <= rtol * abs(ref[0]["loss"]):
+    if ref and cand and ref[0].get("grad_norm") and _close(cand[0]["loss"], ref[0]["loss"], rtol):
         r = cand[0]["grad_norm"] / ref[0]["grad_norm"]
         ratio = r if abs(r - 1.0) > 10 * rtol else None
-    partial = None
+    partial = stale = None
     first = report.first_divergence
     if first is not None and first.quantity != "ranks" and 1 < first.step <= len(cand):
-        if cand[first.step - 1].get("partial_window"):
+        c, r = cand[first.step - 1], ref[first.step - 1]
+        if c.get("partial_window"):
             partial = first.step
-    return StepFacts(ratio, partial)
+        elif _close(c["loss"], r["loss"], rtol) and not _close(c["grad_norm"], r["grad_norm"], rtol) \
+                and _close(c["lr"], r["lr"], 1e-9):
+            stale = first.step
+    items = None
+    if ref and cand and cand[0].get("items") != ref[0].get("items"):
+        samples = int(ref[0].get("samples", 0))
+        pieces = min(samples, split.accum_steps * split.world_size) if split else 0
+        items = (float(cand[0]["items"]), float(ref[0]["items"]), samples, pieces)
+    lr = next(((int(r["step"]), c["lr"], r["lr"]) for r, c in zip(ref, cand, strict=False)
+               if not _close(c.get("lr"), r.get("lr"), 1e-9)), None)
+    return StepFacts(ratio, partial, items, lr, stale)
 
 
 def model_facts(model: nn.Module, loss_norm: str) -> RunFacts:
@@ -95,9 +140,72 @@ def rule_rank_divergence(report: Report) -> Finding | None:
     if d is None or d.quantity != "ranks":
         return None
     return Finding("rank_divergence",
-                   f"ranks diverged after optimizer step {d.step} at parameter {d.parameter!r} (cross-rank "
-                   "checksum tripwire): gradients were not reduced identically on every rank — a skipped "
+                   f"ranks diverged at optimizer step {d.step} at parameter {d.parameter!r} (the reduction "
+                   "fingerprint or the cross-rank checksum tripwire): gradients were not reduced identically on every rank — a skipped "
                    "or misplaced reduction (no_sync on the boundary), or rank-dependent code.")
+
+
+def rule_known_error(steps: StepFacts) -> Finding | None:
+    """The run failed with an error whose signature is known."""
+    for signature, meaning in KNOWN_ERRORS.items():
+        if signature in steps.console:
+            return Finding("known_error", f"the run failed with {signature!r}: {meaning}")
+    return None
+
+
+def rule_runtime_warnings(steps: StepFacts) -> list[Finding]:
+    """The fingerprint saw identical data or identical random numbers on every rank."""
+    causes = {"same_samples": "shared_data", "same_rng": "shared_rng"}
+    return [Finding(causes[check], message) for check, message in steps.warnings if check in causes]
+
+
+def rule_item_count(facts: RunFacts, steps: StepFacts) -> Finding | None:
+    """The candidate normalised step 1 by a different number of loss items than the reference counts."""
+    if steps.items is None or facts.loss_norm == "mean_per_micro" or \
+            any(check == "same_samples" for check, _ in steps.warnings):
+        return None
+    cand, ref, samples, pieces = steps.items
+    if cand == pieces:
+        what = (f"one item per micro-batch ({pieces} micro-batches): each micro-batch's loss is a mean over its own "
+                "items and the window averages the micro-batch means (loss/K), so items of small micro-batches "
+                "weigh more")
+    elif cand == samples:
+        what = (f"one item per sample ({samples} samples): the loss is a mean over samples, not over the "
+                f"{ref:.0f} loss items (tokens) the samples hold")
+    else:
+        what = f"{cand:.0f} items where the reference counts {ref:.0f}"
+    return Finding("loss_normalization",
+                   f"step 1 is normalised by the wrong number of loss items: {what}. Return the SUM of the loss "
+                   "and the number of loss items it covers; distaccum divides by the window's global count.")
+
+
+def rule_lr_schedule(steps: StepFacts) -> Finding | None:
+    """The learning rate of some step differs from the reference's schedule."""
+    if steps.lr is None:
+        return None
+    step, cand, ref = steps.lr
+    return Finding("lr_schedule",
+                   f"the learning rate of step {step} is {cand:.6g}, the reference's schedule gives {ref:.6g}: the "
+                   "schedule advanced more (or less) than once per optimizer step, e.g. stepped per micro-batch. "
+                   "Step it once per optimizer step (a skipped step must not advance it).")
+
+
+def rule_stale_gradients(steps: StepFacts) -> Finding | None:
+    """A later full window's gradient differs although its weights, samples and learning rate agree."""
+    if steps.stale_step is None:
+        return None
+    s = steps.stale_step
+    return Finding("stale_gradients",
+                   f"every step before {s} matches and step {s}'s loss and learning rate match too (same weights, "
+                   f"same samples), but its gradient differs: something of an earlier window leaked into step {s}'s "
+                   "gradient — gradients not zeroed after the optimizer step.")
+
+
+def rule_replay(steps: StepFacts) -> list[Finding]:
+    """Known wrong combinations of step 1's micro-batch gradients that reproduce the candidate's norm."""
+    return [Finding(cause, f"step 1 replayed from the seed weights, micro-batch by micro-batch: the candidate's "
+                           f"gradient norm is exactly what you get when {message} (combined correctly, it is the "
+                           "reference's)") for cause, message in steps.replayed]
 
 
 def rule_batch_statistics(facts: RunFacts, split: Split) -> Finding | None:
@@ -122,10 +230,20 @@ def rule_loss_normalization(facts: RunFacts, unequal: str | None) -> Finding | N
                    "Use accum.loss_norm=global_count (sum over the window / global item count).")
 
 
-def rule_gradient_scale(facts: RunFacts, steps: StepFacts) -> Finding | None:
-    """Same loss, same weights, same samples at step 1 — and a gradient off by a constant factor."""
+def simple_fraction(ratio: float, rtol: float, largest: int = 64) -> tuple[int, int] | None:
+    """(p, q) with p, q <= ``largest`` and ``|ratio - p/q| <= rtol * ratio``, the smallest q first; None if none."""
+    for q in range(1, largest + 1):
+        p = round(ratio * q)
+        if 1 <= p <= largest and abs(ratio - p / q) <= rtol * ratio:
+            return p, q
+    return None
+
+
+def rule_gradient_scale(facts: RunFacts, steps: StepFacts, rtol: float = 1e-4) -> Finding | None:
+    """Same loss, same weights, same samples at step 1 — and a gradient off by a constant factor: a small
+    fraction (K, the world size, 1/K, 2, ...). Any other ratio is not a normalisation constant."""
     if steps.first_step_ratio is None or facts.loss_norm == "mean_per_micro" or facts.batch_stat_layers \
-            or facts.random_layers:
+            or facts.random_layers or steps.replayed or simple_fraction(steps.first_step_ratio, rtol) is None:
         return None
     return Finding("gradient_scale",
                    f"at step 1 the loss matches the reference but the gradient is {steps.first_step_ratio:.6g}x "
@@ -165,22 +283,29 @@ def rule_nondeterminism(facts: RunFacts) -> Finding | None:
 
 
 def diagnose(report: Report, facts: RunFacts, split: Split, unequal: str | None,
-             exit_code: int = 0, steps: StepFacts | None = None) -> list[Finding]:
+             exit_code: int = 0, steps: StepFacts | None = None, rtol: float = 1e-4) -> list[Finding]:
     """Every finding that explains a failed ``report`` (empty when it passed)."""
     if report.passed:
         return []
     steps = steps or StepFacts()
     tripwire = rule_rank_divergence(report)
+    known = rule_known_error(steps) if exit_code else None
     findings = [f for f in (
         tripwire,
+        known,
+        *rule_runtime_warnings(steps),
         rule_batch_statistics(facts, split),
         rule_loss_normalization(facts, unequal),
-        rule_gradient_scale(facts, steps),
+        rule_item_count(facts, steps),
+        rule_lr_schedule(steps),
+        rule_stale_gradients(steps),
+        *rule_replay(steps),
+        rule_gradient_scale(facts, steps, rtol),
         rule_partial_window(steps),
         rule_randomness(facts, split),
         rule_nondeterminism(facts),
     ) if f is not None]
-    if exit_code and tripwire is None:  # a crash comes first: nothing after it was compared
+    if exit_code and tripwire is None and known is None:  # a crash comes first: nothing after it was compared
         findings.insert(0, Finding("run_failed", f"the candidate run failed (exit {exit_code}); its "
                                                  "output is in console.log in its run directory."))
     if findings:

@@ -40,8 +40,17 @@ from distaccum.rundir import CONSOLE_LOG, LAUNCH_CONFIG, SEED
 from distaccum.rundir.weights import save_weights
 from distaccum.split import Split
 from distaccum.verify.compare import Report, RunData, Tolerances, compare, reproducible, tolerance_for
-from distaccum.verify.diagnosis import Finding, RunFacts, diagnose, model_facts, step_facts, unequal_items
+from distaccum.verify.diagnosis import (
+    Finding,
+    RunFacts,
+    StepFacts,
+    diagnose,
+    model_facts,
+    step_facts,
+    unequal_items,
+)
 from distaccum.verify.reference import run_reference
+from distaccum.verify.replay import Replayed, combinations, micro_gradients
 
 VERIFY_FILE = "verify.json"
 EXIT_OK, EXIT_FAIL = 0, 1
@@ -150,6 +159,9 @@ class VerifyJob:
     """The model, as named in the header."""
     reference_ran: tuple[int, float] | None = None
     """(exit code, seconds) when the reference already ran into run_dir/reference."""
+    replay: Callable[[Split], list[Replayed] | None] | None = None
+    """Step 1's micro-batch gradients combined the correct way and every known wrong way, for a split
+    (:mod:`distaccum.verify.replay`); None: not available (a script, a stream, random layers)."""
 
 
 @dataclass
@@ -323,12 +335,35 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         echo(f"  {split.label()}: {'pass' if runs[-1][1].passed else 'FAIL'} ({seconds:.1f} s)")
 
     facts = job.facts()
+    replays: dict[str, list[Replayed] | None] = {}
+
+    def replayed(run: Launched, steps: StepFacts) -> tuple[tuple[str, str], ...]:
+        """Known wrong combinations that reproduce the candidate's step-1 gradient norm (and the correct
+        one the reference's, so the replay is sound)."""
+        if job.replay is None or steps.first_step_ratio is None:
+            return ()
+        label = run.split.label()
+        if label not in replays:
+            replays[label] = job.replay(run.split)
+        combos = replays[label]
+        if not combos:
+            return ()
+        cand, reference = run.data.records[0]["grad_norm"], ref.data.records[0]["grad_norm"]
+        bound = tol.steps.bound(abs(reference))
+        if abs(combos[0].grad_norm - reference) > bound:
+            return ()
+        return tuple((h.cause, h.message) for h in combos[1:]
+                     if abs(h.grad_norm - cand) <= bound < abs(h.grad_norm - reference))
 
     def explain(run: Launched, report: Report) -> list[Finding]:
         if report.passed:
             return []
-        steps = step_facts(report, ref.data.records, run.data.records, tol.steps.rtol)
-        return diagnose(report, facts, run.split, unequal_items(run.data.records), run.exit_code, steps)
+        steps = step_facts(report, ref.data.records, run.data.records, tol.steps.rtol, run.split)
+        steps = replace(steps, warnings=tuple((str(w.get("check")), str(w.get("message"))) for w in run.data.warnings),
+                        console=run.data.console if run.exit_code else "")
+        steps = replace(steps, replayed=replayed(run, steps))
+        return diagnose(report, facts, run.split, unequal_items(run.data.records), run.exit_code, steps,
+                        tol.steps.rtol)
 
     if any([f.cause for f in explain(run, report)] == ["unexplained"] for run, report in runs):
         # Only then pay for a second reference run: is the reference itself reproducible?
@@ -385,8 +420,14 @@ def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
         config_file.write_text(json.dumps(to_mapping(cand), indent=2) + "\n")
         return launch_local(cand, config_file)
 
+    def replay(split: Split) -> list[Replayed] | None:
+        grads = micro_gradients(checked.components, split, cfg.trainer.seed, seed,
+                                checked.components.describe()["model"], shuffle=cfg.data.shuffle,
+                                drop_last=cfg.data.drop_last)
+        return combinations(grads, split, cfg.optim.clip_norm) if grads is not None else None
+
     return VerifyJob(cfg, splits, reference, candidate, lambda: model_facts(checked.model, cfg.accum.loss_norm),
-                     checked.components.describe()["model"])
+                     checked.components.describe()["model"], replay=replay)
 
 
 def verify(config: RunConfig | Mapping[str, Any], *, splits: Sequence[Split | str] | None = None,

@@ -1,0 +1,177 @@
+"""The per-step reduction fingerprint: after every boundary reduction, before the optimizer uses it, the
+ranks compare a few numbers in one tiny all-gather.
+
+Per optimizer step every rank contributes :data:`FIELDS` (float64):
+
+- ``grad_weighted``, ``grad_sumsq``: a strided sample of the reduced gradient (about :data:`SAMPLE`
+  elements, the first element of every tensor included) — its position-weighted sum and its sum of
+  squares. A reduced gradient is bitwise identical on every rank (an all-reduce hands every rank the
+  same bytes), so any difference means the reduction went wrong: a rank skipped it, ``no_sync`` sat on
+  the wrong micro-batch, DDP's ``static_graph`` stopped reducing, buckets were mismatched. The run stops
+  **before the step is applied** with :class:`~distaccum.verify.tripwire.RankDivergenceError` (exit 1),
+  naming the step, the ranks that disagree and the first parameter whose gradient differs (found by a
+  second all-gather, only then); rank 0 writes ``divergence.json`` as the tripwire does, so ``distaccum
+  verify`` reports it the same way. Only engines whose reduced gradient is replicated on every rank have
+  this part (``engine.replicated_gradients``: DDP, Accelerate). FSDP2 and DeepSpeed ZeRO keep each
+  reduced gradient shard exactly once (reduce-scatter, partitions): there is no second copy to compare,
+  so they send zeros here; the periodic tripwire still compares the parameters they replicate.
+- ``loss_sum``, ``items``: this rank's window. Equal on every rank means every rank trained on the same
+  samples (a sampler that ignores the rank) — a warning, since a dataset of repeated samples could do it.
+- ``rng``: a CRC32 of the seed this rank's random-number generator(s) were last seeded with. Equal on
+  every rank means every rank draws from the same stream: the same dropout masks (someone re-seeded every
+  rank alike) — a warning.
+
+Warnings go to stderr and ``warnings.jsonl`` (rank 0, once per kind). World size 1 has nothing to
+compare and skips everything. Cost per step: one gather of a ~4k-element sample, one all-gather of
+5 numbers per rank and, on CUDA, one host read of its result (``trainer.fingerprint=false`` turns it
+off); measured by the benchmark's ``distaccum_no_fingerprint`` variant (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distaccum.rundir import DIVERGENCE, WARNINGS
+from distaccum.verify.tripwire import RankDivergenceError
+
+FIELDS = ("grad_weighted", "grad_sumsq", "loss_sum", "items", "rng")
+SAMPLE = 4096
+"""Gradient elements sampled per step (plus the first element of every tensor)."""
+
+
+def rng_hash(device: torch.device) -> float:
+    """A CRC32 of the seed the random-number generator was last seeded with (CPU, and CUDA on CUDA), as an
+    exact float. The seed, not the state: ranks seeded alike draw the same stream, but consume different
+    amounts of it (dropout on sequences of different lengths), so their states part while their masks
+    overlap."""
+    seeds = [torch.initial_seed()] + ([torch.cuda.initial_seed()] if device.type == "cuda" else [])
+    return float(zlib.crc32(struct.pack(f"<{len(seeds)}Q", *(seed % 2**64 for seed in seeds))))
+
+
+def gradient_sample(grads: list[torch.Tensor], sample: int = SAMPLE) -> torch.Tensor:
+    """[position-weighted sum, sum of squares] of every ``stride``-th element of each gradient (fp64)."""
+    total = sum(g.numel() for g in grads)
+    if not total:
+        return torch.zeros(2, dtype=torch.float64)
+    stride = max(1, total // sample)
+    flat = torch.cat([g.reshape(-1)[::stride] for g in grads]).to(torch.float64)
+    # Position-dependent weights: two tensors' gradients swapped between ranks change the sum.
+    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    return torch.stack([(flat * weights).sum(), (flat * flat).sum()])
+
+
+def same(a: float, b: float) -> bool:
+    """Bitwise-style equality of two gathered numbers (NaN equals NaN: a non-finite step is alike everywhere)."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def groups(rows: list[list[float]]) -> list[list[int]]:
+    """Ranks grouped by equal rows, the largest group first (ties: the group of the lowest rank)."""
+    found: list[list[int]] = []
+    for rank, row in enumerate(rows):
+        for group in found:
+            if all(same(x, y) for x, y in zip(rows[group[0]], row, strict=True)):
+                group.append(rank)
+                break
+        else:
+            found.append([rank])
+    return sorted(found, key=lambda g: (-len(g), g[0]))
+
+
+class Fingerprint:
+    """The check the loop hands each step to right after the boundary reduction (a
+    :class:`~distaccum.loop.ReductionCheck`). Collective: every rank calls it at every step."""
+
+    def __init__(self, engine: Any, run_dir: Path, rank: int, world_size: int, device: torch.device) -> None:
+        self.engine, self.run_dir, self.rank, self.world, self.device = engine, run_dir, rank, world_size, device
+        self.gradients = bool(getattr(engine, "replicated_gradients", False))
+        self.warned: set[str] = set()
+        self._named: list[tuple[str, torch.nn.Parameter]] | None = None
+
+    def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if self._named is None:  # the engine wraps the model before the first step
+            self._named = list(self.engine.unwrapped().named_parameters())
+        return self._named
+
+    def _gather(self, local: torch.Tensor) -> list[list[float]]:
+        if dist.get_backend() == "nccl":  # NCCL only moves device tensors
+            local = local.to(torch.device("cuda", torch.cuda.current_device()))
+        else:
+            local = local.cpu()
+        out = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
+        gather(out, local.contiguous())
+        return out.view(self.world, -1).tolist()  # the check's one host read
+
+    def after_reduction(self, step: int, window: Any) -> None:
+        """Compare this step's fingerprint across ranks; raise before the step on a gradient mismatch."""
+        if self.world == 1:
+            return
+        device = window.loss_sum.device
+        if self.gradients:
+            grads = [p.grad for _, p in self._params() if p.grad is not None]
+            sampled = gradient_sample(grads).to(device)
+        else:
+            sampled = torch.zeros(2, dtype=torch.float64, device=device)
+        local = torch.cat([sampled, torch.stack([window.loss_sum, window.items]),
+                           torch.full((1,), rng_hash(self.device), dtype=torch.float64, device=device)])
+        rows = self._gather(local)
+        if self.gradients:
+            by_gradient = groups([row[:2] for row in rows])
+            if len(by_gradient) > 1:
+                self._fail(step, by_gradient)
+        data = [row[2:4] for row in rows]
+        if data[0][1] > 0 and all(math.isfinite(x) for x in data[0]) and len(groups(data)) == 1:
+            self._warn(step, "same_samples",
+                       f"every rank trained on identical data at optimizer step {step} (the same loss sum "
+                       f"{data[0][0]:.9g} over the same {data[0][1]:.0f} loss items on all {self.world} ranks): the "
+                       "ranks are probably reading the same samples (a sampler or dataset that ignores the rank), "
+                       "so the effective batch is 1/world of what it should be")
+        if len(groups([row[4:5] for row in rows])) == 1:
+            self._warn(step, "same_rng",
+                       f"every rank's random-number generator was last seeded with the same seed (optimizer step "
+                       f"{step}): the ranks draw the same random numbers (the same dropout masks on different "
+                       "samples). Something re-seeded every rank alike; seed each rank differently (distaccum's "
+                       "Trainer does: trainer.seed + a rank offset)")
+
+    def _warn(self, step: int, check: str, message: str) -> None:
+        if check in self.warned:
+            return
+        self.warned.add(check)
+        if self.rank == 0:
+            print(f"distaccum: warning: {message}", file=sys.stderr, flush=True)
+            with open(self.run_dir / WARNINGS, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "check": check, "message": message}) + "\n")
+
+    def _fail(self, step: int, by_gradient: list[list[int]]) -> None:
+        agree, odd = by_gradient[0], sorted(r for g in by_gradient[1:] for r in g)
+        named = self._params()
+        rows = torch.stack([torch.stack([p.grad.double().sum(), p.grad.double().square().sum()])
+                            if p.grad is not None else torch.zeros(2, dtype=torch.float64, device=p.device)
+                            for _, p in named]) if named else torch.zeros(0, 2, dtype=torch.float64)
+        per_rank = [torch.tensor(r, dtype=torch.float64).view(-1, 2) for r in self._gather(rows.flatten())]
+        base = per_rank[agree[0]]
+        differ = [i for i in range(len(named))
+                  if any(not all(same(a, b) for a, b in zip(per_rank[r][i].tolist(), base[i].tolist(), strict=True))
+                         for r in odd)]
+        parameter = named[differ[0]][0] if differ else "(a sampled element only)"
+        message = (f"ranks disagree on the reduced gradient at optimizer step {step}: rank(s) {', '.join(map(str, odd))} "
+                   f"differ from rank(s) {', '.join(map(str, agree))} (reduction fingerprint); first differing "
+                   f"parameter {parameter!r} ({len(differ)} of {len(named)} gradients differ). The gradients were "
+                   "not reduced identically on every rank (a rank skipped or missed the reduction, no_sync on the "
+                   "wrong micro-batch, a comm hook that keeps local values, DDP static_graph with no_sync). The "
+                   "step was not applied.")
+        if self.rank == 0:
+            report = {"step": step, "parameter": parameter, "rank": odd[0], "ranks": odd,
+                      "differing_parameters": len(differ), "check": "fingerprint", "message": message}
+            (self.run_dir / DIVERGENCE).write_text(json.dumps(report, indent=2) + "\n")
+        raise RankDivergenceError(message, step=step, parameter=parameter, rank=odd[0])
