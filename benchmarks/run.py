@@ -39,7 +39,8 @@ from benchmarks.report import MEMORY_LIMIT, render
 from benchmarks.stats import spread, summarize_launch
 from benchmarks.variants import DEFAULT_VARIANTS, ENGINE_VARIANTS, check_variants
 
-SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS if v != "distaccum_no_ledger"))
+SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS if v not in ("distaccum_no_ledger",
+                                                                           "distaccum_no_fingerprint")))
 """The engine sweep: every engine variant, and the hand-written no_sync loop as a reference."""
 SWEEP_CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 """The engine sweep's workers on CPU: glibc's mmap threshold fixed at its default 128 KiB. Left

@@ -61,8 +61,10 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("no_sync / floor", "ddp_no_sync", "compute_floor"),
     ("every_micro / no_sync", "ddp_every_micro", "ddp_no_sync"),
     ("ledger on / off", "distaccum", "distaccum_no_ledger"),
+    ("fingerprint on / off", "distaccum", "distaccum_no_fingerprint"),
 )
-"""(label, numerator, denominator): the issue's four ratios first, then two more."""
+"""(label, numerator, denominator): the issue's four ratios first, then three more (each only when both
+variants ran)."""
 ISSUE_RATIOS = tuple(label for label, *_ in RATIOS[:4])
 
 

@@ -7,7 +7,8 @@
   defaults except the settings in :func:`distaccum_config` (each says why).
 - (e) ``compute_floor``: the K forward/backward passes and the step with no DDP and no
   communication; it runs on both ranks so they compete for the CPU as in (a)-(d).
-- ``distaccum_no_ledger``, ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
+- ``distaccum_no_ledger``, ``distaccum_no_fingerprint`` (the reduction fingerprint off: its cost is
+  ``distaccum / distaccum_no_fingerprint``), ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
   the Trainer with another engine or setting, for the engine sweep, or interleaved like the others.
 
 Every variant exposes ``run(steps) -> stamps`` (steps + 1 clock stamps: before the first step and
@@ -38,6 +39,7 @@ EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compil
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum": ("ddp", {}),
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
+    "distaccum_no_fingerprint": ("ddp", {"trainer.fingerprint": False}),
     "distaccum_fsdp": ("fsdp", {}),
     "distaccum_fsdp_every_micro": ("fsdp", {"accum.sync": "every_micro"}),
     "distaccum_zero1": ("deepspeed", {"engine.zero_stage": 1, "engine.extensions_dir": EXTENSIONS}),

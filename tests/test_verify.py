@@ -162,15 +162,17 @@ def test_dropout_fails_with_randomness_diagnosis(dropout: Run) -> None:
     assert cand["first_divergence"]["step"] == 1
 
 
-def test_desynchronized_rank_is_caught_by_the_tripwire(desync: Run) -> None:
+def test_desynchronized_rank_is_caught_by_the_reduction_fingerprint(desync: Run) -> None:
     cand = failed_candidate(desync)
-    assert cand["exit_code"] == 1  # the tripwire stopped the run
+    assert cand["exit_code"] == 1  # the fingerprint stopped the run, before step 1 was applied
     first = cand["first_divergence"]
     assert (first["step"], first["quantity"]) == (1, "ranks") and first["parameter"]
     assert [d["cause"] for d in cand["diagnosis"]] == ["rank_divergence"]
     tripwire = json.loads((Path(cand["run_dir"]) / "divergence.json").read_text())
     assert (tripwire["step"], tripwire["parameter"], tripwire["rank"]) == (1, first["parameter"], 1)
-    assert "ranks diverged after optimizer step 1" in desync.stdout
+    assert (tripwire["check"], tripwire["ranks"]) == ("fingerprint", [1])
+    assert "ranks disagree on the reduced gradient at optimizer step 1: rank(s) 1 differ" in desync.stdout
+    assert not (Path(cand["run_dir"]) / "metrics.jsonl").read_text().strip()  # no step was recorded
     assert "RankDivergenceError" in (Path(cand["run_dir"]) / "console.log").read_text()
 
 

@@ -69,22 +69,31 @@ class MicroCounter(Proxy):
 
 
 class EarlySync(MicroCounter):
+    def __init__(self, inner: Any, from_step: int) -> None:
+        super().__init__(inner)
+        object.__setattr__(self, "from_step", from_step)
+
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:
         k, last = self.micro(), self.inner.spec.split.accum_steps - 1
+        step = self.calls // self.inner.spec.split.accum_steps + 1
         self.next_micro()
-        with self.inner.sync(k == last - 1 if last > 0 else enabled):
+        with self.inner.sync(k == last - 1 if last > 0 and step >= self.from_step else enabled):
             yield
 
 
 class NoSyncOffByOne:
-    """``no_sync`` on the wrong micro-batch: the window's one reduction runs with micro-batch K-1 instead of
-    K, so the last micro-batch's gradient stays on its rank (one missing reduction). The other variant, one
-    extra reduction, is harmless under DDP's mean-reducing hook (averaging values every rank already agrees
-    on changes nothing; it costs one more all-reduce); it corrupts only a SUM-reducing hook."""
+    """``no_sync`` on the wrong micro-batch: from optimizer step ``from_step`` on, the window's one reduction
+    runs with micro-batch K-1 instead of K, so the last micro-batch's gradient stays on its rank (one missing
+    reduction). The other variant, one extra reduction, is harmless under DDP's mean-reducing hook
+    (averaging values every rank already agrees on changes nothing; it costs one more all-reduce); it
+    corrupts only a SUM-reducing hook."""
+
+    def __init__(self, from_step: int = 1) -> None:
+        self.from_step = from_step
 
     def wrap(self, point: str, obj: Any) -> Any:
-        return EarlySync(obj) if point == "engine" else obj
+        return EarlySync(obj, self.from_step) if point == "engine" else obj
 
 
 class StaticGraphEngine(Proxy):
