@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -227,11 +228,17 @@ CHECK_NAMES = {"fingerprint": "reduction fingerprint", "tripwire": "tripwire", "
 def describe(finding: dict[str, Any]) -> str:
     """A runtime finding in a few words: which check, at which step."""
     check, step = str(finding["check"]), finding["step"]
+    message = str(finding["message"])
     if check == "run_failed":
-        return f"the run failed at step {step} ({str(finding['message'])[:60]})"
+        return f"the run failed at step {step} ({short(message.split(' at ')[0], 64)})"
     if check in CHECK_NAMES:
         return f"{CHECK_NAMES[check]}, step {step}"
-    return f"{check} at start ({str(finding['message'])[:40]}...)"
+    return f"{check} at start ({short(message, 48)})"
+
+
+def short(text: str, limit: int) -> str:
+    """``text`` cut at a word boundary to about ``limit`` characters."""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def row_of(bug: Bug, result: VerifyResult, seconds: float) -> Row:
@@ -351,7 +358,9 @@ def run_zoo(root: Path, bugs: Sequence[Bug] = BUGS, *, echo: Callable[[str], Non
     for bug in bugs:
         if bug.config not in references:
             ref_root = root / "references" / bug.config
-            job = config_job(run_config(Bug("reference", "", "", bug.config), ref_root, None), [SPLIT])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                job = config_job(run_config(Bug("reference", "", "", bug.config), ref_root, None), [SPLIT])
             ran = timed_run(lambda j=job, d=ref_root: j.reference(d / "reference"), ref_root / "reference" / CONSOLE_LOG)
             testing.uninstall()
             references[bug.config] = (ref_root, ran)
@@ -363,7 +372,9 @@ def run_zoo(root: Path, bugs: Sequence[Bug] = BUGS, *, echo: Callable[[str], Non
         (bug_dir / "reference").symlink_to(ref_root / "reference", target_is_directory=True)
         cfg = run_config(bug, bug_dir, ref_root / SEED)
         try:
-            job = config_job(cfg, [SPLIT])  # pre-flight checks it here, before anything is launched
+            with warnings.catch_warnings():  # its warnings (batch statistics) are the candidate's to report
+                warnings.simplefilter("ignore")
+                job = config_job(cfg, [SPLIT])  # pre-flight checks it here, before anything is launched
         finally:
             testing.uninstall()  # its components installed its faults in this process: not ours to keep
         jobs.append((bug, replace(job, reference_ran=ran, candidate=lambda split, d: already_ran(d)), bug_dir,
@@ -392,7 +403,8 @@ def render(rows: Sequence[Row]) -> str:
         right = "yes" if r.diagnosis_correct else "no"
         if r.control:
             right = f"{'yes' if r.diagnosis_correct else 'NO'} (control: {r.expected or 'verify passes'})"
-        lines.append(f"| {r.title} | {'yes' if r.caught else '**no**'} | {'; '.join(r.caught_by) or '-'} | "
+        caught = "yes" if r.caught else ("no" if r.control else "**no**")
+        lines.append(f"| {r.title} | {caught} | {'; '.join(r.caught_by) or '-'} | "
                      f"{r.step if r.step is not None else '-'} | {r.diagnosis or '-'} | {right} |")
     bugs = [r for r in rows if not r.control]
     lines.append("")
