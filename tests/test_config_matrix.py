@@ -73,6 +73,8 @@ def refusal(engine: str, precision: str, sync: str) -> str | None:
         return "accum.sync=every_micro with engine=deepspeed"  # ZeRO-0/1 reduce only at the boundary
     if name == "deepspeed" and precision == "fp64":
         return "precision=fp64 with engine=deepspeed"  # ZeRO-0 refuses fp64; ZeRO 1-3 keep fp32 masters
+    if name == "deepspeed" and precision == "bf16" and stage == 0:
+        return "precision=bf16 with engine=deepspeed engine.zero_stage=0"  # FP16_UnfusedOptimizer's zero-grad step
     if precision == "fp16" and name == "deepspeed":
         return "engine=deepspeed precision=fp16"  # its loss scaler would fight the window normalization
     if precision == "fp16" and name == "fsdp":

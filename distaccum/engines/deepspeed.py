@@ -9,7 +9,8 @@ applied by DeepSpeed itself: ZeRO optimizers divide the reduced gradient partiti
 they clip with) by their loss scale in ``step()``, so for the boundary step we set that scale to
 ``1 / grad_scale`` with the public ``override_loss_scale`` and put it back to 1 for the next
 window's backward passes. ZeRO-0 in fp32 steps the torch optimizer on whole, already reduced
-gradients: there we multiply them ourselves. The loss is scaled once, by the loop.
+gradients: there we multiply them ourselves (ZeRO-0 with bf16 is refused, see
+:func:`~distaccum.engines.deepspeed_config.check`). The loss is scaled once, by the loop.
 
 Boundary control is DeepSpeed's public ``set_gradient_accumulation_boundary``, always set to the
 window's real boundary (the last of its K micro-batches). With ``accum.sync=boundary`` on ZeRO 1/2/3
@@ -106,6 +107,7 @@ class DeepSpeedEngine(EngineBase):
         self._micro = 0  # micro-batches seen: the loop's windows always hold exactly K
         self.engine: Any = None
         self.coalescing = False
+        self.unscaled_wrapper = False
         self._block: Any = None  # the open coalesce_grad_reduction() context of the current window
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
@@ -129,6 +131,10 @@ class DeepSpeedEngine(EngineBase):
                                "the learning-rate schedule would not reach it")
         self.engine = engine
         self.optimizer = optimizer
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+        self.unscaled_wrapper = isinstance(engine.optimizer, BF16_Optimizer)
+        """DeepSpeed's optimizer wrapper has no loss scale for ``override_loss_scale`` to act through."""
         self.coalescing = self.spec.sync == "boundary" and self.stage >= 1
         if self.coalescing and not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
             self.coalescing = False  # DeepSpeed raises NotImplementedError for this optimizer wrapper
@@ -181,13 +187,21 @@ class DeepSpeedEngine(EngineBase):
                 return StepResult(norm, False)
             self.engine.step()  # clips (gradient_clipping) and steps the torch optimizer
             return StepResult(norm, True)
-        with _quiet_deepspeed():
-            # ZeRO 1-3 / bf16: DeepSpeed divides gradients and their norm by its loss scale in step().
-            wrapper.override_loss_scale(1.0 / float(grad_scale))
-            try:
-                self.engine.step()  # norm, clip, optimizer step (skipped on a non-finite norm), zero grads
-            finally:
-                wrapper.override_loss_scale(1.0)  # the next window's backward is not scaled
+        if self.unscaled_wrapper:
+            # BF16_Optimizer (bf16 with fp32 gradient accumulation, from a user config) has no loss scale for
+            # the override to act through: its accumulated, reduced fp32 gradients are multiplied before it
+            # takes their norm.
+            flat = wrapper.fp32_groups_gradients_flat
+            torch._foreach_mul_(flat, grad_scale.to(flat[0].device, flat[0].dtype))
+            self.engine.step()
+        else:
+            with _quiet_deepspeed():
+                # ZeRO 1-3: DeepSpeed divides gradients and their norm by its loss scale in step().
+                wrapper.override_loss_scale(1.0 / float(grad_scale))
+                try:
+                    self.engine.step()  # norm, clip, optimizer step (skipped on a non-finite norm), zero grads
+                finally:
+                    wrapper.override_loss_scale(1.0)  # the next window's backward is not scaled
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             raise RuntimeError("DeepSpeed reported no gradient norm "

@@ -137,6 +137,13 @@ def check(spec: EngineSpec) -> None:
             "(~1e-7 relative) while the run claims fp64")
         raise ValueError(f"precision=fp64 with engine=deepspeed engine.zero_stage={stage} is unsupported: {why}. "
                          "Use engine=ddp, fsdp or accelerate for fp64, or precision=fp32 with DeepSpeed")
+    if precision == "bf16" and stage == 0:
+        # Found by tests/test_ground_truth.py: the weights moved before the first window.
+        raise ValueError("precision=bf16 with engine=deepspeed engine.zero_stage=0 is unsupported: DeepSpeed runs it "
+                         "with its FP16_UnfusedOptimizer, which steps the optimizer once on zero gradients when it is "
+                         "created (weight decay, AdamW's step count and SGD's momentum move before training starts) "
+                         "and has no loss scale for distaccum's normalization to act through. Use "
+                         "engine.zero_stage=1..3 with bf16, or precision=fp32 with ZeRO-0")
     if precision == "fp16":
         raise ValueError("engine=deepspeed precision=fp16 is not supported by distaccum: DeepSpeed's dynamic "
                          "loss scaler would be replaced by the window normalization (see README: Engines); "

@@ -305,6 +305,7 @@ def diagnose(report: Report, facts: RunFacts, split: Split, unequal: str | None,
         rule_randomness(facts, split),
         rule_nondeterminism(facts),
     ) if f is not None]
+    findings = [f for i, f in enumerate(findings) if f.cause not in {g.cause for g in findings[:i]}]  # first per cause
     if exit_code and tripwire is None and known is None:  # a crash comes first: nothing after it was compared
         findings.insert(0, Finding("run_failed", f"the candidate run failed (exit {exit_code}); its "
                                                  "output is in console.log in its run directory."))
