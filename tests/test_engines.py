@@ -1,6 +1,9 @@
-"""FSDP2, DeepSpeed (ZeRO 1-3) and Accelerate against DDP and the single-process reference, on gloo.
+"""FSDP2, DeepSpeed (ZeRO 0-3) and Accelerate against DDP and the single-process reference, on gloo.
 
-Every engine trains the same split (world 2, micro-batch 2 x 4 accumulation steps, 36 samples so
+Three models: ``mlp``, ``tiny_gpt`` (variable-length sequences) and a Hugging Face causal LM (a random-init
+Llama from transformers, offline), so every engine also trains, verifies and reloads an HF model: its
+``final/`` must load with ``from_pretrained`` with no missing or unexpected keys, and every engine's
+final weights must hold exactly the plain model's ``state_dict`` keys. Every engine trains the same split (world 2, micro-batch 2 x 4 accumulation steps, 36 samples so
 step 3 is a partial window with empty micro-batches) from the same seed checkpoint. Each must give
 DDP's per-step loss and grad norm and final parameter checksums within fp32 rounding, pass the
 comparison ``distaccum verify`` makes against one process on the whole batch (``verify.compare``,
@@ -29,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
 from distaccum.cli.compose import compose_config
+from hf_corpus import OFFLINE
 from distaccum.config import from_mapping, to_mapping, with_overrides
 from distaccum.preflight import instantiate_components
 from distaccum.resolve import resolve
@@ -43,8 +47,13 @@ pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[1]
 EXTENSIONS = REPO / ".cache" / "torch_extensions"  # gitignored; DeepSpeed compiles its op once per machine
-MODELS: dict[str, list[str]] = {"mlp": ["model=mlp"], "tiny_gpt": ["model=tiny_gpt", "model.width=32",
-                                                                    "data.dataset.seq_max=24"]}
+MODELS: dict[str, list[str]] = {
+    "mlp": ["model=mlp"],
+    "tiny_gpt": ["model=tiny_gpt", "model.width=32", "data.dataset.seq_max=24"],
+    # A Hugging Face causal LM (transformers' random-init Llama, built offline) on the same token data.
+    "llama": ["model=hf_causal_lm", "data=corpus", "loss=token_ce", "model.width=32", "model.layers=1",
+              "model.heads=2", "model.positions=32", "data.dataset.seq_max=24", "eval.every=0"],
+}
 ENGINES: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
     "zero0": {"name": "deepspeed", "zero_stage": 0},
@@ -75,7 +84,7 @@ def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: 
     plan_file = workdir / f"plan-{nproc}.json"
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **OFFLINE)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
          str(Path(__file__)), str(plan_file)],
@@ -157,9 +166,11 @@ def example_batch(parts: Any) -> Any:
 
 
 def outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """The model's outputs on a batch (token models take the batch's keys, the MLP its inputs)."""
+    """The model's outputs on a batch (token models take the batch's keys, the MLP its inputs; a Hugging Face
+    model's output is its logits)."""
     if isinstance(batch, dict):
-        return model(**{k: v for k, v in batch.items() if k != "labels"})
+        out = model(**{k: v for k, v in batch.items() if k != "labels"})
+        return getattr(out, "logits", out)
     return model(batch[0])
 
 
@@ -240,6 +251,24 @@ def test_final_weights_reproduce_the_trained_model(runs: Runs, model: str, engin
         ours = outputs(fresh, example_batch(parts))
     trained = load_file(str(run_dir / "outputs.safetensors"))["outputs"]
     assert torch.allclose(ours, trained, rtol=1e-6, atol=1e-7), float((ours - trained).abs().max())
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_hf_final_reloads_with_from_pretrained(runs: Runs, engine: str) -> None:
+    """A Hugging Face model's final/ is its save_pretrained layout: from_pretrained finds every key it expects
+    and nothing else, and the reloaded model gives the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = runs.dir("llama", engine)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(str(run_dir / "final"), output_loading_info=True,
+                                                          local_files_only=True)
+    assert {k: v for k, v in info.items() if v} == {}, info  # missing, unexpected, mismatched keys, errors
+    reloaded.eval()
+    parts = instantiate_components(from_mapping(read_config(run_dir)))
+    with torch.no_grad():
+        logits = outputs(reloaded, example_batch(parts))
+    trained = load_file(str(run_dir / "outputs.safetensors"))["outputs"]
+    assert torch.allclose(logits, trained, rtol=1e-6, atol=1e-6), float((logits - trained).abs().max())
 
 
 @pytest.mark.parametrize("model", list(MODELS))
