@@ -32,7 +32,6 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
 from distaccum.cli.compose import compose_config
-from hf_corpus import OFFLINE
 from distaccum.config import from_mapping, to_mapping, with_overrides
 from distaccum.preflight import instantiate_components
 from distaccum.resolve import resolve
@@ -41,6 +40,7 @@ from distaccum.rundir.weights import load_weights
 from distaccum.verify.compare import RunData, compare, tolerance_for
 from distaccum.verify.reference import run_reference
 from distaccum.verify.runner import reference_config, write_seed_checkpoint
+from hf_corpus import OFFLINE
 
 pytestmark = pytest.mark.dist
 
