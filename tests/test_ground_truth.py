@@ -287,13 +287,13 @@ def plain_training(weights: dict[str, torch.Tensor], optimizer: str, precision: 
     return records, {k: v.detach().clone() for k, v in net.named_parameters()}
 
 
-def engine_training(tmp_path: Path, engine: str, optimizer: str, precision: str, seed_file: Path) -> tuple[
-        list[dict[str, Any]], dict[str, torch.Tensor]]:
+def engine_training(tmp_path: Path, engine: str, optimizer: str, precision: str, seed_file: Path,
+                    **engine_options: Any) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """The same OPT_STEPS through ``engine`` (micro-batch 4 x 8 on one rank): the records and final weights."""
     fresh_accelerate_state()
     model = MODELS["mlp"]
     cfg = {"precision": precision, "run_dir": str(tmp_path / "run"),
-           "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS)}, "accum": {"micro_batch": MICRO, "steps": K},
+           "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS), **engine_options}, "accum": {"micro_batch": MICRO, "steps": K},
            "optim": {**OPTIMIZERS[optimizer], "schedule": "constant", "warmup_steps": 0, "clip_norm": None},
            "data": {"shuffle": False},
            "trainer": {"nproc": 1, "max_steps": OPT_STEPS, "check_every": 0, "save_final": False, "device": "cpu",
@@ -342,6 +342,23 @@ def test_three_optimizer_steps_equal_a_plain_optimizer_on_plain_gradients(
     for record, (loss, norm) in zip(records, plain_records, strict=True):
         assert record["loss"] == pytest.approx(loss, rel=rel, abs=0), record["step"]
         assert record["grad_norm"] == pytest.approx(norm, rel=rel, abs=0), record["step"]
+
+
+@pytest.mark.unit
+def test_zero1_bf16_with_fp32_gradient_accumulation_is_normalized_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       cpu_group: None) -> None:
+    """A user JSON asking DeepSpeed for fp32 gradient accumulation makes ZeRO-1 bf16 run its BF16_Optimizer,
+    which has no loss scale: distaccum scales its fp32 gradients itself (the partial step 3 shows it)."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    user = tmp_path / "ds.json"
+    user.write_text('{"data_types": {"grad_accum_dtype": "fp32"}}')
+    seed = seed_weights(MODELS["mlp"].make, tmp_path / "seed.safetensors", torch.float32)
+    plain_records, plain = plain_training(seed, "sgd", "bf16")
+    records, params = engine_training(tmp_path, "zero1", "sgd", "bf16", tmp_path / "seed.safetensors",
+                                      deepspeed_config=str(user))
+    assert update_error(seed, params, plain) <= OPT_TOLERANCE["bf16-deepspeed"]
+    for record, (_, norm) in zip(records, plain_records, strict=True):
+        assert record["grad_norm"] == pytest.approx(norm, rel=2e-2, abs=0), record["step"]
 
 
 @pytest.mark.unit
