@@ -29,10 +29,19 @@ class DistEnv:
     source: str
     """'torchrun', 'slurm' or 'single' (not distributed)."""
     restart_count: int = 0
+    node: int | None = None
+    """The node this process runs on as the launcher numbers nodes (torchrun's GROUP_RANK, Slurm's
+    SLURM_NODEID); None when the launcher did not say."""
 
     @property
     def node_rank(self) -> int:
         return self.rank // max(self.local_world_size, 1)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of the job: world / ranks per node (1 when they do not divide evenly)."""
+        per_node = max(self.local_world_size, 1)
+        return self.world_size // per_node if self.world_size % per_node == 0 else 1
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> DistEnv:
@@ -48,6 +57,7 @@ class DistEnv:
                 master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
                 source="torchrun",
                 restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                node=int(env["GROUP_RANK"]) if "GROUP_RANK" in env else None,
             )
         if is_srun_task(env):
             world = int(env["SLURM_NTASKS"])
@@ -62,6 +72,7 @@ class DistEnv:
                 master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
                 source="slurm",
                 restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
+                node=int(env["SLURM_NODEID"]) if "SLURM_NODEID" in env else None,
             )
         return cls(0, 1, 0, 1, "127.0.0.1", DEFAULT_PORT, "single")
 
@@ -103,3 +114,29 @@ def first_host(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return f"{prefix}{first}"
+
+
+def replica_groups(world_size: int, replicas: int) -> list[list[int]]:
+    """The ranks of each replica of a ``(replicas, world_size / replicas)`` HSDP mesh, replica by replica:
+    replica i is sharded over ranks ``i*S .. i*S+S-1`` (S = world_size / replicas), the mesh's row i."""
+    shards = world_size // replicas
+    return [list(range(i * shards, (i + 1) * shards)) for i in range(replicas)]
+
+
+def split_replicas(groups: list[list[int]], nodes: list[int]) -> list[int]:
+    """The replicas (indices into ``groups``) whose shard group spans more than one node (``nodes[rank]``):
+    their per-micro-batch reduce-scatter crosses the slow link."""
+    return [i for i, ranks in enumerate(groups) if len({nodes[r] for r in ranks}) > 1]
+
+
+def describe_placement(groups: list[list[int]], nodes: list[int]) -> str:
+    """One line per replica: its ranks (its shard group) and the nodes they run on."""
+
+    def span(values: list[int]) -> str:
+        lo, hi = min(values), max(values)
+        return str(lo) if lo == hi else (f"{lo}-{hi}" if sorted(values) == list(range(lo, hi + 1))
+                                         else ",".join(map(str, values)))
+
+    lines = [f"replica {i}: ranks {span(ranks)} on node {span(sorted({nodes[r] for r in ranks}))}"
+             for i, ranks in enumerate(groups)]
+    return "\n".join(lines)

@@ -72,6 +72,42 @@ DEFAULT_TOLERANCES: dict[str, Tolerances] = {
 }
 
 
+UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+"""Unit roundoff u = 2^-p of the reduced dtypes, p their significand bits with the implicit one (bf16: 8,
+fp16: 11): rounding x to the dtype gives x (1 + d) with |d| <= u."""
+
+
+def reduction_roundings(sync: str, world_size: int, accum_steps: int) -> int:
+    """n: how many reduced-precision roundings one optimizer step's reduction applies to a gradient element,
+    at most. One all-reduce (or reduce-scatter + all-reduce) over W ranks rounds each rank's contribution
+    once when it is cast and every partial sum once per addition: W - 1 additions, whatever the ring or tree
+    order, so W. ``boundary`` reduces once per step: n = W. ``every_micro`` and ``replica_boundary`` reduce K
+    times (DDP re-rounds the accumulated bucket each time; FSDP2 rounds each micro-batch's share, and under
+    ``replica_boundary`` keeps the partial sum across micro-batches in the reduced dtype): n = K W."""
+    return world_size if sync == "boundary" else world_size * accum_steps
+
+
+def with_reduction(tol: Tolerances, reduce_dtype: str, roundings: int, lr: float, steps: int) -> Tolerances:
+    """``tol`` widened for gradients reduced in ``reduce_dtype`` (``accum.reduce_dtype``), derived:
+
+    - The reduced gradient is the exact one with a relative error of at most e = n u per element to first
+      order (n = :func:`reduction_roundings`, u = :data:`UNIT_ROUNDOFF`), relative to the sum of the ranks'
+      contributions' magnitudes, which is the magnitude of their sum when they do not cancel.
+    - ``grad_norm`` is the norm of that gradient: |norm(g') - norm(g)| <= norm(g' - g) <= e norm(g), so the
+      per-step tier's rtol grows by e. The loss moves only through the parameters (next point): far less.
+    - Parameters: AdamW's update lr m/(sqrt(v) + eps) is scale-free; a relative error e in every gradient
+      changes m by e and sqrt(v) by e, so the update by at most 2 e lr per element and step: the
+      parameter tier's atol grows by 2 e lr T after T steps (for SGD, whose update is lr g, the fp32 tier's
+      rtol already exceeds lr e |g| T in verify-sized runs).
+    ``fp32`` (no compression) returns ``tol`` unchanged.
+    """
+    if reduce_dtype not in UNIT_ROUNDOFF:
+        return tol
+    e = roundings * UNIT_ROUNDOFF[reduce_dtype]
+    return Tolerances(steps=Tolerance(rtol=tol.steps.rtol + e, atol=tol.steps.atol),
+                      params=Tolerance(rtol=tol.params.rtol, atol=tol.params.atol + 2 * e * lr * steps))
+
+
 def tolerance_for(precision: str, verify: VerifyConfig) -> Tolerances:
     """The default for ``precision``; ``verify.rtol`` / ``verify.atol``, when set, replace both tiers."""
     base = DEFAULT_TOLERANCES[precision]
