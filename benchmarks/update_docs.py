@@ -2,7 +2,9 @@
 
     python -m benchmarks.update_docs [--results runs/bench/results.json] [--doc BENCHMARKS.md]
 
-A CPU run replaces the ``cpu`` section, a GPU run the ``gpu`` section; the prose around them is
+A CPU run replaces the ``cpu`` section, a GPU run the ``gpu`` section; ``--hsdp`` writes an engine sweep of
+the HSDP modes (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``) into README.md's ``hsdp``
+section (memory is not timing: a shared machine's load does not refuse it). The prose around them is
 written by hand (what the figures say, which targets are met and why). Refused, so that noise
 never lands in the document: smoke runs, runs with fewer than 6 rounds, runs with a failed launch,
 partial runs (``--allow-partial``) and runs whose load average shows the machine was shared
@@ -22,7 +24,7 @@ from typing import Any
 
 from benchmarks.cases import FULL_CASES
 from benchmarks.launch import ROOT
-from benchmarks.report import render
+from benchmarks.report import HSDP_MODES, hsdp_table, render
 
 MIN_ROUNDS = 6
 
@@ -80,7 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--doc", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--allow-loaded", action="store_true", help="accept a run with a high load average")
     p.add_argument("--allow-partial", action="store_true", help="accept a run of some cases, Ks or no sweep")
+    p.add_argument("--hsdp", action="store_true", help="write the HSDP trade-off table (a `--sweep hsdp` run) "
+                   "into the doc's hsdp section (README.md)")
     args = p.parse_args(argv)
+    if args.hsdp:
+        return update_hsdp(args.results, args.doc if args.doc != ROOT / "BENCHMARKS.md" else ROOT / "README.md")
     if not args.results.is_file() or not args.doc.is_file():
         print(f"update_docs: need {args.results} (run `make bench` first) and {args.doc}", file=sys.stderr)
         return 2
@@ -98,6 +104,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.doc.write_text(text)
     print(f"update_docs: wrote the {section} section of {args.doc} from {args.results}. Now update the prose "
           "around it (targets met or not, and why).")
+    return 0
+
+
+def update_hsdp(results_path: Path, doc: Path) -> int:
+    """The README's HSDP trade-off table from an engine sweep of the HSDP modes; refused for a smoke run, a
+    failed launch or a sweep without them."""
+    if not results_path.is_file() or not doc.is_file():
+        print(f"update_docs: need {results_path} (python -m benchmarks.run --no-timing --sweep hsdp --world 4) "
+              f"and {doc}", file=sys.stderr)
+        return 2
+    results = json.loads(results_path.read_text())
+    refused = [p for p in problems(results, allow_partial=True) if not p.startswith("the 1-minute load")]
+    if not any(r["variant"] in HSDP_MODES for r in results["sweep"]):
+        refused.append("no HSDP variants in its engine sweep (run it with --sweep hsdp --world 4)")
+    if refused:
+        print(f"update_docs: not updating {doc}: " + "; ".join(refused), file=sys.stderr)
+        return 1
+    try:
+        text = replace_section(doc.read_text(), "hsdp", "\n".join(hsdp_table(results)))
+    except ValueError as err:
+        print(f"update_docs: {doc}: {err}", file=sys.stderr)
+        return 2
+    doc.write_text(text)
+    print(f"update_docs: wrote the hsdp section of {doc} from {results_path}.")
     return 0
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
+from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split
 from distaccum.data.sources import DataOptions
@@ -128,14 +129,6 @@ def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int 
                        engine=spec, loop=loop, data=data, model=ModelRecipe(cfg.trainer.seed, precision,
                                                                             cfg.trainer.init_from),
                        optim=cfg.optim, run_dir=Path(cfg.run_dir))
-
-
-def resolve_replicas(replicas: int | str, hybrid: bool, world_size: int, nodes: int) -> int:
-    """``engine.replicas`` as a number: ``auto`` is one replica per node for an engine that shards within
-    replicas (``hybrid``) on a launch of several nodes whose ranks split evenly over them, else 1."""
-    if replicas != "auto":
-        return int(replicas)
-    return nodes if hybrid and nodes > 1 and world_size % nodes == 0 else 1
 
 
 def resolve_sync(sync: str, replicas: int) -> str:

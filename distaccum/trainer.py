@@ -308,7 +308,7 @@ class Trainer:
             return None
         placement = gather_placement(groups, node)
         if rank == 0:
-            print(f"distaccum: HSDP, {len(groups)} replicas x {len(groups[0])} shards (shard groups):\n"
+            print(f"distaccum: HSDP, {len(groups)} replicas x {len(groups[0])} shards (each replica's shard group):\n"
                   + describe_placement(groups, placement["nodes"]), flush=True)
             for i in split_replicas(groups, placement["nodes"]):
                 print(f"distaccum: warning: replica {i}'s shard group spans nodes: its reduce-scatters (every "

@@ -41,6 +41,11 @@ CASES: dict[str, tuple[dict[str, Any], list[str], str]] = {
         ["engine=fsdp", "precision=bf16", "log.wandb_project=my run", "+note='x'", "run_dir=old"],
         "/opt/venv/bin/python",
     ),
+    "hsdp_2nodes": (  # FSDP2 hybrid sharding: the header maps one replica to each node
+        {"run_dir": "runs/hsdp", "engine": {"name": "fsdp"}, "trainer": {"nproc": 2}, "slurm": {"nodes": 2}},
+        ["engine=fsdp"],
+        "python",
+    ),
     "cpu_restarts_nosignal": (
         {"run_dir": "runs/elastic", "trainer": {"nproc": 4, "max_restarts": 1},
          "slurm": {"signal_seconds": 0, "rdzv_port": 29600}},

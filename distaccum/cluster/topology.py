@@ -137,6 +137,32 @@ def describe_placement(groups: list[list[int]], nodes: list[int]) -> str:
         return str(lo) if lo == hi else (f"{lo}-{hi}" if sorted(values) == list(range(lo, hi + 1))
                                          else ",".join(map(str, values)))
 
-    lines = [f"replica {i}: ranks {span(ranks)} on node {span(sorted({nodes[r] for r in ranks}))}"
+    lines = [f"  replica {i}: ranks {span(ranks)} on node {span(sorted({nodes[r] for r in ranks}))}"
              for i, ranks in enumerate(groups)]
     return "\n".join(lines)
+
+
+def resolve_replicas(replicas: int | str, hybrid: bool, world_size: int, nodes: int) -> int:
+    """``engine.replicas`` as a number: ``auto`` is one replica per node for an engine that shards within
+    replicas (``hybrid``) on a launch of several nodes whose ranks split evenly over them, else 1."""
+    if replicas != "auto":
+        return int(replicas)
+    return nodes if hybrid and nodes > 1 and world_size % nodes == 0 else 1
+
+
+def placement_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
+    """What an HSDP launch of ``nodes`` x ``per_node`` ranks will look like, for launchers to show: the
+    launchers (torch elastic, one torchrun per Slurm node) number each node's ranks consecutively, so mesh
+    row i (replica i) holds ranks i*S .. i*S+S-1 and, with replicas = nodes, each replica is one node."""
+    world = nodes * per_node
+    if replicas <= 1 or world % replicas:
+        return []
+    groups = replica_groups(world, replicas)
+    node_of = [rank // per_node for rank in range(world)]
+    lines = [f"HSDP: {replicas} replicas x {world // replicas} shards over {nodes} node(s) of {per_node} ranks "
+             "(a shard group = one replica; the reduce-scatter stays inside it, the all-reduce crosses replicas):",
+             *describe_placement(groups, node_of).splitlines()]
+    if split_replicas(groups, node_of):
+        lines.append("warning: a shard group spans nodes, so the per-micro-batch reduce-scatter crosses the slow "
+                     "link; choose engine.replicas as a multiple of the node count")
+    return lines

@@ -33,11 +33,12 @@ from typing import Any
 import torch
 
 from distaccum.cluster.local import launch_local
+from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping, valid_splits
 from distaccum.engines import engine_class
 from distaccum.preflight import preflight
-from distaccum.resolve import resolve_replicas, resolve_sync
+from distaccum.resolve import resolve_sync
 from distaccum.rundir import CONSOLE_LOG, LAUNCH_CONFIG, SEED
 from distaccum.rundir.weights import save_weights
 from distaccum.split import Split
