@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,13 +69,15 @@ def measure(dtype: str, k: int, steps: int, scratch: Path) -> list[dict[str, Any
             tag = f"{layout.split(',')[0].replace(' ', '-')}-{sync}"
             exact, exact_params = train(scratch / f"{tag}-fp32", (*common, "accum.reduce_dtype=fp32"))
             low, low_params = train(scratch / f"{tag}-{dtype}", (*common, f"accum.reduce_dtype={dtype}"))
-            scale = max(float(p.abs().max()) for p in exact_params.values())
             param_err = max(float((low_params[n].double() - p.double()).abs().max()) for n, p in exact_params.items())
+            optim = json.loads((scratch / f"{tag}-fp32" / "config.json").read_text())["optim"]
+            b1, b2 = optim["betas"]  # AdamW: an element moves at most k lr per step (verify.compare.with_reduction)
+            bound = 2 * max(1.0, (1 - b1) / math.sqrt(1 - b2)) * optim["lr"] * steps
             rows.append({"layout": layout, "sync": sync, "k": k, "bytes": (exact[-1]["comm_bytes"],
                                                                           low[-1]["comm_bytes"]),
                          "grad_norm": [rel(b["grad_norm"], a["grad_norm"]) for a, b in zip(exact, low, strict=True)],
                          "loss": [rel(b["loss"], a["loss"]) for a, b in zip(exact, low, strict=True)],
-                         "params": param_err / scale})
+                         "params": param_err, "params_bound": bound})
             print(f"[reduce_error] {layout}, {sync}: done", flush=True)
     return rows
 
@@ -83,13 +86,14 @@ def render(rows: list[dict[str, Any]], dtype: str, command: str) -> str:
     """The markdown of the generated section."""
     steps = len(rows[0]["grad_norm"])
     table = [[r["layout"], r["sync"], ", ".join(f"{e:.1e}" for e in r["grad_norm"]),
-              ", ".join(f"{e:.1e}" for e in r["loss"]), f"{r['params']:.1e}",
+              ", ".join(f"{e:.1e}" for e in r["loss"]), f"{r['params']:.1e} ({r['params'] / r['params_bound']:.2f})",
               f"{r['bytes'][1]} / {r['bytes'][0]}"] for r in rows]
     return "\n".join([
         f"Command: `{command}` (K = {rows[0]['k']}, {steps} optimizer steps, torch {torch.__version__}). Per step "
         f"1..{steps}: |x_{dtype} - x_fp32| / |x_fp32| of the gradient norm and of the loss between the run that "
-        f"reduces in {dtype} and the same run reducing in fp32; final parameters: max |difference| / max "
-        f"|parameter|; bytes: `comm_bytes` of a step ({dtype} / fp32; HSDP: inside a replica).",
+        f"reduces in {dtype} and the same run reducing in fp32; final parameters: max |difference| (in brackets: "
+        "its fraction of verify's bound 2 k lr T, AdamW); bytes: `comm_bytes` of a step "
+        f"({dtype} / fp32; HSDP: inside a replica).",
         "",
         *_table(["layout", "accum.sync", "grad_norm, per step", "loss, per step", "final params",
                  "bytes / step"], table, "ll"),

@@ -207,11 +207,16 @@ def test_reduction_tolerance_is_derived_from_the_roundings() -> None:
     assert reduction_roundings("boundary", 4, 8) == 4
     assert reduction_roundings("every_micro", 4, 8) == reduction_roundings("replica_boundary", 4, 8) == 32
     base = DEFAULT_TOLERANCES["fp32"]
-    tol = with_reduction(base, "bf16", roundings=2, lr=1e-3, steps=10)
+    tol = with_reduction(base, "bf16", roundings=2, lr=1e-3, steps=10, adam_betas=(0.9, 0.95))
     e = 2 * 2.0 ** -8
     assert tol.steps.rtol == base.steps.rtol + e and tol.steps.atol == base.steps.atol
-    assert tol.params.rtol == base.params.rtol and tol.params.atol == base.params.atol + 2 * e * 1e-3 * 10
-    assert with_reduction(base, "fp32", roundings=2, lr=1e-3, steps=10) == base
+    # Adam: k = max(1, 0.1 / sqrt(0.05)) = 1; every element moves at most lr per step in either run.
+    assert tol.params.rtol == base.params.rtol and tol.params.atol == pytest.approx(base.params.atol + 2 * 1e-3 * 10)
+    adam_fast_v = with_reduction(base, "bf16", roundings=2, lr=1e-3, steps=10, adam_betas=(0.5, 0.99))
+    assert adam_fast_v.params.atol == pytest.approx(base.params.atol + 2 * 5.0 * 1e-3 * 10)  # k = 0.5 / 0.1
+    sgd = with_reduction(base, "fp16", roundings=4, lr=1e-3, steps=10, adam_betas=None)
+    assert sgd.params.rtol == base.params.rtol + 2 * 4 * 2.0 ** -11 and sgd.params.atol == base.params.atol
+    assert with_reduction(base, "fp32", roundings=2, lr=1e-3, steps=10, adam_betas=None) == base
 
 
 def test_verify_widens_for_the_split_that_rounds_most_and_respects_explicit_tolerances() -> None:

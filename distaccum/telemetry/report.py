@@ -97,13 +97,13 @@ class Row:
     comm_bytes: float
     comm_calls: float
     peak_mem_bytes: int
-    comm_bytes_replicate: float = math.nan
-    """HSDP: bytes all-reduced across replicas per step (0 on flat engines; nan for older runs)."""
-    comm_calls_replicate: float = math.nan
     final_loss: float
     eval_loss: float = math.nan
     """The last held-out evaluation's loss (nan without one)."""
     agreement: str = "-"
+    comm_bytes_replicate: float = math.nan
+    """HSDP: bytes all-reduced across replicas per step (0 on flat engines; nan for older runs)."""
+    comm_calls_replicate: float = math.nan
 
 
 # ---------------------------------------------------------------- loading

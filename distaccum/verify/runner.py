@@ -319,11 +319,13 @@ def verify_tolerance(cfg: RunConfig, splits: Sequence[Split]) -> tuple[Tolerance
         return tol, ""
     n = max(reduction_roundings(candidate_sync(cfg, s.world_size), s.world_size, s.accum_steps) for s in splits)
     lr = cfg.optim.lr * cfg.optim.lr_scale(cfg.global_batch(cfg.trainer.nproc))
-    widened = with_reduction(tol, cfg.accum.reduce_dtype, n, lr, cfg.trainer.max_steps)
+    adam = cfg.optim.betas if cfg.optim.name == "adamw" else None
+    widened = with_reduction(tol, cfg.accum.reduce_dtype, n, lr=lr, steps=cfg.trainer.max_steps, adam_betas=adam)
     e = n * UNIT_ROUNDOFF[cfg.accum.reduce_dtype]
     return widened, (f", gradients reduced in {cfg.accum.reduce_dtype}: + e = {n} roundings x "
                      f"{UNIT_ROUNDOFF[cfg.accum.reduce_dtype]:.3g} = {e:.3g} relative on grad_norm and loss, "
-                     f"+ 2 e lr T on parameters")
+                     + ("+ 2 k lr T on parameters (AdamW moves an element at most k lr per step)" if adam
+                        else "+ 2 e relative on parameters"))
 
 
 def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = print) -> VerifyResult:
