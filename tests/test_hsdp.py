@@ -3,7 +3,7 @@
 - ``distaccum verify engine=fsdp engine.replicas=2 trainer.nproc=4 accum.sync=MODE`` passes at fp64 (<= 1e-9)
   in each of the three modes on a user component (tests/fixtures/mytask.py), and at fp32 on a Hugging Face
   causal LM (replica_boundary); with ``accum.reduce_dtype=bf16`` at fp32 within the derived tolerance, the
-  ledger's bytes a quarter of fp64's.
+  ledger's bytes 2 per gradient element (fp32: 4) in both groups.
 - The ledger's per-group counts, per step: cross-replica all-reduce rounds 1 for ``boundary`` and
   ``replica_boundary``, K for ``every_micro`` (FSDP2 issues one all-reduce per unit, so calls = rounds x units).
 - The final weights reload bit for bit to the summary's ``param_sum``; ``placement`` names the shard groups.
@@ -62,16 +62,21 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def fp64(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """One fp64 verify per mode on the user component."""
-    return {mode: verify(tmp_path_factory.mktemp(mode) / "verify", *USER, "precision=fp64", f"accum.sync={mode}")
-            for mode in MODES}
+@pytest.fixture(scope="module", params=MODES)
+def fp64(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
+    """One fp64 verify per mode on the user component: (mode, run)."""
+    mode = request.param
+    return mode, verify(tmp_path_factory.mktemp(mode) / "verify", *USER, "precision=fp64", f"accum.sync={mode}")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_mode_passes_verify_at_fp64(fp64: dict[str, Run], mode: str) -> None:
-    run = fp64[mode]
+def padded_elements(model: torch.nn.Module, shards: int) -> int:
+    """Gradient elements one reduce-scatter of every unit takes in: FSDP2 pads each parameter's first dimension
+    to a multiple of the shard count."""
+    return sum(-(-p.shape[0] // shards) * shards * (p.numel() // p.shape[0]) for p in model.parameters())
+
+
+def test_every_mode_passes_verify_at_fp64(fp64: tuple[str, Run]) -> None:
+    mode, run = fp64
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"fsdp (HSDP, 2 replicas, accum.sync={mode})" in run.stdout
     result = json.loads((run.run_dir / "verify.json").read_text())
@@ -80,25 +85,30 @@ def test_every_mode_passes_verify_at_fp64(fp64: dict[str, Run], mode: str) -> No
     assert cand["max_rel_diff"] <= 1e-9 and cand["max_grad_norm_diff"] <= 1e-9
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_ledger_counts_reductions_per_group(fp64: dict[str, Run], mode: str) -> None:
+def test_the_ledger_counts_reductions_per_group(fp64: tuple[str, Run], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    import mytask
+
+    mode, run = fp64
     (inner_rounds, inner_calls), (across_rounds, across_calls) = EXPECTED[mode]
-    steps_run = records(candidate(fp64[mode]))
+    elements = padded_elements(mytask.make_model(), shards=2)
+    steps_run = records(candidate(run))
     assert len(steps_run) == 2
     for rec in steps_run:
         assert (rec["comm_rounds"], rec["comm_calls"]) == (inner_rounds, inner_calls), rec
         assert (rec["comm_rounds_replicate"], rec["comm_calls_replicate"]) == (across_rounds, across_calls), rec
-        # The all-reduce takes the reduce-scattered shard: half of a unit's gradient on 2 shards.
-        assert rec["comm_bytes_replicate"] * 2 * inner_calls == rec["comm_bytes"] * across_calls, rec
+        # fp64: 8 bytes per element; a round reduce-scatters every unit, the all-reduce takes each 1/2 shard.
+        assert rec["comm_bytes"] == 8 * inner_rounds * elements, rec
+        assert rec["comm_bytes_replicate"] == 8 * across_rounds * elements // 2, rec
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_final_weights_reload_bit_identical_and_the_placement_is_recorded(fp64: dict[str, Run], mode: str,
+def test_final_weights_reload_bit_identical_and_the_placement_is_recorded(fp64: tuple[str, Run],
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(FIXTURES))
     import mytask
 
-    run_dir = candidate(fp64[mode])
+    mode, run = fp64
+    run_dir = candidate(run)
     summary_ = json.loads((run_dir / "summary.json").read_text())
     assert summary_["sync"] == mode and summary_["replicas"] == 2
     assert summary_["placement"] == {"replicas": [[0, 1], [2, 3]], "nodes": [0, 0, 0, 0]}
@@ -110,15 +120,18 @@ def test_final_weights_reload_bit_identical_and_the_placement_is_recorded(fp64: 
     assert float(total) == summary_["param_sum"]
 
 
-def test_bf16_reduction_passes_verify_with_a_quarter_of_fp64s_bytes(fp64: dict[str, Run],
-                                                                   tmp_path: Path) -> None:
+def test_bf16_reduction_passes_verify_at_fp32_with_half_the_bytes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    import mytask
+
     run = verify(tmp_path / "verify", *USER, "accum.reduce_dtype=bf16")  # fp32, accum.sync=auto: replica_boundary
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "gradients reduced in bf16: + e = 8 roundings" in run.stdout  # replica_boundary: K x W = 2 x 4
-    low, full = records(candidate(run)), records(candidate(fp64["replica_boundary"]))
-    for a, b in zip(low, full, strict=True):  # 2 bytes per element against 8: both groups reduce in bf16
-        assert a["comm_bytes"] * 4 == b["comm_bytes"] and a["comm_bytes_replicate"] * 4 == b["comm_bytes_replicate"]
-        assert a["comm_rounds_replicate"] == 1
+    elements = padded_elements(mytask.make_model(), shards=2)
+    for rec in records(candidate(run)):  # 2 bytes per element (fp32: 4) in both groups
+        assert rec["comm_bytes"] == 2 * K * elements and rec["comm_bytes_replicate"] == 2 * elements // 2
+        assert rec["comm_rounds"] == K and rec["comm_rounds_replicate"] == 1
 
 
 def test_hugging_face_llama_passes_verify_at_fp32(tmp_path: Path) -> None:
