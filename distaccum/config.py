@@ -77,7 +77,8 @@ class EngineConfig:
     extensions_dir: str = ".cache/torch_extensions"
     """Where DeepSpeed caches its JIT-compiled C++ ops (TORCH_EXTENSIONS_DIR)."""
     fsdp_reduce_fp32: bool = True
-    """FSDP2 mixed precision: reduce gradients in fp32 even when computing in bf16/fp16."""
+    """FSDP2 mixed precision: reduce gradients in fp32 even when computing in bf16/fp16 (accum.reduce_dtype=bf16
+    or fp16, when set, is the reduce dtype instead)."""
     fsdp_unsharded_window: bool = False
     """FSDP2: keep parameters unsharded from a window's first forward to its last backward: one
     parameter all-gather per unit per optimizer step instead of two per micro-batch, for a full
