@@ -155,23 +155,61 @@ def comm_table(results: dict[str, Any]) -> list[str]:
     for r in results["sweep"]:
         rec = r.get("records", {})
         if r["status"] != "ok":
-            rows.append([r["case"], str(r["k"]), r["variant"], r["status"], *[""] * 7])
+            rows.append([r["case"], str(r["k"]), r["variant"], r["status"], *[""] * 8])
             continue
         engine = ENGINE_VARIANTS.get(r["variant"], ("ddp",))[0]
         gathers = {"fsdp": f"{rec.get('gather_calls', 0):.0f} ({_bytes(rec.get('gather_bytes'))})",
                    "deepspeed": "not counted"}.get(engine, "none (replicated)")
+        across = (f"{rec['comm_rounds_replicate']:.0f} / {rec['comm_calls_replicate']:.0f} / "
+                  f"{_bytes(rec['comm_bytes_replicate'])}" if rec.get("comm_calls_replicate") else "-")
         rows.append([r["case"], str(r["k"]), r["variant"], r["sync"],
                      _num(rec.get("comm_rounds"), 0), _num(rec.get("comm_calls"), 0),
-                     _bytes(rec.get("comm_bytes")), gathers if rec else "n/a (no ledger)",
+                     _bytes(rec.get("comm_bytes")), across, gathers if rec else "n/a (no ledger)",
                      f"{r['step_s']['median'] * 1e3:.1f}", f"{r['step_peak_mb']:.0f}", f"{r['process_peak_mb']:.0f}"])
     env = " ".join(f"{k}={v}" for k, v in results["settings"].get("sweep_env", {}).items())
     env_note = f" (workers' environment: {env}; see docs/benchmarks.md)" if env else ""
     return ["Engines, each (variant, K) in fresh processes: per optimizer step, medians over the timed "
-            "steps of distaccum's records (gradient-reduction rounds, calls, bytes reduced; FSDP2 parameter "
+            "steps of distaccum's records (gradient-reduction rounds, calls, bytes reduced; for HSDP those "
+            "inside a replica, and the all-reduces across replicas as rounds / calls / bytes; FSDP2 parameter "
             "all-gathers), step time (separate launches: read only large differences), peak RSS of the "
             f"step and of the process through training, MiB{env_note}:", "",
-            *_table(["case", "K", "variant", "sync", "rounds", "calls", "reduced", "all-gathers", "step ms",
-                     "step peak", "process peak"], rows, "lrll")]
+            *_table(["case", "K", "variant", "sync", "rounds", "calls", "reduced", "across replicas",
+                     "all-gathers", "step ms", "step peak", "process peak"], rows, "lrll")]
+
+
+HSDP_MODES = {"distaccum_fsdp": "flat FSDP2, boundary", "distaccum_hsdp_boundary": "HSDP, boundary",
+              "distaccum_hsdp_replica_boundary": "HSDP, replica_boundary (default)",
+              "distaccum_hsdp_every_micro": "HSDP, every_micro"}
+"""The rows of the README's trade-off table: sweep variant -> mode."""
+
+
+def hsdp_table(results: dict[str, Any]) -> list[str]:
+    """The README's trade-off table: per FSDP2 mode, the communication of one step at the largest K (inside a
+    replica and across replicas, from distaccum's ledger) and the step's peak memory at the smallest and the
+    largest K (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``)."""
+    rows = []
+    for case in dict.fromkeys(r["case"] for r in results["sweep"]):
+        for variant, mode in HSDP_MODES.items():
+            runs = sorted((r for r in results["sweep"] if r["case"] == case and r["variant"] == variant
+                           and r["status"] == "ok"), key=lambda r: r["k"])
+            if not runs:
+                continue
+            low, high = runs[0], runs[-1]
+            rec = high["records"]
+            inner = f"{rec['comm_rounds']:.0f} / {rec['comm_calls']:.0f} / {_bytes(rec['comm_bytes'])}"
+            across = (f"{rec['comm_rounds_replicate']:.0f} / {rec['comm_calls_replicate']:.0f} / "
+                      f"{_bytes(rec['comm_bytes_replicate'])}" if rec.get("comm_calls_replicate") else "-")
+            rows.append([_case_label(results, case), mode, str(high["k"]), inner, across,
+                         f"{low['step_peak_mb']:.0f}", f"{high['step_peak_mb']:.0f}",
+                         f"{high['step_peak_mb'] / low['step_peak_mb']:.3f}"])
+    ks = sorted({r["k"] for r in results["sweep"]})
+    s = results["settings"]
+    return [f"World {s['world_size']} ({s['backend']}, {results['machine']['cpu']}), HSDP with 2 replicas; per "
+            "optimizer step at the largest K: rounds / calls / bytes of the gradient reductions inside a replica "
+            "(reduce-scatters) and across replicas (all-reduces), from distaccum's ledger; peak RSS of a step per "
+            f"rank (MiB, largest rank) at K = {ks[0]} and K = {ks[-1]}. Command: `{s['command']}`.", "",
+            *_table(["case", "mode", "K", "in replica", "across replicas", f"peak K={ks[0]}", f"peak K={ks[-1]}",
+                     "growth"], rows, "lll")]
 
 
 def memory_table(results: dict[str, Any]) -> list[str]:

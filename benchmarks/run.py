@@ -39,9 +39,13 @@ from benchmarks.report import MEMORY_LIMIT, render
 from benchmarks.stats import spread, summarize_launch
 from benchmarks.variants import DEFAULT_VARIANTS, ENGINE_VARIANTS, check_variants
 
-SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS if v not in ("distaccum_no_ledger",
-                                                                           "distaccum_no_fingerprint")))
-"""The engine sweep: every engine variant, and the hand-written no_sync loop as a reference."""
+HSDP_SWEEP = ("distaccum_fsdp", "distaccum_hsdp_boundary", "distaccum_hsdp_replica_boundary",
+              "distaccum_hsdp_every_micro")
+"""FSDP2 flat and hybrid (2 replicas) in each sync mode: ``--sweep hsdp --world 4`` (2 replicas x 2 shards)."""
+SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS
+                                   if v not in ("distaccum_no_ledger", "distaccum_no_fingerprint", *HSDP_SWEEP[1:])))
+"""The engine sweep: every engine variant but HSDP's (which needs a world of 4) and the cost switches, and the
+hand-written no_sync loop as a reference."""
 SWEEP_CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 """The engine sweep's workers on CPU: glibc's mmap threshold fixed at its default 128 KiB. Left
 dynamic, glibc raises it to the size of the largest block freed so far, after which blocks of
@@ -186,7 +190,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all of the size)")
     p.add_argument("--ks", default=None, help="comma-separated K values for the timing (default: the case's)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="variants interleaved in the timing")
-    p.add_argument("--sweep", default=None, help="engine-sweep variants ('none' skips the sweep)")
+    p.add_argument("--sweep", default=None, help="engine-sweep variants ('none' skips the sweep; 'hsdp': FSDP2 "
+                   "flat and hybrid in each sync mode, with --world 4)")
     p.add_argument("--no-timing", action="store_true", help="only the engine sweep")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cuda when present (auto)")
     p.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, every GPU on CUDA)")
@@ -202,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants = tuple(v for v in args.variants.split(",") if v)
         sweep_names = SMOKE_SWEEP if args.smoke else SWEEP_VARIANTS
         if args.sweep is not None:
-            sweep_names = () if args.sweep == "none" else tuple(v for v in args.sweep.split(",") if v)
+            named = {"none": (), "hsdp": HSDP_SWEEP}
+            sweep_names = named[args.sweep] if args.sweep in named else tuple(v for v in args.sweep.split(",") if v)
         check_variants(list(variants))
         for name in sweep_names:
             check_variants([name])

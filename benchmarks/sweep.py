@@ -31,7 +31,8 @@ from benchmarks.variants import DistaccumTrainer, Variant, build_variant
 from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 
 RECORD_FIELDS = ("time_s", "comm_rounds", "comm_calls", "comm_bytes", "gather_calls", "gather_bytes", "comm_s",
-                 "comm_exposed_s", "compute_s", "optim_s", "peak_mem_bytes")
+                 "comm_exposed_s", "compute_s", "optim_s", "peak_mem_bytes", "comm_rounds_replicate",
+                 "comm_calls_replicate", "comm_bytes_replicate")
 """distaccum's per-step record fields whose medians over the timed steps the sweep keeps."""
 
 

@@ -7,6 +7,9 @@
   defaults except the settings in :func:`distaccum_config` (each says why).
 - (e) ``compute_floor``: the K forward/backward passes and the step with no DDP and no
   communication; it runs on both ranks so they compete for the CPU as in (a)-(d).
+- (f) ``ddp_bf16_hook``: (b) with the gradient all-reduce compressed to bf16 by a comm hook, in an
+  expert's settings (``gradient_as_bucket_view=True``, gradients zeroed in place): what
+  ``distaccum_bf16_reduce`` (``accum.reduce_dtype=bf16``) is measured against.
 - ``distaccum_no_ledger``, ``distaccum_no_fingerprint`` (the reduction fingerprint off: its cost is
   ``distaccum / distaccum_no_fingerprint``), ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
   the Trainer with another engine or setting, for the engine sweep, or interleaved like the others.
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -33,7 +37,7 @@ from benchmarks.launch import ROOT
 from distaccum import Trainer
 
 LETTERS = {"ddp_every_micro": "a", "ddp_no_sync": "b", "accelerate": "c", "distaccum": "d",
-           "compute_floor": "e"}
+           "compute_floor": "e", "ddp_bf16_hook": "f"}
 """Variant -> the letter tables use."""
 EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compiled op, built once per checkout
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -50,6 +54,11 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum_zero3_every_micro": ("deepspeed", {"engine.zero_stage": 3, "accum.sync": "every_micro",
                                                   "engine.extensions_dir": EXTENSIONS}),
     "distaccum_accelerate": ("accelerate", {}),
+    "distaccum_bf16_reduce": ("ddp", {"accum.reduce_dtype": "bf16"}),
+    # FSDP2 hybrid sharding, 2 replicas: run with --world 4 (2 x 2) or more (HSDP_SWEEP in benchmarks.run).
+    "distaccum_hsdp_boundary": ("fsdp", {"engine.replicas": 2, "accum.sync": "boundary"}),
+    "distaccum_hsdp_replica_boundary": ("fsdp", {"engine.replicas": 2, "accum.sync": "replica_boundary"}),
+    "distaccum_hsdp_every_micro": ("fsdp", {"engine.replicas": 2, "accum.sync": "every_micro"}),
 }
 """distaccum variants: name -> (engine.name, dotted config overrides). Add an engine option (e.g.
 the FSDP2 window without re-gathering) as one more line; an override the config does not know
@@ -141,6 +150,39 @@ class DDPNoSync(DDPEveryMicro):
                 (F.mse_loss(self.ddp(x), y) / len(batches)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def bf16_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares real annotations; ours are strings
+    """PyTorch's ``bf16_compress_hook`` without its NCCL-only check: cast the bucket to bf16, all-reduce,
+    divide by the world size, copy back into the (fp32) bucket."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    future = dist.all_reduce(compressed, async_op=True).get_future()
+
+    def decompress(fut):  # noqa: ANN001, ANN202
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+class DDPBf16Hook(HandWritten):
+    """(f) (b) with a bf16-compressing comm hook; gradients stay bucket views and are zeroed in place."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                       gradient_as_bucket_view=True)
+        self.ddp.register_comm_hook(None, bf16_allreduce_hook)  # not named bf16_compress_hook: DDP refuses that name off NCCL
+        self.optimizer = sgd(self.spec.lr)(list(self.model.parameters()))
+
+    def step(self, batches: list[Batch]) -> None:
+        for i, batch in enumerate(batches):
+            x, y = self.batch(batch)
+            with contextlib.nullcontext() if i == len(batches) - 1 else self.ddp.no_sync():
+                (F.mse_loss(self.ddp(x), y) / len(batches)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)  # keep the bucket views (no second gradient copy)
 
 
 class AccelerateLoop(HandWritten):
@@ -243,7 +285,7 @@ class DistaccumTrainer:
 
 
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
-                "compute_floor": ComputeFloor}
+                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook}
 
 
 def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,

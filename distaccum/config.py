@@ -21,7 +21,8 @@ from distaccum.units import parse_bytes
 
 ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
-SYNC_MODES = ("boundary", "every_micro")
+SYNC_MODES = ("auto", "boundary", "replica_boundary", "every_micro")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 LOSS_NORMS = ("global_count", "mean_per_micro")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -76,16 +77,25 @@ class EngineConfig:
     extensions_dir: str = ".cache/torch_extensions"
     """Where DeepSpeed caches its JIT-compiled C++ ops (TORCH_EXTENSIONS_DIR)."""
     fsdp_reduce_fp32: bool = True
-    """FSDP2 mixed precision: reduce gradients in fp32 even when computing in bf16/fp16."""
+    """FSDP2 mixed precision: reduce gradients in fp32 even when computing in bf16/fp16 (accum.reduce_dtype=bf16
+    or fp16, when set, is the reduce dtype instead)."""
     fsdp_unsharded_window: bool = False
     """FSDP2: keep parameters unsharded from a window's first forward to its last backward: one
     parameter all-gather per unit per optimizer step instead of two per micro-batch, for a full
     copy of the parameters in memory during the window."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
+    replicas: int | str = AUTO
+    """FSDP2 hybrid sharding (HSDP): R replicas of the model, each sharded over world/R ranks (a 2-D
+    replicate x shard mesh; R must divide the world). 1: flat FSDP over the whole world. auto: one
+    replica per node when the launch spans several nodes (replicate across nodes, shard within a
+    node), else 1. Other engines take only 1 or auto."""
 
     def __post_init__(self) -> None:
         _choice("engine", "name", self.name, ENGINES)
+        if self.replicas != AUTO and (isinstance(self.replicas, str) or isinstance(self.replicas, bool)
+                                      or self.replicas < 1):
+            raise ValueError(f"engine.replicas must be a positive integer or 'auto', got {self.replicas!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"engine.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         _positive("engine", "bucket_cap_mb", self.bucket_cap_mb)
@@ -152,8 +162,16 @@ class AccumConfig:
     """Micro-batches accumulated per optimizer step (K). Ignored when global_batch is set."""
     global_batch: int | None = None
     """Samples per optimizer step over all ranks; when set, steps = global_batch / (micro_batch * world)."""
-    sync: str = "boundary"
-    """boundary: reduce once per optimizer step; every_micro: reduce after every micro-batch."""
+    sync: str = "auto"
+    """When gradients are reduced. boundary: once per optimizer step, after the last micro-batch (no
+    communication before it); every_micro: after every micro-batch; replica_boundary (HSDP only,
+    engine.replicas > 1): reduce-scatter inside each replica after every micro-batch, one all-reduce
+    across replicas per optimizer step; auto: replica_boundary on HSDP, boundary otherwise."""
+    reduce_dtype: str = "fp32"
+    """fp32 | bf16 | fp16: the dtype of the gradient reduction on the wire (for HSDP: both its
+    collectives; see docs/multinode.md). fp32: the gradients' own dtype, uncompressed. bf16/fp16 halve
+    the bytes reduced while the local accumulation stays in the parameters' precision, so with
+    accum.sync=boundary the rounding is paid once per optimizer step."""
     loss_norm: str = "global_count"
     """global_count: divide by the window's loss items over all ranks; mean_per_micro: classic loss/K
     (wrong for variable-length items; kept as a negative control for verify)."""
@@ -177,6 +195,7 @@ class AccumConfig:
             parse_bytes("accum.memory_budget", self.memory_budget)
         _positive("accum", "global_batch", self.global_batch, allow_none=True)
         _choice("accum", "sync", self.sync, SYNC_MODES)
+        _choice("accum", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         _choice("accum", "loss_norm", self.loss_norm, LOSS_NORMS)
 
     @property
@@ -479,7 +498,7 @@ class RunConfig:
         self.loss = _node("loss", self.loss)
         if self.trainer.nnodes > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
-        if self.log.gns and self.accum.sync != "boundary":
+        if self.log.gns and self.accum.sync not in ("boundary", "auto"):
             raise ValueError(f"log.gns=true reads the gradients the comm hook reduces once per step: it needs "
                              f"accum.sync=boundary, got accum.sync={self.accum.sync}")
 

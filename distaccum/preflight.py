@@ -146,11 +146,13 @@ def check_run_dir(run_dir: str, *, create: bool = True) -> None:
                           f"({os.path.abspath(run_dir)}); choose another run_dir") from err
 
 
-def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = True) -> Checked:
-    """Run every check; raise ConfigError (exit 2) naming the value and the fix."""
+def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = True,
+              nodes: int | None = None) -> Checked:
+    """Run every check; raise ConfigError (exit 2) naming the value and the fix. ``world_size`` and
+    ``nodes`` default to the local launch's (``trainer.nproc`` x ``trainer.nnodes``)."""
     world = world_size or cfg.world_size()
     try:
-        run = resolve(cfg, world, planned_device(cfg.trainer.device))
+        run = resolve(cfg, world, planned_device(cfg.trainer.device), nodes=nodes or cfg.trainer.nnodes)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if write:

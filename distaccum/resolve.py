@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
+from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split
 from distaccum.data.sources import DataOptions
@@ -86,16 +87,18 @@ class ResolvedRun:
     def summary_header(self, model_name: str) -> dict[str, Any]:
         """The run-description fields of ``summary.json``."""
         return {"engine": self.engine.engine.name, "model": model_name, "precision": self.precision.name,
-                "sync": self.engine.sync, "loss_norm": self.loop.loss_norm, "world_size": self.split.world_size,
+                "sync": self.engine.sync, "replicas": self.engine.replicas,
+                "reduce_dtype": self.engine.reduce_dtype, "loss_norm": self.loop.loss_norm, "world_size": self.split.world_size,
                 "micro_batch": self.split.micro_batch, "accum_steps": self.split.accum_steps,
                 "global_batch": self.split.global_batch, "lr_scaling": self.optim.lr_scaling,
                 "base_batch": self.optim.base_batch}
 
 
 def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int = 0,
-            micro_batch: int | None = None) -> ResolvedRun:
-    """Resolve ``cfg`` for ``world_size`` ranks on ``device``; ``micro_batch`` is what ``micro_batch=auto``
-    chose. Raises ValueError for a split the world cannot take or a combination the engine cannot run."""
+            micro_batch: int | None = None, nodes: int = 1) -> ResolvedRun:
+    """Resolve ``cfg`` for ``world_size`` ranks on ``nodes`` nodes on ``device``; ``micro_batch`` is what
+    ``micro_batch=auto`` chose. Raises ValueError for a split the world cannot take or a combination the
+    engine cannot run."""
     check_split(cfg.accum, world_size)  # no split on this world: ValueError naming the valid ones
     auto = cfg.accum.auto and micro_batch is None
     if auto:
@@ -110,11 +113,14 @@ def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int 
     if cfg.log.gns and world_size < 2:
         raise ValueError("log.gns=true compares each rank's gradient with the reduced one: it needs at least "
                          f"2 ranks, got world_size={world_size}")
-    spec = EngineSpec(engine=cfg.engine, precision=precision, split=split, sync=cfg.accum.sync,
-                      clip_norm=cfg.optim.clip_norm, device=device, gns=cfg.log.gns)
+    replicas = resolve_replicas(cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, world_size, nodes)
+    sync = resolve_sync(cfg.accum.sync, replicas)
+    spec = EngineSpec(engine=cfg.engine, precision=precision, split=split, sync=sync,
+                      clip_norm=cfg.optim.clip_norm, device=device, gns=cfg.log.gns, replicas=replicas,
+                      reduce_dtype=cfg.accum.reduce_dtype)
     check_engine(spec)
     loop = LoopSettings(split=split, max_steps=cfg.trainer.max_steps, clip_norm=cfg.optim.clip_norm,
-                        every_micro=cfg.accum.sync == "every_micro", loss_norm=cfg.accum.loss_norm,
+                        every_micro=sync == "every_micro", loss_norm=cfg.accum.loss_norm,
                         float_dtype=torch.float64 if precision.param_dtype == torch.float64 else None,
                         device=device, rank=rank)
     data = DataOptions(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last,
@@ -123,6 +129,13 @@ def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int 
                        engine=spec, loop=loop, data=data, model=ModelRecipe(cfg.trainer.seed, precision,
                                                                             cfg.trainer.init_from),
                        optim=cfg.optim, run_dir=Path(cfg.run_dir))
+
+
+def resolve_sync(sync: str, replicas: int) -> str:
+    """``accum.sync`` as a mode: ``auto`` is ``replica_boundary`` on HSDP (``replicas`` > 1), else ``boundary``."""
+    if sync != "auto":
+        return sync
+    return "replica_boundary" if replicas > 1 else "boundary"
 
 
 @dataclass

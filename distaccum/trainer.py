@@ -30,13 +30,14 @@ from torch.utils.data import Dataset
 from distaccum import testing
 from distaccum.activation_checkpointing import Checkpointing, parse_checkpointing
 from distaccum.cluster.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
-from distaccum.cluster.procgroup import join, shutdown
+from distaccum.cluster.procgroup import gather_placement, join, shutdown
 from distaccum.cluster.stopping import StopFlag, StopRequested
+from distaccum.cluster.topology import describe_placement, split_replicas
 from distaccum.components import Components, ModelSpec
 from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
 from distaccum.data.sources import build_source
 from distaccum.engines import make_engine
-from distaccum.engines.base import OptimizerFactory
+from distaccum.engines.base import Engine, OptimizerFactory
 from distaccum.evaluate import EvalResult, evaluate
 from distaccum.loop import LoopParts, NonFinitePolicy, StepMonitor, TrainState, train
 from distaccum.losses import LossFn
@@ -72,6 +73,8 @@ class _Run:
     sink: Sink | None = None
     last_eval: tuple[int, EvalResult] | None = None
     """(optimizer steps done, result) of the latest evaluation."""
+    placement: dict[str, Any] | None = None
+    """HSDP: the replica groups and every rank's node (``summary.json``'s ``placement``)."""
 
 
 class Trainer:
@@ -119,7 +122,8 @@ class Trainer:
             joined = join(self.cfg.trainer.device, self.cfg.trainer.collective_timeout_s)
             self._created_group = joined.created or self._created_group
             try:
-                self._run = self._setup(joined.device, joined.env.local_world_size, joined.env.restart_count)
+                self._run = self._setup(joined.device, joined.env.local_world_size, joined.env.restart_count,
+                                        joined.env.node)
             except BaseException:
                 self._leave(clean=False)
                 raise
@@ -221,6 +225,8 @@ class Trainer:
                             lr_scale=cfg.optim.lr_scale(resolved.global_batch))
         if self.auto_choice is not None:
             summary["auto_micro_batch"] = self.auto_choice.as_record()
+        if run.placement is not None:
+            summary["placement"] = run.placement
         if run.last_eval is not None:
             summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
@@ -241,14 +247,15 @@ class Trainer:
             self._created_group = False
             shutdown(clean=clean)
 
-    def _setup(self, device: Any, local_world_size: int, attempt: int) -> _Run:
+    def _setup(self, device: Any, local_world_size: int, attempt: int, node: int | None = None) -> _Run:
         rank, world = dist.get_rank(), dist.get_world_size()
-        resolved = resolve(self.cfg, world, device, rank=rank)
+        nodes = world // local_world_size if world % local_world_size == 0 else 1
+        resolved = resolve(self.cfg, world, device, rank=rank, nodes=nodes)
         if resolved.auto:  # measured once, here, on every rank; the run then uses the chosen split
             budget = self.cfg.accum.budget_bytes() or default_budget(device, local_world_size)
             self.auto_choice = auto_micro_batch(resolved, self.components, budget)
             self.cfg = with_overrides(self.cfg, {"accum.micro_batch": self.auto_choice.micro_batch})
-            resolved = resolve(self.cfg, world, device, rank=rank)
+            resolved = resolve(self.cfg, world, device, rank=rank, nodes=nodes)
         cfg, run_dir = self.cfg, resolved.run_dir
         prepared = prepare(cfg, resolved, self.components, check_components=self.check_components)
         if rank == 0:
@@ -266,6 +273,7 @@ class Trainer:
         ledger = CommLedger(enabled=cfg.log.ledger)
         engine = testing.intercept("engine", make_engine(resolved.engine, ledger))
         wrapped = engine.wrap(prepared.model, resolved.optimizer(self.components))  # engines own parameters
+        placement = self._placement(engine, rank, rank // local_world_size if node is None else node)
         scheduler = testing.intercept("scheduler", build_scheduler(engine.optimizer, cfg.optim, cfg.trainer.max_steps,
                                                                    global_batch=resolved.global_batch))
         if cfg.optim.lr_scaling != "none" and rank == 0:
@@ -292,4 +300,20 @@ class Trainer:
                           checkpointer=checkpointer, monitors=monitors, stop=self.stop, on_step=self._after_step,
                           checks=[Fingerprint(engine, run_dir, rank, world, device)] if cfg.trainer.fingerprint else [])
         return _Run(resolved, prepared, state, parts, testing.intercept("loss", self.components.loss), checkpointer,
-                    done, liveness)
+                    done, liveness, placement=placement)
+
+    @staticmethod
+    def _placement(engine: Engine, rank: int, node: int) -> dict[str, Any] | None:
+        """HSDP: every rank's node beside the replica groups (collective), shown once by rank 0."""
+        groups = engine.layout()
+        if groups is None:
+            return None
+        placement = gather_placement(groups, node)
+        if rank == 0:
+            print(f"distaccum: HSDP, {len(groups)} replicas x {len(groups[0])} shards (each replica's shard group):\n"
+                  + describe_placement(groups, placement["nodes"]), flush=True)
+            for i in split_replicas(groups, placement["nodes"]):
+                print(f"distaccum: warning: replica {i}'s shard group spans nodes: its reduce-scatters (every "
+                      "micro-batch with accum.sync=replica_boundary) cross the slow link; make engine.replicas a "
+                      "multiple of the node count", flush=True)
+        return placement

@@ -187,7 +187,7 @@ def test_distaccum_variant_changes_only_the_documented_settings(tmp_path: Path) 
     assert changed == {"accum.micro_batch", "optim.schedule", "optim.warmup_steps", "optim.clip_norm",
                        "trainer.max_steps", "trainer.device", "trainer.check_every", "trainer.checkpoint_every",
                        "trainer.save_final", "data.shuffle", "log.console", "log.warmup_steps"}
-    assert cfg["log"]["ledger"] is True and cfg["accum"]["sync"] == "boundary" and cfg["engine"]["name"] == "ddp"
+    assert cfg["log"]["ledger"] is True and cfg["accum"]["sync"] == "auto" and cfg["engine"]["name"] == "ddp"
 
 
 def test_check_variants_refuses_unknown_names_and_two_accelerators() -> None:

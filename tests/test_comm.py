@@ -202,7 +202,8 @@ def test_step_timer_phases_add_up(clock: HandClock) -> None:
     assert times.peak_mem_bytes > 0
     record = times.as_record()
     assert set(record) == {"time_s", "data_s", "compute_s", "optim_s", "peak_mem_bytes", "comm_calls",
-                           "comm_bytes", "comm_rounds", "comm_s", "comm_exposed_s", "gather_calls", "gather_bytes"}
+                           "comm_bytes", "comm_rounds", "comm_s", "comm_exposed_s", "gather_calls", "gather_bytes",
+                           "comm_calls_replicate", "comm_bytes_replicate", "comm_rounds_replicate"}
     assert record["comm_rounds"] == 1 and record["comm_bytes"] == 40
 
 

@@ -1,4 +1,6 @@
-"""Two launcher processes on one machine (--nnodes=2, c10d rendezvous on 127.0.0.1) form one world."""
+"""Two launcher processes on one machine (--nnodes=2, c10d rendezvous on 127.0.0.1) form one world: FSDP2 hybrid
+sharding with 2 ranks per "node" puts one replica on each node (engine.replicas=auto), each shard group within
+one node, as the launcher's plan said."""
 
 from __future__ import annotations
 
@@ -20,19 +22,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_nodes_rendezvous_and_train_as_one_world(tmp_path: Path) -> None:
+def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path: Path) -> None:
     run_dir = tmp_path / "two-nodes"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "distaccum", "train", "model=mlp", "trainer.nnodes=2", "trainer.nproc=1",
-           f"trainer.rdzv_endpoint=127.0.0.1:{_free_port()}", "trainer.rdzv_id=two-node-test",
-           "trainer.max_steps=3", "log.console=quiet", f"run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "distaccum", "train", "model=mlp", "engine=fsdp", "trainer.nnodes=2",
+           "trainer.nproc=2", f"trainer.rdzv_endpoint=127.0.0.1:{_free_port()}", "trainer.rdzv_id=two-node-test",
+           "accum.steps=2", "trainer.max_steps=2", "log.console=quiet", f"run_dir={run_dir}"]
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
-    outputs = [node.communicate(timeout=180) for node in nodes]
+    outputs = [node.communicate(timeout=240) for node in nodes]
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["accum_steps"] == 4
+    assert summary["world_size"] == 4 and summary["replicas"] == 2 and summary["sync"] == "replica_boundary"
+    placement = summary["placement"]  # every rank's node as its launcher numbered it (GROUP_RANK)
+    assert placement["replicas"] == [[0, 1], [2, 3]] and sorted(placement["nodes"]) == [0, 0, 1, 1]
+    for group in placement["replicas"]:
+        assert len({placement["nodes"][rank] for rank in group}) == 1, placement  # a shard group is one node
+    assert placement["nodes"][0] != placement["nodes"][2]  # the replicas sit on different nodes
+    printed = "".join(out for out, _ in outputs)
+    assert "replica 0: ranks 0-1 on node 0" in printed and "replica 1: ranks 2-3 on node 1" in printed
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(r["comm_rounds"] == 1 and r["samples"] == 32 for r in records)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["comm_rounds"] == 2 and r["comm_rounds_replicate"] == 1 and r["samples"] == 32 for r in records)

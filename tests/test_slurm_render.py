@@ -41,6 +41,11 @@ CASES: dict[str, tuple[dict[str, Any], list[str], str]] = {
         ["engine=fsdp", "precision=bf16", "log.wandb_project=my run", "+note='x'", "run_dir=old"],
         "/opt/venv/bin/python",
     ),
+    "hsdp_2nodes": (  # FSDP2 hybrid sharding: the header maps one replica to each node
+        {"run_dir": "runs/hsdp", "engine": {"name": "fsdp"}, "trainer": {"nproc": 2}, "slurm": {"nodes": 2}},
+        ["engine=fsdp"],
+        "python",
+    ),
     "cpu_restarts_nosignal": (
         {"run_dir": "runs/elastic", "trainer": {"nproc": 4, "max_restarts": 1},
          "slurm": {"signal_seconds": 0, "rdzv_port": 29600}},
@@ -149,3 +154,12 @@ def test_submit_without_sbatch_is_a_clear_error(tmp_path: Path, monkeypatch: pyt
     cfg = from_mapping({"run_dir": str(tmp_path / "run")})
     with pytest.raises(SlurmError, match="sbatch not found"):
         submit(cfg, [], dry_run=False)
+
+
+def test_submit_dry_run_shows_the_hsdp_mapping(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from distaccum.cli.submit import submit_main
+
+    assert submit_main(["--dry-run", "slurm.nodes=2", "engine=fsdp", "model=mlp", f"run_dir={tmp_path / 'run'}"]) == 0
+    header = capsys.readouterr().out.split("#SBATCH")[0]
+    assert "HSDP: 2 replicas x 2 shards over 2 node(s) of 2 ranks" in header
+    assert "replica 0: ranks 0-1 on node 0" in header and "replica 1: ranks 2-3 on node 1" in header

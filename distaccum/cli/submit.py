@@ -23,7 +23,7 @@ def submit_main(argv: list[str]) -> int:
     overrides = [*unknown, *args.overrides]
     try:
         cfg = compose_config(overrides)
-        preflight(cfg, job_world_size(cfg), write=not args.dry_run)
+        preflight(cfg, job_world_size(cfg), write=not args.dry_run, nodes=cfg.slurm.nodes)
     except ConfigError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         return EXIT_CONFIG

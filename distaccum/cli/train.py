@@ -11,6 +11,7 @@ from typing import Any
 
 from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
+from distaccum.cluster.topology import placement_plan
 from distaccum.config import ConfigError, to_mapping
 from distaccum.preflight import preflight
 from distaccum.rundir import LAUNCH_CONFIG, STATUS, write_json
@@ -54,6 +55,8 @@ def train_task(dcfg: Any) -> int:
     print(f"distaccum: {names['model']} on {names['dataset']}, {cfg.engine.name} x{split.world_size} ranks, "
           f"{how} = {split.global_batch} samples per optimizer step, run_dir {cfg.run_dir}", flush=True)
     print("distaccum: equivalent to `" + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file))) + "`", flush=True)
+    for line in placement_plan(checked.run.engine.replicas, cfg.trainer.nnodes, cfg.trainer.nproc):
+        print(f"distaccum: {line}", flush=True)
     code = launch_local(cfg, config_file)
     write_json(Path(cfg.run_dir) / STATUS, {"status": "ok" if code == EXIT_OK else "failed", "exit_code": code})
     if code and not multirun:

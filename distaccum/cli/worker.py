@@ -89,7 +89,7 @@ def worker_in_place(argv: list[str]) -> NoReturn:
         shared: list[Any] = [to_mapping(cfg), None]
         if dist.get_rank() == 0:
             try:
-                preflight(cfg, dist.get_world_size())
+                preflight(cfg, dist.get_world_size(), nodes=env.nodes)
             except ConfigError as err:
                 shared[1] = str(err)
         dist.broadcast_object_list(shared, src=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,3 +85,11 @@ def join(device: str, timeout_s: float) -> Joined:
     picked = pick_device(device, env)
     created = ensure_process_group(env, picked, timedelta(seconds=timeout_s))
     return Joined(env, picked, created)
+
+
+def gather_placement(groups: list[list[int]], node: int) -> dict[str, list]:
+    """Every rank's node (``node`` here, all-gathered once: collective) beside the engine's replica groups
+    (:meth:`~distaccum.engines.base.EngineBase.layout`): what ``summary.json``'s ``placement`` records."""
+    nodes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, node)
+    return {"replicas": groups, "nodes": nodes}

@@ -4,7 +4,9 @@
 :func:`submit` and :func:`wait_job` are the thin executors, and the only code here that starts
 processes. The rendered job runs one ``torch.distributed.run`` agent per node (``srun`` with one
 task per node); the agents meet at a c10d rendezvous on the job's first node, and each starts
-``--nproc_per_node`` workers that run ``distaccum train`` in place.
+``--nproc_per_node`` workers that run ``distaccum train`` in place. Each node's ranks are consecutive,
+so FSDP2 hybrid sharding with one replica per node (``engine.replicas=auto``) shards within a node and
+replicates across nodes; the script's header shows that mapping.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
+from distaccum.cluster.topology import placement_plan, resolve_replicas
 from distaccum.config import RunConfig
+from distaccum.engines import engine_class
 
 SCRIPT_NAME = "submit.sbatch"
 """File name of the rendered script inside ``run_dir``."""
@@ -107,9 +111,12 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
         f"--signals_to_handle={AGENT_SIGNALS}",
         "-m distaccum train " + " ".join(shlex.quote(arg) for arg in train_args),
     ]
+    replicas = resolve_replicas(cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding,
+                                nproc * slurm.nodes, slurm.nodes)
     lines = [
         "#!/bin/bash",
         "# Rendered by distaccum.cluster.slurm.render_sbatch; submit with `distaccum submit` or sbatch.",
+        *(f"# {line}" for line in placement_plan(replicas, slurm.nodes, nproc)),
         *_directives(cfg),
         "",
         "set -euo pipefail",

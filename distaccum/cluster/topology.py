@@ -29,10 +29,19 @@ class DistEnv:
     source: str
     """'torchrun', 'slurm' or 'single' (not distributed)."""
     restart_count: int = 0
+    node: int | None = None
+    """The node this process runs on as the launcher numbers nodes (torchrun's GROUP_RANK, Slurm's
+    SLURM_NODEID); None when the launcher did not say."""
 
     @property
     def node_rank(self) -> int:
         return self.rank // max(self.local_world_size, 1)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of the job: world / ranks per node (1 when they do not divide evenly)."""
+        per_node = max(self.local_world_size, 1)
+        return self.world_size // per_node if self.world_size % per_node == 0 else 1
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> DistEnv:
@@ -48,6 +57,7 @@ class DistEnv:
                 master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
                 source="torchrun",
                 restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                node=int(env["GROUP_RANK"]) if "GROUP_RANK" in env else None,
             )
         if is_srun_task(env):
             world = int(env["SLURM_NTASKS"])
@@ -62,6 +72,7 @@ class DistEnv:
                 master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
                 source="slurm",
                 restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
+                node=int(env["SLURM_NODEID"]) if "SLURM_NODEID" in env else None,
             )
         return cls(0, 1, 0, 1, "127.0.0.1", DEFAULT_PORT, "single")
 
@@ -103,3 +114,55 @@ def first_host(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return f"{prefix}{first}"
+
+
+def replica_groups(world_size: int, replicas: int) -> list[list[int]]:
+    """The ranks of each replica of a ``(replicas, world_size / replicas)`` HSDP mesh, replica by replica:
+    replica i is sharded over ranks ``i*S .. i*S+S-1`` (S = world_size / replicas), the mesh's row i."""
+    shards = world_size // replicas
+    return [list(range(i * shards, (i + 1) * shards)) for i in range(replicas)]
+
+
+def split_replicas(groups: list[list[int]], nodes: list[int]) -> list[int]:
+    """The replicas (indices into ``groups``) whose shard group spans more than one node (``nodes[rank]``):
+    their per-micro-batch reduce-scatter crosses the slow link."""
+    return [i for i, ranks in enumerate(groups) if len({nodes[r] for r in ranks}) > 1]
+
+
+def describe_placement(groups: list[list[int]], nodes: list[int]) -> str:
+    """One line per replica: its ranks (its shard group) and the nodes they run on."""
+
+    def span(values: list[int]) -> str:
+        lo, hi = min(values), max(values)
+        return str(lo) if lo == hi else (f"{lo}-{hi}" if sorted(values) == list(range(lo, hi + 1))
+                                         else ",".join(map(str, values)))
+
+    lines = [f"  replica {i}: ranks {span(ranks)} on node {span(sorted({nodes[r] for r in ranks}))}"
+             for i, ranks in enumerate(groups)]
+    return "\n".join(lines)
+
+
+def resolve_replicas(replicas: int | str, hybrid: bool, world_size: int, nodes: int) -> int:
+    """``engine.replicas`` as a number: ``auto`` is one replica per node for an engine that shards within
+    replicas (``hybrid``) on a launch of several nodes whose ranks split evenly over them, else 1."""
+    if replicas != "auto":
+        return int(replicas)
+    return nodes if hybrid and nodes > 1 and world_size % nodes == 0 else 1
+
+
+def placement_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
+    """What an HSDP launch of ``nodes`` x ``per_node`` ranks will look like, for launchers to show: the
+    launchers (torch elastic, one torchrun per Slurm node) number each node's ranks consecutively, so mesh
+    row i (replica i) holds ranks i*S .. i*S+S-1 and, with replicas = nodes, each replica is one node."""
+    world = nodes * per_node
+    if replicas <= 1 or world % replicas:
+        return []
+    groups = replica_groups(world, replicas)
+    node_of = [rank // per_node for rank in range(world)]
+    lines = [f"HSDP: {replicas} replicas x {world // replicas} shards over {nodes} node(s) of {per_node} ranks "
+             "(a shard group = one replica; the reduce-scatter stays inside it, the all-reduce crosses replicas):",
+             *describe_placement(groups, node_of).splitlines()]
+    if split_replicas(groups, node_of):
+        lines.append("warning: a shard group spans nodes, so the per-micro-batch reduce-scatter crosses the slow "
+                     "link; choose engine.replicas as a multiple of the node count")
+    return lines

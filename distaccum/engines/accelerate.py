@@ -39,6 +39,7 @@ class AccelerateEngine(ReplicatedEngine):
     @classmethod
     def check(cls, spec: EngineSpec) -> None:
         """On CPU Accelerate would silently train fp16 in fp32."""
+        super().check(spec)
         if spec.precision.name == "fp16" and spec.device.type == "cpu":
             raise ValueError("engine=accelerate precision=fp16 needs a GPU (on CPU Accelerate trains in "
                              "fp32 without saying so); use bf16 or fp32 on CPU")

@@ -56,11 +56,25 @@ class EngineSpec:
     precision: Precision
     split: Split
     sync: str
-    """boundary | every_micro."""
+    """boundary | replica_boundary | every_micro (``accum.sync=auto`` already resolved)."""
     clip_norm: float | None
     device: torch.device
     gns: bool = False
     """Measure the squared gradient norms the noise scale needs (``log.gns``; engines with ``supports_gns``)."""
+    replicas: int = 1
+    """Model replicas (``engine.replicas``, ``auto`` already resolved): > 1 is HSDP, each replica sharded
+    over ``world / replicas`` ranks."""
+    reduce_dtype: str = "fp32"
+    """fp32 (uncompressed: the gradients' own dtype) | bf16 | fp16: the dtype gradients are reduced in."""
+
+    @property
+    def compressed_dtype(self) -> torch.dtype | None:
+        """The reduced dtype gradients travel in, or None when the reduction is uncompressed."""
+        return REDUCE_DTYPES[self.reduce_dtype]
+
+
+REDUCE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``accum.reduce_dtype`` -> the dtype on the wire (None: the gradients' own dtype, no cast)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,10 @@ class Engine(Protocol):
         """Release engine resources (the process group is destroyed by whoever created it)."""
         ...
 
+    def layout(self) -> list[list[int]] | None:
+        """HSDP: the ranks of each replica (its shard group), replica by replica; None for other layouts."""
+        ...
+
 
 class EngineBase:
     """What every engine class declares about itself (capabilities), and the defaults they share.
@@ -159,6 +177,11 @@ class EngineBase:
     """After the boundary reduction every rank holds the whole reduced gradient on its parameters' ``.grad``
     (bitwise identical everywhere), so the reduction fingerprint can compare it; sharded engines hold
     each reduced shard once."""
+    hybrid_sharding: ClassVar[bool] = False
+    """It shards within replicas and replicates across them (``engine.replicas`` > 1, HSDP), which gives
+    ``accum.sync=replica_boundary`` its meaning."""
+    reduce_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
+    """The ``accum.reduce_dtype`` values it can reduce gradients in."""
     grad_squares: Any = None
 
     def __init__(self, spec: EngineSpec, ledger: Any) -> None:
@@ -172,7 +195,28 @@ class EngineBase:
 
     @classmethod
     def check(cls, spec: EngineSpec) -> None:
-        """Raise ValueError for what this engine cannot run (called before any worker starts)."""
+        """Raise ValueError for what this engine cannot run (called before any worker starts).
+
+        Here: what the capabilities above refuse. Engines that refuse more call this first."""
+        if spec.replicas > 1 and not cls.hybrid_sharding:
+            raise ValueError(f"engine.replicas={spec.replicas} asks for hybrid sharding (HSDP), which engine="
+                             f"{cls.name} does not do: it keeps one whole replica per rank. Use engine=fsdp for "
+                             "HSDP, or engine.replicas=auto")
+        if spec.sync == "replica_boundary" and spec.replicas <= 1:
+            why = ("this engine keeps a whole replica on every rank: there is no reduction inside a replica to "
+                   "run per micro-batch" if not cls.hybrid_sharding else
+                   f"with engine.replicas={spec.replicas} the mesh is flat (one replica over all ranks): there is "
+                   "no cross-replica all-reduce to defer")
+            raise ValueError(f"accum.sync=replica_boundary with engine={cls.name} has no meaning: {why}. It is a "
+                             "mode of FSDP2 hybrid sharding (engine=fsdp engine.replicas=R, R > 1); use "
+                             "accum.sync=boundary or every_micro here")
+        if spec.reduce_dtype not in cls.reduce_dtypes:
+            raise ValueError(f"accum.reduce_dtype={spec.reduce_dtype} is not supported by engine={cls.name} (it "
+                             f"reduces gradients in: {', '.join(cls.reduce_dtypes)}); use accum.reduce_dtype=fp32")
+
+    def layout(self) -> list[list[int]] | None:
+        """HSDP: the ranks of each replica (its shard group), replica by replica; None for other layouts."""
+        return None
 
     @classmethod
     def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:

@@ -21,6 +21,10 @@ DeepSpeed keeps a reference to ``reduce_scatter_tensor`` from its start-up, whic
 ``distributed_c10d`` module functions are wrapped too; nested calls (a deprecated alias calling
 the new name) are counted once, at the outermost call.
 
+Under FSDP2 hybrid sharding (HSDP) the engine names its cross-replica process group: a reduction on
+it (the all-reduce that follows the reduce-scatter) is reported as a cross-replica collective
+(``comm_*_replicate`` in the ledger), every other one as an in-replica collective.
+
 Parameter all-gathers are counted separately (``CommLedger.gathered``: calls and bytes, no times)
 when an engine asks for them: FSDP2 taps its forward with :func:`tap_parameter_gathers` and its
 backward with ``tap_gradient_reductions(ledger, gathers=True)``, so a step's count covers the
@@ -52,6 +56,10 @@ REDUCTIONS: dict[str, tuple[int, str]] = {
 }
 """Reducing collectives of torch.distributed -> (positional index, keyword) of the tensor reduced."""
 
+GROUP_POSITION = {"all_reduce": 2, "all_reduce_coalesced": 2, "reduce": 3, "reduce_scatter": 3,
+                  "reduce_scatter_single": 3, "reduce_scatter_tensor": 3, "_reduce_scatter_base": 3}
+"""Reducing collective -> positional index of its ``group`` argument."""
+
 GATHERS: dict[str, tuple[int, str]] = {
     "all_gather": (0, "tensor_list"),
     "all_gather_single": (0, "output_tensor"),
@@ -77,17 +85,26 @@ def reduced_input(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     return torch.empty(numel, dtype=tensors[0].dtype if tensors else torch.float32, device="meta")
 
 
-def _counting(name: str, original: Callable[..., Any], ledger: CommLedger) -> Callable[..., Any]:
+def group_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The process group a reducing collective runs on (None: the default group)."""
+    position = GROUP_POSITION[name]
+    return args[position] if len(args) > position else kwargs.get("group")
+
+
+def _counting(name: str, original: Callable[..., Any], ledger: CommLedger,
+              replicate_group: str | None = None) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
             return original(*args, **kwargs)
         tensor = reduced_input(name, args, kwargs)
+        group = group_of(name, args, kwargs)
+        replicate = replicate_group is not None and getattr(group, "group_name", None) == replicate_group
         _state.inside = True
         try:
             if not kwargs.get("async_op", False):
-                with ledger.blocking(tensor):
+                with ledger.blocking(tensor, replicate=replicate):
                     return original(*args, **kwargs)
-            token = ledger.launched(tensor)
+            token = ledger.launched(tensor, replicate=replicate)
             work = original(*args, **kwargs)
             if work is None:  # this rank is not in the group: nothing was sent
                 ledger.completed(token)
@@ -101,7 +118,8 @@ def _counting(name: str, original: Callable[..., Any], ledger: CommLedger) -> Ca
     return wrapper
 
 
-def _gathering(name: str, original: Callable[..., Any], ledger: CommLedger) -> Callable[..., Any]:
+def _gathering(name: str, original: Callable[..., Any], ledger: CommLedger,
+               replicate_group: str | None = None) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
             return original(*args, **kwargs)
@@ -118,9 +136,11 @@ def _gathering(name: str, original: Callable[..., Any], ledger: CommLedger) -> C
 
 
 @contextmanager
-def tap_gradient_reductions(ledger: CommLedger, *, gathers: bool = False) -> Iterator[None]:
+def tap_gradient_reductions(ledger: CommLedger, *, gathers: bool = False,
+                            replicate_group: str | None = None) -> Iterator[None]:
     """Report every reducing collective issued inside the block to ``ledger`` (and, with
-    ``gathers``, count every all-gather as a parameter gather).
+    ``gathers``, count every all-gather as a parameter gather). A reduction on the process group named
+    ``replicate_group`` (HSDP's cross-replica group) is reported as a cross-replica collective.
 
     Enter it around the engine's backward call only (that is what makes a reduction a *gradient*
     reduction). Not re-entrant; the module attributes are restored on exit, even on error.
@@ -128,7 +148,7 @@ def tap_gradient_reductions(ledger: CommLedger, *, gathers: bool = False) -> Ite
     wrappers = {name: _counting for name in REDUCTIONS}
     if gathers:
         wrappers.update({name: _gathering for name in GATHERS})
-    with _patched(wrappers, ledger):
+    with _patched(wrappers, ledger, replicate_group):
         yield
 
 
@@ -140,7 +160,8 @@ def tap_parameter_gathers(ledger: CommLedger) -> Iterator[None]:
 
 
 @contextmanager
-def _patched(wrappers: dict[str, Callable[..., Any]], ledger: CommLedger) -> Iterator[None]:
+def _patched(wrappers: dict[str, Callable[..., Any]], ledger: CommLedger,
+             replicate_group: str | None = None) -> Iterator[None]:
     global _active
     if _active:
         raise RuntimeError("the collective tap is already active (it is not re-entrant)")
@@ -152,7 +173,7 @@ def _patched(wrappers: dict[str, Callable[..., Any]], ledger: CommLedger) -> Ite
                 original = getattr(module, name, None)
                 if original is not None:
                     saved.append((module, name, original))
-                    setattr(module, name, wrap(name, original, ledger))
+                    setattr(module, name, wrap(name, original, ledger, replicate_group))
         yield
     finally:
         for module, name, original in reversed(saved):

@@ -85,6 +85,7 @@ class DeepSpeedEngine(EngineBase):
 
     name = "deepspeed"
     reshardable_checkpoints = False  # ZeRO partitions optimizer state per rank
+    reduce_dtypes = ("fp32", "bf16", "fp16")
 
     @classmethod
     def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
@@ -94,6 +95,7 @@ class DeepSpeedEngine(EngineBase):
     @classmethod
     def check(cls, spec: EngineSpec) -> None:
         """Combinations DeepSpeed cannot run, and conflicts with the user's DeepSpeed JSON."""
+        super().check(spec)
         check(spec)
         if spec.precision.name == "fp16" and spec.device.type == "cpu":  # pragma: no cover - check() refuses fp16
             raise ValueError("engine=deepspeed precision=fp16 needs a GPU")

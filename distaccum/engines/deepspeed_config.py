@@ -52,6 +52,9 @@ def generate(spec: EngineSpec) -> tuple[dict[str, Any], dict[str, str]]:
         "zero_allow_untested_optimizer": "optim.name (distaccum builds the torch optimizer)",
         "steps_per_print": "distaccum's own progress reporting",
     }
+    if spec.reduce_dtype != "fp32":  # DeepSpeed's dtype of its gradient collectives
+        config["communication_data_type"] = spec.reduce_dtype
+        sources["communication_data_type"] = f"accum.reduce_dtype={spec.reduce_dtype}"
     return config, sources
 
 

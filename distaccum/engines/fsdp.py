@@ -1,4 +1,6 @@
-"""FSDP2 engine: ``fully_shard`` per block, reduce-scatter at the boundary or after every micro-batch.
+"""FSDP2 engine: ``fully_shard`` per block over a flat mesh, or hybrid sharding (HSDP) over a 2-D one.
+
+Flat (``engine.replicas=1``): every rank holds 1/W of each unit.
 
 - ``accum.sync=boundary``: ``set_requires_gradient_sync(False)`` on micro-batches 1..K-1, so each
   unit keeps its *unsharded* gradient until the last micro-batch reduce-scatters it once — one
@@ -9,6 +11,27 @@
   to its last backward (``reshard_after_forward=False`` and ``set_reshard_after_backward(False)``
   until the boundary): one parameter all-gather per unit per step instead of two per micro-batch,
   for a full copy of the parameters in memory during the window.
+
+HSDP (``engine.replicas=R``, R > 1): a ``(R, W/R)`` mesh named ``("replicate", "shard")``. Mesh rank
+``r`` sits at replica ``r // (W/R)``, shard ``r % (W/R)``: launchers number the ranks of a node
+consecutively, so with R = nodes each replica is one node (shard within a node, replicate across
+nodes). A unit's gradient is reduce-scattered inside the replica (shard group, the fast link), then its
+1/(W/R) shard is all-reduced across replicas (the slow link). The modes:
+
+- ``boundary``: nothing on micro-batches 1..K-1 (unsharded gradients kept, as above); the last one
+  reduce-scatters and all-reduces once.
+- ``replica_boundary`` (the default on HSDP): ``set_requires_gradient_sync(True)`` with
+  ``set_requires_all_reduce(last micro-batch)``: a reduce-scatter inside the replica every
+  micro-batch (memory stays at the 1/(W/R) shard: FSDP2 keeps the partial sum of the scattered shards),
+  one all-reduce across replicas per optimizer step.
+- ``every_micro``: reduce-scatter and all-reduce after every micro-batch.
+
+``accum.reduce_dtype=bf16|fp16`` is ``MixedPrecisionPolicy.reduce_dtype``: FSDP2 casts the unit's
+gradient into the reduce dtype *before* the reduce-scatter, so both collectives (reduce-scatter and,
+under HSDP, the all-reduce) run in it, and under ``replica_boundary`` the partial sum it keeps across
+micro-batches is in that dtype too (read off ``foreach_reduce`` in torch 2.13); the result is cast
+back to the parameters' dtype when it becomes the sharded gradient. With ``boundary`` the K
+micro-batches accumulate in the parameters' dtype and the compressed reduction runs once per step.
 
 Reduction is a plain SUM (``grad_divisor = 1``): the loop's division by the global item count
 stays the only normalization. FSDP2's default is a mean over ranks; keeping it and declaring
@@ -29,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -62,12 +85,24 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)]
 
 
-def mixed_precision(precision: Precision, reduce_fp32: bool) -> MixedPrecisionPolicy:
-    """bf16: parameters all-gathered in bf16; gradients reduced in fp32 unless ``reduce_fp32`` is off."""
-    if precision.autocast_dtype is None:
-        return MixedPrecisionPolicy()
+def mixed_precision(precision: Precision, reduce_fp32: bool, compressed: torch.dtype | None = None
+                    ) -> MixedPrecisionPolicy:
+    """bf16: parameters all-gathered in bf16; gradients reduced in fp32 unless ``reduce_fp32`` is off.
+    ``compressed`` (``accum.reduce_dtype``), when set, is the dtype every gradient reduction runs in."""
     low = precision.autocast_dtype
+    if compressed is not None:
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=compressed)
+    if low is None:
+        return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if reduce_fp32 else low)
+
+
+def hsdp_mesh(device_type: str, world: int, replicas: int) -> DeviceMesh:
+    """The flat ``(world,)`` mesh, or for ``replicas`` > 1 the ``(replicas, world / replicas)`` mesh named
+    ``("replicate", "shard")``: row i (replica i) holds ranks ``i*S .. i*S+S-1``."""
+    if replicas == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
 
 
 class FSDPEngine(EngineBase):
@@ -75,23 +110,36 @@ class FSDPEngine(EngineBase):
 
     name = "fsdp"
     grad_divisor = 1.0  # SUM reduction (see the module docstring): nothing divides after the loop
+    hybrid_sharding = True
+    reduce_dtypes = ("fp32", "bf16", "fp16")
 
     @classmethod
     def check(cls, spec: EngineSpec) -> None:
-        """fp16 needs a sharded GradScaler, which distaccum does not drive."""
+        """fp16 needs a sharded GradScaler, which distaccum does not drive; replicas must divide the world."""
+        super().check(spec)
         if spec.precision.loss_scaling:
             raise ValueError("precision=fp16 with engine=fsdp is unsupported (GradScaler needs the sharded "
                              "scaler); use bf16 or fp32")
+        world = spec.split.world_size
+        if world % spec.replicas:
+            divisors = [r for r in range(1, world + 1) if world % r == 0]
+            raise ValueError(f"engine.replicas={spec.replicas} does not divide the world of {world} ranks: HSDP "
+                             f"needs {world} = replicas x shards. Replicas that do: {divisors}")
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
         super().__init__(spec, ledger)
         self.module: nn.Module | None = None
         self._micro = 0
+        self.mesh: DeviceMesh | None = None
+        self._replicate_group: str | None = None
+        """Name of the cross-replica process group (HSDP), for the ledger's tap."""
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model = model.to(device=self.device, dtype=self.precision.param_dtype)
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        policy = mixed_precision(self.precision, self.spec.engine.fsdp_reduce_fp32)
+        mesh = self.mesh = hsdp_mesh(self.device.type, dist.get_world_size(), self.spec.replicas)
+        if self.spec.replicas > 1:
+            self._replicate_group = mesh.get_group("replicate").group_name
+        policy = mixed_precision(self.precision, self.spec.engine.fsdp_reduce_fp32, self.spec.compressed_dtype)
         keep = self.spec.engine.fsdp_unsharded_window
         for unit in shard_units(model):
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
@@ -108,10 +156,21 @@ class FSDPEngine(EngineBase):
         assert isinstance(self.module, FSDPModule)
         return self.module
 
+    def layout(self) -> list[list[int]] | None:
+        """HSDP: the mesh's ranks, one row per replica (each row is a shard group); None when flat."""
+        assert self.mesh is not None, "wrap() first"
+        return self.mesh.mesh.reshape(self.spec.replicas, -1).tolist() if self.spec.replicas > 1 else None
+
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:
-        # Both setters recurse into every unit; the reduce-scatter runs in the post-backward hooks.
-        self._fsdp().set_requires_gradient_sync(enabled)
+        # The setters recurse into every unit; the collectives run in the post-backward hooks.
+        if self.spec.sync == "replica_boundary":
+            # Reduce-scatter inside the replica on every micro-batch, all-reduce across replicas only
+            # on the window's last (the loop enables sync exactly there).
+            self._fsdp().set_requires_gradient_sync(True)
+            self._fsdp().set_requires_all_reduce(enabled)
+        else:
+            self._fsdp().set_requires_gradient_sync(enabled)
         if self.spec.engine.fsdp_unsharded_window:
             # Reshard only after the window's last backward (the boundary); every_micro reduces on
             # every micro-batch but can still keep the parameters gathered in between.
@@ -131,7 +190,8 @@ class FSDPEngine(EngineBase):
     def backward(self, loss: torch.Tensor) -> None:
         # Reduce-scatters run inside backward (post-backward hooks, waited for by the root's final
         # callback), so the tap sees exactly the gradient collectives of this micro-batch.
-        with tap_gradient_reductions(self.ledger, gathers=True):  # + re-gathers for the backward
+        with tap_gradient_reductions(self.ledger, gathers=True,  # + re-gathers for the backward
+                                     replicate_group=self._replicate_group):
             loss.backward()
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
@@ -172,4 +232,5 @@ class FSDPEngine(EngineBase):
         # Drop the sharded module and optimizer before the barrier and destroy_process_group; the
         # CLI worker then leaves with os._exit (see cli.worker).
         self.module = None
+        self.mesh = None
         self.optimizer = None  # type: ignore[assignment]

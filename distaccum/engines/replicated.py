@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.engines.base import EngineBase, StepResult, dcp_load, dcp_save, step_plain
+from distaccum.engines.base import EngineBase, EngineSpec, StepResult, dcp_load, dcp_save, step_plain
 from distaccum.telemetry.gns import GradSquares
 from distaccum.telemetry.ledger import CommLedger
 
@@ -28,6 +28,8 @@ class HookState:
     ledger: CommLedger
     squares: GradSquares | None = None
     """When set (``log.gns``), the bucket's squared norm before and after the reduction."""
+    dtype: torch.dtype | None = None
+    """The dtype :func:`compressed_allreduce_hook` reduces in (``accum.reduce_dtype``)."""
 
 
 def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -54,6 +56,32 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     return future.then(done)
 
 
+def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """:func:`mean_allreduce_hook` with the bucket all-reduced in ``state.dtype`` (bf16/fp16): half the bytes.
+
+    The bucket is divided by the world size in its own dtype, cast (the one rounding of this rank's
+    accumulated gradient), all-reduced in the low dtype and copied back into the bucket, so the
+    gradients stay in the parameters' dtype between reductions. PyTorch's ``bf16_compress_hook`` does
+    the same but refuses gloo; this one also counts the compressed bytes in the ledger.
+    """
+    buffer = bucket.buffer()
+    if state.squares is not None:
+        state.squares.add_local(buffer)
+    assert state.dtype is not None
+    compressed = buffer.div_(dist.get_world_size()).to(state.dtype)  # divide first: fp16 must not overflow
+    token = state.ledger.launched(compressed)
+    future = dist.all_reduce(compressed, op=dist.ReduceOp.SUM, async_op=True).get_future()
+
+    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        state.ledger.completed(token)
+        buffer.copy_(fut.value()[0])
+        if state.squares is not None:
+            state.squares.add_reduced(buffer)
+        return buffer
+
+    return future.then(done)
+
+
 CommHook = Callable[[HookState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
@@ -66,7 +94,9 @@ class ReplicatedEngine(EngineBase):
 
     comm_hook: ClassVar[CommHook] = staticmethod(mean_allreduce_hook)  # type: ignore[assignment]
     """The gradient comm hook installed on the DDP module: DDP takes exactly one, so anything that wants
-    to see or change the reduction (the ledger, the noise scale, a test's fault) goes through it."""
+    to see or change the reduction (the ledger, the noise scale, a test's fault) goes through it. With
+    ``accum.reduce_dtype`` bf16/fp16 the engine holds :func:`compressed_allreduce_hook` instead."""
+    reduce_dtypes = ("fp32", "bf16", "fp16")
     replicated_gradients = True  # every rank's .grad holds the whole all-reduced gradient
     grads_to_none: ClassVar[bool] = True
     """Drop gradients after the step (True) or zero them in place (False: they are bucket views)."""
@@ -75,9 +105,15 @@ class ReplicatedEngine(EngineBase):
     scaler: "torch.amp.GradScaler | None" = None
     ledger: CommLedger
 
+    def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
+        super().__init__(spec, ledger)
+        if spec.compressed_dtype is not None:  # on the instance: what register_hook installs, faults wrap
+            self.comm_hook = compressed_allreduce_hook  # type: ignore[misc]
+
     def register_hook(self, ddp: DDP) -> None:
         """Install :attr:`comm_hook` on ``ddp``, reporting to the ledger (and the noise scale)."""
-        ddp.register_comm_hook(HookState(self.ledger, self.grad_squares), self.comm_hook)
+        state = HookState(self.ledger, self.grad_squares, self.spec.compressed_dtype)
+        ddp.register_comm_hook(state, self.comm_hook)
 
     def _raw(self) -> nn.Module:
         assert self.raw is not None, "wrap() first"

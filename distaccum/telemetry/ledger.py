@@ -11,12 +11,22 @@ The loop (through :class:`distaccum.telemetry.timing.StepTimer`) calls ``start_s
 each micro-batch and ``end_step``. What comes out, per step and rank (:class:`CommStats`):
 
 - ``comm_calls`` / ``comm_bytes``: gradient collectives launched and the bytes of their input
-  tensors (one copy of what was reduced, whatever the algorithm sends on the wire).
-- ``comm_rounds``: micro-batches in which at least one gradient collective was launched.
+  tensors (one copy of what was reduced, in the dtype it was reduced in, whatever the algorithm
+  sends on the wire). Flat engines (DDP, Accelerate, DeepSpeed, FSDP2 over one mesh dimension):
+  every gradient collective. FSDP2 hybrid sharding (HSDP): the *in-replica* ones only (the
+  reduce-scatters inside each replica's shard group).
+- ``comm_rounds``: micro-batches in which at least one of those collectives was launched.
+- ``comm_calls_replicate`` / ``comm_bytes_replicate`` / ``comm_rounds_replicate``: the same for the
+  *cross-replica* collectives of HSDP (the all-reduce of each unit's reduce-scattered shard across
+  replicas; its input is the shard, 1/shards of the unit). 0 on flat engines. FSDP2 issues one
+  all-reduce per FSDP unit, so ``comm_rounds_replicate`` (1 per step with ``accum.sync=boundary`` or
+  ``replica_boundary``, K with ``every_micro``) is the per-step count of cross-replica reductions and
+  ``comm_calls_replicate`` is that times the number of units.
 - ``gather_calls`` / ``gather_bytes``: parameter all-gathers and the bytes of the full tensors they
   produce, for engines whose tap counts them (``comm_tap``; FSDP2 today, 0 elsewhere). Counted only,
   never timed: they are not gradient reductions and take no part in ``comm_s``.
-- ``comm_s``: length of the union of the intervals during which a gradient collective was in flight
+- ``comm_s``: length of the union of the intervals during which a gradient collective (of either
+  group) was in flight
   (launch to completion), overlapped with compute or not.
 - ``comm_exposed_s``: length of the union of the intervals during which communication was in flight
   and no gradient computation was left to hide it: every blocking collective in full, plus, for each
@@ -99,6 +109,9 @@ class CommStats:
     comm_exposed_s: float = 0.0
     gather_calls: int = 0
     gather_bytes: int = 0
+    comm_calls_replicate: int = 0
+    comm_bytes_replicate: int = 0
+    comm_rounds_replicate: int = 0
 
 
 @dataclass(eq=False)
@@ -106,6 +119,7 @@ class _Collective:
     micro: int
     nbytes: int
     blocking: bool
+    replicate: bool = False
     start: Stamp = None
     end: Stamp = None
 
@@ -137,9 +151,10 @@ class CommLedger:
         with self._lock:
             self._micro += 1
 
-    def launched(self, tensor: torch.Tensor, *, blocking: bool = False) -> object:
-        """Record a gradient collective on ``tensor`` being issued; returns the token for ``completed``."""
-        record = _Collective(self._micro, tensor.numel() * tensor.element_size(), blocking)
+    def launched(self, tensor: torch.Tensor, *, blocking: bool = False, replicate: bool = False) -> object:
+        """Record a gradient collective on ``tensor`` being issued (``replicate``: across HSDP replicas);
+        returns the token for ``completed``."""
+        record = _Collective(self._micro, tensor.numel() * tensor.element_size(), blocking, replicate)
         if self.enabled:
             record.start = self.clock.stamp()
         with self._lock:
@@ -159,9 +174,9 @@ class CommLedger:
             self._gathers[1] += nbytes
 
     @contextmanager
-    def blocking(self, tensor: torch.Tensor) -> Iterator[None]:
+    def blocking(self, tensor: torch.Tensor, *, replicate: bool = False) -> Iterator[None]:
         """Wrap a collective the caller waits for: all of its time counts as exposed."""
-        token = self.launched(tensor, blocking=True)
+        token = self.launched(tensor, blocking=True, replicate=replicate)
         try:
             yield
         finally:
@@ -176,10 +191,15 @@ class CommLedger:
         with self._lock:
             collectives = list(self._collectives)
             gather_calls, gather_bytes = self._gathers
-        stats = CommStats(comm_calls=len(collectives),
-                          comm_bytes=sum(c.nbytes for c in collectives),
-                          comm_rounds=len({c.micro for c in collectives}),
-                          gather_calls=gather_calls, gather_bytes=gather_bytes)
+        inner = [c for c in collectives if not c.replicate]
+        across = [c for c in collectives if c.replicate]
+        stats = CommStats(comm_calls=len(inner),
+                          comm_bytes=sum(c.nbytes for c in inner),
+                          comm_rounds=len({c.micro for c in inner}),
+                          gather_calls=gather_calls, gather_bytes=gather_bytes,
+                          comm_calls_replicate=len(across),
+                          comm_bytes_replicate=sum(c.nbytes for c in across),
+                          comm_rounds_replicate=len({c.micro for c in across}))
         if not self.enabled or not collectives:
             return stats
         if end is None and any(c.end is None for c in collectives):

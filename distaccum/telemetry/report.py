@@ -101,6 +101,9 @@ class Row:
     eval_loss: float = math.nan
     """The last held-out evaluation's loss (nan without one)."""
     agreement: str = "-"
+    comm_bytes_replicate: float = math.nan
+    """HSDP: bytes all-reduced across replicas per step (0 on flat engines; nan for older runs)."""
+    comm_calls_replicate: float = math.nan
 
 
 # ---------------------------------------------------------------- loading
@@ -228,6 +231,8 @@ def table_row(run: Run) -> Row:
         comm_bytes=med("comm_bytes"),
         comm_calls=med("comm_calls"),
         peak_mem_bytes=max((int(r.get("peak_mem_bytes", 0)) for r in run.records), default=0),
+        comm_bytes_replicate=med("comm_bytes_replicate"),
+        comm_calls_replicate=med("comm_calls_replicate"),
         final_loss=float(run.records[-1]["loss"]) if run.records else math.nan,
         eval_loss=float(run.evals[-1]["eval_loss"]) if run.evals else math.nan,
     )
@@ -338,7 +343,7 @@ def _num(value: float, fmt: str) -> str:
 
 COLUMNS = ("run", "status", "overrides", "split (mb x K x W = G)", "engine", "sync", "loss norm", "steps",
            "effective lr", "samples/s", "compute s", "exposed comm s", "comm in flight s", "comm share",
-           "reduced/step", "peak mem", "final loss", "eval loss (ppl)", "loss curve")
+           "reduced/step", "across replicas/step", "peak mem", "final loss", "eval loss (ppl)", "loss curve")
 
 
 def _cells(row: Row) -> list[str]:
@@ -350,6 +355,8 @@ def _cells(row: Row) -> list[str]:
         _num(row.comm_s, ".4f"), _num(row.comm_share, ".1%"),
         f"{human_bytes(row.comm_bytes)} / {row.comm_calls:.0f} calls"
         if valid and not math.isnan(row.comm_bytes + row.comm_calls) else "-",
+        f"{human_bytes(row.comm_bytes_replicate)} / {row.comm_calls_replicate:.0f} calls"
+        if valid and row.comm_calls_replicate > 0 else "-",
         human_bytes(row.peak_mem_bytes) if valid else "-", _num(row.final_loss, ".5f"),
         "-" if math.isnan(row.eval_loss) else f"{row.eval_loss:.4f} ({math.exp(min(row.eval_loss, 700)):.2f})",
         row.agreement,
@@ -368,7 +375,9 @@ def render_markdown(rows: list[Row], agreements: list[Agreement], runs: list[Run
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
     lines += ["", "Times are medians per optimizer step after warm-up, on rank 0. *exposed comm*: time "
               "the step waited on gradient communication; *comm in flight*: time any gradient "
-              "collective was running, hidden or not; *comm share* = exposed / (compute + exposed).",
+              "collective was running, hidden or not; *comm share* = exposed / (compute + exposed). "
+              "*reduced/step*: gradient collectives (for HSDP: the reduce-scatters inside each replica); "
+              "*across replicas/step*: HSDP's all-reduces between replicas (the slow link across nodes).",
               "", f"## Loss-curve agreement (rtol {rtol:g}, atol {atol:g})", ""]
     bad = [a for a in agreements if not a.ok]
     if not agreements:

@@ -84,10 +84,12 @@ class ConsoleSink:
     def _fields(self, record: Record) -> str:
         busy = record.get("compute_s", 0.0) + record.get("comm_exposed_s", 0.0)
         share = record.get("comm_exposed_s", 0.0) / busy if busy > 0 else 0.0
-        calls = record.get("comm_calls", 0)
+        calls, across = record.get("comm_calls", 0), record.get("comm_calls_replicate", 0)
+        replicas = (f" + {human_bytes(record.get('comm_bytes_replicate', 0))} across replicas in {across}"
+                    if across else "")
         return (f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record.get('samples_per_s', 0):.1f} samples/s "
-                f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'} "
-                f"comm {share:.0%}" + (" SKIPPED" if record.get("skipped") else ""))
+                f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}"
+                f"{replicas} comm {share:.0%}" + (" SKIPPED" if record.get("skipped") else ""))
 
     def log(self, record: Record) -> None:
         if self.quiet:

@@ -41,7 +41,8 @@ def summarize(header: Record, records: list[Record], engine: Engine, run_dir: Pa
         "run_dir": str(run_dir),
     }
     for key in ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s",
-                "comm_calls", "comm_bytes", "comm_rounds"):
+                "comm_calls", "comm_bytes", "comm_rounds", "comm_calls_replicate", "comm_bytes_replicate",
+                "comm_rounds_replicate"):
         summary[f"median_{key}"] = med(key)
     summary["peak_mem_bytes"] = max((r["peak_mem_bytes"] for r in records), default=0)
     busy = summary["median_compute_s"] + summary["median_comm_exposed_s"]

@@ -33,13 +33,26 @@ from typing import Any
 import torch
 
 from distaccum.cluster.local import launch_local
+from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping, valid_splits
+from distaccum.engines import engine_class
 from distaccum.preflight import preflight
+from distaccum.resolve import resolve_sync
 from distaccum.rundir import CONSOLE_LOG, LAUNCH_CONFIG, SEED
 from distaccum.rundir.weights import save_weights
 from distaccum.split import Split
-from distaccum.verify.compare import Report, RunData, Tolerances, compare, reproducible, tolerance_for
+from distaccum.verify.compare import (
+    UNIT_ROUNDOFF,
+    Report,
+    RunData,
+    Tolerances,
+    compare,
+    reduction_roundings,
+    reproducible,
+    tolerance_for,
+    with_reduction,
+)
 from distaccum.verify.diagnosis import (
     Finding,
     RunFacts,
@@ -61,7 +74,7 @@ EXIT_OK, EXIT_FAIL = 0, 1
 def candidate_splits(cfg: RunConfig) -> list[Split]:
     """The configured split, plus with ``verify.splits=auto`` other splits of the same global batch.
 
-    World sizes go up to ``trainer.nproc`` (one node). The reference's own split (world 1, one
+    World sizes go up to ``trainer.nproc`` (one node; with ``engine.replicas=R``, multiples of R). The reference's own split (world 1, one
     micro-batch) is never a candidate. Extra candidates alternate between world sizes (largest
     first) and between most and least accumulation, so a small bound still covers the extremes.
     """
@@ -69,7 +82,10 @@ def candidate_splits(cfg: RunConfig) -> list[Split]:
     chosen = [configured]
     if cfg.verify.splits == "auto":
         lanes: list[list[Split]] = []
+        replicas = cfg.engine.replicas if cfg.engine.replicas != "auto" else 1
         for world in range(cfg.trainer.nproc, 0, -1):
+            if world % int(replicas):  # HSDP: R replicas need a world they divide
+                continue
             options = sorted(valid_splits(configured.global_batch, world), key=lambda s: -s.accum_steps)
             options = [s for s in options if s.accum_steps * s.world_size > 1 and s != configured]
             # most accumulation, least, then inwards
@@ -292,19 +308,51 @@ def timed_run(run: Callable[[], int], log: Path) -> tuple[int, float]:
     return code, time.perf_counter() - start
 
 
+def candidate_sync(cfg: RunConfig, world_size: int) -> str:
+    """The sync mode a candidate of ``world_size`` ranks (on one node) runs."""
+    hybrid = engine_class(cfg.engine.name).hybrid_sharding
+    return resolve_sync(cfg.accum.sync, resolve_replicas(cfg.engine.replicas, hybrid, world_size, 1))
+
+
+def describe_engine(cfg: RunConfig) -> str:
+    """The engine for the header: its name, and for HSDP the replicas and the sync mode."""
+    replicas = cfg.engine.replicas
+    if replicas == "auto" or int(replicas) <= 1:
+        return cfg.engine.name
+    return f"{cfg.engine.name} (HSDP, {replicas} replicas, accum.sync={candidate_sync(cfg, cfg.trainer.nproc)})"
+
+
+def verify_tolerance(cfg: RunConfig, splits: Sequence[Split]) -> tuple[Tolerances, str]:
+    """The tolerances for ``cfg``'s precision, widened (:func:`~distaccum.verify.compare.with_reduction`) for a
+    compressed reduction (``accum.reduce_dtype``) by the most roundings any candidate split makes, unless
+    ``verify.rtol``/``verify.atol`` are given; and a note for the header."""
+    tol = tolerance_for(cfg.precision, cfg.verify)
+    if cfg.accum.reduce_dtype == "fp32" or cfg.verify.rtol is not None or cfg.verify.atol is not None:
+        return tol, ""
+    n = max(reduction_roundings(candidate_sync(cfg, s.world_size), s.world_size, s.accum_steps) for s in splits)
+    lr = cfg.optim.lr * cfg.optim.lr_scale(cfg.global_batch(cfg.trainer.nproc))
+    adam = cfg.optim.betas if cfg.optim.name == "adamw" else None
+    widened = with_reduction(tol, cfg.accum.reduce_dtype, n, lr=lr, steps=cfg.trainer.max_steps, adam_betas=adam)
+    e = n * UNIT_ROUNDOFF[cfg.accum.reduce_dtype]
+    return widened, (f", gradients reduced in {cfg.accum.reduce_dtype}: + e = {n} roundings x "
+                     f"{UNIT_ROUNDOFF[cfg.accum.reduce_dtype]:.3g} = {e:.3g} relative on grad_norm and loss, "
+                     + ("+ 2 k lr T on parameters (AdamW moves an element at most k lr per step)" if adam
+                        else "+ 2 e relative on parameters"))
+
+
 def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = print) -> VerifyResult:
     """Run the reference and every candidate, compare, diagnose, write ``verify.json``; ``echo`` gets the
     progress lines and the table."""
     cfg = job.cfg
     root.mkdir(parents=True, exist_ok=True)
-    tol: Tolerances = tolerance_for(cfg.precision, cfg.verify)
+    tol, reduced = verify_tolerance(cfg, job.splits)
     global_batch = cfg.split(cfg.trainer.nproc).global_batch
     ref_precision = "fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision
-    echo(f"distaccum verify: {job.what}, {cfg.engine.name}, {cfg.precision}, global batch {global_batch}, "
+    echo(f"distaccum verify: {job.what}, {describe_engine(cfg)}, {cfg.precision}, global batch {global_batch}, "
          f"{cfg.trainer.max_steps} optimizer steps, {len(job.splits)} candidate split(s)")
     echo(f"  reference: plain PyTorch in one process, the whole window ({global_batch} samples) in one "
          f"forward/backward, {ref_precision}, the same seed checkpoint, samples, optimizer and schedule")
-    echo(f"  tolerance ({cfg.precision}): loss, grad_norm at every step: |cand - ref| <= {tol.steps}; "
+    echo(f"  tolerance ({cfg.precision}{reduced}): loss, grad_norm at every step: |cand - ref| <= {tol.steps}; "
          f"final parameters: {tol.params}")
     started = time.perf_counter()
     ref_dir = root / "reference"
