@@ -103,18 +103,18 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 
 def cluster_of(args: argparse.Namespace) -> Cluster:
     """The target cluster of ``--nodes ...`` (ValueError naming the missing or wrong flag)."""
-    gpus = args.gpus_per_node or 8
+    gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
     if args.nodes > 1 and args.inter_node_gbps is None:
         raise ValueError(f"--nodes {args.nodes} needs --inter-node-gbps (the network bandwidth of one node)")
     if gpus > 1 and args.intra_node_gbps is None:
         raise ValueError(f"--gpus-per-node {gpus} needs --intra-node-gbps (one GPU's bandwidth inside its node)")
 
-    def link(latency_us: float, gbit: float | None) -> Link:
+    def link(latency_us: float, gbit: float | None) -> Link:  # None: a level the cluster does not have
         return Link(alpha_s=latency_us * 1e-6, beta_bytes_per_s=gbps(gbit if gbit is not None else 1.0))
 
     topo = Topology(nodes=args.nodes, gpus_per_node=gpus, intra=link(args.intra_node_latency_us, args.intra_node_gbps),
                     inter=link(args.inter_node_latency_us, args.inter_node_gbps))
-    cluster = Cluster(topology=topo, replicas=args.replicas or args.nodes)
+    cluster = Cluster(topology=topo, replicas=args.nodes if args.replicas is None else args.replicas)
     cluster.groups()  # checks the HSDP layout
     return cluster
 
@@ -123,7 +123,7 @@ def cluster_workload(args: argparse.Namespace, params: int, compute_s: float, ba
                      data_s: float = 0.0, optim_s: float = 0.0) -> Workload:
     """What one rank does per step on the cluster (the flags override the measured values)."""
     return Workload(params=params, compute_s=compute_s, compute_basis=basis,
-                    accum_steps=args.accum_steps or accum_steps, data_s=data_s,
+                    accum_steps=accum_steps if args.accum_steps is None else args.accum_steps, data_s=data_s,
                     optim_s=args.optim_ms / 1e3 if args.optim_ms is not None else optim_s,
                     grad_bytes=args.grad_bytes, param_bytes=args.param_bytes, compressed_bytes=args.compressed_bytes,
                     backward_fraction=args.backward_fraction, units=args.units)
