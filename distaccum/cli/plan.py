@@ -221,7 +221,7 @@ def plan_main(argv: list[str]) -> int:
     lines.append("measure all:   " + shlex.join(sweep) + f" && distaccum report {shlex.quote(str(run_dir / 'sweep'))}")
     if args.nodes is not None:
         cost = measured_cost(plan, cfg.accum.micro_batch)
-        basis = (f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} steps on "
+        basis = (f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} step(s) on "
                  f"{plan.world_size} {cfg.engine.name} ranks ({plan.memory.split()[0]})")
         k = next(p.split.accum_steps for p in plan.predictions if p.split.micro_batch == cost.micro_batch)
         params = sum(p.numel() for p in checked.model.parameters())

@@ -230,6 +230,10 @@ def predict_modes(modes: Sequence[Mode], work: Workload, cluster: Cluster) -> li
 
 
 def _t(seconds: float) -> str:
+    if seconds == 0:
+        return "0"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
@@ -254,8 +258,8 @@ def render(rows: Sequence[ModePrediction], work: Workload, cluster: Cluster, mic
         f"groups: {sizes}; HSDP replicas {cluster.replicas}",
         f"model: {work.params:,} parameters; reductions {work.grad_bytes:g} B/param, gathers {work.param_bytes:g} "
         f"B/param, compressed reductions {work.compressed_bytes:g} B/param",
-        f"compute per micro-batch: {_t(work.compute_s)} ({work.compute_basis}); data {_t(work.data_s)}; "
-        f"optimizer step {_t(work.optim_s)} over all parameters; {batch}",
+        f"compute per micro-batch: {_t(work.compute_s)} ({work.compute_basis}); data {_t(work.data_s)}; optimizer step "
+        + (f"{_t(work.optim_s)} over all parameters" if work.optim_s else "not included (--optim-ms)") + f"; {batch}",
         f"overlap: forward gathers behind {1 - work.backward_fraction:.0%} of the compute, backward collectives "
         f"behind {work.backward_fraction:.0%}, in {work.units} units (the first gather and the last reduction of a "
         "window stay exposed)",
