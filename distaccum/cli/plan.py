@@ -33,7 +33,7 @@ from distaccum.tuning.collectives import Link, Topology, gbps
 from distaccum.tuning.scaleout import MODE_KEYS, Cluster, Workload, predict_modes, render, select_modes
 
 if TYPE_CHECKING:
-    from distaccum.tuning.planner import SizeCost, SplitPlan
+    from distaccum.tuning.planner import SplitPlan
 
 PLAN_CONFIG = "plan_config.json"
 SPLIT_KEYS = ("accum.micro_batch", "accum.steps", "accum.global_batch", "run_dir")
@@ -220,14 +220,8 @@ def plan_main(argv: list[str]) -> int:
                                                                   str(run_dir / "train"), multirun=False)))
     lines.append("measure all:   " + shlex.join(sweep) + f" && distaccum report {shlex.quote(str(run_dir / 'sweep'))}")
     if args.nodes is not None:
-        cost = measured_cost(plan, cfg.accum.micro_batch)
-        basis = (f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} step(s) on "
-                 f"{plan.world_size} {cfg.engine.name} ranks ({plan.memory.split()[0]})")
-        k = next(p.split.accum_steps for p in plan.predictions if p.split.micro_batch == cost.micro_batch)
-        params = sum(p.numel() for p in checked.model.parameters())
-        work = cluster_workload(args, int(args.params or params), cost.compute_s, basis, k,
-                                data_s=max(cost.micro_s - cost.compute_s, 0.0), optim_s=cost.optim_s)
-        lines += ["", predict_cluster(args, work, cost.micro_batch)]
+        params = int(args.params or sum(p.numel() for p in checked.model.parameters()))
+        lines += ["", measured_cluster(args, plan, cfg.engine.name, params)]
     text = "\n".join(lines)
     (run_dir / PLAN_TABLE).write_text(text + "\n", encoding="utf-8")
     print(text, flush=True)
@@ -244,15 +238,18 @@ def plan_main(argv: list[str]) -> int:
     return EXIT_OK if rec is not None or not args.run else EXIT_FAIL
 
 
-def measured_cost(plan: SplitPlan, micro_batch: int | str) -> SizeCost:
-    """The measured coefficients a cluster prediction starts from: the configured micro-batch's when it
-    was timed, else the recommended split's (else the largest timed size)."""
-    by_size = {c.micro_batch: c for c in plan.costs}
-    if micro_batch in by_size:
-        return by_size[micro_batch]  # type: ignore[index]
-    if plan.recommended is not None:
-        return by_size[plan.recommended.micro_batch]
-    return by_size[max(by_size)]
+def measured_cluster(args: argparse.Namespace, plan: SplitPlan, engine: str, params: int) -> str:
+    """The cluster prediction from the recommended split's measured coefficients: its compute per
+    micro-batch, data and optimizer times, and its K unless ``--accum-steps`` is given."""
+    rec = plan.recommended
+    if rec is None:
+        return "no split fits the memory budget: nothing measured to predict the cluster from (give --compute-ms)"
+    cost = next(c for c in plan.costs if c.micro_batch == rec.micro_batch)
+    basis = (f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} step(s) on "
+             f"{plan.world_size} {engine} ranks ({plan.memory.split()[0]})")
+    data_s = max(cost.micro_s - cost.compute_s, 0.0)  # medians of two quantities: the difference can dip below 0
+    work = cluster_workload(args, params, cost.compute_s, basis, rec.accum_steps, data_s=data_s, optim_s=cost.optim_s)
+    return predict_cluster(args, work, cost.micro_batch)
 
 
 def plan_worker(config_file: str) -> NoReturn:
