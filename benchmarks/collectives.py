@@ -12,10 +12,9 @@ a shared machine falls on every case alike:
   (4 processes on ``cores`` cores: ``cpu_shared``) and compared with its measured time.
 
 All three are the ring algorithms of the formulas, written with gloo's send/recv and checked for the
-right result before they are timed: gloo's own ``reduce_scatter_tensor`` is a clone plus an all-reduce
-(the profiler shows ``aten::clone`` and ``gloo:all_reduce`` under it), its ``all_gather_into_tensor``
-copies through a fresh buffer, and its all-reduce pipelines a C++ ring with its reductions, so none of
-them is the algorithm the formulas describe with the costs the rings measure. A case's time is the
+right result before they are timed, so the algorithm is known: gloo's own ``reduce_scatter_tensor`` is
+a clone plus an all-reduce (the profiler shows ``aten::clone`` and ``gloo:all_reduce`` under it), and
+its all-gather and all-reduce are C++ implementations whose buffers and pipelining are their own. A case's time is the
 median over rounds of a round's median call (a few calls back to back; the slowest rank's).
 ``--update-readme`` writes the validation rows into README.md between the ``collectives`` markers.
 """
