@@ -14,6 +14,7 @@ import pytest
 
 from conftest import REPO
 from distaccum.cli.compose import compose_config
+from distaccum.cli.plan import parse_args
 
 pytestmark = pytest.mark.unit
 
@@ -29,6 +30,8 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 match = re.match(r"distaccum (train|verify|plan|submit)\b(.*)", line.split(" #")[0].strip())
                 if match:
                     args = [a for a in shlex.split(match.group(2)) if a not in DROP]
+                    if match.group(1) == "plan":  # the plan's own flags parse; the rest are overrides
+                        args = parse_args(args)[1]
                     if not any(a.startswith(SKIP_WHEN) for a in args):
                         found.append((f"{path.name}: distaccum {match.group(1)} {match.group(2).strip()}", args))
     return found

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli
+from distaccum.tuning.scaleout import MODES
 
 pytestmark = pytest.mark.dist
 
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.dist
 def test_plan_run_and_sweep(tmp_path: Path) -> None:
     plan_dir = tmp_path / "plan"
     run = run_cli("plan", plan_dir, "model=mlp", "accum.global_batch=8", "trainer.max_steps=3",
-                  "--sweep", "--run", "--rounds", "2", "--steps", "1", timeout=400)
+                  "--sweep", "--run", "--rounds", "2", "--steps", "1",
+                  "--nodes", "2", "--gpus-per-node", "2", "--inter-node-gbps", "10", "--intra-node-gbps", "100",
+                  timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     plan = json.loads((plan_dir / "plan.json").read_text())
     rows = {(p["split"]["micro_batch"], p["split"]["accum_steps"]): p for p in plan["predictions"]}
@@ -30,6 +33,11 @@ def test_plan_run_and_sweep(tmp_path: Path) -> None:
         assert f"| {label} |" in run.stdout
     assert f"recommended: accum.micro_batch={rec['micro_batch']}" in run.stdout
     assert (plan_dir / "plan.md").read_text().strip() in run.stdout
+    # --nodes: every engine and sync mode predicted for 2 x 2 GPUs from the compute the trials measured
+    assert "PREDICTION for 2 nodes x 2 GPUs = 4 ranks: not a measurement" in run.stdout
+    assert f"(measured here: micro-batch {rec['micro_batch']}, median of" in run.stdout
+    predicted = [line.split(" | ")[0][2:] for line in run.stdout.splitlines() if line.endswith("| predicted |")]
+    assert predicted[:len(MODES)] == [m.key for m in MODES]
     # --run trained the recommendation
     trained = json.loads((plan_dir / "train" / "summary.json").read_text())
     assert (trained["micro_batch"], trained["global_batch"], trained["steps"]) == (rec["micro_batch"], 8, 3)

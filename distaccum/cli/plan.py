@@ -5,6 +5,10 @@ The measurements run on the configured world (``trainer.nproc`` local workers, l
 rank 0 writes ``plan.json``, this process prints the table and writes ``plan.md``. ``--run`` then
 trains the recommended split; ``--sweep`` writes ``sweep.sh``, the Hydra multirun that measures every
 split that fits, for ``distaccum report``. Exit codes: 0 ok, 1 a worker failed, 2 bad input.
+
+``--nodes N --gpus-per-node G --inter-node-gbps B --intra-node-gbps B`` adds a prediction for that
+cluster: every engine and sync mode, from the measured compute of a micro-batch (or ``--compute-ms``,
+given: then nothing is measured) and the α–β model of the collectives (:mod:`distaccum.tuning.scaleout`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
@@ -25,6 +29,11 @@ from distaccum.cluster.topology import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import PLAN, PLAN_TABLE, SWEEP_SCRIPT, read_json
+from distaccum.tuning.collectives import Link, Topology, gbps
+from distaccum.tuning.scaleout import MODE_KEYS, Cluster, Workload, predict_modes, render, select_modes
+
+if TYPE_CHECKING:
+    from distaccum.tuning.planner import SplitPlan
 
 PLAN_CONFIG = "plan_config.json"
 SPLIT_KEYS = ("accum.micro_batch", "accum.steps", "accum.global_batch", "run_dir")
@@ -44,11 +53,112 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="accumulation steps of a timing trial; larger K are extrapolated (default 4)")
     parser.add_argument("--sequential", action="store_true",
                         help="time one size after another (default on CUDA) instead of interleaving rounds")
+    add_cluster_flags(parser)
     args, overrides = parser.parse_known_args(argv)
     for value, name in ((args.rounds, "--rounds"), (args.steps, "--steps"), (args.trial_accum, "--trial-accum")):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
+    given = [f"--{k.replace('_', '-')}" for k in CLUSTER_ONLY if getattr(args, k) is not None]
+    if args.nodes is None and given:
+        parser.error(f"{', '.join(given)} describe a cluster: give --nodes too")
+    if args.compute_ms is not None and (args.run or args.sweep):
+        parser.error("--compute-ms predicts without measuring this machine: it does not combine with --run or --sweep")
     return args, overrides
+
+
+CLUSTER_ONLY = ("gpus_per_node", "inter_node_gbps", "intra_node_gbps", "replicas", "compute_ms", "optim_ms",
+                "params", "accum_steps", "modes")
+"""Flags that only mean something with ``--nodes``."""
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a prediction for a cluster larger than this machine."""
+    group = parser.add_argument_group(
+        "a cluster larger than this machine (a prediction from the α–β model of docs/planning.md)")
+    add = group.add_argument
+    add("--nodes", type=int, help="nodes of the target cluster: predict every engine and sync mode there")
+    add("--gpus-per-node", type=int, help="GPUs (ranks) per node (default 8)")
+    add("--inter-node-gbps", type=float, help="network bandwidth of one node, Gbit/s each way (all its NICs)")
+    add("--intra-node-gbps", type=float, help="one GPU's bandwidth to the others in its node, Gbit/s each way "
+                                              "(NVLink 4 on H100: 3600)")
+    add("--inter-node-latency-us", type=float, default=20.0, help="α between nodes, µs per message (default 20)")
+    add("--intra-node-latency-us", type=float, default=5.0, help="α inside a node, µs per message (default 5)")
+    add("--replicas", type=int, help="HSDP replicas (default: one per node, sharding inside the node)")
+    add("--compute-ms", type=float, help="forward+backward of one micro-batch on the target GPU, ms: given, "
+                                         "not measured (default: measure this machine's)")
+    add("--optim-ms", type=float, help="optimizer step over all parameters, ms (default: measured, or 0 with "
+                                       "--compute-ms)")
+    add("--params", type=float, help="parameters of the model (default: count the configured model's)")
+    add("--accum-steps", type=int, help="K on the cluster (default: the measured split's, or accum.steps)")
+    add("--grad-bytes", type=float, default=4.0, help="bytes per parameter of a gradient reduction (default 4)")
+    add("--param-bytes", type=float, default=4.0, help="bytes per parameter of a parameter all-gather (default 4; "
+                                                       "2 with bf16 mixed precision)")
+    add("--compressed-bytes", type=float, default=2.0, help="bytes per parameter of the compressed (bf16) "
+                                                            "reductions (default 2)")
+    add("--backward-fraction", type=float, default=2 / 3, help="share of the compute in the backward (default 2/3)")
+    add("--units", type=int, default=32, help="units (FSDP units, buckets) a window's collectives are cut into; "
+                                              "the first gather and the last reduction stay exposed (default 32)")
+    add("--modes", help="comma-separated engine modes to predict (default all): " + ", ".join(MODE_KEYS))
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    """The target cluster of ``--nodes ...`` (ValueError naming the missing or wrong flag)."""
+    gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
+    if args.nodes > 1 and args.inter_node_gbps is None:
+        raise ValueError(f"--nodes {args.nodes} needs --inter-node-gbps (the network bandwidth of one node)")
+    if gpus > 1 and args.intra_node_gbps is None:
+        raise ValueError(f"--gpus-per-node {gpus} needs --intra-node-gbps (one GPU's bandwidth inside its node)")
+
+    def link(latency_us: float, gbit: float | None) -> Link:  # None: a level the cluster does not have
+        return Link(alpha_s=latency_us * 1e-6, beta_bytes_per_s=gbps(gbit if gbit is not None else 1.0))
+
+    topo = Topology(nodes=args.nodes, gpus_per_node=gpus, intra=link(args.intra_node_latency_us, args.intra_node_gbps),
+                    inter=link(args.inter_node_latency_us, args.inter_node_gbps))
+    cluster = Cluster(topology=topo, replicas=args.nodes if args.replicas is None else args.replicas)
+    cluster.groups()  # checks the HSDP layout
+    return cluster
+
+
+def cluster_workload(args: argparse.Namespace, params: int, compute_s: float, basis: str, accum_steps: int,
+                     data_s: float = 0.0, optim_s: float = 0.0) -> Workload:
+    """What one rank does per step on the cluster (the flags override the measured values)."""
+    return Workload(params=params, compute_s=compute_s, compute_basis=basis,
+                    accum_steps=accum_steps if args.accum_steps is None else args.accum_steps, data_s=data_s,
+                    optim_s=args.optim_ms / 1e3 if args.optim_ms is not None else optim_s,
+                    grad_bytes=args.grad_bytes, param_bytes=args.param_bytes, compressed_bytes=args.compressed_bytes,
+                    backward_fraction=args.backward_fraction, units=args.units)
+
+
+def check_cluster_flags(args: argparse.Namespace) -> None:
+    """Every cluster flag, before anything is composed or measured (ValueError: bad input)."""
+    cluster_of(args)
+    select_modes(args.modes.split(",") if args.modes else None)
+    cluster_workload(args, 1, 0.0, "", 1)  # the workload flags' ranges
+    if args.compute_ms is not None and args.compute_ms < 0 or args.params is not None and args.params < 1:
+        raise ValueError(f"--compute-ms must be >= 0 and --params >= 1, got {args.compute_ms} and {args.params}")
+
+
+def predict_cluster(args: argparse.Namespace, work: Workload, micro_batch: int | None) -> str:
+    """The cluster prediction as text."""
+    cluster = cluster_of(args)
+    modes = select_modes(args.modes.split(",") if args.modes else None)
+    return render(predict_modes(modes, work, cluster), work, cluster, micro_batch)
+
+
+def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``--nodes ... --compute-ms X``: the prediction without measuring anything (exit code)."""
+    try:
+        check_cluster_flags(args)
+        cfg = compose_config(overrides)
+        params = int(args.params) if args.params else sum(p.numel() for p in preflight(cfg, write=False).model.parameters())
+        micro = cfg.accum.micro_batch if isinstance(cfg.accum.micro_batch, int) else None
+        work = cluster_workload(args, params, args.compute_ms / 1e3,
+                                "given with --compute-ms: an assumption, not measured here", cfg.accum.steps)
+        print(predict_cluster(args, work, micro), flush=True)
+    except (ConfigError, ValueError) as err:
+        print(f"distaccum plan: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    return EXIT_OK
 
 
 def user_overrides(overrides: list[str]) -> list[str]:
@@ -71,10 +181,14 @@ def plan_main(argv: list[str]) -> int:
         args, overrides = parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    if args.compute_ms is not None:
+        return given_compute(args, overrides)
     try:
+        if args.nodes is not None:
+            check_cluster_flags(args)
         cfg = compose_config(overrides)
         checked = preflight(cfg)
-    except ConfigError as err:
+    except (ConfigError, ValueError) as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         return EXIT_CONFIG
     run_dir = Path(cfg.run_dir)
@@ -105,6 +219,9 @@ def plan_main(argv: list[str]) -> int:
         lines.append("train it:      " + shlex.join(train_command(overrides, global_batch, str(rec.micro_batch),
                                                                   str(run_dir / "train"), multirun=False)))
     lines.append("measure all:   " + shlex.join(sweep) + f" && distaccum report {shlex.quote(str(run_dir / 'sweep'))}")
+    if args.nodes is not None:
+        params = int(args.params or sum(p.numel() for p in checked.model.parameters()))
+        lines += ["", measured_cluster(args, plan, cfg.engine.name, params)]
     text = "\n".join(lines)
     (run_dir / PLAN_TABLE).write_text(text + "\n", encoding="utf-8")
     print(text, flush=True)
@@ -119,6 +236,20 @@ def plan_main(argv: list[str]) -> int:
                                                         str(run_dir / "train"), multirun=False)]
         return subprocess.run(command, check=False).returncode
     return EXIT_OK if rec is not None or not args.run else EXIT_FAIL
+
+
+def measured_cluster(args: argparse.Namespace, plan: SplitPlan, engine: str, params: int) -> str:
+    """The cluster prediction from the recommended split's measured coefficients: its compute per
+    micro-batch, data and optimizer times, and its K unless ``--accum-steps`` is given."""
+    rec = plan.recommended
+    if rec is None:
+        return "no split fits the memory budget: nothing measured to predict the cluster from (give --compute-ms)"
+    cost = next(c for c in plan.costs if c.micro_batch == rec.micro_batch)
+    basis = (f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} step(s) on "
+             f"{plan.world_size} {engine} ranks ({plan.memory.split()[0]})")
+    data_s = max(cost.micro_s - cost.compute_s, 0.0)  # medians of two quantities: the difference can dip below 0
+    work = cluster_workload(args, params, cost.compute_s, basis, rec.accum_steps, data_s=data_s, optim_s=cost.optim_s)
+    return predict_cluster(args, work, cost.micro_batch)
 
 
 def plan_worker(config_file: str) -> NoReturn:

@@ -1,0 +1,136 @@
+"""The large-world prediction of ``distaccum plan --nodes ...`` (``distaccum/tuning/scaleout.py``): each
+mode's collectives, the overlap model against hand-computed steps, and the command line (given compute:
+no launch), whose output the README shows."""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+
+import pytest
+
+from conftest import REPO
+from distaccum.cli.plan import plan_main
+from distaccum.tuning.collectives import Link, Topology
+from distaccum.tuning.scaleout import (
+    MODES,
+    Cluster,
+    Workload,
+    hidden_behind,
+    predict_mode,
+    predict_modes,
+    render,
+    select_modes,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def two_nodes(gpus: int = 1) -> Cluster:
+    link = Link(alpha_s=0.0, beta_bytes_per_s=1e9)  # 1 GB/s, no latency: times are bytes / 1e9
+    return Cluster(topology=Topology(nodes=2, gpus_per_node=gpus, intra=link, inter=link), replicas=2)
+
+
+WORK = Workload(params=1_000_000, compute_s=0.010, compute_basis="given", accum_steps=4, backward_fraction=0.5,
+                units=4)
+
+
+def mode(key: str):
+    return select_modes([key])[0]
+
+
+def test_hidden_behind_compute() -> None:
+    assert hidden_behind(0.0, 2.0, 4) == 0.0
+    assert hidden_behind(1.0, 2.0, 4) == 0.25  # fits the window: only the last unit's 1/4 shows
+    assert hidden_behind(3.0, 2.0, 4) == 1.5  # longer than the window: 3 - 2 + 2/4
+
+
+def test_ddp_steps_by_hand() -> None:
+    # 1M fp32 parameters = 4 MB; a ring all-reduce over 2 ranks sends 2 x 1/2 x 4 MB = 4 ms at 1 GB/s.
+    # The backward is half of 10 ms: 5 ms, in 4 units, hides all but max(1 ms, 4 - 5 + 1.25 ms) = 1 ms.
+    boundary = predict_mode(mode("ddp.boundary"), WORK, two_nodes())
+    assert math.isclose(boundary.comm_s, 4e-3) and math.isclose(boundary.exposed_s, 1e-3)
+    assert math.isclose(boundary.step_s, 4 * 0.010 + 1e-3)
+    assert math.isclose(boundary.comm_share, 1e-3 / (0.040 + 1e-3))
+    every = predict_mode(mode("ddp.every_micro"), WORK, two_nodes())
+    assert math.isclose(every.comm_s, 16e-3) and math.isclose(every.exposed_s, 4e-3)
+    assert boundary.calls == {"all_reduce@world": 1} and every.calls == {"all_reduce@world": 4}
+    bf16 = predict_mode(mode("ddp.boundary.bf16"), WORK, two_nodes())
+    assert math.isclose(bf16.priced[0].n_bytes, boundary.priced[0].n_bytes / 2) and math.isclose(bf16.comm_s, 2e-3)
+
+
+def test_zero1_all_gather_after_the_step_is_exposed() -> None:
+    # reduce-scatter of 4 MB (2 ms, behind the 5 ms backward: 0.5 ms shows), then the all-gather of the
+    # updated fp32 shards after the step: 2 ms, all of it exposed; the optimizer steps half the parameters
+    work = Workload(**{**WORK.__dict__, "optim_s": 0.004})
+    row = predict_mode(mode("zero1.boundary"), work, two_nodes())
+    assert math.isclose(row.exposed_s, 0.5e-3 + 2e-3) and math.isclose(row.step_s, 0.040 + 2.5e-3 + 0.002)
+    assert math.isclose(predict_mode(mode("ddp.boundary"), work, two_nodes()).step_s, 0.040 + 1e-3 + 0.004)
+
+
+def test_fsdp_gathers_hide_behind_forward_and_backward() -> None:
+    # every micro-batch: all-gather of 4 MB in the forward (2 ms vs a 5 ms window: 0.5 ms shows) and again in
+    # the backward; the boundary adds the reduce-scatter (2 + 2 = 4 ms behind 5 ms: 1 ms shows)
+    row = predict_mode(mode("fsdp.boundary"), WORK, two_nodes())
+    assert math.isclose(row.comm_s, 4 * (2e-3 + 2e-3) + 2e-3)
+    assert math.isclose(row.exposed_s, 4 * 0.5e-3 + 3 * 0.5e-3 + 1e-3)
+    assert row.calls == {"all_gather@world": 8, "reduce_scatter@world": 1}
+
+
+def test_hsdp_cross_replica_calls_per_mode() -> None:
+    cluster = two_nodes(gpus=2)  # 2 replicas (one per node) of 2 shards each
+    calls = {key: predict_mode(mode(key), WORK, cluster).calls
+             for key in ("hsdp.boundary", "hsdp.replica_boundary", "hsdp.every_micro")}
+    assert [c["all_reduce@replicate"] for c in calls.values()] == [1, 1, 4]  # issue 22: 1, 1 and K per step
+    assert [c["reduce_scatter@shard"] for c in calls.values()] == [1, 4, 4]
+    assert all(c["all_gather@shard"] == 8 for c in calls.values())
+    row = predict_mode(mode("hsdp.replica_boundary"), WORK, cluster)
+    replicate = next(p for p in row.priced if p.comm.group == "replicate")
+    assert replicate.group.size == 2 and replicate.n_bytes == 4e6 / 2  # the all-reduce of a 1/2 shard
+    bf16 = predict_mode(mode("hsdp.replica_boundary.bf16"), WORK, cluster)
+    assert next(p for p in bf16.priced if p.comm.group == "replicate").n_bytes == 1e6  # bf16: half again
+
+
+def test_every_printed_row_says_it_is_a_prediction() -> None:
+    rows = predict_modes(MODES, WORK, two_nodes(gpus=2))
+    text = render(rows, WORK, two_nodes(gpus=2), micro_batch=4)
+    assert text.startswith("PREDICTION for 2 nodes x 2 GPUs = 4 ranks: not a measurement")
+    lines = text.splitlines()
+    rows = [line for i, line in enumerate(lines)  # table rows, not headers (a header precedes its |---|)
+            if line.startswith("| ") and not line.startswith("|---") and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))]
+    assert sum(line.split(" | ")[0][2:] in {m.key for m in MODES} for line in rows) == len(MODES)
+    assert len(rows) > len(MODES) and all(line.endswith("| predicted |") for line in rows)  # collectives too
+    with pytest.raises(ValueError, match="unknown mode"):
+        select_modes(["ddp.sometimes"])
+
+
+README_COMMAND = re.compile(r"```bash\n(distaccum plan --nodes [^\n]*)\n```\n\n```\n(.*?)```", re.S)
+
+
+def test_the_readme_example_is_what_the_command_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's large-world example is the command's real output (the given compute time keeps it exact)."""
+    found = README_COMMAND.search((REPO / "README.md").read_text(encoding="utf-8"))
+    assert found, "README.md shows no `distaccum plan --nodes ...` example followed by its output"
+    command, shown = found.group(1), found.group(2)
+    assert "--compute-ms" in command  # nothing measured here: the output cannot drift with the machine
+    assert plan_main(shlex.split(command)[2:]) == 0
+    printed = capsys.readouterr().out
+    missing = [line for line in shown.strip().splitlines() if line not in printed.splitlines()]
+    assert not missing, f"README lines the command no longer prints: {missing}"
+    assert "not measured here" in printed
+    assert [line.split(" | ")[0][2:] for line in printed.splitlines() if line.endswith("| predicted |")][:len(MODES)] \
+        == [m.key for m in MODES]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--nodes", "4", "--intra-node-gbps", "900", "--compute-ms", "10", "--params", "1e6"], "needs --inter-node-gbps"),
+    (["--nodes", "4", "--gpus-per-node", "8", "--inter-node-gbps", "100", "--intra-node-gbps", "900",
+      "--replicas", "3", "--compute-ms", "10", "--params", "1e6"], "replicas=3 must divide"),
+    (["--nodes", "2", "--inter-node-gbps", "100", "--intra-node-gbps", "900", "--compute-ms", "10",
+      "--params", "1e6", "--modes", "ddp.never"], "unknown mode"),
+    (["--gpus-per-node", "8"], "give --nodes too"),
+])
+def test_bad_cluster_flags_are_bad_input(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main([*flags, "model=mlp"]) == 2
+    assert message in capsys.readouterr().err
