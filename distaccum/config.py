@@ -300,8 +300,9 @@ class TrainerConfig:
     """Cross-rank consistency tripwire every N optimizer steps (0 disables). One check costs ~3-6%
     of a step on CPU/gloo (measured, see README: Verification), so every 10 steps costs <= 0.6%."""
     init_from: str | None = None
-    """Initial weights: a model.safetensors file (or a run's final/ directory) under the plain model's
-    parameter names, e.g. a seed checkpoint; loaded after the model is built, before wrapping."""
+    """Initial weights, loaded after the model is built, before wrapping, under the plain model's parameter
+    names (e.g. a seed checkpoint): a .safetensors file, a run's final/ directory, or a PyTorch state dict
+    saved with torch.save (.pt, .pth, .bin; read with weights_only=True; flat or under 'state_dict'/'model')."""
     resume: bool = True
     """Resume from the newest valid checkpoint in run_dir/checkpoints when there is one (its config
     fingerprint must match); false deletes the run directory's checkpoints and starts afresh."""
