@@ -111,7 +111,8 @@ def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int 
         raise ValueError("log.gns=true compares each rank's gradient with the reduced one: it needs at least "
                          f"2 ranks, got world_size={world_size}")
     spec = EngineSpec(engine=cfg.engine, precision=precision, split=split, sync=cfg.accum.sync,
-                      clip_norm=cfg.optim.clip_norm, device=device, gns=cfg.log.gns)
+                      clip_norm=cfg.optim.clip_norm, device=device, gns=cfg.log.gns,
+                      compile_mode=cfg.trainer.compile_mode if cfg.trainer.compile else None)
     check_engine(spec)
     loop = LoopSettings(split=split, max_steps=cfg.trainer.max_steps, clip_norm=cfg.optim.clip_norm,
                         every_micro=cfg.accum.sync == "every_micro", loss_norm=cfg.accum.loss_norm,
