@@ -13,7 +13,8 @@ micro-batch's training step (forward, backward, AdamW step) of each model with a
 - **step time**: both variants in one process, alternating (order swapped every round), ``--rounds``
   rounds of 3 steps; the median per round, then the median and range over rounds.
 
-Writes ``results.json`` and ``results.md`` into ``--out`` and prints the markdown.
+Writes ``results.json`` and ``results.md`` into ``--out`` and prints the markdown; ``--docs FILE`` also puts
+the table into FILE between its ``bench:checkpointing`` markers (docs/companions.md; not for ``--smoke``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.update_docs import replace_section
 from distaccum.activation_checkpointing import apply_activation_checkpointing, saved_activation_bytes
 from distaccum.losses import token_cross_entropy
 from distaccum.models import TinyGPT
 from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 
 VARIANTS = ("none", "blocks")
+DOCS_COMMAND = "python -m benchmarks.checkpointing --rounds 8 --docs docs/companions.md"
+"""The command whose output docs/companions.md carries between its ``bench:checkpointing`` markers."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--smoke", action="store_true", help="one tiny model (CI)")
     parser.add_argument("--out", type=Path, default=Path("runs/checkpointing"))
+    parser.add_argument("--docs", type=Path, default=None,
+                        help="also write the table between the bench:checkpointing markers of this file")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -191,6 +197,11 @@ def main(argv: list[str]) -> None:
     markdown = render(results, args.rounds, args.threads)
     (args.out / "results.md").write_text(markdown)
     print(markdown)
+    if args.docs is not None:
+        if args.smoke:
+            raise SystemExit("--docs refuses a --smoke run: its figures are structure only")
+        args.docs.write_text(replace_section(args.docs.read_text(), "checkpointing", markdown, DOCS_COMMAND))
+        print(f"wrote the table into {args.docs}")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ class HandWrittenVariant:
         self.torch, self.dist = torch, dist
         torch.manual_seed(spec.seed)  # the same initial weights as distaccum's build_model
         self.raw = causal_lm(**spec.model_kwargs())
-        self.model = DDP(self.raw)
+        self.model = DDP(self.raw, gradient_as_bucket_view=True)  # an expert's setting (and distaccum's)
         self.optimizer = torch.optim.AdamW(self.raw.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                            foreach=False)
         # The same samples as distaccum's run, step by step, through a plain DataLoader (what a user writes).
@@ -165,7 +165,7 @@ class HandWrittenVariant:
             loss_total += out.loss.detach()
         torch.nn.utils.clip_grad_norm_(self.raw.parameters(), 1.0)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay DDP's bucket views
         self.step += 1
         return loss_total  # this rank's share; summed over ranks after the timed round
 

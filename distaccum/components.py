@@ -64,7 +64,8 @@ class ModelRecipe:
     seed: int
     precision: Precision
     init_from: str | None = None
-    """A ``model.safetensors`` (or a run's ``final/``) loaded after building (``trainer.init_from``)."""
+    """Weights loaded after building (``trainer.init_from``: safetensors, a run's ``final/``, or a ``torch.save``
+    state dict)."""
 
     def build(self, parts: Components) -> nn.Module:
         """Seed, build the user's model, cast it for the precision, load ``init_from``."""
@@ -79,7 +80,10 @@ def build_model(spec: ModelSpec, seed: int, precision: Precision, init_from: str
     if precision.param_dtype == torch.float64:
         model = model.double()
     if init_from:
-        load_into(model, init_from)
+        try:
+            load_into(model, init_from)
+        except ValueError as err:
+            raise ValueError(f"trainer.init_from={init_from}: {err}") from err
     return model
 
 

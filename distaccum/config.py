@@ -29,6 +29,7 @@ SCHEDULES = ("constant", "cosine", "linear")
 AUTO = "auto"
 """``accum.micro_batch=auto``: the Trainer picks the largest micro-batch that fits the memory budget."""
 LR_SCALINGS = ("none", "linear", "sqrt")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 Node = dict[str, Any]
 """A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
@@ -325,8 +326,9 @@ class TrainerConfig:
     1, naming the ranks); identical data or random numbers on every rank are warned about. Off only to
     save that collective (and on CUDA its host read) per step; world size 1 skips it."""
     init_from: str | None = None
-    """Initial weights: a model.safetensors file (or a run's final/ directory) under the plain model's
-    parameter names, e.g. a seed checkpoint; loaded after the model is built, before wrapping."""
+    """Initial weights, loaded after the model is built, before wrapping, under the plain model's parameter
+    names (e.g. a seed checkpoint): a .safetensors file, a run's final/ directory, or a PyTorch state dict
+    saved with torch.save (.pt, .pth, .bin; read with weights_only=True; flat or under 'state_dict'/'model')."""
     resume: bool = True
     """Resume from the newest valid checkpoint in run_dir/checkpoints when there is one (its config
     fingerprint must match); false deletes the run directory's checkpoints and starts afresh."""
@@ -350,11 +352,19 @@ class TrainerConfig:
     save_final: bool = True
     """Write the trained model to run_dir/final/ (model.safetensors, config; save_pretrained for
     Hugging Face models) when the run finishes."""
+    compile: bool = False
+    """torch.compile the model: DDP and Accelerate compile the wrapped module (graphs split at the gradient
+    buckets), FSDP2 each block before sharding, DeepSpeed through its engine.compile(). Shapes are dynamic from
+    the first compile, so varying sequence lengths and partial windows do not recompile; each step records
+    compile_s, recompiles and graph_breaks, and a recompile after the first step is reported."""
+    compile_mode: str = "default"
+    """torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "nnodes", "max_steps"):
             _positive("trainer", name, getattr(self, name))
         _choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
+        _choice("trainer", "compile_mode", self.compile_mode, COMPILE_MODES)
         if self.check_every < 0 or self.max_restarts < 0 or self.checkpoint_every < 0:
             raise ValueError("trainer.check_every, trainer.max_restarts and trainer.checkpoint_every must be >= 0")
         if self.checkpoint_every_s < 0:

@@ -100,7 +100,9 @@ def evaluate(model: nn.Module, dataset: Dataset, collate: Callable[[list[Any]], 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # A compiled model (trainer.compile) evaluates eagerly: no-grad evaluation would compile new graphs
+        # (another guard) for a forward that runs a few times per run.
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             for piece in shard_batches(len(dataset), world, rank, micro_batch):  # type: ignore[arg-type]
                 indices = piece.tolist() if len(piece) else [0]
                 batch = to_device(collate([dataset[i] for i in indices]), device, float_dtype)

@@ -123,26 +123,16 @@ class Checked:
     model: nn.Module
 
 
-def check_run_dir(run_dir: str, *, create: bool = True) -> None:
-    """``run_dir`` can be created and written (a clear error instead of a traceback from the workers).
-
-    ``create=False`` only looks: the nearest existing ancestor must be a writable directory.
-    """
+def check_run_dir(run_dir: str) -> None:
+    """Create ``run_dir`` and write a file into it: a clear error instead of a traceback from Hydra or the
+    workers (an unwritable or impossible path, a file in the way, a full disk)."""
     path = Path(run_dir)
-    if not create:
-        existing = path
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            what = "is not a directory" if existing.exists() and not existing.is_dir() else "is not writable"
-            raise ConfigError(f"run_dir={run_dir!r} cannot be created: {existing} {what}; choose another run_dir")
-        return
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
             pass
     except OSError as err:
-        raise ConfigError(f"run_dir={run_dir!r} is not writable: {err.strerror or err} "
+        raise ConfigError(f"run_dir={run_dir!r} cannot be created and written: {err.strerror or err} "
                           f"({os.path.abspath(run_dir)}); choose another run_dir") from err
 
 

@@ -47,6 +47,7 @@ from distaccum.rundir import CONFIG, write_json
 from distaccum.rundir.checkpoint import Checkpointer, CheckpointWriter
 from distaccum.rundir.resume import fresh_start, resume
 from distaccum.rundir.weights import save_final
+from distaccum.telemetry.compilation import CompileWatch
 from distaccum.telemetry.gns import GnsMonitor
 from distaccum.telemetry.ledger import CommLedger
 from distaccum.telemetry.sinks import NullSink, Record, Sink, build_sinks
@@ -295,6 +296,8 @@ class Trainer:
                                        RankStats(timer, cfg.log.rank_stats_every)]
         if cfg.log.gns:
             monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world))
+        if cfg.trainer.compile:
+            monitors.append(CompileWatch(rank, warmup_steps=max(done, 0) + 1))
         parts = LoopParts(timer=timer, sink=NullSink(),  # the real sinks open on the first train_steps
                           nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
                           checkpointer=checkpointer, monitors=monitors, stop=self.stop, on_step=self._after_step,

@@ -25,6 +25,21 @@ FAULTS = REPO / "tests" / "fixtures" / "faults"
 """A config directory with ``loss=injected``: the run's loss wrapped by the testing seam."""
 
 
+def requires(module: str) -> Any:
+    """Import an optional dependency a test file needs: without it the file is skipped, except under
+    ``CI=true``, where a missing optional dependency (an extra that failed to install) fails the run
+    instead of passing with the tests silently skipped. Call at module level."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        why = f"{module} is not importable ({err}); install distaccum's extras (make install)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but {why}", pytrace=False)
+        pytest.skip(why, allow_module_level=True)
+
+
 def fault(name: str, **kwargs: Any) -> str:
     """A fault of :mod:`distaccum.testing.faults` as a Hydra dict (for :func:`inject`)."""
     fields = "".join(f",{key}:{value}" for key, value in kwargs.items())

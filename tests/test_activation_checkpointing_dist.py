@@ -2,7 +2,9 @@
 
 - Every engine (DDP, FSDP2, Accelerate, DeepSpeed ZeRO-3) trains tiny_gpt, and FSDP2 a Hugging
   Face Llama, with and without ``model.activation_checkpointing``: the per-step losses and
-  grad norms and the final parameters are the same (fp64: <= 1e-12 relative; they are in fact equal).
+  grad norms and the final parameters are the same (fp64: <= 1e-12 relative; they are in fact equal),
+  and checkpointing really happened: every layer inside a checkpointed module ran its forward twice
+  per training micro-batch (once more to recompute in backward), every other layer once.
 - ``distaccum verify`` passes with checkpointing on, on DDP and FSDP (fp64, its 1e-9 tolerance).
 - ``optim.lr_scaling=linear``: doubling the global batch doubles every step's lr; the summary and
   ``distaccum report`` show the effective lr.
@@ -33,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distaccum.activation_checkpointing import (
     apply_activation_checkpointing,
+    is_checkpointed,
     reentrant_modules,
     saved_activation_bytes,
 )
@@ -120,6 +123,20 @@ def reentrant_demo(out: Path) -> None:
         out.write_text(json.dumps(results))
 
 
+def count_training_forwards(model: torch.nn.Module) -> dict[str, Any]:
+    """Forward hooks on every leaf module counting the calls made with gradients on (training forwards and
+    the recomputation in backward; evaluation runs without), and the modules that checkpoint."""
+    counts: dict[str, list[int]] = {}
+    for name, module in model.named_modules():
+        if name and not list(module.children()):
+            counts[name] = [0]
+            module.register_forward_hook(
+                lambda _m, _i, _o, c=counts[name]: c.__setitem__(0, c[0] + int(torch.is_grad_enabled())))
+    flagged = [n for n, m in model.named_modules() if is_checkpointed(m)]
+    # Hugging Face flags a model's layer stack as well as its layers: the layers are what recompute.
+    return {"counts": counts, "checkpointed": [n for n in flagged if not any(o.startswith(n + ".") for o in flagged)]}
+
+
 def _worker_main(plan_file: str) -> None:
     """Worker entry (under torch.distributed.run): train each config through the public Trainer, as
     the CLI's workers do (components instantiated from the config, checkpointing included), then
@@ -135,8 +152,13 @@ def _worker_main(plan_file: str) -> None:
         for values in json.loads(Path(plan_file).read_text()):
             cfg = from_mapping(values)
             parts = instantiate_components(cfg)
-            Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
-                    names=parts.names, activation_checkpointing=parts.activation_checkpointing).fit()
+            trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
+                              names=parts.names, activation_checkpointing=parts.activation_checkpointing)
+            forwards = count_training_forwards(trainer.setup().engine.unwrapped())
+            trainer.fit()
+            if dist.get_rank() == 0:
+                forwards["counts"] = {k: v[0] for k, v in forwards["counts"].items()}
+                (Path(cfg.run_dir) / "forwards.json").write_text(json.dumps(forwards))
         reentrant_demo(Path(plan_file).parent / "reentrant_demo.json")
         shutdown()
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
@@ -156,6 +178,9 @@ class Runs:
 
     def summary(self, name: str) -> dict[str, Any]:
         return json.loads((self.root / name / "summary.json").read_text())
+
+    def forwards(self, name: str) -> dict[str, Any]:
+        return json.loads((self.root / name / "forwards.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +217,26 @@ def test_checkpointing_changes_no_loss_on_any_engine(runs: Runs, twin: str) -> N
         assert b["comm_rounds"] == a["comm_rounds"]  # still one reduction per step where there was one
     for key in ("param_sum", "param_l2"):
         assert rel(runs.summary(f"{twin}-ckpt")[key], runs.summary(f"{twin}-none")[key]) <= 1e-12
+
+
+@pytest.mark.parametrize("twin", TWINS)
+def test_checkpointed_layers_really_recompute_in_backward(runs: Runs, twin: str) -> None:
+    """Equal losses cannot show that checkpointing happened; the recomputation can: with it, layers inside
+    each checkpointed module run their forward once more per training micro-batch, in backward (all of them
+    up to the last one whose output backward needs: torch stops recomputing early), and no other layer does."""
+    plain, ckpt = runs.forwards(f"{twin}-none"), runs.forwards(f"{twin}-ckpt")
+    assert plain["checkpointed"] == [] and ckpt["checkpointed"], (twin, ckpt["checkpointed"])
+    micro_batches = 3 * 4  # steps x K on each rank
+    assert {calls % micro_batches for calls in plain["counts"].values()} == {0}, plain["counts"]
+    for module in ckpt["checkpointed"]:
+        inside = [n for n in ckpt["counts"] if n.startswith(module + ".") and plain["counts"][n]]
+        assert inside, (twin, module)
+        for name in inside:  # a layer called twice per forward (a shared dropout) may be recomputed once
+            assert plain["counts"][name] <= ckpt["counts"][name] <= 2 * plain["counts"][name], (twin, name)
+        assert ckpt["counts"][inside[0]] == 2 * plain["counts"][inside[0]], (twin, module, inside[0])  # from its start
+    outside = [n for n in plain["counts"] if not any(n.startswith(c + ".") for c in ckpt["checkpointed"])]
+    for name in outside:
+        assert ckpt["counts"][name] == plain["counts"][name], (twin, name)
 
 
 def test_the_runs_said_what_they_checkpoint(runs: Runs) -> None:

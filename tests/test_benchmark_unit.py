@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.cases import FULL_CASES, SMOKE_CASES, BenchData, Spec, launch_spec, loss_sum
-from benchmarks.device import mfu, model_flops_per_step, peak_tflops
+from benchmarks.device import HostClock, mfu, model_flops_per_step, peak_tflops
 from benchmarks.interleave import rotation
 from benchmarks.report import render
 from benchmarks.run import memory_growth
 from benchmarks.stats import per_round_ratios, spread, summarize_launch, target, verdict
 from benchmarks.update_docs import markers, problems, replace_section
-from benchmarks.variants import DEFAULT_VARIANTS, check_variants, distaccum_config
+from benchmarks.variants import DEFAULT_VARIANTS, HAND_WRITTEN, check_variants, distaccum_config
 from distaccum.config import RunConfig, from_mapping, to_mapping
 from distaccum.data.pipeline import PlanSampler
 
@@ -203,3 +203,17 @@ def test_mfu_is_model_flops_over_the_peak() -> None:
     assert mfu(10**9, 4, step_s=0.5, peak=48.0) == pytest.approx(6 * 4e9 / 0.5 / 48e12)
     assert mfu(10**9, 4, step_s=0.5, peak=None) is None
     assert peak_tflops("fp32", override=100.0) == (100.0, "--peak-tflops")
+
+
+@pytest.mark.parametrize("name", ["ddp_no_sync", "ddp_every_micro"])
+def test_the_hand_written_ddp_loops_use_an_experts_settings(cpu_group: None, name: str) -> None:
+    """The baselines are the strongest reasonable loops: gradients as DDP bucket views, zeroed in place (so
+    the same gradient storage serves every window), as distaccum's DDP engine does."""
+    spec = launch_spec(SMOKE_CASES[0], 2)
+    loop = HAND_WRITTEN[name](name, spec, BenchData(spec, world_size=1), 0, torch.device("cpu"), HostClock())
+    assert loop.ddp.gradient_as_bucket_view is True
+    loop.run(2)  # DDP rebuilds its buckets once, after the first iteration
+    storages = [p.grad.untyped_storage().data_ptr() for p in loop.model.parameters()]
+    assert all(p.grad is not None and not p.grad.any() for p in loop.model.parameters())  # zeroed, kept
+    loop.run(2)
+    assert [p.grad.untyped_storage().data_ptr() for p in loop.model.parameters()] == storages

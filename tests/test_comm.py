@@ -199,9 +199,10 @@ def test_step_timer_phases_add_up(clock: HandClock) -> None:
     assert times.comm.comm_exposed_s == pytest.approx(1.0)
     assert times.compute_s == pytest.approx(2.5 - 1.0)  # forward+backward minus exposed comm
     assert times.optim_s == pytest.approx(0.25)
+    assert times.last_micro_s == pytest.approx(1.0)  # the boundary micro-batch: from its fetch to compute_done
     assert times.peak_mem_bytes > 0
     record = times.as_record()
-    assert set(record) == {"time_s", "data_s", "compute_s", "optim_s", "peak_mem_bytes", "comm_calls",
+    assert set(record) == {"time_s", "data_s", "compute_s", "optim_s", "last_micro_s", "peak_mem_bytes", "comm_calls",
                            "comm_bytes", "comm_rounds", "comm_s", "comm_exposed_s", "gather_calls", "gather_bytes",
                            "comm_calls_replicate", "comm_bytes_replicate", "comm_rounds_replicate"}
     assert record["comm_rounds"] == 1 and record["comm_bytes"] == 40

@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import requires
 from hf_corpus import OFFLINE, write_bpe_tokenizer, write_text_files
 
 pytestmark = pytest.mark.dist
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+requires("transformers")
+requires("datasets")
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ("model=hf_causal_lm", "data=text_files")

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.run import ROOT
+from conftest import requires
 from hf_corpus import OFFLINE
 
 pytestmark = pytest.mark.dist
-pytest.importorskip("transformers")
+requires("transformers")
 
 
 @pytest.mark.timeout(240)

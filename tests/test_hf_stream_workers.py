@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("datasets")
+from conftest import requires
+
+requires("datasets")
 
 from distaccum.data.stream import StreamWindows  # noqa: E402
 from distaccum.textdata import TextStream  # noqa: E402

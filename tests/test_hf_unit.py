@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+from conftest import requires
+
+requires("transformers")
+requires("datasets")
 
 from distaccum.config import EvalConfig, Split  # noqa: E402
 from distaccum.data.global_batch import GlobalBatchPlan  # noqa: E402

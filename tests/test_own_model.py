@@ -10,10 +10,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.rundir.weights import load_weights
 
 pytestmark = pytest.mark.dist
@@ -25,7 +27,8 @@ SPLIT = ("trainer.nproc=2", "accum.micro_batch=2", "accum.steps=4")
 
 def distaccum(command: str, run_dir: Path, *args: str, timeout: float = 240,
               cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(FIXTURES), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
     return subprocess.run([sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
@@ -52,12 +55,17 @@ def test_own_task_trains_through_the_cli(trained: Path) -> None:
     assert config["model"]["_target_"] == "mytask.make_model" and config["components"]["loss"] == "mytask.loss_sum"
 
 
-def test_final_weights_reproduce_the_trained_model(trained: Path) -> None:
+def import_mytask() -> Any:
     sys.path.insert(0, str(FIXTURES))
     try:
         import mytask
     finally:
         sys.path.remove(str(FIXTURES))
+    return mytask
+
+
+def test_final_weights_reproduce_the_trained_model(trained: Path) -> None:
+    mytask = import_mytask()
     summary = json.loads((trained / "summary.json").read_text())
     assert summary["final_model"] == str(trained / "final")
     state = load_weights(trained / "final")
@@ -70,6 +78,31 @@ def test_final_weights_reproduce_the_trained_model(trained: Path) -> None:
     assert float(total) == summary["param_sum"]  # bit for bit
     config = json.loads((trained / "final" / "run_config.json").read_text())
     assert config["model"] == {"_target_": "mytask.make_model", "dim": 4, "hidden": 16}
+
+
+def test_init_from_a_torch_save_state_dict_trains_and_a_bad_file_exits_2(trained: Path, tmp_path: Path) -> None:
+    """The most common PyTorch weights file starts a run; a file that is no weights is refused before any
+    worker starts, naming trainer.init_from (not the model factory) and the accepted formats."""
+    torch.save(load_weights(trained / "final"), tmp_path / "weights.pt")
+    proc = distaccum("train", tmp_path / "from_pt", *TASK, *SPLIT, "trainer.max_steps=1", "log.console=quiet",
+                     f"trainer.init_from={tmp_path / 'weights.pt'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads((tmp_path / "from_pt" / "metrics.jsonl").read_text().splitlines()[0])
+    # Its step-1 loss is what the trained weights give on the plan's first window (computed here).
+    mytask = import_mytask()
+    data = mytask.Corpus()
+    window = GlobalBatchPlan(len(data), 16, seed=0).window(0).indices.tolist()
+    model = mytask.make_model()
+    model.load_state_dict(load_weights(trained / "final"))
+    with torch.no_grad():
+        total, items = mytask.loss_sum(model, mytask.collate([data[i] for i in window]))
+    assert resumed["loss"] == pytest.approx(float(total / items), rel=1e-5)
+    (tmp_path / "notes.bin").write_text("these are not weights\n")
+    bad = distaccum("train", tmp_path / "bad", *TASK, *SPLIT, "trainer.max_steps=1",
+                    f"trainer.init_from={tmp_path / 'notes.bin'}")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert f"trainer.init_from={tmp_path / 'notes.bin'}: weights file" in bad.stderr
+    assert "mytask.make_model failed" not in bad.stderr and "equivalent to `" not in bad.stdout
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
@@ -117,9 +150,15 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path: Path, case: str) -> Non
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
-def test_an_unwritable_run_dir_is_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("command", "where"), [("train", "file"), ("train", "proc"), ("verify", "proc")])
+def test_an_unwritable_run_dir_is_a_clear_error(tmp_path: Path, command: str, where: str) -> None:
+    """A file in the way, or a path nobody can create (``/proc/x``, which looks writable to root): one
+    paragraph, exit 2, no traceback (Hydra's output directory would otherwise fail with two)."""
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = distaccum("train", blocker / "run", *TASK, *SPLIT, "trainer.max_steps=2", timeout=120, cwd=tmp_path)
+    run_dir = blocker / "run" if where == "file" else Path("/proc/distaccum-test/run")
+    proc = distaccum(command, run_dir, *TASK, *SPLIT, "trainer.max_steps=2", timeout=120, cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"run_dir='{blocker / 'run'}' cannot be created: {blocker} is not a directory" in proc.stderr
+    reason = "Not a directory" if where == "file" else "No such file or directory"
+    assert f"run_dir='{run_dir}' cannot be created and written: {reason}" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one paragraph

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import requires
 from distaccum.telemetry.report import (
     build_rows,
     check_agreement,
@@ -162,7 +163,7 @@ def test_eval_lines_become_a_column_and_crosses_on_the_loss_panel(tmp_path: Path
     assert rows[0].eval_loss == 1.2 and rows[0].final_loss == 1.0
     markdown = render_markdown(rows, [], [run], 1e-4, 1e-6)
     assert "| eval loss (ppl) |" in markdown and f"| 1.2000 ({math.exp(1.2):.2f}) |" in markdown
-    pytest.importorskip("matplotlib")
+    requires("matplotlib")
     from distaccum.telemetry.report import plot_report
 
     plot_report(rows, {"r": run.losses}, [], tmp_path / "report.png", 1e-4, {"r": run.eval_losses})

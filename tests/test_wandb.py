@@ -20,9 +20,11 @@ from typing import Any
 
 import pytest
 
+from conftest import requires
+
 pytestmark = pytest.mark.dist
 
-wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
+wandb_pb = requires("wandb.proto.wandb_internal_pb2")
 
 STEPS = 3
 SECRET = "sentinel0wandb0api0key0never0printed00042"  # 40 characters, like a real key

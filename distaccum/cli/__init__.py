@@ -55,8 +55,9 @@ docs: README.md, https://github.com/distaccum/distaccum"""
 
 def precheck(argv: list[str]) -> None:
     """Compose plain overrides before Hydra runs, so a composition error or an unusable run_dir is one
-    paragraph and exit 2 rather than Hydra's traceback. Hydra's own flags (--multirun, --cfg, ...)
-    are left to Hydra."""
+    paragraph and exit 2 rather than Hydra's traceback. The run directory is created and written to
+    here (Hydra would create it next): permission bits are no proof (as root ``/proc`` looks writable).
+    Hydra's own flags (--multirun, --cfg, ...) are left to Hydra."""
     from distaccum.cli.compose import compose_config
     from distaccum.config import ConfigError
     from distaccum.preflight import check_run_dir
@@ -64,7 +65,7 @@ def precheck(argv: list[str]) -> None:
     if any(a.startswith("-") and not a.startswith("--config-dir") and a != "-cd" for a in argv):
         return
     try:
-        check_run_dir(compose_config(argv).run_dir, create=False)
+        check_run_dir(compose_config(argv).run_dir)
     except ConfigError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None

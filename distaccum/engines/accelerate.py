@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult
+from distaccum.engines.compile import compiled
 from distaccum.engines.replicated import ReplicatedEngine
 from distaccum.telemetry.ledger import CommLedger
 
@@ -77,7 +78,8 @@ class AccelerateEngine(ReplicatedEngine):
         self.module = prepared
         self.optimizer = optimizer  # the torch optimizer our scheduler drives (Accelerate wraps it)
         self.scaler = self.accelerator.scaler  # Accelerate's GradScaler (fp16), driven by the shared step
-        return prepared
+        # Compiled like DDP's: accumulate() and no_sync act on the prepared module, the loop calls the compiled one.
+        return compiled(prepared, self.spec.compile_mode) if self.spec.compile_mode else prepared
 
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:

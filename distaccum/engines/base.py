@@ -61,6 +61,8 @@ class EngineSpec:
     device: torch.device
     gns: bool = False
     """Measure the squared gradient norms the noise scale needs (``log.gns``; engines with ``supports_gns``)."""
+    compile_mode: str | None = None
+    """torch.compile the model with this mode (``trainer.compile``); None: eager."""
     replicas: int = 1
     """Model replicas (``engine.replicas``, ``auto`` already resolved): > 1 is HSDP, each replica sharded
     over ``world / replicas`` ranks."""

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distaccum.engines.base import EngineSpec, OptimizerFactory
+from distaccum.engines.compile import compiled
 from distaccum.engines.replicated import ReplicatedEngine
 from distaccum.telemetry.gns import GradSquares
 from distaccum.telemetry.ledger import CommLedger
@@ -47,7 +48,8 @@ class DDPEngine(ReplicatedEngine):
         self.register_hook(ddp)
         self.module = ddp
         self.optimizer = make_optimizer(list(self.raw.parameters()))
-        return ddp
+        # Compiled: the loop calls the compiled DDP; no_sync stays on the DDP module itself (engines.compile).
+        return compiled(ddp, self.spec.compile_mode) if self.spec.compile_mode else ddp
 
     def sync(self, enabled: bool) -> ContextManager[object]:
         assert isinstance(self.module, DDP)

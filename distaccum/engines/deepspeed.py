@@ -43,6 +43,7 @@ from torch import nn
 from distaccum.config import EngineConfig
 from distaccum.engines.base import EngineBase, EngineSpec, OptimizerFactory, StepResult, grads_of
 from distaccum.engines.comm_tap import tap_gradient_reductions
+from distaccum.engines.compile import compile_options
 from distaccum.engines.deepspeed_config import build, check
 from distaccum.telemetry.ledger import CommLedger
 
@@ -131,6 +132,8 @@ class DeepSpeedEngine(EngineBase):
         if stepped is not optimizer and getattr(stepped, "optimizer", None) is not optimizer:
             raise RuntimeError(f"DeepSpeed steps {type(stepped).__name__}, not the optimizer we passed; "
                                "the learning-rate schedule would not reach it")
+        if self.spec.compile_mode:  # DeepSpeed's own path: it compiles the module it runs
+            engine.compile(compile_kwargs=compile_options(self.spec.compile_mode))
         self.engine = engine
         self.optimizer = optimizer
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer

@@ -67,6 +67,7 @@ from distaccum.engines.base import (
     step_plain,
 )
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
+from distaccum.engines.compile import compile_in_place
 from distaccum.models import block_units
 from distaccum.telemetry.ledger import CommLedger
 
@@ -142,6 +143,8 @@ class FSDPEngine(EngineBase):
         policy = mixed_precision(self.precision, self.spec.engine.fsdp_reduce_fp32, self.spec.compressed_dtype)
         keep = self.spec.engine.fsdp_unsharded_window
         for unit in shard_units(model):
+            if self.spec.compile_mode:  # per block, before sharding: FSDP's hooks run between compiled blocks
+                compile_in_place(unit, self.spec.compile_mode)
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         for module in model.modules():  # both setters act on one FSDP unit, not recursively

@@ -1,5 +1,9 @@
 """Model weights on disk: safetensors under the plain model's state-dict names.
 
+Initial weights (``trainer.init_from``) may be a ``.safetensors`` file, a run's ``final/`` directory, or a
+PyTorch state dict saved with ``torch.save`` (``.pt``, ``.pth``, ``.bin``; read with ``weights_only=True``,
+so no code in the file runs), flat or under a ``"state_dict"`` / ``"model"`` key.
+
 Every finished run keeps ``run_dir/final/``: ``model.safetensors`` (gathered from FSDP/ZeRO
 shards, no ``module.`` prefixes), ``run_config.json``, and for a Hugging Face ``PreTrainedModel`` its
 ``save_pretrained`` layout (``config.json``, generation config) around the same weights file.
@@ -12,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -39,13 +44,36 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+"""``torch.save`` state dicts that :func:`load_weights` reads (with ``weights_only=True``)."""
+ACCEPTED = ("a .safetensors file, a run's final/ directory (model.safetensors), or a PyTorch state dict "
+            "saved with torch.save (.pt, .pth, .bin; flat, or under a 'state_dict' or 'model' key)")
+
+
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state dict from a ``model.safetensors`` file or a directory holding one (a run's ``final/``)."""
+    """A state dict from ``path`` (see the module docstring for the formats). ValueError naming the file and
+    the accepted formats when it is missing or not one of them."""
     file = resolve_weights(path)
     if not file.is_file():
-        raise ValueError(f"no weights at {path}: expected a .safetensors file or a directory with "
-                         f"{FINAL_WEIGHTS} (e.g. a finished run's final/)")
-    return load_file(str(file))
+        raise ValueError(f"no weights at {path}: expected {ACCEPTED}")
+    if file.suffix in TORCH_SUFFIXES:
+        try:
+            loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as err:  # a pickle with code in it, a truncated file, not a torch file at all
+            raise ValueError(f"weights file {file} is not a PyTorch state dict torch.load can read with "
+                             f"weights_only=True ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                             f"expected {ACCEPTED}") from err
+        for key in ("state_dict", "model"):
+            if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
+                loaded = loaded[key]
+        if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+            raise ValueError(f"weights file {file} holds a {type(loaded).__name__}, not a state dict of tensors; "
+                             f"expected {ACCEPTED}")
+        return dict(loaded)
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"weights file {file} is not a safetensors file ({err}); expected {ACCEPTED}") from err
 
 
 def load_into(model: nn.Module, path: str | Path) -> None:

@@ -45,6 +45,10 @@ def summarize(header: Record, records: list[Record], engine: Engine, run_dir: Pa
                 "comm_rounds_replicate"):
         summary[f"median_{key}"] = med(key)
     summary["peak_mem_bytes"] = max((r["peak_mem_bytes"] for r in records), default=0)
+    if any("compile_s" in r for r in records):  # trainer.compile: compile time apart from the step medians
+        summary["compile_s"] = sum(r.get("compile_s", 0.0) for r in records)
+        summary["recompiles"] = sum(r.get("recompiles", 0) for r in records[warmup_steps:])
+        summary["graph_breaks"] = max((r.get("graph_breaks", 0) for r in records), default=0)
     busy = summary["median_compute_s"] + summary["median_comm_exposed_s"]
     summary["comm_share"] = summary["median_comm_exposed_s"] / busy if busy > 0 else 0.0
     return summary

@@ -7,6 +7,9 @@ One optimizer step is split into phases, each a separate record field:
     compute_s  forward + backward of every micro-batch, minus the exposed communication
     optim_s    the window's item-count all-reduce, normalize + clip, optimizer step, scheduler,
                consistency check
+    last_micro_s  the window's last (boundary) micro-batch alone: fetch + forward + backward + the
+               reduction it waits for. The other K-1 take (time_s - optim_s - last_micro_s) / (K-1) each:
+               what one more micro-batch costs (``distaccum plan`` extrapolates K with it)
     comm_*     from the :class:`~distaccum.telemetry.ledger.CommLedger` (``comm_s`` overlaps compute_s;
                ``comm_exposed_s`` does not, so compute_s + comm_exposed_s = forward+backward time)
 
@@ -36,6 +39,7 @@ class StepTimes:
     data_s: float
     compute_s: float
     optim_s: float
+    last_micro_s: float
     comm: CommStats
     peak_mem_bytes: int
 
@@ -97,6 +101,7 @@ class StepTimer:
             data_s=micro_data,
             compute_s=max(0.0, forward_backward - comm.comm_exposed_s),
             optim_s=between("compute", "end"),
+            last_micro_s=self.clock.seconds(self._micro_data[-1][0], marks["compute"]) if self._micro_data else 0.0,
             comm=comm,
             peak_mem_bytes=peak_memory_bytes(self.device),
         )

@@ -1,0 +1,43 @@
+"""torch.compile under accumulation, shared by the engines (``trainer.compile=true``).
+
+What each engine compiles (chosen so that sync control stays eager and outside the graphs):
+
+- DDP and Accelerate: the DDP module as a whole (``torch.compile(ddp)``). Dynamo's DDP optimizer splits
+  the graph at the gradient buckets, so each bucket's all-reduce still overlaps the backward of the
+  layers before it (pytorch #108966); ``no_sync`` is read outside the graph, so toggling it between
+  micro-batches recompiles nothing. Compiling the inner module instead would not compile at all:
+  dynamo skips frames inside DDP's forward.
+- FSDP2: every block, in place (``module.compile()``), before ``fully_shard`` — torchtitan's recipe:
+  FSDP's unshard/reshard hooks run between the compiled blocks, and names (checkpoints, the final
+  weights) do not change.
+- DeepSpeed: its own ``engine.compile()``.
+
+Shapes are dynamic from the first compile (``dynamic=True``): the smaller micro-batches of a partial last
+window reuse the graphs instead of recompiling after the first window. torch still specialises a
+dimension of size 1 (a micro-batch of one sample compiles once more), and on CPU with torch 2.13 inductor
+specialised the sequence length of a transformer (one graph per length: pad to a fixed length, e.g.
+``distaccum.datasets.pad_collate``'s ``pad_to``); the run reports every recompile after its first step
+(:mod:`distaccum.telemetry.compilation`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compile_options(mode: str) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments for ``trainer.compile_mode`` (and dynamic shapes, see above)."""
+    return {"mode": None if mode == "default" else mode, "dynamic": True}
+
+
+def compiled(module: nn.Module, mode: str) -> nn.Module:
+    """``torch.compile(module)`` (a new module whose forward is compiled; the original keeps its names)."""
+    return torch.compile(module, **compile_options(mode))  # type: ignore[return-value]
+
+
+def compile_in_place(module: nn.Module, mode: str) -> None:
+    """Compile ``module``'s forward in place (its parameters, names and hooks stay where they are)."""
+    module.compile(**compile_options(mode))

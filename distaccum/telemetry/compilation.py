@@ -1,0 +1,91 @@
+"""What torch.compile did during a run: compile time, recompiles and graph breaks, per step.
+
+A :class:`CompileWatch` (a :class:`~distaccum.loop.StepMonitor`, present when ``trainer.compile=true``)
+listens to dynamo's compile start/end callbacks. Per step it records ``compile_s`` (seconds spent
+compiling in that step, forward and lazily compiled backward graphs: the step's ``time_s`` includes it),
+``recompiles`` (frames compiled again for new guards: a new shape, a new grad mode) and ``graph_breaks``
+(cumulative, as dynamo counts them). After the warm-up steps a recompile is a cost every time it happens,
+so rank 0 says so on the console with dynamo's reason. The summary adds ``compile_s``, ``recompiles``
+after warm-up and ``graph_breaks``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from torch._dynamo.callback import CallbackTrigger, on_compile_end, on_compile_start
+from torch._dynamo.utils import counters, get_compilation_metrics
+
+_lock = threading.Lock()
+_events: list[tuple[str, float, str, CallbackTrigger]] = []  # (start | end, perf_counter, compile_id, trigger)
+_registered = False
+
+
+def _listen() -> None:
+    """Register the process's one pair of dynamo callbacks (they cannot be removed: they append to a list)."""
+    global _registered
+    if _registered:
+        return
+
+    @on_compile_start
+    def _start(args: Any) -> None:
+        with _lock:
+            _events.append(("start", time.perf_counter(), str(args.compile_id), args.callback_trigger))
+
+    @on_compile_end
+    def _end(args: Any) -> None:
+        with _lock:
+            _events.append(("end", time.perf_counter(), str(args.compile_id), args.callback_trigger))
+
+    _registered = True
+
+
+def is_recompile(compile_id: str) -> bool:
+    """Dynamo's compile ids read ``frame/attempt`` (``0/1``: frame 0 compiled a second time)."""
+    attempt = compile_id.split("/")[-1].split("_")[0]
+    return attempt.isdigit() and int(attempt) > 0
+
+
+def graph_breaks() -> int:
+    """Graph breaks dynamo counted in this process so far."""
+    return int(sum(counters["graph_break"].values()))
+
+
+class CompileWatch:
+    """Per-step compile figures (see the module docstring)."""
+
+    def __init__(self, rank: int, warmup_steps: int = 1) -> None:
+        _listen()
+        self.rank, self.warmup = rank, warmup_steps
+        with _lock:
+            self._seen = len(_events)
+        self._breaks_before = graph_breaks()
+
+    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+        pass
+
+    def fields(self, record: dict[str, Any], times: object, records: list[dict[str, Any]]) -> dict[str, Any]:
+        with _lock:
+            new, self._seen = _events[self._seen:], len(_events)
+        starts: dict[tuple[str, CallbackTrigger], float] = {}
+        seconds, recompiled = 0.0, []
+        for kind, at, compile_id, trigger in new:
+            if kind == "start":
+                starts[(compile_id, trigger)] = at
+                if trigger == CallbackTrigger.DYNAMO and is_recompile(compile_id):
+                    recompiled.append(compile_id)
+            elif (compile_id, trigger) in starts:
+                seconds += at - starts.pop((compile_id, trigger))
+        step = int(record["step"])
+        if recompiled and step > self.warmup and self.rank == 0:
+            reasons = {str(m.compile_id): m.recompile_reason for m in get_compilation_metrics()}
+            why = "; ".join(f"{i}: {reasons.get(i) or 'reason not recorded'}" for i in recompiled)
+            hint = (" A tensor dimension changes between micro-batches (e.g. the sequence length): pad to fixed "
+                    "lengths (distaccum.datasets.pad_collate's pad_to) so one graph serves every micro-batch."
+                    if "size mismatch" in why else "")
+            print(f"distaccum: torch.compile recompiled {len(recompiled)} graph(s) at step {step}, after warm-up "
+                  f"(each recompile costs compile time again): {why}.{hint}", file=sys.stderr, flush=True)
+        return {"compile_s": seconds, "recompiles": len(recompiled), "graph_breaks": graph_breaks() - self._breaks_before}
