@@ -27,7 +27,7 @@ import pytest
 import torch
 from test_faults import command, env, rank_pid, run, steps, summary, wait_for_step
 
-from conftest import Run, run_cli
+from conftest import Run, requires, run_cli
 from distaccum.rundir.weights import load_weights
 from hf_corpus import OFFLINE
 
@@ -135,7 +135,7 @@ def test_bf16_reduction_passes_verify_at_fp32_with_half_the_bytes(tmp_path: Path
 
 
 def test_hugging_face_llama_passes_verify_at_fp32(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    requires("transformers")
     run = verify(tmp_path / "verify", "--config-dir", str(FIXTURES / "conf"), "model=llama",
                  "accum.sync=replica_boundary")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
