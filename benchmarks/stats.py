@@ -62,6 +62,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("every_micro / no_sync", "ddp_every_micro", "ddp_no_sync"),
     ("ledger on / off", "distaccum", "distaccum_no_ledger"),
     ("fingerprint on / off", "distaccum", "distaccum_no_fingerprint"),
+    ("grad_norm on / off", "distaccum_grad_norm", "distaccum"),
     ("bf16 reduce: distaccum / hook", "distaccum_bf16_reduce", "ddp_bf16_hook"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then three more (each only when both

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -147,6 +148,7 @@ class WindowTotals:
         self.counts: list[torch.Tensor] = []
         self.totals = torch.zeros(0, dtype=torch.float64, device=device)
         self._work: Any = None
+        self._scale: torch.Tensor | None = None
 
     def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor:
         """Count one micro-batch (``weight`` 0: a stand-in sample); returns its item count n."""
@@ -172,12 +174,15 @@ class WindowTotals:
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
         """Wait for the all-reduce; the factor the engine multiplies the accumulated gradient by: 1/(c N)
         (mean_per_micro: 1/c). NaN when any rank's loss was not finite, so every engine's own check of the
-        (global) gradient norm skips the update on every rank alike."""
-        self._work.wait()
-        count = self.totals[0].clamp(min=1.0)
-        scale = 1.0 / (c * count) if loss_norm == "global_count" else \
-            torch.full((), 1.0 / c, dtype=torch.float64, device=self.device)
-        return torch.where(self.totals[2] > 0, torch.full_like(scale, float("nan")), scale)
+        (global) gradient norm skips the update on every rank alike. Computed once per window (the engine's
+        reduction may ask for it first, :meth:`~distaccum.engines.base.Engine.fold_normalization`)."""
+        if self._scale is None:
+            self._work.wait()
+            count = self.totals[0].clamp(min=1.0)
+            scale = 1.0 / (c * count) if loss_norm == "global_count" else \
+                torch.full((), 1.0 / c, dtype=torch.float64, device=self.device)
+            self._scale = torch.where(self.totals[2] > 0, torch.full_like(scale, float("nan")), scale)
+        return self._scale
 
     def read(self) -> WindowResult:
         """The one host read of the step's totals (on CUDA after the timer's synchronize: the device is idle)."""
@@ -206,9 +211,10 @@ class StepMonitor(Protocol):
 
 class ReductionCheck(Protocol):
     """Looks at the step right after the boundary reduction, before the optimizer uses the gradient (it may
-    issue collectives: every rank calls it; it raises to stop the run before the step is applied)."""
+    launch collectives: every rank calls it). It returns its verdict, which the loop calls after the
+    optimizer step (so a collective overlaps the step) and which raises to stop the run at that step."""
 
-    def after_reduction(self, step: int, window: WindowTotals) -> None: ...
+    def after_reduction(self, step: int, window: WindowTotals) -> Callable[[], None]: ...
 
 
 class NonFinitePolicy:
@@ -308,13 +314,15 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
                 if boundary:  # N's all-reduce, launched before the last backward, which it overlaps
                     totals.reduce(stop=parts.stop is not None and parts.stop.requested,
                                   checkpoint_due=parts.checkpointer is not None and parts.checkpointer.due_by_time())
+                    engine.fold_normalization(partial(totals.grad_scale, c, settings.loss_norm))
                 engine.backward(summed * micro_factor(settings.loss_norm, c * d * weight, n, split))
         timer.compute_done()
         grad_scale = totals.grad_scale(c, settings.loss_norm)  # 3. the one reduction: 1/(c N)
-        for check in parts.checks:  # the reduced gradient, before the step uses it
-            check.after_reduction(window.step + 1, totals)
+        verdicts = [check.after_reduction(window.step + 1, totals) for check in parts.checks]  # the reduced gradient
         lr = state.scheduler.get_last_lr()[0]
         result = engine.step(settings.clip_norm, grad_scale)  # 4. normalize, clip, step: once per window
+        for verdict in verdicts:
+            verdict()
         if result.applied:  # a skipped step must not advance the schedule
             state.scheduler.step()
         state.source.advance()

@@ -186,7 +186,7 @@ def test_distaccum_variant_changes_only_the_documented_settings(tmp_path: Path) 
                for key, value in values.items() if default[section][key] != value}
     assert changed == {"accum.micro_batch", "optim.schedule", "optim.warmup_steps", "optim.clip_norm",
                        "trainer.max_steps", "trainer.device", "trainer.check_every", "trainer.checkpoint_every",
-                       "trainer.save_final", "data.shuffle", "log.console", "log.warmup_steps"}
+                       "trainer.save_final", "data.shuffle", "log.console", "log.warmup_steps", "log.grad_norm"}
     assert cfg["log"]["ledger"] is True and cfg["accum"]["sync"] == "auto" and cfg["engine"]["name"] == "ddp"
 
 

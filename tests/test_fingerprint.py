@@ -72,7 +72,7 @@ def test_only_engines_that_replicate_the_reduced_gradient_compare_it(tmp_path: P
             raise AssertionError("world 1 has nothing to compare: the gradients are never read")
 
     check = Fingerprint(World1Engine(), tmp_path, 0, 1, torch.device("cpu"))
-    check.after_reduction(1, object())  # no process group, no read, no file
+    check.after_reduction(1, object())()  # no process group, no read, no file
     assert not list(tmp_path.iterdir())
 
 

@@ -63,6 +63,8 @@ class EngineSpec:
     """Measure the squared gradient norms the noise scale needs (``log.gns``; engines with ``supports_gns``)."""
     compile_mode: str | None = None
     """torch.compile the model with this mode (``trainer.compile``); None: eager."""
+    measure_norm: bool = True
+    """Measure the gradient norm every step (``log.grad_norm``, or clipping needs it)."""
     replicas: int = 1
     """Model replicas (``engine.replicas``, ``auto`` already resolved): > 1 is HSDP, each replica sharded
     over ``world / replicas`` ranks."""
@@ -83,8 +85,9 @@ REDUCE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bflo
 class StepResult:
     """What one optimizer step did."""
 
-    grad_norm: float
-    """Global L2 norm of the normalized gradient, before clipping (inf/nan when non-finite)."""
+    grad_norm: float | None
+    """Global L2 norm of the normalized gradient, before clipping (inf/nan when non-finite; None when not
+    measured: ``log.grad_norm=false`` without clipping)."""
     applied: bool
     """False when the step was skipped (fp16 overflow or a non-finite gradient)."""
     nonfinite_param: str | None = None
@@ -122,6 +125,12 @@ class Engine(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (already multiplied by ``grad_divisor`` and c)."""
+        ...
+
+    def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
+        """Offer the window's normalization before its boundary backward: an engine that can apply
+        ``scale()`` (the 1/(c N), agreed by every rank) inside the boundary reduction itself, on each
+        bucket as it is reduced, says True, and its :meth:`step` then skips the separate multiply."""
         ...
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
@@ -220,6 +229,10 @@ class EngineBase:
         """HSDP: the ranks of each replica (its shard group), replica by replica; None for other layouts."""
         return None
 
+    def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
+        """By default the step normalizes (see :meth:`Engine.fold_normalization`)."""
+        return False
+
     @classmethod
     def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
         """Engine settings a checkpoint must agree with to be resumed (beyond the engine's name)."""
@@ -291,9 +304,22 @@ def grads_of(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
+def clip_normalized_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """For gradients already normalized (the reduction applied 1/(c N)) whose ``norm`` the reduction
+    measured: the clip multiply, only when clipping changes something (no pass over the gradients
+    otherwise). One host read, the norm's, which the step needs anyway."""
+    norm = norm.to(torch.float64)
+    if max_norm is not None and float(norm) > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for dtype in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype))
+    return norm
+
+
 def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
                grad_scale: torch.Tensor, scaler: torch.amp.GradScaler | None, *,
-               grads_to_none: bool = True) -> StepResult:
+               grads_to_none: bool = True, normalized: bool = False,
+               normalized_norm: torch.Tensor | None = None) -> StepResult:
     """Normalize, clip and step the gradients of ``named`` parameters (whole, or DTensor shards for FSDP2).
 
     With fp16 the GradScaler unscales first (once per step) and skips the update on overflow;
@@ -302,16 +328,27 @@ def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Param
     ``grads_to_none=False`` zeroes the gradients in place instead of dropping them: needed when they
     are views into DDP's buckets (see :meth:`distaccum.engines.ddp.DDPEngine.wrap`). Sharded (DTensor)
     gradients: per-shard norms and one all-reduce for the total; the multiply acts on the local shards.
+    ``normalized``: the gradients are already normalized (the reduction folded ``grad_scale`` in:
+    :meth:`Engine.fold_normalization`) and ``normalized_norm`` is their norm as the reduction measured it,
+    or None when nothing needs it (no clipping, ``log.grad_norm=false``): then the step is skipped only
+    for a non-finite ``grad_scale`` (a non-finite loss) and the norm is recorded as None.
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = float(scale_and_clip_(grads_of(p for _, p in named), grad_scale, max_norm))
+    grads = grads_of(p for _, p in named)
+    if not normalized:
+        norm: float | None = float(scale_and_clip_(grads, grad_scale, max_norm))
+    elif normalized_norm is not None:
+        norm = float(clip_normalized_(grads, normalized_norm, max_norm))
+    else:
+        norm = None
+    finite = bool(torch.isfinite(grad_scale)) if norm is None else norm == norm and norm != float("inf")
     if scaler is not None:
         before = scaler.get_scale()
         scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
         scaler.update()
         applied = scaler.get_scale() >= before
-    elif norm == norm and norm != float("inf"):
+    elif finite:
         optimizer.step()
         applied = True
     else:

@@ -7,7 +7,7 @@ state dict and the checkpoint are the same code for both; only wrapping and sync
 
 # No ``from __future__ import annotations`` here: DDP inspects the comm hook's real annotations.
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -30,6 +30,36 @@ class HookState:
     """When set (``log.gns``), the bucket's squared norm before and after the reduction."""
     dtype: torch.dtype | None = None
     """The dtype :func:`compressed_allreduce_hook` reduces in (``accum.reduce_dtype``)."""
+    fold: Callable[[], torch.Tensor] | None = None
+    """Set for a window's boundary reduction (:meth:`ReplicatedEngine.fold_normalization`): the window's
+    normalization 1/(c N), applied to each bucket in the division by the world size it gets anyway."""
+    factor: torch.Tensor | None = None
+    """1/(c N W), computed from ``fold`` at the window's first bucket."""
+    measure: bool = True
+    """Measure the reduced gradients' norms (``EngineSpec.measure_norm``)."""
+    norms: dict[int, torch.Tensor] = field(default_factory=dict)
+    """id(parameter) -> the norm of its normalized, reduced gradient, measured by the hook (the step's
+    gradient norm, combined in parameter order whatever the buckets: bitwise what a pass over the
+    gradients gives, also after DDP rebuilds its buckets)."""
+
+
+def pre_divide_(state: HookState, buffer: torch.Tensor) -> torch.Tensor:
+    """Divide a bucket by the world size (the mean), in place. On a boundary reduction with the
+    normalization folded in, multiply by 1/(c N W) instead: the step then needs no pass of its own to
+    normalize (and, through :func:`measure_`, none to measure the norm)."""
+    if state.fold is None:
+        return buffer.div_(dist.get_world_size())
+    if state.factor is None:  # the window's item-count all-reduce was launched before this backward began
+        state.factor = state.fold().to(torch.float64) / dist.get_world_size()
+    return buffer.mul_(state.factor.to(buffer.dtype))
+
+
+def measure_(state: HookState, bucket: dist.GradBucket) -> None:
+    """Record the norm of each reduced gradient of ``bucket`` (on a folded boundary reduction whose norm is
+    wanted: ``state.measure``)."""
+    if state.fold is not None and state.measure:
+        for param, norm in zip(bucket.parameters(), torch._foreach_norm(bucket.gradients()), strict=True):
+            state.norms[id(param)] = norm
 
 
 def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -44,13 +74,14 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     if state.squares is not None:  # this rank's accumulated gradient, before the reduction overwrites it
         state.squares.add_local(buffer)
     token = state.ledger.launched(buffer)
-    buffer.div_(dist.get_world_size())
+    pre_divide_(state, buffer)
     future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         state.ledger.completed(token)
         if state.squares is not None:
             state.squares.add_reduced(fut.value()[0])
+        measure_(state, bucket)
         return fut.value()[0]
 
     return future.then(done)
@@ -68,7 +99,7 @@ def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torc
     if state.squares is not None:
         state.squares.add_local(buffer)
     assert state.dtype is not None
-    compressed = buffer.div_(dist.get_world_size()).to(state.dtype)  # divide first: fp16 must not overflow
+    compressed = pre_divide_(state, buffer).to(state.dtype)  # divide first: fp16 must not overflow
     token = state.ledger.launched(compressed)
     future = dist.all_reduce(compressed, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
@@ -77,6 +108,7 @@ def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torc
         buffer.copy_(fut.value()[0])
         if state.squares is not None:
             state.squares.add_reduced(buffer)
+        measure_(state, bucket)
         return buffer
 
     return future.then(done)
@@ -112,16 +144,35 @@ class ReplicatedEngine(EngineBase):
 
     def register_hook(self, ddp: DDP) -> None:
         """Install :attr:`comm_hook` on ``ddp``, reporting to the ledger (and the noise scale)."""
-        state = HookState(self.ledger, self.grad_squares, self.spec.compressed_dtype)
-        ddp.register_comm_hook(state, self.comm_hook)
+        self.hook_state = HookState(self.ledger, self.grad_squares, self.spec.compressed_dtype,
+                                    measure=self.spec.measure_norm)
+        ddp.register_comm_hook(self.hook_state, self.comm_hook)
+
+    def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
+        """Fold the window's 1/(c N) into its one boundary reduction (see :func:`pre_divide_`). Not with
+        ``every_micro`` (earlier reductions carry no normalization), the noise scale (its terms are read
+        before and after the reduction at the loss's scale) or fp16 (GradScaler unscales and checks first)."""
+        state = getattr(self, "hook_state", None)
+        if state is None or self.spec.sync != "boundary" or self.grad_squares is not None or self.scaler is not None:
+            return False
+        state.fold, state.factor, state.norms = scale, None, {}
+        return True
 
     def _raw(self) -> nn.Module:
         assert self.raw is not None, "wrap() first"
         return self.raw
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
-        return step_plain(self.optimizer, list(self._raw().named_parameters()), max_norm, grad_scale, self.scaler,
-                          grads_to_none=self.grads_to_none)
+        named = list(self._raw().named_parameters())
+        state = getattr(self, "hook_state", None)
+        norm, folded = None, state is not None and state.fold is not None and state.factor is not None
+        if folded and state.measure:  # type: ignore[union-attr]  # the reduction normalized and measured
+            parts = [state.norms[id(p)] for _, p in named if p.grad is not None]  # type: ignore[union-attr]
+            norm = torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
+        if state is not None:
+            state.fold, state.factor, state.norms = None, None, {}
+        return step_plain(self.optimizer, named, max_norm, grad_scale, self.scaler, grads_to_none=self.grads_to_none,
+                          normalized=folded, normalized_norm=norm)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._raw().named_parameters():

@@ -41,16 +41,23 @@ class JsonlSink:
     def __init__(self, run_dir: Path, *, append: bool = False) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not append:
-            (run_dir / METRICS).write_text("", encoding="utf-8")
+        # Kept open and flushed after every line: a killed or stopped job keeps every finished step (the
+        # operating system holds the bytes), without an open/close per step (~0.2 ms each here, a
+        # percent of a small model's step).
+        self._file: IO[str] | None = open(run_dir / METRICS, "a" if append else "w", encoding="utf-8")
 
     def log(self, record: Record) -> None:
-        # Opened per step (microseconds): a killed or stopped job keeps every finished step and
-        # leaves no open file behind.
-        with open(self.run_dir / METRICS, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        if self._file is None:  # logged after close (an evaluation at the very end): append once
+            with open(self.run_dir / METRICS, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+            return
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
 
     def close(self, summary: Record) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         write_json(self.run_dir / SUMMARY, summary)
 
 

@@ -94,11 +94,15 @@ class SkipReduction:
 
 
 class ScaledStep(Proxy):
-    """An engine whose step multiplies the normalization factor by ``factor(grad_scale)``."""
+    """An engine whose normalization factor is multiplied by ``factor()``: in its step, or in the boundary
+    reduction where the engine folds the normalization in (``fold_normalization``)."""
 
     def __init__(self, inner: Any, factor: Any) -> None:
         super().__init__(inner)
         object.__setattr__(self, "factor", factor)
+
+    def fold_normalization(self, scale: Any) -> bool:
+        return self.inner.fold_normalization(lambda: scale() * self.factor())
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> Any:
         return self.inner.step(max_norm, grad_scale * self.factor())

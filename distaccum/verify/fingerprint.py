@@ -3,12 +3,15 @@ ranks compare a few numbers in one tiny all-gather.
 
 Per optimizer step every rank contributes :data:`FIELDS` (float64):
 
+The comparison's all-gather is launched right after the reduction and read after the optimizer step, which
+it overlaps: a mismatch stops the run at the step that went wrong (its update already made), not later.
+
 - ``grad_weighted``, ``grad_sumsq``: a strided sample of the reduced gradient (about :data:`SAMPLE`
   elements, the first element of every tensor included) — its position-weighted sum and its sum of
   squares. A reduced gradient is bitwise identical on every rank (an all-reduce hands every rank the
   same bytes), so any difference means the reduction went wrong: a rank skipped it, ``no_sync`` sat on
   the wrong micro-batch, DDP's ``static_graph`` stopped reducing, buckets were mismatched. The run stops
-  **before the step is applied** with :class:`~distaccum.verify.tripwire.RankDivergenceError` (exit 1),
+  **at that step** with :class:`~distaccum.verify.tripwire.RankDivergenceError` (exit 1),
   naming the step, the ranks that disagree and the first parameter whose gradient differs (found by a
   second all-gather, only then); rank 0 writes ``divergence.json`` as the tripwire does, so ``distaccum
   verify`` reports it the same way. Only engines whose reduced gradient is replicated on every rank have
@@ -35,7 +38,7 @@ import struct
 import sys
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -57,6 +60,9 @@ def rng_hash(device: torch.device) -> float:
     return float(zlib.crc32(struct.pack(f"<{len(seeds)}Q", *(seed % 2**64 for seed in seeds))))
 
 
+_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def gradient_sample(grads: list[torch.Tensor], sample: int = SAMPLE) -> torch.Tensor:
     """[position-weighted sum, sum of squares] of every ``stride``-th element of each gradient (fp64)."""
     total = sum(g.numel() for g in grads)
@@ -64,9 +70,12 @@ def gradient_sample(grads: list[torch.Tensor], sample: int = SAMPLE) -> torch.Te
         return torch.zeros(2, dtype=torch.float64)
     stride = max(1, total // sample)
     flat = torch.cat([g.reshape(-1)[::stride] for g in grads]).to(torch.float64)
-    # Position-dependent weights: two tensors' gradients swapped between ranks change the sum.
-    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-    return torch.stack([(flat * weights).sum(), (flat * flat).sum()])
+    # Position-dependent weights: two tensors' gradients swapped between ranks change the sum. The same
+    # sizes come back every step: the weights are made once.
+    key = (flat.numel(), flat.device)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    return torch.stack([torch.dot(flat, _WEIGHTS[key]), torch.dot(flat, flat)])
 
 
 def same(a: float, b: float) -> bool:
@@ -102,20 +111,30 @@ class Fingerprint:
             self._named = list(self.engine.unwrapped().named_parameters())
         return self._named
 
-    def _gather(self, local: torch.Tensor) -> list[list[float]]:
+    def _launch(self, local: torch.Tensor) -> Callable[[], list[list[float]]]:
+        """Start the all-gather of ``local``; the returned function waits for it and reads the rows."""
         if dist.get_backend() == "nccl":  # NCCL only moves device tensors
             local = local.to(torch.device("cuda", torch.cuda.current_device()))
         else:
             local = local.cpu()
         out = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
-        gather(out, local.contiguous())
-        return out.view(self.world, -1).tolist()  # the check's one host read
+        work = gather(out, local.contiguous(), async_op=True)
 
-    def after_reduction(self, step: int, window: Any) -> None:
-        """Compare this step's fingerprint across ranks; raise before the step on a gradient mismatch."""
+        def rows() -> list[list[float]]:
+            work.wait()
+            return out.view(self.world, -1).tolist()  # the check's one host read
+
+        return rows
+
+    def _gather(self, local: torch.Tensor) -> list[list[float]]:
+        return self._launch(local)()
+
+    def after_reduction(self, step: int, window: Any) -> Callable[[], None]:
+        """Launch this step's comparison across ranks (asynchronous: it overlaps the optimizer step); the
+        returned verdict, called after the step, waits for it and raises on a gradient mismatch."""
         if self.world == 1:
-            return
+            return lambda: None
         device = window.loss_sum.device
         if self.gradients:
             grads = [p.grad for _, p in self._params() if p.grad is not None]
@@ -124,7 +143,10 @@ class Fingerprint:
             sampled = torch.zeros(2, dtype=torch.float64, device=device)
         local = torch.cat([sampled, torch.stack([window.loss_sum, window.items]),
                            torch.full((1,), rng_hash(self.device), dtype=torch.float64, device=device)])
-        rows = self._gather(local)
+        gathered = self._launch(local)
+        return lambda: self._judge(step, gathered())
+
+    def _judge(self, step: int, rows: list[list[float]]) -> None:
         if self.gradients:
             by_gradient = groups([row[:2] for row in rows])
             if len(by_gradient) > 1:
@@ -155,8 +177,9 @@ class Fingerprint:
     def _fail(self, step: int, by_gradient: list[list[int]]) -> None:
         agree, odd = by_gradient[0], sorted(r for g in by_gradient[1:] for r in g)
         named = self._params()
-        rows = torch.stack([torch.stack([p.grad.double().sum(), p.grad.double().square().sum()])
-                            if p.grad is not None else torch.zeros(2, dtype=torch.float64, device=p.device)
+        # Read after the step (the verdict waits for it): the gradients are gone, the parameters they moved
+        # differently are not. The first parameter whose update differs is the first whose gradient did.
+        rows = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
                             for _, p in named]) if named else torch.zeros(0, 2, dtype=torch.float64)
         per_rank = [torch.tensor(r, dtype=torch.float64).view(-1, 2) for r in self._gather(rows.flatten())]
         base = per_rank[agree[0]]
@@ -169,7 +192,7 @@ class Fingerprint:
                    f"parameter {parameter!r} ({len(differ)} of {len(named)} gradients differ). The gradients were "
                    "not reduced identically on every rank (a rank skipped or missed the reduction, no_sync on the "
                    "wrong micro-batch, a comm hook that keeps local values, DDP static_graph with no_sync). The "
-                   "step was not applied.")
+                   "run stopped at this step.")
         if self.rank == 0:
             report = {"step": step, "parameter": parameter, "rank": odd[0], "ranks": odd,
                       "differing_parameters": len(differ), "check": "fingerprint", "message": message}

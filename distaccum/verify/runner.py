@@ -116,7 +116,7 @@ def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) 
         accum=replace(cfg.accum, micro_batch=split.micro_batch, steps=split.accum_steps, global_batch=None),
         trainer=replace(cfg.trainer, nproc=split.world_size, nnodes=1, check_every=1,
                         init_from=str(seed) if seed else None, max_restarts=0, resume=False),
-        log=replace(cfg.log, console="quiet", wandb=False),
+        log=replace(cfg.log, console="quiet", wandb=False, grad_norm=True),  # compared every step
         verify=replace(cfg.verify, record=True),
         run_dir=str(run_dir),
     )
