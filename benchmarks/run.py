@@ -44,7 +44,7 @@ HSDP_SWEEP = ("distaccum_fsdp", "distaccum_hsdp_boundary", "distaccum_hsdp_repli
 """FSDP2 flat and hybrid (2 replicas) in each sync mode: ``--sweep hsdp --world 4`` (2 replicas x 2 shards)."""
 SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS
                                    if v not in ("distaccum_no_ledger", "distaccum_no_fingerprint", "distaccum_grad_norm",
-                                                 *HSDP_SWEEP[1:])))
+                                                 "distaccum_compiled", *HSDP_SWEEP[1:])))
 """The engine sweep: every engine variant but HSDP's (which needs a world of 4) and the cost switches, and the
 hand-written no_sync loop as a reference."""
 SWEEP_CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}

@@ -63,6 +63,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("ledger on / off", "distaccum", "distaccum_no_ledger"),
     ("fingerprint on / off", "distaccum", "distaccum_no_fingerprint"),
     ("grad_norm on / off", "distaccum_grad_norm", "distaccum"),
+    ("compiled: distaccum / hand-written", "distaccum_compiled", "ddp_no_sync_compiled"),
+    ("compiled / eager (hand-written)", "ddp_no_sync_compiled", "ddp_no_sync"),
     ("bf16 reduce: distaccum / hook", "distaccum_bf16_reduce", "ddp_bf16_hook"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then three more (each only when both

@@ -7,6 +7,7 @@
   defaults except the settings in :func:`distaccum_config` (each says why).
 - (e) ``compute_floor``: the K forward/backward passes and the step with no DDP and no
   communication; it runs on both ranks so they compete for the CPU as in (a)-(d).
+- (g) ``ddp_no_sync_compiled``: (b) with the DDP module compiled (``torch.compile(ddp, dynamic=True)``).
 - (f) ``ddp_bf16_hook``: (b) with the gradient all-reduce compressed to bf16 by a comm hook, in an
   expert's settings (``gradient_as_bucket_view=True``, gradients zeroed in place): what
   ``distaccum_bf16_reduce`` (``accum.reduce_dtype=bf16``) is measured against.
@@ -37,7 +38,7 @@ from benchmarks.launch import ROOT
 from distaccum import Trainer
 
 LETTERS = {"ddp_every_micro": "a", "ddp_no_sync": "b", "accelerate": "c", "distaccum": "d",
-           "compute_floor": "e", "ddp_bf16_hook": "f"}
+           "compute_floor": "e", "ddp_bf16_hook": "f", "ddp_no_sync_compiled": "g"}
 """Variant -> the letter tables use."""
 EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compiled op, built once per checkout
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -45,8 +46,10 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
     "distaccum_no_fingerprint": ("ddp", {"trainer.fingerprint": False}),
     "distaccum_grad_norm": ("ddp", {"log.grad_norm": True}),
+    "distaccum_compiled": ("ddp", {"trainer.compile": True}),
     "distaccum_fsdp": ("fsdp", {}),
     "distaccum_fsdp_every_micro": ("fsdp", {"accum.sync": "every_micro"}),
+    "distaccum_fsdp_unsharded": ("fsdp", {"engine.fsdp_unsharded_window": True}),
     "distaccum_zero1": ("deepspeed", {"engine.zero_stage": 1, "engine.extensions_dir": EXTENSIONS}),
     "distaccum_zero2": ("deepspeed", {"engine.zero_stage": 2, "engine.extensions_dir": EXTENSIONS}),
     "distaccum_zero2_every_micro": ("deepspeed", {"engine.zero_stage": 2, "accum.sync": "every_micro",
@@ -194,6 +197,25 @@ class DDPBf16Hook(HandWritten):
         self.optimizer.zero_grad(set_to_none=False)  # keep the bucket views (no second gradient copy)
 
 
+class DDPNoSyncCompiled(DDPNoSync):
+    """(g) (b) with the DDP module compiled as an expert would: ``torch.compile(ddp, dynamic=True)`` (dynamo's
+    DDP optimizer splits the graph at the gradient buckets, so the all-reduces still overlap the backward);
+    what ``distaccum_compiled`` (``trainer.compile=true``) is measured against."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.eager = self.ddp
+        self.compiled = torch.compile(self.ddp, dynamic=True)
+
+    def step(self, batches: list[Batch]) -> None:
+        for i, batch in enumerate(batches):
+            x, y = self.batch(batch)
+            with contextlib.nullcontext() if i == len(batches) - 1 else self.eager.no_sync():
+                (F.mse_loss(self.compiled(x), y) / len(batches)).backward()
+        self.optimizer.step()
+        zero_in_place(self.optimizer)
+
+
 class AccelerateLoop(HandWritten):
     """(c) Accelerate's ``accumulate()`` (one Accelerator per process: its state is a singleton)."""
 
@@ -296,7 +318,7 @@ class DistaccumTrainer:
 
 
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
-                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook}
+                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_no_sync_compiled": DDPNoSyncCompiled}
 
 
 def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,

@@ -16,31 +16,29 @@ import threading
 import time
 from typing import Any
 
-from torch._dynamo.callback import CallbackTrigger, on_compile_end, on_compile_start
+from torch._dynamo.callback import CallbackTrigger, callback_handler, on_compile_end, on_compile_start
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 _lock = threading.Lock()
 _events: list[tuple[str, float, str, CallbackTrigger]] = []  # (start | end, perf_counter, compile_id, trigger)
-_registered = False
+
+
+def _start(args: Any) -> None:
+    with _lock:
+        _events.append(("start", time.perf_counter(), str(args.compile_id), args.callback_trigger))
+
+
+def _end(args: Any) -> None:
+    with _lock:
+        _events.append(("end", time.perf_counter(), str(args.compile_id), args.callback_trigger))
 
 
 def _listen() -> None:
-    """Register the process's one pair of dynamo callbacks (they cannot be removed: they append to a list)."""
-    global _registered
-    if _registered:
-        return
-
-    @on_compile_start
-    def _start(args: Any) -> None:
-        with _lock:
-            _events.append(("start", time.perf_counter(), str(args.compile_id), args.callback_trigger))
-
-    @on_compile_end
-    def _end(args: Any) -> None:
-        with _lock:
-            _events.append(("end", time.perf_counter(), str(args.compile_id), args.callback_trigger))
-
-    _registered = True
+    """Register the module's dynamo callbacks once (again after ``torch._dynamo.reset()``, which drops them)."""
+    if _start not in callback_handler.start_callbacks:
+        on_compile_start(_start)
+    if _end not in callback_handler.end_callbacks:
+        on_compile_end(_end)
 
 
 def is_recompile(compile_id: str) -> bool:
@@ -68,6 +66,7 @@ class CompileWatch:
         pass
 
     def fields(self, record: dict[str, Any], times: object, records: list[dict[str, Any]]) -> dict[str, Any]:
+        _listen()  # torch._dynamo.reset() in user code would have dropped the callbacks
         with _lock:
             new, self._seen = _events[self._seen:], len(_events)
         starts: dict[tuple[str, CallbackTrigger], float] = {}

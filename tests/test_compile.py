@@ -1,0 +1,141 @@
+"""torch.compile under accumulation (``trainer.compile=true``), on gloo, world 2, K=4.
+
+Every engine trains the same variable-length causal model (the embedded corpus: sequences of 8-32 tokens,
+padded to 32 — the bucketing that gives the compiled graphs one shape) for 3 windows, the last a partial
+one with smaller micro-batches, from the same seed. Compiled, each engine must compile during its first
+window only (0 recompiles afterwards: not for ``no_sync`` toggling between micro-batches, nor for the
+partial window, nor for gradients zeroed between windows), record its compile time apart from the step
+times, and train what the eager run trains within fp32 rounding. ``distaccum verify`` passes compiled
+runs at fp32 and fp64 against the eager single-process reference.
+
+The runs share one launch (this file doubles as the worker script, as tests/test_engines.py does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+from distaccum.cli.compose import compose_config
+from distaccum.config import from_mapping, to_mapping, with_overrides
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+EXTENSIONS = REPO / ".cache" / "torch_extensions"
+MODEL = ["model=tiny_gpt", "model.width=16", "model.depth=1", "data.dataset.num_samples=80", "+data.collate.pad_to=32",
+         "accum.micro_batch=4", "accum.steps=4", "trainer.nproc=2", "trainer.max_steps=3", "trainer.check_every=1",
+         "optim.lr=1e-2", "log.console=quiet", f"engine.extensions_dir={EXTENSIONS}"]
+RUNS: dict[str, list[str]] = {
+    "eager": ["engine=ddp"],
+    "ddp": ["engine=ddp", "trainer.compile=true"],
+    "fsdp": ["engine=fsdp", "trainer.compile=true"],
+    "accelerate": ["engine=accelerate", "trainer.compile=true"],
+    "zero2": ["engine=deepspeed", "engine.zero_stage=2", "trainer.compile=true"],
+}
+COMPILED = [name for name in RUNS if name != "eager"]
+
+
+def _worker_main(plan_file: str) -> None:
+    """Worker entry (under torch.distributed.run): train each config through the public Trainer."""
+    from distaccum.cluster.procgroup import ensure_process_group, shutdown
+    from distaccum.cluster.topology import DistEnv
+    from distaccum.preflight import instantiate_components
+    from distaccum.trainer import Trainer
+
+    code = 0
+    try:
+        ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))
+        for values in json.loads(Path(plan_file).read_text()):
+            cfg = from_mapping(values)
+            parts = instantiate_components(cfg)
+            Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
+                    names=parts.names).fit()
+        shutdown()
+    except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Runs:
+    def __init__(self, root: Path, stderr: str) -> None:
+        self.root, self.stderr = root, stderr
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.root / name / "metrics.jsonl").read_text().splitlines()]
+
+    def summary(self, name: str) -> dict[str, Any]:
+        return json.loads((self.root / name / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    root = tmp_path_factory.mktemp("compile")
+    plan = [to_mapping(with_overrides(compose_config([*MODEL, *overrides]), {"run_dir": str(root / name)}))
+            for name, overrides in RUNS.items()]
+    (root / "plan.json").write_text(json.dumps(plan))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1",
+               DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(Path(__file__)), str(root / "plan.json")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=560)
+    if proc.returncode:
+        pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return Runs(root, proc.stderr)
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_runs_compile_in_the_first_window_only(runs: Runs, name: str) -> None:
+    records = runs.records(name)
+    assert [r["partial_window"] for r in records] == [False, False, True]  # 80 = 32 + 32 + 16: smaller micro-batches
+    assert records[0]["compile_s"] > 0 and records[0]["time_s"] >= records[0]["compile_s"]
+    assert [r["recompiles"] for r in records] == [0, 0, 0], records
+    assert [r["compile_s"] for r in records[1:]] == [0.0, 0.0]
+    summary = runs.summary(name)
+    assert summary["recompiles"] == 0 and summary["compile_s"] == pytest.approx(records[0]["compile_s"])
+    assert summary["graph_breaks"] == records[-1]["graph_breaks"] >= 0
+    assert summary["median_time_s"] < records[0]["time_s"] / 10  # the medians leave the compiling step out
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_equals_eager_within_fp32_rounding(runs: Runs, name: str) -> None:
+    eager, compiled = runs.records("eager"), runs.records(name)
+    for a, b in zip(eager, compiled, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (name, a["step"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (name, a["step"])
+    assert runs.summary(name)["param_sum"] == pytest.approx(runs.summary("eager")["param_sum"], rel=1e-4, abs=1e-4)
+
+
+def test_no_recompile_was_reported(runs: Runs) -> None:
+    assert "recompiled" not in runs.stderr
+
+
+@pytest.mark.parametrize("precision", ["fp64", "fp32"])
+def test_verify_passes_compiled_runs(tmp_path: Path, precision: str) -> None:
+    run = run_cli("verify", tmp_path / "v", "model=mlp", "model.width=32", "data.dataset.num_samples=40",
+                  "accum.micro_batch=4", "accum.steps=2", "trainer.max_steps=3", "trainer.compile=true",
+                  f"precision={precision}", timeout=280)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((run.run_dir / "verify.json").read_text())
+    assert result["passed"]
+    cand = result["candidates"][0]
+    records = [json.loads(line) for line in (Path(cand["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["compile_s"] > 0 and all(r["recompiles"] == 0 for r in records)  # it really compiled
+    if precision == "fp64":
+        assert cand["max_rel_diff"] <= 1e-9
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])
