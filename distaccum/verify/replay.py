@@ -134,10 +134,13 @@ def combinations(m: MicroGradients, split: Split, clip_norm: float | None) -> li
             for k in range(k_steps - 1):
                 acc = _clip(acc + unit * m.grads[r][k], clip_norm)
             ranks.append(acc + unit * m.grads[r][k_steps - 1])
-        reduced = _clip(sum(ranks) / world, clip_norm)  # the last clip sees the all-reduced gradient
-        out.append(Replayed("clip_per_micro", "clipping",
-                            f"clip_grad_norm_(max_norm={clip_norm:g}) is applied after every micro-batch's backward, "
-                            "to the partial accumulation, instead of once to the window's reduced gradient",
-                            float(reduced.norm()) / (c * n)))
+        reduced = sum(ranks) / world
+        message = (f"clip_grad_norm_(max_norm={clip_norm:g}) is applied after every micro-batch's backward, to the "
+                   "partial accumulation, instead of once to the window's reduced gradient")
+        # The last clip sees the all-reduced gradient. Whether the recorded norm is taken before or after it
+        # depends on where the step measures: a boundary reduction that folds in 1/(c N) measures each
+        # gradient as it is reduced (before the user's clip); otherwise the step measures after it.
+        out.append(Replayed("clip_per_micro", "clipping", message, float(_clip(reduced, clip_norm).norm()) / (c * n)))
+        out.append(Replayed("clip_per_micro_measured_first", "clipping", message, float(reduced.norm()) / (c * n)))
     correct = out[0].grad_norm
     return [out[0]] + [h for h in out[1:] if not math.isclose(h.grad_norm, correct, rel_tol=1e-9, abs_tol=0.0)]
