@@ -354,9 +354,11 @@ class TrainerConfig:
     Hugging Face models) when the run finishes."""
     compile: bool = False
     """torch.compile the model: DDP and Accelerate compile the wrapped module (graphs split at the gradient
-    buckets), FSDP2 each block before sharding, DeepSpeed through its engine.compile(). Shapes are dynamic from
-    the first compile, so varying sequence lengths and partial windows do not recompile; each step records
-    compile_s, recompiles and graph_breaks, and a recompile after the first step is reported."""
+    buckets), FSDP2 each block before sharding, DeepSpeed through its engine.compile(). DDP, Accelerate and
+    DeepSpeed compile with dynamic shapes from the start (varying sequence lengths and partial windows do not
+    recompile); FSDP2's blocks use automatic dynamic shapes (one recompile where a dimension first changes).
+    Each step records compile_s, recompiles and graph_breaks; a recompile after the first step is reported.
+    See docs/compile.md."""
     compile_mode: str = "default"
     """torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs."""
 

@@ -142,3 +142,18 @@ def test_console_prints_eval_lines_apart_from_steps() -> None:
     quiet = io.StringIO()
     ConsoleSink(total_steps=2, stream=quiet, quiet=True).log({"step": 1, "eval_loss": 2.5})
     assert quiet.getvalue() == ""
+
+
+def test_console_shows_compile_time_and_recompiles() -> None:
+    out = io.StringIO()
+    sink = ConsoleSink(total_steps=3, stream=out)
+    sink.log(record(1, compile_s=19.8, recompiles=0))
+    sink.log(record(2, compile_s=0.0, recompiles=0))
+    sink.log(record(3, compile_s=1.25, recompiles=2))
+    sink.close({**SUMMARY, "compile_s": 21.05, "recompiles": 2, "graph_breaks": 3, "median_time_s": 0.0405})
+    lines = out.getvalue().splitlines()
+    assert "comm 25% compiled 19.8s elapsed" in lines[0]
+    assert "compiled" not in lines[1] and "recompiled" not in lines[1]
+    assert " compiled 1.2s recompiled 2 " in lines[2]
+    assert ("torch.compile: 21.1 s compiling (inside the steps' times), 2 recompiles after warm-up, 3 graph breaks; "
+            "median step 40.5 ms after warm-up") in lines

@@ -82,9 +82,10 @@ class CompileWatch:
         if recompiled and step > self.warmup and self.rank == 0:
             reasons = {str(m.compile_id): m.recompile_reason for m in get_compilation_metrics()}
             why = "; ".join(f"{i}: {reasons.get(i) or 'reason not recorded'}" for i in recompiled)
-            hint = (" A tensor dimension changes between micro-batches (e.g. the sequence length): pad to fixed "
-                    "lengths (distaccum.datasets.pad_collate's pad_to) so one graph serves every micro-batch."
-                    if "size mismatch" in why else "")
+            hint = (" A tensor dimension changed: at index 0 usually the micro-batch size (a partial last window: a "
+                    "global batch that divides the dataset has none), elsewhere e.g. the sequence length (pad to fixed "
+                    "lengths: distaccum.datasets.pad_collate's pad_to). Once a dimension is dynamic it does not "
+                    "recompile again." if "size mismatch" in why else "")
             print(f"distaccum: torch.compile recompiled {len(recompiled)} graph(s) at step {step}, after warm-up "
                   f"(each recompile costs compile time again): {why}.{hint}", file=sys.stderr, flush=True)
         return {"compile_s": seconds, "recompiles": len(recompiled), "graph_breaks": graph_breaks() - self._breaks_before}

@@ -96,7 +96,7 @@ class ConsoleSink:
                     if across else "")
         return (f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record.get('samples_per_s', 0):.1f} samples/s "
                 f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}"
-                f"{replicas} comm {share:.0%}" + (" SKIPPED" if record.get("skipped") else ""))
+                f"{replicas} comm {share:.0%}" + _compiled(record) + (" SKIPPED" if record.get("skipped") else ""))
 
     def log(self, record: Record) -> None:
         if self.quiet:
@@ -128,10 +128,20 @@ class ConsoleSink:
               f"{loss:.4f}, {summary['samples_per_s']:.1f} samples/s, {summary['engine']} world {summary['world_size']} "
               f"split {summary['micro_batch']}x{summary['accum_steps']}x{summary['world_size']}"
               f"={summary['global_batch']}", file=self.stream)
+        if "compile_s" in summary:
+            print(f"torch.compile: {summary['compile_s']:.1f} s compiling (inside the steps' times), "
+                  f"{summary['recompiles']} recompiles after warm-up, {summary['graph_breaks']} graph breaks; "
+                  f"median step {summary['median_time_s'] * 1e3:.1f} ms after warm-up", file=self.stream)
         print(f"records: {summary['run_dir']}/metrics.jsonl, summary.json", file=self.stream)
         if summary.get("final_model"):
             print(f"trained model: {summary['final_model']}/ (model.safetensors)", file=self.stream)
         self.stream.flush()
+
+
+def _compiled(record: Record) -> str:
+    """`` compiled 19.8s`` on a step that compiled (``trainer.compile``), `` recompiled 2`` on one that recompiled."""
+    out = f" compiled {record['compile_s']:.1f}s" if record.get("compile_s") else ""
+    return out + (f" recompiled {record['recompiles']}" if record.get("recompiles") else "")
 
 
 class MultiSink:
