@@ -356,7 +356,8 @@ class TrainerConfig:
     """torch.compile the model: DDP and Accelerate compile the wrapped module (graphs split at the gradient
     buckets), FSDP2 each block before sharding, DeepSpeed through its engine.compile(). DDP, Accelerate and
     DeepSpeed compile with dynamic shapes from the start (varying sequence lengths and partial windows do not
-    recompile); FSDP2's blocks use automatic dynamic shapes (one recompile where a dimension first changes).
+    recompile); FSDP2's blocks use automatic dynamic shapes (one recompile in the first window when the sequence
+    length first changes).
     Each step records compile_s, recompiles and graph_breaks; a recompile after the first step is reported.
     See docs/compile.md."""
     compile_mode: str = "default"

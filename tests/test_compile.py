@@ -7,8 +7,8 @@ time apart from the step times and train what the eager run trains within fp32 r
 and DeepSpeed (dynamic shapes from the start) compile during their first window only: 0 recompiles
 afterwards — not for ``no_sync`` toggling between micro-batches, nor for new sequence lengths, nor for the
 partial window, nor for gradients zeroed between windows. FSDP2's blocks use automatic dynamic shapes
-(:mod:`distaccum.engines.compile` says why): they recompile once when the sequence length first changes
-(step 1) and once for the partial window's smaller micro-batches (step 3), and the run says so.
+(:mod:`distaccum.engines.compile` says why): they recompile once, in the first window, when the sequence
+length first changes, and never after it.
 ``distaccum verify`` passes compiled runs at fp32 and fp64 against the eager single-process reference.
 
 The runs share one launch (this file doubles as the worker script, as tests/test_engines.py does).
@@ -102,18 +102,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(root, proc.stderr)
 
 
-RECOMPILES = {"ddp": [0, 0, 0], "accelerate": [0, 0, 0], "zero2": [0, 0, 0], "fsdp": [1, 0, 1]}
-"""Recompiles per step: FSDP2's automatic dynamic shapes recompile where a dimension first changes."""
+RECOMPILES = {"ddp": [0, 0, 0], "accelerate": [0, 0, 0], "zero2": [0, 0, 0], "fsdp": [1, 0, 0]}
+"""Recompiles per step: FSDP2's automatic dynamic shapes recompile when the sequence length first changes."""
 
 
 @pytest.mark.parametrize("name", COMPILED)
-def test_compiled_runs_compile_where_shapes_first_change_only(runs: Runs, name: str) -> None:
+def test_compiled_runs_compile_in_the_first_window_only(runs: Runs, name: str) -> None:
     records = runs.records(name)
     assert [r["partial_window"] for r in records] == [False, False, True]  # 80 = 32 + 32 + 16: smaller micro-batches
     assert records[0]["compile_s"] > 0 and records[0]["time_s"] >= records[0]["compile_s"]
     assert [r["recompiles"] for r in records] == RECOMPILES[name], records
-    assert records[1]["compile_s"] == 0.0
-    assert (records[2]["compile_s"] > 0) == (RECOMPILES[name][2] > 0)
+    assert [r["compile_s"] for r in records[1:]] == [0.0, 0.0]
     summary = runs.summary(name)
     assert summary["recompiles"] == sum(RECOMPILES[name][1:])  # after the warm-up step
     assert summary["compile_s"] == pytest.approx(sum(r["compile_s"] for r in records))
@@ -131,10 +130,8 @@ def test_compiled_equals_eager_within_fp32_rounding(runs: Runs, name: str) -> No
     assert runs.summary(name)["param_sum"] == pytest.approx(runs.summary("eager")["param_sum"], rel=1e-4, abs=1e-4)
 
 
-def test_a_recompile_after_warm_up_is_reported_with_its_reason(runs: Runs) -> None:
-    reported = [line for line in runs.stderr.splitlines() if "torch.compile recompiled" in line]
-    assert len(reported) == 1, reported  # FSDP2's partial window; the other engines recompiled nothing
-    assert "recompiled 1 graph(s) at step 3, after warm-up" in reported[0] and "size mismatch" in reported[0]
+def test_no_recompile_was_reported(runs: Runs) -> None:
+    assert "torch.compile recompiled" not in runs.stderr
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])

@@ -41,6 +41,18 @@ def test_the_watch_counts_recompiles_and_reports_them_after_warm_up(capsys: pyte
     assert "size mismatch" in err and "pad_to" in err  # the reason, and what to do about it
 
 
+def test_a_one_sample_micro_batch_recompile_names_its_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    torch._dynamo.reset()
+    watch = CompileWatch(rank=0, warmup_steps=1)
+    fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=True)  # dynamic, but size 1 is special
+    fn(torch.ones(4, 3))
+    watch.fields({"step": 1}, None, [])
+    fn(torch.ones(1, 3))  # a partial window's one-sample micro-batch
+    assert watch.fields({"step": 2}, None, [])["recompiles"] == 1
+    err = capsys.readouterr().err
+    assert "0/1 specialization" in err and "data.drop_last=true" in err
+
+
 def test_graph_breaks_are_counted_from_the_watch_s_start() -> None:
     torch._dynamo.reset()
     watch = CompileWatch(rank=1)

@@ -15,13 +15,12 @@ What each engine compiles (chosen so that sync control stays eager and outside t
 Shapes: DDP, Accelerate and DeepSpeed compile with dynamic shapes from the first compile
 (``dynamic=True``): variable sequence lengths and the smaller micro-batches of a partial last window reuse
 the first window's graphs (0 recompiles after step 1, tests/test_compile.py). FSDP2's per-block compile
-uses dynamo's automatic dynamic shapes instead (``dynamic=None``: static first, a dimension becomes
-dynamic the first time it changes): with ``dynamic=True`` the blocks' compiled backward failed on CPU
-with torch 2.13 as soon as the sequence length varied (``AssertionError: expected size 4==4, stride
-400==512``: the backward assumed the first shape's strides). The price is a recompile per dimension that
-changes — in the first window for the sequence length, and once more for a partial window's smaller
-micro-batches; pad to a fixed length (``distaccum.datasets.pad_collate``'s ``pad_to``) and use a global
-batch that divides the dataset to have none. torch specialises a dimension of size 1 on every engine (a
+uses dynamo's automatic dynamic shapes instead (``dynamic=None``: a dimension becomes dynamic the first
+time it changes), with the blocks' first input dimension (the micro-batch) marked dynamic from the start:
+with ``dynamic=True`` the blocks' compiled backward failed on CPU with torch 2.13 as soon as the sequence
+length varied (``AssertionError: expected size 4==4, stride 400==512``: the backward assumed the first
+shape's strides). The price is one recompile in the first window, when the sequence length first changes;
+partial windows recompile nothing. torch specialises a dimension of size 1 on every engine (a
 micro-batch of one sample compiles once more). The run reports every recompile after its first step
 (:mod:`distaccum.telemetry.compilation`).
 """
@@ -44,7 +43,15 @@ def compiled(module: nn.Module, mode: str) -> nn.Module:
     return torch.compile(module, **compile_options(mode))  # type: ignore[return-value]
 
 
+def _batch_dim_dynamic(module: nn.Module, args: tuple[Any, ...]) -> None:
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(a, 0)
+
+
 def compile_in_place(module: nn.Module, mode: str) -> None:
     """Compile ``module``'s forward in place (its parameters, names and hooks stay where they are), with
-    automatic dynamic shapes (FSDP2's blocks: see the module docstring)."""
-    module.compile(**compile_options(mode, dynamic=None))
+    automatic dynamic shapes and the inputs' first (micro-batch) dimension dynamic from the start (FSDP2's
+    blocks: see the module docstring)."""
+    module.forward = torch.compile(module.forward, **compile_options(mode, dynamic=None))  # type: ignore[method-assign]
+    module.register_forward_pre_hook(_batch_dim_dynamic)  # eager, before the compiled forward

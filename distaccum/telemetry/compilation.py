@@ -85,7 +85,10 @@ class CompileWatch:
             hint = (" A tensor dimension changed: at index 0 usually the micro-batch size (a partial last window: a "
                     "global batch that divides the dataset has none), elsewhere e.g. the sequence length (pad to fixed "
                     "lengths: distaccum.datasets.pad_collate's pad_to). Once a dimension is dynamic it does not "
-                    "recompile again." if "size mismatch" in why else "")
+                    "recompile again." if "size mismatch" in why else
+                    " A dimension of size 1 (a one-sample micro-batch of a partial last window): torch compiles "
+                    "size 1 apart. data.drop_last=true, or a global batch that divides the dataset, has none."
+                    if "0/1 specialization" in why else "")
             print(f"distaccum: torch.compile recompiled {len(recompiled)} graph(s) at step {step}, after warm-up "
                   f"(each recompile costs compile time again): {why}.{hint}", file=sys.stderr, flush=True)
         return {"compile_s": seconds, "recompiles": len(recompiled), "graph_breaks": graph_breaks() - self._breaks_before}
