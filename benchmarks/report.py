@@ -180,11 +180,11 @@ def comm_table(results: dict[str, Any]) -> list[str]:
 HSDP_MODES = {"distaccum_fsdp": "flat FSDP2, boundary", "distaccum_hsdp_boundary": "HSDP, boundary",
               "distaccum_hsdp_replica_boundary": "HSDP, replica_boundary (default)",
               "distaccum_hsdp_every_micro": "HSDP, every_micro"}
-"""The rows of the README's trade-off table: sweep variant -> mode."""
+"""The rows of docs/multinode.md's trade-off table: sweep variant -> mode."""
 
 
 def hsdp_table(results: dict[str, Any]) -> list[str]:
-    """The README's trade-off table: per FSDP2 mode, the communication of one step at the largest K (inside a
+    """docs/multinode.md's trade-off table: per FSDP2 mode, the communication of one step at the largest K (inside a
     replica and across replicas, from distaccum's ledger) and the step's peak memory at the smallest and the
     largest K (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``)."""
     rows = []

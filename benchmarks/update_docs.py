@@ -3,7 +3,7 @@
     python -m benchmarks.update_docs [--results runs/bench/results.json] [--doc BENCHMARKS.md]
 
 A CPU run replaces the ``cpu`` section, a GPU run the ``gpu`` section; ``--hsdp`` writes an engine sweep of
-the HSDP modes (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``) into README.md's ``hsdp``
+the HSDP modes (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``) into docs/multinode.md's ``hsdp``
 section (memory is not timing: a shared machine's load does not refuse it). The prose around them is
 written by hand (what the figures say, which targets are met and why). Refused, so that noise
 never lands in the document: smoke runs, runs with fewer than 6 rounds, runs with a failed launch,
@@ -83,10 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--allow-loaded", action="store_true", help="accept a run with a high load average")
     p.add_argument("--allow-partial", action="store_true", help="accept a run of some cases, Ks or no sweep")
     p.add_argument("--hsdp", action="store_true", help="write the HSDP trade-off table (a `--sweep hsdp` run) "
-                   "into the doc's hsdp section (README.md)")
+                   "into the doc's hsdp section (docs/multinode.md)")
     args = p.parse_args(argv)
     if args.hsdp:
-        return update_hsdp(args.results, args.doc if args.doc != ROOT / "BENCHMARKS.md" else ROOT / "README.md")
+        return update_hsdp(args.results, args.doc if args.doc != ROOT / "BENCHMARKS.md" else ROOT / "docs" / "multinode.md")
     if not args.results.is_file() or not args.doc.is_file():
         print(f"update_docs: need {args.results} (run `make bench` first) and {args.doc}", file=sys.stderr)
         return 2
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def update_hsdp(results_path: Path, doc: Path) -> int:
-    """The README's HSDP trade-off table from an engine sweep of the HSDP modes; refused for a smoke run, a
+    """docs/multinode.md's HSDP trade-off table from an engine sweep of the HSDP modes; refused for a smoke run, a
     failed launch or a sweep without them."""
     if not results_path.is_file() or not doc.is_file():
         print(f"update_docs: need {results_path} (python -m benchmarks.run --no-timing --sweep hsdp --world 4) "

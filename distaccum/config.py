@@ -318,7 +318,7 @@ class TrainerConfig:
     """auto (cuda when present) | cpu | cuda."""
     check_every: int = 10
     """Cross-rank consistency tripwire every N optimizer steps (0 disables). One check costs ~3-6%
-    of a step on CPU/gloo (measured, see README: Verification), so every 10 steps costs <= 0.6%."""
+    of a step on CPU/gloo (measured, see docs/verification.md), so every 10 steps costs <= 0.6%."""
     fingerprint: bool = True
     """After every boundary reduction, before the step, compare a fingerprint of the reduced gradient
     (engines that replicate it: ddp, accelerate), of each rank's data and of its random seed across

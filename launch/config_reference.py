@@ -1,7 +1,8 @@
-"""Print the README's config reference (markdown) from distaccum/config.py.
+"""Print the config reference (markdown) of docs/configuration.md from distaccum/config.py.
 
 Each field's docstring in config.py is the single source: ``python launch/config_reference.py``
-prints the tables, and tests/test_readme.py fails when README.md no longer contains them.
+prints the tables, ``python launch/update_config_reference.py`` writes them into docs/configuration.md, and
+tests/test_readme.py fails when that page no longer contains them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The large-world prediction of ``distaccum plan --nodes ...`` (``distaccum/tuning/scaleout.py``): each
 mode's collectives, the overlap model against hand-computed steps, and the command line (given compute:
-no launch), whose output the README shows."""
+no launch), whose output docs/planning.md shows."""
 
 from __future__ import annotations
 
@@ -105,19 +105,20 @@ def test_every_printed_row_says_it_is_a_prediction() -> None:
         select_modes(["ddp.sometimes"])
 
 
-README_COMMAND = re.compile(r"```bash\n(distaccum plan --nodes [^\n]*)\n```\n\n```\n(.*?)```", re.S)
+DOC_COMMAND = re.compile(r"```bash\n(distaccum plan --nodes [^\n]*)\n```\n\n```\n(.*?)```", re.S)
 
 
-def test_the_readme_example_is_what_the_command_prints(capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's large-world example is the command's real output (the given compute time keeps it exact)."""
-    found = README_COMMAND.search((REPO / "README.md").read_text(encoding="utf-8"))
-    assert found, "README.md shows no `distaccum plan --nodes ...` example followed by its output"
+def test_the_docs_example_is_what_the_command_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/planning.md's large-world example is the command's real output (the given compute time keeps it
+    exact)."""
+    found = DOC_COMMAND.search((REPO / "docs" / "planning.md").read_text(encoding="utf-8"))
+    assert found, "docs/planning.md shows no `distaccum plan --nodes ...` example followed by its output"
     command, shown = found.group(1), found.group(2)
     assert "--compute-ms" in command  # nothing measured here: the output cannot drift with the machine
     assert plan_main(shlex.split(command)[2:]) == 0
     printed = capsys.readouterr().out
     missing = [line for line in shown.strip().splitlines() if line not in printed.splitlines()]
-    assert not missing, f"README lines the command no longer prints: {missing}"
+    assert not missing, f"docs/planning.md lines the command no longer prints: {missing}"
     assert "not measured here" in printed
     assert [line.split(" | ")[0][2:] for line in printed.splitlines() if line.endswith("| predicted |")][:len(MODES)] \
         == [m.key for m in MODES]

@@ -68,7 +68,7 @@ def per_tensor_bound(name: str, tensor: str) -> float:
 
     fp64 runs agree to rounding; fp32 runs to 1e-4 per tensor, except attention's ``qkv.bias``,
     whose true gradient is ~0 (softmax ignores the key bias) so AdamW turns pure rounding noise
-    into updates of up to ~lr (measured max_rel 6.9e-4 after 30 steps; README, Verification).
+    into updates of up to ~lr (measured max_rel 6.9e-4 after 30 steps; docs/verification.md).
     """
     if name.endswith("fp64") and "ref" not in name:
         return 1e-9

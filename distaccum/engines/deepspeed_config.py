@@ -149,7 +149,7 @@ def check(spec: EngineSpec) -> None:
                          "engine.zero_stage=1..3 with bf16, or precision=fp32 with ZeRO-0")
     if precision == "fp16":
         raise ValueError("engine=deepspeed precision=fp16 is not supported by distaccum: DeepSpeed's dynamic "
-                         "loss scaler would be replaced by the window normalization (see README: Engines); "
+                         "loss scaler would be replaced by the window normalization (see docs/engines.md); "
                          "use precision=bf16, which needs no loss scaling")
     if spec.engine.deepspeed_config:
         build(spec)
