@@ -145,3 +145,43 @@ def fresh_accelerate_state() -> None:
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def plan_worker(plan_file: str, train_each: Any, after: Any = None) -> None:
+    """Entry of a test file that doubles as its worker script (under torch.distributed.run): join the gloo
+    group, call ``train_each(values)`` for every config mapping of the plan, then ``after()``; print the
+    traceback and exit non-zero on any failure, so the launching test shows it."""
+    import traceback
+
+    import torch
+
+    from distaccum.cluster.procgroup import ensure_process_group, shutdown
+    from distaccum.cluster.topology import DistEnv
+
+    code = 0
+    try:
+        ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))
+        for values in json.loads(Path(plan_file).read_text()):
+            train_each(values)
+        if after is not None:
+            after()
+        shutdown()
+    except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class PlanRuns:
+    """The run directories of one plan launch: ``root/NAME`` per run, and the launch's output."""
+
+    def __init__(self, root: Path, output: str) -> None:
+        self.root, self.output = root, output
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.root / name / "metrics.jsonl").read_text().splitlines()]
+
+    def summary(self, name: str) -> dict[str, Any]:
+        return json.loads((self.root / name / "summary.json").read_text())

@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import PlanRuns, plan_worker
 from distaccum.activation_checkpointing import (
     apply_activation_checkpointing,
     is_checkpointed,
@@ -141,44 +141,25 @@ def _worker_main(plan_file: str) -> None:
     """Worker entry (under torch.distributed.run): train each config through the public Trainer, as
     the CLI's workers do (components instantiated from the config, checkpointing included), then
     run :func:`reentrant_demo`."""
-    from distaccum.cluster.procgroup import ensure_process_group, shutdown
-    from distaccum.cluster.topology import DistEnv
     from distaccum.trainer import Trainer
 
     sys.path.insert(0, str(FIXTURES))
-    code = 0
-    try:
-        ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))
-        for values in json.loads(Path(plan_file).read_text()):
-            cfg = from_mapping(values)
-            parts = instantiate_components(cfg)
-            trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
-                              names=parts.names, activation_checkpointing=parts.activation_checkpointing)
-            forwards = count_training_forwards(trainer.setup().engine.unwrapped())
-            trainer.fit()
-            if dist.get_rank() == 0:
-                forwards["counts"] = {k: v[0] for k, v in forwards["counts"].items()}
-                (Path(cfg.run_dir) / "forwards.json").write_text(json.dumps(forwards))
-        reentrant_demo(Path(plan_file).parent / "reentrant_demo.json")
-        shutdown()
-    except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+
+    def train(values: dict[str, Any]) -> None:
+        cfg = from_mapping(values)
+        parts = instantiate_components(cfg)
+        trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
+                          names=parts.names, activation_checkpointing=parts.activation_checkpointing)
+        forwards = count_training_forwards(trainer.setup().engine.unwrapped())
+        trainer.fit()
+        if dist.get_rank() == 0:
+            forwards["counts"] = {k: v[0] for k, v in forwards["counts"].items()}
+            (Path(cfg.run_dir) / "forwards.json").write_text(json.dumps(forwards))
+
+    plan_worker(plan_file, train, after=lambda: reentrant_demo(Path(plan_file).parent / "reentrant_demo.json"))
 
 
-class Runs:
-    def __init__(self, root: Path, stdout: str) -> None:
-        self.root, self.stdout = root, stdout
-
-    def records(self, name: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (self.root / name / "metrics.jsonl").read_text().splitlines()]
-
-    def summary(self, name: str) -> dict[str, Any]:
-        return json.loads((self.root / name / "summary.json").read_text())
-
+class Runs(PlanRuns):
     def forwards(self, name: str) -> dict[str, Any]:
         return json.loads((self.root / name / "forwards.json").read_text())
 
@@ -240,9 +221,9 @@ def test_checkpointed_layers_really_recompute_in_backward(runs: Runs, twin: str)
 
 
 def test_the_runs_said_what_they_checkpoint(runs: Runs) -> None:
-    assert "activation checkpointing (non-reentrant) on 2 modules: blocks.0, blocks.1" in runs.stdout
-    assert "on 2 modules: blocks.1.mlp, head" in runs.stdout
-    assert "on 2 modules: model.layers.0, model.layers.1" in runs.stdout  # the Hugging Face decoder layers
+    assert "activation checkpointing (non-reentrant) on 2 modules: blocks.0, blocks.1" in runs.output
+    assert "on 2 modules: blocks.1.mlp, head" in runs.output
+    assert "on 2 modules: model.layers.0, model.layers.1" in runs.output  # the Hugging Face decoder layers
 
 
 def test_linear_lr_scaling_doubles_every_step_lr_with_the_global_batch(runs: Runs) -> None:
@@ -252,7 +233,7 @@ def test_linear_lr_scaling_doubles_every_step_lr_with_the_global_batch(runs: Run
     assert runs.summary("lr-g16")["effective_lr"] == pytest.approx(3e-3)  # the configured lr at base_batch
     assert runs.summary("lr-g32")["effective_lr"] == pytest.approx(6e-3)
     assert runs.summary("lr-g32")["lr_scaling"] == "linear" and runs.summary("lr-g32")["base_batch"] == 16
-    assert "effective lr 0.006 = 0.003 x 32/16 (optim.lr_scaling=linear" in runs.stdout
+    assert "effective lr 0.006 = 0.003 x 32/16 (optim.lr_scaling=linear" in runs.output
 
 
 def test_the_report_shows_the_effective_lr_per_run(runs: Runs, tmp_path: Path) -> None:

@@ -20,14 +20,13 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import REPO, run_cli
+from conftest import REPO, PlanRuns, plan_worker, run_cli
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 
@@ -49,40 +48,22 @@ COMPILED = [name for name in RUNS if name != "eager"]
 
 def _worker_main(plan_file: str) -> None:
     """Worker entry (under torch.distributed.run): train each config through the public Trainer."""
-    from distaccum.cluster.procgroup import ensure_process_group, shutdown
-    from distaccum.cluster.topology import DistEnv
     from distaccum.preflight import instantiate_components
     from distaccum.trainer import Trainer
 
-    code = 0
-    try:
-        ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))
-        for values in json.loads(Path(plan_file).read_text()):
-            # Each run starts from an empty dynamo cache, as in its own process: otherwise a later run of the
-            # same model code reuses the graphs an earlier run compiled, and compiles nothing.
-            torch._dynamo.reset()
-            cfg = from_mapping(values)
-            parts = instantiate_components(cfg)
-            Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
-                    names=parts.names).fit()
-        shutdown()
-    except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    def train(values: dict[str, Any]) -> None:
+        # Each run starts from an empty dynamo cache, as in its own process: otherwise a later run of the
+        # same model code reuses the graphs an earlier run compiled, and compiles nothing.
+        torch._dynamo.reset()
+        cfg = from_mapping(values)
+        parts = instantiate_components(cfg)
+        Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
+                names=parts.names).fit()
+
+    plan_worker(plan_file, train)
 
 
-class Runs:
-    def __init__(self, root: Path, stderr: str) -> None:
-        self.root, self.stderr = root, stderr
-
-    def records(self, name: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (self.root / name / "metrics.jsonl").read_text().splitlines()]
-
-    def summary(self, name: str) -> dict[str, Any]:
-        return json.loads((self.root / name / "summary.json").read_text())
+Runs = PlanRuns
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +112,7 @@ def test_compiled_equals_eager_within_fp32_rounding(runs: Runs, name: str) -> No
 
 
 def test_no_recompile_was_reported(runs: Runs) -> None:
-    assert "torch.compile recompiled" not in runs.stderr
+    assert "torch.compile recompiled" not in runs.output
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])

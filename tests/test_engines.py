@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
+from conftest import plan_worker
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 from distaccum.preflight import instantiate_components
@@ -100,9 +100,7 @@ def _worker_main(plan_file: str) -> None:
     An entry with ``"_stop_after": n`` is stopped (checkpoint, ``StopRequested``) before window n + 1,
     as SIGTERM would stop it, and then run again from its checkpoint.
     """
-    from distaccum.cluster.procgroup import ensure_process_group, shutdown
     from distaccum.cluster.stopping import StopFlag, StopRequested
-    from distaccum.cluster.topology import DistEnv
     from distaccum.trainer import Trainer
 
     class StopAfter(StopFlag):
@@ -138,26 +136,18 @@ def _worker_main(plan_file: str) -> None:
         return Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
                        stop=stop, names=parts.names, on_step=record_outputs)
 
-    code = 0
-    try:
-        ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))
-        for values in json.loads(Path(plan_file).read_text()):
-            stop_after = values.pop("_stop_after", None)
-            cfg = from_mapping(values)
-            if stop_after is not None:
-                try:
-                    trainer(cfg, StopAfter(stop_after)).fit()
-                    raise AssertionError(f"{cfg.run_dir}: the run did not stop after {stop_after} windows")
-                except StopRequested:
-                    pass
-            trainer(cfg).fit()
-        shutdown()
-    except BaseException:  # noqa: BLE001 - report, then exit non-zero so the test shows it
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    def train(values: dict[str, Any]) -> None:
+        stop_after = values.pop("_stop_after", None)
+        cfg = from_mapping(values)
+        if stop_after is not None:
+            try:
+                trainer(cfg, StopAfter(stop_after)).fit()
+                raise AssertionError(f"{cfg.run_dir}: the run did not stop after {stop_after} windows")
+            except StopRequested:
+                pass
+        trainer(cfg).fit()
+
+    plan_worker(plan_file, train)
 
 
 def example_batch(parts: Any) -> Any:
