@@ -2,7 +2,9 @@
 
     python -m benchmarks.update_docs [--results runs/bench/results.json] [--doc BENCHMARKS.md]
 
-A CPU run replaces the ``cpu`` section, a GPU run the ``gpu`` section; ``--hsdp`` writes an engine sweep of
+A CPU run replaces the ``cpu`` section, a GPU run the ``gpu`` section; a timing-only run
+(``python -m benchmarks.run --sweep none ...``) with ``--timing-only`` replaces the ``cpu-timing`` (or
+``gpu-timing``) section and leaves the engine sweep of the last full run where it is; ``--hsdp`` writes an engine sweep of
 the HSDP modes (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``) into docs/multinode.md's ``hsdp``
 section (memory is not timing: a shared machine's load does not refuse it). The prose around them is
 written by hand (what the figures say, which targets are met and why). Refused, so that noise
@@ -35,13 +37,15 @@ def markers(section: str, by: str = "python -m benchmarks.update_docs") -> tuple
             f"<!-- bench:{section}:end -->")
 
 
-def section_of(results: dict[str, Any]) -> str:
-    """Which section a run fills: ``gpu`` for a CUDA run, ``cpu`` otherwise."""
-    return "gpu" if results["settings"]["device"] == "cuda" else "cpu"
+def section_of(results: dict[str, Any], timing_only: bool = False) -> str:
+    """Which section a run fills: ``gpu`` for a CUDA run, ``cpu`` otherwise (``-timing`` for a timing-only run)."""
+    return ("gpu" if results["settings"]["device"] == "cuda" else "cpu") + ("-timing" if timing_only else "")
 
 
-def problems(results: dict[str, Any], allow_loaded: bool = False, allow_partial: bool = False) -> list[str]:
-    """Why these results must not go into the document (empty: they may)."""
+def problems(results: dict[str, Any], allow_loaded: bool = False, allow_partial: bool = False,
+             timing_only: bool = False) -> list[str]:
+    """Why these results must not go into the document (empty: they may). ``timing_only``: a run without
+    the engine sweep is complete when every case and K was timed."""
     found = []
     settings = results["settings"]
     if settings["smoke"]:
@@ -49,7 +53,9 @@ def problems(results: dict[str, Any], allow_loaded: bool = False, allow_partial:
     else:
         measured = {(r["case"], r["k"]) for r in results["timing"]}
         missing = [f"{c.name} K={k}" for c in FULL_CASES for k in c.ks if (c.name, k) not in measured]
-        if (missing or not results["sweep"]) and not allow_partial:
+        if timing_only and results["sweep"]:
+            found.append("--timing-only with an engine sweep in the run: write it whole (without --timing-only)")
+        if (missing or (not results["sweep"] and not timing_only)) and not allow_partial:
             found.append("a partial run (" + (f"no timing of {', '.join(missing)}" if missing else "no engine sweep")
                          + "): the section would lose figures; run it all, or pass --allow-partial")
     if settings["rounds"] < MIN_ROUNDS and results["timing"]:
@@ -82,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--doc", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--allow-loaded", action="store_true", help="accept a run with a high load average")
     p.add_argument("--allow-partial", action="store_true", help="accept a run of some cases, Ks or no sweep")
+    p.add_argument("--timing-only", action="store_true", help="a run with --sweep none: write its timing into the "
+                   "cpu-timing (gpu-timing) section, keeping the last full run's engine sweep")
     p.add_argument("--hsdp", action="store_true", help="write the HSDP trade-off table (a `--sweep hsdp` run) "
                    "into the doc's hsdp section (docs/multinode.md)")
     args = p.parse_args(argv)
@@ -91,11 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"update_docs: need {args.results} (run `make bench` first) and {args.doc}", file=sys.stderr)
         return 2
     results = json.loads(args.results.read_text())
-    refused = problems(results, args.allow_loaded, args.allow_partial)
+    refused = problems(results, args.allow_loaded, args.allow_partial, args.timing_only)
     if refused:
         print("update_docs: not updating " + str(args.doc) + ": " + "; ".join(refused), file=sys.stderr)
         return 1
-    section = section_of(results)
+    section = section_of(results, args.timing_only)
     try:
         text = replace_section(args.doc.read_text(), section, render(results))
     except ValueError as err:

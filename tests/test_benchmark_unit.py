@@ -17,7 +17,7 @@ from benchmarks.interleave import rotation
 from benchmarks.report import render
 from benchmarks.run import memory_growth
 from benchmarks.stats import per_round_ratios, spread, summarize_launch, target, verdict
-from benchmarks.update_docs import markers, problems, replace_section
+from benchmarks.update_docs import markers, problems, replace_section, section_of
 from benchmarks.variants import DEFAULT_VARIANTS, HAND_WRITTEN, check_variants, distaccum_config
 from distaccum.config import RunConfig, from_mapping, to_mapping
 from distaccum.data.pipeline import PlanSampler
@@ -137,6 +137,10 @@ def test_update_docs_refuses_noise() -> None:
     complete = _results()
     complete["timing"] = [{**complete["timing"][0], "case": c.name, "k": k} for c in FULL_CASES for k in c.ks]
     assert problems(complete) == []
+    timing = {**complete, "sweep": []}  # python -m benchmarks.run --sweep none
+    assert any("no engine sweep" in p for p in problems(timing))
+    assert problems(timing, timing_only=True) == [] and section_of(timing, timing_only=True) == "cpu-timing"
+    assert any("--timing-only with an engine sweep" in p for p in problems(complete, timing_only=True))
 
 
 def test_cases_have_the_issue_sizes() -> None:
