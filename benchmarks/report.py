@@ -59,9 +59,12 @@ def header(results: dict[str, Any]) -> list[str]:
         f"Python {m['python']}, torch {m['torch']}, accelerate {m['accelerate']}, deepspeed {m['deepspeed']}. "
         f"{s['backend']}, world {s['world_size']}, {s['threads']}. Date {results['date']}.",
         "",
-        f"Command: `{s['command']}` ({s['rounds']} rounds per launch, whole run {results['wall_s']:.0f} s). "
-        f"1-minute load average around the timing launches: {load} (the benchmark alone: about "
-        f"{s['world_size']}; more means other work shared the machine and the figures are noise).",
+        (f"Command: `{s['command']}` ({s['rounds']} rounds per launch, whole run {results['wall_s']:.0f} s). "
+         f"1-minute load average around the timing launches: {load} (the benchmark alone: about "
+         f"{s['world_size']}; more means other work shared the machine and the figures are noise)."
+         if results["timing"] else
+         f"Command: `{s['command']}` (the engine sweep alone, whole run {results['wall_s']:.0f} s; memory and "
+         "counts, not timing: the machine's load does not change them)."),
         *(["", "**Smoke run: the structure of the benchmark, not figures (tiny model, 2 rounds).**"]
           if s["smoke"] else []),
     ]
@@ -245,11 +248,14 @@ def gpu_lines(results: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any]) -> str:
     """results.md: every table, in reading order."""
-    sections = [header(results), issue_table(results), spread_table(results), time_table(results),
-                ledger_table(results), agreement_lines(results)]
+    sections = [header(results)]
+    if results["timing"]:  # an engine sweep alone (--no-timing) has no timing tables to show
+        sections += [issue_table(results), spread_table(results), time_table(results), ledger_table(results),
+                     agreement_lines(results)]
     if results["sweep"]:
         sections += [comm_table(results), memory_table(results)]
     sections.append(gpu_lines(results))
-    labels = ", ".join(f"{label} = {num} / {den}" for label, num, den in RATIOS)
-    sections.append([f"Ratios: {labels}."])
+    if results["timing"]:
+        labels = ", ".join(f"{label} = {num} / {den}" for label, num, den in RATIOS)
+        sections.append([f"Ratios: {labels}."])
     return "\n\n".join("\n".join(lines) for lines in sections if lines) + "\n"
