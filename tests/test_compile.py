@@ -17,8 +17,6 @@ The runs share one launch (this file doubles as the worker script, as tests/test
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, PlanRuns, plan_worker, run_cli
+from conftest import REPO, PlanRuns, launch_plan, plan_worker, run_cli
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 
@@ -71,15 +69,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("compile")
     plan = [to_mapping(with_overrides(compose_config([*MODEL, *overrides]), {"run_dir": str(root / name)}))
             for name, overrides in RUNS.items()]
-    (root / "plan.json").write_text(json.dumps(plan))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(Path(__file__)), str(root / "plan.json")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=560)
-    if proc.returncode:
-        pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    proc = launch_plan(Path(__file__), plan, root)
     return Runs(root, proc.stderr)
 
 

@@ -26,8 +26,6 @@ The runs share one launch (this file doubles as the worker script).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, plan_worker
+from conftest import REPO, launch_plan, plan_worker
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 
@@ -109,15 +107,7 @@ def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, int]]
     plan = [to_mapping(with_overrides(compose_config([*MODEL, *overrides, f"accum.steps={k}"]),
                                       {"run_dir": str(root / f"{name}-k{k}")}))
             for name, overrides in MODES.items() for k in KS]
-    (root / "plan.json").write_text(json.dumps(plan))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(Path(__file__)), str(root / "plan.json")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=560)
-    if proc.returncode:
-        pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    launch_plan(Path(__file__), plan, root)
     flat = json.loads((root / "peaks.json").read_text())
     print({name: [flat[f"{name}-k{k}"] / 2**20 for k in KS] for name in MODES})  # MiB, for the record (-s)
     return {name: {k: flat[f"{name}-k{k}"] for k in KS} for name in MODES}
