@@ -18,7 +18,8 @@ Asserted where the design makes it flat:
 Not asserted: FSDP2 (both modes) and ZeRO-3. Their step peak grows with K here, by amounts that change
 from run to run (the order in which asynchronous reduce-scatters and prefetched gathers complete decides
 when buffers are freed), so no bound holds deterministically; ``pytest -s`` prints every figure and
-BENCHMARKS.md records two runs. What they hold per micro-batch is not explained yet.
+BENCHMARKS.md records two runs. No Python-visible tensor accumulates there (``python -m
+benchmarks.memory_census``); what the allocator count adds is not explained yet.
 
 The runs share one launch (this file doubles as the worker script).
 """
