@@ -66,6 +66,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("compiled: distaccum / hand-written", "distaccum_compiled", "ddp_no_sync_compiled"),
     ("compiled / eager (hand-written)", "ddp_no_sync_compiled", "ddp_no_sync"),
     ("bf16 reduce: distaccum / hook", "distaccum_bf16_reduce", "ddp_bf16_hook"),
+    ("Python hook / C++ hook (hand-written)", "ddp_python_hook", "ddp_no_sync"),
+    ("distaccum / Python hook", "distaccum", "ddp_python_hook"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then three more (each only when both
 variants ran)."""

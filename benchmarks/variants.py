@@ -178,6 +178,22 @@ def bf16_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares r
     return future.then(decompress)
 
 
+def python_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares real annotations; ours are strings
+    """DDP's default all-reduce (divide by the world size, sum) written as a Python comm hook: the least any
+    Python hook does."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+class DDPPythonHook(DDPNoSync):
+    """(b) with DDP's all-reduce as a Python comm hook instead of its C++ default: what running the
+    reduction through Python costs (a diagnostic: distaccum's ledger and normalization live in such a hook)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.ddp.register_comm_hook(None, python_allreduce_hook)
+
+
 class DDPBf16Hook(HandWritten):
     """(f) (b) with a bf16-compressing comm hook; gradients stay bucket views and are zeroed in place."""
 
@@ -318,7 +334,7 @@ class DistaccumTrainer:
 
 
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
-                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_no_sync_compiled": DDPNoSyncCompiled}
+                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook, "ddp_no_sync_compiled": DDPNoSyncCompiled}
 
 
 def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,

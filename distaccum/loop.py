@@ -210,11 +210,15 @@ class StepMonitor(Protocol):
 
 
 class ReductionCheck(Protocol):
-    """Looks at the step right after the boundary reduction, before the optimizer uses the gradient (it may
-    launch collectives: every rank calls it). It returns its verdict, which the loop calls after the
-    optimizer step (so a collective overlaps the step) and which raises to stop the run at that step."""
+    """Looks at the step right after the boundary reduction, before the optimizer uses the gradient: it
+    launches its comparison across ranks there (asynchronous; every rank calls it) and judges it later,
+    when :meth:`judge` is called — one step later, by when the comparison has long landed, so checking adds
+    no wait to the step; before a checkpoint and at the run's end, for the steps still pending. ``judge``
+    raises to stop the run."""
 
-    def after_reduction(self, step: int, window: WindowTotals) -> Callable[[], None]: ...
+    def after_reduction(self, step: int, window: WindowTotals) -> None: ...
+
+    def judge(self, through: int) -> None: ...
 
 
 class NonFinitePolicy:
@@ -249,6 +253,8 @@ class Checkpointing(Protocol):
     """When to checkpoint (:class:`distaccum.rundir.checkpoint.Checkpointer`)."""
 
     def due_by_time(self) -> bool: ...
+
+    def saves_after(self, step: int, *, due: bool, stopping: bool) -> bool: ...
 
     def after_step(self, state: TrainState, step: int, *, due: bool, stopping: bool) -> Path | None: ...
 
@@ -318,18 +324,20 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
                 engine.backward(summed * micro_factor(settings.loss_norm, c * d * weight, n, split))
         timer.compute_done()
         grad_scale = totals.grad_scale(c, settings.loss_norm)  # 3. the one reduction: 1/(c N)
-        verdicts = [check.after_reduction(window.step + 1, totals) for check in parts.checks]  # the reduced gradient
+        step = window.step + 1
+        for check in parts.checks:  # the reduced gradient, compared across ranks while the step runs
+            check.after_reduction(step, totals)
         lr = state.scheduler.get_last_lr()[0]
         result = engine.step(settings.clip_norm, grad_scale)  # 4. normalize, clip, step: once per window
-        for verdict in verdicts:
-            verdict()
         if result.applied:  # a skipped step must not advance the schedule
             state.scheduler.step()
         state.source.advance()
         for monitor in parts.monitors:
-            monitor.after_step(window.step + 1, totals, c, d)
+            monitor.after_step(step, totals, c, d)
         times = timer.end_step()
         host = totals.read()  # 5. record
+        for check in parts.checks:  # the previous step's comparison: landed during this step, read now
+            check.judge(step - 1)
         state.n_prev = host.items
         nonfinite = parts.nonfinite.observe(state, host, result)
         record = step_record(window, split, host, result, lr, times, nonfinite)
@@ -339,9 +347,14 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
         parts.sink.log(record)
         if parts.on_step is not None:
             parts.on_step(state, record)
-        parts.nonfinite.enforce(state, window.step + 1, host, result)
+        parts.nonfinite.enforce(state, step, host, result)
+        due, stopping = host.checkpoint_votes > 0, host.stop_votes > 0
+        saves = parts.checkpointer is not None and parts.checkpointer.saves_after(step, due=due, stopping=stopping)
+        if saves or stopping or step >= settings.max_steps:  # nothing pending is saved or left unjudged
+            for check in parts.checks:
+                check.judge(step)
         path = None if parts.checkpointer is None else parts.checkpointer.after_step(
-            state, window.step + 1, due=host.checkpoint_votes > 0, stopping=host.stop_votes > 0)
-        if host.stop_votes > 0:
-            raise StopRequested(window.step + 1, path)
+            state, step, due=due, stopping=stopping)
+        if stopping:
+            raise StopRequested(step, path)
     return state.records[first:]

@@ -39,7 +39,7 @@ from distaccum.data.sources import build_source
 from distaccum.engines import make_engine
 from distaccum.engines.base import Engine, OptimizerFactory
 from distaccum.evaluate import EvalResult, evaluate
-from distaccum.loop import LoopParts, NonFinitePolicy, StepMonitor, TrainState, train
+from distaccum.loop import LoopParts, NonFinitePolicy, ReductionCheck, StepMonitor, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.optim import build_scheduler, describe_lr
 from distaccum.resolve import Prepared, ResolvedRun, prepare, resolve
@@ -219,6 +219,8 @@ class Trainer:
         assert self._run is not None, "nothing to finish: train first"
         cfg, run = self.cfg, self._run
         state, resolved = run.state, run.resolved
+        for check in run.parts.checks:  # a comparison still pending (training stopped before max_steps)
+            check.judge(state.source.next_step)
         if cfg.eval.at_end and (run.last_eval is None or run.last_eval[0] != len(state.records)):
             self.evaluate()
         summary = summarize(resolved.summary_header(run.prepared.names["model"]), state.records, state.engine,
@@ -292,7 +294,9 @@ class Trainer:
                                     writer=testing.intercept("checkpoint_writer", CheckpointWriter()))
         checkpointer.last_step = done
         timer = StepTimer(device, ledger)
-        monitors: list[StepMonitor] = [Tripwire(engine, cfg.trainer.check_every, run_dir, record=cfg.verify.record),
+        checks: list[ReductionCheck] = [Fingerprint(engine, run_dir, rank, world, device)] if cfg.trainer.fingerprint else []
+        monitors: list[StepMonitor] = [Tripwire(engine, cfg.trainer.check_every, run_dir, record=cfg.verify.record,
+                                                first=checks),
                                        RankStats(timer, cfg.log.rank_stats_every)]
         if cfg.log.gns:
             monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world))
@@ -301,7 +305,7 @@ class Trainer:
         parts = LoopParts(timer=timer, sink=NullSink(),  # the real sinks open on the first train_steps
                           nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
                           checkpointer=checkpointer, monitors=monitors, stop=self.stop, on_step=self._after_step,
-                          checks=[Fingerprint(engine, run_dir, rank, world, device)] if cfg.trainer.fingerprint else [])
+                          checks=checks)
         return _Run(resolved, prepared, state, parts, testing.intercept("loss", self.components.loss), checkpointer,
                     done, liveness, placement=placement)
 

@@ -4,9 +4,11 @@
   NaN-aware grouping of ranks, the seed hash, which engines replicate their reduced gradient, world 1
   does nothing;
 - dist: a real 2-rank ``distaccum train`` whose reduction goes wrong from step 3 on (``no_sync`` on the
-  wrong micro-batch, injected through the testing seam) stops AT step 3 with exit 1, naming the ranks and
-  the first parameter, before step 3 is applied; with ``trainer.fingerprint=false`` the same run goes on
-  with desynchronized ranks until the periodic tripwire (``trainer.check_every=10``) stops it at step 11.
+  wrong micro-batch, injected through the testing seam) stops at step 4, before its record, with exit 1,
+  naming step 3, the ranks and the first parameter (the comparison is read a step later, so it never
+  waits); with a checkpoint due at step 3 it stops at step 3 and writes no checkpoint; with
+  ``trainer.fingerprint=false`` the same run goes on with desynchronized ranks until the periodic tripwire
+  (``trainer.check_every=10``) stops it at step 11.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from distaccum.engines.accelerate import AccelerateEngine
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed import DeepSpeedEngine
 from distaccum.engines.fsdp import FSDPEngine
+from distaccum.rundir.checkpoint import step_dir
 from distaccum.verify.fingerprint import Fingerprint, gradient_sample, groups, rng_hash, same
 
 
@@ -72,7 +75,8 @@ def test_only_engines_that_replicate_the_reduced_gradient_compare_it(tmp_path: P
             raise AssertionError("world 1 has nothing to compare: the gradients are never read")
 
     check = Fingerprint(World1Engine(), tmp_path, 0, 1, torch.device("cpu"))
-    check.after_reduction(1, object())()  # no process group, no read, no file
+    check.after_reduction(1, object())  # no process group, no read, no file
+    check.judge(1)
     assert not list(tmp_path.iterdir())
 
 
@@ -83,14 +87,22 @@ BASE = ("model=mlp", "accum.micro_batch=2", "accum.steps=4", "trainer.nproc=2", 
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-def test_a_reduction_gone_wrong_stops_at_its_first_step_not_at_the_next_tripwire(tmp_path: Path) -> None:
+def test_a_reduction_gone_wrong_stops_the_step_after_not_at_the_next_tripwire(tmp_path: Path) -> None:
     run = run_cli("train", tmp_path / "on", *BASE, timeout=200)  # trainer.check_every: the default, 10
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-3000:]
     report = json.loads((run.run_dir / "divergence.json").read_text())
     assert (report["check"], report["step"], report["ranks"]) == ("fingerprint", 3, [1])
     assert report["parameter"] == "net.0.weight" and report["differing_parameters"] == 6
     assert "ranks disagree on the reduced gradient at optimizer step 3: rank(s) 1 differ from rank(s) 0" in run.stderr
-    assert [r["step"] for r in run.records] == [1, 2]  # stopped before step 3 was applied or recorded
+    # Step 3's comparison is read one step later (no wait in step 3): the run stops at step 4, before its record.
+    assert [r["step"] for r in run.records] == [1, 2, 3]
+
+    # Before a checkpoint the pending comparison is read at once: no checkpoint holds the diverged step.
+    saving = run_cli("train", tmp_path / "saving", *BASE, "trainer.checkpoint_every=3", timeout=200)
+    assert saving.returncode == 1, saving.stdout[-2000:] + saving.stderr[-3000:]
+    assert json.loads((saving.run_dir / "divergence.json").read_text())["step"] == 3
+    assert [r["step"] for r in saving.records] == [1, 2, 3]
+    assert not step_dir(saving.run_dir / "checkpoints", 3).exists()
 
     off = run_cli("train", tmp_path / "off", *BASE, "trainer.fingerprint=false", timeout=200)
     assert off.returncode == 1, off.stdout[-2000:] + off.stderr[-3000:]

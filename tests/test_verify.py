@@ -164,7 +164,7 @@ def test_dropout_fails_with_randomness_diagnosis(dropout: Run) -> None:
 
 def test_desynchronized_rank_is_caught_by_the_reduction_fingerprint(desync: Run) -> None:
     cand = failed_candidate(desync)
-    assert cand["exit_code"] == 1  # the fingerprint stopped the run, before step 1 was applied
+    assert cand["exit_code"] == 1  # the fingerprint stopped the run at step 1, before its record
     first = cand["first_divergence"]
     assert (first["step"], first["quantity"]) == (1, "ranks") and first["parameter"]
     assert [d["cause"] for d in cand["diagnosis"]] == ["rank_divergence"]

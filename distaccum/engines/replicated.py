@@ -34,7 +34,7 @@ class HookState:
     """Set for a window's boundary reduction (:meth:`ReplicatedEngine.fold_normalization`): the window's
     normalization 1/(c N), applied to each bucket in the division by the world size it gets anyway."""
     factor: torch.Tensor | None = None
-    """1/(c N W), computed from ``fold`` at the window's first bucket."""
+    """1/(c N), computed from ``fold`` when the window's first bucket lands (:func:`window_scale`)."""
     measure: bool = True
     """Measure the reduced gradients' norms (``EngineSpec.measure_norm``)."""
     norms: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -43,15 +43,23 @@ class HookState:
     gradients gives, also after DDP rebuilds its buckets)."""
 
 
-def pre_divide_(state: HookState, buffer: torch.Tensor) -> torch.Tensor:
-    """Divide a bucket by the world size (the mean), in place. On a boundary reduction with the
-    normalization folded in, multiply by 1/(c N W) instead: the step then needs no pass of its own to
-    normalize (and, through :func:`measure_`, none to measure the norm)."""
-    if state.fold is None:
-        return buffer.div_(dist.get_world_size())
-    if state.factor is None:  # the window's item-count all-reduce was launched before this backward began
-        state.factor = state.fold().to(torch.float64) / dist.get_world_size()
-    return buffer.mul_(state.factor.to(buffer.dtype))
+def window_scale(state: HookState) -> torch.Tensor:
+    """The window's 1/(c N) (float64), from the item-count all-reduce, computed once per window."""
+    if state.factor is None:
+        assert state.fold is not None
+        state.factor = state.fold().to(torch.float64)
+    return state.factor
+
+
+def normalize_(state: HookState, reduced: torch.Tensor) -> None:
+    """After a bucket's all-reduce on a folded boundary reduction (the ranks' sum was reduced as it is):
+    multiply it by 1/(c N W), in place, so the step needs no pass of its own to normalize (and, through
+    :func:`measure_`, none to measure the norm). After, not before, the reduction: N comes from the window's
+    item-count all-reduce, launched before the last backward and queued ahead of every bucket, so it has
+    landed by now and nothing waits for it inside the backward (multiplying before the reduction, the
+    backward stopped at its first bucket until the slower rank had finished its forward)."""
+    if state.fold is not None:
+        reduced.mul_((window_scale(state) / dist.get_world_size()).to(reduced.dtype))
 
 
 def measure_(state: HookState, bucket: dist.GradBucket) -> None:
@@ -74,15 +82,18 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     if state.squares is not None:  # this rank's accumulated gradient, before the reduction overwrites it
         state.squares.add_local(buffer)
     token = state.ledger.launched(buffer)
-    pre_divide_(state, buffer)
+    if state.fold is None:  # the mean; a folded reduction is normalized when it lands (normalize_)
+        buffer.div_(dist.get_world_size())
     future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         state.ledger.completed(token)
+        reduced = fut.value()[0]
+        normalize_(state, reduced)
         if state.squares is not None:
-            state.squares.add_reduced(fut.value()[0])
+            state.squares.add_reduced(reduced)
         measure_(state, bucket)
-        return fut.value()[0]
+        return reduced
 
     return future.then(done)
 
@@ -99,13 +110,16 @@ def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torc
     if state.squares is not None:
         state.squares.add_local(buffer)
     assert state.dtype is not None
-    compressed = pre_divide_(state, buffer).to(state.dtype)  # divide first: fp16 must not overflow
+    compressed = buffer.div_(dist.get_world_size()).to(state.dtype)  # divide first: fp16 must not overflow
     token = state.ledger.launched(compressed)
     future = dist.all_reduce(compressed, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         state.ledger.completed(token)
-        buffer.copy_(fut.value()[0])
+        if state.fold is None:
+            buffer.copy_(fut.value()[0])
+        else:  # back into the bucket and normalized by 1/(c N) in one pass, in the bucket's dtype
+            torch.mul(fut.value()[0], window_scale(state).to(buffer.dtype).reshape(1), out=buffer)
         if state.squares is not None:
             state.squares.add_reduced(buffer)
         measure_(state, bucket)
@@ -149,7 +163,7 @@ class ReplicatedEngine(EngineBase):
         ddp.register_comm_hook(self.hook_state, self.comm_hook)
 
     def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
-        """Fold the window's 1/(c N) into its one boundary reduction (see :func:`pre_divide_`). Not with
+        """Fold the window's 1/(c N) into its one boundary reduction (see :func:`normalize_`). Not with
         ``every_micro`` (earlier reductions carry no normalization), the noise scale (its terms are read
         before and after the reduction at the loss's scale) or fp16 (GradScaler unscales and checks first)."""
         state = getattr(self, "hook_state", None)

@@ -3,15 +3,19 @@ ranks compare a few numbers in one tiny all-gather.
 
 Per optimizer step every rank contributes :data:`FIELDS` (float64):
 
-The comparison's all-gather is launched right after the reduction and read after the optimizer step, which
-it overlaps: a mismatch stops the run at the step that went wrong (its update already made), not later.
+The comparison's all-gather is launched right after the reduction and read one step later, after the next
+step's update, when it has long landed: waiting for it at once would make every rank wait for the slowest
+after every step, a second synchronization per step that cost 12 % of a 35 ms step on this project's 2-core
+machine (``distaccum_no_fingerprint`` in BENCHMARKS.md). Pending comparisons are also read before every
+checkpoint and at the run's end, so a mismatch stops the run at the next step, naming the step that went
+wrong, and no checkpoint or final model is written after it.
 
 - ``grad_weighted``, ``grad_sumsq``: a strided sample of the reduced gradient (about :data:`SAMPLE`
   elements, the first element of every tensor included) — its position-weighted sum and its sum of
   squares. A reduced gradient is bitwise identical on every rank (an all-reduce hands every rank the
   same bytes), so any difference means the reduction went wrong: a rank skipped it, ``no_sync`` sat on
   the wrong micro-batch, DDP's ``static_graph`` stopped reducing, buckets were mismatched. The run stops
-  **at that step** with :class:`~distaccum.verify.tripwire.RankDivergenceError` (exit 1),
+  **one step later**, before that step's record, with :class:`~distaccum.verify.tripwire.RankDivergenceError` (exit 1),
   naming the step, the ranks that disagree and the first parameter whose gradient differs (found by a
   second all-gather, only then); rank 0 writes ``divergence.json`` as the tripwire does, so ``distaccum
   verify`` reports it the same way. Only engines whose reduced gradient is replicated on every rank have
@@ -25,8 +29,8 @@ it overlaps: a mismatch stops the run at the step that went wrong (its update al
   rank alike) — a warning.
 
 Warnings go to stderr and ``warnings.jsonl`` (rank 0, once per kind). World size 1 has nothing to
-compare and skips everything. Cost per step: one gather of a ~4k-element sample, one all-gather of
-5 numbers per rank and, on CUDA, one host read of its result (``trainer.fingerprint=false`` turns it
+compare and skips everything. Cost per step: one gather of a ~4k-element sample, one asynchronous all-gather
+of 5 numbers per rank and, on CUDA, one host read of its result after the next step's synchronization (``trainer.fingerprint=false`` turns it
 off); measured by the benchmark's ``distaccum_no_fingerprint`` variant (BENCHMARKS.md).
 """
 
@@ -105,6 +109,8 @@ class Fingerprint:
         self.gradients = bool(getattr(engine, "replicated_gradients", False))
         self.warned: set[str] = set()
         self._named: list[tuple[str, torch.nn.Parameter]] | None = None
+        self._pending: list[tuple[int, Callable[[], list[list[float]]]]] = []
+        """(step, its gathered rows) launched by :meth:`after_reduction` and not judged yet."""
 
     def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
         if self._named is None:  # the engine wraps the model before the first step
@@ -130,11 +136,11 @@ class Fingerprint:
     def _gather(self, local: torch.Tensor) -> list[list[float]]:
         return self._launch(local)()
 
-    def after_reduction(self, step: int, window: Any) -> Callable[[], None]:
-        """Launch this step's comparison across ranks (asynchronous: it overlaps the optimizer step); the
-        returned verdict, called after the step, waits for it and raises on a gradient mismatch."""
+    def after_reduction(self, step: int, window: Any) -> None:
+        """Launch this step's comparison across ranks (asynchronous: it overlaps the optimizer step and the
+        next step's work); :meth:`judge` reads it."""
         if self.world == 1:
-            return lambda: None
+            return
         device = window.loss_sum.device
         if self.gradients:
             grads = [p.grad for _, p in self._params() if p.grad is not None]
@@ -143,8 +149,14 @@ class Fingerprint:
             sampled = torch.zeros(2, dtype=torch.float64, device=device)
         local = torch.cat([sampled, torch.stack([window.loss_sum, window.items]),
                            torch.full((1,), rng_hash(self.device), dtype=torch.float64, device=device)])
-        gathered = self._launch(local)
-        return lambda: self._judge(step, gathered())
+        self._pending.append((step, self._launch(local)))
+
+    def judge(self, through: int) -> None:
+        """Judge the comparisons of the steps up to ``through`` still pending (waiting for their gathers,
+        long landed when the loop calls this one step later); raises on a gradient mismatch."""
+        while self._pending and self._pending[0][0] <= through:
+            step, rows = self._pending.pop(0)
+            self._judge(step, rows())
 
     def _judge(self, step: int, rows: list[list[float]]) -> None:
         if self.gradients:
@@ -192,7 +204,8 @@ class Fingerprint:
                    f"parameter {parameter!r} ({len(differ)} of {len(named)} gradients differ). The gradients were "
                    "not reduced identically on every rank (a rank skipped or missed the reduction, no_sync on the "
                    "wrong micro-batch, a comm hook that keeps local values, DDP static_graph with no_sync). The "
-                   "run stopped at this step.")
+                   "run stopped when the comparison was read: one step later, or at once before a checkpoint or at the "
+                   "end of the run.")
         if self.rank == 0:
             report = {"step": step, "parameter": parameter, "rank": odd[0], "ranks": odd,
                       "differing_parameters": len(differ), "check": "fingerprint", "message": message}

@@ -16,14 +16,18 @@ and parameter; a world-size-1 run records without comparing.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from distaccum.engines.base import Engine
 from distaccum.rundir import CHECKSUMS, DIVERGENCE
+
+if TYPE_CHECKING:
+    from distaccum.loop import ReductionCheck
 
 
 class RankDivergenceError(RuntimeError):
@@ -124,13 +128,19 @@ def read_divergence(run_dir: Path) -> dict[str, object] | None:
 class Tripwire:
     """The cross-rank consistency check every ``every`` optimizer steps (after steps 1, every + 1, ...), a
     :class:`~distaccum.loop.StepMonitor`. With ``record`` it also writes every checked step's checksums
-    (``distaccum verify`` runs with ``every=1`` and ``record``)."""
+    (``distaccum verify`` runs with ``every=1`` and ``record``). Its check waits for every rank anyway, so the
+    reduction checks handed in as ``first`` (the fingerprint, whose comparison is otherwise read a step later)
+    are judged for this step just before it: a broken reduction is reported as such, at its own step."""
 
-    def __init__(self, engine: Engine, every: int, run_dir: Path, *, record: bool) -> None:
+    def __init__(self, engine: Engine, every: int, run_dir: Path, *, record: bool,
+                 first: Sequence[ReductionCheck] = ()) -> None:
         self.engine, self.every, self.run_dir, self.record = engine, every, run_dir, record
+        self.first = list(first)
 
     def after_step(self, step: int, window: object, c: float, d: float) -> None:
         if self.every and (step - 1) % self.every == 0:
+            for check in self.first:
+                check.judge(step)
             check_consistency(self.engine, step, self.run_dir, record=self.record)
 
     def fields(self, record: dict[str, object], times: object, records: list[dict[str, object]]) -> dict[str, object]:

@@ -1,0 +1,107 @@
+"""Is a step's allocation peak growing with K, or only sampled more often? ``python -m benchmarks.memory_peaks``.
+
+tests/test_memory_flat.py measures one step's allocation peak (torch.profiler allocator events, max over the 2
+ranks) at K = 1, 2 and 8. This diagnostic measures it for ``--steps`` consecutive steps at each K, for each
+MODE of that test (default: fsdp, fsdp_every_micro, zero3, and ddp as a control), in one 2-rank launch, and
+prints every step's peak. If the peak of a K = 8 step lies within the range that single-micro-batch steps
+(K = 1, or K = 2 for the modes that keep a window's gradient from the second micro-batch on) reach over
+as many micro-batches, the growth is the maximum of more draws of a peak that varies from micro-batch to
+micro-batch (when asynchronous collectives free their buffers), not memory kept per micro-batch.
+
+    python -m benchmarks.memory_peaks [MODE ...] [--steps 8] [--ks 1,2,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+DEFAULT_MODES = ("ddp", "fsdp", "fsdp_every_micro", "zero3")
+
+
+def _worker(plan_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import test_memory_flat as flat  # the modes, model and measurement of the test
+    from conftest import plan_worker
+    from distaccum.config import from_mapping
+    from distaccum.preflight import instantiate_components
+    from distaccum.trainer import Trainer
+
+    peaks: dict[str, list[float]] = {}
+
+    def measure(values: dict[str, Any]) -> None:
+        steps = int(values.pop("_steps"))
+        cfg = from_mapping(values)
+        parts = instantiate_components(cfg)
+        trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
+                          names=parts.names)
+        trainer.setup()
+        trainer.train_steps(1)
+        out = []
+        for _ in range(steps):
+            peak = torch.tensor(flat.step_peak_bytes(lambda: trainer.train_steps(1)), dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            out.append(float(peak) / 2**20)
+        trainer.finish()
+        peaks[Path(cfg.run_dir).name] = out
+
+    def write() -> None:
+        if dist.get_rank() == 0:
+            (Path(plan_file).parent / "peaks.json").write_text(json.dumps(peaks))
+
+    plan_worker(plan_file, measure, after=write)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import test_memory_flat as flat
+    from distaccum.cli.compose import compose_config
+    from distaccum.config import to_mapping, with_overrides
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modes", nargs="*", default=list(DEFAULT_MODES), choices=list(flat.MODES))
+    parser.add_argument("--steps", type=int, default=8, help="profiled steps per (mode, K)")
+    parser.add_argument("--ks", default="1,2,8")
+    args = parser.parse_args(argv)
+    ks = [int(k) for k in args.ks.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        plan = []
+        for mode in args.modes:
+            for k in ks:
+                cfg = with_overrides(compose_config([*flat.MODEL, *flat.MODES[mode], f"accum.steps={k}",
+                                                     f"trainer.max_steps={args.steps + 1}"]),
+                                     {"run_dir": str(root / f"{mode}-k{k}")})
+                plan.append({**to_mapping(cfg), "_steps": args.steps})
+        (root / "plan.json").write_text(json.dumps(plan))
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")])),
+                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"))
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "benchmarks.memory_peaks", "--worker", str(root / "plan.json")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode:
+            sys.exit(f"the launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        peaks = json.loads((root / "peaks.json").read_text())
+    print(f"allocation peak of each step, MiB (max over 2 ranks), {args.steps} steps per (mode, K):")
+    for mode in args.modes:
+        for k in ks:
+            values = peaks[f"{mode}-k{k}"]
+            print(f"  {mode:<18} K={k:<2} min {min(values):7.2f}  max {max(values):7.2f}   "
+                  + " ".join(f"{v:.2f}" for v in values))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,127 @@
+"""Where distaccum's step differs from the expert hand-written loop's: ``python -m benchmarks.step_profile``.
+
+Two ranks (gloo, one intra-op thread each) build the timing harness's ``ddp_no_sync`` and ``distaccum``
+variants of one case at one K (the same model, data and SGD as ``benchmarks.run``), warm both up, then on
+rank 0 profile ``--steps`` steps of each with torch.profiler (CPU) and with cProfile. It prints, per
+variant: the step times of the profiled block, the operators by self CPU time, the operators and counts
+that only one of the two runs (or runs more often), and distaccum's Python functions by cumulative
+time. Counts are exact; times are as noisy as the machine (run it alone).
+
+    python -m benchmarks.step_profile --case 27.3M_micro4 --k 1 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import cProfile
+import io
+import json
+import pstats
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.cases import FULL_CASES, BenchData, Spec, launch_spec
+from benchmarks.device import join, step_seconds, worker_main
+from benchmarks.interleave import timed_block
+from benchmarks.launch import launch
+from benchmarks.variants import build_variant
+
+VARIANTS = ("ddp_no_sync", "distaccum")
+
+
+def _ops(prof: Any) -> dict[str, tuple[int, float]]:
+    """Operator -> (calls, self CPU ms) over the profiled block."""
+    return {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()}
+
+
+def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
+    """Warm up both variants, then profile one block of each (every rank steps; rank 0 records)."""
+    device, clock = join(spec.device)
+    rank = dist.get_rank()
+    data = BenchData(spec, dist.get_world_size())
+    variants = {name: build_variant(name, spec, data, rank, device, clock, workdir) for name in spec.variants}
+    for variant in variants.values():
+        timed_block(variant, spec.warmup, clock)
+    out: dict[str, Any] = {}
+    for name, variant in variants.items():
+        dist.barrier()
+        if rank == 0:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                stamps = variant.run(spec.steps)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            variant.run(spec.steps)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(28)
+            out[name] = {"ops": _ops(prof), "table": table, "step_s": step_seconds(clock, stamps),
+                         "python": text.getvalue()}
+        else:
+            variant.run(spec.steps)
+            variant.run(spec.steps)
+    for variant in variants.values():
+        variant.close()
+    return out
+
+
+def report(record: dict[str, Any], steps: int, variants: tuple[str, str] = VARIANTS) -> str:
+    """The two profiles side by side, and the operators that differ."""
+    lines = []
+    for name in variants:
+        times = record[name]["step_s"]
+        lines += [f"===== {name}: step s {' '.join(f'{t:.4f}' for t in times)} "
+                  f"(median {sorted(times)[len(times) // 2]:.4f})", record[name]["table"]]
+    a, b = (record[name]["ops"] for name in variants)
+    lines.append(f"===== operators {variants[1]} runs more often than {variants[0]} (per step, over {steps} steps)")
+    diff = Counter()
+    for key in set(a) | set(b):
+        calls = b.get(key, (0, 0.0))[0] - a.get(key, (0, 0.0))[0]
+        if calls:
+            diff[key] = calls
+    for key, calls in sorted(diff.items(), key=lambda kv: -abs(b.get(kv[0], (0, 0.0))[1] - a.get(kv[0], (0, 0.0))[1])):
+        lines.append(f"  {key:<48} calls {calls / steps:+7.1f}/step   self ms "
+                     f"{(b.get(key, (0, 0.0))[1] - a.get(key, (0, 0.0))[1]) / steps:+8.3f}/step")
+    for name in variants:
+        lines.append(f"===== {name}: Python, cumulative (cProfile, one more block)")
+        lines.append(record[name]["python"])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", default=FULL_CASES[0].name, choices=[c.name for c in FULL_CASES])
+    parser.add_argument("--k", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="the two variants to compare, baseline first (default: %(default)s)")
+    args = parser.parse_args(argv)
+    variants = tuple(args.variants.split(","))
+    if len(variants) != 2:
+        parser.error("--variants takes exactly two names")
+    case = next(c for c in FULL_CASES if c.name == args.case)
+    spec = launch_spec(case, args.k, variants=variants)
+    spec = dataclasses.replace(spec, steps=args.steps, warmup=3, rounds=2)  # two blocks: profiler, cProfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "profile.json"
+        result = launch("benchmarks.step_profile", ["--worker", spec.to_json(), str(out), tmp], 2,
+                        Path(tmp) / "log", timeout_s=900)
+        if not result.ok:
+            sys.exit(f"the profile launch failed: {result.tail}")
+        print(report(json.loads(out.read_text()), args.steps, variants))  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker_main("benchmarks.step_profile", measure, Spec.from_json, sys.argv[2:])
+    else:
+        main()
