@@ -28,10 +28,10 @@ DEFAULT_MODES = ("ddp", "fsdp", "fsdp_every_micro", "zero3")
 
 
 def _worker(plan_file: str) -> None:
+    import test_memory_flat as flat  # the modes, model and measurement of the test
     import torch
     import torch.distributed as dist
 
-    import test_memory_flat as flat  # the modes, model and measurement of the test
     from conftest import plan_worker
     from distaccum.config import from_mapping
     from distaccum.preflight import instantiate_components
@@ -64,6 +64,7 @@ def _worker(plan_file: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     import test_memory_flat as flat
+
     from distaccum.cli.compose import compose_config
     from distaccum.config import to_mapping, with_overrides
 

@@ -13,8 +13,8 @@ time. Counts are exact; times are as noisy as the machine (run it alone).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -24,7 +24,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
