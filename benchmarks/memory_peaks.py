@@ -14,6 +14,7 @@ micro-batch (when asynchronous collectives free their buffers), not memory kept 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -40,10 +41,16 @@ def _worker(plan_file: str) -> None:
     peaks: dict[str, list[float]] = {}
 
     def measure(values: dict[str, Any]) -> None:
-        steps = int(values.pop("_steps"))
+        steps, collect = int(values.pop("_steps")), bool(values.pop("_collect"))
         cfg = from_mapping(values)
         parts = instantiate_components(cfg)
-        trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
+
+        def loss(model: Any, batch: Any) -> Any:
+            if collect:  # free unreachable reference cycles (and what they hold) before every micro-batch
+                gc.collect()
+            return parts.loss(model, batch)
+
+        trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=loss, collate=parts.collate,
                           names=parts.names)
         trainer.setup()
         trainer.train_steps(1)
@@ -69,10 +76,17 @@ def main(argv: list[str] | None = None) -> None:
     from distaccum.config import to_mapping, with_overrides
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("modes", nargs="*", default=list(DEFAULT_MODES), choices=list(flat.MODES))
+    parser.add_argument("modes", nargs="*", metavar="MODE", help=f"of {', '.join(flat.MODES)} (default: "
+                        f"{' '.join(DEFAULT_MODES)})")
     parser.add_argument("--steps", type=int, default=8, help="profiled steps per (mode, K)")
     parser.add_argument("--ks", default="1,2,8")
+    parser.add_argument("--collect", action="store_true",
+                        help="run Python's cycle collector (gc.collect) before every micro-batch")
     args = parser.parse_args(argv)
+    args.modes = args.modes or list(DEFAULT_MODES)
+    unknown = [m for m in args.modes if m not in flat.MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}")
     ks = [int(k) for k in args.ks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -82,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = with_overrides(compose_config([*flat.MODEL, *flat.MODES[mode], f"accum.steps={k}",
                                                      f"trainer.max_steps={args.steps + 1}"]),
                                      {"run_dir": str(root / f"{mode}-k{k}")})
-                plan.append({**to_mapping(cfg), "_steps": args.steps})
+                plan.append({**to_mapping(cfg), "_steps": args.steps, "_collect": args.collect})
         (root / "plan.json").write_text(json.dumps(plan))
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")])),
