@@ -39,7 +39,7 @@ test: install  ## the whole suite, exactly as CI runs it
 lint: install  ## ruff, as `make test` runs it
 	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples
 
-BENCH_VARIANTS ?= ddp_no_sync,distaccum,accelerate,compute_floor,ddp_every_micro,distaccum_compiled,ddp_no_sync_compiled
+BENCH_VARIANTS ?= ddp_no_sync,distaccum,accelerate,compute_floor,ddp_every_micro,distaccum_compiled,ddp_no_sync_compiled,ddp_python_hook
 
 bench: install  ## the full benchmark on a quiet machine (by hand; CI runs the smoke size)
 	$(PY) -m benchmarks.run --out runs/bench --variants $(BENCH_VARIANTS)

@@ -4,7 +4,7 @@ Two ranks (gloo, one intra-op thread each) build the timing harness's ``ddp_no_s
 variants of one case at one K (the same model, data and SGD as ``benchmarks.run``), warm both up, then on
 rank 0 profile ``--steps`` steps of each with torch.profiler (CPU) and with cProfile. It prints, per
 variant: the step times of the profiled block, the operators by self CPU time, the operators and counts
-that only one of the two runs (or runs more often), and distaccum's Python functions by cumulative
+that only one of the two runs (or runs more often), and each variant's own Python functions (distaccum's and the benchmark's) by cumulative
 time. Counts are exact; times are as noisy as the machine (run it alone).
 
     python -m benchmarks.step_profile --case 27.3M_micro4 --k 1 --steps 8
@@ -61,7 +61,7 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
             variant.run(spec.steps)
             profiler.disable()
             text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(28)
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(r"/(distaccum|benchmarks)/", 40)
             out[name] = {"ops": _ops(prof), "table": table, "step_s": step_seconds(clock, stamps),
                          "python": text.getvalue()}
         else:

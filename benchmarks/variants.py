@@ -11,6 +11,8 @@
 - (f) ``ddp_bf16_hook``: (b) with the gradient all-reduce compressed to bf16 by a comm hook, in an
   expert's settings (``gradient_as_bucket_view=True``, gradients zeroed in place): what
   ``distaccum_bf16_reduce`` (``accum.reduce_dtype=bf16``) is measured against.
+- ``ddp_python_hook``: (b) with DDP's default all-reduce written as a Python comm hook: what running the
+  reduction through Python costs (distaccum's ledger and normalization live in such a hook).
 - ``distaccum_no_ledger``, ``distaccum_no_fingerprint`` (the reduction fingerprint off: its cost is
   ``distaccum / distaccum_no_fingerprint``), ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
   the Trainer with another engine or setting, for the engine sweep, or interleaved like the others.
