@@ -32,7 +32,8 @@ class HookState:
     """The dtype :func:`compressed_allreduce_hook` reduces in (``accum.reduce_dtype``)."""
     fold: Callable[[], torch.Tensor] | None = None
     """Set for a window's boundary reduction (:meth:`ReplicatedEngine.fold_normalization`): the window's
-    normalization 1/(c N), applied to each bucket in the division by the world size it gets anyway."""
+    normalization 1/(c N), applied to each bucket as its all-reduce lands, with the division by the world size
+    (:func:`normalize_`)."""
     factor: torch.Tensor | None = None
     """1/(c N), computed from ``fold`` when the window's first bucket lands (:func:`window_scale`)."""
     measure: bool = True
