@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -29,38 +28,23 @@ DEFAULT_MODES = ("ddp", "fsdp", "fsdp_every_micro", "zero3")
 
 
 def _worker(plan_file: str) -> None:
-    import test_memory_flat as flat  # the modes, model and measurement of the test
-    import torch
     import torch.distributed as dist
+    from test_memory_flat import step_peaks  # the test's own measurement
 
     from conftest import plan_worker
-    from distaccum.config import from_mapping
-    from distaccum.preflight import instantiate_components
-    from distaccum.trainer import Trainer
 
     peaks: dict[str, list[float]] = {}
 
+    def collecting(loss: Any) -> Any:
+        def wrapped(model: Any, batch: Any) -> Any:
+            gc.collect()  # free unreachable reference cycles (and what they hold) before every micro-batch
+            return loss(model, batch)
+        return wrapped
+
     def measure(values: dict[str, Any]) -> None:
         steps, collect = int(values.pop("_steps")), bool(values.pop("_collect"))
-        cfg = from_mapping(values)
-        parts = instantiate_components(cfg)
-
-        def loss(model: Any, batch: Any) -> Any:
-            if collect:  # free unreachable reference cycles (and what they hold) before every micro-batch
-                gc.collect()
-            return parts.loss(model, batch)
-
-        trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=loss, collate=parts.collate,
-                          names=parts.names)
-        trainer.setup()
-        trainer.train_steps(1)
-        out = []
-        for _ in range(steps):
-            peak = torch.tensor(flat.step_peak_bytes(lambda: trainer.train_steps(1)), dtype=torch.float64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            out.append(float(peak) / 2**20)
-        trainer.finish()
-        peaks[Path(cfg.run_dir).name] = out
+        measured = step_peaks(values, steps, wrap_loss=collecting if collect else None)
+        peaks[Path(values["run_dir"]).name] = [peak / 2**20 for peak in measured]
 
     def write() -> None:
         if dist.get_rank() == 0:
@@ -72,6 +56,7 @@ def _worker(plan_file: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     import test_memory_flat as flat
 
+    from conftest import plan_env
     from distaccum.cli.compose import compose_config
     from distaccum.config import to_mapping, with_overrides
 
@@ -98,12 +83,9 @@ def main(argv: list[str] | None = None) -> None:
                                      {"run_dir": str(root / f"{mode}-k{k}")})
                 plan.append({**to_mapping(cfg), "_steps": args.steps, "_collect": args.collect})
         (root / "plan.json").write_text(json.dumps(plan))
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")])),
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"))
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                "-m", "benchmarks.memory_peaks", "--worker", str(root / "plan.json")],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+                              cwd=ROOT, env=plan_env(), capture_output=True, text=True, timeout=1800)
         if proc.returncode:
             sys.exit(f"the launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
         peaks = json.loads((root / "peaks.json").read_text())

@@ -4,8 +4,8 @@ Two ranks (gloo, one intra-op thread each) build the timing harness's ``ddp_no_s
 variants of one case at one K (the same model, data and SGD as ``benchmarks.run``), warm both up, then on
 rank 0 profile ``--steps`` steps of each with torch.profiler (CPU) and with cProfile. It prints, per
 variant: the step times of the profiled block, the operators by self CPU time, the operators and counts
-that only one of the two runs (or runs more often), and each variant's own Python functions (distaccum's and the benchmark's) by cumulative
-time. Counts are exact; times are as noisy as the machine (run it alone).
+that only one of the two runs (or runs more often), and each variant's own Python functions (distaccum's
+and the benchmark's) by cumulative time. Counts are exact; times are as noisy as the machine (run it alone).
 
     python -m benchmarks.step_profile --case 27.3M_micro4 --k 1 --steps 8
 """
@@ -20,7 +20,6 @@ import json
 import pstats
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +80,13 @@ def report(record: dict[str, Any], steps: int, variants: tuple[str, str] = VARIA
                   f"(median {sorted(times)[len(times) // 2]:.4f})", record[name]["table"]]
     a, b = (record[name]["ops"] for name in variants)
     lines.append(f"===== operators {variants[1]} runs more often than {variants[0]} (per step, over {steps} steps)")
-    diff = Counter()
+    rows = []  # (operator, extra calls, extra self CPU ms), where the call counts differ
     for key in set(a) | set(b):
-        calls = b.get(key, (0, 0.0))[0] - a.get(key, (0, 0.0))[0]
-        if calls:
-            diff[key] = calls
-    for key, calls in sorted(diff.items(), key=lambda kv: -abs(b.get(kv[0], (0, 0.0))[1] - a.get(kv[0], (0, 0.0))[1])):
-        lines.append(f"  {key:<48} calls {calls / steps:+7.1f}/step   self ms "
-                     f"{(b.get(key, (0, 0.0))[1] - a.get(key, (0, 0.0))[1]) / steps:+8.3f}/step")
+        (calls_a, ms_a), (calls_b, ms_b) = a.get(key, (0, 0.0)), b.get(key, (0, 0.0))
+        if calls_b != calls_a:
+            rows.append((key, calls_b - calls_a, ms_b - ms_a))
+    for key, calls, ms in sorted(rows, key=lambda row: -abs(row[2])):
+        lines.append(f"  {key:<48} calls {calls / steps:+7.1f}/step   self ms {ms / steps:+8.3f}/step")
     for name in variants:
         lines.append(f"===== {name}: Python, cumulative (cProfile, one more block)")
         lines.append(record[name]["python"])

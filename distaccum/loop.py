@@ -256,7 +256,7 @@ class Checkpointing(Protocol):
 
     def saves_after(self, step: int, *, due: bool, stopping: bool) -> bool: ...
 
-    def after_step(self, state: TrainState, step: int, *, due: bool, stopping: bool) -> Path | None: ...
+    def save(self, state: TrainState) -> Path: ...
 
 
 @dataclass
@@ -348,13 +348,13 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
         if parts.on_step is not None:
             parts.on_step(state, record)
         parts.nonfinite.enforce(state, step, host, result)
-        due, stopping = host.checkpoint_votes > 0, host.stop_votes > 0
-        saves = parts.checkpointer is not None and parts.checkpointer.saves_after(step, due=due, stopping=stopping)
+        stopping, checkpointer = host.stop_votes > 0, parts.checkpointer
+        saves = checkpointer is not None and checkpointer.saves_after(step, due=host.checkpoint_votes > 0,
+                                                                      stopping=stopping)
         if saves or stopping or step >= settings.max_steps:  # nothing pending is saved or left unjudged
             for check in parts.checks:
                 check.judge(step)
-        path = None if parts.checkpointer is None else parts.checkpointer.after_step(
-            state, step, due=due, stopping=stopping)
+        path = checkpointer.save(state) if saves and checkpointer is not None else None
         if stopping:
             raise StopRequested(step, path)
     return state.records[first:]

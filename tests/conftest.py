@@ -187,17 +187,23 @@ class PlanRuns:
         return json.loads((self.root / name / "summary.json").read_text())
 
 
+def plan_env() -> dict[str, str]:
+    """The environment of a plan's 2-rank launch: this one without a parent launch's rank variables, the
+    checkout on the path, one intra-op thread, DeepSpeed on CPU with its op from the checkout's cache."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+    return env
+
+
 def launch_plan(script: Path, plan: list[dict[str, Any]], root: Path, timeout: float = 560) -> Any:
     """Write ``plan`` (config mappings) to ``root/plan.json`` and run ``script`` on it as the worker of a
     2-rank torch.distributed.run launch (one intra-op thread each, DeepSpeed's op from the checkout's
     cache); fail the test with the output when the launch fails. Returns the completed process."""
     (root / "plan.json").write_text(json.dumps(plan))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), str(root / "plan.json")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+                          cwd=root, env=plan_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

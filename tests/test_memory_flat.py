@@ -74,26 +74,39 @@ def step_peak_bytes(step: Any) -> int:
     return peak
 
 
-def _worker_main(plan_file: str) -> None:
-    """Worker entry: per (mode, K), one warm-up step, then one profiled step; rank 0 writes the peaks."""
+def step_peaks(values: dict[str, Any], steps: int = 1, wrap_loss: Any = None) -> list[int]:
+    """Train the config mapping ``values`` for one warm-up step (optimizer state allocated), then ``steps``
+    steps, each measured by :func:`step_peak_bytes`, the largest over the ranks (collective). ``wrap_loss``,
+    when given, wraps the configured loss (benchmarks.memory_peaks' ``--collect``)."""
     import torch.distributed as dist
 
     from distaccum.preflight import instantiate_components
     from distaccum.trainer import Trainer
 
+    cfg = from_mapping(values)
+    parts = instantiate_components(cfg)
+    loss = parts.loss if wrap_loss is None else wrap_loss(parts.loss)
+    trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=loss, collate=parts.collate,
+                      names=parts.names)
+    trainer.setup()
+    trainer.train_steps(1)
+    peaks = []
+    for _ in range(steps):
+        peak = torch.tensor(step_peak_bytes(lambda: trainer.train_steps(1)), dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        peaks.append(int(peak))
+    trainer.finish()
+    return peaks
+
+
+def _worker_main(plan_file: str) -> None:
+    """Worker entry: per (mode, K), one warm-up step, then one profiled step; rank 0 writes the peaks."""
+    import torch.distributed as dist
+
     peaks: dict[str, int] = {}
 
     def measure(values: dict[str, Any]) -> None:
-        cfg = from_mapping(values)
-        parts = instantiate_components(cfg)
-        trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
-                          names=parts.names)
-        trainer.setup()
-        trainer.train_steps(1)
-        peak = torch.tensor(step_peak_bytes(lambda: trainer.train_steps(1)), dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        trainer.finish()
-        peaks[Path(cfg.run_dir).name] = int(peak)
+        peaks[Path(values["run_dir"]).name] = step_peaks(values)[0]
 
     def write() -> None:
         if dist.get_rank() == 0:

@@ -327,15 +327,10 @@ class Checkpointer:
         return self.rank == 0 and 0 < self.every_s <= time.monotonic() - self.last_time
 
     def saves_after(self, step: int, *, due: bool, stopping: bool) -> bool:
-        """Whether :meth:`after_step` writes a checkpoint after optimizer step ``step``: periodic, ``due``
-        (agreed by time) or the run is ``stopping``."""
+        """Whether to checkpoint after optimizer step ``step``: periodic, ``due`` (agreed by time) or the run is
+        ``stopping`` (the loop then calls :meth:`save`). A skipped step leaves the parameters as the last finite
+        update made them, so a checkpoint written after one never holds a non-finite value."""
         return stopping or due or bool(self.every and step % self.every == 0)
-
-    def after_step(self, state: TrainState, step: int, *, due: bool, stopping: bool) -> Path | None:
-        """Checkpoint after optimizer step ``step`` when :meth:`saves_after` says so; collective. A skipped
-        step leaves the parameters as the last finite update made them, so a checkpoint written after one
-        never holds a non-finite value."""
-        return self.save(state) if self.saves_after(step, due=due, stopping=stopping) else None
 
     def save(self, state: TrainState) -> Path:
         """Write a checkpoint after the last finished step now (collective)."""
