@@ -3,15 +3,16 @@
 ``python -m benchmarks.interleave SPEC_JSON OUT_JSON WORKDIR`` on every rank (torchrun-style
 environment; ``benchmarks.run`` starts it). The worker builds every variant of the spec (the same
 model, data and optimizer), warms each up, then runs ``rounds`` rounds; in round r the variants run
-one block of ``steps`` optimizer steps each, in the spec's order rotated by r, both ranks starting
+one block of ``steps`` optimizer steps each, in a balanced order (:func:`round_order`), both ranks starting
 each block together (a barrier, outside the timed steps). A step's time is the slower rank's, so
 the compute floor, which never synchronizes, is timed like the others. Rank 0 writes every step
 time of every block; ``benchmarks.stats`` turns them into per-round ratios.
 
 Why one process pair for everything: separate launches land on different CPU placements, cache
 and allocator states and machine load, which moved a variant by +-20 % between launches here;
-inside one pair, drift during the run falls on every variant alike (rotation spreads it evenly
-over positions), so per-round ratios are tight even when absolute times move.
+inside one pair, drift during the run falls on every variant alike (a balanced order spreads it evenly
+over positions and predecessors: :func:`round_order`), so per-round ratios are tight even when absolute
+times move.
 """
 
 from __future__ import annotations
@@ -36,12 +37,28 @@ LEDGER_FIELDS = ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "o
 """distaccum's own per-step record fields summarized next to the timings (where its time goes)."""
 
 
-def rotation(order: Iterable[str], r: int) -> list[str]:
-    """Round ``r``'s order: the first order rotated left by ``r`` (each variant takes every
-    position once per len(order) rounds)."""
+def round_order(order: Iterable[str], r: int) -> list[str]:
+    """Round ``r``'s order: row ``r`` of a Williams design over the first order. Over len(order) rounds (twice
+    that for an odd count) every variant takes every position equally often AND follows every other variant
+    equally often, so neither the position in a round (drift within it) nor the variant run just before (the
+    caches and allocator it leaves: a compiled variant's heap, a 27M-parameter model's gradients) favours one
+    variant. A plain rotation kept the neighbours fixed: distaccum always ran right after the same variant."""
     names = list(order)
-    shift = r % len(names) if names else 0
-    return names[shift:] + names[:shift]
+    n = len(names)
+    if n < 2:
+        return names
+    base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: each difference between neighbours once
+    while len(base) < n:
+        if len(base) % 2:
+            base.append(low)
+            low += 1
+        else:
+            base.append(high)
+            high -= 1
+    row = [(b + r) % n for b in base]
+    if n % 2 and (r // n) % 2:  # odd counts: the mirrored square completes the balance
+        row.reverse()
+    return [names[i] for i in row]
 
 
 def slowest_rank(local: list[float]) -> list[float]:
@@ -102,7 +119,7 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
     blocks: dict[str, list[list[float]]] = {name: [] for name in variants}
     orders = []
     for r in range(spec.rounds):
-        order = rotation(spec.variants, r)
+        order = round_order(spec.variants, r)
         orders.append(order)
         for name in order:
             blocks[name].append(timed_block(variants[name], spec.steps, clock))

@@ -137,8 +137,9 @@ class WindowTotals:
 
     The all-reduced tensor: N, the loss sum, and flags every rank must agree on (a non-finite loss on
     some rank, a stop request, a time-based checkpoint due by rank 0's clock), then each rank's
-    non-finite verdict and smallest/largest micro-batch item count in its own slot (zeros elsewhere:
-    the sum is an all-gather). Everything is filled in on the device (no host-to-device copy, so no sync).
+    non-finite verdict, smallest/largest micro-batch item count and the rows checks :meth:`carry` in its
+    own slot (zeros elsewhere: the sum is an all-gather). Everything is filled in on the device (no
+    host-to-device copy, so no sync).
     """
 
     def __init__(self, split: Split, rank: int, device: torch.device) -> None:
@@ -149,6 +150,8 @@ class WindowTotals:
         self.totals = torch.zeros(0, dtype=torch.float64, device=device)
         self._work: Any = None
         self._scale: torch.Tensor | None = None
+        self._carried: list[torch.Tensor] = []
+        self._host: list[float] | None = None
 
     def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor:
         """Count one micro-batch (``weight`` 0: a stand-in sample); returns its item count n."""
@@ -165,11 +168,28 @@ class WindowTotals:
 
         bad = (~torch.isfinite(self.loss_sum)).to(torch.float64)
         per_micro = torch.stack(self.counts)
-        slots = torch.zeros(3, self.split.world_size, dtype=torch.float64, device=self.device)
-        slots[:, self.rank] = torch.stack([bad, per_micro.min(), per_micro.max()])
+        mine = torch.cat([torch.stack([bad, per_micro.min(), per_micro.max()]), *self._carried])
+        slots = torch.zeros(mine.numel(), self.split.world_size, dtype=torch.float64, device=self.device)
+        slots[:, self.rank] = mine
         self.totals = torch.cat([torch.stack([self.items, self.loss_sum, bad, scalar(float(stop)),
                                               scalar(float(checkpoint_due))]), slots.flatten()])
         self._work = dist.all_reduce(self.totals, async_op=True)
+
+    def carry(self, row: torch.Tensor) -> Callable[[], list[list[float]] | None]:
+        """Send this rank's float64 ``row`` with the window's all-reduce (call before :meth:`reduce`), in this
+        rank's slot with zeros in the others, so the sum is an exact all-gather: a check that compares numbers
+        across ranks needs no collective of its own. The returned function gives every rank's row once
+        :meth:`read` has run (None before)."""
+        first, length, world = 3 + sum(r.numel() for r in self._carried), row.numel(), self.split.world_size
+        self._carried.append(row.reshape(-1).to(torch.float64))
+
+        def rows() -> list[list[float]] | None:
+            host = self._host
+            if host is None:
+                return None
+            return [[host[5 + (first + i) * world + r] for i in range(length)] for r in range(world)]
+
+        return rows
 
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
         """Wait for the all-reduce; the factor the engine multiplies the accumulated gradient by: 1/(c N)
@@ -187,9 +207,10 @@ class WindowTotals:
     def read(self) -> WindowResult:
         """The one host read of the step's totals (on CUDA after the timer's synchronize: the device is idle)."""
         host, world = self.totals.tolist(), self.split.world_size
+        self._host = host
         return WindowResult(items=host[0], loss_sum=host[1], bad_ranks=[r for r in range(world) if host[5 + r] > 0],
                             stop_votes=host[3], checkpoint_votes=host[4], items_min=min(host[5 + world:5 + 2 * world]),
-                            items_max=max(host[5 + 2 * world:]))
+                            items_max=max(host[5 + 2 * world:5 + 3 * world]))
 
 
 def micro_factor(loss_norm: str, scale: float, n: torch.Tensor, split: Split) -> Any:
@@ -210,11 +231,15 @@ class StepMonitor(Protocol):
 
 
 class ReductionCheck(Protocol):
-    """Looks at the step right after the boundary reduction, before the optimizer uses the gradient: it
-    launches its comparison across ranks there (asynchronous; every rank calls it) and judges it later,
-    when :meth:`judge` is called — one step later, by when the comparison has long landed, so checking adds
-    no wait to the step; before a checkpoint and at the run's end, for the steps still pending. ``judge``
+    """Looks at the step right after the boundary reduction, before the optimizer uses the gradient, and
+    compares what it saw across ranks later: its numbers ride on the next window's all-reduce
+    (:meth:`before_reduce` hands them to :meth:`WindowTotals.carry`), so checking adds no collective and no
+    wait to the step, and :meth:`judge` is called one step later, once that window's totals are read; before
+    a checkpoint, a tripwire check and at the run's end it is called for the current step too, and gathers
+    what no window carried yet itself (collective: every rank's loop calls it at the same step). ``judge``
     raises to stop the run."""
+
+    def before_reduce(self, window: WindowTotals) -> None: ...
 
     def after_reduction(self, step: int, window: WindowTotals) -> None: ...
 
@@ -318,6 +343,8 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
                     summed, n_items = loss_fn(model, batch)
                 n = totals.add(summed, n_items, weight)
                 if boundary:  # N's all-reduce, launched before the last backward, which it overlaps
+                    for check in parts.checks:  # the previous step's comparison rides on it
+                        check.before_reduce(totals)
                     totals.reduce(stop=parts.stop is not None and parts.stop.requested,
                                   checkpoint_due=parts.checkpointer is not None and parts.checkpointer.due_by_time())
                     engine.fold_normalization(partial(totals.grad_scale, c, settings.loss_norm))
@@ -336,7 +363,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
             monitor.after_step(step, totals, c, d)
         times = timer.end_step()
         host = totals.read()  # 5. record
-        for check in parts.checks:  # the previous step's comparison: landed during this step, read now
+        for check in parts.checks:  # the previous step's comparison: it came with this window's totals
             check.judge(step - 1)
         state.n_prev = host.items
         nonfinite = parts.nonfinite.observe(state, host, result)

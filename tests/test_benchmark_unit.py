@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from benchmarks.cases import FULL_CASES, SMOKE_CASES, BenchData, Spec, launch_spec, loss_sum
 from benchmarks.device import HostClock, mfu, model_flops_per_step, peak_tflops
-from benchmarks.interleave import rotation
+from benchmarks.interleave import round_order
 from benchmarks.report import render
 from benchmarks.run import memory_growth
 from benchmarks.stats import per_round_ratios, spread, summarize_launch, target, verdict
@@ -25,12 +26,17 @@ from distaccum.data.pipeline import PlanSampler
 pytestmark = pytest.mark.unit
 
 
-def test_rotation_puts_every_variant_in_every_position() -> None:
-    order = list(DEFAULT_VARIANTS)
-    rounds = [rotation(order, r) for r in range(len(order))]
-    for position in range(len(order)):
-        assert sorted(r[position] for r in rounds) == sorted(order)
-    assert rotation(order, len(order)) == order
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_the_round_order_balances_positions_and_predecessors(n: int) -> None:
+    order = [f"v{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    rounds = [round_order(order, r) for r in range(cycle)]
+    assert rounds[0] == round_order(order, cycle) and all(sorted(r) == order for r in rounds)
+    for position in range(n):  # every variant in every position equally often
+        counts = Counter(r[position] for r in rounds)
+        assert set(counts.values()) == {cycle // n} and len(counts) == n
+    pairs = Counter((a, b) for r in rounds for a, b in zip(r, r[1:], strict=False))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1  # every variant after every other alike
 
 
 def test_spread_uses_inclusive_quartiles() -> None:
@@ -65,7 +71,7 @@ def _timing_record(case: str = "smoke", k: int = 2, rounds: int = 6) -> dict[str
     names = list(DEFAULT_VARIANTS)
     base = {"ddp_no_sync": 1.0, "distaccum": 1.01, "accelerate": 1.02, "compute_floor": 0.9, "ddp_every_micro": 1.5}
     spec = dataclasses.replace(launch_spec(SMOKE_CASES[0], k, rounds=rounds, variants=tuple(names)), case=case)
-    return {"spec": json.loads(spec.to_json()), "orders": [rotation(names, r) for r in range(rounds)],
+    return {"spec": json.loads(spec.to_json()), "orders": [round_order(names, r) for r in range(rounds)],
             "step_s": {n: [[base[n] * (1 + 0.1 * r)] * spec.steps for r in range(rounds)] for n in names},
             "param_rel_diff": {n: 0.0 for n in names} | {"compute_floor": 3e-3},
             "distaccum_ledger": {"distaccum": {"time_s": 1.0, "comm_rounds": 1.0, "comm_calls": 2.0}}, "busbw": None}

@@ -80,6 +80,69 @@ def test_only_engines_that_replicate_the_reduced_gradient_compare_it(tmp_path: P
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.unit
+def test_the_next_window_carries_each_ranks_row_in_its_slot_and_the_check_reads_it_from_there(tmp_path: Path) -> None:
+    """The comparison needs no collective of its own: a window's all-reduce carries the previous step's rows
+    (this rank's in its slot, zeros in the others: the sum is an exact all-gather), the check judges them from
+    the totals' one host read, and only rows no window carried yet are gathered (before a checkpoint, at the end).
+    Here: a 2-rank layout on a one-rank group, as rank 1, so the all-reduce hands back exactly what was sent."""
+    from conftest import one_rank_group
+    from distaccum.loop import WindowTotals
+    from distaccum.split import Split
+
+    split = Split(micro_batch=2, accum_steps=2, world_size=2)
+    row = torch.tensor([0.1, -3.0, 2.0**60 + 1.0, float("nan")], dtype=torch.float64)  # exact: float64 + 0.0
+    with one_rank_group("cpu"):
+        window = WindowTotals(split, rank=1, device=torch.device("cpu"))
+        for n in (3, 5):
+            window.add(torch.tensor(2.0), n, 1.0)
+        rows = window.carry(row)
+        window.reduce(stop=False, checkpoint_due=False)
+        assert rows() is None  # nothing read yet
+        host = window.read()
+        assert (host.items, host.items_min, host.items_max, host.bad_ranks) == (8.0, 0.0, 5.0, [])  # rank 0's slot: 0
+        got = rows()
+        assert got is not None and got[0] == [0.0] * 4
+        assert got[1][:3] == row.tolist()[:3] and got[1][3] != got[1][3]  # bitwise, NaN kept
+
+        class Replicated:
+            replicated_gradients = True
+
+            def __init__(self) -> None:
+                self.net = torch.nn.Linear(3, 2)
+                self.net(torch.ones(1, 3)).sum().backward()
+
+            def unwrapped(self) -> torch.nn.Module:
+                return self.net
+
+        gathered: list[torch.Tensor] = []
+
+        class Counted(Fingerprint):
+            def _gather(self, local: torch.Tensor) -> list[list[float]]:
+                gathered.append(local)
+                return [local.tolist()] * self.world
+
+        check = Counted(Replicated(), tmp_path, 1, 2, torch.device("cpu"))
+        first = WindowTotals(split, rank=1, device=torch.device("cpu"))
+        first.add(torch.tensor(1.0), 4, 1.0)
+        check.before_reduce(first)  # nothing pending yet: nothing carried
+        first.reduce(stop=False, checkpoint_due=False)
+        check.after_reduction(1, first)
+        second = WindowTotals(split, rank=1, device=torch.device("cpu"))
+        second.add(torch.tensor(1.0), 4, 1.0)
+        check.before_reduce(second)  # step 1's row rides on step 2's all-reduce
+        second.reduce(stop=False, checkpoint_due=False)
+        check.after_reduction(2, second)
+        second.read()
+        with pytest.raises(Exception, match="disagree on the reduced gradient at optimizer step 1"):
+            check.judge(1)  # rank 0's slot came back as zeros: it "differs", read from the carried totals
+        # The comparison came with the totals; the one gather is the diagnosis's, after the mismatch: each
+        # parameter's (sum, sum of squares), 2 parameters.
+        assert [t.numel() for t in gathered] == [4]
+        check.judge(2)  # step 2: no window carried it (a checkpoint or the end): its 5 numbers gathered at once
+        assert [t.numel() for t in gathered] == [4, 5]
+
+
 BASE = ("model=mlp", "accum.micro_batch=2", "accum.steps=4", "trainer.nproc=2", "trainer.max_steps=12",
         "optim.schedule=constant",
         *inject("distaccum.losses.mse", "{_target_:distaccum.testing.zoo.NoSyncOffByOne,from_step:3}"))

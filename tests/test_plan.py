@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from distaccum.config import Split
 from distaccum.data.global_batch import GlobalBatchPlan
@@ -82,6 +83,40 @@ def test_sampler_yields_each_ranks_micro_batches_in_plan_order_with_stand_ins_fo
     for got, piece in zip(batches[:4], pieces, strict=True):
         assert got == (piece.tolist() if len(piece) else [int(window.indices[0])])
     assert batches[4:] == [p.tolist() for p in plan.window(2).rank_micro_batches(split, 1)]
+
+
+def test_a_plan_keeps_each_epochs_order_and_hands_out_the_windows_a_fresh_plan_would() -> None:
+    plan = GlobalBatchPlan(50, 8, seed=3)  # 7 windows per epoch, the last partial
+    steps = [0, 1, 6, 7, 13, 2, 20, 8, 0]  # within, across and back over epochs
+    for step in steps:
+        fresh = GlobalBatchPlan(50, 8, seed=3).window(step)
+        got = plan.window(step)
+        assert (got.epoch, got.indices.tolist()) == (fresh.epoch, fresh.indices.tolist())
+    assert plan.window(7).indices.tolist() != plan.window(0).indices.tolist()  # epochs reshuffle
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_would_batch_it(workers: int) -> None:
+    from torch.utils.data import TensorDataset
+
+    from distaccum.data.pipeline import TensorBatches
+
+    gen = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(30, 5, generator=gen), torch.randint(0, 9, (30,), generator=gen))
+    plan = GlobalBatchPlan(len(dataset), 8, seed=0)
+    split = Split(2, 2, 2)
+    loader = build_loader(dataset, None, plan, split, rank=1, stop=5, num_workers=workers)
+    assert isinstance(loader.dataset, TensorBatches)  # one index_select per tensor, not 2 __getitem__ + a stack
+    got = list(loader)
+    assert len(got) == 5 * split.accum_steps
+    for step in range(5):  # the last window of the epoch is partial: pieces of 1 sample
+        for k, piece in enumerate(plan.window(step).rank_micro_batches(split, 1)):
+            want = default_collate([dataset[int(i)] for i in (piece if len(piece) else plan.window(step).indices[:1])])
+            batch = got[step * 2 + k]
+            assert type(batch) is type(want) and len(batch) == 2
+            for a, b in zip(batch, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+    assert type(build_loader(dataset, pad_collate, plan, split, 0, 1).dataset) is TensorDataset  # a collate: as given
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -22,7 +22,7 @@ further device sync.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,8 @@ class StepTimes:
 
     def as_record(self) -> dict[str, float | int]:
         """The per-step record fields (flat; names as in ``metrics.jsonl``)."""
-        fields = {k: v for k, v in asdict(self).items() if k != "comm"}
-        return {**fields, **asdict(self.comm)}
+        fields = {k: v for k, v in vars(self).items() if k != "comm"}  # flat fields: no deep copy (asdict)
+        return {**fields, **vars(self.comm)}
 
 
 class StepTimer:

@@ -3,12 +3,14 @@ ranks compare a few numbers in one tiny all-gather.
 
 Per optimizer step every rank contributes :data:`FIELDS` (float64):
 
-The comparison's all-gather is launched right after the reduction and read one step later, after the next
-step's update, when it has long landed: waiting for it at once would make every rank wait for the slowest
-after every step, a second synchronization per step that cost 12 % of a 35 ms step on this project's 2-core
-machine (``distaccum_no_fingerprint`` in BENCHMARKS.md). Pending comparisons are also read before every
-checkpoint and at the run's end, so a mismatch stops the run at the next step, naming the step that went
-wrong, and no checkpoint or final model is written after it.
+The numbers are taken right after the reduction and sent with the next window's item-count all-reduce (in
+each rank's slot of :meth:`~distaccum.loop.WindowTotals.carry`: an exact all-gather that costs no collective of
+its own), so they are compared one step later, when that window's totals are read. A separate all-gather per
+step, even asynchronous, cost 3-4 % of a 37 ms step on this project's 2-core machine (its launch, the process
+group's worker waking up, its own host read), and waiting for it at once made every rank wait for the slowest
+after every step (12 %). The steps no window carried yet are gathered at once (one all-gather) before a
+checkpoint, a tripwire check and at the run's end, so a mismatch stops the run at the next step, naming the step
+that went wrong, and no checkpoint or final model is written after it.
 
 - ``grad_weighted``, ``grad_sumsq``: a strided sample of the reduced gradient (about :data:`SAMPLE`
   elements, the first element of every tensor included) — its position-weighted sum and its sum of
@@ -29,9 +31,9 @@ wrong, and no checkpoint or final model is written after it.
   rank alike) — a warning.
 
 Warnings go to stderr and ``warnings.jsonl`` (rank 0, once per kind). World size 1 has nothing to
-compare and skips everything. Cost per step: one gather of a ~4k-element sample, one asynchronous all-gather
-of 5 numbers per rank and, on CUDA, one host read of its result after the next step's synchronization (``trainer.fingerprint=false`` turns it
-off); measured by the benchmark's ``distaccum_no_fingerprint`` variant (BENCHMARKS.md).
+compare and skips everything. Cost per step: one gather of a ~4k-element sample and 5 numbers per rank more in
+the next window's all-reduce, read with its totals (``trainer.fingerprint=false`` turns it off); measured by the
+benchmark's ``distaccum_no_fingerprint`` variant (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from distaccum.verify.tripwire import RankDivergenceError
 
 FIELDS = ("grad_weighted", "grad_sumsq", "loss_sum", "items", "rng")
 SAMPLE = 4096
-"""Gradient elements sampled per step (plus the first element of every tensor)."""
+"""Gradient elements sampled per step (about; the first element of every tensor included)."""
+RUN = 16
+"""The sample's consecutive elements per pick (64 bytes of fp32: one cache line)."""
 
 
 def rng_hash(device: torch.device) -> float:
@@ -67,13 +71,34 @@ def rng_hash(device: torch.device) -> float:
 _WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def gradient_sample(grads: list[torch.Tensor], sample: int = SAMPLE) -> torch.Tensor:
-    """[position-weighted sum, sum of squares] of every ``stride``-th element of each gradient (fp64)."""
-    total = sum(g.numel() for g in grads)
-    if not total:
+def sample_views(grads: list[torch.Tensor], sample: int = SAMPLE, run: int = RUN) -> list[torch.Tensor]:
+    """About ``sample`` elements of the gradients, as views: runs of ``run`` consecutive elements (one cache line
+    of fp32) evenly spaced through each gradient, the first element of every tensor included (a strided pick
+    of single elements touched a cache line per element: ~0.25 ms per step for 4k elements here). Views of
+    contiguous gradients stay valid while the gradients do: DDP's bucket views, zeroed in place, are the same
+    tensors every step, so :class:`Fingerprint` makes them once."""
+    stride = max(run, sum(g.numel() for g in grads) * run // sample)
+    views = []
+    for g in grads:
+        flat = g.reshape(-1)
+        rows = flat.numel() // stride
+        if rows:
+            views.append(flat[:rows * stride].view(rows, stride)[:, :run])
+        else:  # smaller than the spacing: its first run (all of it when shorter)
+            views.append(flat[:run].view(1, run) if flat.numel() >= run else flat)
+    return views
+
+
+def gradient_sample(grads: list[torch.Tensor], sample: int = SAMPLE, *,
+                    views: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """[position-weighted sum, sum of squares] of :func:`sample_views` of the gradients (fp64); ``views``: made
+    earlier."""
+    if not sum(g.numel() for g in grads):
         return torch.zeros(2, dtype=torch.float64)
-    stride = max(1, total // sample)
-    flat = torch.cat([g.reshape(-1)[::stride] for g in grads]).to(torch.float64)
+    views = views if views is not None else sample_views(grads, sample)
+    runs = [v for v in views if v.dim() == 2]  # (picks, RUN) each: one cat, no copy per tensor
+    parts = ([torch.cat(runs).view(-1)] if runs else []) + [v for v in views if v.dim() == 1]
+    flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.float64)
     # Position-dependent weights: two tensors' gradients swapped between ranks change the sum. The same
     # sizes come back every step: the weights are made once.
     key = (flat.numel(), flat.device)
@@ -109,54 +134,61 @@ class Fingerprint:
         self.gradients = bool(getattr(engine, "replicated_gradients", False))
         self.warned: set[str] = set()
         self._named: list[tuple[str, torch.nn.Parameter]] | None = None
-        self._pending: list[tuple[int, Callable[[], list[list[float]]]]] = []
-        """(step, its gathered rows) launched by :meth:`after_reduction` and not judged yet."""
+        self._views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        """(the gradients, :func:`sample_views` of them) of the last step whose gradients were all contiguous."""
+        self._pending: list[tuple[int, torch.Tensor, Callable[[], list[list[float]] | None] | None]] = []
+        """(step, this rank's row, the rows of every rank once a window carried it) taken by
+        :meth:`after_reduction` and not judged yet."""
 
     def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
         if self._named is None:  # the engine wraps the model before the first step
             self._named = list(self.engine.unwrapped().named_parameters())
         return self._named
 
-    def _launch(self, local: torch.Tensor) -> Callable[[], list[list[float]]]:
-        """Start the all-gather of ``local``; the returned function waits for it and reads the rows."""
+    def _gather(self, local: torch.Tensor) -> list[list[float]]:
+        """Every rank's ``local`` (one all-gather, collective) as rows on the host."""
         if dist.get_backend() == "nccl":  # NCCL only moves device tensors
             local = local.to(torch.device("cuda", torch.cuda.current_device()))
         else:
             local = local.cpu()
         out = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
-        work = gather(out, local.contiguous(), async_op=True)
+        gather(out, local.contiguous())
+        return out.view(self.world, -1).tolist()
 
-        def rows() -> list[list[float]]:
-            work.wait()
-            return out.view(self.world, -1).tolist()  # the check's one host read
+    def _sample(self) -> torch.Tensor:
+        grads = [p.grad for _, p in self._params() if p.grad is not None]
+        cached, views = self._views
+        if len(cached) != len(grads) or any(a is not b for a, b in zip(cached, grads, strict=False)):
+            views = sample_views(grads)
+            self._views = (grads, views) if all(g.is_contiguous() for g in grads) else ([], [])
+        return gradient_sample(grads, views=views)
 
-        return rows
-
-    def _gather(self, local: torch.Tensor) -> list[list[float]]:
-        return self._launch(local)()
+    def before_reduce(self, window: Any) -> None:
+        """Hand the rows no window carried yet to ``window``'s all-reduce (:meth:`WindowTotals.carry`)."""
+        for i, (step, local, rows) in enumerate(self._pending):
+            if rows is None:
+                self._pending[i] = (step, local, window.carry(local))
 
     def after_reduction(self, step: int, window: Any) -> None:
-        """Launch this step's comparison across ranks (asynchronous: it overlaps the optimizer step and the
-        next step's work); :meth:`judge` reads it."""
+        """Take this step's numbers (this rank's row); the next window's all-reduce carries them to the other
+        ranks, and :meth:`judge` compares them."""
         if self.world == 1:
             return
         device = window.loss_sum.device
-        if self.gradients:
-            grads = [p.grad for _, p in self._params() if p.grad is not None]
-            sampled = gradient_sample(grads).to(device)
-        else:
-            sampled = torch.zeros(2, dtype=torch.float64, device=device)
+        sampled = self._sample().to(device) if self.gradients else torch.zeros(2, dtype=torch.float64, device=device)
         local = torch.cat([sampled, torch.stack([window.loss_sum, window.items]),
                            torch.full((1,), rng_hash(self.device), dtype=torch.float64, device=device)])
-        self._pending.append((step, self._launch(local)))
+        self._pending.append((step, local, None))
 
     def judge(self, through: int) -> None:
-        """Judge the comparisons of the steps up to ``through`` still pending (waiting for their gathers,
-        long landed when the loop calls this one step later); raises on a gradient mismatch."""
+        """Judge the comparisons of the steps up to ``through`` still pending: from the window totals that carried
+        them, else (before a checkpoint, a tripwire check, at the end) gathered now; raises on a gradient mismatch.
+        Collective when something is gathered: every rank's loop calls it at the same step."""
         while self._pending and self._pending[0][0] <= through:
-            step, rows = self._pending.pop(0)
-            self._judge(step, rows())
+            step, local, carried = self._pending.pop(0)
+            rows = carried() if carried is not None else None
+            self._judge(step, rows if rows is not None else self._gather(local))
 
     def _judge(self, step: int, rows: list[list[float]]) -> None:
         if self.gradients:
