@@ -8,7 +8,11 @@ prints every step's peak. If the peak of a K = 8 step lies within the range that
 as many micro-batches, the growth is the maximum of more draws of a peak that varies from micro-batch to
 micro-batch (when asynchronous collectives free their buffers), not memory kept per micro-batch.
 
-    python -m benchmarks.memory_peaks [MODE ...] [--steps 8] [--ks 1,2,8]
+    python -m benchmarks.memory_peaks [MODE ...] [--steps 8] [--ks 1,2,8] [--collect] [--per-micro]
+
+``--per-micro`` splits every step at its micro-batches (a profiler range entered before each loss): what the
+allocator held when each micro-batch started (allocated since the step began and not freed: anything kept
+per micro-batch shows as a rising start) and each micro-batch's own peak.
 """
 
 from __future__ import annotations
@@ -27,24 +31,58 @@ sys.path.insert(0, str(ROOT / "tests"))
 DEFAULT_MODES = ("ddp", "fsdp", "fsdp_every_micro", "zero3")
 
 
+MARK = "distaccum.memory_peaks.micro_batch"
+"""The profiler range entered at the start of every micro-batch (``--per-micro``)."""
+
+
+def per_micro(events: list[tuple[int, int]], marks: list[int]) -> list[float]:
+    """Split one step's allocation events at the micro-batches' starts: for each micro-batch, the running sum of
+    allocations since the step began when it starts (``held``: what earlier micro-batches left allocated) and
+    its peak; then the step's peak. Flat ``[held_1, peak_1, ..., held_K, peak_K, step_peak]``."""
+    out: list[float] = []
+    live = peak = 0
+    held, micro_peak, at = 0, 0, 0
+    bounds = [*marks[1:], None]
+    for start_ns, nbytes in events:
+        while bounds[at] is not None and start_ns >= bounds[at]:  # type: ignore[operator]
+            out += [held, micro_peak]
+            held = micro_peak = live
+            at += 1
+        live += nbytes
+        peak, micro_peak = max(peak, live), max(micro_peak, live)
+    while len(out) < 2 * len(marks):  # micro-batches after the last event
+        out += [held, micro_peak]
+        held = micro_peak = live
+    return [*out, peak]
+
+
 def _worker(plan_file: str) -> None:
+    import torch
     import torch.distributed as dist
-    from test_memory_flat import step_peaks  # the test's own measurement
+    from test_memory_flat import allocation_events, step_peak_bytes, step_peaks  # the test's own measurement
 
     from conftest import plan_worker
 
-    peaks: dict[str, list[float]] = {}
+    peaks: dict[str, list[list[float]]] = {}
 
-    def collecting(loss: Any) -> Any:
-        def wrapped(model: Any, batch: Any) -> Any:
-            gc.collect()  # free unreachable reference cycles (and what they hold) before every micro-batch
-            return loss(model, batch)
-        return wrapped
+    def wrapping(collect: bool, mark: bool) -> Any:
+        def wrap(loss: Any) -> Any:
+            def wrapped(model: Any, batch: Any) -> Any:
+                if collect:
+                    gc.collect()  # free unreachable reference cycles (and what they hold) before every micro-batch
+                if mark:
+                    with torch.profiler.record_function(MARK):
+                        pass
+                return loss(model, batch)
+            return wrapped
+        return wrap
 
     def measure(values: dict[str, Any]) -> None:
-        steps, collect = int(values.pop("_steps")), bool(values.pop("_collect"))
-        measured = step_peaks(values, steps, wrap_loss=collecting if collect else None)
-        peaks[Path(values["run_dir"]).name] = [peak / 2**20 for peak in measured]
+        steps, collect, micro = int(values.pop("_steps")), bool(values.pop("_collect")), bool(values.pop("_micro"))
+        figures = step_peaks(values, steps, wrap_loss=wrapping(collect, micro),
+                             measure=(lambda step: per_micro(*allocation_events(step, MARK))) if micro
+                             else step_peak_bytes)
+        peaks[Path(values["run_dir"]).name] = [[v / 2**20 for v in f] for f in figures]
 
     def write() -> None:
         if dist.get_rank() == 0:
@@ -67,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ks", default="1,2,8")
     parser.add_argument("--collect", action="store_true",
                         help="run Python's cycle collector (gc.collect) before every micro-batch")
+    parser.add_argument("--per-micro", action="store_true",
+                        help="split each step at its micro-batches: what each starts holding, and its peak")
     args = parser.parse_args(argv)
     args.modes = args.modes or list(DEFAULT_MODES)
     unknown = [m for m in args.modes if m not in flat.MODES]
@@ -81,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = with_overrides(compose_config([*flat.MODEL, *flat.MODES[mode], f"accum.steps={k}",
                                                      f"trainer.max_steps={args.steps + 1}"]),
                                      {"run_dir": str(root / f"{mode}-k{k}")})
-                plan.append({**to_mapping(cfg), "_steps": args.steps, "_collect": args.collect})
+                plan.append({**to_mapping(cfg), "_steps": args.steps, "_collect": args.collect,
+                             "_micro": args.per_micro})
         (root / "plan.json").write_text(json.dumps(plan))
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                "-m", "benchmarks.memory_peaks", "--worker", str(root / "plan.json")],
@@ -92,9 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"allocation peak of each step, MiB (max over 2 ranks), {args.steps} steps per (mode, K):")
     for mode in args.modes:
         for k in ks:
-            values = peaks[f"{mode}-k{k}"]
+            steps = peaks[f"{mode}-k{k}"]
+            values = [f[-1] for f in steps]
             print(f"  {mode:<18} K={k:<2} min {min(values):7.2f}  max {max(values):7.2f}   "
                   + " ".join(f"{v:.2f}" for v in values))
+            if args.per_micro:  # each step: held at the start of micro-batch m -> its peak
+                for f in steps:
+                    print(" " * 26 + "  ".join(f"{f[2 * m]:.2f}->{f[2 * m + 1]:.2f}" for m in range(k)))
 
 
 if __name__ == "__main__":

@@ -322,10 +322,10 @@ class TrainerConfig:
     fingerprint: bool = True
     """After every boundary reduction, before the step, compare a fingerprint of the reduced gradient
     (engines that replicate it: ddp, accelerate), of each rank's data and of its random seed across
-    ranks in one asynchronous all-gather of 5 numbers per rank, read a step later (so no rank waits for
-    it): a gradient difference stops the run at the next step, or before a checkpoint (exit 1, naming the
-    step and the ranks); identical data or random numbers on every rank are warned about. Off only to save
-    that collective per step; world size 1 skips it."""
+    ranks: 5 numbers per rank carried by the next window's item-count all-reduce and compared a step later
+    (no collective of its own, no rank waits for it): a gradient difference stops the run at the next step,
+    or before a checkpoint (exit 1, naming the step and the ranks); identical data or random numbers on every
+    rank are warned about. Off only to save the gradient sample per step; world size 1 skips it."""
     init_from: str | None = None
     """Initial weights, loaded after the model is built, before wrapping, under the plain model's parameter
     names (e.g. a seed checkpoint): a .safetensors file, a run's final/ directory, or a PyTorch state dict

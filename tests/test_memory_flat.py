@@ -16,10 +16,12 @@ Asserted where the design makes it flat:
   ``boundary``: ``gradient_as_bucket_view``; DeepSpeed ZeRO-1/2: its own gradient partitions).
 
 Not asserted: FSDP2 (both modes) and ZeRO-3. Their step peak grows with K here, by amounts that change
-from run to run (the order in which asynchronous reduce-scatters and prefetched gathers complete decides
-when buffers are freed), so no bound holds deterministically; ``pytest -s`` prints every figure and
-BENCHMARKS.md records two runs. No Python-visible tensor accumulates there (``python -m
-benchmarks.memory_census``); what the allocator count adds is not explained yet.
+from run to run, so no bound holds deterministically; ``pytest -s`` prints every figure and BENCHMARKS.md
+records them. ZeRO-3 is flat beyond K = 2 after its first measured step (``python -m benchmarks.memory_peaks``).
+FSDP2 keeps about one more parameter-sized buffer after some micro-batches of a window, at points timing
+decides, and frees them by the end of the step (``python -m benchmarks.memory_peaks --per-micro``); no
+Python-visible tensor accumulates (``python -m benchmarks.memory_census``), and which FSDP2 state holds it is
+not established.
 
 The runs share one launch (this file doubles as the worker script).
 """
@@ -58,26 +60,34 @@ MODES: dict[str, list[str]] = {
 KS = (1, 2, 8)
 
 
-def step_peak_bytes(step: Any) -> int:
-    """The peak of the running sum of torch's CPU allocations and frees while ``step()`` runs."""
+def allocation_events(step: Any, marker: str | None = None) -> tuple[list[tuple[int, int]], list[int]]:
+    """torch's CPU allocations (+bytes) and frees (-bytes) while ``step()`` runs, in time order, and the start
+    times of the ``record_function(marker)`` ranges it entered (none without ``marker``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+    results = prof.profiler.kineto_results.events()
+    events = sorted((e.start_ns(), e.nbytes()) for e in results
                     if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    return events, sorted(e.start_ns() for e in results if marker is not None and e.name() == marker)
+
+
+def step_peak_bytes(step: Any) -> list[float]:
+    """[the peak of the running sum of torch's CPU allocations and frees while ``step()`` runs]."""
     live = peak = 0
-    for _, nbytes in events:
+    for _, nbytes in allocation_events(step)[0]:
         live += nbytes
         peak = max(peak, live)
-    return peak
+    return [float(peak)]
 
 
-def step_peaks(values: dict[str, Any], steps: int = 1, wrap_loss: Any = None) -> list[int]:
+def step_peaks(values: dict[str, Any], steps: int = 1, wrap_loss: Any = None,
+               measure: Any = step_peak_bytes) -> list[list[float]]:
     """Train the config mapping ``values`` for one warm-up step (optimizer state allocated), then ``steps``
-    steps, each measured by :func:`step_peak_bytes`, the largest over the ranks (collective). ``wrap_loss``,
-    when given, wraps the configured loss (benchmarks.memory_peaks' ``--collect``)."""
+    steps, each measured by ``measure`` (default :func:`step_peak_bytes`), the largest over the ranks, figure
+    by figure (collective). ``wrap_loss``, when given, wraps the configured loss (benchmarks.memory_peaks)."""
     import torch.distributed as dist
 
     from distaccum.preflight import instantiate_components
@@ -92,9 +102,9 @@ def step_peaks(values: dict[str, Any], steps: int = 1, wrap_loss: Any = None) ->
     trainer.train_steps(1)
     peaks = []
     for _ in range(steps):
-        peak = torch.tensor(step_peak_bytes(lambda: trainer.train_steps(1)), dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        peaks.append(int(peak))
+        figures = torch.tensor(measure(lambda: trainer.train_steps(1)), dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        peaks.append(figures.tolist())
     trainer.finish()
     return peaks
 
@@ -106,7 +116,7 @@ def _worker_main(plan_file: str) -> None:
     peaks: dict[str, int] = {}
 
     def measure(values: dict[str, Any]) -> None:
-        peaks[Path(values["run_dir"]).name] = step_peaks(values)[0]
+        peaks[Path(values["run_dir"]).name] = int(step_peaks(values)[0][0])
 
     def write() -> None:
         if dist.get_rank() == 0:

@@ -1,5 +1,5 @@
 """The per-step reduction fingerprint: after every boundary reduction, before the optimizer uses it, the
-ranks compare a few numbers in one tiny all-gather.
+ranks compare a few numbers, carried by the next window's all-reduce.
 
 Per optimizer step every rank contributes :data:`FIELDS` (float64):
 
