@@ -12,7 +12,9 @@ micro-batch (when asynchronous collectives free their buffers), not memory kept 
 
 ``--per-micro`` splits every step at its micro-batches (a profiler range entered before each loss): what the
 allocator held when each micro-batch started (allocated since the step began and not freed: anything kept
-per micro-batch shows as a rising start) and each micro-batch's own peak.
+per micro-batch shows as a rising start) and each micro-batch's own peak, and beside it what glibc's malloc
+held, over every thread, at each micro-batch's start beyond the first's (:func:`malloc_in_use`: it sees the
+frees of blocks allocated before the step, which the profiler does not report).
 """
 
 from __future__ import annotations
@@ -56,6 +58,26 @@ def per_micro(events: list[tuple[int, int]], marks: list[int]) -> list[float]:
     return [*out, peak]
 
 
+def malloc_in_use() -> float:
+    """Bytes glibc's malloc has handed out and not yet taken back, over every thread of the process (arena
+    chunks + mmapped chunks, ``mallinfo2``: glibc >= 2.33); NaN where there is no such call. Unlike the
+    profiler's count it sees every free, also of blocks allocated before the step (it also counts the
+    profiler's own event buffers, which grow a little with every operator)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                           "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return float("nan")
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return float(info.uordblks + info.hblkhd)
+
+
 def _worker(plan_file: str) -> None:
     import torch
     import torch.distributed as dist
@@ -64,6 +86,7 @@ def _worker(plan_file: str) -> None:
     from conftest import plan_worker
 
     peaks: dict[str, list[list[float]]] = {}
+    starts: list[float] = []  # malloc_in_use() as each micro-batch starts (--per-micro)
 
     def wrapping(collect: bool, mark: bool) -> Any:
         def wrap(loss: Any) -> Any:
@@ -71,17 +94,23 @@ def _worker(plan_file: str) -> None:
                 if collect:
                     gc.collect()  # free unreachable reference cycles (and what they hold) before every micro-batch
                 if mark:
+                    starts.append(malloc_in_use())
                     with torch.profiler.record_function(MARK):
                         pass
                 return loss(model, batch)
             return wrapped
         return wrap
 
+    def split(step: Any) -> list[float]:
+        """:func:`per_micro` of the step, then what malloc held at each micro-batch's start beyond the first's."""
+        starts.clear()
+        figures = per_micro(*allocation_events(step, MARK))
+        return [*figures, *(held - starts[0] for held in starts)]
+
     def measure(values: dict[str, Any]) -> None:
         steps, collect, micro = int(values.pop("_steps")), bool(values.pop("_collect")), bool(values.pop("_micro"))
         figures = step_peaks(values, steps, wrap_loss=wrapping(collect, micro),
-                             measure=(lambda step: per_micro(*allocation_events(step, MARK))) if micro
-                             else step_peak_bytes)
+                             measure=split if micro else step_peak_bytes)
         peaks[Path(values["run_dir"]).name] = [[v / 2**20 for v in f] for f in figures]
 
     def write() -> None:
@@ -134,12 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes:
         for k in ks:
             steps = peaks[f"{mode}-k{k}"]
-            values = [f[-1] for f in steps]
+            values = [f[2 * k] if args.per_micro else f[0] for f in steps]  # the step's peak
             print(f"  {mode:<18} K={k:<2} min {min(values):7.2f}  max {max(values):7.2f}   "
                   + " ".join(f"{v:.2f}" for v in values))
-            if args.per_micro:  # each step: held at the start of micro-batch m -> its peak
+            if args.per_micro:  # each step: held at the start of micro-batch m -> its peak; malloc's in-use growth
                 for f in steps:
-                    print(" " * 26 + "  ".join(f"{f[2 * m]:.2f}->{f[2 * m + 1]:.2f}" for m in range(k)))
+                    print(" " * 26 + "profiler " + "  ".join(f"{f[2 * m]:.2f}->{f[2 * m + 1]:.2f}" for m in range(k)))
+                    print(" " * 26 + "malloc   " + "  ".join(f"+{f[2 * k + 1 + m]:.2f}" for m in range(k)))
 
 
 if __name__ == "__main__":
