@@ -227,3 +227,13 @@ def test_the_hand_written_ddp_loops_use_an_experts_settings(cpu_group: None, nam
     assert all(p.grad is not None and not p.grad.any() for p in loop.model.parameters())  # zeroed, kept
     loop.run(2)
     assert [p.grad.untyped_storage().data_ptr() for p in loop.model.parameters()] == storages
+
+
+def test_the_data_fetch_benchmark_runs_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.data_fetch import main
+
+    main(["--samples", "64", "--features", "4", "--micro", "4", "--plan-samples", "1000", "--repeats", "1"])
+    out = capsys.readouterr().out
+    for line in ("sample by sample + default_collate", "TensorBatches (index_select)", "order drawn anew (before)",
+                 "epoch order kept"):
+        assert line in out

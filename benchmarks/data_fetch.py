@@ -1,0 +1,79 @@
+"""What the input pipeline costs per micro-batch on the host: ``python -m benchmarks.data_fetch``.
+
+One process, one thread, no training: the time distaccum's DataLoader takes to hand out a micro-batch of an
+in-memory ``TensorDataset`` (the global-batch plan's sampler, shuffled) served sample by sample through
+``default_collate`` (what any map-style dataset gets) against :class:`~distaccum.data.pipeline.TensorBatches`
+(one ``index_select`` per tensor, what a plain ``TensorDataset`` now gets), and the time the plan takes to cut
+a window out of a large shuffled dataset when it keeps the epoch's order against drawing it anew (what it did
+before: twice per optimizer step). Medians over ``--repeats`` passes.
+
+    python -m benchmarks.data_fetch [--samples 8192] [--features 768] [--micro 256] [--plan-samples 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from distaccum.config import Split
+from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.pipeline import PlanSampler, TensorBatches, collated
+
+
+def fetch_ms(dataset: Any, collate: Any, plan: GlobalBatchPlan, split: Split, steps: int, repeats: int) -> float:
+    """Median milliseconds per micro-batch of one rank's DataLoader over ``steps`` windows."""
+    times = []
+    for _ in range(repeats):
+        loader = DataLoader(dataset, batch_sampler=PlanSampler(plan, split, 0, 0, steps),
+                            **({"collate_fn": collate} if collate is not None else {}))
+        start = time.perf_counter()
+        count = sum(1 for _ in loader)
+        times.append((time.perf_counter() - start) / count * 1e3)
+    return statistics.median(times)
+
+
+def window_ms(samples: int, global_batch: int, keep: bool, repeats: int) -> float:
+    """Median milliseconds for ``plan.window(step)`` of a shuffled plan: one plan kept across calls (its epoch
+    order kept) or a fresh plan per call (the order drawn anew, as every call did before)."""
+    kept = GlobalBatchPlan(samples, global_batch, seed=0)
+    kept.window(0)
+    times = []
+    for step in range(1, repeats + 1):
+        plan = kept if keep else GlobalBatchPlan(samples, global_batch, seed=0)
+        start = time.perf_counter()
+        plan.window(step)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--features", type=int, default=768)
+    parser.add_argument("--micro", type=int, default=256)
+    parser.add_argument("--plan-samples", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(args.samples, args.features, generator=gen),
+                            torch.randn(args.samples, 16, generator=gen))
+    split = Split(args.micro, 4, 1)
+    plan = GlobalBatchPlan(args.samples, split.global_batch, seed=0)
+    steps = max(1, args.samples // split.global_batch)
+    print(f"micro-batch of {args.micro} samples ({args.features} + 16 features, shuffled), ms per micro-batch:")
+    print(f"  sample by sample + default_collate   {fetch_ms(dataset, None, plan, split, steps, args.repeats):8.3f}")
+    print(f"  TensorBatches (index_select)         "
+          f"{fetch_ms(TensorBatches(dataset), collated, plan, split, steps, args.repeats):8.3f}")
+    print(f"plan.window of a shuffled {args.plan_samples}-sample dataset, ms per call:")
+    print(f"  order drawn anew (before)            {window_ms(args.plan_samples, 512, False, args.repeats):8.3f}")
+    print(f"  epoch order kept                     {window_ms(args.plan_samples, 512, True, args.repeats):8.3f}")
+
+
+if __name__ == "__main__":
+    main()
