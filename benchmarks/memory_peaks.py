@@ -20,6 +20,8 @@ frees of blocks allocated before the step, which the profiler does not report).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import gc
 import json
 import subprocess
@@ -58,23 +60,30 @@ def per_micro(events: list[tuple[int, int]], marks: list[int]) -> list[float]:
     return [*out, peak]
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def _mallinfo2() -> Any:
+    try:
+        call = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    call.restype = _MallInfo2
+    return call
+
+
 def malloc_in_use() -> float:
     """Bytes glibc's malloc has handed out and not yet taken back, over every thread of the process (arena
     chunks + mmapped chunks, ``mallinfo2``: glibc >= 2.33); NaN where there is no such call. Unlike the
     profiler's count it sees every free, also of blocks allocated before the step (it also counts the
     profiler's own event buffers, which grow a little with every operator)."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                           "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    call = _mallinfo2()
+    if call is None:
         return float("nan")
-    mallinfo2.restype = MallInfo2
-    info = mallinfo2()
+    info = call()
     return float(info.uordblks + info.hblkhd)
 
 

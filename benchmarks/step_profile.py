@@ -87,6 +87,8 @@ def report(record: dict[str, Any], steps: int, variants: tuple[str, str] = VARIA
             rows.append((key, calls_b - calls_a, ms_b - ms_a))
     for key, calls, ms in sorted(rows, key=lambda row: -abs(row[2])):
         lines.append(f"  {key:<48} calls {calls / steps:+7.1f}/step   self ms {ms / steps:+8.3f}/step")
+    lines.append(f"  {'in all':<48} calls {sum(r[1] for r in rows) / steps:+7.1f}/step   "
+                 f"self ms {sum(r[2] for r in rows) / steps:+8.3f}/step")
     for name in variants:
         lines.append(f"===== {name}: Python, cumulative (cProfile, one more block)")
         lines.append(record[name]["python"])

@@ -18,8 +18,8 @@ Asserted where the design makes it flat:
 Not asserted: FSDP2 (both modes) and ZeRO-3. Their step peak grows with K here, by amounts that change
 from run to run, so no bound holds deterministically; ``pytest -s`` prints every figure and BENCHMARKS.md
 records them. ZeRO-3 is flat beyond K = 2 after its first measured step (``python -m benchmarks.memory_peaks``).
-FSDP2's growth is mostly this measurement's: parameter-sized buffers freed a step after they were allocated
-stay counted, since the profiler does not report frees of blocks allocated before it started; glibc's malloc,
+FSDP2's growth is mostly this measurement's (most likely parameter-sized buffers freed a step after they were
+allocated stay counted, since the profiler does not report frees of blocks allocated before it started); glibc's malloc,
 which sees every free, holds 0.5-1.2 MiB more at micro-batch 8 than at 2 beyond DDP's drift (``python -m
 benchmarks.memory_peaks --per-micro``), a figure too noisy for a deterministic bound.
 

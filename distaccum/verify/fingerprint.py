@@ -94,9 +94,9 @@ def gradient_sample(grads: list[torch.Tensor], sample: int = SAMPLE, *,
                     views: list[torch.Tensor] | None = None) -> torch.Tensor:
     """[position-weighted sum, sum of squares] of :func:`sample_views` of the gradients (fp64); ``views``: made
     earlier."""
-    if not sum(g.numel() for g in grads):
-        return torch.zeros(2, dtype=torch.float64)
     views = views if views is not None else sample_views(grads, sample)
+    if not views:
+        return torch.zeros(2, dtype=torch.float64)
     runs = [v for v in views if v.dim() == 2]  # (picks, RUN) each: one cat, no copy per tensor
     parts = ([torch.cat(runs).view(-1)] if runs else []) + [v for v in views if v.dim() == 1]
     flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.float64)
