@@ -81,6 +81,8 @@ class Spec:
     seed: int = 0
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL)."""
+    precision: str = "fp32"
+    """fp32, or bf16: every variant's forward under bf16 autocast (distaccum: ``precision=bf16``)."""
     variants: tuple[str, ...] = ()
     """Timing launches: the variants, in their round-0 order."""
     engine: str = ""
@@ -195,6 +197,12 @@ FULL_CASES = (
          shape=ModelShape(in_dim=768, width=512, depth=3, out_dim=16), micro_batch=256, ks=(1, 4, 16),
          sweep_ks=(1, 16), micro_budget=16),
 )
+GPU_CASES = (
+    Case(name="210M_micro1024", about="210M-parameter MLP, micro-batch 1024: sized for one large GPU (bf16), "
+         "where the two cases above are bound by kernel launches", shape=ModelShape(in_dim=1024, width=8192, depth=4,
+         out_dim=16), micro_batch=1024, ks=(1, 4, 16), sweep_ks=(1, 16), micro_budget=16),
+)
+"""Cases too large for a CPU run: timed when named with ``--cases`` (``benchmarks.run --device cuda``)."""
 SMOKE_CASES = (
     Case(name="smoke", about="tiny MLP: the CI run (structure, not timings)",
          shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4), micro_batch=2, ks=(1, 2), sweep_ks=(1, 2),

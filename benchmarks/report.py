@@ -57,7 +57,8 @@ def header(results: dict[str, Any]) -> list[str]:
     return [
         f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB, {m['platform']}; "
         f"Python {m['python']}, torch {m['torch']}, accelerate {m['accelerate']}, deepspeed {m['deepspeed']}. "
-        f"{s['backend']}, world {s['world_size']}, {s['threads']}. Date {results['date']}.",
+        f"{s['backend']}, world {s['world_size']}, {s['threads']}, {s.get('precision', 'fp32')} compute. "
+        f"Date {results['date']}.",
         "",
         (f"Command: `{s['command']}` ({s['rounds']} rounds per launch, whole run {results['wall_s']:.0f} s). "
          f"1-minute load average around the timing launches: {load} (the benchmark alone: about "
@@ -146,10 +147,15 @@ def agreement_lines(results: dict[str, Any]) -> list[str]:
         return []
     parts = ", ".join(f"{n} {d:.1e}" for n, d in worst.items() if n not in ("ddp_no_sync", "compute_floor"))
     floor = worst.get("compute_floor")
+    if floor is None:
+        control = ""
+    elif results["settings"]["world_size"] == 1:
+        control = (f" The compute floor differs by {floor:.1e}: at world 1 there is nothing to average over ranks, "
+                   "so it does the same arithmetic and is no negative control here.")
+    else:
+        control = f" The compute floor, which averages nothing over ranks, differs by {floor:.1e} (a negative control)."
     return [f"Same work: after each launch every variant's parameters are compared with ddp_no_sync's "
-            f"(largest |difference| / largest |parameter|, worst launch): {parts}. The compute floor, which "
-            f"averages nothing over ranks, differs by {_num(floor, 1) if floor is None else f'{floor:.1e}'} "
-            "(a negative control)."]
+            f"(largest |difference| / largest |parameter|, worst launch): {parts}.{control}"]
 
 
 def comm_table(results: dict[str, Any]) -> list[str]:
@@ -232,11 +238,13 @@ def gpu_lines(results: dict[str, Any]) -> list[str]:
     gpu = results.get("gpu")
     if not gpu:
         return ["GPU: not measured (no CUDA device in this run)."]
-    lines = [f"GPU: {gpu['device']}, world {gpu['world_size']}, peak {_num(gpu['peak_tflops'], 0)} TFLOP/s "
-             f"({gpu['peak_source']}).", ""]
+    lines = [f"GPU: {gpu['device']}, world {gpu['world_size']}, {gpu['precision']} compute, peak "
+             f"{_num(gpu['peak_tflops'], 0)} TFLOP/s ({gpu['peak_source']}); MFU = 6 x parameters x samples per "
+             "rank and step / step time / peak.", ""]
     rows = []
     for r in gpu["mfu"]:
-        rows.append([r["case"], str(r["k"]), r["variant"], f"{r['step_ms']:.2f}", _num(r["mfu"], 3)])
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.3g} %"
+        rows.append([r["case"], str(r["k"]), r["variant"], f"{r['step_ms']:.2f}", mfu])
     lines += _table(["case", "K", "variant", "step ms", "MFU"], rows, "lll")
     lines.append("")
     for b in gpu["busbw"]:

@@ -28,11 +28,11 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cases import FULL_CASES, SMOKE_CASES, Case, launch_spec
+from benchmarks.cases import FULL_CASES, GPU_CASES, SMOKE_CASES, Case, launch_spec
 from benchmarks.device import cuda_present, mfu, peak_tflops
 from benchmarks.launch import ROOT, Launch, launch
 from benchmarks.report import MEMORY_LIMIT, render
@@ -64,12 +64,13 @@ def _launch_info(result: Launch) -> dict[str, Any]:
 
 
 def run_timing(cases: Sequence[Case], variants: tuple[str, ...], rounds: int, device: str, world: int,
-               scratch: Path, timeout: float) -> list[dict[str, Any]]:
-    """One interleaved launch per case and K."""
-    rows = []
+               scratch: Path, timeout: float, precision: str = "fp32",
+               done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """One interleaved launch per case and K; ``done(rows so far)`` after each launch."""
+    rows: list[dict[str, Any]] = []
     for case in cases:
         for k in case.ks:
-            spec = launch_spec(case, k, rounds=rounds, variants=variants, device=device)
+            spec = launch_spec(case, k, rounds=rounds, variants=variants, device=device, precision=precision)
             out, work = scratch / f"timing-{case.name}-k{k}.json", scratch / f"timing-{case.name}-k{k}"
             result = launch("benchmarks.interleave", [spec.to_json(), str(out), str(work)], world,
                             work / "output.log", timeout)
@@ -87,6 +88,8 @@ def run_timing(cases: Sequence[Case], variants: tuple[str, ...], rounds: int, de
                   flush=True)
             if not result.ok:
                 print(result.tail, file=sys.stderr, flush=True)
+            if done is not None:
+                done(rows)
     return rows
 
 
@@ -142,11 +145,12 @@ def memory_growth(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def gpu_summary(timing: list[dict[str, Any]], cases: Sequence[Case], world: int,
-                override: float | None) -> dict[str, Any]:
-    """MFU of every variant's median step, and each launch's NCCL bus bandwidth."""
+                override: float | None, precision: str = "fp32") -> dict[str, Any]:
+    """MFU of every variant's median step (against the peak of the precision computed in), and each
+    launch's NCCL bus bandwidth."""
     import torch
 
-    peak, source = peak_tflops("fp32", override)
+    peak, source = peak_tflops(precision, override)
     by_name = {c.name: c for c in cases}
     rows = []
     for row in timing:
@@ -157,7 +161,7 @@ def gpu_summary(timing: list[dict[str, Any]], cases: Sequence[Case], world: int,
                          "mfu": mfu(case.shape.num_params(), case.micro_batch * row["k"], step, peak)})
     busbw = [{"case": row["case"], "k": row["k"], **row["busbw"]} for row in timing if row.get("busbw")]
     return {"device": torch.cuda.get_device_name(0), "world_size": world, "peak_tflops": peak,
-            "peak_source": source, "precision": "fp32", "mfu": rows, "busbw": busbw}
+            "peak_source": source, "precision": precision, "mfu": rows, "busbw": busbw}
 
 
 def machine_info() -> dict[str, Any]:
@@ -195,6 +199,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "flat and hybrid in each sync mode, with --world 4)")
     p.add_argument("--no-timing", action="store_true", help="only the engine sweep")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cuda when present (auto)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="what every variant computes in: "
+                   "fp32, or bf16 autocast (the hand-written loops' forward and distaccum's precision=bf16)")
     p.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, every GPU on CUDA)")
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU peak for MFU when the device is unknown")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per launch")
@@ -216,10 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases: tuple[Case, ...] = SMOKE_CASES if args.smoke else FULL_CASES
         if args.cases:
             wanted = args.cases.split(",")
-            cases = tuple(c for c in cases if c.name in wanted)
-            if not cases:
-                raise ValueError(f"--cases {args.cases}: no such case; choose from "
-                                 f"{', '.join(c.name for c in (SMOKE_CASES if args.smoke else FULL_CASES))}")
+            known = SMOKE_CASES if args.smoke else FULL_CASES + GPU_CASES
+            unknown = [name for name in wanted if name not in {c.name for c in known}]
+            if unknown:
+                raise ValueError(f"--cases {args.cases}: no case {', '.join(unknown)}; choose from "
+                                 f"{', '.join(c.name for c in known)}")
+            cases = tuple(c for c in known if c.name in wanted)
         if args.ks:
             ks = tuple(int(k) for k in args.ks.split(","))
             cases = tuple(dataclasses.replace(c, ks=ks) for c in cases)
@@ -239,30 +247,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = args.world or (torch.cuda.device_count() if device == "cuda" else 2)
     sweep_env = SWEEP_CPU_ENV if device == "cpu" else {}
     started = time.perf_counter()
+    settings = {"command": "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv),
+                "smoke": args.smoke, "rounds": rounds, "device": device, "world_size": world,
+                "backend": "nccl" if device == "cuda" else "gloo", "precision": args.precision,
+                "threads": "CUDA" if device == "cuda" else "1 intra-op thread per rank",
+                "variants": list(variants), "sweep_variants": list(sweep_names), "sweep_env": sweep_env}
+
+    def results_of(timing: list[dict[str, Any]], sweep: list[dict[str, Any]], finished: bool) -> dict[str, Any]:
+        return {
+            "date": datetime.date.today().isoformat(),
+            "machine": machine_info(),
+            "settings": settings,
+            "finished": finished,
+            "cases": {c.name: {"about": c.about, "shape": c.shape.__dict__, "params": c.shape.num_params(),
+                               "micro_batch": c.micro_batch, "ks": list(c.ks), "sweep_ks": list(c.sweep_ks)}
+                      for c in cases},
+            "timing": timing,
+            "sweep": sweep,
+            "memory": memory_growth(sweep),
+            "gpu": gpu_summary(timing, cases, world, args.peak_tflops, args.precision) if device == "cuda" else None,
+            "wall_s": time.perf_counter() - started,
+        }
+
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def keep(timing: list[dict[str, Any]]) -> None:
+        """The launches so far, so that a run stopped part-way keeps them (``finished`` false)."""
+        (args.out / "results.json").write_text(json.dumps(results_of(timing, [], False), indent=1) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="distaccum-bench-") as tmp:
         scratch = Path(tmp)
-        timing = [] if args.no_timing else run_timing(cases, variants, rounds, device, world, scratch, args.timeout)
+        timing = [] if args.no_timing else run_timing(cases, variants, rounds, device, world, scratch, args.timeout,
+                                                       args.precision, keep)
         sweep = run_sweep(cases, sweep_names, device, world, scratch, args.timeout, sweep_env)
-    results: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine_info(),
-        "settings": {"command": "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv),
-                     "smoke": args.smoke, "rounds": rounds, "device": device, "world_size": world,
-                     "backend": "nccl" if device == "cuda" else "gloo",
-                     "threads": "CUDA" if device == "cuda" else "1 intra-op thread per rank",
-                     "variants": list(variants), "sweep_variants": list(sweep_names),
-                     "sweep_env": sweep_env},
-        "cases": {c.name: {"about": c.about, "shape": c.shape.__dict__, "params": c.shape.num_params(),
-                           "micro_batch": c.micro_batch, "ks": list(c.ks), "sweep_ks": list(c.sweep_ks)}
-                  for c in cases},
-        "timing": timing,
-        "sweep": sweep,
-        "memory": memory_growth(sweep),
-        "gpu": gpu_summary(timing, cases, world, args.peak_tflops) if device == "cuda" else None,
-        "wall_s": time.perf_counter() - started,
-    }
+    results = results_of(timing, sweep, True)
     markdown = render(results)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "results.md").write_text(markdown)
     print(markdown)

@@ -48,6 +48,9 @@ def problems(results: dict[str, Any], allow_loaded: bool = False, allow_partial:
     the engine sweep is complete when every case and K was timed."""
     found = []
     settings = results["settings"]
+    if results.get("finished") is False and not allow_partial:
+        found.append("a run stopped part-way (its launches so far, written after each one): finish it, or pass "
+                     "--allow-partial")
     if settings["smoke"]:
         found.append("a smoke run (tiny model): structure only, not figures")
     else:

@@ -110,6 +110,14 @@ class HandWritten:
         x, y = batch
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def loss(self, module: nn.Module, batch: Batch, accum_steps: int) -> torch.Tensor:
+        """``mse_loss(module(x), y) / K`` for one micro-batch, the forward under bf16 autocast when the spec
+        computes in bf16 (as an expert writes it: autocast around forward and loss, backward outside it;
+        autocast runs ``mse_loss`` in fp32)."""
+        x, y = self.batch(batch)
+        with mixed_precision(self.spec, self.device):
+            return F.mse_loss(module(x), y) / accum_steps
+
     def run(self, steps: int) -> list[Any]:
         stamps = [self.clock.stamp()]
         for _ in range(steps):
@@ -123,6 +131,13 @@ class HandWritten:
 
     def close(self) -> None:
         pass
+
+
+def mixed_precision(spec: Spec, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """bf16 autocast for ``spec.precision == "bf16"``, else nothing (fp32)."""
+    if spec.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _ddp(model: nn.Module, device: torch.device) -> DDP:
@@ -147,8 +162,7 @@ class DDPEveryMicro(HandWritten):
 
     def step(self, batches: list[Batch]) -> None:
         for batch in batches:
-            x, y = self.batch(batch)
-            (F.mse_loss(self.ddp(x), y) / len(batches)).backward()  # DDP all-reduces here
+            self.loss(self.ddp, batch, len(batches)).backward()  # DDP all-reduces here
         self.optimizer.step()
         zero_in_place(self.optimizer)
 
@@ -158,10 +172,9 @@ class DDPNoSync(DDPEveryMicro):
 
     def step(self, batches: list[Batch]) -> None:
         for i, batch in enumerate(batches):
-            x, y = self.batch(batch)
             # Gradients accumulate locally; only the last backward all-reduces the sum.
             with contextlib.nullcontext() if i == len(batches) - 1 else self.ddp.no_sync():
-                (F.mse_loss(self.ddp(x), y) / len(batches)).backward()
+                self.loss(self.ddp, batch, len(batches)).backward()
         self.optimizer.step()
         zero_in_place(self.optimizer)
 
@@ -208,9 +221,8 @@ class DDPBf16Hook(HandWritten):
 
     def step(self, batches: list[Batch]) -> None:
         for i, batch in enumerate(batches):
-            x, y = self.batch(batch)
             with contextlib.nullcontext() if i == len(batches) - 1 else self.ddp.no_sync():
-                (F.mse_loss(self.ddp(x), y) / len(batches)).backward()
+                self.loss(self.ddp, batch, len(batches)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)  # keep the bucket views (no second gradient copy)
 
@@ -227,9 +239,8 @@ class DDPNoSyncCompiled(DDPNoSync):
 
     def step(self, batches: list[Batch]) -> None:
         for i, batch in enumerate(batches):
-            x, y = self.batch(batch)
             with contextlib.nullcontext() if i == len(batches) - 1 else self.eager.no_sync():
-                (F.mse_loss(self.compiled(x), y) / len(batches)).backward()
+                self.loss(self.compiled, batch, len(batches)).backward()
         self.optimizer.step()
         zero_in_place(self.optimizer)
 
@@ -241,7 +252,8 @@ class AccelerateLoop(HandWritten):
         super().__init__(name, spec, *args)
         from accelerate import Accelerator  # optional dependency, only this variant needs it
 
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu", gradient_accumulation_steps=spec.accum_steps)
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu", gradient_accumulation_steps=spec.accum_steps,
+                                       mixed_precision="bf16" if spec.precision == "bf16" else "no")
         optimizer = sgd(spec.lr)(list(self.model.parameters()))
         self.prepared, self.optimizer = self.accelerator.prepare(self.model, optimizer)
 
@@ -266,8 +278,7 @@ class ComputeFloor(HandWritten):
 
     def step(self, batches: list[Batch]) -> None:
         for batch in batches:
-            x, y = self.batch(batch)
-            (F.mse_loss(self.model(x), y) / len(batches)).backward()
+            self.loss(self.model, batch, len(batches)).backward()
         self.optimizer.step()
         zero_in_place(self.optimizer)
 
@@ -290,7 +301,7 @@ def distaccum_config(spec: Spec, run_dir: Path, *, engine: str = "ddp",
         # The ledger stays on (default); the per-step gradient norm, which the baselines do not compute, is off
         # (no clipping needs it: its cost is the distaccum_grad_norm variant's ratio).
         "log": {"console": "quiet", "warmup_steps": spec.warmup, "grad_norm": False},
-        "precision": "fp32",
+        "precision": spec.precision,  # what the hand-written loops compute in (fp32, or bf16 autocast)
         "run_dir": str(run_dir),
     }
     for dotted, value in (overrides or {}).items():

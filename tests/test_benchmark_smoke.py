@@ -35,6 +35,7 @@ def test_every_variant_is_timed_in_every_round_of_one_launch(smoke: tuple[dict[s
     results, _, proc = smoke
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [(r["case"], r["k"]) for r in results["timing"]] == [("smoke", 1), ("smoke", 2)]
+    assert results["finished"] is True and results["settings"]["precision"] == "fp32"
     for row in results["timing"]:
         assert row["status"] == "ok", row["launch"]["error"]
         assert set(row["variants"]) == set(DEFAULT_VARIANTS)

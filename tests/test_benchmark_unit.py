@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.cases import FULL_CASES, SMOKE_CASES, BenchData, Spec, launch_spec, loss_sum
+from benchmarks.cases import FULL_CASES, GPU_CASES, SMOKE_CASES, BenchData, Spec, launch_spec, loss_sum
 from benchmarks.device import HostClock, mfu, model_flops_per_step, peak_tflops
 from benchmarks.interleave import round_order
 from benchmarks.report import render
+from benchmarks.run import main as run_main
 from benchmarks.run import memory_growth
 from benchmarks.stats import per_round_ratios, spread, summarize_launch, target, verdict
 from benchmarks.update_docs import markers, problems, replace_section, section_of
@@ -147,6 +148,9 @@ def test_update_docs_refuses_noise() -> None:
     assert any("no engine sweep" in p for p in problems(timing))
     assert problems(timing, timing_only=True) == [] and section_of(timing, timing_only=True) == "cpu-timing"
     assert any("--timing-only with an engine sweep" in p for p in problems(complete, timing_only=True))
+    stopped = {**timing, "finished": False}  # results.json as written after each launch of a run stopped part-way
+    assert any("stopped part-way" in p for p in problems(stopped, timing_only=True))
+    assert problems(stopped, timing_only=True, allow_partial=True) == []
 
 
 def test_cases_have_the_issue_sizes() -> None:
@@ -157,6 +161,58 @@ def test_cases_have_the_issue_sizes() -> None:
             model = case.shape.build()
         assert sum(p.numel() for p in model.parameters()) == case.shape.num_params()
     assert {c.micro_batch for c in FULL_CASES} == {4, 256} and all(c.ks == (1, 4, 16) for c in FULL_CASES)
+
+
+def test_the_gpu_case_is_named_not_run_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    (case,) = GPU_CASES
+    assert round(case.shape.num_params() / 1e6) == 210 and case.micro_batch == 1024 and case.ks == (1, 4, 16)
+    assert run_main(["--cases", "27.3M_micro4,nope", "--device", "cpu"]) == 2  # refused before any launch
+    err = capsys.readouterr().err
+    assert "no case nope" in err and "210M_micro1024" in err
+
+
+def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopped part-way (a lease that ends, a timeout) keeps the launches it finished: results.json is
+    rewritten after each one, ``finished`` false until the end. The launcher is replaced by one that fails at
+    once, recording what was on disk when each launch started."""
+    import benchmarks.run as bench_run
+    from benchmarks.launch import Launch
+
+    on_disk: list[Any] = []
+
+    def failing_launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
+                       env: dict[str, str] | None = None) -> Launch:
+        path = tmp_path / "results.json"
+        on_disk.append(json.loads(path.read_text()) if path.exists() else None)
+        return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
+
+    monkeypatch.setattr(bench_run, "launch", failing_launch)
+    assert run_main(["--smoke", "--sweep", "none", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert on_disk[0] is None and on_disk[1]["finished"] is False
+    assert [(r["case"], r["k"], r["status"]) for r in on_disk[1]["timing"]] == [("smoke", 1, "failed")]
+    final = json.loads((tmp_path / "results.json").read_text())
+    assert final["finished"] is True and len(final["timing"]) == 2
+
+
+def test_bf16_reaches_every_variant(tmp_path: Path) -> None:
+    """``--precision bf16``: the hand-written loops' forward and loss run under bf16 autocast (loss in fp32,
+    as autocast does), distaccum gets ``precision=bf16``; fp32 leaves both alone."""
+    spec = launch_spec(SMOKE_CASES[0], 2, precision="bf16")
+    assert Spec.from_json(spec.to_json()).precision == "bf16"
+    assert distaccum_config(spec, tmp_path)["precision"] == "bf16"
+    loop = HAND_WRITTEN["compute_floor"]("compute_floor", spec, BenchData(spec, world_size=1), 0,
+                                         torch.device("cpu"), HostClock())
+    seen: list[torch.dtype] = []
+    loop.model.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    batch = loop.windows[0][0]
+    assert loop.loss(loop.model, batch, 2).dtype == torch.float32 and seen == [torch.bfloat16]
+    fp32 = launch_spec(SMOKE_CASES[0], 2)
+    assert distaccum_config(fp32, tmp_path)["precision"] == "fp32"
+    loop = HAND_WRITTEN["compute_floor"]("compute_floor", fp32, BenchData(fp32, world_size=1), 0,
+                                         torch.device("cpu"), HostClock())
+    loop.model.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    loop.loss(loop.model, batch, 2)
+    assert seen[-1] == torch.float32
 
 
 def test_spec_round_trips_through_json() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distaccum.cluster.procgroup import collective_device
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
 from distaccum.engines.base import EngineSpec, Precision, scale_and_clip_, step_plain
@@ -121,6 +122,42 @@ def test_scale_and_clip_normalizes_and_clips_in_one_multiply() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
+class CountedReads(torch.Tensor):
+    """A real tensor that counts its host reads (``float``): on CUDA each one is a device sync."""
+
+    reads = 0
+
+    def __float__(self) -> float:
+        CountedReads.reads += 1
+        return super().__float__()
+
+
+@pytest.mark.parametrize("max_norm", [None, 10.0, 1.0])
+def test_a_normalized_step_reads_the_norm_on_the_host_once(max_norm: float | None) -> None:
+    # The boundary reduction measured the norm (sqrt(3 * 2^2) = 3.46); the step clips with it and records it.
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), 2.0)
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    measured = torch.linalg.vector_norm(param.grad).as_subclass(CountedReads)
+    CountedReads.reads = 0
+    result = step_plain(optimizer, [("w", param)], max_norm, torch.ones((), dtype=torch.float64), None,
+                        normalized=True, normalized_norm=measured)
+    assert CountedReads.reads == 1  # the same norm read twice was a second sync per step on CUDA
+    assert result.grad_norm == pytest.approx(12**0.5)
+    clipped = 2.0 * (1.0 / (12**0.5 + 1e-6) if max_norm == 1.0 else 1.0)
+    assert param.detach().tolist() == pytest.approx([-clipped] * 3)
+
+
+def test_host_flags_go_through_the_group_s_own_device(cpu_group: None) -> None:
+    """Cross-rank flags and counts (the checkpoint verdict, the tripwire, the fingerprint) are made on
+    ``collective_device()``: the CPU on gloo; on NCCL, which refuses CPU tensors, the current GPU (a CPU
+    tensor there failed every CUDA run's final checkpoint: tests/test_gpu.py)."""
+    assert dist.get_backend() == "gloo" and collective_device() == torch.device("cpu")
+    flag = torch.ones(1, device=collective_device())
+    dist.all_reduce(flag)
+    assert flag.item() == dist.get_world_size()
+
+
 def test_tap_counts_reductions_once_and_ignores_gathers(cpu_group: None) -> None:
     ledger = CommLedger()
     ledger.start_step()

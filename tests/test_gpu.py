@@ -1,5 +1,7 @@
-"""The CPU claims, re-run on CUDA (NCCL): split invariance in fp64 with one reduction per step, and
-the fp16 overflow skip on every engine that trains fp16 on a GPU (DDP, Accelerate).
+"""The CPU claims, re-run on CUDA (NCCL): split invariance in fp64 with one reduction per step,
+the fp16 overflow skip on every engine that trains fp16 on a GPU (DDP, Accelerate), and
+``trainer.compile=true`` under accumulation (compiles in the first window only, trains what eager
+trains, passes ``verify``; the CPU tests are ``tests/test_compile.py``).
 
 Skipped without a GPU. Checks that need two ranks skip — saying so — with fewer than two GPUs
 instead of quietly running on one. The bodies are the CPU tests' (``tests/test_ddp_accum.py``,
@@ -8,13 +10,14 @@ instead of quietly running on one. The bodies are the CPU tests' (``tests/test_d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from test_loop import check_fp16_overflow_skip
 
-from conftest import fresh_accelerate_state, one_rank_group, train
+from conftest import fresh_accelerate_state, one_rank_group, run_cli, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,3 +55,36 @@ def test_fp16_overflow_skip_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     fresh_accelerate_state()
     with one_rank_group("cuda"):
         check_fp16_overflow_skip(tmp_path, engine, "cuda")
+
+
+COMPILE_COMMON = ("model=tiny_gpt", "model.width=16", "model.depth=1", "data.dataset.num_samples=40",
+                  "accum.micro_batch=4", "accum.steps=4", "trainer.nproc=1", "trainer.max_steps=3",
+                  "optim.lr=1e-2", "trainer.device=cuda")
+"""Variable-length sequences (8-32 tokens, padded per micro-batch), K = 4, 40 = 16 + 16 + 8 samples: the
+third window is partial (micro-batches of 2)."""
+
+
+def test_compiled_on_cuda_compiles_in_the_first_window_and_equals_eager(tmp_path: Path) -> None:
+    eager = train(tmp_path / "eager", *COMPILE_COMMON)
+    compiled = train(tmp_path / "compiled", *COMPILE_COMMON, "trainer.compile=true")
+    records = compiled.records
+    assert [r["partial_window"] for r in records] == [False, False, True]
+    assert records[0]["compile_s"] > 0 and [r["compile_s"] for r in records[1:]] == [0.0, 0.0]
+    assert [r["recompiles"] for r in records] == [0, 0, 0], records  # no_sync toggling, new lengths, partial window
+    assert compiled.summary["recompiles"] == 0
+    for a, b in zip(eager.records, records, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
+    assert compiled.summary["param_sum"] == pytest.approx(eager.summary["param_sum"], rel=1e-4, abs=1e-4)
+
+
+def test_verify_passes_a_compiled_run_on_cuda(tmp_path: Path) -> None:
+    run = run_cli("verify", tmp_path / "v", "model=mlp", "model.width=32", "data.dataset.num_samples=40",
+                  "accum.micro_batch=4", "accum.steps=2", "trainer.max_steps=3", "trainer.compile=true",
+                  "trainer.nproc=1", "trainer.device=cuda", "precision=fp32", timeout=280)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((run.run_dir / "verify.json").read_text())
+    assert result["passed"]
+    records = [json.loads(line) for line in
+               (Path(result["candidates"][0]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["compile_s"] > 0 and all(r["recompiles"] == 0 for r in records)  # it really compiled

@@ -8,6 +8,7 @@ environment contract of ``torchrun``. Each worker runs ``python -m distaccum _wo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -110,6 +111,13 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    grace = {"shutdown_timeout": plan.shutdown_grace_s}
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        # torch < 2.13 (outside distaccum's tested versions, e.g. a GPU image's own torch): torch's own grace applies
+        print(f"distaccum: this torch's LaunchConfig has no shutdown_timeout; workers get torch's default grace "
+              f"after SIGTERM, not trainer.shutdown_grace_s={plan.shutdown_grace_s} (distaccum is tested on torch>=2.13)",
+              file=sys.stderr)
+        grace = {}
     config = LaunchConfig(
         min_nodes=plan.nnodes,
         max_nodes=plan.nnodes,
@@ -121,7 +129,7 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
         max_restarts=plan.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        shutdown_timeout=plan.shutdown_grace_s,
+        **grace,
     )
     try:
         elastic_launch(config, sys.executable)(*args)

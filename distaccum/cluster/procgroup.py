@@ -49,6 +49,14 @@ def init_process_group(env: DistEnv, device: torch.device, timeout: timedelta | 
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors: the current GPU on NCCL (which moves
+    device tensors only), the CPU otherwise (gloo). Host-side flags and counts go through here."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def ensure_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> bool:
     """Join the process group unless one exists; returns True when this call created it."""
     if dist.is_initialized():

@@ -304,16 +304,18 @@ def grads_of(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def clip_normalized_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+def clip_normalized_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float | None) -> float:
     """For gradients already normalized (the reduction applied 1/(c N)) whose ``norm`` the reduction
     measured: the clip multiply, only when clipping changes something (no pass over the gradients
-    otherwise). One host read, the norm's, which the step needs anyway."""
+    otherwise). Returns the norm read on the host: the one read, which the step needs anyway (on CUDA a
+    second ``float`` of the same tensor would be a second device sync)."""
     norm = norm.to(torch.float64)
-    if max_norm is not None and float(norm) > max_norm:
+    value = float(norm)
+    if max_norm is not None and value > max_norm:
         coef = max_norm / (norm + 1e-6)
         for dtype in {g.dtype for g in grads}:
             torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype))
-    return norm
+    return value
 
 
 def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
@@ -339,7 +341,7 @@ def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Param
     if not normalized:
         norm: float | None = float(scale_and_clip_(grads, grad_scale, max_norm))
     elif normalized_norm is not None:
-        norm = float(clip_normalized_(grads, normalized_norm, max_norm))
+        norm = clip_normalized_(grads, normalized_norm, max_norm)
     else:
         norm = None
     finite = bool(torch.isfinite(grad_scale)) if norm is None else norm == norm and norm != float("inf")

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distaccum.cluster.procgroup import collective_device
 from distaccum.rundir import CHECKPOINTS, read_json, write_json
 
 if TYPE_CHECKING:
@@ -271,7 +272,7 @@ def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any
             writer.write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
     except Exception as err:  # noqa: BLE001 - every rank must learn that one rank failed
         error = f"{type(err).__name__}: {err}"
-    failed = torch.tensor([1.0 if error else 0.0])
+    failed = torch.tensor([1.0 if error else 0.0], device=collective_device())
     dist.all_reduce(failed)
     if failed.item() == 0 and rank == 0:
         try:
@@ -279,7 +280,7 @@ def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any
             prune(root, keep)
         except Exception as err:  # noqa: BLE001
             error = f"{type(err).__name__}: {err}"
-    verdict = torch.tensor([1.0 if error else 0.0])
+    verdict = torch.tensor([1.0 if error else 0.0], device=collective_device())
     dist.all_reduce(verdict)
     if verdict.item() > 0:
         if rank == 0:

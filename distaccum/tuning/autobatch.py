@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
+from distaccum.cluster.procgroup import collective_device
 from distaccum.components import Components
 from distaccum.config import ConfigError
 from distaccum.data.global_batch import GlobalBatchPlan
@@ -121,9 +122,7 @@ def _agree(value: float, op: Any) -> float:
     """All-reduce one number over the ranks (identity without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    tensor = torch.tensor([value], dtype=torch.float64, device=collective_device())
     dist.all_reduce(tensor, op=op)
     return float(tensor.item())
 

@@ -50,6 +50,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from distaccum.cluster.procgroup import collective_device
 from distaccum.rundir import DIVERGENCE, WARNINGS
 from distaccum.verify.tripwire import RankDivergenceError
 
@@ -148,10 +149,7 @@ class Fingerprint:
 
     def _gather(self, local: torch.Tensor) -> list[list[float]]:
         """Every rank's ``local`` (one all-gather, collective) as rows on the host."""
-        if dist.get_backend() == "nccl":  # NCCL only moves device tensors
-            local = local.to(torch.device("cuda", torch.cuda.current_device()))
-        else:
-            local = local.cpu()
+        local = local.to(collective_device())
         out = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
         gather(out, local.contiguous())

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from distaccum.cluster.procgroup import collective_device
 from distaccum.engines.base import Engine
 from distaccum.rundir import CHECKSUMS, DIVERGENCE
 
@@ -79,10 +80,7 @@ def check_consistency(engine: Engine, step: int, run_dir: Path | None = None, *,
     rank = dist.get_rank() if dist.is_initialized() else 0
     names, numels, local = parameter_checksums(engine.full_parameters())
     if world > 1:
-        if dist.get_backend() == "nccl":  # NCCL only moves device tensors
-            local = local.to(torch.device("cuda", torch.cuda.current_device()))
-        else:
-            local = local.cpu()
+        local = local.to(collective_device())
         gathered = [torch.zeros_like(local) for _ in range(world)]
         dist.all_gather(gathered, local)
         _compare_ranks(names, [g.cpu() for g in gathered], step, run_dir if rank == 0 else None)
