@@ -155,10 +155,14 @@ class WindowTotals:
 
     def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor:
         """Count one micro-batch (``weight`` 0: a stand-in sample); returns its item count n."""
-        n = item_count(n_items, self.device) * weight
+        n = item_count(n_items, self.device)
+        if weight == 1.0:  # every real micro-batch: no multiplies; ``+=`` promotes the loss to float64 exactly
+            self.loss_sum += summed.detach()
+        else:
+            n = n * weight
+            self.loss_sum += summed.detach().to(torch.float64) * weight
         self.items += n
         self.counts.append(n)
-        self.loss_sum += summed.detach().to(torch.float64) * weight
         return n
 
     def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:

@@ -243,3 +243,21 @@ def test_training_in_chunks_equals_one_fit(tmp_path: Path) -> None:
     summary = chunked.finish()
     assert summary["steps"] == 5
     assert [r["loss"] for r in chunked.state.records] == [r["loss"] for r in whole.state.records]
+
+
+def test_window_totals_count_exactly_and_weigh_stand_ins_zero() -> None:
+    """The window's running sums (float64, on the device): a real micro-batch adds its loss and item count
+    exactly (a float32 loss is widened, never rounded); a stand-in sample (weight 0) adds nothing to either,
+    but a non-finite stand-in loss still shows (NaN: the window's check must see it)."""
+    from distaccum.config import Split
+    from distaccum.loop import WindowTotals
+
+    window = WindowTotals(Split(4, 3, 1), rank=0, device=torch.device("cpu"))
+    tenth = torch.tensor(0.1, dtype=torch.float32)
+    assert float(window.add(tenth, 4, 1.0)) == 4.0
+    assert float(window.add(torch.tensor(7, dtype=torch.float32), torch.tensor(3), 1.0)) == 3.0
+    assert float(window.add(torch.tensor(5.0), 2, 0.0)) == 0.0
+    assert window.loss_sum.dtype == torch.float64 and float(window.loss_sum) == float(tenth) + 7.0
+    assert float(window.items) == 7.0 and [float(n) for n in window.counts] == [4.0, 3.0, 0.0]
+    window.add(torch.tensor(float("inf")), 1, 0.0)
+    assert math.isnan(float(window.loss_sum))
