@@ -86,10 +86,18 @@ def launch(module: str, args: list[str], world: int, log: Path, timeout_s: float
     start = time.perf_counter()
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
-        procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env(rank, world, port, env), cwd=ROOT,
-                                  stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-                 for rank in range(world)]
-        codes, rss = _wait(procs, timeout_s)
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(world):
+                procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env(rank, world, port, env),
+                                              cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
+            codes, rss = _wait(procs, timeout_s)
+        except BaseException:  # Ctrl-C, SIGTERM (benchmarks.run turns it into SystemExit): the ranks, in their own
+            for proc in procs:  # sessions, would not get the signal and would run on
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            raise
     wall = time.perf_counter() - start
     ok = not any(codes)
     why = f"timed out after {timeout_s:.0f} s; " if wall >= timeout_s else ""

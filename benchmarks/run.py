@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -208,7 +209,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; write results.json and results.md; 1 if any launch failed, 2 for bad options."""
+    """Run the benchmark; write results.json and results.md; 1 if any launch failed, 2 for bad options.
+
+    SIGTERM (a ``timeout``, a batch system, a lease that ends) becomes SystemExit: the launch in progress
+    kills its ranks on the way out (:func:`benchmarks.launch.launch`), and results.json keeps the launches
+    already finished."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     try:
         variants = tuple(v for v in args.variants.split(",") if v)

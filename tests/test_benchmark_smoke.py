@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -106,3 +111,45 @@ def test_gpu_mode_times_with_cuda_events_and_reports_mfu_and_bus_bandwidth(tmp_p
     expected = "ok" if torch.cuda.device_count() > 1 else "not measured"
     assert [b["status"] for b in gpu["busbw"]] == [expected, expected]
     assert all(r["status"] == "ok" for r in results["sweep"])  # CUDA allocator peaks instead of RSS
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_run_and_its_ranks(tmp_path: Path) -> None:
+    """A `timeout` or an ending lease sends SIGTERM to benchmarks.run only: its ranks run in their own sessions,
+    so the run must kill them on the way out, not leave them training (holding a GPU) after it exits."""
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", "--smoke", "--sweep", "none", "--device", "cpu",
+                             "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ranks: list[psutil.Process] = []
+    deadline = time.monotonic() + 60
+    while len(ranks) < 2 and time.monotonic() < deadline:  # the first launch's two ranks
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "benchmarks.interleave" in c.cmdline()]
+        time.sleep(0.1)
+    assert len(ranks) == 2, "the first timing launch did not start"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, [p.pid for p in alive]
+
+
+@pytest.mark.timeout(180)
+def test_the_gpu_check_script_runs_and_names_what_exists(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.sh (the one command for a lent GPU) names real cases, variants and test files;
+    without CUDA its benchmark refuses (exit 2) and the gpu tier skips, so the script itself is checked here."""
+    from benchmarks.cases import FULL_CASES, GPU_CASES
+    from benchmarks.variants import check_variants
+
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    text = script.read_text()
+    assert all((ROOT / path).is_file() for path in re.findall(r"tests/\S+\.py", text))
+    match = re.search(r"cases=\$\{2:-([^}]+)\}", text)
+    assert match and set(match.group(1).split(",")) == {c.name for c in (*FULL_CASES, *GPU_CASES)}
+    variants = re.search(r"--variants (\S+)", text)
+    assert variants
+    check_variants(variants.group(1).split(","))
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run the script itself, it takes minutes")
+    proc = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=170,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "benchmark: exit 2" in proc.stdout and "gpu tests: exit 0" in proc.stdout, proc.stdout
+    assert "CUDA is not available" in (tmp_path / "bench.log").read_text()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a machine with CUDA (a lent GPU, a cloud node):
+#
+#   benchmarks/gpu_check.sh OUT [CASES]
+#
+# 1. the timing harness in bf16 on NCCL (every GPU of the machine; `python -m benchmarks.run --device cuda
+#    --precision bf16 --sweep none`), eager and compiled, CASES (default: both standard cases and the one
+#    sized for a GPU) -> OUT/gpu/results.json, written after every launch;
+# 2. the `gpu` test tier -> OUT/pytest.log.
+# Each stage has its own limit (BENCH_S, TESTS_S seconds), so a short lease still returns what finished.
+# Then, where the repository lives: python -m benchmarks.update_docs --timing-only --results OUT/gpu/results.json
+# PYTHON picks the interpreter (default python3); distaccum runs from this checkout (PYTHONPATH).
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_check.sh OUT [CASES]}
+cases=${2:-0.9M_micro256,27.3M_micro4,210M_micro1024}
+python=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+mkdir -p "$out"
+nvidia-smi -L || true
+timeout -k 10 "${BENCH_S:-330}" "$python" -m benchmarks.run --device cuda --precision bf16 --sweep none --rounds 6 \
+  --cases "$cases" --variants ddp_no_sync,distaccum,compute_floor,ddp_no_sync_compiled,distaccum_compiled \
+  --timeout 120 --out "$out/gpu" >"$out/bench.log" 2>&1
+echo "benchmark: exit $? (124: stopped at its limit; results.json keeps the launches that finished)"
+grep '^\[timing\]' "$out/bench.log"
+timeout -k 10 "${TESTS_S:-200}" "$python" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 180 \
+  tests/test_gpu.py tests/test_ledger_gpu.py tests/test_benchmark_smoke.py >"$out/pytest.log" 2>&1
+echo "gpu tests: exit $?"
+tail -n 15 "$out/pytest.log"
