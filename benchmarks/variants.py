@@ -115,7 +115,9 @@ class HandWritten:
         computes in bf16 (as an expert writes it: autocast around forward and loss, backward outside it;
         autocast runs ``mse_loss`` in fp32)."""
         x, y = self.batch(batch)
-        with mixed_precision(self.spec, self.device):
+        if self.spec.precision != "bf16":  # fp32: nothing around the forward, as a plain loop has it
+            return F.mse_loss(module(x), y) / accum_steps
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
             return F.mse_loss(module(x), y) / accum_steps
 
     def run(self, steps: int) -> list[Any]:
@@ -131,13 +133,6 @@ class HandWritten:
 
     def close(self) -> None:
         pass
-
-
-def mixed_precision(spec: Spec, device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """bf16 autocast for ``spec.precision == "bf16"``, else nothing (fp32)."""
-    if spec.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _ddp(model: nn.Module, device: torch.device) -> DDP:

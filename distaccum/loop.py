@@ -109,10 +109,12 @@ def power_of_two_scale(n_prev: float, global_batch: int) -> float:
 
 
 def item_count(n_items: torch.Tensor | int | float, device: torch.device) -> torch.Tensor:
-    """A micro-batch's loss-item count as a float64 scalar on ``device``, without a host sync: a
-    Python number is filled in on the device (``torch.tensor(n, device=cuda)`` would copy and wait)."""
+    """A micro-batch's loss-item count as a fresh float64 scalar on ``device``, without a host sync: a
+    Python number is filled in on the device (``torch.tensor(n, device=cuda)`` would copy and wait); a
+    tensor is copied even when it is float64 there already (the window keeps the counts, and the loss's
+    own tensor may be a buffer it reuses)."""
     if isinstance(n_items, torch.Tensor):
-        return n_items.to(device, torch.float64, non_blocking=True)
+        return n_items.to(device, torch.float64, non_blocking=True, copy=True)
     return torch.full((), float(n_items), dtype=torch.float64, device=device)
 
 

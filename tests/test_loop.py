@@ -261,3 +261,7 @@ def test_window_totals_count_exactly_and_weigh_stand_ins_zero() -> None:
     assert float(window.items) == 7.0 and [float(n) for n in window.counts] == [4.0, 3.0, 0.0]
     window.add(torch.tensor(float("inf")), 1, 0.0)
     assert math.isnan(float(window.loss_sum))
+    reused = torch.tensor(5.0, dtype=torch.float64)  # a loss that hands back the same count buffer each time
+    window.add(torch.tensor(1.0), reused, 1.0)
+    reused.fill_(9.0)
+    assert float(window.counts[-1]) == 5.0
