@@ -6,10 +6,14 @@
 # 1. the timing harness in bf16 on NCCL (every GPU of the machine; `python -m benchmarks.run --device cuda
 #    --precision bf16 --sweep none`), eager and compiled, CASES (default: both standard cases and the one
 #    sized for a GPU) -> OUT/gpu/results.json, written after every launch;
-# 2. the `gpu` test tier -> OUT/pytest.log.
-# Each stage has its own limit (BENCH_S, TESTS_S seconds), so a short lease still returns what finished.
-# Then, where the repository lives: python -m benchmarks.update_docs --timing-only --results OUT/gpu/results.json
-# PYTHON picks the interpreter (default python3); distaccum runs from this checkout (PYTHONPATH).
+# 2. the `gpu` test tier -> OUT/pytest.log;
+# 3. the engine sweep of the 27.3M case on the GPU (peak memory from the CUDA allocator, flat in K?, for
+#    DDP and FSDP2 in each sync mode) -> OUT/sweep/results.json.
+# Each stage has its own limit (BENCH_S, TESTS_S, SWEEP_S seconds), so a short lease still returns what
+# finished. Then, where the repository lives: python -m benchmarks.update_docs --timing-only --results
+# OUT/gpu/results.json (the gpu-timing section) and --allow-partial --results OUT/sweep/results.json (gpu).
+# It prints each stage's exit status and exits 0 once every stage has run. PYTHON picks the interpreter
+# (default python3); distaccum runs from this checkout (PYTHONPATH).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT [CASES]}
 cases=${2:-0.9M_micro256,27.3M_micro4,210M_micro1024}
@@ -22,8 +26,13 @@ timeout -k 10 "${BENCH_S:-330}" "$python" -m benchmarks.run --device cuda --prec
   --cases "$cases" --variants ddp_no_sync,distaccum,compute_floor,ddp_no_sync_compiled,distaccum_compiled \
   --timeout 120 --out "$out/gpu" >"$out/bench.log" 2>&1
 echo "benchmark: exit $? (124: stopped at its limit; results.json keeps the launches that finished)"
-grep '^\[timing\]' "$out/bench.log"
+grep '^\[timing\]' "$out/bench.log" || true
 timeout -k 10 "${TESTS_S:-200}" "$python" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 180 \
   tests/test_gpu.py tests/test_ledger_gpu.py tests/test_benchmark_smoke.py >"$out/pytest.log" 2>&1
 echo "gpu tests: exit $?"
 tail -n 15 "$out/pytest.log"
+timeout -k 10 "${SWEEP_S:-150}" "$python" -m benchmarks.run --device cuda --precision bf16 --no-timing --cases 27.3M_micro4 \
+  --sweep ddp_no_sync,distaccum,distaccum_fsdp,distaccum_fsdp_every_micro,distaccum_fsdp_unsharded \
+  --timeout 60 --out "$out/sweep" >"$out/sweep.log" 2>&1
+echo "engine sweep: exit $?"
+grep -A12 '^Memory flat in K' "$out/sweep.log" || true

@@ -101,13 +101,15 @@ def _sync_of(variant: str) -> str:
 
 
 def run_sweep(cases: Sequence[Case], variants: tuple[str, ...], device: str, world: int, scratch: Path,
-              timeout: float, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """One fresh launch per case, K and variant (``env`` added to the workers' environment)."""
-    rows = []
+              timeout: float, env: dict[str, str] | None = None, precision: str = "fp32",
+              done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """One fresh launch per case, K and variant (``env`` added to the workers' environment); ``done(rows so
+    far)`` after each launch."""
+    rows: list[dict[str, Any]] = []
     for case in cases:
         for k in case.sweep_ks:
             for variant in variants:
-                spec = launch_spec(case, k, variants=(variant,), device=device)
+                spec = launch_spec(case, k, variants=(variant,), device=device, precision=precision)
                 out, work = scratch / f"sweep-{case.name}-k{k}-{variant}.json", scratch / f"sweep-{case.name}-k{k}-{variant}"
                 result = launch("benchmarks.sweep", [spec.to_json(), str(out), str(work)], world,
                                 work / "output.log", timeout, env=env)
@@ -123,6 +125,8 @@ def run_sweep(cases: Sequence[Case], variants: tuple[str, ...], device: str, wor
                       + (f", step peak {row['step_peak_mb']:.0f} MiB" if out.exists() else ""), flush=True)
                 if not result.ok:
                     print(result.tail, file=sys.stderr, flush=True)
+                if done is not None:
+                    done(rows)
     return rows
 
 
@@ -284,15 +288,16 @@ def _main(argv: Sequence[str] | None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
 
-    def keep(timing: list[dict[str, Any]]) -> None:
+    def keep(timing: list[dict[str, Any]], sweep: list[dict[str, Any]] | None = None) -> None:
         """The launches so far, so that a run stopped part-way keeps them (``finished`` false)."""
-        (args.out / "results.json").write_text(json.dumps(results_of(timing, [], False), indent=1) + "\n")
+        (args.out / "results.json").write_text(json.dumps(results_of(timing, sweep or [], False), indent=1) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="distaccum-bench-") as tmp:
         scratch = Path(tmp)
         timing = [] if args.no_timing else run_timing(cases, variants, rounds, device, world, scratch, args.timeout,
                                                        args.precision, keep)
-        sweep = run_sweep(cases, sweep_names, device, world, scratch, args.timeout, sweep_env)
+        sweep = run_sweep(cases, sweep_names, device, world, scratch, args.timeout, sweep_env, args.precision,
+                          lambda rows: keep(timing, rows))
     results = results_of(timing, sweep, True)
     markdown = render(results)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

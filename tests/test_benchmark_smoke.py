@@ -143,13 +143,15 @@ def test_the_gpu_check_script_runs_and_names_what_exists(tmp_path: Path) -> None
     assert all((ROOT / path).is_file() for path in re.findall(r"tests/\S+\.py", text))
     match = re.search(r"cases=\$\{2:-([^}]+)\}", text)
     assert match and set(match.group(1).split(",")) == {c.name for c in (*FULL_CASES, *GPU_CASES)}
-    variants = re.search(r"--variants (\S+)", text)
-    assert variants
-    check_variants(variants.group(1).split(","))
+    named = [names for names in re.findall(r"--(?:variants|sweep) ([\w,]+)", text) if "," in names]
+    assert len(named) == 2  # the timing's variants and the engine sweep's
+    for names in named:
+        check_variants(names.split(","))
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run the script itself, it takes minutes")
     proc = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=170,
                           env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "benchmark: exit 2" in proc.stdout and "gpu tests: exit 0" in proc.stdout, proc.stdout
+    assert "engine sweep: exit 2" in proc.stdout, proc.stdout
     assert "CUDA is not available" in (tmp_path / "bench.log").read_text()

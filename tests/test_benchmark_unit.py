@@ -179,11 +179,13 @@ def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, monkeypa
     from benchmarks.launch import Launch
 
     on_disk: list[Any] = []
+    precisions: list[str] = []
 
     def failing_launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
                        env: dict[str, str] | None = None) -> Launch:
         path = tmp_path / "results.json"
         on_disk.append(json.loads(path.read_text()) if path.exists() else None)
+        precisions.append(Spec.from_json(args[0]).precision)
         return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
 
     monkeypatch.setattr(bench_run, "launch", failing_launch)
@@ -192,6 +194,13 @@ def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, monkeypa
     assert [(r["case"], r["k"], r["status"]) for r in on_disk[1]["timing"]] == [("smoke", 1, "failed")]
     final = json.loads((tmp_path / "results.json").read_text())
     assert final["finished"] is True and len(final["timing"]) == 2
+    on_disk.clear()  # the engine sweep alike (fresh processes per case, K and variant)
+    (tmp_path / "results.json").unlink()
+    assert run_main(["--smoke", "--no-timing", "--sweep", "ddp_no_sync,distaccum", "--precision", "bf16",
+                     "--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert on_disk[0] is None and [len(d["sweep"]) for d in on_disk[1:]] == [1, 2, 3]
+    assert all(d["finished"] is False and d["settings"]["precision"] == "bf16" for d in on_disk[1:])
+    assert precisions == ["fp32"] * 2 + ["bf16"] * 4  # the sweep's launches compute in what the run says
 
 
 def test_bf16_reaches_every_variant(tmp_path: Path) -> None:
