@@ -270,15 +270,18 @@ def _main(argv: Sequence[str] | None) -> int:
                 "threads": "CUDA" if device == "cuda" else "1 intra-op thread per rank",
                 "variants": list(variants), "sweep_variants": list(sweep_names), "sweep_env": sweep_env}
 
+    machine = machine_info()  # read once: results.json is rewritten after every launch
+    case_info = {c.name: {"about": c.about, "shape": c.shape.__dict__, "params": c.shape.num_params(),
+                          "micro_batch": c.micro_batch, "ks": list(c.ks), "sweep_ks": list(c.sweep_ks)}
+                 for c in cases}
+
     def results_of(timing: list[dict[str, Any]], sweep: list[dict[str, Any]], finished: bool) -> dict[str, Any]:
         return {
             "date": datetime.date.today().isoformat(),
-            "machine": machine_info(),
+            "machine": machine,
             "settings": settings,
             "finished": finished,
-            "cases": {c.name: {"about": c.about, "shape": c.shape.__dict__, "params": c.shape.num_params(),
-                               "micro_batch": c.micro_batch, "ks": list(c.ks), "sweep_ks": list(c.sweep_ks)}
-                      for c in cases},
+            "cases": case_info,
             "timing": timing,
             "sweep": sweep,
             "memory": memory_growth(sweep),

@@ -58,8 +58,9 @@ def ignore_stop_signals(worker_id: int) -> None:
 class TensorBatches(Dataset):
     """A ``TensorDataset`` served a micro-batch at a time: DataLoader's batched fetch (``__getitems__``) takes
     each tensor's rows with one ``index_select`` instead of one ``__getitem__`` per sample and a stack (256
-    samples of two tensors: 512 indexing calls and two stacks of Python-made rows, against two gathers). The batch is what ``default_collate`` makes of the samples — a list of fresh tensors, the same
-    values — so the loss sees no difference. Used when the dataset is exactly a ``TensorDataset`` and no
+    samples of two tensors: 512 indexing calls and two stacks of Python-made rows, against two gathers). The
+    batch is what ``default_collate`` makes of the samples — a list of fresh tensors, the same values — so the
+    loss sees no difference. Used when the dataset is exactly a ``TensorDataset`` and no
     ``collate`` is given (a subclass may override ``__getitem__``, a collate may expect samples)."""
 
     def __init__(self, dataset: TensorDataset) -> None:

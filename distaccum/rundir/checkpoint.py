@@ -272,7 +272,8 @@ def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any
             writer.write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
     except Exception as err:  # noqa: BLE001 - every rank must learn that one rank failed
         error = f"{type(err).__name__}: {err}"
-    failed = torch.tensor([1.0 if error else 0.0], device=collective_device())
+    device = collective_device()
+    failed = torch.tensor([1.0 if error else 0.0], device=device)
     dist.all_reduce(failed)
     if failed.item() == 0 and rank == 0:
         try:
@@ -280,7 +281,7 @@ def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any
             prune(root, keep)
         except Exception as err:  # noqa: BLE001
             error = f"{type(err).__name__}: {err}"
-    verdict = torch.tensor([1.0 if error else 0.0], device=collective_device())
+    verdict = torch.tensor([1.0 if error else 0.0], device=device)
     dist.all_reduce(verdict)
     if verdict.item() > 0:
         if rank == 0:
