@@ -219,7 +219,7 @@ class DDPBf16Hook(HandWritten):
             with contextlib.nullcontext() if i == len(batches) - 1 else self.ddp.no_sync():
                 self.loss(self.ddp, batch, len(batches)).backward()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)  # keep the bucket views (no second gradient copy)
+        zero_in_place(self.optimizer)
 
 
 class DDPNoSyncCompiled(DDPNoSync):

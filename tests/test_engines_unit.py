@@ -121,7 +121,6 @@ def test_scale_and_clip_normalizes_and_clips_in_one_multiply() -> None:
 
 
 
-@pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 class CountedReads(torch.Tensor):
     """A real tensor that counts its host reads (``float``): on CUDA each one is a device sync."""
 
@@ -158,6 +157,7 @@ def test_host_flags_go_through_the_group_s_own_device(cpu_group: None) -> None:
     assert flag.item() == dist.get_world_size()
 
 
+@pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 def test_tap_counts_reductions_once_and_ignores_gathers(cpu_group: None) -> None:
     ledger = CommLedger()
     ledger.start_step()
