@@ -13,6 +13,8 @@
   ``distaccum_bf16_reduce`` (``accum.reduce_dtype=bf16``) is measured against.
 - ``ddp_python_hook``: (b) with DDP's default all-reduce written as a Python comm hook: what running the
   reduction through Python costs (distaccum's ledger and normalization live in such a hook).
+- ``ddp_window_allreduce``: ``ddp_python_hook`` plus a second, small all-reduce per step like distaccum's window
+  (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_no_ledger``, ``distaccum_no_fingerprint`` (the reduction fingerprint off: its cost is
   ``distaccum / distaccum_no_fingerprint``), ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
   the Trainer with another engine or setting, for the engine sweep, or interleaved like the others.
@@ -195,6 +197,18 @@ def python_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def window_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares real annotations; ours are strings
+    """:func:`python_allreduce_hook` that also waits for the step's small all-reduce (``state["work"]``) when the
+    bucket lands, as distaccum's hook waits for the window's item count before normalizing."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+
+    def done(fut):  # noqa: ANN001, ANN202
+        state["work"].wait()
+        return fut.value()[0]
+
+    return dist.all_reduce(buffer, async_op=True).get_future().then(done)
+
+
 class DDPPythonHook(DDPNoSync):
     """(b) with DDP's all-reduce as a Python comm hook instead of its C++ default: what running the
     reduction through Python costs (a diagnostic: distaccum's ledger and normalization live in such a hook)."""
@@ -202,6 +216,30 @@ class DDPPythonHook(DDPNoSync):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.ddp.register_comm_hook(None, python_allreduce_hook)
+
+
+class DDPWindowAllreduce(DDPNoSync):
+    """(b) with a Python comm hook and, as distaccum's window has, a second, small all-reduce per step (8 float64
+    numbers), launched before the last backward and waited for in the hook before the bucket is returned: what
+    that collective costs on its own (a diagnostic for ``benchmarks.fixed_cost``; distaccum's carries the
+    window's item count, loss sum, votes and the fingerprint's rows)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.pending: dict[str, Any] = {}
+        self.ddp.register_comm_hook(self.pending, window_allreduce_hook)
+
+    def step(self, batches: list[Batch]) -> None:
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.ddp.no_sync():
+                loss = self.loss(self.ddp, batch, len(batches))
+                if last:  # the forwards are done: the window's numbers are known before the last backward
+                    totals = torch.zeros(8, dtype=torch.float64, device=self.device)
+                    self.pending["work"] = dist.all_reduce(totals, async_op=True)
+                loss.backward()
+        self.optimizer.step()
+        zero_in_place(self.optimizer)
 
 
 class DDPBf16Hook(HandWritten):
@@ -342,7 +380,8 @@ class DistaccumTrainer:
 
 
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
-                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook, "ddp_no_sync_compiled": DDPNoSyncCompiled}
+                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook, "ddp_no_sync_compiled": DDPNoSyncCompiled,
+                "ddp_window_allreduce": DDPWindowAllreduce}
 
 
 def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,

@@ -113,6 +113,27 @@ def test_gpu_mode_times_with_cuda_events_and_reports_mfu_and_bus_bandwidth(tmp_p
     assert all(r["status"] == "ok" for r in results["sweep"])  # CUDA allocator peaks instead of RSS
 
 
+@pytest.mark.timeout(180)
+def test_the_fixed_cost_tool_prices_each_part_per_rank_and_round(tmp_path: Path) -> None:
+    """``benchmarks.fixed_cost`` at the CI size: every variant measured in every round on both ranks, CPU and
+    wall time per step positive, and the differences that price the window all-reduce and the rest printed."""
+    record = tmp_path / "fixed_cost.json"
+    variants = ["ddp_python_hook", "ddp_window_allreduce", "distaccum"]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.fixed_cost", "--steps", "20", "--rounds", "2",
+                           "--variants", ",".join(variants), "--json", str(record)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    blocks = json.loads(record.read_text())["blocks"]
+    assert list(blocks) == variants
+    for name, rounds in blocks.items():
+        assert len(rounds) == 2 and all(len(ranks) == 2 for ranks in rounds), name
+        for cpu_ms, wall_ms, switches in (row for ranks in rounds for row in ranks):
+            assert cpu_ms > 0 and wall_ms > 0 and switches >= 0, name
+    for line in ("| ddp_window_allreduce - ddp_python_hook |", "| distaccum - ddp_window_allreduce |",
+                 "| distaccum - ddp_python_hook |"):
+        assert line in proc.stdout
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_stops_the_run_and_its_ranks(tmp_path: Path) -> None:
     """A `timeout` or an ending lease sends SIGTERM to benchmarks.run only: its ranks run in their own sessions,

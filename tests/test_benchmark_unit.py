@@ -294,6 +294,20 @@ def test_the_hand_written_ddp_loops_use_an_experts_settings(cpu_group: None, nam
     assert [p.grad.untyped_storage().data_ptr() for p in loop.model.parameters()] == storages
 
 
+def test_the_window_allreduce_diagnostic_trains_what_the_no_sync_loop_trains(cpu_group: None) -> None:
+    """``ddp_window_allreduce`` (what ``benchmarks.fixed_cost`` prices distaccum's window all-reduce with) only
+    adds a collective: the same parameters as ``ddp_no_sync``, bit for bit, and the collective was waited for."""
+    spec = launch_spec(SMOKE_CASES[0], 2)
+    data = BenchData(spec, world_size=1)
+    loops = {name: HAND_WRITTEN[name](name, spec, data, 0, torch.device("cpu"), HostClock())
+             for name in ("ddp_no_sync", "ddp_window_allreduce")}
+    for loop in loops.values():
+        loop.run(3)
+    plain, window = ([p.detach() for p in loop.parameters()] for loop in loops.values())
+    assert all(torch.equal(a, b) for a, b in zip(plain, window, strict=True))
+    assert loops["ddp_window_allreduce"].pending["work"].is_completed()
+
+
 def test_the_data_fetch_benchmark_runs_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks.data_fetch import main
 

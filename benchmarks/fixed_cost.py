@@ -1,0 +1,157 @@
+"""distaccum's fixed cost per optimizer step, in CPU time: ``python -m benchmarks.fixed_cost``.
+
+The timing harness compares step times, whose spread on a shared 2-core machine (a few percent per round) is
+as large as what is left to find at K = 1. This tool measures the fixed cost directly: on a model so small
+(the smoke case's 1.7k-parameter MLP, micro-batch 2) that a step is almost nothing but the loop's own work,
+each variant runs ``--steps`` optimizer steps in a row, and every rank reads the CPU time its process used
+(``getrusage``: every thread, the process group's workers included), the wall time and the voluntary
+context switches (a thread waiting: mostly the collectives' hand-offs). Variants alternate in a balanced order
+(:func:`benchmarks.interleave.round_order`) over ``--rounds`` rounds; the table gives medians over rounds of the
+slower rank. CPU time is what a bigger step pays for the same work whenever the ranks keep the cores busy (2
+ranks on 2 cores, as here), so its difference between two variants prices what one does and the other does
+not, far more steadily than a ratio of step times:
+
+- ``ddp_window_allreduce`` - ``ddp_python_hook``: the window's second, small all-reduce;
+- ``distaccum`` - ``ddp_window_allreduce``: the rest of distaccum's per-step work (the loop, the ledger, the
+  fingerprint, the data plan, the record and its sinks);
+- ``distaccum`` - ``distaccum_no_ledger`` / ``distaccum_no_fingerprint``: those two switches.
+
+    python -m benchmarks.fixed_cost --steps 2000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from benchmarks.cases import SMOKE_CASES, BenchData, Spec, launch_spec
+from benchmarks.device import join, worker_main
+from benchmarks.interleave import round_order, timed_block
+from benchmarks.launch import launch
+from benchmarks.variants import build_variant, check_variants
+
+VARIANTS = ("ddp_no_sync", "ddp_python_hook", "ddp_window_allreduce", "distaccum", "distaccum_no_ledger",
+            "distaccum_no_fingerprint")
+BASELINE = "ddp_python_hook"
+"""What the differences are taken against: distaccum's reduction runs in a Python comm hook too."""
+
+
+def usage() -> tuple[float, float, int]:
+    """(CPU seconds of this process, every thread; wall seconds; voluntary context switches)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, time.perf_counter(), r.ru_nvcsw
+
+
+def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
+    """Warm every variant up, then run blocks of ``spec.steps`` steps in a balanced order; per block and rank:
+    CPU ms, wall ms and voluntary switches per step (rank 0's record holds every rank's)."""
+    device, clock = join(spec.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = BenchData(spec, world)
+    variants = {name: build_variant(name, spec, data, rank, device, clock, workdir) for name in spec.variants}
+    for variant in variants.values():
+        timed_block(variant, spec.warmup, clock)
+    blocks: dict[str, list[list[list[float]]]] = {name: [] for name in variants}
+    for r in range(spec.rounds):
+        for name in round_order(spec.variants, r):
+            dist.barrier()
+            cpu0, wall0, switches0 = usage()
+            variants[name].run(spec.steps)
+            cpu1, wall1, switches1 = usage()
+            mine = [(cpu1 - cpu0) / spec.steps * 1e3, (wall1 - wall0) / spec.steps * 1e3,
+                    (switches1 - switches0) / spec.steps]
+            every: list[list[float] | None] = [None] * world
+            dist.all_gather_object(every, mine)
+            blocks[name].append(every)  # type: ignore[arg-type]
+    for variant in variants.values():
+        variant.close()
+    return {"spec": json.loads(spec.to_json()), "world_size": world, "blocks": blocks}
+
+
+FIELDS = ("cpu_ms", "wall_ms", "switches")
+
+
+def slower_rank(record: dict[str, Any]) -> dict[str, list[list[float]]]:
+    """Per variant and round: the largest CPU ms, wall ms and switches per step over the ranks."""
+    return {name: [[max(rank[i] for rank in ranks) for i in range(len(FIELDS))] for ranks in rounds]
+            for name, rounds in record["blocks"].items()}
+
+
+def summarize(record: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per variant: medians over rounds of the slower rank's CPU ms, wall ms and switches per step."""
+    return {name: {key: statistics.median(row[i] for row in rows) for i, key in enumerate(FIELDS)}
+            for name, rows in slower_rank(record).items()}
+
+
+def difference(record: dict[str, Any], a: str, b: str, field: str = "cpu_ms") -> tuple[float, float, float]:
+    """``a`` - ``b`` per round (both ran in every round): (median, min, max) over rounds."""
+    rows, i = slower_rank(record), FIELDS.index(field)
+    diffs = [x[i] - y[i] for x, y in zip(rows[a], rows[b], strict=True)]
+    return statistics.median(diffs), min(diffs), max(diffs)
+
+
+def report(record: dict[str, Any]) -> str:
+    """The per-variant table and the differences that price each part of the fixed cost."""
+    spec, rows = record["spec"], summarize(record)
+    lines = [f"{spec['steps']} steps per block, {spec['rounds']} rounds, world {record['world_size']}, "
+             f"{spec['case']} model, micro-batch {spec['micro_batch']}, K = {spec['accum_steps']}; "
+             "medians over rounds of the slower rank", "",
+             "| variant | CPU ms / step | wall ms / step | voluntary switches / step |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['switches']:.1f} |" for name, r in rows.items()]
+    pairs = [("ddp_window_allreduce", BASELINE, "the window's second, small all-reduce"),
+             ("distaccum", "ddp_window_allreduce", "distaccum's per-step Python: loop, ledger, fingerprint, data, record"),
+             ("distaccum", BASELINE, "distaccum's whole fixed cost"),
+             ("distaccum", "distaccum_no_ledger", "the ledger (log.ledger)"),
+             ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)")]
+    known = [(a, b, what) for a, b, what in pairs if a in rows and b in rows]
+    if known:
+        lines += ["", "Differences per round (median, min to max over rounds):", "",
+                  "| difference | CPU ms / step | wall ms / step | what it prices |", "|---|---:|---:|---|"]
+        for a, b, what in known:
+            cells = ["{:+.2f} ({:+.2f} to {:+.2f})".format(*difference(record, a, b, field))
+                     for field in ("cpu_ms", "wall_ms")]
+            lines.append(f"| {a} - {b} | {cells[0]} | {cells[1]} | {what} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--k", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw record here")
+    args = parser.parse_args(argv)
+    variants = tuple(args.variants.split(","))
+    check_variants(list(variants))
+    spec = launch_spec(SMOKE_CASES[0], args.k, rounds=args.rounds, variants=variants)
+    spec = dataclasses.replace(spec, steps=args.steps, warmup=5)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fixed_cost.json"
+        result = launch("benchmarks.fixed_cost", ["--worker", spec.to_json(), str(out), tmp], 2,
+                        Path(tmp) / "log", timeout_s=1800)
+        if not result.ok:
+            sys.exit(f"the fixed-cost launch failed: {result.tail}")
+        record = json.loads(out.read_text())
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=1))
+    print(f"Command: python -m benchmarks.fixed_cost {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    print(report(record))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker_main("benchmarks.fixed_cost", measure, Spec.from_json, sys.argv[2:])
+    else:
+        main()
