@@ -16,19 +16,28 @@ not, far more steadily than a ratio of step times:
   fingerprint, the data plan, the record and its sinks);
 - ``distaccum`` - ``distaccum_no_ledger`` / ``distaccum_no_fingerprint``: those two switches.
 
+With ``--sections`` it says where distaccum's own part goes instead: one distaccum run with a timer around each
+per-step piece of the loop (:data:`PIECES`: the window's totals, the fingerprint, the engine's step, the timer,
+the sinks, ...), printing each piece's wall and CPU time per step (the CPU time of the thread that ran it: the
+normalization runs in the process group's worker, when the bucket's all-reduce lands).
+
     python -m benchmarks.fixed_cost --steps 2000 --rounds 3
+    python -m benchmarks.fixed_cost --sections --steps 3000
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import json
 import resource
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +53,83 @@ VARIANTS = ("ddp_no_sync", "ddp_python_hook", "ddp_window_allreduce", "distaccum
             "distaccum_no_fingerprint")
 BASELINE = "ddp_python_hook"
 """What the differences are taken against: distaccum's reduction runs in a Python comm hook too."""
+
+
+PIECES: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
+    ("distaccum.loop", "WindowTotals", ("__init__", "add", "reduce", "carry", "grad_scale", "read")),
+    ("distaccum.loop", None, ("power_of_two_scale", "to_device", "micro_factor", "step_record")),
+    ("distaccum.engines.replicated", None, ("normalize_",)),
+    ("distaccum.engines.replicated", "ReplicatedEngine", ("step",)),
+    ("distaccum.verify.fingerprint", "Fingerprint", ("before_reduce", "after_reduction", "judge")),
+    ("distaccum.data.pipeline", "PlanSource", ("window", "advance")),
+    ("distaccum.telemetry.timing", "StepTimer", ("start_step", "start_micro", "batch_ready", "compute_done",
+                                                 "end_step")),
+    ("distaccum.telemetry.timing", "RankStats", ("fields",)),
+    ("distaccum.telemetry.sinks", "MultiSink", ("log",)),
+    ("distaccum.trainer", "Trainer", ("_after_step",)),
+    ("torch.optim", "SGD", ("step",)),  # the benchmark's optimizer, inside ReplicatedEngine.step
+    ("torch.optim", "Optimizer", ("zero_grad",)),
+)
+"""(module, class or None, functions): the per-step pieces of distaccum's loop that ``--sections`` times.
+``WindowTotals.grad_scale``'s first call of a step runs inside ``normalize_`` (and is counted in both);
+``ReplicatedEngine.step`` holds ``SGD.step`` and ``Optimizer.zero_grad`` (listed apart: the hand-written loops make
+those too)."""
+
+
+def time_pieces(pieces: tuple[tuple[str, str | None, tuple[str, ...]], ...] = PIECES) -> dict[str, list[int]]:
+    """Wrap every piece with a timer (this process only); returns piece -> [wall ns, CPU ns, calls], filled as
+    they run. CPU time is the calling thread's (``time.thread_time_ns``)."""
+    totals: dict[str, list[int]] = {}
+    for module_name, owner_name, names in pieces:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        for name in names:
+            label = f"{owner_name or module_name.rsplit('.', 1)[-1]}.{name}"
+            totals[label] = [0, 0, 0]
+            setattr(owner, name, _timed(getattr(owner, name), totals[label]))
+    return totals
+
+
+def _timed(function: Callable[..., Any], total: list[int]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter_ns() - wall
+            total[1] += time.thread_time_ns() - cpu
+            total[2] += 1
+
+    return timed
+
+
+def measure_sections(spec: Spec, workdir: Path) -> dict[str, Any]:
+    """distaccum alone with :func:`time_pieces` installed: per piece, rank 0's wall us, CPU us and calls per step
+    over ``spec.steps`` steps after the warm-up."""
+    totals = time_pieces()
+    device, clock = join(spec.device)
+    data = BenchData(spec, dist.get_world_size())
+    variant = build_variant("distaccum", spec, data, dist.get_rank(), device, clock, workdir / "distaccum")
+    timed_block(variant, spec.warmup, clock)
+    for total in totals.values():
+        total[:] = [0, 0, 0]
+    variant.run(spec.steps)
+    pieces = {label: [wall / spec.steps / 1e3, cpu / spec.steps / 1e3, calls / spec.steps]
+              for label, (wall, cpu, calls) in totals.items()}
+    variant.close()
+    return {"spec": json.loads(spec.to_json()), "pieces": pieces}
+
+
+def report_sections(record: dict[str, Any]) -> str:
+    """The pieces by CPU time per step, largest first."""
+    spec = record["spec"]
+    lines = [f"distaccum alone, {spec['steps']} steps, {2 * (spec['shape']['depth'] + 1)} parameter tensors, "
+             f"K = {spec['accum_steps']}; rank 0, per optimizer step", "",
+             "| piece | wall us | CPU us | calls |", "|---|---:|---:|---:|"]
+    rows = sorted(record["pieces"].items(), key=lambda item: -item[1][1])
+    lines += [f"| {label} | {wall:.1f} | {cpu:.1f} | {calls:.2f} |" for label, (wall, cpu, calls) in rows if calls]
+    return "\n".join(lines)
 
 
 def usage() -> tuple[float, float, int]:
@@ -103,8 +189,10 @@ def difference(record: dict[str, Any], a: str, b: str, field: str = "cpu_ms") ->
 def report(record: dict[str, Any]) -> str:
     """The per-variant table and the differences that price each part of the fixed cost."""
     spec, rows = record["spec"], summarize(record)
+    tensors = 2 * (spec["shape"]["depth"] + 1)
     lines = [f"{spec['steps']} steps per block, {spec['rounds']} rounds, world {record['world_size']}, "
-             f"{spec['case']} model, micro-batch {spec['micro_batch']}, K = {spec['accum_steps']}; "
+             f"{spec['case']} model with {tensors} parameter tensors, micro-batch {spec['micro_batch']}, "
+             f"K = {spec['accum_steps']}; "
              "medians over rounds of the slower rank", "",
              "| variant | CPU ms / step | wall ms / step | voluntary switches / step |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['switches']:.1f} |" for name, r in rows.items()]
@@ -130,16 +218,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--depth", type=int, default=SMOKE_CASES[0].shape.depth,
+                        help="the MLP's hidden layers (%(default)s; 2 parameter tensors each): more tensors price "
+                             "what is done per parameter")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", type=Path, default=None, help="also write the raw record here")
+    parser.add_argument("--sections", action="store_true",
+                        help="distaccum alone, with each per-step piece of its loop timed (PIECES)")
     args = parser.parse_args(argv)
     variants = tuple(args.variants.split(","))
     check_variants(list(variants))
     spec = launch_spec(SMOKE_CASES[0], args.k, rounds=args.rounds, variants=variants)
-    spec = dataclasses.replace(spec, steps=args.steps, warmup=5)
+    spec = dataclasses.replace(spec, steps=args.steps, warmup=5,
+                               shape=dataclasses.replace(spec.shape, depth=args.depth))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fixed_cost.json"
-        result = launch("benchmarks.fixed_cost", ["--worker", spec.to_json(), str(out), tmp], 2,
+        mode = "--worker-sections" if args.sections else "--worker"
+        result = launch("benchmarks.fixed_cost", [mode, spec.to_json(), str(out), tmp], 2,
                         Path(tmp) / "log", timeout_s=1800)
         if not result.ok:
             sys.exit(f"the fixed-cost launch failed: {result.tail}")
@@ -147,11 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=1))
     print(f"Command: python -m benchmarks.fixed_cost {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
-    print(report(record))
+    print(report_sections(record) if args.sections else report(record))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker_main("benchmarks.fixed_cost", measure, Spec.from_json, sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--worker-sections"):
+        worker_main("benchmarks.fixed_cost", measure if sys.argv[1] == "--worker" else measure_sections,
+                    Spec.from_json, sys.argv[2:])
     else:
         main()

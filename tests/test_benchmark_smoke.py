@@ -134,6 +134,22 @@ def test_the_fixed_cost_tool_prices_each_part_per_rank_and_round(tmp_path: Path)
         assert line in proc.stdout
 
 
+@pytest.mark.timeout(180)
+def test_the_fixed_cost_tool_times_every_piece_of_distaccum_s_step(tmp_path: Path) -> None:
+    """``--sections``: every piece in ``PIECES`` exists (a renamed function fails the wrap) and the ones on the
+    K = 1 step path ran once per step, with positive times."""
+    record = tmp_path / "sections.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.fixed_cost", "--sections", "--steps", "20",
+                           "--json", str(record)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    pieces = json.loads(record.read_text())["pieces"]
+    for label in ("WindowTotals.reduce", "WindowTotals.read", "ReplicatedEngine.step", "replicated.normalize_",
+                  "Fingerprint.after_reduction", "MultiSink.log", "StepTimer.end_step", "SGD.step"):
+        wall_us, cpu_us, calls = pieces[label]
+        assert calls == 1.0 and wall_us > 0 and cpu_us >= 0, label
+    assert "| WindowTotals.reduce |" in proc.stdout
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_stops_the_run_and_its_ranks(tmp_path: Path) -> None:
     """A `timeout` or an ending lease sends SIGTERM to benchmarks.run only: its ranks run in their own sessions,

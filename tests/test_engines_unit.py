@@ -147,6 +147,21 @@ def test_a_normalized_step_reads_the_norm_on_the_host_once(max_norm: float | Non
     assert param.detach().tolist() == pytest.approx([-clipped] * 3)
 
 
+@pytest.mark.parametrize("scale", [1.0, float("nan"), float("inf")])
+def test_a_step_without_a_norm_reads_the_window_scale_once_and_skips_when_it_is_not_finite(scale: float) -> None:
+    # No clipping and no logged norm: the step's only question is whether the window's scale is finite (a
+    # non-finite loss on some rank makes it NaN); answered with one host read of it.
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), 2.0)
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    grad_scale = torch.full((), scale, dtype=torch.float64).as_subclass(CountedReads)
+    CountedReads.reads = 0
+    result = step_plain(optimizer, [("w", param)], None, grad_scale, None, normalized=True, normalized_norm=None)
+    assert CountedReads.reads == 1
+    assert result.applied is (scale == 1.0) and result.grad_norm is None
+    assert param.detach().tolist() == ([-2.0] * 3 if scale == 1.0 else [0.0] * 3)
+
+
 def test_host_flags_go_through_the_group_s_own_device(cpu_group: None) -> None:
     """Cross-rank flags and counts (the checkpoint verdict, the tripwire, the fingerprint) are made on
     ``collective_device()``: the CPU on gloo; on NCCL, which refuses CPU tensors, the current GPU (a CPU
@@ -262,3 +277,27 @@ def test_ddp_no_sync_backwards_accumulate_in_the_buckets_without_a_second_gradie
     # no_sync backwards allocate new ones next to the buckets.
     after_boundary, in_window = _ddp_window_grad_pointers(True)
     assert not set(in_window) & set(after_boundary)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
+def test_the_ddp_step_walks_the_module_tree_once_per_run(cpu_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's parameter list is made at the first step and reused (a walk of the module tree per step cost
+    0.45 ms on a GPT-2-shaped model); the steps after it still update every parameter."""
+    spec = EngineSpec(engine=EngineConfig(name="ddp"), precision=Precision.of("fp32"), split=Split(2, 1, 1),
+                      sync="boundary", clip_norm=1.0, device=torch.device("cpu"))
+    engine = DDPEngine(spec, CommLedger())
+    torch.manual_seed(0)
+    module = engine.wrap(MLP(in_dim=8, width=16, depth=2, out_dim=4), lambda p: torch.optim.SGD(p, lr=0.1))
+    raw = engine.unwrapped()
+    before = [p.detach().clone() for p in raw.parameters()]
+    walks = []
+    original = type(raw).named_parameters
+    monkeypatch.setattr(type(raw), "named_parameters", lambda self, *a, **k: (walks.append(1), original(self, *a, **k))[1])
+    x, y = torch.randn(2, 8), torch.randn(2, 4)
+    for _ in range(4):
+        engine.backward(((module(x) - y) ** 2).sum())
+        result = engine.step(1.0, torch.ones((), dtype=torch.float64))
+        assert result.applied and result.grad_norm is not None
+    assert len(walks) == 1
+    monkeypatch.undo()
+    assert all(not torch.equal(a, b.detach()) for a, b in zip(before, raw.parameters(), strict=True))

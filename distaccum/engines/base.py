@@ -9,6 +9,7 @@ capability attributes), so no other module tests an engine's name.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,7 +345,7 @@ def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Param
         norm = clip_normalized_(grads, normalized_norm, max_norm)
     else:
         norm = None
-    finite = bool(torch.isfinite(grad_scale)) if norm is None else norm == norm and norm != float("inf")
+    finite = math.isfinite(float(grad_scale)) if norm is None else norm == norm and norm != float("inf")  # one read
     if scaler is not None:
         before = scaler.get_scale()
         scaler.step(optimizer)  # skips the update when unscale_ found inf/nan

@@ -177,8 +177,16 @@ class ReplicatedEngine(EngineBase):
         assert self.raw is not None, "wrap() first"
         return self.raw
 
+    def _named(self) -> list[tuple[str, nn.Parameter]]:
+        """The plain model's named parameters, listed once: whole parameters stay the same objects for the whole
+        run, and walking the module tree every step cost 0.45 ms on a GPT-2-shaped model (164 modules)."""
+        named = getattr(self, "_named_parameters", None)
+        if named is None:
+            named = self._named_parameters = list(self._raw().named_parameters())
+        return named
+
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
-        named = list(self._raw().named_parameters())
+        named = self._named()
         state = getattr(self, "hook_state", None)
         norm, folded = None, state is not None and state.fold is not None and state.factor is not None
         if folded and state.measure:  # type: ignore[union-attr]  # the reduction normalized and measured
