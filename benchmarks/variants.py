@@ -380,8 +380,8 @@ class DistaccumTrainer:
 
 
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
-                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook, "ddp_no_sync_compiled": DDPNoSyncCompiled,
-                "ddp_window_allreduce": DDPWindowAllreduce}
+                "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook,
+                "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_window_allreduce": DDPWindowAllreduce}
 
 
 def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,

@@ -148,6 +148,7 @@ class ReplicatedEngine(EngineBase):
     grads_to_none: ClassVar[bool] = True
     """Drop gradients after the step (True) or zero them in place (False: they are bucket views)."""
     raw: nn.Module | None = None
+    _named_parameters: list[tuple[str, nn.Parameter]] | None = None
     optimizer: torch.optim.Optimizer
     scaler: "torch.amp.GradScaler | None" = None
     ledger: CommLedger
@@ -180,10 +181,9 @@ class ReplicatedEngine(EngineBase):
     def _named(self) -> list[tuple[str, nn.Parameter]]:
         """The plain model's named parameters, listed once: whole parameters stay the same objects for the whole
         run, and walking the module tree every step cost 0.45 ms on a GPT-2-shaped model (164 modules)."""
-        named = getattr(self, "_named_parameters", None)
-        if named is None:
-            named = self._named_parameters = list(self._raw().named_parameters())
-        return named
+        if self._named_parameters is None:
+            self._named_parameters = list(self._raw().named_parameters())
+        return self._named_parameters
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         named = self._named()
