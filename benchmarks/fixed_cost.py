@@ -47,6 +47,7 @@ from benchmarks.cases import SMOKE_CASES, BenchData, Spec, launch_spec
 from benchmarks.device import join, worker_main
 from benchmarks.interleave import round_order, timed_block
 from benchmarks.launch import launch
+from benchmarks.stats import Spread, spread
 from benchmarks.variants import build_variant, check_variants
 
 VARIANTS = ("ddp_no_sync", "ddp_python_hook", "ddp_window_allreduce", "distaccum", "distaccum_no_ledger",
@@ -55,36 +56,65 @@ BASELINE = "ddp_python_hook"
 """What the differences are taken against: distaccum's reduction runs in a Python comm hook too."""
 
 
-PIECES: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
-    ("distaccum.loop", "WindowTotals", ("__init__", "add", "reduce", "carry", "grad_scale", "read")),
-    ("distaccum.loop", None, ("power_of_two_scale", "to_device", "micro_factor", "step_record")),
-    ("distaccum.engines.replicated", None, ("normalize_",)),
-    ("distaccum.engines.replicated", "ReplicatedEngine", ("step",)),
-    ("distaccum.verify.fingerprint", "Fingerprint", ("before_reduce", "after_reduction", "judge")),
-    ("distaccum.data.pipeline", "PlanSource", ("window", "advance")),
+WINDOW = "window totals, their all-reduce, scale and normalization"
+FINGERPRINT = "reduction fingerprint"
+ENGINE = "engine step around the optimizer"
+DATA = "data plan and the move to the device"
+RECORD = "record: step timer, straggler view, sinks, record"
+OPTIMIZER = "the optimizer's step and zero_grad (the hand-written loops' too)"
+PIECES: tuple[tuple[str, str | None, tuple[str, ...], str], ...] = (
+    ("distaccum.loop", "WindowTotals", ("__init__", "add", "reduce", "carry", "grad_scale", "read"), WINDOW),
+    ("distaccum.loop", None, ("power_of_two_scale", "micro_factor"), WINDOW),
+    ("distaccum.engines.replicated", None, ("normalize_",), WINDOW),
+    ("distaccum.verify.fingerprint", "Fingerprint", ("before_reduce", "after_reduction", "judge"), FINGERPRINT),
+    ("distaccum.engines.replicated", "ReplicatedEngine", ("step",), ENGINE),
+    ("distaccum.data.pipeline", "PlanSource", ("window", "advance"), DATA),
+    ("distaccum.loop", None, ("to_device",), DATA),
     ("distaccum.telemetry.timing", "StepTimer", ("start_step", "start_micro", "batch_ready", "compute_done",
-                                                 "end_step")),
-    ("distaccum.telemetry.timing", "RankStats", ("fields",)),
-    ("distaccum.telemetry.sinks", "MultiSink", ("log",)),
-    ("distaccum.trainer", "Trainer", ("_after_step",)),
-    ("torch.optim", "SGD", ("step",)),  # the benchmark's optimizer, inside ReplicatedEngine.step
-    ("torch.optim", "Optimizer", ("zero_grad",)),
+                                                 "end_step"), RECORD),
+    ("distaccum.telemetry.timing", "RankStats", ("fields",), RECORD),
+    ("distaccum.telemetry.sinks", "MultiSink", ("log",), RECORD),
+    ("distaccum.loop", None, ("step_record",), RECORD),
+    ("distaccum.trainer", "Trainer", ("_after_step",), RECORD),
+    ("torch.optim", "SGD", ("step",), OPTIMIZER),  # the benchmark's optimizer
+    ("torch.optim", "Optimizer", ("zero_grad",), OPTIMIZER),
 )
-"""(module, class or None, functions): the per-step pieces of distaccum's loop that ``--sections`` times.
-``WindowTotals.grad_scale``'s first call of a step runs inside ``normalize_`` (and is counted in both);
-``ReplicatedEngine.step`` holds ``SGD.step`` and ``Optimizer.zero_grad`` (listed apart: the hand-written loops make
-those too)."""
+"""(module, class or None, functions, group): the per-step pieces of distaccum's loop that ``--sections`` times,
+and the group of its own work each belongs to."""
+INSIDE = {"WindowTotals.carry": "Fingerprint.before_reduce", "WindowTotals.grad_scale": "replicated.normalize_",
+          "SGD.step": "ReplicatedEngine.step", "Optimizer.zero_grad": "ReplicatedEngine.step"}
+"""Pieces that run inside another timed piece (``grad_scale``: its first call of a step, which does the work; the
+second returns the cached scale). The group sums leave them out, and take the optimizer's two out of the engine
+step: the hand-written loops make those too."""
 
 
-def time_pieces(pieces: tuple[tuple[str, str | None, tuple[str, ...]], ...] = PIECES) -> dict[str, list[int]]:
+def label_of(module_name: str, owner_name: str | None, name: str) -> str:
+    """A piece's label: ``Class.function``, or ``module.function`` for a module's function."""
+    return f"{owner_name or module_name.rsplit('.', 1)[-1]}.{name}"
+
+
+def own_groups(pieces: dict[str, list[float]]) -> dict[str, float]:
+    """CPU us per step of distaccum's own work by group: every piece not inside another, the engine step less the
+    optimizer's step and ``zero_grad``."""
+    group_of = {label_of(module, owner, name): group for module, owner, names, group in PIECES for name in names}
+    groups: dict[str, float] = {}
+    for label, (_, cpu, _) in pieces.items():
+        if label in INSIDE:
+            continue
+        inner = [pieces[i][1] for i, outer in INSIDE.items() if outer == label and group_of[i] == OPTIMIZER]
+        groups[group_of[label]] = groups.get(group_of[label], 0.0) + cpu - sum(inner)
+    return groups
+
+
+def time_pieces(pieces: tuple[tuple[str, str | None, tuple[str, ...], str], ...] = PIECES) -> dict[str, list[int]]:
     """Wrap every piece with a timer (this process only); returns piece -> [wall ns, CPU ns, calls], filled as
     they run. CPU time is the calling thread's (``time.thread_time_ns``)."""
     totals: dict[str, list[int]] = {}
-    for module_name, owner_name, names in pieces:
+    for module_name, owner_name, names, _ in pieces:
         module = importlib.import_module(module_name)
         owner = getattr(module, owner_name) if owner_name else module
         for name in names:
-            label = f"{owner_name or module_name.rsplit('.', 1)[-1]}.{name}"
+            label = label_of(module_name, owner_name, name)
             totals[label] = [0, 0, 0]
             setattr(owner, name, _timed(getattr(owner, name), totals[label]))
     return totals
@@ -124,11 +154,17 @@ def measure_sections(spec: Spec, workdir: Path) -> dict[str, Any]:
 def report_sections(record: dict[str, Any]) -> str:
     """The pieces by CPU time per step, largest first."""
     spec = record["spec"]
-    lines = [f"distaccum alone, {spec['steps']} steps, {2 * (spec['shape']['depth'] + 1)} parameter tensors, "
+    lines = [f"distaccum alone, {spec['steps']} steps, {parameter_tensors(spec)} parameter tensors, "
              f"K = {spec['accum_steps']}; rank 0, per optimizer step", "",
              "| piece | wall us | CPU us | calls |", "|---|---:|---:|---:|"]
     rows = sorted(record["pieces"].items(), key=lambda item: -item[1][1])
     lines += [f"| {label} | {wall:.1f} | {cpu:.1f} | {calls:.2f} |" for label, (wall, cpu, calls) in rows if calls]
+    groups = own_groups(record["pieces"])
+    total = sum(groups.values())
+    lines += ["", "distaccum's own work by group (pieces inside another left out; the engine step less the optimizer's "
+              "step and zero_grad):", "", "| group | CPU us | share |", "|---|---:|---:|"]
+    lines += [f"| {group} | {cpu:.1f} | {cpu / total:.0%} |" for group, cpu in sorted(groups.items(), key=lambda g: -g[1])]
+    lines.append(f"| all of distaccum's own pieces | {total:.1f} | 100% |")
     return "\n".join(lines)
 
 
@@ -179,19 +215,22 @@ def summarize(record: dict[str, Any]) -> dict[str, dict[str, float]]:
             for name, rows in slower_rank(record).items()}
 
 
-def difference(record: dict[str, Any], a: str, b: str, field: str = "cpu_ms") -> tuple[float, float, float]:
-    """``a`` - ``b`` per round (both ran in every round): (median, min, max) over rounds."""
+def difference(record: dict[str, Any], a: str, b: str, field: str = "cpu_ms") -> Spread:
+    """``a`` - ``b`` per round (both ran in every round), spread over rounds."""
     rows, i = slower_rank(record), FIELDS.index(field)
-    diffs = [x[i] - y[i] for x, y in zip(rows[a], rows[b], strict=True)]
-    return statistics.median(diffs), min(diffs), max(diffs)
+    return spread([x[i] - y[i] for x, y in zip(rows[a], rows[b], strict=True)])
+
+
+def parameter_tensors(spec: dict[str, Any]) -> int:
+    """The MLP's weight and bias tensors: one Linear per hidden layer, plus the output layer."""
+    return 2 * (spec["shape"]["depth"] + 1)
 
 
 def report(record: dict[str, Any]) -> str:
     """The per-variant table and the differences that price each part of the fixed cost."""
     spec, rows = record["spec"], summarize(record)
-    tensors = 2 * (spec["shape"]["depth"] + 1)
     lines = [f"{spec['steps']} steps per block, {spec['rounds']} rounds, world {record['world_size']}, "
-             f"{spec['case']} model with {tensors} parameter tensors, micro-batch {spec['micro_batch']}, "
+             f"{spec['case']} model with {parameter_tensors(spec)} parameter tensors, micro-batch {spec['micro_batch']}, "
              f"K = {spec['accum_steps']}; "
              "medians over rounds of the slower rank", "",
              "| variant | CPU ms / step | wall ms / step | voluntary switches / step |", "|---|---:|---:|---:|"]
@@ -199,6 +238,7 @@ def report(record: dict[str, Any]) -> str:
     pairs = [("ddp_window_allreduce", BASELINE, "the window's second, small all-reduce"),
              ("distaccum", "ddp_window_allreduce", "distaccum's per-step Python: loop, ledger, fingerprint, data, record"),
              ("distaccum", BASELINE, "distaccum's whole fixed cost"),
+             ("distaccum", "ddp_no_sync", "the same against the expert loop (DDP's C++ all-reduce)"),
              ("distaccum", "distaccum_no_ledger", "the ledger (log.ledger)"),
              ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)")]
     known = [(a, b, what) for a, b, what in pairs if a in rows and b in rows]
@@ -206,8 +246,8 @@ def report(record: dict[str, Any]) -> str:
         lines += ["", "Differences per round (median, min to max over rounds):", "",
                   "| difference | CPU ms / step | wall ms / step | what it prices |", "|---|---:|---:|---|"]
         for a, b, what in known:
-            cells = ["{:+.2f} ({:+.2f} to {:+.2f})".format(*difference(record, a, b, field))
-                     for field in ("cpu_ms", "wall_ms")]
+            cells = [f"{d.median:+.2f} ({d.min:+.2f} to {d.max:+.2f})"
+                     for d in (difference(record, a, b, field) for field in ("cpu_ms", "wall_ms"))]
             lines.append(f"| {a} - {b} | {cells[0]} | {cells[1]} | {what} |")
     return "\n".join(lines)
 

@@ -308,6 +308,18 @@ def test_the_window_allreduce_diagnostic_trains_what_the_no_sync_loop_trains(cpu
     assert loops["ddp_window_allreduce"].pending["work"].is_completed()
 
 
+def test_the_fixed_cost_groups_leave_out_nested_pieces_and_the_optimizer() -> None:
+    """The group sums of ``fixed_cost --sections``: a piece timed inside another is counted once, and the engine step
+    is distaccum's own work only without the optimizer's step and zero_grad inside it."""
+    from benchmarks.fixed_cost import ENGINE, FINGERPRINT, WINDOW, own_groups
+
+    pieces = {"ReplicatedEngine.step": [0.0, 300.0, 1.0], "SGD.step": [0.0, 100.0, 1.0],
+              "Optimizer.zero_grad": [0.0, 80.0, 1.0], "replicated.normalize_": [0.0, 200.0, 1.0],
+              "WindowTotals.grad_scale": [0.0, 150.0, 2.0], "WindowTotals.reduce": [0.0, 250.0, 1.0],
+              "Fingerprint.before_reduce": [0.0, 30.0, 1.0], "WindowTotals.carry": [0.0, 25.0, 1.0]}
+    assert own_groups(pieces) == {ENGINE: 120.0, WINDOW: 450.0, FINGERPRINT: 30.0}
+
+
 def test_the_data_fetch_benchmark_runs_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks.data_fetch import main
 
