@@ -14,15 +14,21 @@ not, far more steadily than a ratio of step times:
 - ``ddp_window_allreduce`` - ``ddp_python_hook``: the window's second, small all-reduce;
 - ``distaccum`` - ``ddp_window_allreduce``: the rest of distaccum's per-step work (the loop, the ledger, the
   fingerprint, the data plan, the record and its sinks);
-- ``distaccum`` - ``distaccum_no_ledger`` / ``distaccum_no_fingerprint``: those two switches.
+- ``distaccum`` - ``distaccum_no_ledger`` / ``distaccum_no_fingerprint``: those two switches;
+- ``distaccum_device_totals`` - ``distaccum``: what the window's totals as Python floats (the CPU's
+  :class:`~distaccum.loop.HostTotals`) save against one-number tensors (an accelerator's ``DeviceTotals``).
 
-With ``--sections`` it says where distaccum's own part goes instead: one distaccum run with a timer around each
+With ``--sections`` it says where distaccum's own part goes instead: distaccum runs with a timer around each
 per-step piece of the loop (:data:`PIECES`: the window's totals, the fingerprint, the engine's step, the timer,
 the sinks, ...), printing each piece's wall and CPU time per step (the CPU time of the thread that ran it: the
-normalization runs in the process group's worker, when the bucket's all-reduce lands).
+normalization runs in the process group's worker, when the bucket's all-reduce lands) and the sums by group.
+The thread's CPU time leaves out the other threads' and the scheduler's noise that the process's includes, so
+with ``--variants`` naming several distaccum variants (blocks in the balanced order, like the default mode) it
+prices a change to distaccum's own pieces that the default mode's spread hides.
 
     python -m benchmarks.fixed_cost --steps 2000 --rounds 3
     python -m benchmarks.fixed_cost --sections --steps 3000
+    python -m benchmarks.fixed_cost --sections --variants distaccum,distaccum_device_totals --steps 1000 --rounds 4
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ from benchmarks.launch import launch
 from benchmarks.stats import Spread, spread
 from benchmarks.variants import build_variant, check_variants
 
-VARIANTS = ("ddp_no_sync", "ddp_python_hook", "ddp_window_allreduce", "distaccum", "distaccum_no_ledger",
-            "distaccum_no_fingerprint")
+VARIANTS = ("ddp_no_sync", "ddp_python_hook", "ddp_window_allreduce", "distaccum", "distaccum_device_totals",
+            "distaccum_no_ledger", "distaccum_no_fingerprint")
+SECTION_VARIANTS = ("distaccum",)
+"""What ``--sections`` times by default (it times distaccum's own pieces: name distaccum variants only)."""
 BASELINE = "ddp_python_hook"
 """What the differences are taken against: distaccum's reduction runs in a Python comm hook too."""
 
@@ -63,7 +71,9 @@ DATA = "data plan and the move to the device"
 RECORD = "record: step timer, straggler view, sinks, record"
 OPTIMIZER = "the optimizer's step and zero_grad (the hand-written loops' too)"
 PIECES: tuple[tuple[str, str | None, tuple[str, ...], str], ...] = (
-    ("distaccum.loop", "WindowTotals", ("__init__", "add", "reduce", "carry", "grad_scale", "read"), WINDOW),
+    ("distaccum.loop", "HostTotals", ("__init__", "add", "reduce", "grad_scale", "read"), WINDOW),  # on the CPU
+    ("distaccum.loop", "DeviceTotals", ("__init__", "add", "reduce", "grad_scale", "read"), WINDOW),
+    ("distaccum.loop", "WindowTotals", ("carry",), WINDOW),
     ("distaccum.loop", None, ("power_of_two_scale", "micro_factor"), WINDOW),
     ("distaccum.engines.replicated", None, ("normalize_",), WINDOW),
     ("distaccum.verify.fingerprint", "Fingerprint", ("before_reduce", "after_reduction", "judge"), FINGERPRINT),
@@ -81,7 +91,8 @@ PIECES: tuple[tuple[str, str | None, tuple[str, ...], str], ...] = (
 )
 """(module, class or None, functions, group): the per-step pieces of distaccum's loop that ``--sections`` times,
 and the group of its own work each belongs to."""
-INSIDE = {"WindowTotals.carry": "Fingerprint.before_reduce", "WindowTotals.grad_scale": "replicated.normalize_",
+INSIDE = {"WindowTotals.carry": "Fingerprint.before_reduce", "HostTotals.grad_scale": "replicated.normalize_",
+          "DeviceTotals.grad_scale": "replicated.normalize_",
           "SGD.step": "ReplicatedEngine.step", "Optimizer.zero_grad": "ReplicatedEngine.step"}
 """Pieces that run inside another timed piece (``grad_scale``: its first call of a step, which does the work; the
 second returns the cached scale). The group sums leave them out, and take the optimizer's two out of the engine
@@ -135,36 +146,51 @@ def _timed(function: Callable[..., Any], total: list[int]) -> Callable[..., Any]
 
 
 def measure_sections(spec: Spec, workdir: Path) -> dict[str, Any]:
-    """distaccum alone with :func:`time_pieces` installed: per piece, rank 0's wall us, CPU us and calls per step
-    over ``spec.steps`` steps after the warm-up."""
+    """Each of ``spec.variants`` (distaccum's kinds) with :func:`time_pieces` installed, in blocks of ``spec.steps``
+    steps over ``spec.rounds`` rounds in the balanced order after a warm-up: per variant and piece, rank 0's wall
+    us, CPU us and calls per step."""
     totals = time_pieces()
     device, clock = join(spec.device)
     data = BenchData(spec, dist.get_world_size())
-    variant = build_variant("distaccum", spec, data, dist.get_rank(), device, clock, workdir / "distaccum")
-    timed_block(variant, spec.warmup, clock)
-    for total in totals.values():
-        total[:] = [0, 0, 0]
-    variant.run(spec.steps)
-    pieces = {label: [wall / spec.steps / 1e3, cpu / spec.steps / 1e3, calls / spec.steps]
-              for label, (wall, cpu, calls) in totals.items()}
-    variant.close()
-    return {"spec": json.loads(spec.to_json()), "pieces": pieces}
+    variants = {name: build_variant(name, spec, data, dist.get_rank(), device, clock, workdir / name)
+                for name in spec.variants}
+    for variant in variants.values():
+        timed_block(variant, spec.warmup, clock)
+    sums = {name: {label: [0, 0, 0] for label in totals} for name in variants}
+    for r in range(spec.rounds):
+        for name in round_order(spec.variants, r):
+            dist.barrier()
+            before = {label: list(total) for label, total in totals.items()}
+            variants[name].run(spec.steps)
+            for label, total in totals.items():
+                sums[name][label] = [s + now - then for s, now, then in zip(sums[name][label], total, before[label],
+                                                                            strict=True)]
+    steps = spec.steps * spec.rounds
+    for variant in variants.values():
+        variant.close()
+    return {"spec": json.loads(spec.to_json()),
+            "pieces": {name: {label: [wall / steps / 1e3, cpu / steps / 1e3, calls / steps]
+                              for label, (wall, cpu, calls) in pieces.items()} for name, pieces in sums.items()}}
 
 
 def report_sections(record: dict[str, Any]) -> str:
-    """The pieces by CPU time per step, largest first."""
-    spec = record["spec"]
-    lines = [f"distaccum alone, {spec['steps']} steps, {parameter_tensors(spec)} parameter tensors, "
-             f"K = {spec['accum_steps']}; rank 0, per optimizer step", "",
-             "| piece | wall us | CPU us | calls |", "|---|---:|---:|---:|"]
-    rows = sorted(record["pieces"].items(), key=lambda item: -item[1][1])
+    """The first variant's pieces by CPU time per step, largest first; every variant's group sums."""
+    spec, pieces = record["spec"], record["pieces"]
+    first = next(iter(pieces))
+    lines = [f"{', '.join(pieces)}: {spec['steps']} steps per block, {spec['rounds']} rounds, "
+             f"{parameter_tensors(spec)} parameter tensors, K = {spec['accum_steps']}; rank 0, per optimizer step", "",
+             f"{first}:", "", "| piece | wall us | CPU us | calls |", "|---|---:|---:|---:|"]
+    rows = sorted(pieces[first].items(), key=lambda item: -item[1][1])
     lines += [f"| {label} | {wall:.1f} | {cpu:.1f} | {calls:.2f} |" for label, (wall, cpu, calls) in rows if calls]
-    groups = own_groups(record["pieces"])
-    total = sum(groups.values())
-    lines += ["", "distaccum's own work by group (pieces inside another left out; the engine step less the optimizer's "
-              "step and zero_grad):", "", "| group | CPU us | share |", "|---|---:|---:|"]
-    lines += [f"| {group} | {cpu:.1f} | {cpu / total:.0%} |" for group, cpu in sorted(groups.items(), key=lambda g: -g[1])]
-    lines.append(f"| all of distaccum's own pieces | {total:.1f} | 100% |")
+    groups = {name: own_groups(variant) for name, variant in pieces.items()}
+    totals = {name: sum(g.values()) for name, g in groups.items()}
+    order = sorted(groups[first], key=lambda g: -groups[first][g])
+    lines += ["", "distaccum's own work by group, CPU us per step (pieces inside another left out; the engine step less "
+              "the optimizer's step and zero_grad; the share is the first column's):", "",
+              f"| group | {' | '.join(pieces)} | share |", "|---|" + "---:|" * (len(pieces) + 1)]
+    lines += [f"| {group} | {' | '.join(f'{g.get(group, 0.0):.1f}' for g in groups.values())} | "
+              f"{groups[first][group] / totals[first]:.0%} |" for group in order]
+    lines.append(f"| all of distaccum's own pieces | {' | '.join(f'{t:.1f}' for t in totals.values())} | 100% |")
     return "\n".join(lines)
 
 
@@ -239,6 +265,7 @@ def report(record: dict[str, Any]) -> str:
              ("distaccum", "ddp_window_allreduce", "distaccum's per-step Python: loop, ledger, fingerprint, data, record"),
              ("distaccum", BASELINE, "distaccum's whole fixed cost"),
              ("distaccum", "ddp_no_sync", "the same against the expert loop (DDP's C++ all-reduce)"),
+             ("distaccum_device_totals", "distaccum", "what the CPU's Python-float window totals save (HostTotals)"),
              ("distaccum", "distaccum_no_ledger", "the ledger (log.ledger)"),
              ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)")]
     known = [(a, b, what) for a, b, what in pairs if a in rows and b in rows]
@@ -261,12 +288,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=SMOKE_CASES[0].shape.depth,
                         help="the MLP's hidden layers (%(default)s; 2 parameter tensors each): more tensors price "
                              "what is done per parameter")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=None,
+                        help=f"default {','.join(VARIANTS)}; with --sections {','.join(SECTION_VARIANTS)}")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw record here")
     parser.add_argument("--sections", action="store_true",
-                        help="distaccum alone, with each per-step piece of its loop timed (PIECES)")
+                        help="distaccum (or the distaccum --variants named) with each per-step piece of its loop "
+                             "timed (PIECES)")
     args = parser.parse_args(argv)
-    variants = tuple(args.variants.split(","))
+    variants = tuple(args.variants.split(",")) if args.variants else SECTION_VARIANTS if args.sections else VARIANTS
     check_variants(list(variants))
     spec = launch_spec(SMOKE_CASES[0], args.k, rounds=args.rounds, variants=variants)
     spec = dataclasses.replace(spec, steps=args.steps, warmup=5,

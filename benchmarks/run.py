@@ -45,9 +45,9 @@ HSDP_SWEEP = ("distaccum_fsdp", "distaccum_hsdp_boundary", "distaccum_hsdp_repli
 """FSDP2 flat and hybrid (2 replicas) in each sync mode: ``--sweep hsdp --world 4`` (2 replicas x 2 shards)."""
 SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS
                                    if v not in ("distaccum_no_ledger", "distaccum_no_fingerprint", "distaccum_grad_norm",
-                                                 "distaccum_compiled", *HSDP_SWEEP[1:])))
-"""The engine sweep: every engine variant but HSDP's (which needs a world of 4) and the cost switches, and the
-hand-written no_sync loop as a reference."""
+                                                 "distaccum_compiled", "distaccum_device_totals", *HSDP_SWEEP[1:])))
+"""The engine sweep: every engine variant but HSDP's (which needs a world of 4), the cost switches and the
+device-totals diagnostic, and the hand-written no_sync loop as a reference."""
 SWEEP_CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 """The engine sweep's workers on CPU: glibc's mmap threshold fixed at its default 128 KiB. Left
 dynamic, glibc raises it to the size of the largest block freed so far, after which blocks of

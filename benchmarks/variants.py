@@ -15,6 +15,9 @@
   reduction through Python costs (distaccum's ledger and normalization live in such a hook).
 - ``ddp_window_allreduce``: ``ddp_python_hook`` plus a second, small all-reduce per step like distaccum's window
   (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
+- ``distaccum_device_totals``: ``distaccum`` with the window's totals kept as one-number tensors on the CPU too
+  (:class:`distaccum.loop.DeviceTotals`, what an accelerator uses): what the CPU's Python-float totals
+  (:class:`~distaccum.loop.HostTotals`) save (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_no_ledger``, ``distaccum_no_fingerprint`` (the reduction fingerprint off: its cost is
   ``distaccum / distaccum_no_fingerprint``), ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
   the Trainer with another engine or setting, for the engine sweep, or interleaved like the others.
@@ -39,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from benchmarks.cases import Batch, BenchData, Spec, loss_sum, sgd
 from benchmarks.device import Clock
 from benchmarks.launch import ROOT
-from distaccum import Trainer
+from distaccum import Trainer, loop
 
 LETTERS = {"ddp_every_micro": "a", "ddp_no_sync": "b", "accelerate": "c", "distaccum": "d",
            "compute_floor": "e", "ddp_bf16_hook": "f", "ddp_no_sync_compiled": "g"}
@@ -47,6 +50,7 @@ LETTERS = {"ddp_every_micro": "a", "ddp_no_sync": "b", "accelerate": "c", "dista
 EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compiled op, built once per checkout
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum": ("ddp", {}),
+    "distaccum_device_totals": ("ddp", {}),  # DistaccumDeviceTotals
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
     "distaccum_no_fingerprint": ("ddp", {"trainer.fingerprint": False}),
     "distaccum_grad_norm": ("ddp", {"log.grad_norm": True}),
@@ -379,6 +383,24 @@ class DistaccumTrainer:
         self.trainer.finish()
 
 
+class DistaccumDeviceTotals(DistaccumTrainer):
+    """``distaccum`` whose loop keeps the window's totals as device tensors on the CPU too, while it runs: the
+    difference from ``distaccum`` prices :class:`~distaccum.loop.HostTotals` (the loop asks
+    ``WindowTotals.for_device`` once per step, so swapping it for the run's duration changes nothing else)."""
+
+    def run(self, steps: int) -> list[Any]:
+        chosen = loop.WindowTotals.for_device
+        loop.WindowTotals.for_device = staticmethod(loop.DeviceTotals)  # type: ignore[method-assign, assignment]
+        try:
+            return super().run(steps)
+        finally:
+            loop.WindowTotals.for_device = chosen  # type: ignore[method-assign]
+
+
+TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": DistaccumDeviceTotals}
+"""distaccum variants that need more than config overrides (the rest are :class:`DistaccumTrainer`)."""
+
+
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
                 "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook,
                 "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_window_allreduce": DDPWindowAllreduce}
@@ -390,7 +412,7 @@ def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: tor
     if name in HAND_WRITTEN:
         return HAND_WRITTEN[name](name, spec, data, rank, device, clock)
     if name in ENGINE_VARIANTS:
-        return DistaccumTrainer(name, spec, data, rank, device, clock, workdir / name)
+        return TRAINERS.get(name, DistaccumTrainer)(name, spec, data, rank, device, clock, workdir / name)
     raise ValueError(f"unknown variant {name!r}; choose from {', '.join([*HAND_WRITTEN, *ENGINE_VARIANTS])}")
 
 

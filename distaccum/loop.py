@@ -22,7 +22,8 @@ Partial windows need nothing special: N counts what the window holds, never K x 
 Host synchronizations per optimizer step on CUDA (steady state; ``tests/test_ledger_gpu.py``
 counts them with ``torch.cuda.set_sync_debug_mode``). Nothing in the micro-batch loop waits for the
 device: batches are copied non-blocking from pinned memory and item counts are filled in on the
-device. The loop syncs once, in ``StepTimer.end_step`` (``torch.cuda.synchronize``, after which it
+device (on the CPU, where reading a tensor waits for nothing, the window's sums are Python floats instead:
+:class:`HostTotals`). The loop syncs once, in ``StepTimer.end_step`` (``torch.cuda.synchronize``, after which it
 resolves the step's CUDA events and reads the window's totals and item counts in ONE copy from the
 idle device). The engine's ``step`` adds its own: DDP and Accelerate read the gradient norm once
 (the update depends on it being finite) and fp16 adds GradScaler's three reads (found-inf, the
@@ -46,6 +47,7 @@ negative control that ``distaccum verify`` must catch.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -134,52 +136,58 @@ class WindowResult:
     items_max: float
 
 
-class WindowTotals:
-    """The window's running sums on this rank, and its ONE all-reduce.
+class WindowTotals(ABC):
+    """The window's running sums on this rank, and its ONE all-reduce (:meth:`for_device` picks where they live).
 
     The all-reduced tensor: N, the loss sum, and flags every rank must agree on (a non-finite loss on
     some rank, a stop request, a time-based checkpoint due by rank 0's clock), then each rank's
     non-finite verdict, smallest/largest micro-batch item count and the rows checks :meth:`carry` in its
-    own slot (zeros elsewhere: the sum is an all-gather). Everything is filled in on the device (no
-    host-to-device copy, so no sync).
+    own slot (zeros elsewhere: the sum is an all-gather). Both kinds compute the same float64 numbers in the
+    same order, so the all-reduced totals and the scale are bitwise the same (``tests/test_loop.py``).
     """
+
+    HEAD = 5
+    """The shared numbers before the slots: N, the loss sum, the non-finite flag, the stop and checkpoint votes."""
 
     def __init__(self, split: Split, rank: int, device: torch.device) -> None:
         self.split, self.rank, self.device = split, rank, device
-        self.items = torch.zeros((), dtype=torch.float64, device=device)
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.counts: list[torch.Tensor] = []
-        self.totals = torch.zeros(0, dtype=torch.float64, device=device)
+        self.totals: torch.Tensor
+        """What :meth:`reduce` all-reduces (the sum over ranks once it has landed)."""
         self._work: Any = None
         self._scale: torch.Tensor | None = None
         self._carried: list[torch.Tensor] = []
         self._host: list[float] | None = None
 
-    def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor:
-        """Count one micro-batch (``weight`` 0: a stand-in sample); returns its item count n."""
-        n = item_count(n_items, self.device)
-        if weight == 1.0:  # every real micro-batch: no multiplies; ``+=`` promotes the loss to float64 exactly
-            self.loss_sum += summed.detach()
-        else:
-            n = n * weight
-            self.loss_sum += summed.detach().to(torch.float64) * weight
-        self.items += n
-        self.counts.append(n)
-        return n
+    @staticmethod
+    def for_device(split: Split, rank: int, device: torch.device) -> WindowTotals:
+        """The kind for ``device``: on the CPU the sums are Python floats (reading a CPU tensor costs no sync,
+        and a dozen operations on tensors of one number cost more than the arithmetic: 0.37 ms of CPU per step on
+        this project's 2-core machine, ``benchmarks.fixed_cost --sections`` in BENCHMARKS.md); on an accelerator
+        they stay there."""
+        return HostTotals(split, rank, device) if device.type == "cpu" else DeviceTotals(split, rank, device)
 
+    @abstractmethod
+    def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor | float:
+        """Count one micro-batch (``weight`` 0: a stand-in sample); returns its item count n."""
+
+    @abstractmethod
+    def sums(self, *extra: float) -> torch.Tensor:
+        """This rank's [loss sum, item count, *extra] so far, float64 on the device."""
+
+    @abstractmethod
     def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
         """Launch the window's all-reduce (asynchronous: it overlaps the last backward)."""
-        def scalar(x: float) -> torch.Tensor:
-            return torch.full((), x, dtype=torch.float64, device=self.device)
 
-        bad = (~torch.isfinite(self.loss_sum)).to(torch.float64)
-        per_micro = torch.stack(self.counts)
-        mine = torch.cat([torch.stack([bad, per_micro.min(), per_micro.max()]), *self._carried])
-        slots = torch.zeros(mine.numel(), self.split.world_size, dtype=torch.float64, device=self.device)
-        slots[:, self.rank] = mine
-        self.totals = torch.cat([torch.stack([self.items, self.loss_sum, bad, scalar(float(stop)),
-                                              scalar(float(checkpoint_due))]), slots.flatten()])
-        self._work = dist.all_reduce(self.totals, async_op=True)
+    @abstractmethod
+    def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
+        """Wait for the all-reduce; the factor the engine multiplies the accumulated gradient by: 1/(c N)
+        (mean_per_micro: 1/c). NaN when any rank's loss was not finite, so every engine's own check of the
+        (global) gradient norm skips the update on every rank alike. Computed once per window (the engine's
+        reduction may ask for it first, :meth:`~distaccum.engines.base.Engine.fold_normalization`)."""
+
+    def _launch(self, totals: torch.Tensor) -> None:
+        self.totals = totals
+        self._work = dist.all_reduce(totals, async_op=True)
 
     def carry(self, row: torch.Tensor) -> Callable[[], list[list[float]] | None]:
         """Send this rank's float64 ``row`` with the window's all-reduce (call before :meth:`reduce`), in this
@@ -193,15 +201,61 @@ class WindowTotals:
             host = self._host
             if host is None:
                 return None
-            return [[host[5 + (first + i) * world + r] for i in range(length)] for r in range(world)]
+            return [[host[self.HEAD + (first + i) * world + r] for i in range(length)] for r in range(world)]
 
         return rows
 
+    def _reduced(self) -> list[float]:
+        return self.totals.tolist()
+
+    def read(self) -> WindowResult:
+        """The one host read of the step's totals (on CUDA after the timer's synchronize: the device is idle)."""
+        host, world, head = self._reduced(), self.split.world_size, self.HEAD
+        self._host = host
+        return WindowResult(items=host[0], loss_sum=host[1], bad_ranks=[r for r in range(world) if host[head + r] > 0],
+                            stop_votes=host[3], checkpoint_votes=host[4],
+                            items_min=min(host[head + world:head + 2 * world]),
+                            items_max=max(host[head + 2 * world:head + 3 * world]))
+
+
+class DeviceTotals(WindowTotals):
+    """The sums as float64 tensors on the device: everything is filled in there (no host-to-device copy, so
+    no sync), and the host reads them once, in :meth:`read`."""
+
+    def __init__(self, split: Split, rank: int, device: torch.device) -> None:
+        super().__init__(split, rank, device)
+        self.items = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.counts: list[torch.Tensor] = []
+
+    def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor:
+        n = item_count(n_items, self.device)
+        if weight == 1.0:  # every real micro-batch: no multiplies; ``+=`` promotes the loss to float64 exactly
+            self.loss_sum += summed.detach()
+        else:
+            n = n * weight
+            self.loss_sum += summed.detach().to(torch.float64) * weight
+        self.items += n
+        self.counts.append(n)
+        return n
+
+    def sums(self, *extra: float) -> torch.Tensor:
+        return torch.stack([self.loss_sum, self.items,
+                            *(torch.full((), x, dtype=torch.float64, device=self.device) for x in extra)])
+
+    def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
+        def scalar(x: float) -> torch.Tensor:
+            return torch.full((), x, dtype=torch.float64, device=self.device)
+
+        bad = (~torch.isfinite(self.loss_sum)).to(torch.float64)
+        per_micro = torch.stack(self.counts)
+        mine = torch.cat([torch.stack([bad, per_micro.min(), per_micro.max()]), *self._carried])
+        slots = torch.zeros(mine.numel(), self.split.world_size, dtype=torch.float64, device=self.device)
+        slots[:, self.rank] = mine
+        self._launch(torch.cat([torch.stack([self.items, self.loss_sum, bad, scalar(float(stop)),
+                                             scalar(float(checkpoint_due))]), slots.flatten()]))
+
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
-        """Wait for the all-reduce; the factor the engine multiplies the accumulated gradient by: 1/(c N)
-        (mean_per_micro: 1/c). NaN when any rank's loss was not finite, so every engine's own check of the
-        (global) gradient norm skips the update on every rank alike. Computed once per window (the engine's
-        reduction may ask for it first, :meth:`~distaccum.engines.base.Engine.fold_normalization`)."""
         if self._scale is None:
             self._work.wait()
             count = self.totals[0].clamp(min=1.0)
@@ -210,21 +264,63 @@ class WindowTotals:
             self._scale = torch.where(self.totals[2] > 0, torch.full_like(scale, float("nan")), scale)
         return self._scale
 
-    def read(self) -> WindowResult:
-        """The one host read of the step's totals (on CUDA after the timer's synchronize: the device is idle)."""
-        host, world = self.totals.tolist(), self.split.world_size
-        self._host = host
-        return WindowResult(items=host[0], loss_sum=host[1], bad_ranks=[r for r in range(world) if host[5 + r] > 0],
-                            stop_votes=host[3], checkpoint_votes=host[4], items_min=min(host[5 + world:5 + 2 * world]),
-                            items_max=max(host[5 + 2 * world:5 + 3 * world]))
+
+class HostTotals(WindowTotals):
+    """The sums as Python floats (the device is the CPU): the same float64 arithmetic as :class:`DeviceTotals`,
+    in the same order, with one tensor made for the all-reduce and one read of it."""
+
+    def __init__(self, split: Split, rank: int, device: torch.device) -> None:
+        super().__init__(split, rank, device)
+        self.items, self.loss_sum = 0.0, 0.0
+        self.counts: list[float] = []
+        self._got: list[float] | None = None
+
+    def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> float:
+        n = float(n_items)  # exact: a float32 or float64 tensor, or an integer count below 2^53
+        if weight == 1.0:
+            self.loss_sum += summed.item()  # widens a float32 loss exactly, as DeviceTotals' +=
+        else:
+            n = n * weight
+            self.loss_sum += summed.item() * weight
+        self.items += n
+        self.counts.append(n)
+        return n
+
+    def sums(self, *extra: float) -> torch.Tensor:
+        return torch.tensor([self.loss_sum, self.items, *extra], dtype=torch.float64)
+
+    def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
+        bad = 0.0 if math.isfinite(self.loss_sum) else 1.0
+        mine = [bad, min(self.counts), max(self.counts)] + [x for row in self._carried for x in row.tolist()]
+        world = self.split.world_size
+        slots = [0.0] * (len(mine) * world)
+        slots[self.rank::world] = mine
+        self._launch(torch.tensor([self.items, self.loss_sum, bad, float(stop), float(checkpoint_due), *slots],
+                                  dtype=torch.float64))
+
+    def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
+        if self._scale is None:
+            self._work.wait()
+            self._got = self.totals.tolist()
+            scale = 1.0 / (c * max(self._got[0], 1.0)) if loss_norm == "global_count" else 1.0 / c
+            self._scale = torch.full((), float("nan") if self._got[2] > 0 else scale, dtype=torch.float64)
+        return self._scale
+
+    def _reduced(self) -> list[float]:
+        if self._got is None:  # a window whose scale nobody asked for
+            self._work.wait()
+            self._got = self.totals.tolist()
+        return self._got
 
 
-def micro_factor(loss_norm: str, scale: float, n: torch.Tensor, split: Split) -> Any:
+def micro_factor(loss_norm: str, scale: float, n: torch.Tensor | float, split: Split) -> Any:
     """What one micro-batch's summed loss is multiplied by before backward: c * d (* its weight); the
     classic loss/K divides by the micro-batch's own items and K x W instead (the negative control)."""
     if loss_norm == "global_count":
         return scale
-    return scale / (n.clamp(min=1.0) * split.accum_steps * split.world_size)
+    if isinstance(n, torch.Tensor):
+        return scale / (n.clamp(min=1.0) * split.accum_steps * split.world_size)
+    return 1.0 / (max(n, 1.0) * split.accum_steps * split.world_size) * scale  # as the tensor's scale / t does
 
 
 class StepMonitor(Protocol):
@@ -335,7 +431,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
         window = state.source.window()  # 1. fetch the window
         c = power_of_two_scale(state.n_prev, split.global_batch)
         d = engine.grad_divisor
-        totals = WindowTotals(split, settings.rank, settings.device)
+        totals = WindowTotals.for_device(split, settings.rank, settings.device)
         for k in range(split.accum_steps):  # 2. K micro-steps, gradients accumulating locally
             boundary = k == split.accum_steps - 1
             timer.start_micro()

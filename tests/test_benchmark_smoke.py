@@ -137,17 +137,24 @@ def test_the_fixed_cost_tool_prices_each_part_per_rank_and_round(tmp_path: Path)
 @pytest.mark.timeout(180)
 def test_the_fixed_cost_tool_times_every_piece_of_distaccum_s_step(tmp_path: Path) -> None:
     """``--sections``: every piece in ``PIECES`` exists (a renamed function fails the wrap) and the ones on the
-    K = 1 step path ran once per step, with positive times."""
+    K = 1 step path ran once per step, with positive times; with two distaccum variants, each is timed in its own
+    blocks (the device-totals diagnostic ran the device kind, distaccum the CPU's) and both get a group column."""
     record = tmp_path / "sections.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.fixed_cost", "--sections", "--steps", "20",
-                           "--json", str(record)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.fixed_cost", "--sections", "--steps", "10", "--rounds",
+                           "2", "--variants", "distaccum,distaccum_device_totals", "--json", str(record)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     pieces = json.loads(record.read_text())["pieces"]
-    for label in ("WindowTotals.reduce", "WindowTotals.read", "ReplicatedEngine.step", "replicated.normalize_",
+    for label in ("HostTotals.reduce", "HostTotals.read", "ReplicatedEngine.step", "replicated.normalize_",
                   "Fingerprint.after_reduction", "MultiSink.log", "StepTimer.end_step", "SGD.step"):
-        wall_us, cpu_us, calls = pieces[label]
+        wall_us, cpu_us, calls = pieces["distaccum"][label]
         assert calls == 1.0 and wall_us > 0 and cpu_us >= 0, label
-    assert "| WindowTotals.reduce |" in proc.stdout and "| all of distaccum's own pieces |" in proc.stdout
+    assert pieces["distaccum_device_totals"]["DeviceTotals.reduce"][2] == 1.0
+    assert pieces["distaccum_device_totals"]["HostTotals.reduce"][2] == 0.0
+    assert pieces["distaccum"]["DeviceTotals.reduce"][2] == 0.0
+    assert "| HostTotals.reduce |" in proc.stdout
+    assert "| group | distaccum | distaccum_device_totals | share |" in proc.stdout
+    assert "| all of distaccum's own pieces |" in proc.stdout
 
 
 @pytest.mark.timeout(120)

@@ -308,6 +308,35 @@ def test_the_window_allreduce_diagnostic_trains_what_the_no_sync_loop_trains(cpu
     assert loops["ddp_window_allreduce"].pending["work"].is_completed()
 
 
+def test_the_device_totals_diagnostic_trains_what_distaccum_trains_and_restores_the_loop(
+        cpu_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``distaccum_device_totals`` (what ``benchmarks.fixed_cost`` prices the CPU's Python-float window totals with)
+    runs the loop with the device kind only while it runs: the same parameters as ``distaccum`` bit for bit, and
+    the CPU gets :class:`HostTotals` again afterwards."""
+    from benchmarks.variants import build_variant
+    from distaccum import loop
+
+    spec = launch_spec(SMOKE_CASES[0], 2)
+    data = BenchData(spec, world_size=1)
+    kinds: list[type] = []
+    real = loop.WindowTotals.__init__
+
+    def noting(self: loop.WindowTotals, *args: Any) -> None:  # wraps the real constructor: records the kind
+        kinds.append(type(self))
+        real(self, *args)
+
+    monkeypatch.setattr(loop.WindowTotals, "__init__", noting)
+    trained = {}
+    for name in ("distaccum", "distaccum_device_totals"):
+        variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
+        variant.run(3)
+        trained[name] = [p.clone() for p in variant.parameters()]
+        variant.close()
+    assert kinds == [loop.HostTotals] * 3 + [loop.DeviceTotals] * 3
+    assert all(torch.equal(a, b) for a, b in zip(*trained.values(), strict=True))
+    assert type(loop.WindowTotals.for_device(spec.split(1), 0, torch.device("cpu"))) is loop.HostTotals
+
+
 def test_the_fixed_cost_groups_leave_out_nested_pieces_and_the_optimizer() -> None:
     """The group sums of ``fixed_cost --sections``: a piece timed inside another is counted once, and the engine step
     is distaccum's own work only without the optimizer's step and zero_grad inside it."""
@@ -315,7 +344,7 @@ def test_the_fixed_cost_groups_leave_out_nested_pieces_and_the_optimizer() -> No
 
     pieces = {"ReplicatedEngine.step": [0.0, 300.0, 1.0], "SGD.step": [0.0, 100.0, 1.0],
               "Optimizer.zero_grad": [0.0, 80.0, 1.0], "replicated.normalize_": [0.0, 200.0, 1.0],
-              "WindowTotals.grad_scale": [0.0, 150.0, 2.0], "WindowTotals.reduce": [0.0, 250.0, 1.0],
+              "HostTotals.grad_scale": [0.0, 150.0, 2.0], "HostTotals.reduce": [0.0, 250.0, 1.0],
               "Fingerprint.before_reduce": [0.0, 30.0, 1.0], "WindowTotals.carry": [0.0, 25.0, 1.0]}
     assert own_groups(pieces) == {ENGINE: 120.0, WINDOW: 450.0, FINGERPRINT: 30.0}
 

@@ -81,13 +81,18 @@ def test_only_engines_that_replicate_the_reduced_gradient_compare_it(tmp_path: P
 
 
 @pytest.mark.unit
-def test_the_next_window_carries_each_ranks_row_in_its_slot_and_the_check_reads_it_from_there(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["DeviceTotals", "HostTotals"])
+def test_the_next_window_carries_each_ranks_row_in_its_slot_and_the_check_reads_it_from_there(tmp_path: Path,
+                                                                                              kind: str) -> None:
     """The comparison needs no collective of its own: a window's all-reduce carries the previous step's rows
     (this rank's in its slot, zeros in the others: the sum is an exact all-gather), the check judges them from
     the totals' one host read, and only rows no window carried yet are gathered (before a checkpoint, at the end).
-    Here: a 2-rank layout on a one-rank group, as rank 1, so the all-reduce hands back exactly what was sent."""
+    Here: a 2-rank layout on a one-rank group, as rank 1, so the all-reduce hands back exactly what was sent; both
+    kinds of window totals (on the device, and the CPU's Python floats)."""
     from conftest import one_rank_group
-    from distaccum.loop import WindowTotals
+    from distaccum import loop
+
+    WindowTotals = getattr(loop, kind)  # noqa: N806 - a class
     from distaccum.split import Split
 
     split = Split(micro_batch=2, accum_steps=2, world_size=2)

@@ -245,23 +245,71 @@ def test_training_in_chunks_equals_one_fit(tmp_path: Path) -> None:
     assert [r["loss"] for r in chunked.state.records] == [r["loss"] for r in whole.state.records]
 
 
-def test_window_totals_count_exactly_and_weigh_stand_ins_zero() -> None:
-    """The window's running sums (float64, on the device): a real micro-batch adds its loss and item count
-    exactly (a float32 loss is widened, never rounded); a stand-in sample (weight 0) adds nothing to either,
-    but a non-finite stand-in loss still shows (NaN: the window's check must see it)."""
+@pytest.mark.parametrize("kind", ["DeviceTotals", "HostTotals"])
+def test_window_totals_count_exactly_and_weigh_stand_ins_zero(kind: str) -> None:
+    """The window's running sums (float64: tensors on the device, Python floats on the CPU): a real micro-batch
+    adds its loss and item count exactly (a float32 loss is widened, never rounded); a stand-in sample (weight 0)
+    adds nothing to either, but a non-finite stand-in loss still shows (NaN: the window's check must see it)."""
+    from distaccum import loop
     from distaccum.config import Split
-    from distaccum.loop import WindowTotals
 
-    window = WindowTotals(Split(4, 3, 1), rank=0, device=torch.device("cpu"))
+    window = getattr(loop, kind)(Split(4, 3, 1), rank=0, device=torch.device("cpu"))
     tenth = torch.tensor(0.1, dtype=torch.float32)
     assert float(window.add(tenth, 4, 1.0)) == 4.0
     assert float(window.add(torch.tensor(7, dtype=torch.float32), torch.tensor(3), 1.0)) == 3.0
     assert float(window.add(torch.tensor(5.0), 2, 0.0)) == 0.0
-    assert window.loss_sum.dtype == torch.float64 and float(window.loss_sum) == float(tenth) + 7.0
-    assert float(window.items) == 7.0 and [float(n) for n in window.counts] == [4.0, 3.0, 0.0]
+    loss_sum, items = window.sums().tolist()
+    assert window.sums().dtype == torch.float64 and loss_sum == float(tenth) + 7.0
+    assert items == 7.0 and [float(n) for n in window.counts] == [4.0, 3.0, 0.0]
     window.add(torch.tensor(float("inf")), 1, 0.0)
-    assert math.isnan(float(window.loss_sum))
+    assert math.isnan(window.sums().tolist()[0])
     reused = torch.tensor(5.0, dtype=torch.float64)  # a loss that hands back the same count buffer each time
     window.add(torch.tensor(1.0), reused, 1.0)
     reused.fill_(9.0)
     assert float(window.counts[-1]) == 5.0
+
+
+@pytest.mark.parametrize("loss_norm", ["global_count", "mean_per_micro"])
+def test_the_cpu_s_python_float_totals_are_bitwise_the_device_totals(loss_norm: str) -> None:
+    """On the CPU the window's sums are Python floats (one tensor made for the all-reduce instead of a dozen
+    operations on one-number tensors); they must be the device kind's float64 arithmetic exactly: the same
+    all-reduced totals, the same 1/(c N) (or NaN), the same host read and carried rows, and the same factor
+    each micro-batch's loss is multiplied by. Random float32 and float64 losses, counts as ints and tensors,
+    stand-ins, a non-finite window; a 3-rank layout on a one-rank group as rank 2 (what was sent comes back)."""
+    from conftest import one_rank_group
+    from distaccum.config import Split
+    from distaccum.loop import DeviceTotals, HostTotals, micro_factor
+
+    split = Split(micro_batch=3, accum_steps=4, world_size=3)
+    gen = torch.Generator().manual_seed(7)
+    with one_rank_group("cpu"):
+        for case in range(6):
+            windows = [kind(split, rank=2, device=torch.device("cpu")) for kind in (DeviceTotals, HostTotals)]
+            losses = torch.randn(4, generator=gen, dtype=torch.float64) * 10.0 ** case
+            counts = torch.randint(0, 50, (4,), generator=gen)
+            for k in range(4):
+                summed = losses[k].to(torch.float32) if k % 2 else losses[k]
+                if case == 5 and k == 1:
+                    summed = torch.tensor(float("nan"))
+                n_items = counts[k] if k % 2 else int(counts[k])
+                weight = 0.0 if case == 3 and k == 2 else 1.0
+                ns = [w.add(summed, n_items, weight) for w in windows]
+                factors = [micro_factor(loss_norm, 0.25 * weight, n, split) for n in ns]
+                assert float(ns[0]) == ns[1] and float(factors[0]) == float(factors[1])
+            rows = [w.carry(torch.tensor([0.1 * case, -2.0, float(case)], dtype=torch.float64)) for w in windows]
+            for w in windows:
+                w.reduce(stop=case == 2, checkpoint_due=case == 4)
+            scales = [w.grad_scale(2.0 ** -case, loss_norm) for w in windows]
+            assert scales[0].dtype == scales[1].dtype == torch.float64
+            if case == 5:
+                assert math.isnan(float(scales[0])) and math.isnan(float(scales[1]))
+            else:
+                assert float(scales[0]) == float(scales[1])
+            device_totals, host_totals = windows[0].totals.tolist(), windows[1].totals.tolist()
+            assert len(device_totals) == len(host_totals)
+            assert all(a == b or (math.isnan(a) and math.isnan(b))
+                       for a, b in zip(device_totals, host_totals, strict=True))
+            reads = [w.read() for w in windows]
+            if case != 5:
+                assert reads[0] == reads[1]
+            assert rows[0]() == rows[1]() and rows[1]()[2] == [0.1 * case, -2.0, float(case)]

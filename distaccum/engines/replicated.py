@@ -5,7 +5,8 @@ Each rank holds every parameter and every (reduced) gradient, so the step, the f
 state dict and the checkpoint are the same code for both; only wrapping and sync control differ.
 """
 
-# No ``from __future__ import annotations`` here: DDP inspects the comm hook's real annotations.
+# No ``from __future__ import annotations`` here: DDP inspects the comm hook's real annotations. The callbacks
+# defined inside the hooks quote theirs: unquoted, subscripting ``Future`` ran through typing on every call.
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +88,7 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
         buffer.div_(dist.get_world_size())
     future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
-    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    def done(fut: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         state.ledger.completed(token)
         reduced = fut.value()[0]
         normalize_(state, reduced)
@@ -115,7 +116,7 @@ def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torc
     token = state.ledger.launched(compressed)
     future = dist.all_reduce(compressed, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
-    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    def done(fut: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         state.ledger.completed(token)
         if state.fold is None:
             buffer.copy_(fut.value()[0])

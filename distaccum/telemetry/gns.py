@@ -121,7 +121,7 @@ class GnsMonitor:
         self._sums: torch.Tensor | None = None
 
     def after_step(self, step: int, window: Any, c: float, d: float) -> None:
-        self._sums = torch.stack(window_terms(self.squares, window.items, c, d))
+        self._sums = torch.stack(window_terms(self.squares, window.sums()[1], c, d))  # this rank's items
         dist.all_reduce(self._sums)
 
     def fields(self, record: dict[str, Any], times: Any, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -174,10 +174,9 @@ class Fingerprint:
         ranks, and :meth:`judge` compares them."""
         if self.world == 1:
             return
-        device = window.loss_sum.device
+        device = window.device
         sampled = self._sample().to(device) if self.gradients else torch.zeros(2, dtype=torch.float64, device=device)
-        local = torch.cat([sampled, torch.stack([window.loss_sum, window.items]),
-                           torch.full((1,), rng_hash(self.device), dtype=torch.float64, device=device)])
+        local = torch.cat([sampled, window.sums(rng_hash(self.device))])  # FIELDS
         self._pending.append((step, local, None))
 
     def judge(self, through: int) -> None:
