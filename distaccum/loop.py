@@ -300,14 +300,14 @@ class HostTotals(WindowTotals):
 
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
         if self._scale is None:
-            self._work.wait()
-            self._got = self.totals.tolist()
-            scale = 1.0 / (c * max(self._got[0], 1.0)) if loss_norm == "global_count" else 1.0 / c
-            self._scale = torch.full((), float("nan") if self._got[2] > 0 else scale, dtype=torch.float64)
+            got = self._reduced()
+            scale = 1.0 / (c * max(got[0], 1.0)) if loss_norm == "global_count" else 1.0 / c
+            self._scale = torch.full((), float("nan") if got[2] > 0 else scale, dtype=torch.float64)
         return self._scale
 
     def _reduced(self) -> list[float]:
-        if self._got is None:  # a window whose scale nobody asked for
+        """Wait for the all-reduce and read it, once per window (the scale reads it first, :meth:`read` after)."""
+        if self._got is None:
             self._work.wait()
             self._got = self.totals.tolist()
         return self._got
