@@ -43,11 +43,13 @@ from benchmarks.variants import DEFAULT_VARIANTS, ENGINE_VARIANTS, check_variant
 HSDP_SWEEP = ("distaccum_fsdp", "distaccum_hsdp_boundary", "distaccum_hsdp_replica_boundary",
               "distaccum_hsdp_every_micro")
 """FSDP2 flat and hybrid (2 replicas) in each sync mode: ``--sweep hsdp --world 4`` (2 replicas x 2 shards)."""
+DIAGNOSTICS = ("distaccum_device_totals", "distaccum_folded_k1", "distaccum_in_loss")
+"""distaccum variants that price one choice of the loop (the window's totals, where K = 1 normalizes), not engines."""
 SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS
                                    if v not in ("distaccum_no_ledger", "distaccum_no_fingerprint", "distaccum_grad_norm",
-                                                 "distaccum_compiled", "distaccum_device_totals", *HSDP_SWEEP[1:])))
+                                                 "distaccum_compiled", *DIAGNOSTICS, *HSDP_SWEEP[1:])))
 """The engine sweep: every engine variant but HSDP's (which needs a world of 4), the cost switches and the
-device-totals diagnostic, and the hand-written no_sync loop as a reference."""
+diagnostics, and the hand-written no_sync loop as a reference."""
 SWEEP_CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 """The engine sweep's workers on CPU: glibc's mmap threshold fixed at its default 128 KiB. Left
 dynamic, glibc raises it to the size of the largest block freed so far, after which blocks of
@@ -199,6 +201,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench", help="results directory")
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all of the size)")
     p.add_argument("--ks", default=None, help="comma-separated K values for the timing (default: the case's)")
+    p.add_argument("--block", type=int, default=None, help="micro-batches timed per variant per round: a block is "
+                   "ceil(BLOCK / K) optimizer steps, at least the case's minimum (default: the case's, 16 on the full cases)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="variants interleaved in the timing")
     p.add_argument("--sweep", default=None, help="engine-sweep variants ('none' skips the sweep; 'hsdp': FSDP2 "
                    "flat and hybrid in each sync mode, with --world 4)")
@@ -248,6 +252,10 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.ks:
             ks = tuple(int(k) for k in args.ks.split(","))
             cases = tuple(dataclasses.replace(c, ks=ks) for c in cases)
+        if args.block is not None:
+            if args.block < 1:
+                raise ValueError(f"--block must be >= 1, got {args.block}")
+            cases = tuple(dataclasses.replace(c, micro_budget=args.block) for c in cases)
         rounds = args.rounds if args.rounds is not None else (2 if args.smoke else 8)
         if rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {rounds}")

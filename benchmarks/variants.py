@@ -51,6 +51,8 @@ EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compil
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum": ("ddp", {}),
     "distaccum_device_totals": ("ddp", {}),  # DistaccumDeviceTotals
+    "distaccum_folded_k1": ("ddp", {}),  # DistaccumFoldedK1
+    "distaccum_in_loss": ("ddp", {"engine.normalize_in_loss_mb": 0}),  # K = 1: 1/N in the loss whatever the size
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
     "distaccum_no_fingerprint": ("ddp", {"trainer.fingerprint": False}),
     "distaccum_grad_norm": ("ddp", {"log.grad_norm": True}),
@@ -201,6 +203,17 @@ def python_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def python_allreduce_after_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares real annotations
+    """:func:`python_allreduce_hook` dividing the bucket when its all-reduce lands (in the future's callback, on
+    the process group's thread), where distaccum's hook normalizes, instead of before launching it."""
+    world = dist.get_world_size()
+
+    def done(fut):  # noqa: ANN001, ANN202
+        return fut.value()[0].div_(world)
+
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(done)
+
+
 def window_allreduce_hook(state, bucket):  # noqa: ANN001, ANN201 - DDP compares real annotations; ours are strings
     """:func:`python_allreduce_hook` that also waits for the step's small all-reduce (``state["work"]``) when the
     bucket lands, as distaccum's hook waits for the window's item count before normalizing."""
@@ -220,6 +233,15 @@ class DDPPythonHook(DDPNoSync):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.ddp.register_comm_hook(None, python_allreduce_hook)
+
+
+class DDPPythonHookAfter(DDPNoSync):
+    """(b) with :func:`python_allreduce_after_hook`: where the bucket is divided (before its all-reduce on the
+    backward's thread, or after it in the callback) priced against ``ddp_python_hook`` (a diagnostic)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.ddp.register_comm_hook(None, python_allreduce_after_hook)
 
 
 class DDPWindowAllreduce(DDPNoSync):
@@ -397,13 +419,28 @@ class DistaccumDeviceTotals(DistaccumTrainer):
             loop.WindowTotals.for_device = chosen  # type: ignore[method-assign]
 
 
-TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": DistaccumDeviceTotals}
+class DistaccumFoldedK1(DistaccumTrainer):
+    """``distaccum`` whose engine does not take a one-micro-batch window's normalization in the loss, while it runs:
+    at K = 1 the difference from ``distaccum`` prices :meth:`~distaccum.engines.replicated.ReplicatedEngine.
+    normalize_loss` (the reduction folds the normalization in instead, a pass over each bucket as it lands)."""
+
+    def run(self, steps: int) -> list[Any]:
+        engine = self.trainer.state.engine
+        engine.normalize_loss = lambda scale: None  # on the instance, for this run only
+        try:
+            return super().run(steps)
+        finally:
+            del engine.normalize_loss
+
+
+TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": DistaccumDeviceTotals,
+                                                "distaccum_folded_k1": DistaccumFoldedK1}
 """distaccum variants that need more than config overrides (the rest are :class:`DistaccumTrainer`)."""
 
 
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
                 "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook,
-                "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_window_allreduce": DDPWindowAllreduce}
+                "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_python_hook_after": DDPPythonHookAfter, "ddp_window_allreduce": DDPWindowAllreduce}
 
 
 def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,

@@ -86,6 +86,9 @@ class EngineConfig:
     copy of the parameters in memory during the window."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
+    normalize_in_loss_mb: float | None = 25.0
+    """K = 1 on the CPU (DDP, Accelerate): from this gradient size (MiB) 1/N goes into the loss, the backward waits
+    for N and the reduction is a plain sum; below it, or null, it folds 1/N in (docs/engines.md, BENCHMARKS.md)."""
     replicas: int | str = AUTO
     """FSDP2 hybrid sharding (HSDP): R replicas of the model, each sharded over world/R ranks (a 2-D
     replicate x shard mesh; R must divide the world). 1: flat FSDP over the whole world. auto: one

@@ -14,7 +14,10 @@ source cannot count ahead), so each micro-batch backpropagates
 
 and after the last micro-batch ONE all-reduce gives N (with the window's loss sum, sample count
 and the stop flag). The engine then multiplies the accumulated gradient sum_rk c grad S_rk by
-1/(c N) and clips it, in one pass. c keeps gradients at the scale of a mean (what fp16 loss
+1/(c N) and clips it, in one pass (DDP and Accelerate fold it into the reduction:
+``Engine.fold_normalization``). A window of one micro-batch (K = 1) can skip that pass: an engine that
+offers ``Engine.normalize_loss`` (DDP and Accelerate on the CPU) has the loop wait for N before the
+backward and backpropagate S_r * c * (1/(c N)) = S_r / N, and reduces the gradient as a plain sum. c keeps gradients at the scale of a mean (what fp16 loss
 scaling expects); being a power of two, multiplying by it is exact in floating point, so it never
 changes a bit of the result — a resumed run, whatever its N_prev, matches an uninterrupted one.
 Partial windows need nothing special: N counts what the window holds, never K x micro_batch.
@@ -323,6 +326,26 @@ def micro_factor(loss_norm: str, scale: float, n: torch.Tensor | float, split: S
     return 1.0 / (max(n, 1.0) * split.accum_steps * split.world_size) * scale  # as the tensor's scale / t does
 
 
+def hand_over(engine: Engine, scale: Callable[[], torch.Tensor], split: Split) -> torch.Tensor | None:
+    """Offer the window's 1/(c N) to the engine before its last backward: into the loss of a window of one
+    micro-batch (the factor it returns, :meth:`~distaccum.engines.base.Engine.normalize_loss`), else folded into
+    its reduction (:meth:`~distaccum.engines.base.Engine.fold_normalization`) or left to its step (None)."""
+    factor = engine.normalize_loss(scale) if split.accum_steps == 1 else None
+    if factor is None:
+        engine.fold_normalization(scale)
+    return factor
+
+
+def loss_factor(factor: torch.Tensor | None, loss_norm: str, c: float, d: float, weight: float,
+                n: torch.Tensor | float, split: Split, dtype: torch.dtype) -> Any:
+    """What a micro-batch's summed loss is multiplied by: c * d * its weight (:func:`micro_factor`); when the engine
+    took the window's normalization into the loss (``factor``, K = 1), that factor times c * weight instead, in the
+    loss's dtype (the reduction is then a plain sum: ``d`` does not apply)."""
+    if factor is None:
+        return micro_factor(loss_norm, c * d * weight, n, split)
+    return (factor * micro_factor(loss_norm, c * weight, n, split)).to(dtype)
+
+
 class StepMonitor(Protocol):
     """Observes each optimizer step; owns its own cadence. ``after_step`` runs before the step's timing
     ends (it may issue collectives: every rank calls it); ``fields`` adds record fields afterwards."""
@@ -444,13 +467,15 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
                 with engine.forward_context():
                     summed, n_items = loss_fn(model, batch)
                 n = totals.add(summed, n_items, weight)
+                factor = None
                 if boundary:  # N's all-reduce, launched before the last backward, which it overlaps
                     for check in parts.checks:  # the previous step's comparison rides on it
                         check.before_reduce(totals)
                     totals.reduce(stop=parts.stop is not None and parts.stop.requested,
                                   checkpoint_due=parts.checkpointer is not None and parts.checkpointer.due_by_time())
-                    engine.fold_normalization(partial(totals.grad_scale, c, settings.loss_norm))
-                engine.backward(summed * micro_factor(settings.loss_norm, c * d * weight, n, split))
+                    factor = hand_over(engine, partial(totals.grad_scale, c, settings.loss_norm), split)
+                engine.backward(summed * loss_factor(factor, settings.loss_norm, c, d, weight, n, split,
+                                                     summed.dtype))
         timer.compute_done()
         grad_scale = totals.grad_scale(c, settings.loss_norm)  # 3. the one reduction: 1/(c N)
         step = window.step + 1

@@ -203,6 +203,32 @@ def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, monkeypa
     assert precisions == ["fp32"] * 2 + ["bf16"] * 4  # the sweep's launches compute in what the run says
 
 
+def test_block_sets_the_timed_steps_per_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``--block N``: each variant's block is ceil(N / K) optimizer steps, never under the case's minimum (the
+    launcher is replaced by one that records each launch's spec and fails at once)."""
+    import benchmarks.run as bench_run
+    from benchmarks.launch import Launch
+
+    specs: list[Spec] = []
+
+    def failing_launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
+                       env: dict[str, str] | None = None) -> Launch:
+        specs.append(Spec.from_json(args[0]))
+        return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
+
+    monkeypatch.setattr(bench_run, "launch", failing_launch)
+    assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4,16,64", "--block", "64", "--sweep", "none",
+                     "--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert [(s.accum_steps, s.steps) for s in specs] == [(1, 64), (4, 16), (16, 4), (64, 3)]
+    specs.clear()
+    assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4", "--sweep", "none", "--device", "cpu",
+                     "--out", str(tmp_path)]) == 1
+    assert [s.steps for s in specs] == [16, 4]  # the case's own block
+    assert run_main(["--block", "0", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "--block must be >= 1" in capsys.readouterr().err
+
+
 def test_bf16_reaches_every_variant(tmp_path: Path) -> None:
     """``--precision bf16``: the hand-written loops' forward and loss run under bf16 autocast (loss in fp32,
     as autocast does), distaccum gets ``precision=bf16``; fp32 leaves both alone."""
@@ -294,18 +320,23 @@ def test_the_hand_written_ddp_loops_use_an_experts_settings(cpu_group: None, nam
     assert [p.grad.untyped_storage().data_ptr() for p in loop.model.parameters()] == storages
 
 
-def test_the_window_allreduce_diagnostic_trains_what_the_no_sync_loop_trains(cpu_group: None) -> None:
+@pytest.mark.parametrize(("name", "hook"), [("ddp_window_allreduce", "window_allreduce_hook"),
+                                          ("ddp_python_hook_after", "python_allreduce_after_hook")])
+def test_the_hook_diagnostics_train_what_the_no_sync_loop_trains(cpu_group: None, name: str, hook: str) -> None:
     """``ddp_window_allreduce`` (what ``benchmarks.fixed_cost`` prices distaccum's window all-reduce with) only
-    adds a collective: the same parameters as ``ddp_no_sync``, bit for bit, and the collective was waited for."""
+    adds a collective, and ``ddp_python_hook_after`` only moves the division by the world size to after the
+    all-reduce: the same parameters as ``ddp_no_sync``, bit for bit, through their own comm hook (and the window's
+    collective was waited for)."""
     spec = launch_spec(SMOKE_CASES[0], 2)
     data = BenchData(spec, world_size=1)
-    loops = {name: HAND_WRITTEN[name](name, spec, data, 0, torch.device("cpu"), HostClock())
-             for name in ("ddp_no_sync", "ddp_window_allreduce")}
+    loops = {n: HAND_WRITTEN[n](n, spec, data, 0, torch.device("cpu"), HostClock()) for n in ("ddp_no_sync", name)}
     for loop in loops.values():
         loop.run(3)
-    plain, window = ([p.detach() for p in loop.parameters()] for loop in loops.values())
-    assert all(torch.equal(a, b) for a, b in zip(plain, window, strict=True))
-    assert loops["ddp_window_allreduce"].pending["work"].is_completed()
+    plain, diagnostic = ([p.detach() for p in loop.parameters()] for loop in loops.values())
+    assert all(torch.equal(a, b) for a, b in zip(plain, diagnostic, strict=True))
+    assert loops[name].ddp._get_ddp_logging_data()["comm_hook"] == hook
+    if name == "ddp_window_allreduce":
+        assert loops[name].pending["work"].is_completed()
 
 
 def test_the_device_totals_diagnostic_trains_what_distaccum_trains_and_restores_the_loop(
@@ -357,3 +388,37 @@ def test_the_data_fetch_benchmark_runs_both_paths(capsys: pytest.CaptureFixture[
     for line in ("sample by sample + default_collate", "TensorBatches (index_select)", "order drawn anew (before)",
                  "epoch order kept"):
         assert line in out
+
+
+def test_the_folded_k1_diagnostic_turns_the_in_loss_normalization_off_only_while_it_runs(
+        cpu_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``distaccum_folded_k1`` prices ``engine.normalize_in_loss_mb``: its engine declines the in-loss normalization
+    while it runs (the reduction folds 1/N in), and offers it again afterwards; ``distaccum_in_loss`` takes it
+    whatever the gradient's size. Both train what ``distaccum`` trains (N is a power of two here: bit for bit)."""
+    from benchmarks.run import SWEEP_VARIANTS
+    from benchmarks.variants import build_variant
+    from distaccum.engines.replicated import ReplicatedEngine
+
+    spec = launch_spec(SMOKE_CASES[0], 1)
+    data = BenchData(spec, world_size=1)
+    offers: list[tuple[str, bool]] = []
+    real = ReplicatedEngine.normalize_loss
+
+    def noting(self: ReplicatedEngine, scale: Any) -> Any:  # wraps the real method: records whether it took 1/N
+        factor = real(self, scale)
+        offers.append((self.spec.engine.normalize_in_loss_mb, factor is not None))
+        return factor
+
+    monkeypatch.setattr(ReplicatedEngine, "normalize_loss", noting)
+    trained = {}
+    for name in ("distaccum", "distaccum_in_loss", "distaccum_folded_k1"):
+        variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
+        variant.run(2)
+        trained[name] = [p.clone() for p in variant.parameters()]
+        engine = variant.trainer.state.engine  # type: ignore[attr-defined]
+        assert "normalize_loss" not in vars(engine)  # the diagnostic's override is gone
+        variant.close()
+    assert offers == [(25.0, False)] * 2 + [(0, True)] * 2  # the diagnostic never reached the engine's method
+    for name in ("distaccum_in_loss", "distaccum_folded_k1"):
+        assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True))
+    assert not {"distaccum_folded_k1", "distaccum_in_loss", "distaccum_device_totals"} & set(SWEEP_VARIANTS)

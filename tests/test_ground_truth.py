@@ -152,13 +152,14 @@ def engine_precision(engine: str) -> str:
 
 
 def one_step(tmp_path: Path, model: Model, engine: str, samples: int, seed_file: Path, precision: str,
-             *faults: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """One optimizer step through ``engine`` (with ``faults`` injected): the step's record and the parameters
-    after it."""
+             *faults: Any, split: tuple[int, int] = (MICRO, K),
+             **options: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One optimizer step through ``engine`` (with ``faults`` injected, ``options`` added to its config section) at
+    ``split`` (micro-batch, K): the step's record and the parameters after it."""
     fresh_accelerate_state()
     cfg = {"precision": precision, "run_dir": str(tmp_path / "run"),
-           "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS)},
-           "accum": {"micro_batch": MICRO, "steps": K}, "optim": SGD, "data": {"shuffle": False},
+           "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS), **options},
+           "accum": {"micro_batch": split[0], "steps": split[1]}, "optim": SGD, "data": {"shuffle": False},
            "trainer": {"nproc": 1, "max_steps": 1, "check_every": 0, "save_final": False, "device": "cpu",
                        "init_from": str(seed_file)},
            "log": {"console": "quiet"}}
@@ -217,6 +218,24 @@ def test_the_ground_truth_sees_split_independent_faults(tmp_path: Path, cpu_grou
     the nominal batch, breaks the 1e-12 bound (by at least 100x)."""
     model, samples, plain = unit_case(tmp_path, "mlp", window, torch.float64)
     record, params = one_step(tmp_path, model, "ddp", samples, tmp_path / "seed.safetensors", "fp64", fault())
+    assert plain.error(params) > 100 * FP64_ATOL, plain.error(params)
+    assert record["grad_norm"] != pytest.approx(plain.grad_norm, rel=1e-9, abs=0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("engine", ["ddp", "accelerate"])
+def test_a_window_of_one_micro_batch_is_the_plain_gradient_and_its_faults_show(
+        tmp_path: Path, cpu_group: None, engine: str) -> None:
+    """K = 1, where the replicated engines take the window's 1/(c N) in the loss and reduce a plain sum (no
+    pass over the gradient; ``engine.normalize_in_loss_mb=0``, whatever the gradient's size): one SGD step is minus the plain gradient to fp64 rounding, and a gradient off by
+    one part in a million (the fault wraps the normalization the engine takes into the loss) breaks the bound."""
+    model, samples, plain = unit_case(tmp_path, "tiny_gpt", "full", torch.float64)
+    seed = tmp_path / "seed.safetensors"
+    record, params = one_step(tmp_path, model, engine, samples, seed, "fp64", split=(samples, 1), normalize_in_loss_mb=0)
+    assert plain.error(params) <= FP64_ATOL, plain.error(params)
+    assert record["grad_norm"] == pytest.approx(plain.grad_norm, rel=1e-12, abs=0)
+    record, params = one_step(tmp_path / "faulty", model, engine, samples, seed, "fp64", GradScale(1.0 + 1e-6),
+                              split=(samples, 1), normalize_in_loss_mb=0)
     assert plain.error(params) > 100 * FP64_ATOL, plain.error(params)
     assert record["grad_norm"] != pytest.approx(plain.grad_norm, rel=1e-9, abs=0)
 

@@ -313,3 +313,90 @@ def test_the_cpu_s_python_float_totals_are_bitwise_the_device_totals(loss_norm: 
             if case != 5:
                 assert reads[0] == reads[1]
             assert rows[0]() == rows[1]() and rows[1]()[2] == [0.1 * case, -2.0, float(case)]
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD that keeps a copy of the gradients it steps with."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.seen: list[list[torch.Tensor]] = []
+
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
+        return super().step(closure)
+
+
+def squared_error(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y, reduction="sum"), y.numel()  # 3 samples x 8 = 24 items
+
+
+@pytest.mark.parametrize("limit_mb", [0.0, 25.0, None])
+def test_a_window_of_one_micro_batch_carries_its_normalization_in_the_loss(tmp_path: Path,
+                                                                           limit_mb: float | None) -> None:
+    """K = 1 on the CPU with a gradient of at least ``engine.normalize_in_loss_mb`` MiB: the loss is multiplied by
+    1/N (fp32) before the backward and the reduction is a plain sum, with no pass over the gradient before or
+    after it. The optimizer steps with bitwise the gradient of loss_sum * fl32(1/N), not the folded one (the
+    reduced sum times 1/(c N)), which differs in rounding here (N = 24), and that folded one below the limit (this
+    model's gradient is 2.8 KiB) or with none; K = 3 over the same samples (always folded) agrees to fp32
+    rounding."""
+    from torch.utils.data import TensorDataset
+
+    gen = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(3, 32, generator=gen), torch.randn(3, 8, generator=gen))
+    seen, start = {}, {}
+    for micro, k in ((3, 1), (1, 3)):
+        optimizers: list[RecordingSGD] = []
+
+        def make(params: Any, kept: list[RecordingSGD] = optimizers) -> RecordingSGD:
+            kept.append(RecordingSGD(params, lr=0.1))
+            return kept[-1]
+
+        cfg = config(tmp_path / f"k{k}", optim=SGD, accum={"micro_batch": micro, "steps": k, "global_batch": None},
+                     data={"shuffle": False}, trainer={"max_steps": 1}, log={"grad_norm": False},
+                     engine={"normalize_in_loss_mb": limit_mb})
+        trainer = Trainer(cfg, model=lambda: MLP(32, 16, 2, 8), dataset=data, loss=squared_error, optimizer=make)
+        trainer.setup()
+        start[k] = [p.detach().clone() for _, p in trainer.state.engine.full_parameters()]
+        trainer.train_steps(1)
+        trainer.finish()
+        seen[k] = optimizers[0].seen[0]
+    assert all(torch.equal(a, b) for a, b in zip(start[1], start[3], strict=True))
+
+    def by_hand(factor: Any, after: float | None) -> list[torch.Tensor]:
+        model = MLP(32, 16, 2, 8)
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), start[1], strict=True):
+                p.copy_(value)
+        summed, n = squared_error(model, data.tensors)
+        (summed * factor).backward()
+        return [p.grad if after is None else p.grad * torch.tensor(after, dtype=torch.float64).float()
+                for p in model.parameters()]
+
+    in_loss = by_hand(torch.tensor(1 / 24, dtype=torch.float64).float(), None)
+    c = 2.0 ** -round(math.log2(3))  # power_of_two_scale before the first window (global batch 3)
+    folded = by_hand(c, 1 / (c * 24))
+    assert not all(torch.equal(a, b) for a, b in zip(in_loss, folded, strict=True))  # the test tells them apart
+    assert all(torch.equal(a, b) for a, b in zip(seen[1], in_loss if limit_mb == 0.0 else folded, strict=True))
+    for a, b in zip(seen[1], seen[3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_non_finite_loss_at_k1_skips_the_step_and_the_next_one_trains(tmp_path: Path) -> None:
+    """K = 1 multiplies the loss by the window's 1/(c N), which is NaN when a rank's loss was: every gradient is
+    NaN, the step is skipped, and the next window (gradients zeroed in place) trains normally."""
+    from distaccum import testing
+    from distaccum.testing.faults import NanLoss
+
+    testing.install(NanLoss(step=2))
+    trainer = mlp_trainer(tmp_path, optim=SGD, accum={"micro_batch": 8, "steps": 1, "global_batch": None},
+                          engine={"normalize_in_loss_mb": 0.0})
+    trainer.setup()
+    before = params(trainer)
+    records = trainer.train_steps(4)
+    trainer.finish()
+    assert [r["skipped"] for r in records] == [False, True, False, False]
+    assert math.isnan(records[1]["loss"]) and all(math.isfinite(r["loss"]) for r in records[2:])
+    after = params(trainer)
+    assert torch.isfinite(after).all() and not torch.equal(after, before)

@@ -134,6 +134,14 @@ class Engine(Protocol):
         bucket as it is reduced, says True, and its :meth:`step` then skips the separate multiply."""
         ...
 
+    def normalize_loss(self, scale: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """Offer the window's normalization before the backward of its only micro-batch (K = 1): an engine that
+        can then reduce the gradient as a plain sum returns what the loss is multiplied by besides the loop's c
+        and the micro-batch's weight (``scale()``, the 1/(c N) agreed by every rank, times whatever its own
+        backward divides by), and neither its reduction nor its :meth:`step` touches the gradient again. None:
+        not offered (the loop then offers :meth:`fold_normalization`)."""
+        ...
+
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         """Multiply the reduced gradients by ``grad_scale`` (the window's 1/(c N)), clip the global
         norm to ``max_norm`` when set, step the optimizer and zero the gradients. Skips the update
@@ -233,6 +241,10 @@ class EngineBase:
     def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
         """By default the step normalizes (see :meth:`Engine.fold_normalization`)."""
         return False
+
+    def normalize_loss(self, scale: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """By default the step normalizes (see :meth:`Engine.normalize_loss`)."""
+        return None
 
     @classmethod
     def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:

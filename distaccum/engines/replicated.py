@@ -37,6 +37,10 @@ class HookState:
     (:func:`normalize_`)."""
     factor: torch.Tensor | None = None
     """1/(c N), computed from ``fold`` when the window's first bucket lands (:func:`window_scale`)."""
+    summed: bool = False
+    """Set for the boundary reduction of a window of one micro-batch whose loss carried the normalization
+    (:meth:`ReplicatedEngine.normalize_loss`): the buckets are all-reduced as they are, a plain sum, with no
+    pass over them before or after."""
     measure: bool = True
     """Measure the reduced gradients' norms (``EngineSpec.measure_norm``)."""
     norms: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -65,9 +69,9 @@ def normalize_(state: HookState, reduced: torch.Tensor) -> None:
 
 
 def measure_(state: HookState, bucket: dist.GradBucket) -> None:
-    """Record the norm of each reduced gradient of ``bucket`` (on a folded boundary reduction whose norm is
-    wanted: ``state.measure``)."""
-    if state.fold is not None and state.measure:
+    """Record the norm of each reduced gradient of ``bucket`` (on a folded or summed boundary reduction whose norm
+    is wanted: ``state.measure``)."""
+    if (state.fold is not None or state.summed) and state.measure:
         for param, norm in zip(bucket.parameters(), torch._foreach_norm(bucket.gradients()), strict=True):
             state.norms[id(param)] = norm
 
@@ -84,7 +88,7 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     if state.squares is not None:  # this rank's accumulated gradient, before the reduction overwrites it
         state.squares.add_local(buffer)
     token = state.ledger.launched(buffer)
-    if state.fold is None:  # the mean; a folded reduction is normalized when it lands (normalize_)
+    if state.fold is None and not state.summed:  # the mean; a folded one is normalized when it lands (normalize_)
         buffer.div_(dist.get_world_size())
     future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
@@ -112,7 +116,8 @@ def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torc
     if state.squares is not None:
         state.squares.add_local(buffer)
     assert state.dtype is not None
-    compressed = buffer.div_(dist.get_world_size()).to(state.dtype)  # divide first: fp16 must not overflow
+    # Divide first (fp16 must not overflow), unless the loss carried the normalization (a summed reduction).
+    compressed = (buffer if state.summed else buffer.div_(dist.get_world_size())).to(state.dtype)
     token = state.ledger.launched(compressed)
     future = dist.all_reduce(compressed, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
@@ -150,6 +155,7 @@ class ReplicatedEngine(EngineBase):
     """Drop gradients after the step (True) or zero them in place (False: they are bucket views)."""
     raw: nn.Module | None = None
     _named_parameters: list[tuple[str, nn.Parameter]] | None = None
+    _gradient_bytes: int | None = None
     optimizer: torch.optim.Optimizer
     scaler: "torch.amp.GradScaler | None" = None
     ledger: CommLedger
@@ -175,9 +181,30 @@ class ReplicatedEngine(EngineBase):
         state.fold, state.factor, state.norms = scale, None, {}
         return True
 
+    def normalize_loss(self, scale: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """On the CPU, for a window of one micro-batch whose gradient holds at least ``engine.normalize_in_loss_mb``
+        MiB: all-reduce its gradient as a plain sum of losses already multiplied by 1/(c N), instead of averaging
+        it (a pass over every bucket before the all-reduce, as DDP's default does) or normalizing it as it lands
+        (the same pass after: :func:`normalize_`). The price is that N's all-reduce, launched after the forward,
+        is waited for before the backward starts: worth it where the pass costs more than that wait (a large
+        gradient). Only where :meth:`fold_normalization` would fold, and not on an accelerator, where a pass over
+        the gradient costs little and the stream would wait for every rank's forward (not measured there)."""
+        state, limit = getattr(self, "hook_state", None), self.spec.engine.normalize_in_loss_mb
+        if state is None or limit is None or self.spec.device.type != "cpu" or self._grad_bytes() < limit * 2**20 \
+                or not self.fold_normalization(scale):
+            return None
+        state.fold, state.summed = None, True
+        return scale() * (self.grad_divisor / dist.get_world_size())  # what the backward divides by: K (Accelerate)
+
     def _raw(self) -> nn.Module:
         assert self.raw is not None, "wrap() first"
         return self.raw
+
+    def _grad_bytes(self) -> int:
+        """Bytes of the gradient the reduction carries (the trainable parameters; counted once)."""
+        if self._gradient_bytes is None:
+            self._gradient_bytes = sum(p.numel() * p.element_size() for _, p in self._named() if p.requires_grad)
+        return self._gradient_bytes
 
     def _named(self) -> list[tuple[str, nn.Parameter]]:
         """The plain model's named parameters, listed once: whole parameters stay the same objects for the whole
@@ -189,12 +216,15 @@ class ReplicatedEngine(EngineBase):
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
         named = self._named()
         state = getattr(self, "hook_state", None)
-        norm, folded = None, state is not None and state.fold is not None and state.factor is not None
+        norm, folded = None, state is not None and (state.summed or state.fold is not None and state.factor is not None)
         if folded and state.measure:  # type: ignore[union-attr]  # the reduction normalized and measured
-            parts = [state.norms[id(p)] for _, p in named if p.grad is not None]  # type: ignore[union-attr]
+            grads = [p.grad for _, p in named if p.grad is not None]
+            parts = [state.norms.get(id(p)) for _, p in named if p.grad is not None]  # type: ignore[union-attr]
+            if any(part is None for part in parts):  # summed, and no reduction ran (a fault): measure here
+                parts = list(torch._foreach_norm(grads))
             norm = torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
         if state is not None:
-            state.fold, state.factor, state.norms = None, None, {}
+            state.fold, state.factor, state.norms, state.summed = None, None, {}, False
         return step_plain(self.optimizer, named, max_norm, grad_scale, self.scaler, grads_to_none=self.grads_to_none,
                           normalized=folded, normalized_norm=norm)
 

@@ -94,8 +94,9 @@ class SkipReduction:
 
 
 class ScaledStep(Proxy):
-    """An engine whose normalization factor is multiplied by ``factor()``: in its step, or in the boundary
-    reduction where the engine folds the normalization in (``fold_normalization``)."""
+    """An engine whose normalization factor is multiplied by ``factor()``: in its step, in the boundary
+    reduction where the engine folds the normalization in (``fold_normalization``), or in the loss where the
+    engine takes it there (``normalize_loss``)."""
 
     def __init__(self, inner: Any, factor: Any) -> None:
         super().__init__(inner)
@@ -103,6 +104,9 @@ class ScaledStep(Proxy):
 
     def fold_normalization(self, scale: Any) -> bool:
         return self.inner.fold_normalization(lambda: scale() * self.factor())
+
+    def normalize_loss(self, scale: Any) -> Any:
+        return self.inner.normalize_loss(lambda: scale() * self.factor())
 
     def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> Any:
         return self.inner.step(max_norm, grad_scale * self.factor())
