@@ -17,8 +17,8 @@ and the stop flag). The engine then multiplies the accumulated gradient sum_rk c
 1/(c N) and clips it, in one pass (DDP and Accelerate fold it into the reduction:
 ``Engine.fold_normalization``). A window of one micro-batch (K = 1) can skip that pass: an engine that
 offers ``Engine.normalize_loss`` (DDP and Accelerate on the CPU) has the loop wait for N before the
-backward and backpropagate S_r * c * (1/(c N)) = S_r / N, and reduces the gradient as a plain sum. c keeps gradients at the scale of a mean (what fp16 loss
-scaling expects); being a power of two, multiplying by it is exact in floating point, so it never
+backward and backpropagate S_r * c * (1/(c N)) = S_r / N, and reduces the gradient as a plain sum.
+c keeps gradients at the scale of a mean (what fp16 loss scaling expects); being a power of two, multiplying by it is exact in floating point, so it never
 changes a bit of the result — a resumed run, whatever its N_prev, matches an uninterrupted one.
 Partial windows need nothing special: N counts what the window holds, never K x micro_batch.
 

@@ -218,10 +218,9 @@ class ReplicatedEngine(EngineBase):
         state = getattr(self, "hook_state", None)
         norm, folded = None, state is not None and (state.summed or state.fold is not None and state.factor is not None)
         if folded and state.measure:  # type: ignore[union-attr]  # the reduction normalized and measured
-            grads = [p.grad for _, p in named if p.grad is not None]
             parts = [state.norms.get(id(p)) for _, p in named if p.grad is not None]  # type: ignore[union-attr]
             if any(part is None for part in parts):  # summed, and no reduction ran (a fault): measure here
-                parts = list(torch._foreach_norm(grads))
+                parts = list(torch._foreach_norm([p.grad for _, p in named if p.grad is not None]))
             norm = torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
         if state is not None:
             state.fold, state.factor, state.norms, state.summed = None, None, {}, False
