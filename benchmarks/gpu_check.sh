@@ -13,6 +13,10 @@
 # minutes, one call of a lent machine), so a short lease still returns what
 # finished. Then, where the repository lives: python -m benchmarks.update_docs --timing-only --results
 # OUT/gpu/results.json (the gpu-timing section) and --allow-partial --results OUT/sweep/results.json (gpu).
+# Stage times seen on one H100 (this release's run, docs: BENCHMARKS.md "GPU figures"): timing 92 s for
+# 27.3M_micro4, 61 s for 0.9M_micro256, 124 s for 210M_micro1024 at K = 1 and 4 (K = 16 did not fit); the
+# test tier ran 12 of its 13 tests in 160 s; the sweep 9 of its 10 launches in 100 s. All three cases and
+# stages need more than one 10-minute call: run the 210M case in a call of its own (`gpu_check.sh OUT 210M_micro1024`).
 # It prints each stage's exit status and exits 0 once every stage has run. PYTHON picks the interpreter
 # (default python3); distaccum runs from this checkout (PYTHONPATH).
 set -uo pipefail

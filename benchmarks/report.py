@@ -180,8 +180,8 @@ def comm_table(results: dict[str, Any]) -> list[str]:
     return ["Engines, each (variant, K) in fresh processes: per optimizer step, medians over the timed "
             "steps of distaccum's records (gradient-reduction rounds, calls, bytes reduced; for HSDP those "
             "inside a replica, and the all-reduces across replicas as rounds / calls / bytes; FSDP2 parameter "
-            "all-gathers), step time (separate launches: read only large differences), peak RSS of the "
-            f"step and of the process through training, MiB{env_note}:", "",
+            f"all-gathers), step time (separate launches: read only large differences), {_peak_name(results)} of "
+            f"the step and of the process through training, MiB{env_note}:", "",
             *_table(["case", "K", "variant", "sync", "rounds", "calls", "reduced", "across replicas",
                      "all-gathers", "step ms", "step peak", "process peak"], rows, "lrll")]
 
@@ -221,13 +221,18 @@ def hsdp_table(results: dict[str, Any]) -> list[str]:
                      "growth"], rows, "lll")]
 
 
+def _peak_name(results: dict[str, Any]) -> str:
+    """What the sweep's peaks measure: the CUDA caching allocator's peak on a GPU, the resident set on the CPU."""
+    return "peak CUDA memory allocated" if results["settings"].get("device") == "cuda" else "peak RSS"
+
+
 def memory_table(results: dict[str, Any]) -> list[str]:
     """Peak memory at the largest K over the smallest, per engine variant."""
     rows = [[m["case"], m["variant"], f"{m['k_low']} -> {m['k_high']}",
              f"{m['step_peak_low_mb']:.0f} -> {m['step_peak_high_mb']:.0f}", f"{m['step_growth']:.3f}",
              f"{m['process_peak_low_mb']:.0f} -> {m['process_peak_high_mb']:.0f}", f"{m['process_growth']:.3f}",
              "yes" if m["flat"] else "**no**"] for m in results["memory"]]
-    return [f"Memory flat in K: peak RSS per rank (MiB, largest rank) at the smallest and largest K; "
+    return [f"Memory flat in K: {_peak_name(results)} per rank (MiB, largest rank) at the smallest and largest K; "
             f"flat means both growths <= {MEMORY_LIMIT:.2f}:", "",
             *_table(["case", "variant", "K", "step peak", "growth", "process peak", "growth", "flat"], rows,
                     "llrrrrrl")]
@@ -245,13 +250,13 @@ def gpu_lines(results: dict[str, Any]) -> list[str]:
     for r in gpu["mfu"]:
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.3g} %"
         rows.append([r["case"], str(r["k"]), r["variant"], f"{r['step_ms']:.2f}", mfu])
-    lines += _table(["case", "K", "variant", "step ms", "MFU"], rows, "lll")
-    lines.append("")
-    for b in gpu["busbw"]:
-        lines.append(f"- NCCL all-reduce, {b['case']}: " + (
-            f"{b['bytes'] / 2**20:.0f} MiB in {b['time_s'] * 1e3:.2f} ms, algbw {b['algbw_gbps']:.1f} GB/s, "
-            f"busbw {b['busbw_gbps']:.1f} GB/s" if b["status"] == "ok" else f"not measured ({b['why']})"))
-    return lines
+    if rows:  # an engine sweep alone (--no-timing) times nothing to compute MFU from
+        lines += [*_table(["case", "K", "variant", "step ms", "MFU"], rows, "lll"), ""]
+    busbw = (f"- NCCL all-reduce, {b['case']}: " + (
+        f"{b['bytes'] / 2**20:.0f} MiB in {b['time_s'] * 1e3:.2f} ms, algbw {b['algbw_gbps']:.1f} GB/s, "
+        f"busbw {b['busbw_gbps']:.1f} GB/s" if b["status"] == "ok" else f"not measured ({b['why']})")
+        for b in gpu["busbw"])
+    return lines + list(dict.fromkeys(busbw))  # one line per case when every K reads alike
 
 
 def render(results: dict[str, Any]) -> str:

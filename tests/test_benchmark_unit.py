@@ -422,3 +422,34 @@ def test_the_folded_k1_diagnostic_turns_the_in_loss_normalization_off_only_while
     for name in ("distaccum_in_loss", "distaccum_folded_k1"):
         assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True))
     assert not {"distaccum_folded_k1", "distaccum_in_loss", "distaccum_device_totals"} & set(SWEEP_VARIANTS)
+
+
+def test_a_gpu_sweep_names_the_allocator_peak_and_lists_no_empty_mfu_table() -> None:
+    # the engine sweep run on the lent H100 (BENCHMARKS.md's GPU figures): no timing, CUDA allocator peaks
+    results = json.loads((Path(__file__).parents[1] / "docs/results/gpu-h100-bf16-sweep.json").read_text())
+    text = render(results)
+    assert "peak CUDA memory allocated" in text and "peak RSS" not in text
+    assert "| case | K | variant | step ms | MFU |" not in text  # nothing timed, so no MFU rows
+    cpu = json.loads(json.dumps(results))
+    cpu["settings"]["device"], cpu["gpu"] = "cpu", None
+    assert "peak RSS" in render(cpu) and "peak CUDA memory" not in render(cpu)
+
+
+def test_a_gpu_timing_run_says_once_per_case_why_its_bus_bandwidth_was_not_measured() -> None:
+    results = json.loads((Path(__file__).parents[1] / "docs/results/gpu-h100-bf16-timing.json").read_text())
+    lines = [line for line in render(results).splitlines() if line.startswith("- NCCL all-reduce")]
+    assert len(results["gpu"]["busbw"]) == 8  # one per (case, K) launch: three cases, 210M's K = 16 not reached
+    assert [line.split(",")[1].split(":")[0].strip() for line in lines] == [
+        "27.3M_micro4", "0.9M_micro256", "210M_micro1024"]
+
+
+def test_the_cuda_step_profile_reports_kernel_time_and_what_the_gpu_waited() -> None:
+    from benchmarks.step_profile import report
+
+    record = {name: {"step_s": [0.010, 0.009, 0.011], "table": "", "python": "", "ops": {"aten::mm": (8, 1.0)},
+                     "device_ms": device_ms} for name, device_ms in (("ddp_no_sync", 70.0), ("distaccum", 72.0))}
+    text = report(record, steps=8)
+    assert "kernels 8.750 ms/step of a 10.000 ms median step (the GPU waited 1.250 ms/step for the host)" in text
+    assert "kernels 9.000 ms/step" in text
+    record["distaccum"]["device_ms"] = record["ddp_no_sync"]["device_ms"] = None  # a CPU profile: no kernel line
+    assert "kernels" not in report(record, steps=8)
