@@ -21,7 +21,9 @@ records them. ZeRO-3 is flat beyond K = 2 after its first measured step (``pytho
 FSDP2's growth is mostly this measurement's (most likely parameter-sized buffers freed a step after they were
 allocated stay counted, since the profiler does not report frees of blocks allocated before it started); glibc's malloc,
 which sees every free, holds 0.5-1.2 MiB more at micro-batch 8 than at 2 beyond DDP's drift (``python -m
-benchmarks.memory_peaks --per-micro``), a figure too noisy for a deterministic bound.
+benchmarks.memory_peaks --per-micro``), a figure too noisy for a deterministic bound. On a GPU, whose allocator
+counts exactly, FSDP2 ``every_micro`` held one unit's reduced gradient shard more than ``boundary`` at K = 16
+(FSDP2 adds each reduce-scatter's new buffer into the gradient already there; BENCHMARKS.md, GPU figures).
 
 The runs share one launch (this file doubles as the worker script).
 """
