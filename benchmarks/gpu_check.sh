@@ -25,6 +25,11 @@ cases=${2:-0.9M_micro256,27.3M_micro4,210M_micro1024}
 python=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+if ! "$python" -c "import torch, hydra, omegaconf" >/dev/null 2>&1; then  # else every stage fails, minutes later
+  echo "gpu_check: $python cannot import torch, hydra and omegaconf: install distaccum's requirements" \
+    "(pip install .) or put them on PYTHONPATH (a GPU image's own torch is fine)" >&2
+  exit 2
+fi
 mkdir -p "$out"
 nvidia-smi -L || true
 timeout -k 10 "${BENCH_S:-300}" "$python" -m benchmarks.run --device cuda --precision bf16 --sweep none --rounds 6 \

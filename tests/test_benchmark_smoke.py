@@ -191,6 +191,10 @@ def test_the_gpu_check_script_runs_and_names_what_exists(tmp_path: Path) -> None
     assert len(named) == 2  # the timing's variants and the engine sweep's
     for names in named:
         check_variants(names.split(","))
+    refused = subprocess.run(["bash", str(script), str(tmp_path / "refused")], capture_output=True, text=True,
+                             timeout=30, env={**os.environ, "PYTHON": "false"})  # an interpreter without them
+    assert refused.returncode == 2 and "cannot import torch, hydra and omegaconf" in refused.stderr, refused
+    assert not (tmp_path / "refused").exists()  # refused before any stage ran
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run the script itself, it takes minutes")
     proc = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=170,
