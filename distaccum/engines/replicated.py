@@ -171,12 +171,21 @@ class ReplicatedEngine(EngineBase):
                                     measure=self.spec.measure_norm)
         ddp.register_comm_hook(self.hook_state, self.comm_hook)
 
-    def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
-        """Fold the window's 1/(c N) into its one boundary reduction (see :func:`normalize_`). Not with
-        ``every_micro`` (earlier reductions carry no normalization), the noise scale (its terms are read
-        before and after the reduction at the loss's scale) or fp16 (GradScaler unscales and checks first)."""
+    def _normalizing_hook(self) -> HookState | None:
+        """The hook's state where the boundary reduction may take over the window's normalization (folded in,
+        or carried by the loss). Not with ``every_micro`` (earlier reductions carry no normalization), the noise
+        scale (its terms are read before and after the reduction at the loss's scale) or fp16 (GradScaler
+        unscales and checks first)."""
         state = getattr(self, "hook_state", None)
         if state is None or self.spec.sync != "boundary" or self.grad_squares is not None or self.scaler is not None:
+            return None
+        return state
+
+    def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
+        """Fold the window's 1/(c N) into its one boundary reduction (see :func:`normalize_`), where
+        :meth:`_normalizing_hook` allows it."""
+        state = self._normalizing_hook()
+        if state is None:
             return False
         state.fold, state.factor, state.norms = scale, None, {}
         return True
@@ -189,11 +198,10 @@ class ReplicatedEngine(EngineBase):
         is waited for before the backward starts: worth it where the pass costs more than that wait (a large
         gradient). Only where :meth:`fold_normalization` would fold, and not on an accelerator, where a pass over
         the gradient costs little and the stream would wait for every rank's forward (not measured there)."""
-        state, limit = getattr(self, "hook_state", None), self.spec.engine.normalize_in_loss_mb
-        if state is None or limit is None or self.spec.device.type != "cpu" or self._grad_bytes() < limit * 2**20 \
-                or not self.fold_normalization(scale):
+        state, limit = self._normalizing_hook(), self.spec.engine.normalize_in_loss_mb
+        if state is None or limit is None or self.spec.device.type != "cpu" or self._grad_bytes() < limit * 2**20:
             return None
-        state.fold, state.summed = None, True
+        state.fold, state.factor, state.norms, state.summed = None, None, {}, True
         return scale() * (self.grad_divisor / dist.get_world_size())  # what the backward divides by: K (Accelerate)
 
     def _raw(self) -> nn.Module:
