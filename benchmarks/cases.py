@@ -203,6 +203,14 @@ GPU_CASES = (
          out_dim=16), micro_batch=1024, ks=(1, 4, 16), sweep_ks=(1, 16), micro_budget=16),
 )
 """Cases too large for a CPU run: timed when named with ``--cases`` (``benchmarks.run --device cuda``)."""
+LIMIT_CASES = tuple(
+    Case(name=f"{mib}MiB_micro16", about=f"MLP with a {mib} MiB gradient, micro-batch 16: where the K = 1 "
+         "normalization in the loss and the folded one cross (engine.normalize_in_loss_mb)",
+         shape=ModelShape(in_dim=1024, width=width, depth=3, out_dim=16), micro_batch=16, ks=(1,), sweep_ks=(1,),
+         micro_budget=16)
+    for mib, width in ((12, 1024), (24, 1536), (50, 2304)))
+"""Gradients between the full cases' 3.5 and 104 MiB, timed when named with ``--cases`` (K = 1, with
+``--variants ddp_no_sync,distaccum_in_loss,distaccum_folded_k1``): where ``engine.normalize_in_loss_mb`` belongs."""
 SMOKE_CASES = (
     Case(name="smoke", about="tiny MLP: the CI run (structure, not timings)",
          shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4), micro_batch=2, ks=(1, 2), sweep_ks=(1, 2),

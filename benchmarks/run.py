@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cases import FULL_CASES, GPU_CASES, SMOKE_CASES, Case, launch_spec
+from benchmarks.cases import FULL_CASES, GPU_CASES, LIMIT_CASES, SMOKE_CASES, Case, launch_spec
 from benchmarks.device import cuda_present, mfu, peak_tflops
 from benchmarks.launch import ROOT, Launch, launch
 from benchmarks.report import MEMORY_LIMIT, render
@@ -243,7 +243,7 @@ def _main(argv: Sequence[str] | None) -> int:
         cases: tuple[Case, ...] = SMOKE_CASES if args.smoke else FULL_CASES
         if args.cases:
             wanted = args.cases.split(",")
-            known = SMOKE_CASES if args.smoke else FULL_CASES + GPU_CASES
+            known = SMOKE_CASES if args.smoke else FULL_CASES + GPU_CASES + LIMIT_CASES
             unknown = [name for name in wanted if name not in {c.name for c in known}]
             if unknown:
                 raise ValueError(f"--cases {args.cases}: no case {', '.join(unknown)}; choose from "

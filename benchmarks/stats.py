@@ -68,6 +68,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("bf16 reduce: distaccum / hook", "distaccum_bf16_reduce", "ddp_bf16_hook"),
     ("Python hook / C++ hook (hand-written)", "ddp_python_hook", "ddp_no_sync"),
     ("distaccum / Python hook", "distaccum", "ddp_python_hook"),
+    ("K = 1: 1/N in the loss / folded", "distaccum_in_loss", "distaccum_folded_k1"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then three more (each only when both
 variants ran)."""

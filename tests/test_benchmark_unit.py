@@ -12,7 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.cases import FULL_CASES, GPU_CASES, SMOKE_CASES, BenchData, Spec, launch_spec, loss_sum
+from benchmarks.cases import (
+    FULL_CASES,
+    GPU_CASES,
+    LIMIT_CASES,
+    SMOKE_CASES,
+    BenchData,
+    Spec,
+    launch_spec,
+    loss_sum,
+)
 from benchmarks.device import HostClock, mfu, model_flops_per_step, peak_tflops
 from benchmarks.interleave import round_order
 from benchmarks.report import render
@@ -169,6 +178,37 @@ def test_the_gpu_case_is_named_not_run_by_default(capsys: pytest.CaptureFixture[
     assert run_main(["--cases", "27.3M_micro4,nope", "--device", "cpu"]) == 2  # refused before any launch
     err = capsys.readouterr().err
     assert "no case nope" in err and "210M_micro1024" in err
+
+
+def test_the_limit_cases_lie_between_the_standard_gradients_and_price_the_k1_choice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LIMIT_CASES``: gradients strictly between the two standard cases' (where ``engine.normalize_in_loss_mb``
+    sits, 25 MiB, among them), each named by its size and reachable with ``--cases``; a launch of the two K = 1
+    diagnostics yields their ratio."""
+    import benchmarks.run as bench_run
+    from benchmarks.launch import Launch
+
+    mib = {c.name: c.shape.num_params() * 4 / 2**20 for c in FULL_CASES + LIMIT_CASES}
+    limits = [mib[c.name] for c in LIMIT_CASES]
+    assert mib["0.9M_micro256"] < min(limits) and max(limits) < mib["27.3M_micro4"]
+    assert min(limits) < 25 < max(limits)
+    assert all(c.name.startswith(f"{round(mib[c.name])}MiB") and c.ks == (1,) for c in LIMIT_CASES)
+    specs: list[Spec] = []
+
+    def failing_launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
+                       env: dict[str, str] | None = None) -> Launch:
+        specs.append(Spec.from_json(args[0]))
+        return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
+
+    monkeypatch.setattr(bench_run, "launch", failing_launch)
+    names = ",".join(c.name for c in LIMIT_CASES)
+    assert run_main(["--cases", names, "--sweep", "none", "--device", "cpu", "--out", str(tmp_path),
+                     "--variants", "ddp_no_sync,distaccum_in_loss,distaccum_folded_k1"]) == 1
+    assert [(s.case, s.accum_steps) for s in specs] == [(c.name, 1) for c in LIMIT_CASES]
+    names = ["distaccum_in_loss", "distaccum_folded_k1"]
+    record = {**_timing_record(), "orders": [round_order(names, r) for r in range(4)],
+              "step_s": {"distaccum_in_loss": [[1.1]] * 4, "distaccum_folded_k1": [[1.0]] * 4}}
+    assert summarize_launch(record)["ratios"]["K = 1: 1/N in the loss / folded"]["median"] == pytest.approx(1.1)
 
 
 def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@
 - Host syncs: ``torch.cuda.set_sync_debug_mode("warn")`` flags every implicit synchronization;
   a steady-state step must show exactly the number the loop's docstring (:mod:`distaccum.loop`)
   documents. One GPU, in-process.
+- The step's peak memory: the CUDA allocator's, a new window after each reset.
 - The ledger on 2 NCCL ranks (exact counts and bytes, timing relations as in ``test_ledger.py``);
   skipped, saying so, with fewer than two GPUs.
 """
@@ -23,6 +24,7 @@ from distaccum import losses
 from distaccum.datasets import CorpusSequences, pad_collate
 from distaccum.models import TinyGPT
 from distaccum.telemetry.ledger import CudaClock, HostClock
+from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 from distaccum.trainer import Trainer
 
 NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -99,6 +101,23 @@ def test_host_syncs_per_step_are_the_documented_number(tmp_path: Path, monkeypat
     steady = per_step[2:]
     expected = FLAGGED_SYNCS_PER_STEP[precision]
     assert steady == [expected] * len(steady), (per_step, where)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_peak_is_the_allocators_peak_since_the_reset() -> None:
+    """The step's peak (read from the allocator's nested statistics, without max_memory_allocated's flattening)
+    is max_memory_allocated's number, and a reset starts a new window."""
+    cuda = torch.device("cuda")
+    reset_peak_memory(cuda)
+    base = peak_memory_bytes(cuda)
+    assert base == torch.cuda.max_memory_allocated(cuda)
+    big = torch.ones(64 * 2**20 // 4, device=cuda)  # 64 MiB
+    grown = peak_memory_bytes(cuda)
+    assert grown == torch.cuda.max_memory_allocated(cuda) >= base + 64 * 2**20
+    del big
+    reset_peak_memory(cuda)
+    assert peak_memory_bytes(cuda) == torch.cuda.max_memory_allocated(cuda) < grown
 
 
 @pytest.mark.gpu

@@ -95,6 +95,20 @@ def test_a_plan_keeps_each_epochs_order_and_hands_out_the_windows_a_fresh_plan_w
     assert plan.window(7).indices.tolist() != plan.window(0).indices.tolist()  # epochs reshuffle
 
 
+def test_rank_pieces_are_the_windows_pieces_computed_once_for_the_last_few_steps() -> None:
+    plan = GlobalBatchPlan(50, 8, seed=3)
+    split = Split(2, 2, 2)
+    for step in [0, 1, 6, 7, 13, 2, 20, 8, 0, 1]:  # what the sampler and the loop ask, out of order too
+        for rank in (0, 1):
+            window, pieces = plan.rank_pieces(step, split, rank)
+            fresh = GlobalBatchPlan(50, 8, seed=3).window(step)
+            assert (window.step, window.epoch, window.indices.tolist()) == (step, fresh.epoch, fresh.indices.tolist())
+            assert [p.tolist() for p in pieces] == [p.tolist() for p in fresh.rank_micro_batches(split, rank)]
+    first = plan.rank_pieces(1, split, 0)
+    assert plan.rank_pieces(1, split, 0) is first  # asked again (the loop after the sampler): not recomputed
+    assert plan.rank_pieces(1, Split(1, 4, 2), 0)[1] != first[1]  # another split cuts other pieces
+    assert len(plan._pieces) <= 4  # bounded however long the run
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_would_batch_it(workers: int) -> None:
     from torch.utils.data import TensorDataset

@@ -37,8 +37,8 @@ class PlanSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start, self.stop):
-            window = self.plan.window(step)
-            for piece in window.rank_micro_batches(self.split, self.rank):
+            window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
+            for piece in pieces:
                 # An empty piece still needs a forward/backward (the loop weights it 0).
                 yield (piece if len(piece) else window.indices[:1]).tolist()
 
@@ -170,8 +170,7 @@ class PlanSource:
             self._batches = iter(build_loader(self.dataset, self.collate, self.plan, self.split, self.rank,
                                               self.stop, **self.loader_options))  # type: ignore[arg-type]
             self._at = step
-        window = self.plan.window(step)
-        pieces = window.rank_micro_batches(self.split, self.rank)
+        window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
         batches = self._batches
 
         def micro() -> Iterator[MicroBatch]:
