@@ -180,19 +180,12 @@ def test_the_gpu_case_is_named_not_run_by_default(capsys: pytest.CaptureFixture[
     assert "no case nope" in err and "210M_micro1024" in err
 
 
-def test_the_limit_cases_lie_between_the_standard_gradients_and_price_the_k1_choice(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LIMIT_CASES``: gradients strictly between the two standard cases' (where ``engine.normalize_in_loss_mb``
-    sits, 25 MiB, among them), each named by its size and reachable with ``--cases``; a launch of the two K = 1
-    diagnostics yields their ratio."""
+@pytest.fixture
+def launched_specs(monkeypatch: pytest.MonkeyPatch) -> list[Spec]:
+    """The spec of every launch ``benchmarks.run`` makes, in order; each launch fails at once (nothing runs)."""
     import benchmarks.run as bench_run
     from benchmarks.launch import Launch
 
-    mib = {c.name: c.shape.num_params() * 4 / 2**20 for c in FULL_CASES + LIMIT_CASES}
-    limits = [mib[c.name] for c in LIMIT_CASES]
-    assert mib["0.9M_micro256"] < min(limits) and max(limits) < mib["27.3M_micro4"]
-    assert min(limits) < 25 < max(limits)
-    assert all(c.name.startswith(f"{round(mib[c.name])}MiB") and c.ks == (1,) for c in LIMIT_CASES)
     specs: list[Spec] = []
 
     def failing_launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
@@ -201,10 +194,23 @@ def test_the_limit_cases_lie_between_the_standard_gradients_and_price_the_k1_cho
         return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
 
     monkeypatch.setattr(bench_run, "launch", failing_launch)
+    return specs
+
+
+def test_the_limit_cases_lie_between_the_standard_gradients_and_price_the_k1_choice(
+        tmp_path: Path, launched_specs: list[Spec]) -> None:
+    """``LIMIT_CASES``: gradients strictly between the two standard cases' (where ``engine.normalize_in_loss_mb``
+    sits, 25 MiB, among them), each named by its size and reachable with ``--cases``; a launch of the two K = 1
+    diagnostics yields their ratio."""
+    mib = {c.name: c.shape.num_params() * 4 / 2**20 for c in FULL_CASES + LIMIT_CASES}
+    limits = [mib[c.name] for c in LIMIT_CASES]
+    assert mib["0.9M_micro256"] < min(limits) and max(limits) < mib["27.3M_micro4"]
+    assert min(limits) < 25 < max(limits)
+    assert all(c.name.startswith(f"{round(mib[c.name])}MiB") and c.ks == (1,) for c in LIMIT_CASES)
     names = ",".join(c.name for c in LIMIT_CASES)
     assert run_main(["--cases", names, "--sweep", "none", "--device", "cpu", "--out", str(tmp_path),
                      "--variants", "ddp_no_sync,distaccum_in_loss,distaccum_folded_k1"]) == 1
-    assert [(s.case, s.accum_steps) for s in specs] == [(c.name, 1) for c in LIMIT_CASES]
+    assert [(s.case, s.accum_steps) for s in launched_specs] == [(c.name, 1) for c in LIMIT_CASES]
     names = ["distaccum_in_loss", "distaccum_folded_k1"]
     record = {**_timing_record(), "orders": [round_order(names, r) for r in range(4)],
               "step_s": {"distaccum_in_loss": [[1.1]] * 4, "distaccum_folded_k1": [[1.0]] * 4}}
@@ -243,21 +249,11 @@ def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, monkeypa
     assert precisions == ["fp32"] * 2 + ["bf16"] * 4  # the sweep's launches compute in what the run says
 
 
-def test_block_sets_the_timed_steps_per_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_block_sets_the_timed_steps_per_round(tmp_path: Path, launched_specs: list[Spec],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """``--block N``: each variant's block is ceil(N / K) optimizer steps, never under the case's minimum (the
     launcher is replaced by one that records each launch's spec and fails at once)."""
-    import benchmarks.run as bench_run
-    from benchmarks.launch import Launch
-
-    specs: list[Spec] = []
-
-    def failing_launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
-                       env: dict[str, str] | None = None) -> Launch:
-        specs.append(Spec.from_json(args[0]))
-        return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
-
-    monkeypatch.setattr(bench_run, "launch", failing_launch)
+    specs = launched_specs
     assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4,16,64", "--block", "64", "--sweep", "none",
                      "--device", "cpu", "--out", str(tmp_path)]) == 1
     assert [(s.accum_steps, s.steps) for s in specs] == [(1, 64), (4, 16), (16, 4), (64, 3)]
