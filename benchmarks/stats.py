@@ -70,7 +70,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("distaccum / Python hook", "distaccum", "ddp_python_hook"),
     ("K = 1: 1/N in the loss / folded", "distaccum_in_loss", "distaccum_folded_k1"),
 )
-"""(label, numerator, denominator): the issue's four ratios first, then three more (each only when both
+"""(label, numerator, denominator): the issue's four ratios first, then the others (each only when both
 variants ran)."""
 ISSUE_RATIOS = tuple(label for label, *_ in RATIOS[:4])
 

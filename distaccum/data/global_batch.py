@@ -96,7 +96,7 @@ class GlobalBatchPlan:
 
     def rank_pieces(self, step: int, split: Split, rank: int) -> tuple[Window, list[torch.Tensor]]:
         """:meth:`window` of ``step`` and its :meth:`Window.rank_micro_batches` for ``rank``, kept for the last few
-        steps asked: the sampler and the loop each ask for every one (about 0.1 ms of CPU per step here)."""
+        steps asked: the sampler and the loop each ask for every one (tens of microseconds per step here)."""
         key = (step, split.accum_steps, split.world_size, rank)
         found = self._pieces.get(key)
         if found is None:
