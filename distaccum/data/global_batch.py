@@ -69,7 +69,7 @@ class GlobalBatchPlan:
         million samples takes tens of milliseconds (``python -m benchmarks.data_fetch``), while the sampler and the
         loop each ask for every window."""
         self._pieces: dict[tuple[int, int, int, int], tuple[Window, list[torch.Tensor]]] = {}
-        """The last few :meth:`rank_pieces` (the sampler runs ahead of the loop by the DataLoader's prefetch)."""
+        """The last few :meth:`rank_pieces` (see there)."""
 
     @property
     def windows_per_epoch(self) -> int:
@@ -95,8 +95,10 @@ class GlobalBatchPlan:
         return Window(step, epoch, indices, self.global_batch)
 
     def rank_pieces(self, step: int, split: Split, rank: int) -> tuple[Window, list[torch.Tensor]]:
-        """:meth:`window` of ``step`` and its :meth:`Window.rank_micro_batches` for ``rank``, kept for the last few
-        steps asked: the sampler and the loop each ask for every one (tens of microseconds per step here)."""
+        """:meth:`window` of ``step`` and its :meth:`Window.rank_micro_batches` for ``rank``, kept for the last 4
+        steps asked: the loop and the sampler each ask for every one (tens of microseconds per step here). Without
+        workers (the default) the loop asks and the sampler follows within the step; a DataLoader whose workers
+        prefetch more than 4 steps ahead misses, and the pieces are cut twice, as before the cache."""
         key = (step, split.accum_steps, split.world_size, rank)
         found = self._pieces.get(key)
         if found is None:
