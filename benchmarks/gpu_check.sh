@@ -9,7 +9,8 @@
 # 2. the `gpu` test tier -> OUT/pytest.log;
 # 3. the engine sweep of the 27.3M case on the GPU (peak memory from the CUDA allocator, flat in K?, for
 #    DDP and FSDP2 in each sync mode) -> OUT/sweep/results.json.
-# Each stage has its own limit (BENCH_S, TESTS_S, SWEEP_S seconds; 300 + 170 + 100 by default: under 10
+# VARIANTS replaces stage 1's variants (e.g. ddp_no_sync,distaccum,distaccum_sync_records,compute_floor: the
+# lagged records' saving, without the compiled pair). Each stage has its own limit (BENCH_S, TESTS_S, SWEEP_S seconds; 300 + 170 + 100 by default: under 10
 # minutes, one call of a lent machine), so a short lease still returns what
 # finished. Then, where the repository lives: python -m benchmarks.update_docs --timing-only --results
 # OUT/gpu/results.json (the gpu-timing section) and --allow-partial --results OUT/sweep/results.json (gpu).
@@ -22,6 +23,7 @@
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT [CASES]}
 cases=${2:-0.9M_micro256,27.3M_micro4,210M_micro1024}
+variants=${VARIANTS:-ddp_no_sync,distaccum,compute_floor,ddp_no_sync_compiled,distaccum_compiled}
 python=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -33,12 +35,12 @@ fi
 mkdir -p "$out"
 nvidia-smi -L || true
 timeout -k 10 "${BENCH_S:-300}" "$python" -m benchmarks.run --device cuda --precision bf16 --sweep none --rounds 6 \
-  --cases "$cases" --variants ddp_no_sync,distaccum,compute_floor,ddp_no_sync_compiled,distaccum_compiled \
+  --cases "$cases" --variants "$variants" \
   --timeout 120 --out "$out/gpu" >"$out/bench.log" 2>&1
 echo "benchmark: exit $? (124: stopped at its limit; results.json keeps the launches that finished)"
 grep '^\[timing\]' "$out/bench.log" || true
 timeout -k 10 "${TESTS_S:-170}" "$python" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 160 \
-  tests/test_gpu.py tests/test_ledger_gpu.py tests/test_benchmark_smoke.py >"$out/pytest.log" 2>&1
+  tests/test_ledger_gpu.py tests/test_gpu.py tests/test_benchmark_smoke.py >"$out/pytest.log" 2>&1
 echo "gpu tests: exit $?"
 tail -n 15 "$out/pytest.log"
 timeout -k 10 "${SWEEP_S:-100}" "$python" -m benchmarks.run --device cuda --precision bf16 --no-timing --cases 27.3M_micro4 \

@@ -51,6 +51,7 @@ EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compil
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum": ("ddp", {}),
     "distaccum_device_totals": ("ddp", {}),  # DistaccumDeviceTotals
+    "distaccum_sync_records": ("ddp", {}),  # DistaccumSyncRecords
     "distaccum_folded_k1": ("ddp", {}),  # DistaccumFoldedK1
     "distaccum_in_loss": ("ddp", {"engine.normalize_in_loss_mb": 0}),  # K = 1: 1/N in the loss whatever the size
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
@@ -373,7 +374,15 @@ def distaccum_config(spec: Spec, run_dir: Path, *, engine: str = "ddp",
 
 
 class DistaccumTrainer:
-    """(d) distaccum's public Trainer, stepped with ``train_steps(n)`` in blocks."""
+    """(d) distaccum's public Trainer, stepped with ``train_steps(n)`` in blocks.
+
+    A step's stamp: on the CPU from ``on_step`` (after the step's record went to the sinks: all of the step's
+    work); on CUDA from the optimizer's post-step hook, as the hand-written loops stamp after their optimizer
+    step, because an ``on_step`` would turn off the Trainer's default there, the lagged records (a step's record
+    is made once the next step is queued, :class:`distaccum.loop.StepEnd`): the stamp must not move the work."""
+
+    LAG_RECORDS: bool | None = None
+    """``Trainer(lag_records=...)``: the Trainer's default."""
 
     def __init__(self, name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,
                  run_dir: Path) -> None:
@@ -381,8 +390,10 @@ class DistaccumTrainer:
         self._stamps: list[Any] = []
         engine, overrides = ENGINE_VARIANTS[name]
         config = distaccum_config(spec, run_dir, engine=engine, overrides=overrides)
+        on_gpu = device.type == "cuda"
         self.trainer = Trainer(config, model=spec.shape.build, dataset=data.dataset, collate=data.collate,
-                               loss=loss_sum, optimizer=sgd(spec.lr), on_step=self._on_step)
+                               loss=loss_sum, optimizer=self._stamped(sgd(spec.lr)) if on_gpu else sgd(spec.lr),
+                               on_step=None if on_gpu else self._on_step, lag_records=self.LAG_RECORDS)
         self.trainer.setup()  # joins the group this process already has, builds and wraps the model
         self.records: list[dict[str, Any]] = []
 
@@ -390,12 +401,19 @@ class DistaccumTrainer:
         # Runs after the step's record went to the sinks: the stamp covers all of the step's work.
         self._stamps.append(self.clock.stamp())
 
+    def _stamped(self, factory: Any) -> Any:
+        def build(params: Any) -> torch.optim.Optimizer:
+            optimizer = factory(params)
+            optimizer.register_step_post_hook(lambda *_: self._stamps.append(self.clock.stamp()))
+            return optimizer
+        return build
+
     def run(self, steps: int) -> list[Any]:
         self._stamps = [self.clock.stamp()]
         self.records += self.trainer.train_steps(steps)
         if len(self._stamps) != steps + 1:
-            raise RuntimeError(f"Trainer.train_steps({steps}) called on_step {len(self._stamps) - 1} times: the "
-                               "benchmark times a step from one on_step call to the next and needs one per step")
+            raise RuntimeError(f"Trainer.train_steps({steps}) stamped {len(self._stamps) - 1} steps: the benchmark "
+                               "times a step from one stamp to the next and needs one per step")
         return self._stamps
 
     def parameters(self) -> Iterator[torch.Tensor]:
@@ -433,8 +451,17 @@ class DistaccumFoldedK1(DistaccumTrainer):
             del engine.normalize_loss
 
 
+class DistaccumSyncRecords(DistaccumTrainer):
+    """``distaccum`` with each step's record made right after it (``Trainer(lag_records=False)``: the timer
+    synchronizes the device once per step): on CUDA, ``distaccum_sync_records / distaccum`` is what the lagged
+    records (the default there) save; on the CPU the two are the same loop."""
+
+    LAG_RECORDS = False
+
+
 TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": DistaccumDeviceTotals,
-                                                "distaccum_folded_k1": DistaccumFoldedK1}
+                                                "distaccum_folded_k1": DistaccumFoldedK1,
+                                                "distaccum_sync_records": DistaccumSyncRecords}
 """distaccum variants that need more than config overrides (the rest are :class:`DistaccumTrainer`)."""
 
 

@@ -26,15 +26,18 @@ Host synchronizations per optimizer step on CUDA (steady state; ``tests/test_led
 counts them with ``torch.cuda.set_sync_debug_mode``). Nothing in the micro-batch loop waits for the
 device: batches are copied non-blocking from pinned memory and item counts are filled in on the
 device (on the CPU, where reading a tensor waits for nothing, the window's sums are Python floats instead:
-:class:`HostTotals`). The loop syncs once, in ``StepTimer.end_step`` (``torch.cuda.synchronize``, after which it
-resolves the step's CUDA events and reads the window's totals and item counts in ONE copy from the
-idle device). The engine's ``step`` adds its own: DDP and Accelerate read the gradient norm once
-(the update depends on it being finite) and fp16 adds GradScaler's three reads (found-inf, the
-scale before and after its update). ``set_sync_debug_mode`` flags the reads, not the explicit
-``synchronize``, so a DDP or Accelerate step shows exactly **2** flagged syncs in fp32/bf16/fp64
-and **5** in fp16. Not included: DDP's one-time bucket rebuild (step 2), tripwire steps
-(``trainer.check_every``: one more read per rank's checksums) and the internals of FSDP (whose
-``step`` also reads the norm once) and DeepSpeed.
+:class:`HostTotals`). The window's totals are copied into pinned host memory where they land (:class:`DeviceTotals`;
+for DDP and Accelerate while the last backward still runs) and read after an event, which drains nothing; the
+step's timings are CUDA events resolved a step later (:class:`StepEnd`, ``LoopParts.lag``: the Trainer's default on
+CUDA), so the host prepares step n+1 while the device still computes step n, as a hand-written loop's host runs
+ahead. What is left is the engine's: DDP and Accelerate read the gradient norm once when there is one (clipping,
+``log.grad_norm``: the update depends on it being finite; without one the loss's verdict comes from the totals),
+and fp16 adds GradScaler's three reads (found-inf, the scale before and after its update). So a DDP or Accelerate
+step shows exactly **1** flagged sync in fp32/bf16/fp64 (**0** without a norm) and **4** in fp16, and a
+``train_steps`` call never calls ``torch.cuda.synchronize`` (with ``lag=False`` the timer makes one per step, which
+the debug mode does not flag). Not included: DDP's one-time bucket rebuild (step 2), tripwire steps
+(``trainer.check_every``: one more read per rank's checksums), ``log.gns`` (a read per step) and the internals of
+FSDP (whose ``step`` also reads the norm once) and DeepSpeed.
 
 What is not step math lives in the components that own it and is handed in (:class:`LoopParts`):
 when to checkpoint (:class:`~distaccum.rundir.checkpoint.Checkpointer`), what to do about non-finite
@@ -67,7 +70,7 @@ from distaccum.engines.base import Engine, StepResult
 from distaccum.losses import LossFn
 from distaccum.split import Split
 from distaccum.telemetry.sinks import Record, Sink
-from distaccum.telemetry.timing import StepTimer, StepTimes
+from distaccum.telemetry.timing import PendingTimes, StepTimer, StepTimes
 
 
 @dataclass
@@ -230,6 +233,24 @@ class DeviceTotals(WindowTotals):
         self.items = torch.zeros((), dtype=torch.float64, device=device)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.counts: list[torch.Tensor] = []
+        self._landed: tuple[torch.Tensor, Any] | None = None
+
+    def _copy_to_host(self) -> tuple[torch.Tensor, Any]:
+        """Queue the all-reduced totals' copy into pinned host memory and an event after it, on the stream that
+        has just waited for them (a DDP bucket's completion while the backward runs, else the loop's after it):
+        :meth:`read` waits for that event only, so reading the totals never drains the device's queue."""
+        host = torch.empty(self.totals.shape, dtype=torch.float64, pin_memory=True)
+        host.copy_(self.totals, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record(torch.cuda.current_stream(self.device))
+        return host, landed
+
+    def _reduced(self) -> list[float]:
+        if self._landed is None:
+            return self.totals.tolist()
+        host, landed = self._landed
+        landed.synchronize()
+        return host.tolist()
 
     def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor:
         n = item_count(n_items, self.device)
@@ -261,6 +282,8 @@ class DeviceTotals(WindowTotals):
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
         if self._scale is None:
             self._work.wait()
+            if self.device.type == "cuda":  # the host's copy, queued right where the totals land
+                self._landed = self._copy_to_host()
             count = self.totals[0].clamp(min=1.0)
             scale = 1.0 / (c * count) if loss_norm == "global_count" else \
                 torch.full((), 1.0 / c, dtype=torch.float64, device=self.device)
@@ -384,9 +407,13 @@ class NonFinitePolicy:
         state.nonfinite_streak = state.nonfinite_streak + 1 if nonfinite else 0
         return nonfinite
 
+    def exhausted(self, state: TrainState) -> bool:
+        """Whether :meth:`enforce` raises after this step."""
+        return state.nonfinite_streak >= self.max_steps
+
     def enforce(self, state: TrainState, step: int, totals: WindowResult, result: StepResult) -> None:
         """Raise :class:`NonFiniteError` with a diagnosis once the streak reaches ``max_steps``."""
-        if state.nonfinite_streak < self.max_steps:
+        if not self.exhausted(state):
             return
         ranks = totals.bad_ranks
         raise NonFiniteError(
@@ -421,6 +448,38 @@ class LoopParts:
     checks: list[ReductionCheck] = field(default_factory=list)
     stop: StopFlag | None = None
     on_step: Callable[[TrainState, Record], None] | None = None
+    lag: bool = False
+    """Hand step n's record to the sinks and ``on_step`` once step n+1 is queued (:class:`StepEnd`)."""
+    flush_after: Callable[[int], bool] | None = None
+    """Steps whose record must be handed over before the next step starts, under ``lag`` (an evaluation's)."""
+
+
+@dataclass
+class StepEnd:
+    """An optimizer step whose work is queued, and what its record needs. With ``LoopParts.lag`` (CUDA) the
+    loop hands the record over one step late: step n's CUDA timings are resolved once step n+1's work is
+    queued, so the host never drains the device's queue to time a step and prepares the next window while the
+    device still computes this one. A step that checkpoints, stops, ends the call, reaches the non-finite limit
+    or is named by ``LoopParts.flush_after`` is handed over at once, so checkpoints, evaluations and the records
+    a call returns are exactly the step's. ``on_step`` then runs with the model one step further than its record."""
+
+    window: WindowBatches
+    host: WindowResult
+    result: StepResult
+    lr: float
+    times: PendingTimes
+    nonfinite: bool
+
+    def hand_over(self, state: TrainState, parts: LoopParts, split: Split) -> None:
+        """Resolve the step's timings (waiting for its own events only), then record, log and call ``on_step``."""
+        times = self.times.resolve()
+        record = step_record(self.window, split, self.host, self.result, self.lr, times, self.nonfinite)
+        for monitor in parts.monitors:
+            record.update(monitor.fields(record, times, state.records))
+        state.records.append(record)
+        parts.sink.log(record)
+        if parts.on_step is not None:
+            parts.on_step(state, record)
 
 
 def step_record(window: WindowBatches, split: Split, totals: WindowResult, result: StepResult, lr: float,
@@ -448,6 +507,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
     split, engine, model, timer = settings.split, state.engine, state.model, parts.timer
     end = min(until if until is not None else settings.max_steps, settings.max_steps)
     first = len(state.records)
+    lagged: StepEnd | None = None
     model.train()
     while state.source.next_step < end:
         timer.start_step()
@@ -481,30 +541,29 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
         step = window.step + 1
         for check in parts.checks:  # the reduced gradient, compared across ranks while the step runs
             check.after_reduction(step, totals)
+        host = totals.read()  # the window's totals (on CUDA from their pinned copy: no drain)
         lr = state.scheduler.get_last_lr()[0]
-        result = engine.step(settings.clip_norm, grad_scale)  # 4. normalize, clip, step: once per window
+        result = engine.step(settings.clip_norm, grad_scale, loss_finite=not host.bad_ranks)  # 4. once per window
         if result.applied:  # a skipped step must not advance the schedule
             state.scheduler.step()
         state.source.advance()
         for monitor in parts.monitors:
             monitor.after_step(step, totals, c, d)
-        times = timer.end_step()
-        host = totals.read()  # 5. record
+        ended = StepEnd(window, host, result, lr, timer.finish_step(sync=not parts.lag), False)
         for check in parts.checks:  # the previous step's comparison: it came with this window's totals
             check.judge(step - 1)
         state.n_prev = host.items
-        nonfinite = parts.nonfinite.observe(state, host, result)
-        record = step_record(window, split, host, result, lr, times, nonfinite)
-        for monitor in parts.monitors:
-            record.update(monitor.fields(record, times, state.records))
-        state.records.append(record)
-        parts.sink.log(record)
-        if parts.on_step is not None:
-            parts.on_step(state, record)
-        parts.nonfinite.enforce(state, step, host, result)
+        ended.nonfinite = parts.nonfinite.observe(state, host, result)
+        if lagged is not None:  # 5. record: the previous step's, whose events step n's queued work follows
+            lagged.hand_over(state, parts, split)
         stopping, checkpointer = host.stop_votes > 0, parts.checkpointer
         saves = checkpointer is not None and checkpointer.saves_after(step, due=host.checkpoint_votes > 0,
                                                                       stopping=stopping)
+        lagged = ended if parts.lag and not (saves or stopping or step >= end or parts.nonfinite.exhausted(state)
+                                             or parts.flush_after is not None and parts.flush_after(step)) else None
+        if lagged is None:
+            ended.hand_over(state, parts, split)
+        parts.nonfinite.enforce(state, step, host, result)
         if saves or stopping or step >= settings.max_steps:  # nothing pending is saved or left unjudged
             for check in parts.checks:
                 check.judge(step)

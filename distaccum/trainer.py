@@ -78,12 +78,22 @@ class _Run:
     """HSDP: the replica groups and every rank's node (``summary.json``'s ``placement``)."""
 
 
+def records_lag(device: torch.device, has_on_step: bool, lag_records: bool | None) -> bool:
+    """Whether the loop hands records over a step late (``Trainer(lag_records=...)``; None: on CUDA, unless an
+    ``on_step`` would see the model a step further than its record)."""
+    return lag_records if lag_records is not None else device.type == "cuda" and not has_on_step
+
+
 class Trainer:
     """Train the user's model with gradient accumulation on every rank of the process group.
 
     ``config`` is a :class:`~distaccum.config.RunConfig` or a mapping of its sections (``{"accum":
     {...}, "trainer": {...}, "run_dir": ...}``); its ``model``/``data.dataset``/``loss`` nodes are
     not needed here: the objects are. ``on_step(state, record)`` runs after every optimizer step.
+    ``lag_records``: hand each step's record to the sinks and ``on_step`` once the next step is queued, so a GPU
+    is never drained to time a step (:class:`~distaccum.loop.StepEnd`; steps that evaluate, checkpoint, stop or
+    end a :meth:`train_steps` call are handed over at once). None (the default): on CUDA when there is no
+    ``on_step`` (which would then see the model one step further than its record); False: never.
     ``activation_checkpointing`` (``"blocks"`` or module-name patterns) makes those modules recompute
     their activations in backward (:mod:`distaccum.activation_checkpointing`). ``dataset`` may be
     map-style or an ``IterableDataset`` (a stream); ``eval_dataset`` (map-style) is the held-out data for
@@ -96,13 +106,14 @@ class Trainer:
                  on_step: Callable[[TrainState, Record], None] | None = None,
                  check_components: bool = True, names: dict[str, str] | None = None,
                  activation_checkpointing: Checkpointing | list[str] = None,
-                 eval_dataset: Dataset | None = None) -> None:
+                 eval_dataset: Dataset | None = None, lag_records: bool | None = None) -> None:
         self.cfg = config if isinstance(config, RunConfig) else from_mapping(config or {})
         checkpointing = parse_checkpointing(activation_checkpointing, "activation_checkpointing")
         self.components = Components(model, dataset, loss, collate, optimizer, names,
                                      activation_checkpointing=checkpointing, eval_dataset=eval_dataset)
         self.stop = stop
         self.on_step = on_step
+        self.lag_records = lag_records
         self.check_components = check_components
         self._created_group = False
         self._run: _Run | None = None
@@ -302,10 +313,12 @@ class Trainer:
             monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world))
         if cfg.trainer.compile:
             monitors.append(CompileWatch(rank, warmup_steps=max(done, 0) + 1))
+        lag = records_lag(device, self.on_step is not None, self.lag_records)
+        every = cfg.eval.every
         parts = LoopParts(timer=timer, sink=NullSink(),  # the real sinks open on the first train_steps
                           nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
                           checkpointer=checkpointer, monitors=monitors, stop=self.stop, on_step=self._after_step,
-                          checks=checks)
+                          checks=checks, lag=lag, flush_after=(lambda step: step % every == 0) if every else None)
         return _Run(resolved, prepared, state, parts, testing.intercept("loss", self.components.loss), checkpointer,
                     done, liveness, placement=placement)
 

@@ -187,8 +187,8 @@ def test_the_gpu_check_script_runs_and_names_what_exists(tmp_path: Path) -> None
     assert all((ROOT / path).is_file() for path in re.findall(r"tests/\S+\.py", text))
     match = re.search(r"cases=\$\{2:-([^}]+)\}", text)
     assert match and set(match.group(1).split(",")) == {c.name for c in (*FULL_CASES, *GPU_CASES)}
-    named = [names for names in re.findall(r"--(?:variants|sweep) ([\w,]+)", text) if "," in names]
-    assert len(named) == 2  # the timing's variants and the engine sweep's
+    named = [names for names in re.findall(r"(?:--sweep |variants=\$\{VARIANTS:-)([\w,]+)", text) if "," in names]
+    assert len(named) == 2 and '--variants "$variants"' in text  # the timing's variants and the engine sweep's
     for names in named:
         check_variants(names.split(","))
     refused = subprocess.run(["bash", str(script), str(tmp_path / "refused")], capture_output=True, text=True,

@@ -64,3 +64,21 @@ def test_graph_breaks_are_counted_from_the_watch_s_start() -> None:
 
     torch.compile(broken, backend="eager")(torch.ones(2))
     assert watch.fields({"step": 1}, None, [])["graph_breaks"] >= 1
+
+
+def test_a_lagged_record_counts_what_its_own_step_compiled(capsys: pytest.CaptureFixture[str]) -> None:
+    """Under the loop's lagged records (CUDA) step n's fields are asked for after step n+1 ran: each step's
+    compiles are those before its own ``after_step``, so a recompile in step 2 is step 2's, reported after
+    warm-up, not folded into step 1 (warm-up) and missed."""
+    torch._dynamo.reset()
+    watch = CompileWatch(rank=0, warmup_steps=1)
+    fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)
+    fn(torch.ones(3))
+    watch.after_step(1, None, 1.0, 1.0)
+    fn(torch.ones(5))  # step 2 recompiles
+    watch.after_step(2, None, 1.0, 1.0)
+    first = watch.fields({"step": 1}, None, [])  # handed over after step 2 ran
+    assert first["compile_s"] > 0 and first["recompiles"] == 0
+    second = watch.fields({"step": 2}, None, [])
+    assert second["recompiles"] == 1
+    assert "recompiled 1 graph(s) at step 2, after warm-up" in capsys.readouterr().err

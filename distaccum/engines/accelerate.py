@@ -97,13 +97,13 @@ class AccelerateEngine(ReplicatedEngine):
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)  # divides by K (declared in grad_divisor), scales fp16
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
         if not self.accelerator.sync_gradients:
             raise RuntimeError("Accelerate's accumulate() has not reached its boundary at the loop's "
                                "optimizer step: its optimizer.step() would silently do nothing")
         # The torch optimizer and Accelerate's GradScaler directly: the same unscale -> normalize
         # -> clip -> step as DDP (Accelerate's prepared optimizer would only add its own checks).
-        return super().step(max_norm, grad_scale)
+        return super().step(max_norm, grad_scale, loss_finite)
 
     def teardown(self) -> None:
         if self.accelerator is not None:

@@ -142,10 +142,12 @@ class Engine(Protocol):
         not offered (the loop then offers :meth:`fold_normalization`)."""
         ...
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
         """Multiply the reduced gradients by ``grad_scale`` (the window's 1/(c N)), clip the global
         norm to ``max_norm`` when set, step the optimizer and zero the gradients. Skips the update
-        (and says so) when the gradient is not finite. Called once per optimizer step."""
+        (and says so) when the gradient is not finite. Called once per optimizer step. ``loss_finite``: the
+        loop's verdict on the window's loss, read from its totals (``grad_scale`` is NaN exactly when it is
+        False), so an engine that measures no norm need not read ``grad_scale`` on the host (None: read it)."""
         ...
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -334,7 +336,7 @@ def clip_normalized_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: fl
 def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
                grad_scale: torch.Tensor, scaler: torch.amp.GradScaler | None, *,
                grads_to_none: bool = True, normalized: bool = False,
-               normalized_norm: torch.Tensor | None = None) -> StepResult:
+               normalized_norm: torch.Tensor | None = None, loss_finite: bool | None = None) -> StepResult:
     """Normalize, clip and step the gradients of ``named`` parameters (whole, or DTensor shards for FSDP2).
 
     With fp16 the GradScaler unscales first (once per step) and skips the update on overflow;
@@ -346,7 +348,8 @@ def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Param
     ``normalized``: the gradients are already normalized (the reduction folded ``grad_scale`` in:
     :meth:`Engine.fold_normalization`) and ``normalized_norm`` is their norm as the reduction measured it,
     or None when nothing needs it (no clipping, ``log.grad_norm=false``): then the step is skipped only
-    for a non-finite ``grad_scale`` (a non-finite loss) and the norm is recorded as None.
+    for a non-finite ``grad_scale`` (a non-finite loss), known from ``loss_finite`` when the loop gives it (no host
+    read of ``grad_scale``: the step then makes no device sync at all), and the norm is recorded as None.
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -357,7 +360,10 @@ def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Param
         norm = clip_normalized_(grads, normalized_norm, max_norm)
     else:
         norm = None
-    finite = math.isfinite(float(grad_scale)) if norm is None else norm == norm and norm != float("inf")  # one read
+    if norm is not None:
+        finite = norm == norm and norm != float("inf")  # the one read
+    else:
+        finite = math.isfinite(float(grad_scale)) if loss_finite is None else loss_finite
     if scaler is not None:
         before = scaler.get_scale()
         scaler.step(optimizer)  # skips the update when unscale_ found inf/nan

@@ -179,7 +179,7 @@ class DeepSpeedEngine(EngineBase):
         with tap_gradient_reductions(self.ledger):  # ZeRO reduces inside backward (hooks, epilogue)
             self.engine.backward(loss, scale_wrt_gas=False)
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
         assert (max_norm or 0.0) == self.engine.gradient_clipping(), "clipping comes from the generated config"
         wrapper = self.engine.optimizer
         if wrapper is self.optimizer:

@@ -197,10 +197,10 @@ class FSDPEngine(EngineBase):
                                      replicate_group=self._replicate_group):
             loss.backward()
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
         assert self.module is not None
         # Sharded DTensor gradients: per-shard norms and one all-reduce for the total (not a gradient
-        # reduction, and outside the tap); the multiply acts on the local shards.
+        # reduction, and outside the tap); the multiply acts on the local shards. The norm decides the skip.
         return step_plain(self.optimizer, list(self.module.named_parameters()), max_norm, grad_scale, None)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -221,7 +221,7 @@ class ReplicatedEngine(EngineBase):
             self._named_parameters = list(self._raw().named_parameters())
         return self._named_parameters
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
         named = self._named()
         state = getattr(self, "hook_state", None)
         norm, folded = None, state is not None and (state.summed or state.fold is not None and state.factor is not None)
@@ -233,7 +233,7 @@ class ReplicatedEngine(EngineBase):
         if state is not None:
             state.fold, state.factor, state.norms, state.summed = None, None, {}, False
         return step_plain(self.optimizer, named, max_norm, grad_scale, self.scaler, grads_to_none=self.grads_to_none,
-                          normalized=folded, normalized_norm=norm)
+                          normalized=folded, normalized_norm=norm, loss_finite=loss_finite)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._raw().named_parameters():

@@ -61,14 +61,20 @@ class CompileWatch:
         with _lock:
             self._seen = len(_events)
         self._breaks_before = graph_breaks()
+        self._ends: dict[int, tuple[int, int]] = {}
+        """Per step until its record is made: the events and graph breaks counted when it ended (its record may
+        come a step later, :class:`~distaccum.loop.StepEnd`, after the next step compiled)."""
 
     def after_step(self, step: int, window: object, c: float, d: float) -> None:
-        pass
+        with _lock:
+            self._ends[step] = (len(_events), graph_breaks())
 
     def fields(self, record: dict[str, Any], times: object, records: list[dict[str, Any]]) -> dict[str, Any]:
         _listen()  # torch._dynamo.reset() in user code would have dropped the callbacks
+        step = int(record["step"])
         with _lock:
-            new, self._seen = _events[self._seen:], len(_events)
+            upto, breaks = self._ends.pop(step, None) or (len(_events), graph_breaks())
+            new, self._seen = _events[self._seen:upto], upto
         starts: dict[tuple[str, CallbackTrigger], float] = {}
         seconds, recompiled = 0.0, []
         for kind, at, compile_id, trigger in new:
@@ -78,7 +84,6 @@ class CompileWatch:
                     recompiled.append(compile_id)
             elif (compile_id, trigger) in starts:
                 seconds += at - starts.pop((compile_id, trigger))
-        step = int(record["step"])
         if recompiled and step > self.warmup and self.rank == 0:
             reasons = {str(m.compile_id): m.recompile_reason for m in get_compilation_metrics()}
             why = "; ".join(f"{i}: {reasons.get(i) or 'reason not recorded'}" for i in recompiled)
@@ -91,4 +96,4 @@ class CompileWatch:
                     if "0/1 specialization" in why else "")
             print(f"distaccum: torch.compile recompiled {len(recompiled)} graph(s) at step {step}, after warm-up "
                   f"(each recompile costs compile time again): {why}.{hint}", file=sys.stderr, flush=True)
-        return {"compile_s": seconds, "recompiles": len(recompiled), "graph_breaks": graph_breaks() - self._breaks_before}
+        return {"compile_s": seconds, "recompiles": len(recompiled), "graph_breaks": breaks - self._breaks_before}

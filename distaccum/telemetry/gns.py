@@ -118,13 +118,15 @@ class GnsMonitor:
 
     def __init__(self, squares: GradSquares, decay: float, world_size: int) -> None:
         self.squares, self.decay, self.world = squares, decay, world_size
-        self._sums: torch.Tensor | None = None
+        self._sums: dict[int, torch.Tensor] = {}
+        """Per step until its record is made (a step late under the loop's lagged records)."""
 
     def after_step(self, step: int, window: Any, c: float, d: float) -> None:
-        self._sums = torch.stack(window_terms(self.squares, window.sums()[1], c, d))  # this rank's items
-        dist.all_reduce(self._sums)
+        sums = torch.stack(window_terms(self.squares, window.sums()[1], c, d))  # this rank's items
+        dist.all_reduce(sums)
+        self._sums[step] = sums
 
     def fields(self, record: dict[str, Any], times: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
-        assert self._sums is not None, "after_step first"
-        grad_sq, trace = estimate(self._sums.tolist(), float(record["items"]), self.world)
+        sums = self._sums.pop(int(record["step"]))  # after_step of this step came first
+        grad_sq, trace = estimate(sums.tolist(), float(record["items"]), self.world)
         return record_fields(grad_sq, trace, records[-1] if records else None, self.decay)

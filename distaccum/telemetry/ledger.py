@@ -35,17 +35,19 @@ each micro-batch and ``end_step``. What comes out, per step and rank (:class:`Co
   soon as its last gradient is produced, and the bucket holding the first layers is produced last —
   so anything still in flight after it is time the backward call spends waiting for the network.
 
-Timestamps come from a :class:`Clock`: ``perf_counter`` on CPU; CUDA events on GPU, resolved after
-the step's one host synchronization (``StepTimer.end_step``), so the ledger itself never syncs.
+Timestamps come from a :class:`Clock`: ``perf_counter`` on CPU; CUDA events on GPU, resolved once they have
+completed (``StepTimer``: after the step's synchronize, or a step later without one), so the ledger itself never
+syncs. ``close_step`` takes the step's snapshot when it ends; what it returns resolves the figures when asked.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -55,13 +57,17 @@ Stamp = Any
 
 
 class Clock(Protocol):
-    """Where timestamps come from; ``seconds`` is only valid after ``sync``."""
+    """Where timestamps come from; ``seconds`` is only valid after ``sync``, or ``wait`` for its end."""
 
     def stamp(self) -> Stamp: ...
 
     def seconds(self, start: Stamp, end: Stamp) -> float: ...
 
     def sync(self) -> None: ...
+
+    def wait(self, stamp: Stamp) -> None:
+        """Until the work before ``stamp`` has completed (only that work: other streams' later work goes on)."""
+        ...
 
 
 class HostClock:
@@ -74,6 +80,9 @@ class HostClock:
         return end - start
 
     def sync(self) -> None:
+        pass
+
+    def wait(self, stamp: float) -> None:
         pass
 
 
@@ -96,6 +105,9 @@ class CudaClock:
 
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)  # host sync: every event of the step has completed after it
+
+    def wait(self, stamp: torch.cuda.Event) -> None:
+        stamp.synchronize()  # returns at once for an event the device has passed
 
 
 @dataclass
@@ -188,9 +200,21 @@ class CommLedger:
         ``end`` (default: now) closes collectives still in flight; the engines here wait for their
         reductions before the optimizer step, so there are normally none.
         """
+        return self.close_step(end)()
+
+    def close_step(self, end: Stamp = None) -> Callable[[], CommStats]:
+        """Snapshot the step that just ended (the next ``start_step`` may come before its events complete);
+        the returned function computes its :class:`CommStats`, waiting for each of its CUDA events first."""
         with self._lock:
             collectives = list(self._collectives)
             gather_calls, gather_bytes = self._gathers
+            start = self._step_start
+        if self.enabled and collectives and end is None and any(c.end is None for c in collectives):
+            end = self.clock.stamp()
+        return partial(self._stats, collectives, gather_calls, gather_bytes, start, end)
+
+    def _stats(self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp,
+               end: Stamp) -> CommStats:
         inner = [c for c in collectives if not c.replicate]
         across = [c for c in collectives if c.replicate]
         stats = CommStats(comm_calls=len(inner),
@@ -202,11 +226,10 @@ class CommLedger:
                           comm_rounds_replicate=len({c.micro for c in across}))
         if not self.enabled or not collectives:
             return stats
-        if end is None and any(c.end is None for c in collectives):
-            end = self.clock.stamp()
 
         def at(stamp: Stamp) -> float:
-            return self.clock.seconds(self._step_start, stamp)
+            self.clock.wait(stamp)  # a completion stamp may sit on another stream than the step's end
+            return self.clock.seconds(start, stamp)
 
         spans = [(at(c.start), at(c.end if c.end is not None else end), c) for c in collectives]
         stats.comm_s = union_length([(s, e) for s, e, _ in spans])

@@ -13,15 +13,17 @@ One optimizer step is split into phases, each a separate record field:
     comm_*     from the :class:`~distaccum.telemetry.ledger.CommLedger` (``comm_s`` overlaps compute_s;
                ``comm_exposed_s`` does not, so compute_s + comm_exposed_s = forward+backward time)
 
-On CPU the phases are wall-clock intervals. On CUDA they are CUDA events on the current stream,
-read after ``end_step``'s single ``torch.cuda.synchronize`` — the timer's one host sync per step
-(the engine's step makes its own; :mod:`distaccum.loop` counts them all) — and the per-rank
-logging values are all-gathered over a separate gloo group on host tensors, so logging adds no
-further device sync.
+On CPU the phases are wall-clock intervals. On CUDA they are CUDA events on the current stream.
+``finish_step`` closes the step and returns its :class:`PendingTimes`; ``resolve`` waits for the step's own
+events only (``Event.synchronize``), so the loop can resolve step n once step n+1 is queued and the device
+never drains for the timer (:mod:`distaccum.loop`'s lagged records). ``end_step`` is the synchronous form:
+one ``torch.cuda.synchronize``, then the figures. The per-rank logging values are all-gathered over a
+separate gloo group on host tensors, so logging adds no device sync.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,39 @@ class StepTimes:
         """The per-step record fields (flat; names as in ``metrics.jsonl``)."""
         fields = {k: v for k, v in vars(self).items() if k != "comm"}  # flat fields: no deep copy (asdict)
         return {**fields, **vars(self.comm)}
+
+
+@dataclass
+class PendingTimes:
+    """A closed step whose figures are computed when asked (:meth:`resolve`): on CUDA once its events have
+    completed, which ``resolve`` waits for (the step's end event, then each collective's), and no more."""
+
+    clock: Clock
+    marks: dict[str, Stamp]
+    micro_data: list[tuple[Stamp, Stamp]]
+    end: Stamp
+    comm: Callable[[], CommStats]
+    peak_mem_bytes: int
+
+    def resolve(self) -> StepTimes:
+        clock, marks, end = self.clock, self.marks, self.end
+        clock.wait(end)
+        comm = self.comm()
+
+        def between(a: str, b: str) -> float:
+            return clock.seconds(marks[a], marks[b] if b != "end" else end)
+
+        micro_data = sum(clock.seconds(a, b) for a, b in self.micro_data)
+        forward_backward = between("start", "compute") - micro_data
+        return StepTimes(
+            time_s=between("start", "end"),
+            data_s=micro_data,
+            compute_s=max(0.0, forward_backward - comm.comm_exposed_s),
+            optim_s=between("compute", "end"),
+            last_micro_s=clock.seconds(self.micro_data[-1][0], marks["compute"]) if self.micro_data else 0.0,
+            comm=comm,
+            peak_mem_bytes=self.peak_mem_bytes,
+        )
 
 
 class StepTimer:
@@ -85,26 +120,17 @@ class StepTimer:
         self._marks["compute"] = self.clock.stamp()
 
     def end_step(self) -> StepTimes:
-        """After the optimizer step. On CUDA this is the timer's one host synchronization per step."""
+        """After the optimizer step: the step's figures at once (on CUDA one host synchronization)."""
+        return self.finish_step(sync=True).resolve()
+
+    def finish_step(self, *, sync: bool = False) -> PendingTimes:
+        """After the optimizer step: close the step (its end stamp, the ledger's snapshot, the allocator's peak,
+        which the host keeps and reading it waits for nothing); ``sync`` synchronizes the device first."""
         end = self.clock.stamp()
-        self.clock.sync()
-        comm = self.ledger.end_step(end)
-        marks = self._marks
-
-        def between(a: str, b: str) -> float:
-            return self.clock.seconds(marks[a], marks[b] if b != "end" else end)
-
-        micro_data = sum(self.clock.seconds(a, b) for a, b in self._micro_data)
-        forward_backward = between("start", "compute") - micro_data
-        return StepTimes(
-            time_s=between("start", "end"),
-            data_s=micro_data,
-            compute_s=max(0.0, forward_backward - comm.comm_exposed_s),
-            optim_s=between("compute", "end"),
-            last_micro_s=self.clock.seconds(self._micro_data[-1][0], marks["compute"]) if self._micro_data else 0.0,
-            comm=comm,
-            peak_mem_bytes=peak_memory_bytes(self.device),
-        )
+        if sync:
+            self.clock.sync()
+        return PendingTimes(self.clock, self._marks, self._micro_data, end,  # start_step makes new ones
+                            self.ledger.close_step(end), peak_memory_bytes(self.device))
 
     def gather(self, values: list[float]) -> torch.Tensor:
         """All-gather host floats from every rank: a float64 CPU tensor of shape (world, len(values))."""

@@ -108,8 +108,8 @@ class ScaledStep(Proxy):
     def normalize_loss(self, scale: Any) -> Any:
         return self.inner.normalize_loss(lambda: scale() * self.factor())
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> Any:
-        return self.inner.step(max_norm, grad_scale * self.factor())
+    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> Any:
+        return self.inner.step(max_norm, grad_scale * self.factor(), loss_finite)
 
 
 class GradScale:
