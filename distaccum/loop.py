@@ -461,7 +461,9 @@ class StepEnd:
     queued, so the host never drains the device's queue to time a step and prepares the next window while the
     device still computes this one. A step that checkpoints, stops, ends the call, reaches the non-finite limit
     or is named by ``LoopParts.flush_after`` is handed over at once, so checkpoints, evaluations and the records
-    a call returns are exactly the step's. ``on_step`` then runs with the model one step further than its record."""
+    a call returns are exactly the step's. ``on_step`` then runs with the model one step further than its record.
+    A run that fails during step n+1 loses step n's record (never a checkpointed step's: those are handed over at
+    once, so a resumed run's records are complete)."""
 
     window: WindowBatches
     host: WindowResult

@@ -146,7 +146,8 @@ def test_the_fixed_cost_tool_times_every_piece_of_distaccum_s_step(tmp_path: Pat
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     pieces = json.loads(record.read_text())["pieces"]
     for label in ("HostTotals.reduce", "HostTotals.read", "ReplicatedEngine.step", "replicated.normalize_",
-                  "Fingerprint.after_reduction", "MultiSink.log", "StepTimer.end_step", "SGD.step"):
+                  "Fingerprint.after_reduction", "MultiSink.log", "StepTimer.finish_step", "PendingTimes.resolve",
+                  "SGD.step"):
         wall_us, cpu_us, calls = pieces["distaccum"][label]
         assert calls == 1.0 and wall_us > 0 and cpu_us >= 0, label
     assert pieces["distaccum_device_totals"]["DeviceTotals.reduce"][2] == 1.0

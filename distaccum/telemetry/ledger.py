@@ -8,7 +8,7 @@ tap on the torch.distributed collectives they call (FSDP2, DeepSpeed):
 - blocking collectives (the caller waits for the result): ``with ledger.blocking(tensor): ...``.
 
 The loop (through :class:`distaccum.telemetry.timing.StepTimer`) calls ``start_step``, ``start_micro`` before
-each micro-batch and ``end_step``. What comes out, per step and rank (:class:`CommStats`):
+each micro-batch and ``close_step`` (``end_step``: close and resolve at once). What comes out, per step and rank (:class:`CommStats`):
 
 - ``comm_calls`` / ``comm_bytes``: gradient collectives launched and the bytes of their input
   tensors (one copy of what was reduced, in the dtype it was reduced in, whatever the algorithm
