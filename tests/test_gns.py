@@ -135,3 +135,38 @@ def test_report_plots_the_noise_scale(run_dir: Path, tmp_path: Path, capsys: pyt
     assert "## Gradient noise scale" in capsys.readouterr().out
     png = (tmp_path / "report.png").read_bytes()
     assert int.from_bytes(png[16:20], "big") == 4 * 6 * 110  # four 6-inch panels at 110 dpi: the noise scale added
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("cpu_group")
+def test_a_lagged_record_gets_its_own_step_s_terms() -> None:
+    """Under the loop's lagged records (CUDA) step 1's fields are asked for after step 2's ``after_step``: each
+    step's all-reduced terms are kept per step, so the record of step 1 is computed from step 1's gradients."""
+    from distaccum.telemetry.gns import GnsMonitor, GradSquares
+
+    class Window:
+        def __init__(self, items: float) -> None:
+            self.items = items
+
+        def sums(self) -> torch.Tensor:
+            return torch.tensor([0.0, self.items], dtype=torch.float64)
+
+    def step(monitor: GnsMonitor, squares: GradSquares, k: int, scale: float) -> None:
+        squares.add_local(torch.full((4,), scale))
+        squares.add_reduced(torch.full((4,), scale / 2))
+        monitor.after_step(k, Window(8.0 * k), 1.0, 1.0)
+
+    def records(lagged: bool) -> list[dict[str, float]]:
+        squares = GradSquares()
+        monitor, out = GnsMonitor(squares, 0.5, world_size=2), []
+        step(monitor, squares, 1, 1.0)
+        if lagged:
+            step(monitor, squares, 2, 3.0)
+        out.append(monitor.fields({"step": 1, "items": 64}, None, []))
+        if not lagged:
+            step(monitor, squares, 2, 3.0)
+        out.append(monitor.fields({"step": 2, "items": 128}, None, out))
+        return out
+
+    synchronous, lagged = records(False), records(True)
+    assert synchronous == lagged and all(math.isfinite(r["gns"]) for r in lagged) and lagged[0] != lagged[1]
