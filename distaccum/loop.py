@@ -24,9 +24,9 @@ Partial windows need nothing special: N counts what the window holds, never K x 
 
 Host synchronizations per optimizer step on CUDA (steady state; ``tests/test_ledger_gpu.py``
 counts them with ``torch.cuda.set_sync_debug_mode``). Nothing in the micro-batch loop waits for the
-device: batches are copied non-blocking from pinned memory and item counts are filled in on the
-device (on the CPU, where reading a tensor waits for nothing, the window's sums are Python floats instead:
-:class:`HostTotals`). The window's totals are copied into pinned host memory where they land (:class:`DeviceTotals`;
+device: batches are copied non-blocking from pinned memory, item counts the loss returns as tensors are
+summed on the device and those it returns as Python numbers on the host (on the CPU, where reading a tensor
+waits for nothing, all the window's sums are Python floats: :class:`HostTotals`). The window's totals are copied into pinned host memory where they land (:class:`DeviceTotals`;
 for DDP and Accelerate while the last backward still runs) and read after an event, which drains nothing; the
 step's timings are CUDA events resolved a step later (:class:`StepEnd`, ``LoopParts.lag``: the Trainer's default on
 CUDA), so the host prepares step n+1 while the device still computes step n, as a hand-written loop's host runs
@@ -225,15 +225,28 @@ class WindowTotals(ABC):
 
 
 class DeviceTotals(WindowTotals):
-    """The sums as float64 tensors on the device: everything is filled in there (no host-to-device copy, so
-    no sync), and the host reads them once, in :meth:`read`."""
+    """The loss sum as a float64 tensor on the device (filled in there: no host-to-device copy, so no sync), read
+    by the host once, in :meth:`read`. Item counts the loss returns as Python numbers stay Python floats until the
+    window's all-reduce (no device work per micro-batch for them); from the first count that is a tensor on, the
+    window's count lives on the device, continuing the same sum in the same order (so it is :class:`HostTotals`'
+    float64 arithmetic exactly, either way)."""
 
     def __init__(self, split: Split, rank: int, device: torch.device) -> None:
         super().__init__(split, rank, device)
-        self.items = torch.zeros((), dtype=torch.float64, device=device)
+        self.host_items = 0.0
+        self.device_items: torch.Tensor | None = None
+        """The window's item count on the device, once a count came as a tensor (else ``host_items``)."""
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.counts: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor | float] = []
         self._landed: tuple[torch.Tensor, Any] | None = None
+
+    def _scalar(self, x: float) -> torch.Tensor:
+        return torch.full((), x, dtype=torch.float64, device=self.device)
+
+    @property
+    def items(self) -> torch.Tensor:
+        """The window's item count so far, a float64 scalar on the device."""
+        return self.device_items if self.device_items is not None else self._scalar(self.host_items)
 
     def _copy_to_host(self) -> tuple[torch.Tensor, Any]:
         """Queue the all-reduced totals' copy into pinned host memory and an event after it, on the stream that
@@ -252,32 +265,40 @@ class DeviceTotals(WindowTotals):
         landed.synchronize()
         return host.tolist()
 
-    def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor:
-        n = item_count(n_items, self.device)
+    def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor | float:
+        if isinstance(n_items, torch.Tensor):
+            n: torch.Tensor | float = item_count(n_items, self.device)
+            if self.device_items is None:  # the count moves to the device, the sum so far with it
+                self.device_items = self._scalar(self.host_items)
+        else:
+            n = float(n_items)  # exact: an integer count below 2^53, or a float
         if weight == 1.0:  # every real micro-batch: no multiplies; ``+=`` promotes the loss to float64 exactly
             self.loss_sum += summed.detach()
         else:
             n = n * weight
             self.loss_sum += summed.detach().to(torch.float64) * weight
-        self.items += n
+        if self.device_items is not None:
+            self.device_items += n
+        else:
+            self.host_items += n  # type: ignore[operator]  # a float while no count was a tensor
         self.counts.append(n)
         return n
 
     def sums(self, *extra: float) -> torch.Tensor:
-        return torch.stack([self.loss_sum, self.items,
-                            *(torch.full((), x, dtype=torch.float64, device=self.device) for x in extra)])
+        return torch.stack([self.loss_sum, self.items, *(self._scalar(x) for x in extra)])
 
     def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
-        def scalar(x: float) -> torch.Tensor:
-            return torch.full((), x, dtype=torch.float64, device=self.device)
-
         bad = (~torch.isfinite(self.loss_sum)).to(torch.float64)
-        per_micro = torch.stack(self.counts)
-        mine = torch.cat([torch.stack([bad, per_micro.min(), per_micro.max()]), *self._carried])
+        if all(isinstance(n, float) for n in self.counts):
+            smallest, largest = self._scalar(min(self.counts)), self._scalar(max(self.counts))  # type: ignore[type-var]
+        else:
+            per_micro = torch.stack([n if isinstance(n, torch.Tensor) else self._scalar(n) for n in self.counts])
+            smallest, largest = per_micro.min(), per_micro.max()
+        mine = torch.cat([torch.stack([bad, smallest, largest]), *self._carried])
         slots = torch.zeros(mine.numel(), self.split.world_size, dtype=torch.float64, device=self.device)
         slots[:, self.rank] = mine
-        self._launch(torch.cat([torch.stack([self.items, self.loss_sum, bad, scalar(float(stop)),
-                                             scalar(float(checkpoint_due))]), slots.flatten()]))
+        self._launch(torch.cat([torch.stack([self.items, self.loss_sum, bad, self._scalar(float(stop)),
+                                             self._scalar(float(checkpoint_due))]), slots.flatten()]))
 
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
         if self._scale is None:

@@ -269,13 +269,15 @@ def test_window_totals_count_exactly_and_weigh_stand_ins_zero(kind: str) -> None
     assert float(window.counts[-1]) == 5.0
 
 
+@pytest.mark.parametrize("counts_as", ["mixed", "ints", "tensors"])
 @pytest.mark.parametrize("loss_norm", ["global_count", "mean_per_micro"])
-def test_the_cpu_s_python_float_totals_are_bitwise_the_device_totals(loss_norm: str) -> None:
+def test_the_cpu_s_python_float_totals_are_bitwise_the_device_totals(loss_norm: str, counts_as: str) -> None:
     """On the CPU the window's sums are Python floats (one tensor made for the all-reduce instead of a dozen
     operations on one-number tensors); they must be the device kind's float64 arithmetic exactly: the same
     all-reduced totals, the same 1/(c N) (or NaN), the same host read and carried rows, and the same factor
-    each micro-batch's loss is multiplied by. Random float32 and float64 losses, counts as ints and tensors,
-    stand-ins, a non-finite window; a 3-rank layout on a one-rank group as rank 2 (what was sent comes back)."""
+    each micro-batch's loss is multiplied by. Random float32 and float64 losses, counts as ints, tensors or both
+    (the device kind keeps Python counts on the host until a tensor count comes), stand-ins, a non-finite window;
+    a 3-rank layout on a one-rank group as rank 2 (what was sent comes back)."""
     from conftest import one_rank_group
     from distaccum.config import Split
     from distaccum.loop import DeviceTotals, HostTotals, micro_factor
@@ -291,11 +293,13 @@ def test_the_cpu_s_python_float_totals_are_bitwise_the_device_totals(loss_norm: 
                 summed = losses[k].to(torch.float32) if k % 2 else losses[k]
                 if case == 5 and k == 1:
                     summed = torch.tensor(float("nan"))
-                n_items = counts[k] if k % 2 else int(counts[k])
+                as_tensor = {"mixed": k % 2 == 1, "ints": False, "tensors": True}[counts_as]
+                n_items = counts[k] if as_tensor else int(counts[k])
                 weight = 0.0 if case == 3 and k == 2 else 1.0
                 ns = [w.add(summed, n_items, weight) for w in windows]
                 factors = [micro_factor(loss_norm, 0.25 * weight, n, split) for n in ns]
                 assert float(ns[0]) == ns[1] and float(factors[0]) == float(factors[1])
+            assert (windows[0].device_items is None) == (counts_as == "ints")  # Python counts: no device work
             rows = [w.carry(torch.tensor([0.1 * case, -2.0, float(case)], dtype=torch.float64)) for w in windows]
             for w in windows:
                 w.reduce(stop=case == 2, checkpoint_due=case == 4)
