@@ -15,6 +15,8 @@
   reduction through Python costs (distaccum's ledger and normalization live in such a hook).
 - ``ddp_window_allreduce``: ``ddp_python_hook`` plus a second, small all-reduce per step like distaccum's window
   (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
+- ``distaccum_sync_records``: ``distaccum`` with each step's record made right after it (``lag_records=False``):
+  on CUDA, what the lagged records (the default there) save; on the CPU the same loop.
 - ``distaccum_device_totals``: ``distaccum`` with the window's totals kept as one-number tensors on the CPU too
   (:class:`distaccum.loop.DeviceTotals`, what an accelerator uses): what the CPU's Python-float totals
   (:class:`~distaccum.loop.HostTotals`) save (a diagnostic for ``benchmarks.fixed_cost``).

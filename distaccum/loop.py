@@ -169,7 +169,7 @@ class WindowTotals(ABC):
         """The kind for ``device``: on the CPU the sums are Python floats (reading a CPU tensor costs no sync,
         and a dozen operations on tensors of one number cost more than the arithmetic: 0.37 ms of CPU per step on
         this project's 2-core machine, ``benchmarks.fixed_cost --sections`` in BENCHMARKS.md); on an accelerator
-        they stay there."""
+        the loss sum stays there (item counts that are Python numbers stay on the host until the all-reduce)."""
         return HostTotals(split, rank, device) if device.type == "cpu" else DeviceTotals(split, rank, device)
 
     @abstractmethod
