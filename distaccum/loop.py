@@ -572,11 +572,11 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
         state.source.advance()
         for monitor in parts.monitors:
             monitor.after_step(step, totals, c, d)
-        ended = StepEnd(window, host, result, lr, timer.finish_step(sync=not parts.lag), False)
+        times = timer.finish_step(sync=not parts.lag)
         for check in parts.checks:  # the previous step's comparison: it came with this window's totals
             check.judge(step - 1)
         state.n_prev = host.items
-        ended.nonfinite = parts.nonfinite.observe(state, host, result)
+        ended = StepEnd(window, host, result, lr, times, parts.nonfinite.observe(state, host, result))
         if lagged is not None:  # 5. record: the previous step's, whose events step n's queued work follows
             lagged.hand_over(state, parts, split)
         stopping, checkpointer = host.stop_votes > 0, parts.checkpointer
