@@ -1,9 +1,11 @@
 """What the input pipeline costs per micro-batch on the host: ``python -m benchmarks.data_fetch``.
 
-One process, one thread, no training: the time distaccum's DataLoader takes to hand out a micro-batch of an
-in-memory ``TensorDataset`` (the global-batch plan's sampler, shuffled) served sample by sample through
-``default_collate`` (what any map-style dataset gets) against :class:`~distaccum.data.pipeline.TensorBatches`
-(one ``index_select`` per tensor, what a plain ``TensorDataset`` now gets), and the time the plan takes to cut
+One process, one thread, no training: the time distaccum takes to hand out a micro-batch of an in-memory
+``TensorDataset`` (the global-batch plan's walk): through the DataLoader sample by sample with ``default_collate``
+(what any map-style dataset gets), through the DataLoader with :class:`~distaccum.data.pipeline.TensorBatches` (one
+``index_select`` per tensor: a plain ``TensorDataset`` with DataLoader workers), and cut in the process by
+:class:`~distaccum.data.pipeline.TensorRows` (a plain ``TensorDataset`` without workers, the default), shuffled and
+in order; and the time the plan takes to cut
 a window out of a large shuffled dataset when it keeps the epoch's order against drawing it anew (what it did
 before: twice per optimizer step). Medians over ``--repeats`` passes.
 
@@ -18,21 +20,29 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.data import TensorDataset, default_collate
+from torch.utils.data import TensorDataset
 
 from distaccum.config import Split
 from distaccum.data.global_batch import GlobalBatchPlan
-from distaccum.data.pipeline import build_loader
+from distaccum.data.pipeline import build_loader, micro_batches
 
 
-def fetch_ms(dataset: Any, collate: Any, plan: GlobalBatchPlan, split: Split, steps: int, repeats: int) -> float:
-    """Median milliseconds per micro-batch of one rank's loader (:func:`build_loader`, as the Trainer builds it)
-    over ``steps`` windows."""
+class SampleBySample(TensorDataset):
+    """A ``TensorDataset`` the pipeline does not recognize as plain: what any map-style dataset gets (the
+    DataLoader, one ``__getitem__`` per sample, ``default_collate``)."""
+
+
+def fetch_ms(dataset: Any, plan: GlobalBatchPlan, split: Split, steps: int, repeats: int, *, loader: bool) -> float:
+    """Median milliseconds per micro-batch of one rank over ``steps`` windows: through :func:`build_loader`'s
+    DataLoader, or what the Trainer takes (:func:`micro_batches`: :class:`TensorRows` for a plain
+    ``TensorDataset``)."""
     times = []
     for _ in range(repeats):
-        loader = build_loader(dataset, collate, plan, split, 0, steps)
+        plan.next_step = 0
+        batches = (build_loader(dataset, None, plan, split, 0, steps) if loader
+                   else micro_batches(dataset, None, plan, split, 0, steps, device=torch.device("cpu")))
         start = time.perf_counter()
-        count = sum(1 for _ in loader)
+        count = sum(1 for _ in batches)
         times.append((time.perf_counter() - start) / count * 1e3)
     return statistics.median(times)
 
@@ -65,12 +75,18 @@ def main(argv: list[str] | None = None) -> None:
                             torch.randn(args.samples, 16, generator=gen))
     split = Split(args.micro, 4, 1)
     plan = GlobalBatchPlan(args.samples, split.global_batch, seed=0)
+    in_order = GlobalBatchPlan(args.samples, split.global_batch, seed=0, shuffle=False)
     steps = max(1, args.samples // split.global_batch)
-    print(f"micro-batch of {args.micro} samples ({args.features} + 16 features, shuffled), ms per micro-batch:")
-    # An explicit default_collate keeps the sample-by-sample fetch; no collate gets TensorBatches.
-    print(f"  sample by sample + default_collate   "
-          f"{fetch_ms(dataset, default_collate, plan, split, steps, args.repeats):8.3f}")
-    print(f"  TensorBatches (index_select)         {fetch_ms(dataset, None, plan, split, steps, args.repeats):8.3f}")
+    samples = SampleBySample(*dataset.tensors)
+    print(f"micro-batch of {args.micro} samples ({args.features} + 16 features), ms per micro-batch:")
+    print(f"  DataLoader, sample by sample + default_collate (shuffled)  "
+          f"{fetch_ms(samples, plan, split, steps, args.repeats, loader=True):8.3f}")
+    print(f"  DataLoader, TensorBatches (shuffled: index_select)         "
+          f"{fetch_ms(dataset, plan, split, steps, args.repeats, loader=True):8.3f}")
+    print(f"  in the process, TensorRows (shuffled: index_select)        "
+          f"{fetch_ms(dataset, plan, split, steps, args.repeats, loader=False):8.3f}")
+    print(f"  in the process, TensorRows (in order: a slice's copy)      "
+          f"{fetch_ms(dataset, in_order, split, steps, args.repeats, loader=False):8.3f}")
     print(f"plan.window of a shuffled {args.plan_samples}-sample dataset, ms per call:")
     print(f"  order drawn anew (before)            {window_ms(args.plan_samples, 512, False, args.repeats):8.3f}")
     print(f"  epoch order kept                     {window_ms(args.plan_samples, 512, True, args.repeats):8.3f}")

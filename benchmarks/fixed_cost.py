@@ -15,6 +15,8 @@ not, far more steadily than a ratio of step times:
 - ``distaccum`` - ``ddp_window_allreduce``: the rest of distaccum's per-step work (the loop, the ledger, the
   fingerprint, the data plan, the record and its sinks);
 - ``distaccum`` - ``distaccum_no_ledger`` / ``distaccum_no_fingerprint``: those two switches;
+- ``distaccum_loader`` - ``distaccum`` (name it with ``--variants``): what cutting an in-memory ``TensorDataset`` in
+  the process (:class:`~distaccum.data.pipeline.TensorRows`) saves against a DataLoader per micro-batch;
 - ``distaccum_device_totals`` - ``distaccum``: what the window's totals as Python floats (the CPU's
   :class:`~distaccum.loop.HostTotals`) save against one-number tensors (an accelerator's ``DeviceTotals``).
 
@@ -267,6 +269,7 @@ def report(record: dict[str, Any]) -> str:
              ("distaccum", BASELINE, "distaccum's whole fixed cost"),
              ("distaccum", "ddp_no_sync", "the same against the expert loop (DDP's C++ all-reduce)"),
              ("distaccum_device_totals", "distaccum", "what the CPU's Python-float window totals save (HostTotals)"),
+             ("distaccum_loader", "distaccum", "the DataLoader against the in-process rows (TensorRows)"),
              ("distaccum", "distaccum_no_ledger", "the ledger (log.ledger)"),
              ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)")]
     known = [(a, b, what) for a, b, what in pairs if a in rows and b in rows]

@@ -70,6 +70,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("distaccum / Python hook", "distaccum", "ddp_python_hook"),
     ("K = 1: 1/N in the loss / folded", "distaccum_in_loss", "distaccum_folded_k1"),
     ("records: synchronous / a step late", "distaccum_sync_records", "distaccum"),
+    ("data: DataLoader / in-process rows", "distaccum_loader", "distaccum"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then the others (each only when both
 variants ran)."""

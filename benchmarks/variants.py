@@ -17,6 +17,10 @@
   (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_sync_records``: ``distaccum`` with each step's record made right after it (``lag_records=False``):
   on CUDA, what the lagged records (the default there) save; on the CPU the same loop.
+- ``distaccum_loader``: ``distaccum`` fed as before this release: the samples' indices as the dataset and a collate
+  that slices the tensors, through a DataLoader per rank, where ``distaccum`` gets the tensors as a plain
+  ``TensorDataset``, which it cuts in the training process (:class:`distaccum.data.pipeline.TensorRows`):
+  ``distaccum_loader / distaccum`` is what that saves.
 - ``distaccum_device_totals``: ``distaccum`` with the window's totals kept as one-number tensors on the CPU too
   (:class:`distaccum.loop.DeviceTotals`, what an accelerator uses): what the CPU's Python-float totals
   (:class:`~distaccum.loop.HostTotals`) save (a diagnostic for ``benchmarks.fixed_cost``).
@@ -40,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset, TensorDataset
 
 from benchmarks.cases import Batch, BenchData, Spec, loss_sum, sgd
 from benchmarks.device import Clock
@@ -54,6 +59,7 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum": ("ddp", {}),
     "distaccum_device_totals": ("ddp", {}),  # DistaccumDeviceTotals
     "distaccum_sync_records": ("ddp", {}),  # DistaccumSyncRecords
+    "distaccum_loader": ("ddp", {}),  # DistaccumLoader
     "distaccum_folded_k1": ("ddp", {}),  # DistaccumFoldedK1
     "distaccum_in_loss": ("ddp", {"engine.normalize_in_loss_mb": 0}),  # K = 1: 1/N in the loss whatever the size
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
@@ -386,6 +392,13 @@ class DistaccumTrainer:
     LAG_RECORDS: bool | None = None
     """``Trainer(lag_records=...)``: the Trainer's default."""
 
+    @staticmethod
+    def inputs(data: BenchData) -> tuple[Dataset, Any]:
+        """(dataset, collate) the Trainer gets: the samples as a plain ``TensorDataset``, no collate (what a user
+        with tensors in memory passes; the Trainer cuts its micro-batches in the process, the hand-written loops'
+        slices of the same tensors)."""
+        return TensorDataset(data.x, data.y), None
+
     def __init__(self, name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,
                  run_dir: Path) -> None:
         self.name, self.clock = name, clock
@@ -393,7 +406,8 @@ class DistaccumTrainer:
         engine, overrides = ENGINE_VARIANTS[name]
         config = distaccum_config(spec, run_dir, engine=engine, overrides=overrides)
         on_gpu = device.type == "cuda"
-        self.trainer = Trainer(config, model=spec.shape.build, dataset=data.dataset, collate=data.collate,
+        dataset, collate = self.inputs(data)
+        self.trainer = Trainer(config, model=spec.shape.build, dataset=dataset, collate=collate,
                                loss=loss_sum, optimizer=self._stamped(sgd(spec.lr)) if on_gpu else sgd(spec.lr),
                                on_step=None if on_gpu else self._on_step, lag_records=self.LAG_RECORDS)
         self.trainer.setup()  # joins the group this process already has, builds and wraps the model
@@ -461,7 +475,18 @@ class DistaccumSyncRecords(DistaccumTrainer):
     LAG_RECORDS = False
 
 
+class DistaccumLoader(DistaccumTrainer):
+    """``distaccum`` fed through a DataLoader as before this release: the dataset of sample indices and the collate
+    that slices the tensors (:class:`~benchmarks.cases.SliceCollate`, views of consecutive rows): the difference
+    from ``distaccum`` prices :class:`~distaccum.data.pipeline.TensorRows`."""
+
+    @staticmethod
+    def inputs(data: BenchData) -> tuple[Dataset, Any]:
+        return data.dataset, data.collate
+
+
 TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": DistaccumDeviceTotals,
+                                                "distaccum_loader": DistaccumLoader,
                                                 "distaccum_folded_k1": DistaccumFoldedK1,
                                                 "distaccum_sync_records": DistaccumSyncRecords}
 """distaccum variants that need more than config overrides (the rest are :class:`DistaccumTrainer`)."""

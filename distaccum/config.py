@@ -119,8 +119,8 @@ class DataConfig:
     drop_last: bool = False
     """Drop a partial last window (True) or train on it, weighted by what it holds (False)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0: collate in the training process). A stream is read
-    through them (samples; collated in the training process)."""
+    """DataLoader worker processes per rank (0: collate in the training process; a plain in-memory
+    `TensorDataset` is then cut without a DataLoader). A stream is read through them (samples; collated in the training process)."""
     prefetch_factor: int = 2
     """Micro-batches (stream: samples) each DataLoader worker prepares ahead (only with num_workers > 0)."""
 

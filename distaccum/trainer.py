@@ -294,7 +294,7 @@ class Trainer:
             print(f"distaccum: {describe_lr(cfg.optim, resolved.global_batch, scheduler.base_lrs[0])}", flush=True)
         source = testing.intercept("source", build_source(
             self.components.dataset, prepared.collate, resolved.split, rank, cfg.trainer.max_steps, resolved.data,
-            pin_memory=device.type == "cuda"))
+            device=device))
         state = TrainState(wrapped, engine, scheduler, source)
         done = resume(state, run_dir, prepared.fingerprint, attempt=attempt) if cfg.trainer.resume else 0
         liveness = Liveness(run_dir, rank, attempt)

@@ -404,6 +404,28 @@ def test_the_device_totals_diagnostic_trains_what_distaccum_trains_and_restores_
     assert type(loop.WindowTotals.for_device(spec.split(1), 0, torch.device("cpu"))) is loop.HostTotals
 
 
+def test_distaccum_gets_the_tensors_in_memory_and_the_loader_diagnostic_the_dataloader_same_training(
+        cpu_group: None, tmp_path: Path) -> None:
+    """``distaccum`` gets the benchmark's samples as a ``TensorDataset`` (cut in the process: ``TensorRows``),
+    ``distaccum_loader`` the index dataset and slicing collate through a DataLoader: the same parameters bit for
+    bit, so ``distaccum_loader / distaccum`` prices the data path alone."""
+    import inspect
+
+    from benchmarks.variants import build_variant
+
+    spec = launch_spec(SMOKE_CASES[0], 2)
+    data = BenchData(spec, world_size=1)
+    trained, generators = {}, {}
+    for name in ("distaccum", "distaccum_loader"):
+        variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
+        variant.run(3)
+        generators[name] = inspect.isgenerator(variant.trainer.state.source._batches)  # type: ignore[attr-defined]
+        trained[name] = [p.clone() for p in variant.parameters()]
+        variant.close()
+    assert generators == {"distaccum": True, "distaccum_loader": False}
+    assert all(torch.equal(a, b) for a, b in zip(*trained.values(), strict=True))
+
+
 def test_the_fixed_cost_groups_leave_out_nested_pieces_and_the_optimizer() -> None:
     """The group sums of ``fixed_cost --sections``: a piece timed inside another is counted once, and the engine step
     is distaccum's own work only without the optimizer's step and zero_grad inside it."""
@@ -416,13 +438,14 @@ def test_the_fixed_cost_groups_leave_out_nested_pieces_and_the_optimizer() -> No
     assert own_groups(pieces) == {ENGINE: 120.0, WINDOW: 450.0, FINGERPRINT: 30.0}
 
 
-def test_the_data_fetch_benchmark_runs_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_data_fetch_benchmark_runs_every_path(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks.data_fetch import main
 
     main(["--samples", "64", "--features", "4", "--micro", "4", "--plan-samples", "1000", "--repeats", "1"])
     out = capsys.readouterr().out
-    for line in ("sample by sample + default_collate", "TensorBatches (index_select)", "order drawn anew (before)",
-                 "epoch order kept"):
+    for line in ("DataLoader, sample by sample + default_collate", "DataLoader, TensorBatches",
+                 "in the process, TensorRows (shuffled", "in the process, TensorRows (in order",
+                 "order drawn anew (before)", "epoch order kept"):
         assert line in out
 
 
@@ -457,7 +480,8 @@ def test_the_folded_k1_diagnostic_turns_the_in_loss_normalization_off_only_while
     assert offers == [(25.0, False)] * 2 + [(0, True)] * 2  # the diagnostic never reached the engine's method
     for name in ("distaccum_in_loss", "distaccum_folded_k1"):
         assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True))
-    assert not {"distaccum_folded_k1", "distaccum_in_loss", "distaccum_device_totals"} & set(SWEEP_VARIANTS)
+    assert not {"distaccum_folded_k1", "distaccum_in_loss", "distaccum_device_totals", "distaccum_loader",
+                "distaccum_sync_records"} & set(SWEEP_VARIANTS)
 
 
 def test_a_gpu_sweep_names_the_allocator_peak_and_lists_no_empty_mfu_table() -> None:

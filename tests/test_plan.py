@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import namedtuple
 from dataclasses import dataclass
 
 import pytest
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 from distaccum.config import Split
 from distaccum.data.global_batch import GlobalBatchPlan
-from distaccum.data.pipeline import PlanSampler, build_loader, to_device
+from distaccum.data.pipeline import PlanSampler, build_loader, micro_batches, to_device
 from distaccum.datasets import CorpusSequences, SyntheticImages, SyntheticRegression, pad_collate
 from distaccum.losses import IGNORE_INDEX
 
@@ -131,6 +132,55 @@ def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_
             for a, b in zip(batch, want, strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b)
     assert type(build_loader(dataset, pad_collate, plan, split, 0, 1).dataset) is TensorDataset  # a collate: as given
+
+
+def _tensor_dataset() -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(30, 5, generator=gen), torch.randint(0, 9, (30,), generator=gen))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_tensor_rows_hand_out_the_batches_the_dataloader_makes(shuffle: bool) -> None:
+    dataset = _tensor_dataset()
+    split = Split(2, 2, 2)
+    for rank in (0, 1):
+        plan = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=shuffle)
+        plan.next_step = 1  # from a resume position: the partial window (30 = 3 x 8 + 6) and the next epoch
+        fast = micro_batches(dataset, None, plan, split, rank, 6, device=torch.device("cpu"))
+        assert inspect.isgenerator(fast)  # TensorRows: no DataLoader iterator
+        loader = build_loader(dataset, None, plan, split, rank, 6)
+        got, want = list(fast), list(loader)
+        assert len(got) == len(want) == 5 * split.accum_steps
+        for a, b in zip(got, want, strict=True):
+            assert type(a) is type(b) is list and len(a) == 2
+            for x, y in zip(a, b, strict=True):
+                assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_tensor_rows_are_fresh_on_the_training_device_and_views_only_where_the_move_copies_them() -> None:
+    dataset = _tensor_dataset()
+    split = Split(2, 2, 2)
+    plan = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=False)
+    for batch in micro_batches(dataset, None, plan, split, 0, 4, device=torch.device("cpu")):
+        batch[0].mul_(0.0)  # a loss writing into its batch
+    assert torch.equal(dataset.tensors[0], _tensor_dataset().tensors[0])  # never into the dataset
+    # Training on another device (meta stands in for an accelerator): the move copies, the rows are views.
+    rows = next(micro_batches(dataset, None, plan, split, 1, 4, device=torch.device("meta")))
+    assert all(r._base is t for r, t in zip(rows, dataset.tensors, strict=True))
+    assert torch.equal(rows[0], dataset.tensors[0][2:4])  # rank 1's first piece of window 0: samples 2, 3
+
+
+def test_a_tensor_dataset_with_a_collate_workers_or_a_subclass_goes_through_the_dataloader() -> None:
+    dataset, plan, split, cpu = _tensor_dataset(), GlobalBatchPlan(30, 8, seed=0), Split(2, 2, 2), torch.device("cpu")
+
+    class Rows(TensorDataset):
+        pass
+
+    for it in (micro_batches(dataset, pad_collate, plan, split, 0, 1, device=cpu),
+               micro_batches(dataset, None, plan, split, 0, 1, device=cpu, num_workers=1),
+               micro_batches(Rows(*dataset.tensors), None, plan, split, 0, 1, device=cpu)):
+        assert not inspect.isgenerator(it)  # a DataLoader's iterator
+        del it  # the worker exits
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -9,6 +9,10 @@ will train on, in order, and a resumed run continues at the exact next sample. A
 micro-batch (a partial window spread over more pieces than it has samples) is replaced by the
 window's first sample with ``samples=0``, which the loop weights zero, so every rank still runs K
 forward/backward passes and takes part in every gradient reduction.
+
+An in-memory ``TensorDataset`` without a collate or workers needs no DataLoader: :class:`TensorRows` cuts its
+micro-batches in the training process (a view of consecutive rows, or one ``index_select`` per tensor), the same
+batches the loader would make, without its per-batch machinery (``python -m benchmarks.data_fetch``).
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ class TensorBatches(Dataset):
     each tensor's rows with one ``index_select`` instead of one ``__getitem__`` per sample and a stack (256
     samples of two tensors: 512 indexing calls and two stacks of Python-made rows, against two gathers). The
     batch is what ``default_collate`` makes of the samples — a list of fresh tensors, the same values — so the
-    loss sees no difference. Used when the dataset is exactly a ``TensorDataset`` and no
-    ``collate`` is given (a subclass may override ``__getitem__``, a collate may expect samples)."""
+    loss sees no difference. Used with DataLoader workers for a :func:`plain_tensors` dataset (without workers
+    :class:`TensorRows` cuts it in the process)."""
 
     def __init__(self, dataset: TensorDataset) -> None:
         self.tensors = dataset.tensors
@@ -77,18 +81,88 @@ class TensorBatches(Dataset):
         return [t.index_select(0, index) for t in self.tensors]
 
 
+def plain_tensors(dataset: Dataset, collate: Callable[[list[Any]], Any] | None) -> bool:
+    """Is ``dataset`` exactly a ``TensorDataset`` batched by ``default_collate`` (``collate`` None or it)? A subclass
+    may override ``__getitem__``, and another collate may expect samples."""
+    return type(dataset) is TensorDataset and (collate is None or collate is default_collate)
+
+
 def collated(batch: Any) -> Any:
     """The collate of :class:`TensorBatches`: its fetch already returns the batch."""
     return batch
+
+
+class TensorRows:
+    """This rank's micro-batches of a ``TensorDataset``, cut in the training process (no DataLoader): what
+    ``data.num_workers=0`` gets for a plain ``TensorDataset`` without a collate (:func:`micro_batches`).
+
+    Each micro-batch is a list with one tensor per dataset tensor, the rows the plan gives it, in its order:
+    the batch :class:`TensorBatches` (and ``default_collate``) make. An in-order plan (``data.shuffle=false``)
+    gives each piece consecutive rows. Rows that the move to the training device copies anyway (the dataset's
+    tensor lives elsewhere: host tensors of a CUDA run) are a view of them, so a pinned dataset reaches
+    the device with one asynchronous copy and nothing else; rows already on the training device are a fresh
+    copy (a slice's ``clone``, or the ``index_select``), so a loss that writes into its batch can never write
+    into the dataset. With ``pin_memory`` (a CUDA run) host rows not pinned already are gathered straight into
+    pinned memory: one copy, where the DataLoader makes two (the gather, then ``pin_memory``)."""
+
+    def __init__(self, dataset: TensorDataset, plan: GlobalBatchPlan, split: Split, rank: int, start: int,
+                 stop: int, *, device: torch.device, pin_memory: bool = False) -> None:
+        self.tensors, self.plan, self.split, self.rank = dataset.tensors, plan, split, rank
+        self.start, self.stop, self.pin_memory = start, stop, pin_memory
+        self.views = [(t, t.device != device) for t in self.tensors]
+        """Each tensor, and whether its rows are views (the move to ``device`` copies them)."""
+
+    def __len__(self) -> int:
+        return max(self.stop - self.start, 0) * self.split.accum_steps
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        consecutive = not self.plan.shuffle  # the plan's order is then 0, 1, 2, ...: every piece is a range
+        for step in range(self.start, self.stop):
+            window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
+            for piece in pieces:
+                piece = piece if len(piece) else window.indices[:1]  # the stand-in of an empty piece (weight 0)
+                if consecutive:
+                    first = int(piece[0])
+                    yield [self._range(t, view, first, len(piece)) for t, view in self.views]
+                else:
+                    yield [self._gather(t, piece) for t in self.tensors]
+
+    def _range(self, t: torch.Tensor, view: bool, first: int, n: int) -> torch.Tensor:
+        rows = t[first : first + n]
+        if view and (not self.pin_memory or t.device.type != "cpu" or t.is_pinned()):
+            return rows
+        if self.pin_memory and t.device.type == "cpu":
+            return torch.empty(rows.shape, dtype=t.dtype, pin_memory=True).copy_(rows)
+        return rows.clone()
+
+    def _gather(self, t: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+        index = piece.to(t.device)
+        if self.pin_memory and t.device.type == "cpu":
+            out = torch.empty((len(piece), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+            return torch.index_select(t, 0, index, out=out)
+        return t.index_select(0, index)
+
+
+def micro_batches(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan, split: Split,
+                  rank: int, stop: int, *, device: torch.device, num_workers: int = 0, prefetch_factor: int = 2,
+                  pin_memory: bool = False) -> Iterator[Any]:
+    """This rank's collated micro-batches from ``plan.next_step`` to optimizer step ``stop``: a
+    :func:`plain_tensors` dataset without workers through :class:`TensorRows`, anything else through
+    :func:`build_loader`'s DataLoader."""
+    if plain_tensors(dataset, collate) and num_workers == 0:
+        return iter(TensorRows(dataset, plan, split, rank, plan.next_step, stop, device=device,
+                               pin_memory=pin_memory))
+    return iter(build_loader(dataset, collate, plan, split, rank, stop, num_workers=num_workers,
+                             prefetch_factor=prefetch_factor, pin_memory=pin_memory))
 
 
 def build_loader(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
                  split: Split, rank: int, stop: int, *, num_workers: int = 0, prefetch_factor: int = 2,
                  pin_memory: bool = False) -> DataLoader:
     """A DataLoader over this rank's micro-batches from ``plan.next_step`` to optimizer step ``stop``
-    (a plain ``TensorDataset`` without a collate is fetched a micro-batch at a time: :class:`TensorBatches`)."""
+    (a :func:`plain_tensors` dataset is fetched a micro-batch at a time: :class:`TensorBatches`)."""
     sampler = PlanSampler(plan, split, rank, plan.next_step, stop)
-    if collate is None and type(dataset) is TensorDataset:
+    if plain_tensors(dataset, collate):
         dataset, collate = TensorBatches(dataset), collated
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate or default_collate,
                       num_workers=num_workers, pin_memory=pin_memory,
@@ -144,15 +218,17 @@ class WindowSource(Protocol):
 
 
 class PlanSource:
-    """A map-style dataset served window by window through the global-batch plan and a DataLoader."""
+    """A map-style dataset served window by window through the global-batch plan (:func:`micro_batches`: a
+    DataLoader, or :class:`TensorRows` for an in-memory ``TensorDataset``) for training on ``device``."""
 
     def __init__(self, dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
-                 split: Split, rank: int, stop: int, *, num_workers: int = 0, prefetch_factor: int = 2,
-                 pin_memory: bool = False) -> None:
+                 split: Split, rank: int, stop: int, *, device: torch.device | None = None, num_workers: int = 0,
+                 prefetch_factor: int = 2) -> None:
         self.dataset, self.collate, self.plan, self.split, self.rank, self.stop = \
             dataset, collate, plan, split, rank, stop
-        self.loader_options = {"num_workers": num_workers, "prefetch_factor": prefetch_factor,
-                               "pin_memory": pin_memory}
+        device = device if device is not None else torch.device("cpu")
+        self.loader_options = {"device": device, "num_workers": num_workers, "prefetch_factor": prefetch_factor,
+                               "pin_memory": device.type == "cuda"}
         self._batches: Iterator[Any] | None = None
         self._at = -1  # the step the DataLoader iterator is positioned at
 
@@ -167,8 +243,8 @@ class PlanSource:
     def window(self) -> WindowBatches:
         step = self.plan.next_step
         if self._batches is None or self._at != step:  # first window, or the position moved (resume)
-            self._batches = iter(build_loader(self.dataset, self.collate, self.plan, self.split, self.rank,
-                                              self.stop, **self.loader_options))  # type: ignore[arg-type]
+            self._batches = micro_batches(self.dataset, self.collate, self.plan, self.split, self.rank,
+                                          self.stop, **self.loader_options)  # type: ignore[arg-type]
             self._at = step
         window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
         batches = self._batches

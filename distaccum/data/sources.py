@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from distaccum.data.global_batch import GlobalBatchPlan
@@ -35,12 +36,12 @@ class DataOptions:
 
 
 def build_source(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, split: Split, rank: int,
-                 max_steps: int, options: DataOptions, *, pin_memory: bool = False) -> WindowSource:
-    """This rank's windows: a stream (no length) is cut into windows in order; a map-style dataset is
-    walked by the global-batch plan through a DataLoader."""
+                 max_steps: int, options: DataOptions, *, device: torch.device | None = None) -> WindowSource:
+    """This rank's windows for training on ``device`` (default the CPU): a stream (no length) is cut into windows
+    in order; a map-style dataset is walked by the global-batch plan (through a DataLoader, pinned on CUDA, or an
+    in-memory ``TensorDataset`` cut directly: :class:`~distaccum.data.pipeline.TensorRows`)."""
     if is_stream(dataset):
         return StreamSource(dataset, collate, split, rank, drop_last=options.drop_last,  # type: ignore[arg-type]
                             num_workers=options.num_workers, prefetch_factor=options.prefetch_factor)
     return PlanSource(dataset, collate, options.plan(dataset, split.global_batch), split, rank, max_steps,
-                      num_workers=options.num_workers, prefetch_factor=options.prefetch_factor,
-                      pin_memory=pin_memory)
+                      device=device, num_workers=options.num_workers, prefetch_factor=options.prefetch_factor)
