@@ -204,3 +204,24 @@ def test_the_gpu_check_script_runs_and_names_what_exists(tmp_path: Path) -> None
     assert "benchmark: exit 2" in proc.stdout and "gpu tests: exit 0" in proc.stdout, proc.stdout
     assert "engine sweep: exit 2" in proc.stdout, proc.stdout
     assert "CUDA is not available" in (tmp_path / "bench.log").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_the_rss_maps_tool_finds_the_shard_fsdp2_every_micro_keeps_from_micro_batch_2(tmp_path: Path) -> None:
+    """``benchmarks.rss_maps`` on the smoke model: a reading at every micro-batch and after the step, per rank, the
+    peaks table, and what BENCHMARKS.md explains FSDP2 ``every_micro``'s growth from K = 1 with: its parameters hold
+    no gradient when micro-batch 1 starts and their reduced local shards when micro-batch 2 starts."""
+    record = tmp_path / "maps.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rss_maps", "distaccum_fsdp_every_micro", "--case", "smoke",
+                           "--ks", "1,2", "--json", str(record)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = json.loads(record.read_text())
+    for k in (1, 2):
+        ranks = records[str(k)]["ranks"]
+        assert len(ranks) == 2 and all([r["label"] for r in rank] == [f"micro {i + 1}" for i in range(k)]
+                                       + ["after the step"] for rank in ranks)
+        assert all(r["peak_kib"] > 0 and r["maps"] for rank in ranks for r in rank)
+    for rank in records["2"]["ranks"]:
+        held = [sum(n for _, n in r["gradients"]) for r in rank]
+        assert held[0] == 0 and held[1] > 0
+    assert "| 2 |" in proc.stdout and "the parameters' gradients" in proc.stdout

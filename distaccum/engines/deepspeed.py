@@ -19,9 +19,11 @@ locally and one reduction pass runs when the block closes after the last micro-b
 per optimizer step, for a full gradient's worth of memory during the window (where DeepSpeed's
 optimizer wrapper does not support it, e.g. bf16 on ZeRO-1, the engine falls back to DeepSpeed's
 own schedule and says so). ``accum.sync=every_micro`` keeps DeepSpeed's per-micro-batch reduction on
-ZeRO-2/3 (each micro-batch's gradient is reduced into the rank's partition and freed: the memory
-saving) and is refused for ZeRO-0/1 (declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop
-accumulated gradients).
+ZeRO-2/3 (each micro-batch's gradient is reduced into the rank's partition, bucket by bucket of
+``reduce_bucket_size``, and freed; the partition is the window's accumulator from micro-batch 2 on) and is
+refused for ZeRO-0/1 (declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated
+gradients). It saves memory only where the gradient outgrows a bucket: on the 27.3M benchmark model
+ZeRO-2 ``every_micro`` peaks above ``boundary`` (``python -m benchmarks.rss_maps``, BENCHMARKS.md).
 
 Clipping happens inside ``engine.step()`` (``gradient_clipping`` in the generated config).
 """
