@@ -225,3 +225,19 @@ def test_the_rss_maps_tool_finds_the_shard_fsdp2_every_micro_keeps_from_micro_ba
         held = [sum(n for _, n in r["gradients"]) for r in rank]
         assert held[0] == 0 and held[1] > 0
     assert "| 2 |" in proc.stdout and "the parameters' gradients" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_the_rss_maps_tool_finds_the_accumulator_zero2_every_micro_keeps_from_micro_batch_2(tmp_path: Path) -> None:
+    """The same for ZeRO-2 ``every_micro``: DeepSpeed's window accumulator (``all_grad_tensors``) is empty when
+    micro-batch 1 starts and holds this rank's partition of the reduced gradient when micro-batch 2 starts, inside
+    a mapping the reading located."""
+    record = tmp_path / "maps.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rss_maps", "distaccum_zero2_every_micro", "--case",
+                           "smoke", "--ks", "2", "--json", str(record)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=230)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = json.loads(record.read_text())
+    for rank in records["2"]["ranks"]:
+        assert not rank[0]["accumulator"] and rank[1]["accumulator"]
+    assert "the accumulator" in proc.stdout and ", in mapping 0x" in proc.stdout

@@ -226,9 +226,9 @@ class PlanSource:
                  prefetch_factor: int = 2) -> None:
         self.dataset, self.collate, self.plan, self.split, self.rank, self.stop = \
             dataset, collate, plan, split, rank, stop
-        device = device if device is not None else torch.device("cpu")
-        self.loader_options = {"device": device, "num_workers": num_workers, "prefetch_factor": prefetch_factor,
-                               "pin_memory": device.type == "cuda"}
+        self.loader_options = {"device": device if device is not None else torch.device("cpu"),
+                               "num_workers": num_workers, "prefetch_factor": prefetch_factor}
+        """The keyword arguments this source was made with (a copy of it is ``PlanSource(..., **loader_options)``)."""
         self._batches: Iterator[Any] | None = None
         self._at = -1  # the step the DataLoader iterator is positioned at
 
@@ -243,8 +243,9 @@ class PlanSource:
     def window(self) -> WindowBatches:
         step = self.plan.next_step
         if self._batches is None or self._at != step:  # first window, or the position moved (resume)
-            self._batches = micro_batches(self.dataset, self.collate, self.plan, self.split, self.rank,
-                                          self.stop, **self.loader_options)  # type: ignore[arg-type]
+            options: dict[str, Any] = self.loader_options
+            self._batches = micro_batches(self.dataset, self.collate, self.plan, self.split, self.rank, self.stop,
+                                          pin_memory=options["device"].type == "cuda", **options)
             self._at = step
         window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
         batches = self._batches
