@@ -22,8 +22,9 @@ own schedule and says so). ``accum.sync=every_micro`` keeps DeepSpeed's per-micr
 ZeRO-2/3 (each micro-batch's gradient is reduced into the rank's partition, bucket by bucket of
 ``reduce_bucket_size``, and freed; the partition is the window's accumulator from micro-batch 2 on) and is
 refused for ZeRO-0/1 (declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated
-gradients). It saves memory only where the gradient outgrows a bucket: on the 27.3M benchmark model
-ZeRO-2 ``every_micro`` peaks above ``boundary`` (``python -m benchmarks.rss_maps``, BENCHMARKS.md).
+gradients). On the 27.3M benchmark model ZeRO-2 ``every_micro`` peaks above ``boundary`` (``python -m
+benchmarks.rss_maps``, BENCHMARKS.md): its saving needs a gradient larger than a bucket (inferred from
+DeepSpeed's code, not measured).
 
 Clipping happens inside ``engine.step()`` (``gradient_clipping`` in the generated config).
 """
