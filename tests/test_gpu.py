@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_loop import check_fp16_overflow_skip
+from test_loop import check_fp16_overflow_skip, check_tensor_rows_train_as_the_dataloader
 
 from conftest import fresh_accelerate_state, one_rank_group, run_cli, train
 
@@ -55,6 +55,42 @@ def test_fp16_overflow_skip_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     fresh_accelerate_state()
     with one_rank_group("cuda"):
         check_fp16_overflow_skip(tmp_path, engine, "cuda")
+
+
+@pytest.mark.parametrize(("shuffle", "pinned"), [(False, True), (True, False)])
+def test_an_in_memory_tensor_dataset_on_cuda_trains_as_through_the_dataloader(tmp_path: Path, shuffle: bool,
+                                                                               pinned: bool) -> None:
+    with one_rank_group("cuda"):
+        check_tensor_rows_train_as_the_dataloader(tmp_path, "cuda", shuffle=shuffle, pinned=pinned)
+
+
+def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_or_fresh_device_rows() -> None:
+    """``TensorRows`` on a CUDA run: consecutive rows of a pinned host dataset are views (the move to the GPU is
+    their only copy); rows of an unpinned one are copied or gathered straight into pinned memory; a dataset already
+    on the GPU gives fresh rows there (a loss writing into its batch never writes into the dataset)."""
+    from torch.utils.data import TensorDataset
+
+    from distaccum.config import Split
+    from distaccum.data.global_batch import GlobalBatchPlan
+    from distaccum.data.pipeline import micro_batches
+
+    cuda, split = torch.device("cuda", 0), Split(2, 2, 2)
+    host = torch.arange(60.0).reshape(30, 2)
+
+    def first_rows(tensor: torch.Tensor, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 1's first micro-batch of window 0, and the sample indices the plan gives it."""
+        plan = GlobalBatchPlan(30, 8, seed=0, shuffle=shuffle)
+        [rows] = next(micro_batches(TensorDataset(tensor), None, plan, split, 1, 2, device=cuda, pin_memory=True))
+        return rows, plan.window(0).rank_micro_batches(split, 1)[0]
+
+    pinned = host.pin_memory()
+    rows, piece = first_rows(pinned, False)
+    assert rows._base is pinned and rows.is_pinned() and piece.tolist() == [2, 3]
+    for shuffle in (False, True):
+        rows, piece = first_rows(host, shuffle)
+        assert rows.is_pinned() and rows._base is None and torch.equal(rows, host[piece])
+        rows, piece = first_rows(host.to(cuda), shuffle)
+        assert rows.device == cuda and rows._base is None and torch.equal(rows.cpu(), host[piece])
 
 
 COMPILE_COMMON = ("model=tiny_gpt", "model.width=16", "model.depth=1", "data.dataset.num_samples=40",

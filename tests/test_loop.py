@@ -246,10 +246,12 @@ def test_training_in_chunks_equals_one_fit(tmp_path: Path) -> None:
     assert [r["loss"] for r in chunked.state.records] == [r["loss"] for r in whole.state.records]
 
 
-def test_an_in_memory_tensor_dataset_trains_bit_for_bit_as_through_the_dataloader(tmp_path: Path) -> None:
-    """A plain ``TensorDataset`` is cut in the training process (``TensorRows``, no DataLoader); a subclass of it
-    goes through the DataLoader. Shuffled, over a partial window and into the next epoch (50 samples, global batch
-    8: the seventh window holds 2), stepped in chunks: the same records and parameters bit for bit."""
+def check_tensor_rows_train_as_the_dataloader(run_dir: Path, device: str, *, shuffle: bool = True,
+                                             pinned: bool = False) -> None:
+    """One body for CPU and CUDA: a plain ``TensorDataset`` is cut in the training process (``TensorRows``, no
+    DataLoader); a subclass of it goes through the DataLoader. Over a partial window and into the next epoch (50
+    samples, global batch 8: the seventh window holds 2), stepped in chunks: the same records and parameters bit
+    for bit."""
     from torch.utils.data import TensorDataset
 
     class ThroughTheLoader(TensorDataset):
@@ -257,10 +259,12 @@ def test_an_in_memory_tensor_dataset_trains_bit_for_bit_as_through_the_dataloade
 
     gen = torch.Generator().manual_seed(5)
     tensors = (torch.randn(50, 32, generator=gen), torch.randn(50, 8, generator=gen))
+    if pinned:
+        tensors = tuple(t.pin_memory() for t in tensors)
     runs = []
     for kind in (TensorDataset, ThroughTheLoader):
-        trainer = Trainer(config(tmp_path / kind.__name__, accum={"micro_batch": 2, "steps": 4},
-                                 trainer={"max_steps": 9}),
+        trainer = Trainer(config(run_dir / kind.__name__, accum={"micro_batch": 2, "steps": 4},
+                                 trainer={"max_steps": 9, "device": device}, data={"shuffle": shuffle}),
                           model=lambda: MLP(32, 16, 2, 8), dataset=kind(*tensors), loss=squared_error)
         trainer.train_steps(5)
         assert inspect.isgenerator(trainer.state.source._batches) is (kind is TensorDataset)  # TensorRows, or not
@@ -268,6 +272,12 @@ def test_an_in_memory_tensor_dataset_trains_bit_for_bit_as_through_the_dataloade
         runs.append((params(trainer), [(r["loss"], r["items"], r["partial_window"]) for r in trainer.state.records]))
     assert runs[0][1] == runs[1][1] and any(partial for _, _, partial in runs[0][1])
     assert torch.equal(runs[0][0], runs[1][0])
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_an_in_memory_tensor_dataset_trains_bit_for_bit_as_through_the_dataloader(tmp_path: Path,
+                                                                                 shuffle: bool) -> None:
+    check_tensor_rows_train_as_the_dataloader(tmp_path, "cpu", shuffle=shuffle)
 
 
 @pytest.mark.parametrize("kind", ["DeviceTotals", "HostTotals"])

@@ -136,7 +136,7 @@ class TensorRows:
         return rows.clone()
 
     def _gather(self, t: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-        index = piece.to(t.device)
+        index = piece.to(t.device, non_blocking=True)  # a dataset on the GPU: no wait for the copy of the index
         if self.pin_memory and t.device.type == "cpu":
             out = torch.empty((len(piece), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
             return torch.index_select(t, 0, index, out=out)
