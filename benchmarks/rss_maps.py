@@ -6,7 +6,7 @@ A diagnostic for peak RSS that grows with the number of micro-batches K where th
 mmap threshold fixed as in the engine sweep (``benchmarks.run.SWEEP_CPU_ENV``), for each K in its own launch:
 two warm-up steps, then one step read from ``/proc/self/smaps`` at the start of every micro-batch (when the loss
 function is entered) and after the step. Each reading holds the resident KiB of every mapping and the peak RSS
-since the previous reading (``VmHWM``, reset after each through ``/proc/self/clear_refs``). For DeepSpeed ZeRO-1/2
+since the previous reading (``VmHWM``, reset after each: :func:`distaccum.telemetry.memory.reset_peak_memory`). For DeepSpeed ZeRO-1/2
 it also reads where the window's gradient accumulator lives (the optimizer's ``all_grad_tensors``: this rank's
 partition of the summed gradient, kept from the first micro-batch's reduction to the step).
 
@@ -27,15 +27,18 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from benchmarks import variants
 from benchmarks.cases import FULL_CASES, SMOKE_CASES, BenchData, Spec, launch_spec
 from benchmarks.device import join, worker_main
 from benchmarks.launch import launch
+from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 
 MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \d+\s*(.*)$")
 MiB = 1024.0
@@ -56,38 +59,28 @@ def read_smaps(text: str) -> dict[int, tuple[int, int, str]]:
     return maps
 
 
-def peak_kib() -> int:
-    """``VmHWM`` of this process: the peak RSS since start or the last :func:`reset_peak`."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
+CPU = torch.device("cpu")
 
 
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+def storages(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """(data pointer, bytes) of each distinct storage under ``tensors`` (views count their storage once)."""
+    return sorted({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.items())
 
 
 def accumulator(trainer: Any) -> list[tuple[int, int]]:
-    """(data pointer, bytes) of each storage holding a DeepSpeed ZeRO-1/2 optimizer's window accumulator
-    (``all_grad_tensors``); empty for any other engine or when it holds none."""
+    """The storages holding a DeepSpeed ZeRO-1/2 optimizer's window accumulator (``all_grad_tensors``); empty for
+    any other engine or when it holds none."""
     optimizer = getattr(getattr(trainer.state.engine, "engine", None), "optimizer", None)
     held = getattr(optimizer, "all_grad_tensors", None)
     groups = held.values() if isinstance(held, dict) else held or []
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for group in groups for t in (group or []) if t is not None}
-    return sorted(storages.items())
+    return storages(t for group in groups for t in (group or []) if t is not None)
 
 
 def gradients(trainer: Any) -> list[tuple[int, int]]:
-    """(data pointer, bytes) of each storage holding the parameters' ``.grad`` on this rank (a sharded
-    gradient's local shard; DDP's bucket views count their buckets once)."""
-    storages = {}
-    for p in trainer.state.model.parameters():
-        if p.grad is not None:
-            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sorted(storages.items())
+    """The storages holding the parameters' ``.grad`` on this rank (a sharded gradient's local shard; DDP's bucket
+    views count their buckets once)."""
+    grads = (p.grad for p in trainer.state.model.parameters() if p.grad is not None)
+    return storages(g.to_local() if hasattr(g, "to_local") else g for g in grads)
 
 
 def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
@@ -98,10 +91,11 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
     base_loss = variants.loss_sum
 
     def read(label: str) -> None:
-        readings.append({"label": label, "peak_kib": peak_kib(), "accumulator": accumulator(variant.trainer),
+        readings.append({"label": label, "peak_kib": peak_memory_bytes(CPU) // 1024,
+                         "accumulator": accumulator(variant.trainer),
                          "gradients": gradients(variant.trainer),
                          "maps": read_smaps(Path("/proc/self/smaps").read_text())})
-        reset_peak()
+        reset_peak_memory(CPU)  # the next reading's peak is the one since this one
 
     def loss(model: Any, batch: Any) -> Any:
         if reading:
@@ -113,7 +107,7 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
     data = BenchData(spec, dist.get_world_size())
     variant = variants.build_variant(spec.engine, spec, data, dist.get_rank(), device, clock, workdir / "run")
     variant.run(spec.warmup)
-    reset_peak()
+    reset_peak_memory(CPU)
     reading = True
     variant.run(1)
     read("after the step")

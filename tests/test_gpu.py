@@ -80,7 +80,7 @@ def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_o
     def first_rows(tensor: torch.Tensor, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 1's first micro-batch of window 0, and the sample indices the plan gives it."""
         plan = GlobalBatchPlan(30, 8, seed=0, shuffle=shuffle)
-        [rows] = next(micro_batches(TensorDataset(tensor), None, plan, split, 1, 2, device=cuda, pin_memory=True))
+        [rows] = next(micro_batches(TensorDataset(tensor), None, plan, split, 1, 2, device=cuda))
         return rows, plan.window(0).rank_micro_batches(split, 1)[0]
 
     pinned = host.pin_memory()

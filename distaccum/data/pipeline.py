@@ -40,11 +40,15 @@ class PlanSampler(Sampler[list[int]]):
         return max(self.stop - self.start, 0) * self.split.accum_steps
 
     def __iter__(self) -> Iterator[list[int]]:
+        return (piece.tolist() for piece in self.pieces())
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        """The same micro-batches as index tensors."""
         for step in range(self.start, self.stop):
             window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
             for piece in pieces:
                 # An empty piece still needs a forward/backward (the loop weights it 0).
-                yield (piece if len(piece) else window.indices[:1]).tolist()
+                yield piece if len(piece) else window.indices[:1]
 
 
 def ignore_stop_signals(worker_id: int) -> None:
@@ -102,30 +106,22 @@ class TensorRows:
     tensor lives elsewhere: host tensors of a CUDA run) are a view of them, so a pinned dataset reaches
     the device with one asynchronous copy and nothing else; rows already on the training device are a fresh
     copy (a slice's ``clone``, or the ``index_select``), so a loss that writes into its batch can never write
-    into the dataset. With ``pin_memory`` (a CUDA run) host rows not pinned already are gathered straight into
-    pinned memory: one copy, where the DataLoader makes two (the gather, then ``pin_memory``)."""
+    into the dataset. On a CUDA run host rows not pinned already are gathered straight into pinned memory: one
+    copy, where the DataLoader makes two (the gather, then ``pin_memory``)."""
 
-    def __init__(self, dataset: TensorDataset, plan: GlobalBatchPlan, split: Split, rank: int, start: int,
-                 stop: int, *, device: torch.device, pin_memory: bool = False) -> None:
-        self.tensors, self.plan, self.split, self.rank = dataset.tensors, plan, split, rank
-        self.start, self.stop, self.pin_memory = start, stop, pin_memory
+    def __init__(self, dataset: TensorDataset, sampler: PlanSampler, *, device: torch.device) -> None:
+        self.tensors, self.sampler, self.pin_memory = dataset.tensors, sampler, device.type == "cuda"
         self.views = [(t, t.device != device) for t in self.tensors]
         """Each tensor, and whether its rows are views (the move to ``device`` copies them)."""
 
-    def __len__(self) -> int:
-        return max(self.stop - self.start, 0) * self.split.accum_steps
-
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
-        consecutive = not self.plan.shuffle  # the plan's order is then 0, 1, 2, ...: every piece is a range
-        for step in range(self.start, self.stop):
-            window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
-            for piece in pieces:
-                piece = piece if len(piece) else window.indices[:1]  # the stand-in of an empty piece (weight 0)
-                if consecutive:
-                    first = int(piece[0])
-                    yield [self._range(t, view, first, len(piece)) for t, view in self.views]
-                else:
-                    yield [self._gather(t, piece) for t in self.tensors]
+        consecutive = not self.sampler.plan.shuffle  # the plan's order is then 0, 1, 2, ...: every piece is a range
+        for piece in self.sampler.pieces():
+            if consecutive:
+                first = int(piece[0])
+                yield [self._range(t, view, first, len(piece)) for t, view in self.views]
+            else:
+                yield [self._gather(t, piece) for t in self.tensors]
 
     def _range(self, t: torch.Tensor, view: bool, first: int, n: int) -> torch.Tensor:
         rows = t[first : first + n]
@@ -144,16 +140,15 @@ class TensorRows:
 
 
 def micro_batches(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan, split: Split,
-                  rank: int, stop: int, *, device: torch.device, num_workers: int = 0, prefetch_factor: int = 2,
-                  pin_memory: bool = False) -> Iterator[Any]:
-    """This rank's collated micro-batches from ``plan.next_step`` to optimizer step ``stop``: a
-    :func:`plain_tensors` dataset without workers through :class:`TensorRows`, anything else through
-    :func:`build_loader`'s DataLoader."""
+                  rank: int, stop: int, *, device: torch.device, num_workers: int = 0,
+                  prefetch_factor: int = 2) -> Iterator[Any]:
+    """This rank's collated micro-batches from ``plan.next_step`` to optimizer step ``stop``, for training on
+    ``device``: a :func:`plain_tensors` dataset without workers through :class:`TensorRows`, anything else through
+    :func:`build_loader`'s DataLoader (pinned on CUDA)."""
     if plain_tensors(dataset, collate) and num_workers == 0:
-        return iter(TensorRows(dataset, plan, split, rank, plan.next_step, stop, device=device,
-                               pin_memory=pin_memory))
+        return iter(TensorRows(dataset, PlanSampler(plan, split, rank, plan.next_step, stop), device=device))
     return iter(build_loader(dataset, collate, plan, split, rank, stop, num_workers=num_workers,
-                             prefetch_factor=prefetch_factor, pin_memory=pin_memory))
+                             prefetch_factor=prefetch_factor, pin_memory=device.type == "cuda"))
 
 
 def build_loader(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
@@ -243,9 +238,8 @@ class PlanSource:
     def window(self) -> WindowBatches:
         step = self.plan.next_step
         if self._batches is None or self._at != step:  # first window, or the position moved (resume)
-            options: dict[str, Any] = self.loader_options
             self._batches = micro_batches(self.dataset, self.collate, self.plan, self.split, self.rank, self.stop,
-                                          pin_memory=options["device"].type == "cuda", **options)
+                                          **self.loader_options)  # type: ignore[arg-type]
             self._at = step
         window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
         batches = self._batches
