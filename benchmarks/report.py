@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.stats import ISSUE_RATIOS, RATIOS
+from benchmarks.stats import ISSUE_RATIOS, RATIOS, across_launches, spread, verdict
 from benchmarks.variants import ENGINE_VARIANTS, LETTERS
 
 MEMORY_LIMIT = 1.03
@@ -23,6 +23,11 @@ def _cell(ratio: dict[str, Any] | None) -> str:
     if not ratio:
         return "n/a"
     return f"{ratio['median']:.3f} ({ratio['q1']:.3f}-{ratio['q3']:.3f})"
+
+
+def _k(row: dict[str, Any]) -> str:
+    """A timing row's K, with its launch number in a run that repeats launches (``--repeat``)."""
+    return f"{row['k']} #{row['repeat'] + 1}" if row.get("repeats", 1) > 1 else str(row["k"])
 
 
 def _bytes(n: float | None) -> str:
@@ -60,7 +65,9 @@ def header(results: dict[str, Any]) -> list[str]:
         f"{s['backend']}, world {s['world_size']}, {s['threads']}, {s.get('precision', 'fp32')} compute. "
         f"Date {results['date']}.",
         "",
-        (f"Command: `{s['command']}` ({s['rounds']} rounds per launch, whole run {results['wall_s']:.0f} s). "
+        (f"Command: `{s['command']}` ({s['rounds']} rounds per launch"
+         + (f", {s['repeats']} launches per case and K" if s.get("repeats", 1) > 1 else "")
+         + f", whole run {results['wall_s']:.0f} s). "
          f"1-minute load average around the timing launches: {load} (the benchmark alone: about "
          f"{s['world_size']}; more means other work shared the machine and the figures are noise)."
          if results["timing"] else
@@ -78,7 +85,7 @@ def issue_table(results: dict[str, Any]) -> list[str]:
     for row in results["timing"]:
         label = _case_label(results, row["case"]) if row["case"] != last else ""
         last = row["case"]
-        rows.append([label, str(row["k"]), *(_cell(row["ratios"].get(r)) for r in ISSUE_RATIOS)])
+        rows.append([label, _k(row), *(_cell(row["ratios"].get(r)) for r in ISSUE_RATIOS)])
     return [
         "Median of the per-round ratios of step times (interquartile range over rounds in brackets):",
         "",
@@ -92,17 +99,37 @@ def spread_table(results: dict[str, Any]) -> list[str]:
     for row in results["timing"]:
         for label, ratio in row["ratios"].items():
             goal = f"<= {ratio['target']:.2f}" if ratio["target"] else ""
-            rows.append([row["case"], str(row["k"]), label, f"{ratio['median']:.3f}",
-                         f"{ratio['q1']:.3f}-{ratio['q3']:.3f}", f"{ratio['min']:.3f}-{ratio['max']:.3f}",
-                         str(ratio["rounds"]),
-                         goal, ratio["verdict"]])
+            s = spread(ratio["per_round"])  # the interval and verdict from the rounds: also for a run before them
+            rows.append([row["case"], _k(row), label, f"{s.median:.3f}", f"{s.ci_low:.3f}-{s.ci_high:.3f}",
+                         f"{s.q1:.3f}-{s.q3:.3f}", f"{s.min:.3f}-{s.max:.3f}", str(s.rounds), goal,
+                         verdict(s, ratio["target"])])
     return [
-        "Every ratio: median, interquartile range and min-max of the per-round ratios; a target is met "
-        "when the median and the upper quartile are within it, missed when the median and the lower "
-        "quartile are beyond it, otherwise not resolved (within the spread).",
+        "Every ratio: median of the per-round ratios, the median's 95 % confidence interval (distribution-free: two "
+        "order statistics of the rounds; min-max up to 8 rounds), interquartile range and min-max; a target is met "
+        "when the interval lies within it, missed when it lies beyond it, otherwise not resolved (within the "
+        "spread: more rounds narrow the interval, not the IQR).",
         "",
-        *_table(["case", "K", "ratio", "median", "IQR", "min-max", "rounds", "target", "verdict"], rows,
-                "lrlrrrrll"),
+        *_table(["case", "K", "ratio", "median", "95 % CI", "IQR", "min-max", "rounds", "target", "verdict"], rows,
+                "lrlrrrrrll"),
+    ]
+
+
+def launches_table(results: dict[str, Any]) -> list[str]:
+    """A run that repeats launches (``--repeat``): every ratio's median per launch, and the verdict from them."""
+    rows = [[r["case"], str(r["k"]), r["ratio"], f"{r['median']:.3f}", f"{r['min']:.3f}-{r['max']:.3f}",
+             " ".join(f"{m:.3f}" for m in r["launch_medians"]), f"<= {r['target']:.2f}" if r["target"] else "",
+             r["verdict"]] for r in across_launches(results["timing"])]
+    if not rows:
+        return []
+    return [
+        "Across launches: each launch's median ratio is one value (a launch's processes keep their CPU placement, "
+        "memory layout and allocator state, which move a ratio between launches more than between its rounds); "
+        "the median of the launches' medians, their min-max (the median's interval: confidence 1 - 2 / 2^launches, "
+        "97 % for 6), and the verdict from it: met when every launch is within the target, missed when every "
+        "launch is beyond it.",
+        "",
+        *_table(["case", "K", "ratio", "median of launches", "min-max", "launches", "target", "verdict"], rows,
+                "lrl"),
     ]
 
 
@@ -115,7 +142,7 @@ def time_table(results: dict[str, Any]) -> list[str]:
         for name in names:
             s = row["variants"].get(name, {}).get("step_s")
             cells.append("n/a" if not s else f"{s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})")
-        rows.append([row["case"], str(row["k"]), str(row["steps_per_block"]), *cells])
+        rows.append([row["case"], _k(row), str(row["steps_per_block"]), *cells])
     heads = [f"{LETTERS.get(n, '')} {n}".strip() for n in names]
     return ["Time per optimizer step, ms: median over rounds (min-max), slower rank:", "",
             *_table(["case", "K", "steps/block", *heads], rows, "l")]
@@ -127,7 +154,7 @@ def ledger_table(results: dict[str, Any]) -> list[str]:
     for row in results["timing"]:
         led = row["distaccum_ledger"].get("distaccum")
         if led:
-            rows.append([row["case"], str(row["k"]), *(_num(led.get(k), 1, 1e3) for k in
+            rows.append([row["case"], _k(row), *(_num(led.get(k), 1, 1e3) for k in
                          ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s")),
                          f"{led.get('comm_rounds', 0):.0f} / {led.get('comm_calls', 0):.0f}"])
     if not rows:
@@ -263,8 +290,8 @@ def render(results: dict[str, Any]) -> str:
     """results.md: every table, in reading order."""
     sections = [header(results)]
     if results["timing"]:  # an engine sweep alone (--no-timing) has no timing tables to show
-        sections += [issue_table(results), spread_table(results), time_table(results), ledger_table(results),
-                     agreement_lines(results)]
+        sections += [launches_table(results), issue_table(results), spread_table(results), time_table(results),
+                     ledger_table(results), agreement_lines(results)]
     if results["sweep"]:
         sections += [comm_table(results), memory_table(results)]
     sections.append(gpu_lines(results))

@@ -70,13 +70,15 @@ def _launch_info(result: Launch) -> dict[str, Any]:
 
 def run_timing(cases: Sequence[Case], variants: tuple[str, ...], rounds: int, device: str, world: int,
                scratch: Path, timeout: float, precision: str = "fp32",
-               done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
-    """One interleaved launch per case and K; ``done(rows so far)`` after each launch."""
+               done: Callable[[list[dict[str, Any]]], None] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
+    """One interleaved launch per case and K, ``repeats`` times over (every case and K, then again: the launches
+    of one split spread over the run); ``done(rows so far)`` after each launch."""
     rows: list[dict[str, Any]] = []
-    for case in cases:
+    for repeat, case in ((r, c) for r in range(repeats) for c in cases):
         for k in case.ks:
             spec = launch_spec(case, k, rounds=rounds, variants=variants, device=device, precision=precision)
-            out, work = scratch / f"timing-{case.name}-k{k}.json", scratch / f"timing-{case.name}-k{k}"
+            name = f"timing-{case.name}-k{k}" + (f"-r{repeat}" if repeats > 1 else "")
+            out, work = scratch / f"{name}.json", scratch / name
             result = launch("benchmarks.interleave", [spec.to_json(), str(out), str(work)], world,
                             work / "output.log", timeout)
             if out.exists():  # rank 0 wrote it after every rank finished measuring
@@ -86,9 +88,11 @@ def run_timing(cases: Sequence[Case], variants: tuple[str, ...], rounds: int, de
                        "distaccum_ledger": {}, "steps_per_block": spec.steps, "rounds": rounds}
             row["launch"] = _launch_info(result)
             row["status"] = "ok" if out.exists() else "failed"
+            row["repeat"], row["repeats"] = repeat, repeats
             rows.append(row)
             ratio = row["ratios"].get("distaccum / no_sync")
-            print(f"[timing] {case.name} K={k}: {row['status']}, {result.wall_s:.0f} s, load "
+            print(f"[timing] {case.name} K={k}" + (f" launch {repeat + 1}/{repeats}" if repeats > 1 else "")
+                  + f": {row['status']}, {result.wall_s:.0f} s, load "
                   f"{result.load_1m[1]:.2f}" + (f", distaccum / no_sync {ratio['median']:.3f}" if ratio else ""),
                   flush=True)
             if not result.ok:
@@ -205,6 +209,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ks", default=None, help="comma-separated K values for the timing (default: the case's)")
     p.add_argument("--block", type=int, default=None, help="micro-batches timed per variant per round: a block is "
                    "ceil(BLOCK / K) optimizer steps, at least the case's minimum (default: the case's, 16 on the full cases)")
+    p.add_argument("--repeat", type=int, default=1, help="launches per case and K (default 1): with several, each "
+                   "ratio's verdict is taken across the launches (their medians), which a single launch cannot show")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="variants interleaved in the timing")
     p.add_argument("--sweep", default=None, help="engine-sweep variants ('none' skips the sweep; 'hsdp': FSDP2 "
                    "flat and hybrid in each sync mode, with --world 4)")
@@ -261,6 +267,8 @@ def _main(argv: Sequence[str] | None) -> int:
         rounds = args.rounds if args.rounds is not None else (2 if args.smoke else 8)
         if rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {rounds}")
+        if args.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
         device = "cuda" if args.device == "cuda" or (args.device == "auto" and cuda_present()) else "cpu"
         if device == "cuda" and not cuda_present():
             raise ValueError("--device cuda, but CUDA is not available here")
@@ -275,7 +283,7 @@ def _main(argv: Sequence[str] | None) -> int:
     sweep_env = SWEEP_CPU_ENV if device == "cpu" else {}
     started = time.perf_counter()
     settings = {"command": "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv),
-                "smoke": args.smoke, "rounds": rounds, "device": device, "world_size": world,
+                "smoke": args.smoke, "rounds": rounds, "repeats": args.repeat, "device": device, "world_size": world,
                 "backend": "nccl" if device == "cuda" else "gloo", "precision": args.precision,
                 "threads": "CUDA" if device == "cuda" else "1 intra-op thread per rank",
                 "variants": list(variants), "sweep_variants": list(sweep_names), "sweep_env": sweep_env}
@@ -308,7 +316,7 @@ def _main(argv: Sequence[str] | None) -> int:
     with tempfile.TemporaryDirectory(prefix="distaccum-bench-") as tmp:
         scratch = Path(tmp)
         timing = [] if args.no_timing else run_timing(cases, variants, rounds, device, world, scratch, args.timeout,
-                                                       args.precision, keep)
+                                                       args.precision, keep, args.repeat)
         sweep = run_sweep(cases, sweep_names, device, world, scratch, args.timeout, sweep_env, args.precision,
                           lambda rows: keep(timing, rows))
     results = results_of(timing, sweep, True)

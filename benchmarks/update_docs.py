@@ -4,7 +4,8 @@
 
 A CPU run replaces the ``cpu`` section, a GPU run the ``gpu`` section; a timing-only run
 (``python -m benchmarks.run --sweep none ...``) with ``--timing-only`` replaces the ``cpu-timing`` (or
-``gpu-timing``) section and leaves the engine sweep of the last full run where it is; ``--hsdp`` writes an engine sweep of
+``gpu-timing``) section and leaves the engine sweep of the last full run where it is, and one that repeats its
+launches (``--repeat N``) the ``cpu-launches`` (``gpu-launches``) section; ``--hsdp`` writes an engine sweep of
 the HSDP modes (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``) into docs/multinode.md's ``hsdp``
 section (memory is not timing: a shared machine's load does not refuse it). The prose around them is
 written by hand (what the figures say, which targets are met and why). Refused, so that noise
@@ -38,8 +39,10 @@ def markers(section: str, by: str = "python -m benchmarks.update_docs") -> tuple
 
 
 def section_of(results: dict[str, Any], timing_only: bool = False) -> str:
-    """Which section a run fills: ``gpu`` for a CUDA run, ``cpu`` otherwise (``-timing`` for a timing-only run)."""
-    return ("gpu" if results["settings"]["device"] == "cuda" else "cpu") + ("-timing" if timing_only else "")
+    """Which section a run fills: ``gpu`` for a CUDA run, ``cpu`` otherwise (``-timing`` for a timing-only run,
+    ``-launches`` for a timing-only run that repeats its launches, ``benchmarks.run --repeat``)."""
+    kind = "-launches" if timing_only and results["settings"].get("repeats", 1) > 1 else "-timing" if timing_only else ""
+    return ("gpu" if results["settings"]["device"] == "cuda" else "cpu") + kind
 
 
 def problems(results: dict[str, Any], allow_loaded: bool = False, allow_partial: bool = False,
@@ -58,6 +61,9 @@ def problems(results: dict[str, Any], allow_loaded: bool = False, allow_partial:
         missing = [f"{c.name} K={k}" for c in FULL_CASES for k in c.ks if (c.name, k) not in measured]
         if timing_only and results["sweep"]:
             found.append("--timing-only with an engine sweep in the run: write it whole (without --timing-only)")
+        if settings.get("repeats", 1) > 1 and not timing_only:
+            found.append("a run that repeats its launches (--repeat) goes into its own section: pass --timing-only "
+                         "(and run it with --sweep none)")
         if (missing or (not results["sweep"] and not timing_only)) and not allow_partial:
             found.append("a partial run (" + (f"no timing of {', '.join(missing)}" if missing else "no engine sweep")
                          + "): the section would lose figures; run it all, or pass --allow-partial")

@@ -13,6 +13,8 @@
   ``distaccum_bf16_reduce`` (``accum.reduce_dtype=bf16``) is measured against.
 - ``ddp_python_hook``: (b) with DDP's default all-reduce written as a Python comm hook: what running the
   reduction through Python costs (distaccum's ledger and normalization live in such a hook).
+- ``ddp_no_sync_twin``: (b) built a second time in the same processes, a control: ``ddp_no_sync_twin / ddp_no_sync``
+  is 1 by construction, so its spread is the harness's own resolution on the machine (an A/A comparison).
 - ``ddp_window_allreduce``: ``ddp_python_hook`` plus a second, small all-reduce per step like distaccum's window
   (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_sync_records``: ``distaccum`` with each step's record made right after it (``lag_records=False``):
@@ -492,7 +494,8 @@ TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": Distac
 """distaccum variants that need more than config overrides (the rest are :class:`DistaccumTrainer`)."""
 
 
-HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "accelerate": AccelerateLoop,
+HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "ddp_no_sync_twin": DDPNoSync,
+                "accelerate": AccelerateLoop,
                 "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook,
                 "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_python_hook_after": DDPPythonHookAfter, "ddp_window_allreduce": DDPWindowAllreduce}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,16 @@ from benchmarks.interleave import round_order
 from benchmarks.report import render
 from benchmarks.run import main as run_main
 from benchmarks.run import memory_growth
-from benchmarks.stats import per_round_ratios, spread, summarize_launch, target, verdict
+from benchmarks.stats import (
+    across_launches,
+    interval_rank,
+    median_interval,
+    per_round_ratios,
+    spread,
+    summarize_launch,
+    target,
+    verdict,
+)
 from benchmarks.update_docs import markers, problems, replace_section, section_of
 from benchmarks.variants import DEFAULT_VARIANTS, HAND_WRITTEN, check_variants, distaccum_config
 from distaccum.config import RunConfig, from_mapping, to_mapping
@@ -52,6 +62,7 @@ def test_the_round_order_balances_positions_and_predecessors(n: int) -> None:
 def test_spread_uses_inclusive_quartiles() -> None:
     s = spread([8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
     assert (s.median, s.min, s.max, s.q1, s.q3, s.rounds) == (4.5, 1.0, 8.0, 2.75, 6.25, 8)
+    assert (s.ci_low, s.ci_high) == (1.0, 8.0)  # 8 rounds: the median's 95 % interval is min-max
     assert spread([2.0]).q1 == spread([2.0]).q3 == 2.0
     with pytest.raises(ValueError):
         spread([])
@@ -67,11 +78,40 @@ def test_per_round_ratios_cancel_drift_that_falls_on_both_variants() -> None:
         per_round_ratios([1.0], [1.0, 2.0])
 
 
-def test_verdict_needs_the_quartile_on_the_same_side_as_the_median() -> None:
+@pytest.mark.parametrize("n", [1, 5, 6, 8, 12, 24, 40, 60, 200])
+def test_the_median_interval_holds_95_percent_by_the_binomial(n: int) -> None:
+    """x_(j) <= median <= x_(n+1-j) has probability 1 - 2 P(B <= j-1), B ~ Binomial(n, 1/2): the rank is the
+    largest whose coverage reaches 95 % (min-max where none does), computed here independently."""
+    def coverage(j: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2**n
+    j = interval_rank(n)
+    assert 1 <= j <= (n + 1) // 2
+    assert j == 1 or coverage(j) >= 0.95
+    assert coverage(j + 1) < 0.95 or j + 1 > (n + 1) // 2 or n <= 2
+    assert {6: 1, 8: 1, 12: 3, 24: 7, 60: 22}.get(n, j) == j
+    values = [float(v) for v in range(n, 0, -1)]
+    assert median_interval(values) == (float(j), float(n + 1 - j))
+
+
+def test_the_median_interval_narrows_with_rounds_where_the_quartiles_do_not() -> None:
+    """The same scatter of single rounds (a fixed pattern around 1.00, +-6 %) repeated: the IQR stays as wide, the
+    median's interval closes in on it."""
+    pattern = [0.94, 0.97, 0.99, 1.00, 1.01, 1.03, 1.06, 1.00]
+    few, many = spread(pattern), spread(pattern * 10)
+    assert (few.q1, few.q3) == pytest.approx((many.q1, many.q3), abs=0.011)
+    assert few.ci_high - few.ci_low > 0.1 and many.ci_high - many.ci_low <= 0.02
+
+
+def test_verdict_reads_the_median_s_interval() -> None:
     assert verdict(spread([1.00, 1.01, 1.01, 1.015]), 1.02) == "met"
     assert verdict(spread([1.00, 1.01, 1.03, 1.04]), 1.02) == "within the spread"
     assert verdict(spread([1.021, 1.05, 1.06, 1.07]), 1.02) == "missed"
     assert verdict(spread([1.5]), None) == ""
+    scatter = [0.96, 0.98, 1.00, 1.00, 1.01, 1.02, 1.04, 1.06]  # the upper quartile beyond 1.02
+    assert verdict(spread(scatter), 1.02) == "within the spread"
+    assert verdict(spread(scatter * 8), 1.02) == "met"  # 64 rounds: x_(24)..x_(41) = 1.00..1.02
+    assert verdict(spread([x + 0.025 for x in scatter] * 8), 1.02) == "missed"
+    assert verdict(spread([x + 0.015 for x in scatter] * 8), 1.02) == "within the spread"
     assert target("distaccum / no_sync", "0.9M_micro256", 4) == 1.02
     assert target("distaccum / floor", "27.3M_micro4", 16) == 1.08
     assert target("distaccum / floor", "27.3M_micro4", 4) is None
@@ -249,6 +289,55 @@ def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, monkeypa
     assert precisions == ["fp32"] * 2 + ["bf16"] * 4  # the sweep's launches compute in what the run says
 
 
+def test_repeat_launches_every_split_again_after_the_others(tmp_path: Path, launched_specs: list[Spec],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``--repeat N``: every case and K once, then again (a split's launches spread over the run), each row
+    numbered; 0 is refused."""
+    assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4", "--repeat", "3", "--sweep", "none",
+                     "--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert [s.accum_steps for s in launched_specs] == [1, 4] * 3
+    rows = json.loads((tmp_path / "results.json").read_text())["timing"]
+    assert [(r["k"], r["repeat"], r["repeats"]) for r in rows] == [(1, 0, 3), (4, 0, 3), (1, 1, 3), (4, 1, 3),
+                                                                   (1, 2, 3), (4, 2, 3)]
+    assert run_main(["--repeat", "0", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "--repeat must be >= 1" in capsys.readouterr().err
+
+
+def _launch_rows(ratios: list[float], label: str = "distaccum / no_sync") -> list[dict[str, Any]]:
+    rows = []
+    for i, ratio in enumerate(ratios):
+        row = summarize_launch(_timing_record(case="0.9M_micro256", k=1))
+        row["ratios"][label] = {**spread([ratio] * 6).as_dict(), "per_round": [ratio] * 6, "target": 1.02,
+                                "verdict": ""}
+        row.update({"status": "ok", "repeat": i, "repeats": len(ratios),
+                    "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}})
+        rows.append(row)
+    return rows
+
+
+def test_the_verdict_across_launches_takes_each_launch_s_median_as_one_value() -> None:
+    """Six launches that each look tight inside: met only when every launch's median is within the target, missed
+    only when every one is beyond it; five launches give no verdict (their min-max holds the median with 94 %)."""
+    def judged(ratios: list[float]) -> dict[str, Any]:
+        (row,) = [r for r in across_launches(_launch_rows(ratios)) if r["ratio"] == "distaccum / no_sync"]
+        return row
+    met = judged([1.00, 1.01, 0.99, 1.015, 1.00, 1.02])
+    assert (met["verdict"], met["median"], met["min"], met["max"]) == ("met", 1.005, 0.99, 1.02)
+    assert judged([1.00, 1.01, 0.99, 1.015, 1.00, 1.03])["verdict"] == "within the spread"
+    assert judged([1.03, 1.04, 1.021, 1.05, 1.06, 1.07])["verdict"] == "missed"
+    assert judged([1.00, 1.01, 0.99, 1.015, 1.00])["verdict"] == "too few launches"
+    assert across_launches(_launch_rows([1.0])) == []  # one launch: nothing across launches
+    results = _results()
+    results["timing"] = _launch_rows([1.00, 1.01, 0.99, 1.015, 1.00, 1.02])
+    results["settings"]["repeats"] = 6
+    text = render(results)
+    assert "Across launches" in text and "| 1 #6 |" in text and "6 launches per case and K" in text
+    assert "| 0.9M_micro256 | 1 | distaccum / no_sync | 1.005 | 0.990-1.020 | 1.000 1.010 0.990 1.015 1.000 1.020 " \
+        "| <= 1.02 | met |" in text
+    assert section_of(results, timing_only=True) == "cpu-launches"
+    assert any("--timing-only" in p for p in problems(results))
+
+
 def test_block_sets_the_timed_steps_per_round(tmp_path: Path, launched_specs: list[Spec],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """``--block N``: each variant's block is ceil(N / K) optimizer steps, never under the case's minimum (the
@@ -357,12 +446,13 @@ def test_the_hand_written_ddp_loops_use_an_experts_settings(cpu_group: None, nam
 
 
 @pytest.mark.parametrize(("name", "hook"), [("ddp_window_allreduce", "window_allreduce_hook"),
-                                          ("ddp_python_hook_after", "python_allreduce_after_hook")])
+                                          ("ddp_python_hook_after", "python_allreduce_after_hook"),
+                                          ("ddp_no_sync_twin", None)])
 def test_the_hook_diagnostics_train_what_the_no_sync_loop_trains(cpu_group: None, name: str, hook: str) -> None:
     """``ddp_window_allreduce`` (what ``benchmarks.fixed_cost`` prices distaccum's window all-reduce with) only
     adds a collective, and ``ddp_python_hook_after`` only moves the division by the world size to after the
     all-reduce: the same parameters as ``ddp_no_sync``, bit for bit, through their own comm hook (and the window's
-    collective was waited for)."""
+    collective was waited for). ``ddp_no_sync_twin``, the A/A control, is the same loop built again."""
     spec = launch_spec(SMOKE_CASES[0], 2)
     data = BenchData(spec, world_size=1)
     loops = {n: HAND_WRITTEN[n](n, spec, data, 0, torch.device("cpu"), HostClock()) for n in ("ddp_no_sync", name)}
@@ -370,7 +460,7 @@ def test_the_hook_diagnostics_train_what_the_no_sync_loop_trains(cpu_group: None
         loop.run(3)
     plain, diagnostic = ([p.detach() for p in loop.parameters()] for loop in loops.values())
     assert all(torch.equal(a, b) for a, b in zip(plain, diagnostic, strict=True))
-    assert loops[name].ddp._get_ddp_logging_data()["comm_hook"] == hook
+    assert loops[name].ddp._get_ddp_logging_data().get("comm_hook") == hook
     if name == "ddp_window_allreduce":
         assert loops[name].pending["work"].is_completed()
 
