@@ -118,7 +118,8 @@ def launches_table(results: dict[str, Any]) -> list[str]:
     """A run that repeats launches (``--repeat``): every ratio's median per launch, and the verdict from them."""
     rows = [[r["case"], str(r["k"]), r["ratio"], f"{r['median']:.3f}", f"{r['min']:.3f}-{r['max']:.3f}",
              " ".join(f"{m:.3f}" for m in r["launch_medians"]), f"<= {r['target']:.2f}" if r["target"] else "",
-             r["verdict"]] for r in across_launches(results["timing"])]
+             r["verdict"], f"{r['pooled']['median']:.3f} ({r['pooled']['ci_low']:.3f}-{r['pooled']['ci_high']:.3f}, "
+             f"{r['pooled']['rounds']} rounds)"] for r in across_launches(results["timing"])]
     if not rows:
         return []
     return [
@@ -126,10 +127,11 @@ def launches_table(results: dict[str, Any]) -> list[str]:
         "memory layout and allocator state, which move a ratio between launches more than between its rounds); "
         "the median of the launches' medians, their min-max (the median's interval: confidence 1 - 2 / 2^launches, "
         "97 % for 6), and the verdict from it: met when every launch is within the target, missed when every "
-        "launch is beyond it.",
+        "launch is beyond it. Last column, for information: every launch's rounds pooled as one sample, their "
+        "median and its 95 % interval (narrower, and right only if the launches share no effect of their own).",
         "",
-        *_table(["case", "K", "ratio", "median of launches", "min-max", "launches", "target", "verdict"], rows,
-                "lrl"),
+        *_table(["case", "K", "ratio", "median of launches", "min-max", "launches", "target", "verdict",
+                 "rounds pooled: median (95 % interval)"], rows, "lrl"),
     ]
 
 
@@ -286,10 +288,14 @@ def gpu_lines(results: dict[str, Any]) -> list[str]:
     return lines + list(dict.fromkeys(busbw))  # one line per case when every K reads alike
 
 
-def render(results: dict[str, Any]) -> str:
-    """results.md: every table, in reading order."""
+def render(results: dict[str, Any], *, across_only: bool = False) -> str:
+    """results.md: every table, in reading order. ``across_only``: of the timing, only what is taken across
+    launches and the parameter check (a ``--repeat`` run's section of BENCHMARKS.md; each launch's tables stay in
+    results.md)."""
     sections = [header(results)]
-    if results["timing"]:  # an engine sweep alone (--no-timing) has no timing tables to show
+    if results["timing"] and across_only:
+        sections += [launches_table(results), agreement_lines(results)]
+    elif results["timing"]:  # an engine sweep alone (--no-timing) has no timing tables to show
         sections += [launches_table(results), issue_table(results), spread_table(results), time_table(results),
                      ledger_table(results), agreement_lines(results)]
     if results["sweep"]:

@@ -163,7 +163,9 @@ def across_launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per case, K and ratio measured in at least two launches (``benchmarks.run --repeat``): each launch's median
     as one value, their median, min-max and the verdict from them (:func:`verdict`; the interval of up to 8
     launches is their min-max, whose confidence is 1 - 2 / 2^launches: 97 % for 6). Fewer than
-    :data:`MIN_LAUNCHES` launches give no verdict: their min-max holds the median with less than 95 %.
+    :data:`MIN_LAUNCHES` launches give no verdict: their min-max holds the median with less than 95 %. Beside it,
+    ``pooled``: every launch's rounds as one sample (its interval is the narrower, and is right only when the
+    launches share no effect of their own: information, not the verdict).
 
     Why launches, not rounds: a launch's processes keep their CPU placement, memory layout and allocator state,
     which move a ratio by a few percent from one launch to the next, identical loops included (the
@@ -183,8 +185,9 @@ def across_launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 s = spread(medians)
                 goal = target(label, case, k)
                 judged = verdict(s, goal) if len(medians) >= MIN_LAUNCHES or goal is None else "too few launches"
+                pooled = spread([x for launch in launches for x in launch["ratios"][label]["per_round"]])
                 out.append({"case": case, "k": k, "ratio": label, "launch_medians": medians, **s.as_dict(),
-                            "target": goal, "verdict": judged})
+                            "target": goal, "verdict": judged, "pooled": pooled.as_dict()})
     return out
 
 

@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     section = section_of(results, args.timing_only)
     try:
-        text = replace_section(args.doc.read_text(), section, render(results))
+        text = replace_section(args.doc.read_text(), section, render(results, across_only=section.endswith("-launches")))
     except ValueError as err:
         print(f"update_docs: {args.doc}: {err}", file=sys.stderr)
         return 2

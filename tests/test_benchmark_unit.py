@@ -333,7 +333,10 @@ def test_the_verdict_across_launches_takes_each_launch_s_median_as_one_value() -
     text = render(results)
     assert "Across launches" in text and "| 1 #6 |" in text and "6 launches per case and K" in text
     assert "| 0.9M_micro256 | 1 | distaccum / no_sync | 1.005 | 0.990-1.020 | 1.000 1.010 0.990 1.015 1.000 1.020 " \
-        "| <= 1.02 | met |" in text
+        "| <= 1.02 | met | 1.005 (1.000-1.015, 36 rounds) |" in text
+    # pooled: 36 rounds, 6 per launch; the interval is x_(12)..x_(25) of 0.99 x6, 1.00 x12, 1.01 x6, 1.015 x6, 1.02 x6
+    brief = render(results, across_only=True)  # what update_docs writes for a --repeat run
+    assert "Across launches" in brief and "Median of the per-round ratios" not in brief and "Same work" in brief
     assert section_of(results, timing_only=True) == "cpu-launches"
     assert any("--timing-only" in p for p in problems(results))
 
