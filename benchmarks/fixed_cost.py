@@ -11,14 +11,18 @@ slower rank. CPU time is what a bigger step pays for the same work whenever the 
 ranks on 2 cores, as here), so its difference between two variants prices what one does and the other does
 not, far more steadily than a ratio of step times:
 
-- ``ddp_window_allreduce`` - ``ddp_python_hook``: the window's second, small all-reduce;
-- ``distaccum`` - ``ddp_window_allreduce``: the rest of distaccum's per-step work (the loop, the ledger, the
+- ``ddp_window_allgather`` - ``ddp_python_hook``: the window's second, small collective (an all-gather of each
+  rank's row, as :class:`~distaccum.window.HostTotals` sends it), and ``ddp_window_allreduce`` - ``ddp_python_hook``
+  the all-reduce it replaced;
+- ``distaccum`` - ``ddp_window_allgather``: the rest of distaccum's per-step work (the loop, the ledger, the
   fingerprint, the data plan, the record and its sinks);
 - ``distaccum`` - ``distaccum_no_ledger`` / ``distaccum_no_fingerprint``: those two switches;
 - ``distaccum_loader`` - ``distaccum`` (name it with ``--variants``): what cutting an in-memory ``TensorDataset`` in
   the process (:class:`~distaccum.data.pipeline.TensorRows`) saves against a DataLoader per micro-batch;
+- ``distaccum_host_allreduce`` - ``distaccum`` (name it with ``--variants``): what the window's all-gather on the CPU
+  saves against the all-reduce it replaced;
 - ``distaccum_device_totals`` - ``distaccum``: what the window's totals as Python floats (the CPU's
-  :class:`~distaccum.loop.HostTotals`) save against one-number tensors (an accelerator's ``DeviceTotals``).
+  :class:`~distaccum.window.HostTotals`) save against one-number tensors (an accelerator's ``DeviceTotals``).
 
 With ``--sections`` it says where distaccum's own part goes instead: distaccum runs with a timer around each
 per-step piece of the loop (:data:`PIECES`: the window's totals, the fingerprint, the engine's step, the timer,
@@ -58,7 +62,8 @@ from benchmarks.launch import launch
 from benchmarks.stats import Spread, spread
 from benchmarks.variants import build_variant, check_variants
 
-VARIANTS = ("ddp_no_sync", "ddp_python_hook", "ddp_window_allreduce", "distaccum", "distaccum_device_totals",
+VARIANTS = ("ddp_no_sync", "ddp_python_hook", "ddp_window_allreduce", "ddp_window_allgather", "distaccum",
+            "distaccum_device_totals",
             "distaccum_no_ledger", "distaccum_no_fingerprint")
 SECTION_VARIANTS = ("distaccum",)
 """What ``--sections`` times by default (it times distaccum's own pieces: name distaccum variants only)."""
@@ -66,16 +71,16 @@ BASELINE = "ddp_python_hook"
 """What the differences are taken against: distaccum's reduction runs in a Python comm hook too."""
 
 
-WINDOW = "window totals, their all-reduce, scale and normalization"
+WINDOW = "window totals, their collective, scale and normalization"
 FINGERPRINT = "reduction fingerprint"
 ENGINE = "engine step around the optimizer"
 DATA = "data plan and the move to the device"
 RECORD = "record: step timer, straggler view, sinks, record"
 OPTIMIZER = "the optimizer's step and zero_grad (the hand-written loops' too)"
 PIECES: tuple[tuple[str, str | None, tuple[str, ...], str], ...] = (
-    ("distaccum.loop", "HostTotals", ("__init__", "add", "reduce", "grad_scale", "read"), WINDOW),  # on the CPU
-    ("distaccum.loop", "DeviceTotals", ("__init__", "add", "reduce", "grad_scale", "read"), WINDOW),
-    ("distaccum.loop", "WindowTotals", ("carry",), WINDOW),
+    ("distaccum.window", "HostTotals", ("__init__", "add", "reduce", "grad_scale", "read"), WINDOW),  # on the CPU
+    ("distaccum.window", "DeviceTotals", ("__init__", "add", "reduce", "grad_scale", "read"), WINDOW),
+    ("distaccum.window", "WindowTotals", ("carry",), WINDOW),
     ("distaccum.loop", None, ("power_of_two_scale", "micro_factor"), WINDOW),
     ("distaccum.engines.replicated", None, ("normalize_",), WINDOW),
     ("distaccum.verify.fingerprint", "Fingerprint", ("before_reduce", "after_reduction", "judge"), FINGERPRINT),
@@ -264,11 +269,15 @@ def report(record: dict[str, Any]) -> str:
              "medians over rounds of the slower rank", "",
              "| variant | CPU ms / step | wall ms / step | voluntary switches / step |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['switches']:.1f} |" for name, r in rows.items()]
-    pairs = [("ddp_window_allreduce", BASELINE, "the window's second, small all-reduce"),
-             ("distaccum", "ddp_window_allreduce", "distaccum's per-step Python: loop, ledger, fingerprint, data, record"),
+    pairs = [("ddp_window_allgather", BASELINE, "the window's second, small collective (an all-gather of each rank's row)"),
+             ("ddp_window_allreduce", BASELINE, "the same as an all-reduce (distaccum's window before this release)"),
+             ("distaccum", "ddp_window_allgather", "distaccum's per-step Python: loop, ledger, fingerprint, data, record"),
              ("distaccum", BASELINE, "distaccum's whole fixed cost"),
              ("distaccum", "ddp_no_sync", "the same against the expert loop (DDP's C++ all-reduce)"),
-             ("distaccum_device_totals", "distaccum", "what the CPU's Python-float window totals save (HostTotals)"),
+             ("distaccum_host_allreduce", "distaccum", "what the window's all-gather saves against an all-reduce "
+              "(HostTotals)"),
+             ("distaccum_device_totals", "distaccum", "what the CPU's window totals save (HostTotals: Python floats, "
+              "one all-gather; DeviceTotals all-reduces one-number tensors)"),
              ("distaccum_loader", "distaccum", "the DataLoader against the in-process rows (TensorRows)"),
              ("distaccum", "distaccum_no_ledger", "the ledger (log.ledger)"),
              ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)")]

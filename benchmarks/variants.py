@@ -16,16 +16,20 @@
 - ``ddp_no_sync_twin``: (b) built a second time in the same processes, a control: ``ddp_no_sync_twin / ddp_no_sync``
   is 1 by construction, so its spread is the harness's own resolution on the machine (an A/A comparison).
 - ``ddp_window_allreduce``: ``ddp_python_hook`` plus a second, small all-reduce per step like distaccum's window
-  (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
+  had (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
+- ``ddp_window_allgather``: the same with an all-gather of each rank's row instead, as distaccum's window on the
+  CPU now gathers (:class:`distaccum.window.HostTotals`).
 - ``distaccum_sync_records``: ``distaccum`` with each step's record made right after it (``lag_records=False``):
   on CUDA, what the lagged records (the default there) save; on the CPU the same loop.
 - ``distaccum_loader``: ``distaccum`` fed as before this release: the samples' indices as the dataset and a collate
   that slices the tensors, through a DataLoader per rank, where ``distaccum`` gets the tensors as a plain
   ``TensorDataset``, which it cuts in the training process (:class:`distaccum.data.pipeline.TensorRows`):
   ``distaccum_loader / distaccum`` is what that saves.
+- ``distaccum_host_allreduce``: ``distaccum`` with the CPU's window totals all-reduced (the whole layout) instead of
+  all-gathered, as before this release: what the all-gather saves (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_device_totals``: ``distaccum`` with the window's totals kept as one-number tensors on the CPU too
-  (:class:`distaccum.loop.DeviceTotals`, what an accelerator uses): what the CPU's Python-float totals
-  (:class:`~distaccum.loop.HostTotals`) save (a diagnostic for ``benchmarks.fixed_cost``).
+  (:class:`distaccum.window.DeviceTotals`, what an accelerator uses): what the CPU's Python-float totals
+  (:class:`~distaccum.window.HostTotals`) save (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_no_ledger``, ``distaccum_no_fingerprint`` (the reduction fingerprint off: its cost is
   ``distaccum / distaccum_no_fingerprint``), ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
   the Trainer with another engine or setting, for the engine sweep, or interleaved like the others.
@@ -37,6 +41,7 @@ after each), ``parameters()`` and ``close()``. Construction is collective (DDP b
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,7 +56,8 @@ from torch.utils.data import Dataset, TensorDataset
 from benchmarks.cases import Batch, BenchData, Spec, loss_sum, sgd
 from benchmarks.device import Clock
 from benchmarks.launch import ROOT
-from distaccum import Trainer, loop
+from distaccum import Trainer, window
+from distaccum.cluster.procgroup import all_gather_flat
 
 LETTERS = {"ddp_every_micro": "a", "ddp_no_sync": "b", "accelerate": "c", "distaccum": "d",
            "compute_floor": "e", "ddp_bf16_hook": "f", "ddp_no_sync_compiled": "g"}
@@ -60,6 +66,7 @@ EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compil
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum": ("ddp", {}),
     "distaccum_device_totals": ("ddp", {}),  # DistaccumDeviceTotals
+    "distaccum_host_allreduce": ("ddp", {}),  # DistaccumHostAllreduce
     "distaccum_sync_records": ("ddp", {}),  # DistaccumSyncRecords
     "distaccum_loader": ("ddp", {}),  # DistaccumLoader
     "distaccum_folded_k1": ("ddp", {}),  # DistaccumFoldedK1
@@ -279,6 +286,24 @@ class DDPWindowAllreduce(DDPNoSync):
         zero_in_place(self.optimizer)
 
 
+class DDPWindowAllgather(DDPWindowAllreduce):
+    """:class:`DDPWindowAllreduce` with the small collective an all-gather of each rank's row (8 float64 numbers:
+    what :class:`distaccum.window.HostTotals` sends on the CPU), waited for in the hook alike."""
+
+    def step(self, batches: list[Batch]) -> None:
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.ddp.no_sync():
+                loss = self.loss(self.ddp, batch, len(batches))
+                if last:
+                    row = torch.zeros(8, dtype=torch.float64, device=self.device)
+                    rows = torch.empty(8 * dist.get_world_size(), dtype=torch.float64, device=self.device)
+                    self.pending["work"] = all_gather_flat(rows, row, async_op=True)
+                loss.backward()
+        self.optimizer.step()
+        zero_in_place(self.optimizer)
+
+
 class DDPBf16Hook(HandWritten):
     """(f) (b) with a bf16-compressing comm hook; gradients stay bucket views and are zeroed in place."""
 
@@ -443,16 +468,55 @@ class DistaccumTrainer:
 
 class DistaccumDeviceTotals(DistaccumTrainer):
     """``distaccum`` whose loop keeps the window's totals as device tensors on the CPU too, while it runs: the
-    difference from ``distaccum`` prices :class:`~distaccum.loop.HostTotals` (the loop asks
+    difference from ``distaccum`` prices :class:`~distaccum.window.HostTotals` (the loop asks
     ``WindowTotals.for_device`` once per step, so swapping it for the run's duration changes nothing else)."""
 
     def run(self, steps: int) -> list[Any]:
-        chosen = loop.WindowTotals.for_device
-        loop.WindowTotals.for_device = staticmethod(loop.DeviceTotals)  # type: ignore[method-assign, assignment]
+        chosen = window.WindowTotals.for_device
+        window.WindowTotals.for_device = staticmethod(window.DeviceTotals)  # type: ignore[method-assign, assignment]
         try:
             return super().run(steps)
         finally:
-            loop.WindowTotals.for_device = chosen  # type: ignore[method-assign]
+            window.WindowTotals.for_device = chosen  # type: ignore[method-assign]
+
+
+class HostTotalsAllreduce(window.HostTotals):
+    """:class:`~distaccum.window.HostTotals` with the window's collective an all-reduce of the whole layout (each
+    rank's values in its slots, zeros in the others), as before this release: the same totals, the other
+    collective."""
+
+    @property
+    def totals(self) -> torch.Tensor:  # type: ignore[override]
+        return self._sent
+
+    def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
+        bad = 0.0 if math.isfinite(self.loss_sum) else 1.0
+        mine = [bad, min(self.counts), max(self.counts)] + [x for row in self._carried for x in row.tolist()]
+        world = self.split.world_size
+        slots = [0.0] * (len(mine) * world)
+        slots[self.rank::world] = mine
+        self._sent = torch.tensor([self.items, self.loss_sum, bad, float(stop), float(checkpoint_due), *slots],
+                                  dtype=torch.float64)
+        self._work = dist.all_reduce(self._sent, async_op=True)
+
+    def _reduced(self) -> list[float]:
+        if self._got is None:
+            self._work.wait()
+            self._got = self._sent.tolist()
+        return self._got
+
+
+class DistaccumHostAllreduce(DistaccumTrainer):
+    """``distaccum`` whose CPU window totals all-reduce (:class:`HostTotalsAllreduce`) while it runs: the difference
+    from ``distaccum`` prices the all-gather :class:`~distaccum.window.HostTotals` makes instead."""
+
+    def run(self, steps: int) -> list[Any]:
+        chosen = window.WindowTotals.for_device
+        window.WindowTotals.for_device = staticmethod(HostTotalsAllreduce)  # type: ignore[method-assign, assignment]
+        try:
+            return super().run(steps)
+        finally:
+            window.WindowTotals.for_device = chosen  # type: ignore[method-assign]
 
 
 class DistaccumFoldedK1(DistaccumTrainer):
@@ -488,6 +552,7 @@ class DistaccumLoader(DistaccumTrainer):
 
 
 TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": DistaccumDeviceTotals,
+                                                "distaccum_host_allreduce": DistaccumHostAllreduce,
                                                 "distaccum_loader": DistaccumLoader,
                                                 "distaccum_folded_k1": DistaccumFoldedK1,
                                                 "distaccum_sync_records": DistaccumSyncRecords}
@@ -497,7 +562,8 @@ TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": Distac
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "ddp_no_sync_twin": DDPNoSync,
                 "accelerate": AccelerateLoop,
                 "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook,
-                "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_python_hook_after": DDPPythonHookAfter, "ddp_window_allreduce": DDPWindowAllreduce}
+                "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_python_hook_after": DDPPythonHookAfter, "ddp_window_allreduce": DDPWindowAllreduce,
+                "ddp_window_allgather": DDPWindowAllgather}
 
 
 def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,

@@ -118,7 +118,7 @@ def test_the_fixed_cost_tool_prices_each_part_per_rank_and_round(tmp_path: Path)
     """``benchmarks.fixed_cost`` at the CI size: every variant measured in every round on both ranks, CPU and
     wall time per step positive, and the differences that price the window all-reduce and the rest printed."""
     record = tmp_path / "fixed_cost.json"
-    variants = ["ddp_python_hook", "ddp_window_allreduce", "distaccum"]
+    variants = ["ddp_python_hook", "ddp_window_allreduce", "ddp_window_allgather", "distaccum"]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.fixed_cost", "--steps", "20", "--rounds", "2",
                            "--variants", ",".join(variants), "--json", str(record)], cwd=ROOT, capture_output=True,
                           text=True, timeout=170)
@@ -129,8 +129,8 @@ def test_the_fixed_cost_tool_prices_each_part_per_rank_and_round(tmp_path: Path)
         assert len(rounds) == 2 and all(len(ranks) == 2 for ranks in rounds), name
         for cpu_ms, wall_ms, switches in (row for ranks in rounds for row in ranks):
             assert cpu_ms > 0 and wall_ms > 0 and switches >= 0, name
-    for line in ("| ddp_window_allreduce - ddp_python_hook |", "| distaccum - ddp_window_allreduce |",
-                 "| distaccum - ddp_python_hook |"):  # the expert-loop row needs ddp_no_sync, not run here
+    for line in ("| ddp_window_allreduce - ddp_python_hook |", "| ddp_window_allgather - ddp_python_hook |",
+                 "| distaccum - ddp_window_allgather |", "| distaccum - ddp_python_hook |"):  # the expert-loop row needs ddp_no_sync, not run here
         assert line in proc.stdout
 
 

@@ -449,11 +449,12 @@ def test_the_hand_written_ddp_loops_use_an_experts_settings(cpu_group: None, nam
 
 
 @pytest.mark.parametrize(("name", "hook"), [("ddp_window_allreduce", "window_allreduce_hook"),
+                                          ("ddp_window_allgather", "window_allreduce_hook"),
                                           ("ddp_python_hook_after", "python_allreduce_after_hook"),
                                           ("ddp_no_sync_twin", None)])
 def test_the_hook_diagnostics_train_what_the_no_sync_loop_trains(cpu_group: None, name: str, hook: str) -> None:
-    """``ddp_window_allreduce`` (what ``benchmarks.fixed_cost`` prices distaccum's window all-reduce with) only
-    adds a collective, and ``ddp_python_hook_after`` only moves the division by the world size to after the
+    """``ddp_window_allgather`` and ``ddp_window_allreduce`` (what ``benchmarks.fixed_cost`` prices distaccum's window
+    collective with, as it is and as it was) only add a collective, and ``ddp_python_hook_after`` only moves the division by the world size to after the
     all-reduce: the same parameters as ``ddp_no_sync``, bit for bit, through their own comm hook (and the window's
     collective was waited for). ``ddp_no_sync_twin``, the A/A control, is the same loop built again."""
     spec = launch_spec(SMOKE_CASES[0], 2)
@@ -464,37 +465,41 @@ def test_the_hook_diagnostics_train_what_the_no_sync_loop_trains(cpu_group: None
     plain, diagnostic = ([p.detach() for p in loop.parameters()] for loop in loops.values())
     assert all(torch.equal(a, b) for a, b in zip(plain, diagnostic, strict=True))
     assert loops[name].ddp._get_ddp_logging_data().get("comm_hook") == hook
-    if name == "ddp_window_allreduce":
+    if name.startswith("ddp_window_"):
         assert loops[name].pending["work"].is_completed()
 
 
 def test_the_device_totals_diagnostic_trains_what_distaccum_trains_and_restores_the_loop(
         cpu_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``distaccum_device_totals`` (what ``benchmarks.fixed_cost`` prices the CPU's Python-float window totals with)
-    runs the loop with the device kind only while it runs: the same parameters as ``distaccum`` bit for bit, and
-    the CPU gets :class:`HostTotals` again afterwards."""
-    from benchmarks.variants import build_variant
-    from distaccum import loop
+    and ``distaccum_host_allreduce`` (the all-gather against the all-reduce it replaced) run the loop with their
+    kind only while they run: the same parameters as ``distaccum`` bit for bit, the same totals from either
+    collective, and the CPU gets :class:`HostTotals` again afterwards."""
+    from benchmarks.variants import HostTotalsAllreduce, build_variant
+    from distaccum import window
 
     spec = launch_spec(SMOKE_CASES[0], 2)
     data = BenchData(spec, world_size=1)
     kinds: list[type] = []
-    real = loop.WindowTotals.__init__
+    real = window.WindowTotals.__init__
 
-    def noting(self: loop.WindowTotals, *args: Any) -> None:  # wraps the real constructor: records the kind
+    def noting(self: window.WindowTotals, *args: Any) -> None:  # wraps the real constructor: records the kind
         kinds.append(type(self))
         real(self, *args)
 
-    monkeypatch.setattr(loop.WindowTotals, "__init__", noting)
+    monkeypatch.setattr(window.WindowTotals, "__init__", noting)
     trained = {}
-    for name in ("distaccum", "distaccum_device_totals"):
+    records = {}
+    for name in ("distaccum", "distaccum_device_totals", "distaccum_host_allreduce"):
         variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
-        variant.run(3)
+        records[name] = variant.run(3) and variant.trainer.state.records  # type: ignore[attr-defined]
         trained[name] = [p.clone() for p in variant.parameters()]
         variant.close()
-    assert kinds == [loop.HostTotals] * 3 + [loop.DeviceTotals] * 3
-    assert all(torch.equal(a, b) for a, b in zip(*trained.values(), strict=True))
-    assert type(loop.WindowTotals.for_device(spec.split(1), 0, torch.device("cpu"))) is loop.HostTotals
+    assert kinds == [window.HostTotals] * 3 + [window.DeviceTotals] * 3 + [HostTotalsAllreduce] * 3
+    for name in ("distaccum_device_totals", "distaccum_host_allreduce"):
+        assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True))
+        assert [(r["loss"], r["items"]) for r in records[name]] == [(r["loss"], r["items"]) for r in records["distaccum"]]
+    assert type(window.WindowTotals.for_device(spec.split(1), 0, torch.device("cpu"))) is window.HostTotals
 
 
 def test_distaccum_gets_the_tensors_in_memory_and_the_loader_diagnostic_the_dataloader_same_training(

@@ -3,6 +3,8 @@ global-count normalization vs the classic loss/K, and config errors before any w
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -128,3 +130,24 @@ def test_runs_in_place_under_torchrun(tmp_path: Path) -> None:
     run = Run(0, proc.stdout, proc.stderr, tmp_path / "tr")
     assert len(run.records) == 3 and run.summary["world_size"] == 2
     assert all(r["comm_rounds"] == 1 for r in run.records)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_cpu_s_window_all_gather_gives_what_an_all_reduce_gives(tmp_path: Path, world: int) -> None:
+    """The CPU's window totals all-gather each rank's numbers and build the all-reduce's layout on the host: on real
+    gloo ranks, the same N, scale (NaN for a non-finite window), votes, extremes, carried rows and slots as the
+    whole layout all-reduced (the collective before), bit for bit; the loss sum too for two ranks, within an ulp
+    for three (the host adds in rank order, gloo's ring in its own)."""
+    out = tmp_path / "read.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}  # benchmarks
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                           str(Path(__file__).parent / "fixtures" / "window_gather.py"), str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["world"] == world and got["differ"] == []
+    windows = got["windows"]
+    assert windows[1]["stop"] == 1.0 and windows[2]["checkpoint"] == 1.0 and windows[0]["stop"] == 0.0
+    assert windows[4]["bad_ranks"] == [world - 1] and math.isnan(windows[4]["scale"])
+    assert [row[1] for row in windows[3]["rows"]] == [-1.5 * r for r in range(world)]  # each rank's own slot

@@ -90,9 +90,9 @@ def test_the_next_window_carries_each_ranks_row_in_its_slot_and_the_check_reads_
     Here: a 2-rank layout on a one-rank group, as rank 1, so the all-reduce hands back exactly what was sent; both
     kinds of window totals (on the device, and the CPU's Python floats)."""
     from conftest import one_rank_group
-    from distaccum import loop
+    from distaccum import window
 
-    WindowTotals = getattr(loop, kind)  # noqa: N806 - a class
+    WindowTotals = getattr(window, kind)  # noqa: N806 - a class
     from distaccum.split import Split
 
     split = Split(micro_batch=2, accum_steps=2, world_size=2)

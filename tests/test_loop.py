@@ -285,10 +285,10 @@ def test_window_totals_count_exactly_and_weigh_stand_ins_zero(kind: str) -> None
     """The window's running sums (float64: tensors on the device, Python floats on the CPU): a real micro-batch
     adds its loss and item count exactly (a float32 loss is widened, never rounded); a stand-in sample (weight 0)
     adds nothing to either, but a non-finite stand-in loss still shows (NaN: the window's check must see it)."""
-    from distaccum import loop
+    from distaccum import window as totals
     from distaccum.config import Split
 
-    window = getattr(loop, kind)(Split(4, 3, 1), rank=0, device=torch.device("cpu"))
+    window = getattr(totals, kind)(Split(4, 3, 1), rank=0, device=torch.device("cpu"))
     tenth = torch.tensor(0.1, dtype=torch.float32)
     assert float(window.add(tenth, 4, 1.0)) == 4.0
     assert float(window.add(torch.tensor(7, dtype=torch.float32), torch.tensor(3), 1.0)) == 3.0
@@ -315,7 +315,8 @@ def test_the_cpu_s_python_float_totals_are_bitwise_the_device_totals(loss_norm: 
     a 3-rank layout on a one-rank group as rank 2 (what was sent comes back)."""
     from conftest import one_rank_group
     from distaccum.config import Split
-    from distaccum.loop import DeviceTotals, HostTotals, micro_factor
+    from distaccum.loop import micro_factor
+    from distaccum.window import DeviceTotals, HostTotals
 
     split = Split(micro_batch=3, accum_steps=4, world_size=3)
     gen = torch.Generator().manual_seed(7)

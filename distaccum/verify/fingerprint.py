@@ -4,7 +4,7 @@ ranks compare a few numbers, carried by the next window's all-reduce.
 Per optimizer step every rank contributes :data:`FIELDS` (float64):
 
 The numbers are taken right after the reduction and sent with the next window's item-count all-reduce (in
-each rank's slot of :meth:`~distaccum.loop.WindowTotals.carry`: an exact all-gather that costs no collective of
+each rank's slot of :meth:`~distaccum.window.WindowTotals.carry`: an exact all-gather that costs no collective of
 its own), so they are compared one step later, when that window's totals are read. A separate all-gather per
 step cost its launch, the process group's worker waking up and its own host read even when asynchronous
 (``fingerprint on / off`` 1.083 at 0.9M parameters, K = 1, on this project's 2-core machine; 1.024 carried,
@@ -49,9 +49,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from distaccum.cluster.procgroup import collective_device
+from distaccum.cluster.procgroup import all_gather_flat, collective_device
 from distaccum.rundir import DIVERGENCE, WARNINGS
 from distaccum.verify.tripwire import RankDivergenceError
 
@@ -157,8 +156,7 @@ class Fingerprint:
         """Every rank's ``local`` (one all-gather, collective) as rows on the host."""
         local = local.to(collective_device())
         out = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
-        gather(out, local.contiguous())
+        all_gather_flat(out, local.contiguous())
         return out.view(self.world, -1).tolist()
 
     def _sample(self) -> torch.Tensor:
