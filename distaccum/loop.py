@@ -14,8 +14,8 @@ source cannot count ahead), so each micro-batch backpropagates
 
 and after the last micro-batch ONE collective gives N (with the window's loss sum, sample count
 and the stop flag): an all-reduce, or on the CPU an all-gather of each rank's numbers summed on the host,
-which costs gloo half the CPU time (:class:`~distaccum.window.HostTotals`). The engine then multiplies the accumulated gradient sum_rk c grad S_rk by
-1/(c N) and clips it, in one pass (DDP and Accelerate fold it into the reduction:
+which costs gloo half the CPU time (:mod:`distaccum.window`). The engine then multiplies the accumulated
+gradient sum_rk c grad S_rk by 1/(c N) and clips it, in one pass (DDP and Accelerate fold it into the reduction:
 ``Engine.fold_normalization``). A window of one micro-batch (K = 1) can skip that pass: an engine that
 offers ``Engine.normalize_loss`` (DDP and Accelerate on the CPU) has the loop wait for N before the
 backward and backpropagate S_r * c * (1/(c N)) = S_r / N, and reduces the gradient as a plain sum.

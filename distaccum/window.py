@@ -67,7 +67,7 @@ class WindowTotals(ABC):
     def __init__(self, split: Split, rank: int, device: torch.device) -> None:
         self.split, self.rank, self.device = split, rank, device
         self.totals: torch.Tensor
-        """What :meth:`reduce` all-reduces (the sum over ranks once it has landed)."""
+        """The window's totals in the all-reduce's layout (the sum over ranks once the collective has landed)."""
         self._work: Any = None
         self._scale: torch.Tensor | None = None
         self._carried: list[torch.Tensor] = []
@@ -91,11 +91,11 @@ class WindowTotals(ABC):
 
     @abstractmethod
     def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
-        """Launch the window's all-reduce (asynchronous: it overlaps the last backward)."""
+        """Launch the window's collective (asynchronous: it overlaps the last backward)."""
 
     @abstractmethod
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
-        """Wait for the all-reduce; the factor the engine multiplies the accumulated gradient by: 1/(c N)
+        """Wait for the collective; the factor the engine multiplies the accumulated gradient by: 1/(c N)
         (mean_per_micro: 1/c). NaN when any rank's loss was not finite, so every engine's own check of the
         (global) gradient norm skips the update on every rank alike. Computed once per window (the engine's
         reduction may ask for it first, :meth:`~distaccum.engines.base.Engine.fold_normalization`)."""
@@ -105,9 +105,9 @@ class WindowTotals(ABC):
         self._work = dist.all_reduce(totals, async_op=True)
 
     def carry(self, row: torch.Tensor) -> Callable[[], list[list[float]] | None]:
-        """Send this rank's float64 ``row`` with the window's all-reduce (call before :meth:`reduce`), in this
-        rank's slot with zeros in the others, so the sum is an exact all-gather: a check that compares numbers
-        across ranks needs no collective of its own. The returned function gives every rank's row once
+        """Send this rank's float64 ``row`` with the window's collective (call before :meth:`reduce`), in this
+        rank's slot with zeros in the others (summed by an all-reduce, or gathered: either is exact), so a check
+        that compares numbers across ranks needs no collective of its own. The returned function gives every rank's row once
         :meth:`read` has run (None before)."""
         first, length, world = 3 + sum(r.numel() for r in self._carried), row.numel(), self.split.world_size
         self._carried.append(row.reshape(-1).to(torch.float64))
