@@ -124,7 +124,7 @@ def launches_table(results: dict[str, Any]) -> list[str]:
         return []
     return [
         "Across launches: each launch's median ratio is one value (a launch's processes keep their CPU placement, "
-        "memory layout and allocator state, which move a ratio between launches more than between its rounds); "
+        "memory layout and allocator state for all its rounds, which can move a ratio from one launch to the next); "
         "the median of the launches' medians, their min-max (the median's interval: confidence 1 - 2 / 2^launches, "
         "97 % for 6), and the verdict from it: met when every launch is within the target, missed when every "
         "launch is beyond it. Last column, for information: every launch's rounds pooled as one sample, their "

@@ -167,10 +167,9 @@ def across_launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``pooled``: every launch's rounds as one sample (its interval is the narrower, and is right only when the
     launches share no effect of their own: information, not the verdict).
 
-    Why launches, not rounds: a launch's processes keep their CPU placement, memory layout and allocator state,
-    which move a ratio by a few percent from one launch to the next, identical loops included (the
-    ``ddp_no_sync_twin`` control), so the rounds of one launch vary less than the launches do and an interval from
-    them alone claims a precision no second launch confirms."""
+    Why launches, not rounds: a launch's processes keep their CPU placement, memory layout and allocator state for
+    all its rounds, so an interval from one launch's rounds holds only if launches share no effect of their own,
+    which one launch cannot show; the launches' medians are independent whether or not they do."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         if row.get("status", "ok") == "ok":

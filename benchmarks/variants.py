@@ -41,7 +41,6 @@ after each), ``parameters()`` and ``close()``. Construction is collective (DDP b
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -279,29 +278,23 @@ class DDPWindowAllreduce(DDPNoSync):
             with contextlib.nullcontext() if last else self.ddp.no_sync():
                 loss = self.loss(self.ddp, batch, len(batches))
                 if last:  # the forwards are done: the window's numbers are known before the last backward
-                    totals = torch.zeros(8, dtype=torch.float64, device=self.device)
-                    self.pending["work"] = dist.all_reduce(totals, async_op=True)
+                    self.pending["work"] = self.window_collective()
                 loss.backward()
         self.optimizer.step()
         zero_in_place(self.optimizer)
+
+    def window_collective(self) -> Any:
+        """Launch the step's small collective: an all-reduce of 8 float64 numbers."""
+        return dist.all_reduce(torch.zeros(8, dtype=torch.float64, device=self.device), async_op=True)
 
 
 class DDPWindowAllgather(DDPWindowAllreduce):
     """:class:`DDPWindowAllreduce` with the small collective an all-gather of each rank's row (8 float64 numbers:
     what :class:`distaccum.window.HostTotals` sends on the CPU), waited for in the hook alike."""
 
-    def step(self, batches: list[Batch]) -> None:
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                loss = self.loss(self.ddp, batch, len(batches))
-                if last:
-                    row = torch.zeros(8, dtype=torch.float64, device=self.device)
-                    rows = torch.empty(8 * dist.get_world_size(), dtype=torch.float64, device=self.device)
-                    self.pending["work"] = all_gather_flat(rows, row, async_op=True)
-                loss.backward()
-        self.optimizer.step()
-        zero_in_place(self.optimizer)
+    def window_collective(self) -> Any:
+        rows = torch.empty(8 * dist.get_world_size(), dtype=torch.float64, device=self.device)
+        return all_gather_flat(rows, torch.zeros(8, dtype=torch.float64, device=self.device), async_op=True)
 
 
 class DDPBf16Hook(HandWritten):
@@ -466,18 +459,26 @@ class DistaccumTrainer:
         self.trainer.finish()
 
 
-class DistaccumDeviceTotals(DistaccumTrainer):
-    """``distaccum`` whose loop keeps the window's totals as device tensors on the CPU too, while it runs: the
-    difference from ``distaccum`` prices :class:`~distaccum.window.HostTotals` (the loop asks
+class DistaccumTotalsKind(DistaccumTrainer):
+    """``distaccum`` whose loop keeps the window's totals as :attr:`KIND` while it runs (the loop asks
     ``WindowTotals.for_device`` once per step, so swapping it for the run's duration changes nothing else)."""
+
+    KIND: type[window.WindowTotals]
 
     def run(self, steps: int) -> list[Any]:
         chosen = window.WindowTotals.for_device
-        window.WindowTotals.for_device = staticmethod(window.DeviceTotals)  # type: ignore[method-assign, assignment]
+        window.WindowTotals.for_device = staticmethod(self.KIND)  # type: ignore[method-assign, assignment]
         try:
             return super().run(steps)
         finally:
             window.WindowTotals.for_device = chosen  # type: ignore[method-assign]
+
+
+class DistaccumDeviceTotals(DistaccumTotalsKind):
+    """``distaccum`` with the window's totals as device tensors on the CPU too: the difference from ``distaccum``
+    prices :class:`~distaccum.window.HostTotals`."""
+
+    KIND = window.DeviceTotals
 
 
 class HostTotalsAllreduce(window.HostTotals):
@@ -490,13 +491,11 @@ class HostTotalsAllreduce(window.HostTotals):
         return self._sent
 
     def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
-        bad = 0.0 if math.isfinite(self.loss_sum) else 1.0
-        mine = [bad, min(self.counts), max(self.counts)] + [x for row in self._carried for x in row.tolist()]
+        head, mine = self._own(stop=stop, checkpoint_due=checkpoint_due)
         world = self.split.world_size
         slots = [0.0] * (len(mine) * world)
         slots[self.rank::world] = mine
-        self._sent = torch.tensor([self.items, self.loss_sum, bad, float(stop), float(checkpoint_due), *slots],
-                                  dtype=torch.float64)
+        self._sent = torch.tensor([*head, *slots], dtype=torch.float64)
         self._work = dist.all_reduce(self._sent, async_op=True)
 
     def _reduced(self) -> list[float]:
@@ -506,17 +505,11 @@ class HostTotalsAllreduce(window.HostTotals):
         return self._got
 
 
-class DistaccumHostAllreduce(DistaccumTrainer):
-    """``distaccum`` whose CPU window totals all-reduce (:class:`HostTotalsAllreduce`) while it runs: the difference
-    from ``distaccum`` prices the all-gather :class:`~distaccum.window.HostTotals` makes instead."""
+class DistaccumHostAllreduce(DistaccumTotalsKind):
+    """``distaccum`` whose CPU window totals all-reduce (:class:`HostTotalsAllreduce`): the difference from
+    ``distaccum`` prices the all-gather :class:`~distaccum.window.HostTotals` makes instead."""
 
-    def run(self, steps: int) -> list[Any]:
-        chosen = window.WindowTotals.for_device
-        window.WindowTotals.for_device = staticmethod(HostTotalsAllreduce)  # type: ignore[method-assign, assignment]
-        try:
-            return super().run(steps)
-        finally:
-            window.WindowTotals.for_device = chosen  # type: ignore[method-assign]
+    KIND = HostTotalsAllreduce
 
 
 class DistaccumFoldedK1(DistaccumTrainer):

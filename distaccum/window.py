@@ -259,12 +259,17 @@ class HostTotals(WindowTotals):
         numbers costs about half an all-reduce's CPU time and context switches (a ring all-reduce is a
         reduce-scatter and an all-gather: ``benchmarks.fixed_cost``, ``ddp_window_allgather`` against
         ``ddp_window_allreduce``)."""
-        bad = 0.0 if math.isfinite(self.loss_sum) else 1.0
-        mine = [bad, min(self.counts), max(self.counts)] + [x for row in self._carried for x in row.tolist()]
-        row = torch.tensor([self.items, self.loss_sum, bad, float(stop), float(checkpoint_due), float(self.rank),
-                            *mine], dtype=torch.float64)
+        head, mine = self._own(stop=stop, checkpoint_due=checkpoint_due)
+        row = torch.tensor([*head, float(self.rank), *mine], dtype=torch.float64)
         self._rows = torch.empty(dist.get_world_size() * row.numel(), dtype=torch.float64)
         self._work = all_gather_flat(self._rows, row, async_op=True)
+
+    def _own(self, *, stop: bool, checkpoint_due: bool) -> tuple[list[float], list[float]]:
+        """This rank's head (its items, loss sum, non-finite flag and votes: summed over ranks) and its slot values
+        (the flag, its smallest and largest micro-batch count, the carried rows: each rank's in its own slot)."""
+        bad = 0.0 if math.isfinite(self.loss_sum) else 1.0
+        head = [self.items, self.loss_sum, bad, float(stop), float(checkpoint_due)]
+        return head, [bad, min(self.counts), max(self.counts)] + [x for row in self._carried for x in row.tolist()]
 
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
         if self._scale is None:
@@ -280,13 +285,12 @@ class HostTotals(WindowTotals):
         each rank's values in its slots, zeros in the others' (exactly what the sum of the slots gives)."""
         if self._got is None:
             self._work.wait()
-            flat, head, world = self._rows.tolist(), self.HEAD, self.split.world_size
-            width = len(flat) // max(dist.get_world_size(), 1)
-            rows = [flat[i:i + width] for i in range(0, len(flat), width)]
+            head, world = self.HEAD, self.split.world_size
+            rows = self._rows.view(dist.get_world_size(), -1).tolist()
             sums = rows[0][:head]
             for row in rows[1:]:
                 sums = [a + b for a, b in zip(sums, row[:head], strict=True)]
-            slots = [0.0] * ((width - head - 1) * world)
+            slots = [0.0] * ((len(rows[0]) - head - 1) * world)
             for row in rows:
                 slots[int(row[head])::world] = row[head + 1:]
             self._got = sums + slots

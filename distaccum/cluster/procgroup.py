@@ -60,8 +60,11 @@ def collective_device() -> torch.device:
 def all_gather_flat(out: torch.Tensor, local: torch.Tensor, *, async_op: bool = False) -> Any:
     """Every rank's ``local`` into ``out`` (group size x ``local.numel()``, in rank order): one all-gather
     (torch 2.13 names it ``all_gather_single``, ``all_gather_into_tensor`` before)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, local, async_op=async_op)
+    return _ALL_GATHER(out, local, async_op=async_op)
+
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""Looked up once: the window's totals gather every step."""
 
 
 def ensure_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> bool:
