@@ -77,6 +77,11 @@ class Spec:
     warmup: int
     """Untimed optimizer steps per variant before the first round."""
     rounds: int = 1
+    """Rounds to run; with ``budget_s``, the most (the Trainer's ``max_steps`` is sized for them)."""
+    budget_s: float = 0.0
+    """When positive: stop after the first whole cycle of rounds (:func:`benchmarks.interleave.cycle_length`) that
+    ends with ``budget_s`` seconds of rounds behind it, so every split gets the same machine time whatever its
+    step. Stopping depends on the clock only, never on the times measured."""
     lr: float = 1e-3
     seed: int = 0
     device: str = "cpu"
@@ -108,11 +113,13 @@ class Spec:
         return cls(**{**values, "shape": ModelShape(**values["shape"]), "variants": tuple(values["variants"])})
 
 
-def launch_spec(case: Case, k: int, *, rounds: int = 1, **extra: Any) -> Spec:
+def launch_spec(case: Case, k: int, *, rounds: int = 1, block_steps: int | None = None, **extra: Any) -> Spec:
     """The spec of ``case`` at ``k``. Warm-up: at least 2 micro-batches and 2 steps (allocation,
-    DDP's bucket rebuild after its first iteration, the first optimizer step's state)."""
+    DDP's bucket rebuild after its first iteration, the first optimizer step's state). ``block_steps``: exactly
+    that many optimizer steps per block at every K (else the case's micro-batch budget decides)."""
+    steps = block_steps if block_steps is not None else max(case.min_steps, math.ceil(case.micro_budget / k))
     return Spec(case=case.name, shape=case.shape, micro_batch=case.micro_batch, accum_steps=k,
-                steps=max(case.min_steps, math.ceil(case.micro_budget / k)), warmup=2, rounds=rounds, **extra)
+                steps=steps, warmup=2, rounds=rounds, **extra)
 
 
 def pool_micro_batches(accum_steps: int) -> int:

@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.interleave SPEC_JSON OUT_JSON WORKDIR`` on every rank (torchrun-style
 environment; ``benchmarks.run`` starts it). The worker builds every variant of the spec (the same
-model, data and optimizer), warms each up, then runs ``rounds`` rounds; in round r the variants run
+model, data and optimizer), warms each up, then runs ``rounds`` rounds (with ``budget_s``: whole cycles of
+rounds until that many seconds have passed, ``rounds`` at most); in round r the variants run
 one block of ``steps`` optimizer steps each, in a balanced order (:func:`round_order`), both ranks starting
 each block together (a barrier, outside the timed steps). A step's time is the slower rank's, so
 the compute floor, which never synchronizes, is timed like the others. Rank 0 writes every step
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,19 @@ def round_order(order: Iterable[str], r: int) -> list[str]:
     if n % 2 and (r // n) % 2:  # odd counts: the mirrored square completes the balance
         row.reverse()
     return [names[i] for i in row]
+
+
+def cycle_length(n: int) -> int:
+    """Rounds in one whole Williams cycle of ``n`` variants (:func:`round_order`): n, twice that for an odd count."""
+    return n if n % 2 == 0 or n < 2 else 2 * n
+
+
+def keep_going(started: float, budget_s: float) -> bool:
+    """Rank 0's clock decides whether another cycle of rounds fits ``budget_s`` (collective: every rank gets the same
+    answer; outside the timed steps)."""
+    decision = [time.perf_counter() - started < budget_s] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
 
 
 def slowest_rank(local: list[float]) -> list[float]:
@@ -118,7 +133,10 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
         timed_block(variant, spec.warmup, clock)
     blocks: dict[str, list[list[float]]] = {name: [] for name in variants}
     orders = []
+    cycle, started = cycle_length(len(spec.variants)), time.perf_counter()
     for r in range(spec.rounds):
+        if spec.budget_s > 0 and r and r % cycle == 0 and not keep_going(started, spec.budget_s):
+            break  # whole cycles only: every variant in every position and after every other alike
         order = round_order(spec.variants, r)
         orders.append(order)
         for name in order:

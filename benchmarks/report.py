@@ -5,6 +5,7 @@ Pure functions of the results dictionary: no measurement, no I/O.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from benchmarks.stats import ISSUE_RATIOS, RATIOS, across_launches, spread, verdict
@@ -65,7 +66,7 @@ def header(results: dict[str, Any]) -> list[str]:
         f"{s['backend']}, world {s['world_size']}, {s['threads']}, {s.get('precision', 'fp32')} compute. "
         f"Date {results['date']}.",
         "",
-        (f"Command: `{s['command']}` ({s['rounds']} rounds per launch"
+        (f"Command: `{s['command']}` ({_rounds(results)}"
          + (f", {s['repeats']} launches per case and K" if s.get("repeats", 1) > 1 else "")
          + f", whole run {results['wall_s']:.0f} s). "
          f"1-minute load average around the timing launches: {load} (the benchmark alone: about "
@@ -73,9 +74,19 @@ def header(results: dict[str, Any]) -> list[str]:
          if results["timing"] else
          f"Command: `{s['command']}` (the engine sweep alone, whole run {results['wall_s']:.0f} s; memory and "
          "counts, not timing: the machine's load does not change them)."),
-        *(["", "**Smoke run: the structure of the benchmark, not figures (tiny model, 2 rounds).**"]
+        *(["", "**Smoke run: the structure of the benchmark, not figures (tiny model, few rounds).**"]
           if s["smoke"] else []),
     ]
+
+
+def _rounds(results: dict[str, Any]) -> str:
+    """How many rounds each launch ran: fixed, or as many whole cycles as the time budget held."""
+    s, counts = results["settings"], [row["rounds"] for row in results["timing"]]
+    if not s.get("budget_s") or not counts:
+        return f"{s['rounds']} rounds per launch"
+    blocks = f"{s['block_steps']}-step blocks, " if s.get("block_steps") else ""
+    return (f"{blocks}whole cycles of rounds for {s['budget_s']:g} s per launch: "
+            f"{min(counts)}-{max(counts)} rounds")
 
 
 def issue_table(results: dict[str, Any]) -> list[str]:
@@ -119,7 +130,7 @@ def launches_table(results: dict[str, Any]) -> list[str]:
     rows = [[r["case"], str(r["k"]), r["ratio"], f"{r['median']:.3f}", f"{r['min']:.3f}-{r['max']:.3f}",
              " ".join(f"{m:.3f}" for m in r["launch_medians"]), f"<= {r['target']:.2f}" if r["target"] else "",
              r["verdict"], f"{r['pooled']['median']:.3f} ({r['pooled']['ci_low']:.3f}-{r['pooled']['ci_high']:.3f}, "
-             f"{r['pooled']['rounds']} rounds)"] for r in across_launches(results["timing"])]
+             f"{r['pooled']['rounds']} rounds)", _launch_effect(r)] for r in across_launches(results["timing"])]
     if not rows:
         return []
     return [
@@ -127,12 +138,22 @@ def launches_table(results: dict[str, Any]) -> list[str]:
         "memory layout and allocator state for all its rounds, which can move a ratio from one launch to the next); "
         "the median of the launches' medians, their min-max (the median's interval: confidence 1 - 2 / 2^launches, "
         "97 % for 6), and the verdict from it: met when every launch is within the target, missed when every "
-        "launch is beyond it. Last column, for information: every launch's rounds pooled as one sample, their "
-        "median and its 95 % interval (narrower, and right only if the launches share no effect of their own).",
+        "launch is beyond it. For information: every launch's rounds pooled as one sample, their "
+        "median and its 95 % interval (narrower, and right only if the launches share no effect of their own), and "
+        "whether they do: the spread (sd) of the launches' mean log ratios against the spread their rounds' noise "
+        "alone would give them (near 1: no effect of the launch's own; `benchmarks.stats.launch_effect`).",
         "",
         *_table(["case", "K", "ratio", "median of launches", "min-max", "launches", "target", "verdict",
-                 "rounds pooled: median (95 % interval)"], rows, "lrl"),
+                 "rounds pooled: median (95 % interval)", "launch sd / rounds' sd"], rows, "lrl"),
     ]
+
+
+def _launch_effect(row: dict[str, Any]) -> str:
+    """``launch sd / expected sd`` of an across-launch row (:func:`benchmarks.stats.launch_effect`)."""
+    launch, expected = row["launch_sd"], row["expected_sd"]
+    if not (math.isfinite(launch) and math.isfinite(expected)) or expected == 0:
+        return "n/a"
+    return f"{launch:.3f} / {expected:.3f} = {launch / expected:.2f}"
 
 
 def time_table(results: dict[str, Any]) -> list[str]:

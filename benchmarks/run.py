@@ -70,13 +70,16 @@ def _launch_info(result: Launch) -> dict[str, Any]:
 
 def run_timing(cases: Sequence[Case], variants: tuple[str, ...], rounds: int, device: str, world: int,
                scratch: Path, timeout: float, precision: str = "fp32",
-               done: Callable[[list[dict[str, Any]]], None] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
+               done: Callable[[list[dict[str, Any]]], None] | None = None, repeats: int = 1,
+               block_steps: int | None = None, budget_s: float = 0.0) -> list[dict[str, Any]]:
     """One interleaved launch per case and K, ``repeats`` times over (every case and K, then again: the launches
-    of one split spread over the run); ``done(rows so far)`` after each launch."""
+    of one split spread over the run); ``done(rows so far)`` after each launch. ``block_steps`` and ``budget_s``:
+    :func:`benchmarks.cases.launch_spec` and :attr:`benchmarks.cases.Spec.budget_s`."""
     rows: list[dict[str, Any]] = []
     for repeat, case in ((r, c) for r in range(repeats) for c in cases):
         for k in case.ks:
-            spec = launch_spec(case, k, rounds=rounds, variants=variants, device=device, precision=precision)
+            spec = launch_spec(case, k, rounds=rounds, block_steps=block_steps, budget_s=budget_s, variants=variants,
+                               device=device, precision=precision)
             name = f"timing-{case.name}-k{k}" + (f"-r{repeat}" if repeats > 1 else "")
             out, work = scratch / f"{name}.json", scratch / name
             result = launch("benchmarks.interleave", [spec.to_json(), str(out), str(work)], world,
@@ -209,6 +212,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ks", default=None, help="comma-separated K values for the timing (default: the case's)")
     p.add_argument("--block", type=int, default=None, help="micro-batches timed per variant per round: a block is "
                    "ceil(BLOCK / K) optimizer steps, at least the case's minimum (default: the case's, 16 on the full cases)")
+    p.add_argument("--block-steps", type=int, default=None, help="optimizer steps per block at every K (instead of "
+                   "--block's micro-batches): 1 alternates the variants step by step, which cancels the machine's drift "
+                   "best for the same machine time (docs/benchmarks.md)")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds of rounds per launch: whole cycles of rounds "
+                   "until the time is spent (--rounds is then the most; default 100000), so every case and K gets the "
+                   "same machine time whatever its step")
     p.add_argument("--repeat", type=int, default=1, help="launches per case and K (default 1): with several, each "
                    "ratio's verdict is taken across the launches (their medians), which a single launch cannot show")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="variants interleaved in the timing")
@@ -264,7 +273,14 @@ def _main(argv: Sequence[str] | None) -> int:
             if args.block < 1:
                 raise ValueError(f"--block must be >= 1, got {args.block}")
             cases = tuple(dataclasses.replace(c, micro_budget=args.block) for c in cases)
-        rounds = args.rounds if args.rounds is not None else (2 if args.smoke else 8)
+        if args.block_steps is not None and args.block is not None:
+            raise ValueError("--block and --block-steps: give one (micro-batches per block, or optimizer steps)")
+        if args.block_steps is not None and args.block_steps < 1:
+            raise ValueError(f"--block-steps must be >= 1, got {args.block_steps}")
+        if args.budget_s is not None and not args.budget_s > 0:
+            raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+        budget_cap = 100_000 if args.budget_s is not None else 8
+        rounds = args.rounds if args.rounds is not None else (2 if args.smoke else budget_cap)
         if rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {rounds}")
         if args.repeat < 1:
@@ -275,7 +291,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as err:
         print(f"benchmarks.run: {err}", file=sys.stderr)
         return 2
-    if rounds < 6 and not args.smoke:
+    if rounds < 6 and not args.smoke and args.budget_s is None:
         print(f"note: {rounds} rounds; figures for the record need at least 6", file=sys.stderr)
     import torch
 
@@ -283,7 +299,8 @@ def _main(argv: Sequence[str] | None) -> int:
     sweep_env = SWEEP_CPU_ENV if device == "cpu" else {}
     started = time.perf_counter()
     settings = {"command": "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv),
-                "smoke": args.smoke, "rounds": rounds, "repeats": args.repeat, "device": device, "world_size": world,
+                "smoke": args.smoke, "rounds": rounds, "budget_s": args.budget_s, "block_steps": args.block_steps,
+                "repeats": args.repeat, "device": device, "world_size": world,
                 "backend": "nccl" if device == "cuda" else "gloo", "precision": args.precision,
                 "threads": "CUDA" if device == "cuda" else "1 intra-op thread per rank",
                 "variants": list(variants), "sweep_variants": list(sweep_names), "sweep_env": sweep_env}
@@ -316,7 +333,8 @@ def _main(argv: Sequence[str] | None) -> int:
     with tempfile.TemporaryDirectory(prefix="distaccum-bench-") as tmp:
         scratch = Path(tmp)
         timing = [] if args.no_timing else run_timing(cases, variants, rounds, device, world, scratch, args.timeout,
-                                                       args.precision, keep, args.repeat)
+                                                       args.precision, keep, args.repeat, args.block_steps,
+                                                       args.budget_s or 0.0)
         sweep = run_sweep(cases, sweep_names, device, world, scratch, args.timeout, sweep_env, args.precision,
                           lambda rows: keep(timing, rows))
     results = results_of(timing, sweep, True)

@@ -150,7 +150,7 @@ def summarize_launch(record: dict[str, Any]) -> dict[str, Any]:
             goal = target(label, spec["case"], spec["accum_steps"])
             ratios[label] = {**s.as_dict(), "per_round": values, "target": goal, "verdict": verdict(s, goal)}
     return {"case": spec["case"], "k": spec["accum_steps"], "micro_batch": spec["micro_batch"],
-            "steps_per_block": spec["steps"], "rounds": spec["rounds"], "variants": variants, "ratios": ratios,
+            "steps_per_block": spec["steps"], "rounds": len(record["orders"]), "variants": variants, "ratios": ratios,
             "orders": record["orders"], "param_rel_diff": record["param_rel_diff"],
             "distaccum_ledger": record.get("distaccum_ledger", {}), "busbw": record.get("busbw")}
 
@@ -169,7 +169,8 @@ def across_launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Why launches, not rounds: a launch's processes keep their CPU placement, memory layout and allocator state for
     all its rounds, so an interval from one launch's rounds holds only if launches share no effect of their own,
-    which one launch cannot show; the launches' medians are independent whether or not they do."""
+    which one launch cannot show; the launches' medians are independent whether or not they do. Several launches
+    can show it: :func:`launch_effect` compares the spread of their means with what their rounds' noise gives."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         if row.get("status", "ok") == "ok":
@@ -184,10 +185,28 @@ def across_launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 s = spread(medians)
                 goal = target(label, case, k)
                 judged = verdict(s, goal) if len(medians) >= MIN_LAUNCHES or goal is None else "too few launches"
-                pooled = spread([x for launch in launches for x in launch["ratios"][label]["per_round"]])
+                per_launch = [launch["ratios"][label]["per_round"] for launch in launches]
+                pooled = spread([x for rounds in per_launch for x in rounds])
                 out.append({"case": case, "k": k, "ratio": label, "launch_medians": medians, **s.as_dict(),
-                            "target": goal, "verdict": judged, "pooled": pooled.as_dict()})
+                            "target": goal, "verdict": judged, "pooled": pooled.as_dict(),
+                            **launch_effect(per_launch)})
     return out
+
+
+def launch_effect(per_launch: list[list[float]]) -> dict[str, float]:
+    """Whether launches carry an effect of their own, from every launch's per-round ratios (logs): ``launch_sd``,
+    the spread of the launches' mean log ratios, against ``expected_sd``, what the rounds' own spread inside a
+    launch gives a mean of that many rounds (the root of the mean within-launch variance over the rounds per
+    launch). Alike (``launch_sd / expected_sd`` near 1, an F statistic's root): the launches differ by their
+    rounds' noise only, and one launch's rounds are a sample as good as the same number spread over launches;
+    well above 1: each launch moves the ratio by itself, and only launches' medians can judge it. NaN with fewer
+    than two launches of two rounds each."""
+    usable = [[math.log(x) for x in rounds] for rounds in per_launch if len(rounds) >= 2 and min(rounds) > 0]
+    if len(usable) < 2:
+        return {"launch_sd": math.nan, "expected_sd": math.nan}
+    means = [statistics.fmean(rounds) for rounds in usable]
+    within = statistics.fmean(statistics.variance(rounds) / len(rounds) for rounds in usable)
+    return {"launch_sd": statistics.stdev(means), "expected_sd": math.sqrt(within)}
 
 
 def finite(value: Any) -> bool:

@@ -67,8 +67,9 @@ def problems(results: dict[str, Any], allow_loaded: bool = False, allow_partial:
         if (missing or (not results["sweep"] and not timing_only)) and not allow_partial:
             found.append("a partial run (" + (f"no timing of {', '.join(missing)}" if missing else "no engine sweep")
                          + "): the section would lose figures; run it all, or pass --allow-partial")
-    if settings["rounds"] < MIN_ROUNDS and results["timing"]:
-        found.append(f"{settings['rounds']} rounds; figures need at least {MIN_ROUNDS}")
+    fewest = min((row["rounds"] for row in results["timing"]), default=settings["rounds"])
+    if min(settings["rounds"], fewest) < MIN_ROUNDS and results["timing"]:
+        found.append(f"{min(settings['rounds'], fewest)} rounds; figures need at least {MIN_ROUNDS}")
     failed = [f"{r['case']} K={r['k']}" for r in results["timing"] if r["status"] != "ok"]
     failed += [f"{r['case']} K={r['k']} {r['variant']}" for r in results["sweep"] if r["status"] != "ok"]
     if failed:

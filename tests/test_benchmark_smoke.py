@@ -53,6 +53,24 @@ def test_every_variant_is_timed_in_every_round_of_one_launch(smoke: tuple[dict[s
             assert ratio["min"] <= ratio["q1"] <= ratio["median"] <= ratio["q3"] <= ratio["max"]
 
 
+@pytest.mark.timeout(120)
+def test_a_time_budget_runs_whole_cycles_of_one_step_blocks(tmp_path: Path) -> None:
+    """``--block-steps 1 --budget-s 2``: each variant's block is one optimizer step, and the launch runs whole
+    Williams cycles of rounds (6 for three variants) until two seconds have passed, far below the cap."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--ks", "1", "--sweep", "none",
+                           "--block-steps", "1", "--budget-s", "2", "--rounds", "100000", "--out", str(tmp_path),
+                           "--variants", "ddp_no_sync,distaccum,ddp_no_sync_twin"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (row,) = json.loads((tmp_path / "results.json").read_text())["timing"]
+    assert row["steps_per_block"] == 1 and 6 < row["rounds"] < 100000 and row["rounds"] % 6 == 0
+    assert len(row["orders"]) == row["rounds"]
+    assert all(len(v["round_s"]) == row["rounds"] for v in row["variants"].values())
+    assert len(row["ratios"]["A/A: no_sync twin / no_sync"]["per_round"]) == row["rounds"]
+    assert f"whole cycles of rounds for 2 s per launch: {row['rounds']}-{row['rounds']} rounds" in \
+        (tmp_path / "results.md").read_text()
+
+
 @pytest.mark.timeout(420)
 def test_variants_train_the_same_model_on_the_same_data(smoke: tuple[dict[str, Any], str, Any]) -> None:
     results, _, _ = smoke

@@ -31,6 +31,7 @@ from benchmarks.run import memory_growth
 from benchmarks.stats import (
     across_launches,
     interval_rank,
+    launch_effect,
     median_interval,
     per_round_ratios,
     spread,
@@ -355,6 +356,40 @@ def test_block_sets_the_timed_steps_per_round(tmp_path: Path, launched_specs: li
     assert [s.steps for s in specs] == [16, 4]  # the case's own block
     assert run_main(["--block", "0", "--device", "cpu", "--out", str(tmp_path)]) == 2
     assert "--block must be >= 1" in capsys.readouterr().err
+
+
+def test_block_steps_sets_the_same_optimizer_steps_per_block_at_every_k(
+        tmp_path: Path, launched_specs: list[Spec], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--block-steps N``: every block is N optimizer steps whatever K (1: the variants alternate step by step), and
+    the time budget reaches every launch; ``--block`` with it, 0 steps and a budget that is not positive are
+    refused."""
+    assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4,16", "--block-steps", "1", "--budget-s", "90",
+                     "--sweep", "none", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert [(s.accum_steps, s.steps, s.budget_s, s.rounds) for s in launched_specs] == [
+        (1, 1, 90.0, 100_000), (4, 1, 90.0, 100_000), (16, 1, 90.0, 100_000)]  # the budget decides, the cap is far
+    settings = json.loads((tmp_path / "results.json").read_text())["settings"]
+    assert (settings["block_steps"], settings["budget_s"]) == (1, 90.0)
+    for bad, said in ((["--block", "16", "--block-steps", "1"], "give one"), (["--block-steps", "0"], ">= 1"),
+                      (["--budget-s", "0"], "must be positive")):
+        assert run_main([*bad, "--device", "cpu", "--out", str(tmp_path)]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_the_launch_effect_tells_launches_that_move_a_ratio_from_ones_that_do_not() -> None:
+    """:func:`launch_effect`: six launches whose rounds scatter alike give a launch spread near what their rounds'
+    noise gives (ratio near 1); the same rounds with each launch shifted by its own factor give one far above it."""
+    noise = [math.exp(0.1 * math.sin(1.7 * i * i + 0.3 * i)) for i in range(600)]  # fixed, roughly symmetric
+    launches = [noise[j * 100:(j + 1) * 100] for j in range(6)]
+    alike = launch_effect(launches)
+    assert 0.3 < alike["launch_sd"] / alike["expected_sd"] < 2.0
+    shifted = launch_effect([[x * f for x in rounds] for rounds, f in zip(launches, (0.94, 1.0, 1.06, 0.97, 1.03, 1.0),
+                                                                        strict=True)])
+    assert shifted["expected_sd"] == pytest.approx(alike["expected_sd"], rel=0.2)
+    assert shifted["launch_sd"] / shifted["expected_sd"] > 3.0
+    assert math.isnan(launch_effect([[1.0, 1.1]])["launch_sd"])  # one launch shows nothing
+    rows = _launch_rows([1.00, 1.01, 0.99, 1.015, 1.00, 1.02])
+    (row,) = [r for r in across_launches(rows) if r["ratio"] == "distaccum / no_sync"]
+    assert row["expected_sd"] == 0.0 and row["launch_sd"] > 0  # rounds without noise: every spread is the launches'
 
 
 def test_bf16_reaches_every_variant(tmp_path: Path) -> None:
