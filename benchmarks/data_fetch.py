@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{fetch_ms(dataset, plan, split, steps, args.repeats, loader=True):8.3f}")
     print(f"  in the process, TensorRows (shuffled: index_select)        "
           f"{fetch_ms(dataset, plan, split, steps, args.repeats, loader=False):8.3f}")
-    print(f"  in the process, TensorRows (in order: a slice's copy)      "
+    print(f"  in the process, TensorRows (in order: views)               "
           f"{fetch_ms(dataset, in_order, split, steps, args.repeats, loader=False):8.3f}")
     print(f"plan.window of a shuffled {args.plan_samples}-sample dataset, ms per call:")
     print(f"  order drawn anew (before)            {window_ms(args.plan_samples, 512, False, args.repeats):8.3f}")

@@ -4,8 +4,9 @@
 
 A CPU run replaces the ``cpu`` section, a GPU run the ``gpu`` section; a timing-only run
 (``python -m benchmarks.run --sweep none ...``) with ``--timing-only`` replaces the ``cpu-timing`` (or
-``gpu-timing``) section and leaves the engine sweep of the last full run where it is, and one that repeats its
-launches (``--repeat N``) the ``cpu-launches`` (``gpu-launches``) section; ``--hsdp`` writes an engine sweep of
+``gpu-timing``) section and leaves the engine sweep of the last full run where it is, one that repeats its
+launches (``--repeat N``) the ``cpu-launches`` (``gpu-launches``) section, and one with a time budget per launch
+(``--budget-s``) the ``cpu-budget`` (``gpu-budget``) section; ``--hsdp`` writes an engine sweep of
 the HSDP modes (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``) into docs/multinode.md's ``hsdp``
 section (memory is not timing: a shared machine's load does not refuse it). The prose around them is
 written by hand (what the figures say, which targets are met and why). Refused, so that noise
@@ -40,8 +41,11 @@ def markers(section: str, by: str = "python -m benchmarks.update_docs") -> tuple
 
 def section_of(results: dict[str, Any], timing_only: bool = False) -> str:
     """Which section a run fills: ``gpu`` for a CUDA run, ``cpu`` otherwise (``-timing`` for a timing-only run,
-    ``-launches`` for a timing-only run that repeats its launches, ``benchmarks.run --repeat``)."""
-    kind = "-launches" if timing_only and results["settings"].get("repeats", 1) > 1 else "-timing" if timing_only else ""
+    ``-launches`` for a timing-only run that repeats its launches, ``benchmarks.run --repeat``, ``-budget`` for one
+    that gives every launch a time budget, ``benchmarks.run --budget-s``)."""
+    settings = results["settings"]
+    kind = ("" if not timing_only else "-launches" if settings.get("repeats", 1) > 1
+            else "-budget" if settings.get("budget_s") else "-timing")
     return ("gpu" if results["settings"]["device"] == "cuda" else "cpu") + kind
 
 

@@ -25,6 +25,10 @@
   that slices the tensors, through a DataLoader per rank, where ``distaccum`` gets the tensors as a plain
   ``TensorDataset``, which it cuts in the training process (:class:`distaccum.data.pipeline.TensorRows`):
   ``distaccum_loader / distaccum`` is what that saves.
+- ``distaccum_copied_rows``: ``distaccum`` whose loss copies its micro-batch before the forward, as
+  :class:`~distaccum.data.pipeline.TensorRows` did before this release (a slice's ``clone`` per tensor, where it now
+  hands out views guarded by the tensors' version counters): ``distaccum_copied_rows / distaccum`` is what the views
+  save.
 - ``distaccum_host_allreduce``: ``distaccum`` with the CPU's window totals all-reduced (the whole layout) instead of
   all-gathered, as before this release: what the all-gather saves (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_device_totals``: ``distaccum`` with the window's totals kept as one-number tensors on the CPU too
@@ -68,6 +72,7 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum_host_allreduce": ("ddp", {}),  # DistaccumHostAllreduce
     "distaccum_sync_records": ("ddp", {}),  # DistaccumSyncRecords
     "distaccum_loader": ("ddp", {}),  # DistaccumLoader
+    "distaccum_copied_rows": ("ddp", {}),  # DistaccumCopiedRows
     "distaccum_folded_k1": ("ddp", {}),  # DistaccumFoldedK1
     "distaccum_in_loss": ("ddp", {"engine.normalize_in_loss_mb": 0}),  # K = 1: 1/N in the loss whatever the size
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
@@ -411,6 +416,8 @@ class DistaccumTrainer:
 
     LAG_RECORDS: bool | None = None
     """``Trainer(lag_records=...)``: the Trainer's default."""
+    loss = staticmethod(loss_sum)
+    """The loss the Trainer gets (the benchmark's, :func:`~benchmarks.cases.loss_sum`)."""
 
     @staticmethod
     def inputs(data: BenchData) -> tuple[Dataset, Any]:
@@ -428,7 +435,7 @@ class DistaccumTrainer:
         on_gpu = device.type == "cuda"
         dataset, collate = self.inputs(data)
         self.trainer = Trainer(config, model=spec.shape.build, dataset=dataset, collate=collate,
-                               loss=loss_sum, optimizer=self._stamped(sgd(spec.lr)) if on_gpu else sgd(spec.lr),
+                               loss=self.loss, optimizer=self._stamped(sgd(spec.lr)) if on_gpu else sgd(spec.lr),
                                on_step=None if on_gpu else self._on_step, lag_records=self.LAG_RECORDS)
         self.trainer.setup()  # joins the group this process already has, builds and wraps the model
         self.records: list[dict[str, Any]] = []
@@ -544,7 +551,18 @@ class DistaccumLoader(DistaccumTrainer):
         return data.dataset, data.collate
 
 
-TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_device_totals": DistaccumDeviceTotals,
+class DistaccumCopiedRows(DistaccumTrainer):
+    """``distaccum`` whose loss works on a copy of its micro-batch (a ``clone`` of each tensor's rows, the copy
+    :class:`~distaccum.data.pipeline.TensorRows` made of consecutive rows before this release): the difference from
+    ``distaccum`` prices the views it hands out now."""
+
+    @staticmethod
+    def loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
+        x, y = batch
+        return loss_sum(model, (x.clone(), y.clone()))
+
+
+TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_copied_rows": DistaccumCopiedRows,"distaccum_device_totals": DistaccumDeviceTotals,
                                                 "distaccum_host_allreduce": DistaccumHostAllreduce,
                                                 "distaccum_loader": DistaccumLoader,
                                                 "distaccum_folded_k1": DistaccumFoldedK1,

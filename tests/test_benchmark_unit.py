@@ -367,8 +367,9 @@ def test_block_steps_sets_the_same_optimizer_steps_per_block_at_every_k(
                      "--sweep", "none", "--device", "cpu", "--out", str(tmp_path)]) == 1
     assert [(s.accum_steps, s.steps, s.budget_s, s.rounds) for s in launched_specs] == [
         (1, 1, 90.0, 100_000), (4, 1, 90.0, 100_000), (16, 1, 90.0, 100_000)]  # the budget decides, the cap is far
-    settings = json.loads((tmp_path / "results.json").read_text())["settings"]
-    assert (settings["block_steps"], settings["budget_s"]) == (1, 90.0)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["settings"]["block_steps"], results["settings"]["budget_s"]) == (1, 90.0)
+    assert section_of(results, timing_only=True) == "cpu-budget"  # its own section of BENCHMARKS.md
     for bad, said in ((["--block", "16", "--block-steps", "1"], "give one"), (["--block-steps", "0"], ">= 1"),
                       (["--budget-s", "0"], "must be positive")):
         assert run_main([*bad, "--device", "cpu", "--out", str(tmp_path)]) == 2
@@ -540,8 +541,8 @@ def test_the_device_totals_diagnostic_trains_what_distaccum_trains_and_restores_
 def test_distaccum_gets_the_tensors_in_memory_and_the_loader_diagnostic_the_dataloader_same_training(
         cpu_group: None, tmp_path: Path) -> None:
     """``distaccum`` gets the benchmark's samples as a ``TensorDataset`` (cut in the process: ``TensorRows``),
-    ``distaccum_loader`` the index dataset and slicing collate through a DataLoader: the same parameters bit for
-    bit, so ``distaccum_loader / distaccum`` prices the data path alone."""
+    ``distaccum_loader`` the index dataset and slicing collate through a DataLoader, ``distaccum_copied_rows`` the
+    same rows copied in its loss: the same parameters bit for bit, so each ratio prices the data path alone."""
     import inspect
 
     from benchmarks.variants import build_variant
@@ -549,14 +550,15 @@ def test_distaccum_gets_the_tensors_in_memory_and_the_loader_diagnostic_the_data
     spec = launch_spec(SMOKE_CASES[0], 2)
     data = BenchData(spec, world_size=1)
     trained, generators = {}, {}
-    for name in ("distaccum", "distaccum_loader"):
+    for name in ("distaccum", "distaccum_loader", "distaccum_copied_rows"):
         variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
         variant.run(3)
         generators[name] = inspect.isgenerator(variant.trainer.state.source._batches)  # type: ignore[attr-defined]
         trained[name] = [p.clone() for p in variant.parameters()]
         variant.close()
-    assert generators == {"distaccum": True, "distaccum_loader": False}
-    assert all(torch.equal(a, b) for a, b in zip(*trained.values(), strict=True))
+    assert generators == {"distaccum": True, "distaccum_loader": False, "distaccum_copied_rows": True}
+    for name in ("distaccum_loader", "distaccum_copied_rows"):
+        assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True)), name
 
 
 def test_the_fixed_cost_groups_leave_out_nested_pieces_and_the_optimizer() -> None:

@@ -67,7 +67,8 @@ def test_an_in_memory_tensor_dataset_on_cuda_trains_as_through_the_dataloader(tm
 def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_or_fresh_device_rows() -> None:
     """``TensorRows`` on a CUDA run: consecutive rows of a pinned host dataset are views (the move to the GPU is
     their only copy); rows of an unpinned one are copied or gathered straight into pinned memory; a dataset already
-    on the GPU gives fresh rows there (a loss writing into its batch never writes into the dataset)."""
+    on the GPU gives views there in order (a write into one stops the run at the next fetch: ``tests/test_plan.py``)
+    and gathered rows shuffled."""
     from torch.utils.data import TensorDataset
 
     from distaccum.config import Split
@@ -86,11 +87,12 @@ def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_o
     pinned = host.pin_memory()
     rows, piece = first_rows(pinned, False)
     assert rows._base is pinned and rows.is_pinned() and piece.tolist() == [2, 3]
+    on_gpu = host.to(cuda)
     for shuffle in (False, True):
         rows, piece = first_rows(host, shuffle)
         assert rows.is_pinned() and rows._base is None and torch.equal(rows, host[piece])
-        rows, piece = first_rows(host.to(cuda), shuffle)
-        assert rows.device == cuda and rows._base is None and torch.equal(rows.cpu(), host[piece])
+        rows, piece = first_rows(on_gpu, shuffle)
+        assert rows.device == cuda and (rows._base is on_gpu) is not shuffle and torch.equal(rows.cpu(), host[piece])
 
 
 COMPILE_COMMON = ("model=tiny_gpt", "model.width=16", "model.depth=1", "data.dataset.num_samples=40",

@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 from distaccum.config import Split
 from distaccum.data.global_batch import GlobalBatchPlan
-from distaccum.data.pipeline import PlanSampler, build_loader, micro_batches, to_device
+from distaccum.data.pipeline import DatasetWrittenError, PlanSampler, build_loader, micro_batches, to_device
 from distaccum.datasets import CorpusSequences, SyntheticImages, SyntheticRegression, pad_collate
 from distaccum.losses import IGNORE_INDEX
 
@@ -157,17 +157,35 @@ def test_tensor_rows_hand_out_the_batches_the_dataloader_makes(shuffle: bool) ->
                 assert x.dtype == y.dtype and torch.equal(x, y)
 
 
-def test_tensor_rows_are_fresh_on_the_training_device_and_views_only_where_the_move_copies_them() -> None:
+def test_tensor_rows_in_order_are_views_and_a_write_into_one_stops_at_the_next_micro_batch() -> None:
+    """Consecutive rows are handed out as views of the dataset (no copy, as a hand-written loop slices), on the
+    training device or not; a loss that reads them leaves every micro-batch to come; one that writes into its batch
+    (in place, under no_grad too, through a view of the view) is stopped at the next fetch, naming the rows,
+    before a later micro-batch or epoch trains on changed data. Shuffled rows are gathered: fresh, free to write."""
     dataset = _tensor_dataset()
     split = Split(2, 2, 2)
     plan = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=False)
-    for batch in micro_batches(dataset, None, plan, split, 0, 4, device=torch.device("cpu")):
-        batch[0].mul_(0.0)  # a loss writing into its batch
-    assert torch.equal(dataset.tensors[0], _tensor_dataset().tensors[0])  # never into the dataset
-    # Training on another device (meta stands in for an accelerator): the move copies, the rows are views.
-    rows = next(micro_batches(dataset, None, plan, split, 1, 4, device=torch.device("meta")))
-    assert all(r._base is t for r, t in zip(rows, dataset.tensors, strict=True))
-    assert torch.equal(rows[0], dataset.tensors[0][2:4])  # rank 1's first piece of window 0: samples 2, 3
+    for device in ("cpu", "meta"):  # meta stands in for an accelerator
+        rows = next(micro_batches(dataset, None, plan, split, 1, 4, device=torch.device(device)))
+        assert all(r._base is t for r, t in zip(rows, dataset.tensors, strict=True))
+        assert torch.equal(rows[0], dataset.tensors[0][2:4])  # rank 1's first piece of window 0: samples 2, 3
+    read = list(micro_batches(dataset, None, plan, split, 0, 4, device=torch.device("cpu")))
+    assert len(read) == 8 and all(r[0]._base is dataset.tensors[0] for r in read)  # reading is free
+    writes = {"mul_": lambda b: b[0].mul_(0.0), "setitem": lambda b: b[1].__setitem__(b[1] > 3, -100),
+              "no_grad": lambda b: torch.no_grad()(lambda: b[0].add_(1.0))(),
+              "view of the view": lambda b: b[0].view(-1)[:1].zero_()}
+    for name, write in writes.items():
+        fresh = _tensor_dataset()
+        batches = micro_batches(fresh, None, plan, split, 0, 4, device=torch.device("cpu"))
+        next(batches)
+        write(next(batches))  # the second micro-batch: rows 4, 5
+        with pytest.raises(DatasetWrittenError, match="rows 4..5 were a micro-batch in training"):
+            next(batches)
+        assert not torch.equal(fresh.tensors[0], _tensor_dataset().tensors[0]) or name == "setitem", name
+    shuffled = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=True)
+    for batch in micro_batches(dataset, None, shuffled, split, 0, 4, device=torch.device("cpu")):
+        batch[0].mul_(0.0)  # gathered: the dataset never sees it
+    assert torch.equal(dataset.tensors[0], _tensor_dataset().tensors[0])
 
 
 def test_a_tensor_dataset_with_a_collate_workers_or_a_subclass_goes_through_the_dataloader() -> None:

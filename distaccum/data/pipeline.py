@@ -96,40 +96,59 @@ def collated(batch: Any) -> Any:
     return batch
 
 
+class DatasetWrittenError(RuntimeError):
+    """The loss or the model wrote into a micro-batch that is a view of an in-memory ``TensorDataset``
+    (:class:`TensorRows`): the dataset itself changed."""
+
+
 class TensorRows:
     """This rank's micro-batches of a ``TensorDataset``, cut in the training process (no DataLoader): what
     ``data.num_workers=0`` gets for a plain ``TensorDataset`` without a collate (:func:`micro_batches`).
 
     Each micro-batch is a list with one tensor per dataset tensor, the rows the plan gives it, in its order:
     the batch :class:`TensorBatches` (and ``default_collate``) make. An in-order plan (``data.shuffle=false``)
-    gives each piece consecutive rows. Rows that the move to the training device copies anyway (the dataset's
-    tensor lives elsewhere: host tensors of a CUDA run) are a view of them, so a pinned dataset reaches
-    the device with one asynchronous copy and nothing else; rows already on the training device are a fresh
-    copy (a slice's ``clone``, or the ``index_select``), so a loss that writes into its batch can never write
-    into the dataset. On a CUDA run host rows not pinned already are gathered straight into pinned memory: one
-    copy, where the DataLoader makes two (the gather, then ``pin_memory``)."""
+    gives each piece consecutive rows, handed out as a view of them, no copy, as a hand-written loop slices its
+    tensors (a pinned dataset of a CUDA run reaches the device with one asynchronous copy and nothing else); a
+    shuffled plan gathers them (one ``index_select`` per tensor; on a CUDA run straight into pinned memory: one
+    copy, where the DataLoader makes two, the gather, then ``pin_memory``).
+
+    A view shares the dataset's memory, so a loss or model that wrote into its batch in place (``x.mul_``,
+    ``y[mask] = -100``) would change the dataset for every later epoch, where a DataLoader's fresh batch would
+    not. Every write bumps the tensor's version counter, which a view shares with the dataset's tensor: each
+    fetch checks that the counters of the tensors a view was handed out of are where they were, and stops the
+    run with :class:`DatasetWrittenError` at the next micro-batch after such a write (``tests/test_plan.py``).
+    Copying every micro-batch instead cost up to 0.2 ms each on this project's 2-core machine (``BENCHMARKS.md``).
+    """
 
     def __init__(self, dataset: TensorDataset, sampler: PlanSampler, *, device: torch.device) -> None:
         self.tensors, self.sampler, self.pin_memory = dataset.tensors, sampler, device.type == "cuda"
-        self.views = [(t, t.device != device) for t in self.tensors]
-        """Each tensor, and whether its rows are views (the move to ``device`` copies them)."""
+        self.views = [(t, not self.pin_memory or t.device.type != "cpu" or t.is_pinned()) for t in self.tensors]
+        """Each tensor, and whether its consecutive rows are handed out as views (all but an unpinned host tensor
+        of a CUDA run, whose rows are copied into pinned memory)."""
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
         consecutive = not self.sampler.plan.shuffle  # the plan's order is then 0, 1, 2, ...: every piece is a range
+        watched = [t for t, view in self.views if view] if consecutive else []
         for piece in self.sampler.pieces():
             if consecutive:
-                first = int(piece[0])
-                yield [self._range(t, view, first, len(piece)) for t, view in self.views]
+                first, n = int(piece[0]), len(piece)
+                versions = [t._version for t in watched]
+                yield [t[first:first + n] if view else self._pinned(t[first:first + n]) for t, view in self.views]
+                if [t._version for t in watched] != versions:
+                    raise DatasetWrittenError(self._written(first, n))
             else:
                 yield [self._gather(t, piece) for t in self.tensors]
 
-    def _range(self, t: torch.Tensor, view: bool, first: int, n: int) -> torch.Tensor:
-        rows = t[first : first + n]
-        if view and (not self.pin_memory or t.device.type != "cpu" or t.is_pinned()):
-            return rows
-        if self.pin_memory and t.device.type == "cpu":
-            return torch.empty(rows.shape, dtype=t.dtype, pin_memory=True).copy_(rows)
-        return rows.clone()
+    def _pinned(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
+
+    def _written(self, first: int, n: int) -> str:
+        return (f"the in-memory TensorDataset changed in place while its rows {first}..{first + n - 1} were a "
+                "micro-batch in training: the loss or the model wrote into its batch (x.mul_(...), y[mask] = ...). "
+                "distaccum hands the rows of a TensorDataset out as views of it, as a hand-written loop slices its "
+                "tensors, so the write changed the dataset itself and every later epoch would train on the changed "
+                "rows. Copy what you modify (x = x.clone() before writing into it), or train with data.shuffle=true "
+                "(shuffled rows are gathered into fresh tensors)")
 
     def _gather(self, t: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
         index = piece.to(t.device, non_blocking=True)  # a dataset on the GPU: no wait for the copy of the index
