@@ -274,6 +274,37 @@ def check_tensor_rows_train_as_the_dataloader(run_dir: Path, device: str, *, shu
     assert torch.equal(runs[0][0], runs[1][0])
 
 
+def test_a_loss_that_writes_into_its_in_memory_batch_stops_the_run_before_later_data_is_changed(
+        tmp_path: Path) -> None:
+    """An in-order ``TensorDataset``'s micro-batches are views of it: a loss that writes into its batch stops the
+    run at the next micro-batch with :class:`DatasetWrittenError` naming the rows, after at most that one
+    micro-batch's rows changed and before any step trained on changed data; shuffled, it trains (gathered
+    rows: the dataset never sees the write)."""
+    from torch.utils.data import TensorDataset
+
+    from distaccum.data.pipeline import DatasetWrittenError
+
+    def normalizing_in_place(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+        x, y = batch
+        x.sub_(x.mean())  # what a careless loss does to its input
+        return squared_error(model, (x, y))
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = (torch.randn(48, 32, generator=gen), torch.randn(48, 8, generator=gen))
+    for shuffle in (False, True):
+        data = tuple(t.clone() for t in tensors)
+        trainer = Trainer(config(tmp_path / str(shuffle), accum={"micro_batch": 4, "steps": 3},
+                                 data={"shuffle": shuffle}),
+                          model=lambda: MLP(32, 16, 2, 8), dataset=TensorDataset(*data), loss=normalizing_in_place)
+        if shuffle:
+            assert len(trainer.train_steps()) == 4 and torch.equal(data[0], tensors[0])
+            continue
+        with pytest.raises(DatasetWrittenError, match=r"rows 0\.\.3 were a micro-batch in training"):
+            trainer.train_steps()
+        assert trainer.state.records == []  # no step ran on it
+        assert torch.equal(data[0][4:], tensors[0][4:]) and not torch.equal(data[0][:4], tensors[0][:4])
+
+
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_an_in_memory_tensor_dataset_trains_bit_for_bit_as_through_the_dataloader(tmp_path: Path,
                                                                                  shuffle: bool) -> None:
