@@ -86,6 +86,26 @@ def test_sampler_yields_each_ranks_micro_batches_in_plan_order_with_stand_ins_fo
     assert batches[4:] == [p.tolist() for p in plan.window(2).rank_micro_batches(split, 1)]
 
 
+@pytest.mark.parametrize("samples", [20, 50, 64, 3])
+def test_rank_ranges_are_the_in_order_pieces_by_arithmetic(samples: int) -> None:
+    """``rank_ranges`` (what the in-process fetch cuts an in-order plan by, no tensors) against the sampler's
+    pieces for every split of a few global batches, over partial windows with empty pieces and epochs: the same
+    rows, the stand-in (the window's first sample) for an empty piece; a shuffled plan is refused."""
+    for global_batch in (4, 8, 16):
+        plan = GlobalBatchPlan(samples, global_batch, seed=0, shuffle=False)
+        for micro, world in ((1, 1), (1, 2), (2, 2), (1, 3), (3, 1), (1, 4)):
+            if global_batch % (micro * world):
+                continue
+            split = Split(micro, global_batch // (micro * world), world)
+            for rank in range(world):
+                sampler = PlanSampler(plan, split, rank, start=0, stop=2 * plan.windows_per_epoch + 1)
+                want = [p.tolist() for p in sampler.pieces()]
+                got = [list(range(first, first + n)) for first, n in sampler.ranges()]
+                assert got == want, (samples, global_batch, split, rank)
+    with pytest.raises(ValueError, match="in-order plan"):
+        GlobalBatchPlan(20, 4, seed=0).rank_ranges(0, Split(1, 2, 2), 0)
+
+
 def test_a_plan_keeps_each_epochs_order_and_hands_out_the_windows_a_fresh_plan_would() -> None:
     plan = GlobalBatchPlan(50, 8, seed=3)  # 7 windows per epoch, the last partial
     steps = [0, 1, 6, 7, 13, 2, 20, 8, 0]  # within, across and back over epochs

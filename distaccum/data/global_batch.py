@@ -108,6 +108,25 @@ class GlobalBatchPlan:
                 del self._pieces[next(iter(self._pieces))]  # the oldest
         return found
 
+    def rank_ranges(self, step: int, split: Split, rank: int) -> list[tuple[int, int]]:
+        """For an in-order plan (``shuffle=False``): :meth:`rank_pieces`' micro-batches as (first sample, count), by
+        arithmetic alone (the window is a range, and ``tensor_split`` gives its first ``len % parts`` pieces one
+        sample more); an empty piece is the stand-in (the window's first sample, once), as
+        :meth:`PlanSampler.pieces` serves it. No tensor is made or read: the in-process fetch asks per micro-batch."""
+        if self.shuffle:
+            raise ValueError("rank_ranges needs an in-order plan (shuffle=False): a shuffled window is no range")
+        k = step % self.windows_per_epoch
+        start = k * self.global_batch
+        size = min(self.global_batch, self.num_samples - start)
+        parts = split.accum_steps * split.world_size
+        q, r = divmod(size, parts)
+        out = []
+        for m in range(split.accum_steps):
+            j = m * split.world_size + rank
+            n = q + (1 if j < r else 0)
+            out.append((start + j * q + min(j, r), n) if n else (start, 1))
+        return out
+
     def state_dict(self) -> dict[str, int]:
         """Position and identity, enough to resume at the exact next sample."""
         return {"next_step": self.next_step, "global_batch": self.global_batch, "seed": self.seed,

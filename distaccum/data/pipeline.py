@@ -42,6 +42,12 @@ class PlanSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         return (piece.tolist() for piece in self.pieces())
 
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        """The same micro-batches of an in-order plan as (first sample, count) (:meth:`GlobalBatchPlan.rank_ranges`:
+        no tensor per micro-batch)."""
+        for step in range(self.start, self.stop):
+            yield from self.plan.rank_ranges(step, self.split, self.rank)
+
     def pieces(self) -> Iterator[torch.Tensor]:
         """The same micro-batches as index tensors."""
         for step in range(self.start, self.stop):
@@ -127,17 +133,17 @@ class TensorRows:
         of a CUDA run, whose rows are copied into pinned memory)."""
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
-        consecutive = not self.sampler.plan.shuffle  # the plan's order is then 0, 1, 2, ...: every piece is a range
-        watched = [t for t, view in self.views if view] if consecutive else []
-        for piece in self.sampler.pieces():
-            if consecutive:
-                first, n = int(piece[0]), len(piece)
-                versions = [t._version for t in watched]
-                yield [t[first:first + n] if view else self._pinned(t[first:first + n]) for t, view in self.views]
-                if [t._version for t in watched] != versions:
-                    raise DatasetWrittenError(self._written(first, n))
-            else:
+        if self.sampler.plan.shuffle:
+            for piece in self.sampler.pieces():
                 yield [self._gather(t, piece) for t in self.tensors]
+            return
+        # In order, every piece is a range of rows (0, 1, 2, ...): cut by arithmetic, no tensor per micro-batch.
+        watched = [t for t, view in self.views if view]
+        for first, n in self.sampler.ranges():
+            versions = [t._version for t in watched]
+            yield [t[first:first + n] if view else self._pinned(t[first:first + n]) for t, view in self.views]
+            if [t._version for t in watched] != versions:
+                raise DatasetWrittenError(self._written(first, n))
 
     def _pinned(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
@@ -286,6 +292,8 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None 
     if isinstance(batch, torch.Tensor):
         moved = batch.to(device, non_blocking=True)
         return moved.to(float_dtype) if float_dtype is not None and moved.is_floating_point() else moved
+    if type(batch) is list:  # the in-process fetch's batch (TensorRows): before the abstract-class checks
+        return [to_device(v, device, float_dtype) for v in batch]
     if isinstance(batch, Mapping):
         return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
