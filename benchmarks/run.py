@@ -43,8 +43,8 @@ from benchmarks.variants import DEFAULT_VARIANTS, ENGINE_VARIANTS, check_variant
 HSDP_SWEEP = ("distaccum_fsdp", "distaccum_hsdp_boundary", "distaccum_hsdp_replica_boundary",
               "distaccum_hsdp_every_micro")
 """FSDP2 flat and hybrid (2 replicas) in each sync mode: ``--sweep hsdp --world 4`` (2 replicas x 2 shards)."""
-DIAGNOSTICS = ("distaccum_copied_rows", "distaccum_device_totals", "distaccum_folded_k1", "distaccum_host_allreduce", "distaccum_in_loss",
-               "distaccum_loader", "distaccum_sync_records")
+DIAGNOSTICS = ("distaccum_copied_rows", "distaccum_device_totals", "distaccum_folded_k1", "distaccum_host_allreduce",
+               "distaccum_in_loss", "distaccum_loader", "distaccum_sync_records")
 """distaccum variants that price one choice of the loop (the window's totals, where K = 1 normalizes, how the data
 is fed, when records are made), not engines."""
 SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS
@@ -213,8 +213,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=None, help="micro-batches timed per variant per round: a block is "
                    "ceil(BLOCK / K) optimizer steps, at least the case's minimum (default: the case's, 16 on the full cases)")
     p.add_argument("--block-steps", type=int, default=None, help="optimizer steps per block at every K (instead of "
-                   "--block's micro-batches): 1 alternates the variants step by step, which cancels the machine's drift "
-                   "best for the same machine time (docs/benchmarks.md)")
+                   "--block's micro-batches): 1 alternates the variants step by step, which gives the most rounds, so the "
+                   "narrowest interval, for the same machine time (docs/benchmarks.md)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds of rounds per launch: whole cycles of rounds "
                    "until the time is spent (--rounds is then the most; default 100000), so every case and K gets the "
                    "same machine time whatever its step")

@@ -208,6 +208,21 @@ def test_tensor_rows_in_order_are_views_and_a_write_into_one_stops_at_the_next_m
     assert torch.equal(dataset.tensors[0], _tensor_dataset().tensors[0])
 
 
+def test_tensor_rows_of_an_inference_mode_dataset_are_copies_a_backward_can_save() -> None:
+    """A dataset made under ``torch.inference_mode`` (features precomputed by a frozen encoder): a view of it could
+    neither be watched (no version counter) nor saved for the backward, so its rows are copied, normal tensors;
+    a normal tensor beside it is still handed out as views."""
+    with torch.inference_mode():
+        features = torch.randn(30, 5)
+    labels = torch.randn(30, 2)
+    layer = torch.nn.Linear(5, 2)
+    plan, split = GlobalBatchPlan(30, 8, seed=0, shuffle=False), Split(2, 2, 2)
+    for x, y in micro_batches(TensorDataset(features, labels), None, plan, split, 0, 4, device=torch.device("cpu")):
+        assert not x.is_inference() and x._base is None and y._base is labels
+        torch.nn.functional.mse_loss(layer(x), y).backward()  # saved for backward: no error
+    assert layer.weight.grad is not None
+
+
 def test_a_tensor_dataset_with_a_collate_workers_or_a_subclass_goes_through_the_dataloader() -> None:
     dataset, plan, split, cpu = _tensor_dataset(), GlobalBatchPlan(30, 8, seed=0), Split(2, 2, 2), torch.device("cpu")
 

@@ -123,14 +123,25 @@ class TensorRows:
     not. Every write bumps the tensor's version counter, which a view shares with the dataset's tensor: each
     fetch checks that the counters of the tensors a view was handed out of are where they were, and stops the
     run with :class:`DatasetWrittenError` at the next micro-batch after such a write (``tests/test_plan.py``).
-    Copying every micro-batch instead cost up to 0.2 ms each on this project's 2-core machine (``BENCHMARKS.md``).
+    Copying every micro-batch instead cost about 1 % of the benchmark's 0.9M-parameter step at K = 4 and 16 on this
+    project's 2-core machine (``distaccum_copied_rows`` in BENCHMARKS.md). Two kinds of tensor are still copied:
+    an unpinned host tensor of a CUDA run (into pinned memory: the move is then asynchronous) and an inference
+    tensor (made under ``torch.inference_mode``) on the training device, whose views could neither be watched (it
+    keeps no version counter) nor saved for the backward.
     """
 
     def __init__(self, dataset: TensorDataset, sampler: PlanSampler, *, device: torch.device) -> None:
         self.tensors, self.sampler, self.pin_memory = dataset.tensors, sampler, device.type == "cuda"
-        self.views = [(t, not self.pin_memory or t.device.type != "cpu" or t.is_pinned()) for t in self.tensors]
-        """Each tensor, and whether its consecutive rows are handed out as views (all but an unpinned host tensor
-        of a CUDA run, whose rows are copied into pinned memory)."""
+        self.how = [self._how(t, device) for t in self.tensors]
+        """Per tensor, how its consecutive rows are handed out: ``view``, ``pinned`` (a copy in pinned memory) or
+        ``copy`` (a ``clone``)."""
+
+    def _how(self, t: torch.Tensor, device: torch.device) -> str:
+        if self.pin_memory and t.device.type == "cpu" and not t.is_pinned():
+            return "pinned"
+        if t.is_inference() and t.device == device:
+            return "copy"
+        return "view"
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
         if self.sampler.plan.shuffle:
@@ -138,15 +149,19 @@ class TensorRows:
                 yield [self._gather(t, piece) for t in self.tensors]
             return
         # In order, every piece is a range of rows (0, 1, 2, ...): cut by arithmetic, no tensor per micro-batch.
-        watched = [t for t, view in self.views if view]
+        watched = [t for t, how in zip(self.tensors, self.how, strict=True) if how == "view" and not t.is_inference()]
+        kinds = list(zip(self.tensors, self.how, strict=True))
         for first, n in self.sampler.ranges():
             versions = [t._version for t in watched]
-            yield [t[first:first + n] if view else self._pinned(t[first:first + n]) for t, view in self.views]
+            yield [t[first:first + n] if how == "view" else self._copy(t[first:first + n], how) for t, how in kinds]
             if [t._version for t in watched] != versions:
                 raise DatasetWrittenError(self._written(first, n))
 
-    def _pinned(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
+    @staticmethod
+    def _copy(rows: torch.Tensor, how: str) -> torch.Tensor:
+        if how == "pinned":
+            return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
+        return rows.clone()
 
     def _written(self, first: int, n: int) -> str:
         return (f"the in-memory TensorDataset changed in place while its rows {first}..{first + n - 1} were a "
