@@ -416,8 +416,12 @@ class DistaccumTrainer:
 
     LAG_RECORDS: bool | None = None
     """``Trainer(lag_records=...)``: the Trainer's default."""
-    loss = staticmethod(loss_sum)
-    """The loss the Trainer gets (the benchmark's, :func:`~benchmarks.cases.loss_sum`)."""
+
+    @staticmethod
+    def loss_fn() -> Any:
+        """The loss the Trainer gets, looked up when it is built (the benchmark's :func:`~benchmarks.cases.loss_sum`,
+        or what a tool put in its place: ``benchmarks.rss_maps`` reads memory from inside it)."""
+        return loss_sum
 
     @staticmethod
     def inputs(data: BenchData) -> tuple[Dataset, Any]:
@@ -435,7 +439,7 @@ class DistaccumTrainer:
         on_gpu = device.type == "cuda"
         dataset, collate = self.inputs(data)
         self.trainer = Trainer(config, model=spec.shape.build, dataset=dataset, collate=collate,
-                               loss=self.loss, optimizer=self._stamped(sgd(spec.lr)) if on_gpu else sgd(spec.lr),
+                               loss=self.loss_fn(), optimizer=self._stamped(sgd(spec.lr)) if on_gpu else sgd(spec.lr),
                                on_step=None if on_gpu else self._on_step, lag_records=self.LAG_RECORDS)
         self.trainer.setup()  # joins the group this process already has, builds and wraps the model
         self.records: list[dict[str, Any]] = []
@@ -557,9 +561,14 @@ class DistaccumCopiedRows(DistaccumTrainer):
     ``distaccum`` prices the views it hands out now."""
 
     @staticmethod
-    def loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
-        x, y = batch
-        return loss_sum(model, (x.clone(), y.clone()))
+    def loss_fn() -> Any:
+        return copied_rows_loss
+
+
+def copied_rows_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
+    """:func:`~benchmarks.cases.loss_sum` of a copy of the micro-batch (:class:`DistaccumCopiedRows`)."""
+    x, y = batch
+    return loss_sum(model, (x.clone(), y.clone()))
 
 
 TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_copied_rows": DistaccumCopiedRows,"distaccum_device_totals": DistaccumDeviceTotals,
