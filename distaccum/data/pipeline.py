@@ -132,8 +132,8 @@ class TensorRows:
 
     def __init__(self, dataset: TensorDataset, sampler: PlanSampler, *, device: torch.device) -> None:
         self.tensors, self.sampler, self.pin_memory = dataset.tensors, sampler, device.type == "cuda"
-        self.how = [self._how(t, device) for t in self.tensors]
-        """Per tensor, how its consecutive rows are handed out: ``view``, ``pinned`` (a copy in pinned memory) or
+        self.kinds = [(t, self._how(t, device)) for t in self.tensors]
+        """Each tensor and how its consecutive rows are handed out: ``view``, ``pinned`` (a copy in pinned memory) or
         ``copy`` (a ``clone``)."""
 
     def _how(self, t: torch.Tensor, device: torch.device) -> str:
@@ -149,11 +149,10 @@ class TensorRows:
                 yield [self._gather(t, piece) for t in self.tensors]
             return
         # In order, every piece is a range of rows (0, 1, 2, ...): cut by arithmetic, no tensor per micro-batch.
-        watched = [t for t, how in zip(self.tensors, self.how, strict=True) if how == "view" and not t.is_inference()]
-        kinds = list(zip(self.tensors, self.how, strict=True))
+        watched = [t for t, how in self.kinds if how == "view" and not t.is_inference()]  # moved copies: unwatched
         for first, n in self.sampler.ranges():
             versions = [t._version for t in watched]
-            yield [t[first:first + n] if how == "view" else self._copy(t[first:first + n], how) for t, how in kinds]
+            yield [t[first:first + n] if how == "view" else self._copy(t[first:first + n], how) for t, how in self.kinds]
             if [t._version for t in watched] != versions:
                 raise DatasetWrittenError(self._written(first, n))
 
@@ -307,14 +306,13 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None 
     if isinstance(batch, torch.Tensor):
         moved = batch.to(device, non_blocking=True)
         return moved.to(float_dtype) if float_dtype is not None and moved.is_floating_point() else moved
-    if type(batch) is list:  # the in-process fetch's batch (TensorRows): before the abstract-class checks
-        return [to_device(v, device, float_dtype) for v in batch]
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
+    # Sequences before the abstract-class check of Mapping (the in-process fetch's batch is a list).
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(to_device(v, device, float_dtype) for v in batch))
     if isinstance(batch, list | tuple):
         return type(batch)(to_device(v, device, float_dtype) for v in batch)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device, float_dtype)
                                              for f in dataclasses.fields(batch) if f.init})
