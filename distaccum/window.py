@@ -70,7 +70,8 @@ class WindowTotals(ABC):
         """The window's totals in the all-reduce's layout (the sum over ranks once the collective has landed)."""
         self._work: Any = None
         self._scale: torch.Tensor | None = None
-        self._carried: list[torch.Tensor] = []
+        self._carried: list[Any] = []
+        """The rows checks :meth:`carry`, in the form this kind sends them (:meth:`_slot_row`)."""
         self._host: list[float] | None = None
 
     @staticmethod
@@ -89,6 +90,17 @@ class WindowTotals(ABC):
     def sums(self, *extra: float) -> torch.Tensor:
         """This rank's [loss sum, item count, *extra] so far, float64 on the device."""
 
+    def row(self, values: torch.Tensor, *extra: float) -> torch.Tensor | list[float]:
+        """``values`` (float64), then this rank's loss sum and item count so far and ``extra``: a row for :meth:`carry`
+        in the form this kind sends (a tensor on the device; Python floats for :class:`HostTotals`)."""
+        return torch.cat([values.to(self.device, torch.float64), self.sums(*extra)])
+
+    def _slot_row(self, row: torch.Tensor | list[float]) -> Any:
+        """A carried row as :meth:`reduce` sends it: a flat float64 tensor on the device."""
+        if isinstance(row, list):
+            return torch.tensor(row, dtype=torch.float64, device=self.device)
+        return row.reshape(-1).to(torch.float64)
+
     @abstractmethod
     def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
         """Launch the window's collective (asynchronous: it overlaps the last backward)."""
@@ -104,13 +116,14 @@ class WindowTotals(ABC):
         self.totals = totals
         self._work = dist.all_reduce(totals, async_op=True)
 
-    def carry(self, row: torch.Tensor) -> Callable[[], list[list[float]] | None]:
+    def carry(self, row: torch.Tensor | list[float]) -> Callable[[], list[list[float]] | None]:
         """Send this rank's float64 ``row`` with the window's collective (call before :meth:`reduce`), in this
         rank's slot with zeros in the others (summed by an all-reduce, or gathered: either is exact), so a check
         that compares numbers across ranks needs no collective of its own. The returned function gives every rank's row once
         :meth:`read` has run (None before)."""
-        first, length, world = 3 + sum(r.numel() for r in self._carried), row.numel(), self.split.world_size
-        self._carried.append(row.reshape(-1).to(torch.float64))
+        first, world = 3 + sum(len(r) for r in self._carried), self.split.world_size
+        self._carried.append(self._slot_row(row))
+        length = len(self._carried[-1])
 
         def rows() -> list[list[float]] | None:
             host = self._host
@@ -248,6 +261,13 @@ class HostTotals(WindowTotals):
     def sums(self, *extra: float) -> torch.Tensor:
         return torch.tensor([self.loss_sum, self.items, *extra], dtype=torch.float64)
 
+    def row(self, values: torch.Tensor, *extra: float) -> list[float]:
+        """Python floats, as this kind sends them: no tensor made for them."""
+        return [*values.tolist(), self.loss_sum, self.items, *extra]
+
+    def _slot_row(self, row: torch.Tensor | list[float]) -> list[float]:
+        return row if isinstance(row, list) else row.reshape(-1).to(torch.float64).tolist()
+
     @property
     def totals(self) -> torch.Tensor:  # type: ignore[override]
         """The all-reduce's layout, made from the gathered rows (what :class:`DeviceTotals` all-reduces)."""
@@ -269,7 +289,7 @@ class HostTotals(WindowTotals):
         (the flag, its smallest and largest micro-batch count, the carried rows: each rank's in its own slot)."""
         bad = 0.0 if math.isfinite(self.loss_sum) else 1.0
         head = [self.items, self.loss_sum, bad, float(stop), float(checkpoint_due)]
-        return head, [bad, min(self.counts), max(self.counts)] + [x for row in self._carried for x in row.tolist()]
+        return head, [bad, min(self.counts), max(self.counts)] + [x for row in self._carried for x in row]
 
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
         if self._scale is None:

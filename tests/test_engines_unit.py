@@ -18,6 +18,7 @@ from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_ga
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
+from distaccum.engines.replicated import bucket_factor
 from distaccum.models import MLP, TinyGPT
 from distaccum.telemetry.ledger import CommLedger
 
@@ -118,6 +119,24 @@ def test_scale_and_clip_normalizes_and_clips_in_one_multiply() -> None:
     assert float(norm) == pytest.approx(0.5 * float(raw)) and torch.all(grads[0] == 2.0)
     norm = scale_and_clip_(grads, torch.tensor(1.0, dtype=torch.float64), max_norm=1.0)
     assert float(torch.linalg.vector_norm(torch.cat(grads))) == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_folded_bucket_is_multiplied_bitwise_as_by_the_scale_rounded_to_its_dtype(dtype: torch.dtype) -> None:
+    """``bucket_factor`` hands a float32/float64 bucket a Python number (no tensor operations per bucket): ``mul_`` by
+    it must give the bits the multiply by the float64 scale divided by the world size, then rounded to the bucket's
+    dtype, gives, for scales whose rounding differs at every bit (and NaN: a non-finite loss)."""
+    gen = torch.Generator().manual_seed(0)
+    bucket = (torch.randn(4096, generator=gen, dtype=torch.float64) * 1e3).to(dtype)
+    scales = [1.0 / (c * n) for c in (0.5, 2.0**-7, 1.0) for n in (3.0, 7.0, 1e6 + 3.0, 12345.0)]
+    for scale in (*scales, float("nan")):
+        for world in (1, 2, 3, 7):
+            factor = torch.tensor(scale, dtype=torch.float64)
+            want = bucket * (factor / world).to(dtype)
+            got = bucket.clone().mul_(bucket_factor(factor, world, dtype))
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) or (scale != scale and got.isnan().all())
+    assert isinstance(bucket_factor(torch.tensor(0.25, dtype=torch.float64), 2, dtype), float) == \
+        (dtype in (torch.float32, torch.float64))
 
 
 

@@ -25,7 +25,7 @@ from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed import DeepSpeedEngine
 from distaccum.engines.fsdp import FSDPEngine
 from distaccum.rundir.checkpoint import step_dir
-from distaccum.verify.fingerprint import Fingerprint, gradient_sample, groups, rng_hash, same
+from distaccum.verify.fingerprint import Fingerprint, all_same, gradient_sample, groups, rng_hash, same
 
 
 @pytest.mark.unit
@@ -50,6 +50,9 @@ def test_ranks_are_grouped_with_nan_equal_to_nan() -> None:
     assert groups([[1.0, 2.0], [1.0, 2.0], [1.0, 3.0]]) == [[0, 1], [2]]
     assert groups([[nan, 1.0], [nan, 1.0]]) == [[0, 1]]  # a non-finite step is alike everywhere
     assert groups([[1.0], [2.0], [2.0], [3.0]]) == [[1, 2], [0], [3]]  # the majority first
+    for rows in ([[1.0, 2.0], [1.0, 2.0], [1.0, 3.0]], [[nan, 1.0], [nan, 1.0]], [[1.0], [2.0], [2.0]], [[0.0], [-0.0]],
+                 [[1.0, 2.0]], [[nan], [1.0]], [[1.0, nan], [1.0, 2.0]]):
+        assert all_same(rows) == (len(groups(rows)) == 1), rows  # the verdict without the grouping
 
 
 @pytest.mark.unit
@@ -120,12 +123,12 @@ def test_the_next_window_carries_each_ranks_row_in_its_slot_and_the_check_reads_
             def unwrapped(self) -> torch.nn.Module:
                 return self.net
 
-        gathered: list[torch.Tensor] = []
+        gathered: list[list[float]] = []
 
         class Counted(Fingerprint):
-            def _gather(self, local: torch.Tensor) -> list[list[float]]:
-                gathered.append(local)
-                return [local.tolist()] * self.world
+            def _gather(self, local: torch.Tensor | list[float]) -> list[list[float]]:
+                gathered.append(local if isinstance(local, list) else local.tolist())  # the CPU's rows are floats
+                return [gathered[-1]] * self.world
 
         check = Counted(Replicated(), tmp_path, 1, 2, torch.device("cpu"))
         first = WindowTotals(split, rank=1, device=torch.device("cpu"))
@@ -143,9 +146,9 @@ def test_the_next_window_carries_each_ranks_row_in_its_slot_and_the_check_reads_
             check.judge(1)  # rank 0's slot came back as zeros: it "differs", read from the carried totals
         # The comparison came with the totals; the one gather is the diagnosis's, after the mismatch: each
         # parameter's (sum, sum of squares), 2 parameters.
-        assert [t.numel() for t in gathered] == [4]
+        assert [len(t) for t in gathered] == [4]
         check.judge(2)  # step 2: no window carried it (a checkpoint or the end): its 5 numbers gathered at once
-        assert [t.numel() for t in gathered] == [4, 5]
+        assert [len(t) for t in gathered] == [4, 5]
 
 
 BASE = ("model=mlp", "accum.micro_batch=2", "accum.steps=4", "trainer.nproc=2", "trainer.max_steps=12",

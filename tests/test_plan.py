@@ -106,6 +106,24 @@ def test_rank_ranges_are_the_in_order_pieces_by_arithmetic(samples: int) -> None
         GlobalBatchPlan(20, 4, seed=0).rank_ranges(0, Split(1, 2, 2), 0)
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_rank_sizes_are_the_windows_and_pieces_sizes_by_arithmetic(shuffle: bool) -> None:
+    """``rank_sizes`` (what the loop's window needs: epoch, samples, each micro-batch's size; no tensors) against
+    the cut window for every split of a few global batches, over partial windows with empty pieces and epochs."""
+    for samples in (20, 50, 64, 3):
+        for global_batch in (4, 8, 16):
+            plan = GlobalBatchPlan(samples, global_batch, seed=1, shuffle=shuffle)
+            for micro, world in ((1, 1), (1, 2), (2, 2), (1, 3), (3, 1), (1, 4)):
+                if global_batch % (micro * world):
+                    continue
+                split = Split(micro, global_batch // (micro * world), world)
+                for step in range(2 * plan.windows_per_epoch + 1):
+                    for rank in range(world):
+                        window, pieces = plan.rank_pieces(step, split, rank)
+                        want = (window.epoch, len(window.indices), [len(p) for p in pieces])
+                        assert plan.rank_sizes(step, split, rank) == want, (samples, global_batch, split, step, rank)
+
+
 def test_a_plan_keeps_each_epochs_order_and_hands_out_the_windows_a_fresh_plan_would() -> None:
     plan = GlobalBatchPlan(50, 8, seed=3)  # 7 windows per epoch, the last partial
     steps = [0, 1, 6, 7, 13, 2, 20, 8, 0]  # within, across and back over epochs

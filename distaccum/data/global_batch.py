@@ -96,9 +96,7 @@ class GlobalBatchPlan:
 
     def rank_pieces(self, step: int, split: Split, rank: int) -> tuple[Window, list[torch.Tensor]]:
         """:meth:`window` of ``step`` and its :meth:`Window.rank_micro_batches` for ``rank``, kept for the last 4
-        steps asked: the loop and the sampler each ask for every one (tens of microseconds per step here). Without
-        workers (the default) the loop asks and the sampler follows within the step; a DataLoader whose workers
-        prefetch more than 4 steps ahead misses, and the pieces are cut twice, as before the cache."""
+        steps asked (a sampler asks once per piece it serves; the loop itself needs only :meth:`rank_sizes`)."""
         key = (step, split.accum_steps, split.world_size, rank)
         found = self._pieces.get(key)
         if found is None:
@@ -108,22 +106,30 @@ class GlobalBatchPlan:
                 del self._pieces[next(iter(self._pieces))]  # the oldest
         return found
 
+    def rank_sizes(self, step: int, split: Split, rank: int) -> tuple[int, int, list[int]]:
+        """(epoch, samples in the window, this rank's micro-batch sizes) of ``step``, by arithmetic alone: the
+        window's size does not depend on the order, and ``tensor_split`` gives its first ``size % parts`` pieces one
+        sample more. A size of 0 is an empty piece (its stand-in trains with weight 0). What the loop needs of a
+        window without cutting one (:meth:`rank_pieces` makes tensors: tens of microseconds per step here)."""
+        epoch, k = divmod(step, self.windows_per_epoch)
+        size = min(self.global_batch, self.num_samples - k * self.global_batch)
+        world = split.world_size
+        q, r = divmod(size, split.accum_steps * world)
+        return epoch, size, [q + (1 if m * world + rank < r else 0) for m in range(split.accum_steps)]
+
     def rank_ranges(self, step: int, split: Split, rank: int) -> list[tuple[int, int]]:
         """For an in-order plan (``shuffle=False``): :meth:`rank_pieces`' micro-batches as (first sample, count), by
-        arithmetic alone (the window is a range, and ``tensor_split`` gives its first ``len % parts`` pieces one
-        sample more); an empty piece is the stand-in (the window's first sample, once), as
-        :meth:`PlanSampler.pieces` serves it. No tensor is made or read: the in-process fetch asks per micro-batch."""
+        arithmetic alone (the window is a range cut as :meth:`rank_sizes` says); an empty piece is the stand-in (the
+        window's first sample, once), as :meth:`PlanSampler.pieces` serves it. No tensor is made or read: the
+        in-process fetch asks per micro-batch."""
         if self.shuffle:
             raise ValueError("rank_ranges needs an in-order plan (shuffle=False): a shuffled window is no range")
-        k = step % self.windows_per_epoch
-        start = k * self.global_batch
-        size = min(self.global_batch, self.num_samples - start)
-        parts = split.accum_steps * split.world_size
-        q, r = divmod(size, parts)
+        start = step % self.windows_per_epoch * self.global_batch
+        _, size, sizes = self.rank_sizes(step, split, rank)
+        q, r = divmod(size, split.accum_steps * split.world_size)
         out = []
-        for m in range(split.accum_steps):
+        for m, n in enumerate(sizes):
             j = m * split.world_size + rank
-            n = q + (1 if j < r else 0)
             out.append((start + j * q + min(j, r), n) if n else (start, 1))
         return out
 

@@ -280,14 +280,14 @@ class PlanSource:
             self._batches = micro_batches(self.dataset, self.collate, self.plan, self.split, self.rank, self.stop,
                                           **self.loader_options)  # type: ignore[arg-type]
             self._at = step
-        window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
-        batches = self._batches
+        epoch, size, sizes = self.plan.rank_sizes(step, self.split, self.rank)  # no tensors: the pieces are cut
+        batches = self._batches  # by the sampler (a DataLoader) or the in-process fetch (TensorRows)
 
         def micro() -> Iterator[MicroBatch]:
-            for piece in pieces:
-                yield MicroBatch(next(batches), len(piece))
+            for n in sizes:
+                yield MicroBatch(next(batches), n)
 
-        return WindowBatches(window.step, window.epoch, len(window.indices), window.partial, micro())
+        return WindowBatches(step, epoch, size, size < self.plan.global_batch, micro())
 
     def advance(self) -> None:
         self.plan.next_step += 1

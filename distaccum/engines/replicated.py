@@ -37,12 +37,18 @@ class HookState:
     (:func:`normalize_`)."""
     factor: torch.Tensor | None = None
     """1/(c N), computed from ``fold`` when the window's first bucket lands (:func:`window_scale`)."""
+    bucket_factor: tuple[torch.dtype, torch.Tensor | float] | None = None
+    """(the bucket dtype, 1/(c N W) as :func:`normalize_` multiplies a bucket of that dtype by it): the last one made
+    this window (a model's buckets normally share one dtype)."""
     summed: bool = False
     """Set for the boundary reduction of a window of one micro-batch whose loss carried the normalization
     (:meth:`ReplicatedEngine.normalize_loss`): the buckets are all-reduced as they are, a plain sum, with no
     pass over them before or after."""
     measure: bool = True
     """Measure the reduced gradients' norms (``EngineSpec.measure_norm``)."""
+    group: Any = None
+    """The DDP module's process group, which the hooks ask for each bucket's all-reduce itself
+    (``ProcessGroup.allreduce``: ``dist.all_reduce`` checks its arguments in Python first, 20-40 us per call here)."""
     norms: dict[int, torch.Tensor] = field(default_factory=dict)
     """id(parameter) -> the norm of its normalized, reduced gradient, measured by the hook (the step's
     gradient norm, combined in parameter order whatever the buckets: bitwise what a pass over the
@@ -57,6 +63,16 @@ def window_scale(state: HookState) -> torch.Tensor:
     return state.factor
 
 
+def bucket_factor(factor: torch.Tensor, world: int, dtype: torch.dtype) -> torch.Tensor | float:
+    """1/(c N W) for a bucket of ``dtype``, from the window's float64 1/(c N): in float64, then rounded to the bucket's
+    dtype. For a float32 or float64 bucket on the CPU a Python float: ``mul_`` rounds it to the bucket's dtype as
+    ``.to(dtype)`` does, without two operations on a one-number tensor per bucket; otherwise a one-number tensor of
+    the bucket's dtype (a bf16 bucket multiplies by a Python number in float32, not rounded to bf16)."""
+    if factor.device.type == "cpu" and dtype in (torch.float32, torch.float64):
+        return factor.item() / world  # the float64 division the tensor makes
+    return (factor / world).to(dtype)
+
+
 def normalize_(state: HookState, reduced: torch.Tensor) -> None:
     """After a bucket's all-reduce on a folded boundary reduction (the ranks' sum was reduced as it is):
     multiply it by 1/(c N W), in place, so the step needs no pass of its own to normalize (and, through
@@ -65,7 +81,10 @@ def normalize_(state: HookState, reduced: torch.Tensor) -> None:
     landed by now and nothing waits for it inside the backward (multiplying before the reduction, the
     backward stopped at its first bucket until the slower rank had finished its forward)."""
     if state.fold is not None:
-        reduced.mul_((window_scale(state) / dist.get_world_size()).to(reduced.dtype))
+        if state.bucket_factor is None or state.bucket_factor[0] != reduced.dtype:
+            state.bucket_factor = (reduced.dtype, bucket_factor(window_scale(state), dist.get_world_size(),
+                                                                reduced.dtype))
+        reduced.mul_(state.bucket_factor[1])
 
 
 def measure_(state: HookState, bucket: dist.GradBucket) -> None:
@@ -90,7 +109,7 @@ def mean_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     token = state.ledger.launched(buffer)
     if state.fold is None and not state.summed:  # the mean; a folded one is normalized when it lands (normalize_)
         buffer.div_(dist.get_world_size())
-    future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True).get_future()
+    future = state.group.allreduce([buffer]).get_future()  # a sum
 
     def done(fut: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         state.ledger.completed(token)
@@ -119,7 +138,7 @@ def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torc
     # Divide first (fp16 must not overflow), unless the loss carried the normalization (a summed reduction).
     compressed = (buffer if state.summed else buffer.div_(dist.get_world_size())).to(state.dtype)
     token = state.ledger.launched(compressed)
-    future = dist.all_reduce(compressed, op=dist.ReduceOp.SUM, async_op=True).get_future()
+    future = state.group.allreduce([compressed]).get_future()  # a sum
 
     def done(fut: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         state.ledger.completed(token)
@@ -168,7 +187,7 @@ class ReplicatedEngine(EngineBase):
     def register_hook(self, ddp: DDP) -> None:
         """Install :attr:`comm_hook` on ``ddp``, reporting to the ledger (and the noise scale)."""
         self.hook_state = HookState(self.ledger, self.grad_squares, self.spec.compressed_dtype,
-                                    measure=self.spec.measure_norm)
+                                    measure=self.spec.measure_norm, group=ddp.process_group)
         ddp.register_comm_hook(self.hook_state, self.comm_hook)
 
     def _normalizing_hook(self) -> HookState | None:
@@ -187,7 +206,7 @@ class ReplicatedEngine(EngineBase):
         state = self._normalizing_hook()
         if state is None:
             return False
-        state.fold, state.factor, state.norms = scale, None, {}
+        state.fold, state.factor, state.bucket_factor, state.norms = scale, None, None, {}
         return True
 
     def normalize_loss(self, scale: Callable[[], torch.Tensor]) -> torch.Tensor | None:
@@ -201,7 +220,7 @@ class ReplicatedEngine(EngineBase):
         state, limit = self._normalizing_hook(), self.spec.engine.normalize_in_loss_mb
         if state is None or limit is None or self.spec.device.type != "cpu" or self._grad_bytes() < limit * 2**20:
             return None
-        state.fold, state.factor, state.norms, state.summed = None, None, {}, True
+        state.fold, state.factor, state.bucket_factor, state.norms, state.summed = None, None, None, {}, True
         return scale() * (self.grad_divisor / dist.get_world_size())  # what the backward divides by: K (Accelerate)
 
     def _raw(self) -> nn.Module:
@@ -231,7 +250,7 @@ class ReplicatedEngine(EngineBase):
                 parts = list(torch._foreach_norm([p.grad for _, p in named if p.grad is not None]))
             norm = torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
         if state is not None:
-            state.fold, state.factor, state.norms, state.summed = None, None, {}, False
+            state.fold, state.factor, state.bucket_factor, state.norms, state.summed = None, None, None, {}, False
         return step_plain(self.optimizer, named, max_norm, grad_scale, self.scaler, grads_to_none=self.grads_to_none,
                           normalized=folded, normalized_norm=norm, loss_finite=loss_finite)
 

@@ -119,6 +119,12 @@ def same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
+def all_same(rows: list[list[float]]) -> bool:
+    """Whether every row equals the first (:func:`same` numbers): the common verdict, without grouping the ranks."""
+    first = rows[0]
+    return all(row == first or all(same(x, y) for x, y in zip(first, row, strict=True)) for row in rows[1:])
+
+
 def groups(rows: list[list[float]]) -> list[list[int]]:
     """Ranks grouped by equal rows, the largest group first (ties: the group of the lowest rank)."""
     found: list[list[int]] = []
@@ -143,7 +149,7 @@ class Fingerprint:
         self._named: list[tuple[str, torch.nn.Parameter]] | None = None
         self._views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         """(the gradients, :func:`sample_views` of them) of the last step whose gradients were all contiguous."""
-        self._pending: list[tuple[int, torch.Tensor, Callable[[], list[list[float]] | None] | None]] = []
+        self._pending: list[tuple[int, torch.Tensor | list[float], Callable[[], list[list[float]] | None] | None]] = []
         """(step, this rank's row, the rows of every rank once a window carried it) taken by
         :meth:`after_reduction` and not judged yet."""
 
@@ -152,9 +158,9 @@ class Fingerprint:
             self._named = list(self.engine.unwrapped().named_parameters())
         return self._named
 
-    def _gather(self, local: torch.Tensor) -> list[list[float]]:
+    def _gather(self, local: torch.Tensor | list[float]) -> list[list[float]]:
         """Every rank's ``local`` (one all-gather, collective) as rows on the host."""
-        local = local.to(collective_device())
+        local = (torch.tensor(local, dtype=torch.float64) if isinstance(local, list) else local).to(collective_device())
         out = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
         all_gather_flat(out, local.contiguous())
         return out.view(self.world, -1).tolist()
@@ -178,10 +184,8 @@ class Fingerprint:
         ranks, and :meth:`judge` compares them."""
         if self.world == 1:
             return
-        device = window.device
-        sampled = self._sample().to(device) if self.gradients else torch.zeros(2, dtype=torch.float64, device=device)
-        local = torch.cat([sampled, window.sums(rng_hash(self.device))])  # FIELDS
-        self._pending.append((step, local, None))
+        sampled = self._sample() if self.gradients else torch.zeros(2, dtype=torch.float64, device=window.device)
+        self._pending.append((step, window.row(sampled, rng_hash(self.device)), None))  # FIELDS
 
     def judge(self, through: int) -> None:
         """Judge the comparisons of the steps up to ``through`` still pending: from the window totals that carried
@@ -193,18 +197,16 @@ class Fingerprint:
             self._judge(step, rows if rows is not None else self._gather(local))
 
     def _judge(self, step: int, rows: list[list[float]]) -> None:
-        if self.gradients:
-            by_gradient = groups([row[:2] for row in rows])
-            if len(by_gradient) > 1:
-                self._fail(step, by_gradient)
+        if self.gradients and not all_same([row[:2] for row in rows]):
+            self._fail(step, groups([row[:2] for row in rows]))
         data = [row[2:4] for row in rows]
-        if data[0][1] > 0 and all(math.isfinite(x) for x in data[0]) and len(groups(data)) == 1:
+        if data[0][1] > 0 and all(math.isfinite(x) for x in data[0]) and all_same(data):
             self._warn(step, "same_samples",
                        f"every rank trained on identical data at optimizer step {step} (the same loss sum "
                        f"{data[0][0]:.9g} over the same {data[0][1]:.0f} loss items on all {self.world} ranks): the "
                        "ranks are probably reading the same samples (a sampler or dataset that ignores the rank), "
                        "so the effective batch is 1/world of what it should be")
-        if len(groups([row[4:5] for row in rows])) == 1:
+        if all_same([row[4:5] for row in rows]):
             self._warn(step, "same_rng",
                        f"every rank's random-number generator was last seeded with the same seed (optimizer step "
                        f"{step}): the ranks draw the same random numbers (the same dropout masks on different "
