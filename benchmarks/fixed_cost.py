@@ -280,7 +280,10 @@ def report(record: dict[str, Any]) -> str:
               "one all-gather; DeviceTotals all-reduces one-number tensors)"),
              ("distaccum_loader", "distaccum", "the DataLoader against the in-process rows (TensorRows)"),
              ("distaccum", "distaccum_no_ledger", "the ledger (log.ledger)"),
-             ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)")]
+             ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)"),
+             ("distaccum", "distaccum_no_checks", "every per-step check a switch turns off (fingerprint, ledger, "
+              "straggler view)"),
+             ("distaccum_no_checks", "ddp_no_sync", "distaccum with those checks off against the expert loop")]
     known = [(a, b, what) for a, b, what in pairs if a in rows and b in rows]
     if known:
         lines += ["", "Differences per round (median, min to max over rounds):", "",

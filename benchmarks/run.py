@@ -48,7 +48,7 @@ DIAGNOSTICS = ("distaccum_copied_rows", "distaccum_device_totals", "distaccum_fo
 """distaccum variants that price one choice of the loop (the window's totals, where K = 1 normalizes, how the data
 is fed, when records are made), not engines."""
 SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS
-                                   if v not in ("distaccum_no_ledger", "distaccum_no_fingerprint", "distaccum_grad_norm",
+                                   if v not in ("distaccum_no_ledger", "distaccum_no_fingerprint", "distaccum_no_checks", "distaccum_grad_norm",
                                                  "distaccum_compiled", *DIAGNOSTICS, *HSDP_SWEEP[1:])))
 """The engine sweep: every engine variant but HSDP's (which needs a world of 4), the cost switches and the
 diagnostics, and the hand-written no_sync loop as a reference."""

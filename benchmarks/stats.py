@@ -96,6 +96,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("every_micro / no_sync", "ddp_every_micro", "ddp_no_sync"),
     ("ledger on / off", "distaccum", "distaccum_no_ledger"),
     ("fingerprint on / off", "distaccum", "distaccum_no_fingerprint"),
+    ("checks on / off", "distaccum", "distaccum_no_checks"),
+    ("checks off: distaccum / no_sync", "distaccum_no_checks", "ddp_no_sync"),
     ("grad_norm on / off", "distaccum_grad_norm", "distaccum"),
     ("compiled: distaccum / hand-written", "distaccum_compiled", "ddp_no_sync_compiled"),
     ("compiled / eager (hand-written)", "ddp_no_sync_compiled", "ddp_no_sync"),

@@ -35,7 +35,9 @@
   (:class:`distaccum.window.DeviceTotals`, what an accelerator uses): what the CPU's Python-float totals
   (:class:`~distaccum.window.HostTotals`) save (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_no_ledger``, ``distaccum_no_fingerprint`` (the reduction fingerprint off: its cost is
-  ``distaccum / distaccum_no_fingerprint``), ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
+  ``distaccum / distaccum_no_fingerprint``), ``distaccum_no_checks`` (both off and the straggler view's gather too:
+  ``distaccum_no_checks / ddp_no_sync`` is what the accumulation itself costs against the expert loop),
+  ``distaccum_fsdp``, ``distaccum_zero2``, ... (:data:`ENGINE_VARIANTS`):
   the Trainer with another engine or setting, for the engine sweep, or interleaved like the others.
 
 Every variant exposes ``run(steps) -> stamps`` (steps + 1 clock stamps: before the first step and
@@ -77,6 +79,9 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum_in_loss": ("ddp", {"engine.normalize_in_loss_mb": 0}),  # K = 1: 1/N in the loss whatever the size
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
     "distaccum_no_fingerprint": ("ddp", {"trainer.fingerprint": False}),
+    # Every per-step check a switch turns off at once (the fingerprint, the ledger, the straggler view's gather):
+    # what the accumulation itself costs (the window's collective, exact normalization, the record and its sinks).
+    "distaccum_no_checks": ("ddp", {"trainer.fingerprint": False, "log.ledger": False, "log.rank_stats_every": 0}),
     "distaccum_grad_norm": ("ddp", {"log.grad_norm": True}),
     "distaccum_compiled": ("ddp", {"trainer.compile": True}),
     "distaccum_fsdp": ("fsdp", {}),
