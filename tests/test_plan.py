@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections import namedtuple
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -86,22 +87,27 @@ def test_sampler_yields_each_ranks_micro_batches_in_plan_order_with_stand_ins_fo
     assert batches[4:] == [p.tolist() for p in plan.window(2).rank_micro_batches(split, 1)]
 
 
+def plans_and_splits(samples: int, *, shuffle: bool, seed: int = 0) -> Iterator[tuple[GlobalBatchPlan, Split]]:
+    """Every split of a few global batches (4, 8, 16) of a plan over ``samples`` samples: partial windows, empty
+    pieces, several ranks."""
+    for global_batch in (4, 8, 16):
+        plan = GlobalBatchPlan(samples, global_batch, seed=seed, shuffle=shuffle)
+        for micro, world in ((1, 1), (1, 2), (2, 2), (1, 3), (3, 1), (1, 4)):
+            if global_batch % (micro * world) == 0:
+                yield plan, Split(micro, global_batch // (micro * world), world)
+
+
 @pytest.mark.parametrize("samples", [20, 50, 64, 3])
 def test_rank_ranges_are_the_in_order_pieces_by_arithmetic(samples: int) -> None:
     """``rank_ranges`` (what the in-process fetch cuts an in-order plan by, no tensors) against the sampler's
     pieces for every split of a few global batches, over partial windows with empty pieces and epochs: the same
     rows, the stand-in (the window's first sample) for an empty piece; a shuffled plan is refused."""
-    for global_batch in (4, 8, 16):
-        plan = GlobalBatchPlan(samples, global_batch, seed=0, shuffle=False)
-        for micro, world in ((1, 1), (1, 2), (2, 2), (1, 3), (3, 1), (1, 4)):
-            if global_batch % (micro * world):
-                continue
-            split = Split(micro, global_batch // (micro * world), world)
-            for rank in range(world):
-                sampler = PlanSampler(plan, split, rank, start=0, stop=2 * plan.windows_per_epoch + 1)
-                want = [p.tolist() for p in sampler.pieces()]
-                got = [list(range(first, first + n)) for first, n in sampler.ranges()]
-                assert got == want, (samples, global_batch, split, rank)
+    for plan, split in plans_and_splits(samples, shuffle=False):
+        for rank in range(split.world_size):
+            sampler = PlanSampler(plan, split, rank, start=0, stop=2 * plan.windows_per_epoch + 1)
+            want = [p.tolist() for p in sampler.pieces()]
+            got = [list(range(first, first + n)) for first, n in sampler.ranges()]
+            assert got == want, (samples, plan.global_batch, split, rank)
     with pytest.raises(ValueError, match="in-order plan"):
         GlobalBatchPlan(20, 4, seed=0).rank_ranges(0, Split(1, 2, 2), 0)
 
@@ -111,17 +117,12 @@ def test_rank_sizes_are_the_windows_and_pieces_sizes_by_arithmetic(shuffle: bool
     """``rank_sizes`` (what the loop's window needs: epoch, samples, each micro-batch's size; no tensors) against
     the cut window for every split of a few global batches, over partial windows with empty pieces and epochs."""
     for samples in (20, 50, 64, 3):
-        for global_batch in (4, 8, 16):
-            plan = GlobalBatchPlan(samples, global_batch, seed=1, shuffle=shuffle)
-            for micro, world in ((1, 1), (1, 2), (2, 2), (1, 3), (3, 1), (1, 4)):
-                if global_batch % (micro * world):
-                    continue
-                split = Split(micro, global_batch // (micro * world), world)
-                for step in range(2 * plan.windows_per_epoch + 1):
-                    for rank in range(world):
-                        window, pieces = plan.rank_pieces(step, split, rank)
-                        want = (window.epoch, len(window.indices), [len(p) for p in pieces])
-                        assert plan.rank_sizes(step, split, rank) == want, (samples, global_batch, split, step, rank)
+        for plan, split in plans_and_splits(samples, shuffle=shuffle, seed=1):
+            for step in range(2 * plan.windows_per_epoch + 1):
+                for rank in range(split.world_size):
+                    window, pieces = plan.rank_pieces(step, split, rank)
+                    want = (window.epoch, len(window.indices), [len(p) for p in pieces])
+                    assert plan.rank_sizes(step, split, rank) == want, (samples, plan.global_batch, split, step, rank)
 
 
 def test_a_plan_keeps_each_epochs_order_and_hands_out_the_windows_a_fresh_plan_would() -> None:
