@@ -279,6 +279,8 @@ def report(record: dict[str, Any]) -> str:
              ("distaccum_device_totals", "distaccum", "what the CPU's window totals save (HostTotals: Python floats, "
               "one all-gather; DeviceTotals all-reduces one-number tensors)"),
              ("distaccum_loader", "distaccum", "the DataLoader against the in-process rows (TensorRows)"),
+             ("distaccum", "distaccum_local_exchange", "the window's gloo all-gather against the same rows over Unix "
+              "sockets (benchmarks.local_exchange)"),
              ("distaccum", "distaccum_no_ledger", "the ledger (log.ledger)"),
              ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)"),
              ("distaccum", "distaccum_no_checks", "every per-step check a switch turns off (fingerprint, ledger, "

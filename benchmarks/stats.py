@@ -108,6 +108,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("records: synchronous / a step late", "distaccum_sync_records", "distaccum"),
     ("data: DataLoader / in-process rows", "distaccum_loader", "distaccum"),
     ("data: copied rows / views", "distaccum_copied_rows", "distaccum"),
+    ("window: sockets / gloo", "distaccum_local_exchange", "distaccum"),
     ("A/A: no_sync twin / no_sync", "ddp_no_sync_twin", "ddp_no_sync"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then the others (each only when both

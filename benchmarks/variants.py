@@ -61,6 +61,7 @@ from torch.utils.data import Dataset, TensorDataset
 from benchmarks.cases import Batch, BenchData, Spec, loss_sum, sgd
 from benchmarks.device import Clock
 from benchmarks.launch import ROOT
+from benchmarks.local_exchange import HostTotalsLocal, LocalMesh, mesh_key
 from distaccum import Trainer, window
 from distaccum.cluster.procgroup import all_gather_flat
 
@@ -75,6 +76,7 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum_sync_records": ("ddp", {}),  # DistaccumSyncRecords
     "distaccum_loader": ("ddp", {}),  # DistaccumLoader
     "distaccum_copied_rows": ("ddp", {}),  # DistaccumCopiedRows
+    "distaccum_local_exchange": ("ddp", {}),  # DistaccumLocalExchange
     "distaccum_folded_k1": ("ddp", {}),  # DistaccumFoldedK1
     "distaccum_in_loss": ("ddp", {"engine.normalize_in_loss_mb": 0}),  # K = 1: 1/N in the loss whatever the size
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
@@ -528,6 +530,29 @@ class DistaccumHostAllreduce(DistaccumTotalsKind):
     KIND = HostTotalsAllreduce
 
 
+class DistaccumLocalExchange(DistaccumTotalsKind):
+    """``distaccum`` whose CPU window sends each rank's row over Unix sockets between the ranks of this host instead
+    of a gloo all-gather (:class:`~benchmarks.local_exchange.HostTotalsLocal`): the difference from ``distaccum``
+    prices gloo's hand-off to its thread and back for the window's collective (a diagnostic; world on one host)."""
+
+    KIND = HostTotalsLocal
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.mesh = LocalMesh(dist.get_rank(), dist.get_world_size(), f"{mesh_key()}-{self.name}")
+
+    def run(self, steps: int) -> list[Any]:
+        HostTotalsLocal.MESH = self.mesh
+        try:
+            return super().run(steps)
+        finally:
+            HostTotalsLocal.MESH = None
+
+    def close(self) -> None:
+        super().close()
+        self.mesh.close()
+
+
 class DistaccumFoldedK1(DistaccumTrainer):
     """``distaccum`` whose engine does not take a one-micro-batch window's normalization in the loss, while it runs:
     at K = 1 the difference from ``distaccum`` prices :meth:`~distaccum.engines.replicated.ReplicatedEngine.
@@ -579,6 +604,7 @@ def copied_rows_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]
 TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_copied_rows": DistaccumCopiedRows,"distaccum_device_totals": DistaccumDeviceTotals,
                                                 "distaccum_host_allreduce": DistaccumHostAllreduce,
                                                 "distaccum_loader": DistaccumLoader,
+                                                "distaccum_local_exchange": DistaccumLocalExchange,
                                                 "distaccum_folded_k1": DistaccumFoldedK1,
                                                 "distaccum_sync_records": DistaccumSyncRecords}
 """distaccum variants that need more than config overrides (the rest are :class:`DistaccumTrainer`)."""
