@@ -109,6 +109,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("data: DataLoader / in-process rows", "distaccum_loader", "distaccum"),
     ("data: copied rows / views", "distaccum_copied_rows", "distaccum"),
     ("window: sockets / gloo", "distaccum_local_exchange", "distaccum"),
+    ("window over sockets: distaccum / no_sync", "distaccum_local_exchange", "ddp_no_sync"),
     ("A/A: no_sync twin / no_sync", "ddp_no_sync_twin", "ddp_no_sync"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then the others (each only when both
