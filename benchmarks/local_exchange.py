@@ -84,22 +84,20 @@ class Received:
 
 
 class HostTotalsLocal(window.HostTotals):
-    """:class:`~distaccum.window.HostTotals` whose row goes over :data:`MESH` instead of a gloo all-gather: the same
-    rows in the same layout, so the same totals bit for bit."""
+    """:class:`~distaccum.window.HostTotals` whose row goes over :data:`MESH` instead of a gloo all-gather (its
+    ``_send``): the same rows in the same layout, so the same totals bit for bit."""
 
     MESH: LocalMesh | None = None
     """Set by the variant while it runs."""
 
-    def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
+    def _send(self, row: list[float]) -> None:
         assert self.MESH is not None, "the variant sets the mesh while it runs"
-        head, mine = self._own(stop=stop, checkpoint_due=checkpoint_due)
-        row = array("d", [*head, float(self.rank), *mine])
-        self._rows = torch.empty(self.split.world_size * len(row), dtype=torch.float64)
-        self._rows.numpy()[self.rank * len(row):(self.rank + 1) * len(row)] = row
-        data = memoryview(row).cast("B")
+        data = array("d", row)
+        self._rows = torch.empty(self.split.world_size * len(data), dtype=torch.float64)
+        self._rows.numpy()[self.rank * len(data):(self.rank + 1) * len(data)] = data
         for peer in self.MESH.peers.values():
-            peer.sendall(data)
-        self._work: Any = Received(self.MESH, self._rows, len(row))
+            peer.sendall(memoryview(data).cast("B"))
+        self._work: Any = Received(self.MESH, self._rows, len(data))
 
 
 def mesh_key() -> str:

@@ -47,9 +47,10 @@ DIAGNOSTICS = ("distaccum_copied_rows", "distaccum_device_totals", "distaccum_fo
                "distaccum_in_loss", "distaccum_loader", "distaccum_local_exchange", "distaccum_sync_records")
 """distaccum variants that price one choice of the loop (the window's totals, where K = 1 normalizes, how the data
 is fed, when records are made), not engines."""
+SWITCHES = ("distaccum_no_ledger", "distaccum_no_fingerprint", "distaccum_no_checks", "distaccum_grad_norm")
+"""distaccum variants that turn one of the product's per-step switches off or on, to price it."""
 SWEEP_VARIANTS = ("ddp_no_sync", *(v for v in ENGINE_VARIANTS
-                                   if v not in ("distaccum_no_ledger", "distaccum_no_fingerprint", "distaccum_no_checks", "distaccum_grad_norm",
-                                                 "distaccum_compiled", *DIAGNOSTICS, *HSDP_SWEEP[1:])))
+                                   if v not in (*SWITCHES, "distaccum_compiled", *DIAGNOSTICS, *HSDP_SWEEP[1:])))
 """The engine sweep: every engine variant but HSDP's (which needs a world of 4), the cost switches and the
 diagnostics, and the hand-written no_sync loop as a reference."""
 SWEEP_CPU_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}

@@ -280,9 +280,14 @@ class HostTotals(WindowTotals):
         reduce-scatter and an all-gather: ``benchmarks.fixed_cost``, ``ddp_window_allgather`` against
         ``ddp_window_allreduce``)."""
         head, mine = self._own(stop=stop, checkpoint_due=checkpoint_due)
-        row = torch.tensor([*head, float(self.rank), *mine], dtype=torch.float64)
-        self._rows = torch.empty(dist.get_world_size() * row.numel(), dtype=torch.float64)
-        self._work = all_gather_flat(self._rows, row, async_op=True)
+        self._send([*head, float(self.rank), *mine])
+
+    def _send(self, row: list[float]) -> None:
+        """Start the exchange of this rank's ``row`` (every rank's the same length): ``_rows`` gets every rank's row in
+        rank order, ``_work.wait()`` says they are there."""
+        local = torch.tensor(row, dtype=torch.float64)
+        self._rows = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64)
+        self._work = all_gather_flat(self._rows, local, async_op=True)
 
     def _own(self, *, stop: bool, checkpoint_due: bool) -> tuple[list[float], list[float]]:
         """This rank's head (its items, loss sum, non-finite flag and votes: summed over ranks) and its slot values

@@ -106,30 +106,35 @@ class GlobalBatchPlan:
                 del self._pieces[next(iter(self._pieces))]  # the oldest
         return found
 
-    def rank_sizes(self, step: int, split: Split, rank: int) -> tuple[int, int, list[int]]:
-        """(epoch, samples in the window, this rank's micro-batch sizes) of ``step``, by arithmetic alone: the
-        window's size does not depend on the order, and ``tensor_split`` gives its first ``size % parts`` pieces one
-        sample more. A size of 0 is an empty piece (its stand-in trains with weight 0). What the loop needs of a
-        window without cutting one (:meth:`rank_pieces` makes tensors: tens of microseconds per step here)."""
+    def _cut(self, step: int, split: Split) -> tuple[int, int, int, int, int]:
+        """(epoch, the window's first position in the epoch's order, its samples, and ``tensor_split``'s piece size q
+        and remainder r: its first r of ``accum_steps x world`` pieces get q + 1 samples, the others q), by
+        arithmetic alone: the window's size does not depend on the order."""
         epoch, k = divmod(step, self.windows_per_epoch)
-        size = min(self.global_batch, self.num_samples - k * self.global_batch)
+        start = k * self.global_batch
+        size = min(self.global_batch, self.num_samples - start)
+        return (epoch, start, size, *divmod(size, split.accum_steps * split.world_size))
+
+    def rank_sizes(self, step: int, split: Split, rank: int) -> tuple[int, int, list[int]]:
+        """(epoch, samples in the window, this rank's micro-batch sizes) of ``step`` (:meth:`_cut`). A size of 0 is an
+        empty piece (its stand-in trains with weight 0). What the loop needs of a window without cutting one
+        (:meth:`rank_pieces` makes tensors: tens of microseconds per step here)."""
+        epoch, _, size, q, r = self._cut(step, split)
         world = split.world_size
-        q, r = divmod(size, split.accum_steps * world)
         return epoch, size, [q + (1 if m * world + rank < r else 0) for m in range(split.accum_steps)]
 
     def rank_ranges(self, step: int, split: Split, rank: int) -> list[tuple[int, int]]:
         """For an in-order plan (``shuffle=False``): :meth:`rank_pieces`' micro-batches as (first sample, count), by
-        arithmetic alone (the window is a range cut as :meth:`rank_sizes` says); an empty piece is the stand-in (the
+        arithmetic alone (the window is a range cut as :meth:`_cut` says); an empty piece is the stand-in (the
         window's first sample, once), as :meth:`PlanSampler.pieces` serves it. No tensor is made or read: the
         in-process fetch asks per micro-batch."""
         if self.shuffle:
             raise ValueError("rank_ranges needs an in-order plan (shuffle=False): a shuffled window is no range")
-        start = step % self.windows_per_epoch * self.global_batch
-        _, size, sizes = self.rank_sizes(step, split, rank)
-        q, r = divmod(size, split.accum_steps * split.world_size)
+        _, start, _, q, r = self._cut(step, split)
         out = []
-        for m, n in enumerate(sizes):
+        for m in range(split.accum_steps):
             j = m * split.world_size + rank
+            n = q + (1 if j < r else 0)
             out.append((start + j * q + min(j, r), n) if n else (start, 1))
         return out
 

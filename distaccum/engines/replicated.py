@@ -37,9 +37,6 @@ class HookState:
     (:func:`normalize_`)."""
     factor: torch.Tensor | None = None
     """1/(c N), computed from ``fold`` when the window's first bucket lands (:func:`window_scale`)."""
-    bucket_factor: tuple[torch.dtype, torch.Tensor | float] | None = None
-    """(the bucket dtype, 1/(c N W) as :func:`normalize_` multiplies a bucket of that dtype by it): the last one made
-    this window (a model's buckets normally share one dtype)."""
     summed: bool = False
     """Set for the boundary reduction of a window of one micro-batch whose loss carried the normalization
     (:meth:`ReplicatedEngine.normalize_loss`): the buckets are all-reduced as they are, a plain sum, with no
@@ -81,10 +78,7 @@ def normalize_(state: HookState, reduced: torch.Tensor) -> None:
     landed by now and nothing waits for it inside the backward (multiplying before the reduction, the
     backward stopped at its first bucket until the slower rank had finished its forward)."""
     if state.fold is not None:
-        if state.bucket_factor is None or state.bucket_factor[0] != reduced.dtype:
-            state.bucket_factor = (reduced.dtype, bucket_factor(window_scale(state), dist.get_world_size(),
-                                                                reduced.dtype))
-        reduced.mul_(state.bucket_factor[1])
+        reduced.mul_(bucket_factor(window_scale(state), dist.get_world_size(), reduced.dtype))
 
 
 def measure_(state: HookState, bucket: dist.GradBucket) -> None:
@@ -206,7 +200,7 @@ class ReplicatedEngine(EngineBase):
         state = self._normalizing_hook()
         if state is None:
             return False
-        state.fold, state.factor, state.bucket_factor, state.norms = scale, None, None, {}
+        state.fold, state.factor, state.norms = scale, None, {}
         return True
 
     def normalize_loss(self, scale: Callable[[], torch.Tensor]) -> torch.Tensor | None:
@@ -220,7 +214,7 @@ class ReplicatedEngine(EngineBase):
         state, limit = self._normalizing_hook(), self.spec.engine.normalize_in_loss_mb
         if state is None or limit is None or self.spec.device.type != "cpu" or self._grad_bytes() < limit * 2**20:
             return None
-        state.fold, state.factor, state.bucket_factor, state.norms, state.summed = None, None, None, {}, True
+        state.fold, state.factor, state.norms, state.summed = None, None, {}, True
         return scale() * (self.grad_divisor / dist.get_world_size())  # what the backward divides by: K (Accelerate)
 
     def _raw(self) -> nn.Module:
@@ -250,7 +244,7 @@ class ReplicatedEngine(EngineBase):
                 parts = list(torch._foreach_norm([p.grad for _, p in named if p.grad is not None]))
             norm = torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
         if state is not None:
-            state.fold, state.factor, state.bucket_factor, state.norms, state.summed = None, None, None, {}, False
+            state.fold, state.factor, state.norms, state.summed = None, None, {}, False
         return step_plain(self.optimizer, named, max_norm, grad_scale, self.scaler, grads_to_none=self.grads_to_none,
                           normalized=folded, normalized_norm=norm, loss_finite=loss_finite)
 
