@@ -60,8 +60,8 @@ def collective_device() -> torch.device:
 def all_gather_flat(out: torch.Tensor, local: torch.Tensor, *, async_op: bool = False) -> Any:
     """Every rank's ``local`` into ``out`` (group size x ``local.numel()``, in rank order): one all-gather on the
     default group, asked of the group object itself (``ProcessGroup.allgather``, into views of ``out``): the
-    ``torch.distributed`` function in front of it checks its arguments in Python first, 20-40 us per call on this
-    project's machine, and the window's totals gather every step. Returns the work when ``async_op``."""
+    ``torch.distributed`` function in front of it checks its arguments in Python first, on every call, and the
+    window's totals gather every step. Returns the work when ``async_op``."""
     world = dist.group.WORLD
     assert world is not None, "no process group"
     work = world.allgather([list(out.view(world.size(), -1).unbind(0))], [local])

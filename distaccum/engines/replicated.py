@@ -45,7 +45,7 @@ class HookState:
     """Measure the reduced gradients' norms (``EngineSpec.measure_norm``)."""
     group: Any = None
     """The DDP module's process group, which the hooks ask for each bucket's all-reduce itself
-    (``ProcessGroup.allreduce``: ``dist.all_reduce`` checks its arguments in Python first, 20-40 us per call here)."""
+    (``ProcessGroup.allreduce``: ``dist.all_reduce`` checks its arguments in Python first, on every call)."""
     norms: dict[int, torch.Tensor] = field(default_factory=dict)
     """id(parameter) -> the norm of its normalized, reduced gradient, measured by the hook (the step's
     gradient norm, combined in parameter order whatever the buckets: bitwise what a pass over the
