@@ -274,13 +274,13 @@ def report(record: dict[str, Any]) -> str:
              ("distaccum", "ddp_window_allgather", "distaccum's per-step Python: loop, ledger, fingerprint, data, record"),
              ("distaccum", BASELINE, "distaccum's whole fixed cost"),
              ("distaccum", "ddp_no_sync", "the same against the expert loop (DDP's C++ all-reduce)"),
-             ("distaccum_host_allreduce", "distaccum", "what the window's all-gather saves against an all-reduce "
-              "(HostTotals)"),
+             ("distaccum_host_allreduce", "distaccum_gloo_window", "what the window's all-gather saves against an "
+              "all-reduce, both on gloo (HostTotals)"),
              ("distaccum_device_totals", "distaccum", "what the CPU's window totals save (HostTotals: Python floats, "
-              "one all-gather; DeviceTotals all-reduces one-number tensors)"),
+              "one exchange; DeviceTotals all-reduces one-number tensors on gloo)"),
              ("distaccum_loader", "distaccum", "the DataLoader against the in-process rows (TensorRows)"),
-             ("distaccum", "distaccum_local_exchange", "the window's gloo all-gather against the same rows over Unix "
-              "sockets (benchmarks.local_exchange)"),
+             ("distaccum_gloo_window", "distaccum", "the window's rows through gloo's all-gather against the run's "
+              "Unix sockets (distaccum.cluster.exchange)"),
              ("distaccum", "distaccum_no_ledger", "the ledger (log.ledger)"),
              ("distaccum", "distaccum_no_fingerprint", "the reduction fingerprint (trainer.fingerprint)"),
              ("distaccum", "distaccum_no_checks", "every per-step check a switch turns off (fingerprint, ledger, "

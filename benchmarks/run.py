@@ -44,7 +44,7 @@ HSDP_SWEEP = ("distaccum_fsdp", "distaccum_hsdp_boundary", "distaccum_hsdp_repli
               "distaccum_hsdp_every_micro")
 """FSDP2 flat and hybrid (2 replicas) in each sync mode: ``--sweep hsdp --world 4`` (2 replicas x 2 shards)."""
 DIAGNOSTICS = ("distaccum_copied_rows", "distaccum_device_totals", "distaccum_folded_k1", "distaccum_host_allreduce",
-               "distaccum_in_loss", "distaccum_loader", "distaccum_local_exchange", "distaccum_sync_records")
+               "distaccum_in_loss", "distaccum_loader", "distaccum_gloo_window", "distaccum_sync_records")
 """distaccum variants that price one choice of the loop (the window's totals, where K = 1 normalizes, how the data
 is fed, when records are made), not engines."""
 SWITCHES = ("distaccum_no_ledger", "distaccum_no_fingerprint", "distaccum_no_checks", "distaccum_grad_norm")

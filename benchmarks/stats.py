@@ -108,8 +108,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("records: synchronous / a step late", "distaccum_sync_records", "distaccum"),
     ("data: DataLoader / in-process rows", "distaccum_loader", "distaccum"),
     ("data: copied rows / views", "distaccum_copied_rows", "distaccum"),
-    ("window: sockets / gloo", "distaccum_local_exchange", "distaccum"),
-    ("window over sockets: distaccum / no_sync", "distaccum_local_exchange", "ddp_no_sync"),
+    ("window: gloo / sockets", "distaccum_gloo_window", "distaccum"),
+    ("window over gloo: distaccum / no_sync", "distaccum_gloo_window", "ddp_no_sync"),
     ("A/A: no_sync twin / no_sync", "ddp_no_sync_twin", "ddp_no_sync"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then the others (each only when both

@@ -29,6 +29,9 @@
   :class:`~distaccum.data.pipeline.TensorRows` did before this release (a slice's ``clone`` per tensor, where it now
   hands out views guarded by the tensors' version counters): ``distaccum_copied_rows / distaccum`` is what the views
   save.
+- ``distaccum_gloo_window``: ``distaccum`` with the CPU window's rows through gloo's all-gather (across hosts, and on
+  one host before this release) instead of the run's Unix sockets (:mod:`distaccum.cluster.exchange`):
+  ``distaccum_gloo_window / distaccum`` is what the sockets save.
 - ``distaccum_host_allreduce``: ``distaccum`` with the CPU's window totals all-reduced (the whole layout) instead of
   all-gathered, as before this release: what the all-gather saves (a diagnostic for ``benchmarks.fixed_cost``).
 - ``distaccum_device_totals``: ``distaccum`` with the window's totals kept as one-number tensors on the CPU too
@@ -61,8 +64,8 @@ from torch.utils.data import Dataset, TensorDataset
 from benchmarks.cases import Batch, BenchData, Spec, loss_sum, sgd
 from benchmarks.device import Clock
 from benchmarks.launch import ROOT
-from benchmarks.local_exchange import HostTotalsLocal, LocalMesh, mesh_key
 from distaccum import Trainer, window
+from distaccum.cluster.exchange import GlooExchange
 from distaccum.cluster.procgroup import all_gather_flat
 
 LETTERS = {"ddp_every_micro": "a", "ddp_no_sync": "b", "accelerate": "c", "distaccum": "d",
@@ -76,7 +79,7 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "distaccum_sync_records": ("ddp", {}),  # DistaccumSyncRecords
     "distaccum_loader": ("ddp", {}),  # DistaccumLoader
     "distaccum_copied_rows": ("ddp", {}),  # DistaccumCopiedRows
-    "distaccum_local_exchange": ("ddp", {}),  # DistaccumLocalExchange
+    "distaccum_gloo_window": ("ddp", {}),  # DistaccumGlooWindow
     "distaccum_folded_k1": ("ddp", {}),  # DistaccumFoldedK1
     "distaccum_in_loss": ("ddp", {"engine.normalize_in_loss_mb": 0}),  # K = 1: 1/N in the loss whatever the size
     "distaccum_no_ledger": ("ddp", {"log.ledger": False}),
@@ -530,27 +533,20 @@ class DistaccumHostAllreduce(DistaccumTotalsKind):
     KIND = HostTotalsAllreduce
 
 
-class DistaccumLocalExchange(DistaccumTotalsKind):
-    """``distaccum`` whose CPU window sends each rank's row over Unix sockets between the ranks of this host instead
-    of a gloo all-gather (:class:`~benchmarks.local_exchange.HostTotalsLocal`): the difference from ``distaccum``
-    prices gloo's hand-off to its thread and back for the window's collective (a diagnostic; world on one host)."""
+class HostTotalsGloo(window.HostTotals):
+    """:class:`~distaccum.window.HostTotals` whose rows always go through gloo's all-gather (what runs across hosts,
+    and on one host before this release), not the run's Unix sockets: the same rows, so the same totals."""
 
-    KIND = HostTotalsLocal
+    def __init__(self, split: Any, rank: int, device: torch.device, exchange: Any = None) -> None:
+        super().__init__(split, rank, device, GlooExchange())
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.mesh = LocalMesh(dist.get_rank(), dist.get_world_size(), f"{mesh_key()}-{self.name}")
 
-    def run(self, steps: int) -> list[Any]:
-        HostTotalsLocal.MESH = self.mesh
-        try:
-            return super().run(steps)
-        finally:
-            HostTotalsLocal.MESH = None
+class DistaccumGlooWindow(DistaccumTotalsKind):
+    """``distaccum`` whose CPU window's rows go through gloo's all-gather (:class:`HostTotalsGloo`) instead of the
+    Unix sockets a run on one host uses (:mod:`distaccum.cluster.exchange`): ``distaccum_gloo_window / distaccum``
+    prices gloo's hand-off to its thread and back for the window's collective."""
 
-    def close(self) -> None:
-        super().close()
-        self.mesh.close()
+    KIND = HostTotalsGloo
 
 
 class DistaccumFoldedK1(DistaccumTrainer):
@@ -604,7 +600,7 @@ def copied_rows_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]
 TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_copied_rows": DistaccumCopiedRows,"distaccum_device_totals": DistaccumDeviceTotals,
                                                 "distaccum_host_allreduce": DistaccumHostAllreduce,
                                                 "distaccum_loader": DistaccumLoader,
-                                                "distaccum_local_exchange": DistaccumLocalExchange,
+                                                "distaccum_gloo_window": DistaccumGlooWindow,
                                                 "distaccum_folded_k1": DistaccumFoldedK1,
                                                 "distaccum_sync_records": DistaccumSyncRecords}
 """distaccum variants that need more than config overrides (the rest are :class:`DistaccumTrainer`)."""

@@ -63,6 +63,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from distaccum.cluster.exchange import RowExchange
 from distaccum.cluster.stopping import StopFlag, StopRequested
 from distaccum.data.pipeline import WindowBatches, WindowSource, to_device
 from distaccum.engines.base import Engine, StepResult
@@ -229,6 +230,8 @@ class LoopParts:
     """Hand step n's record to the sinks and ``on_step`` once step n+1 is queued (:class:`StepEnd`)."""
     flush_after: Callable[[int], bool] | None = None
     """Steps whose record must be handed over before the next step starts, under ``lag`` (an evaluation's)."""
+    exchange: RowExchange | None = None
+    """How the CPU window's rows travel (:func:`~distaccum.cluster.exchange.window_exchange`; None: gloo)."""
 
 
 @dataclass
@@ -293,7 +296,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
         window = state.source.window()  # 1. fetch the window
         c = power_of_two_scale(state.n_prev, split.global_batch)
         d = engine.grad_divisor
-        totals = WindowTotals.for_device(split, settings.rank, settings.device)
+        totals = WindowTotals.for_device(split, settings.rank, settings.device, parts.exchange)
         for k in range(split.accum_steps):  # 2. K micro-steps, gradients accumulating locally
             boundary = k == split.accum_steps - 1
             timer.start_micro()

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 
 from distaccum import testing
 from distaccum.activation_checkpointing import Checkpointing, parse_checkpointing
+from distaccum.cluster.exchange import window_exchange
 from distaccum.cluster.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.cluster.procgroup import gather_placement, join, shutdown
 from distaccum.cluster.stopping import StopFlag, StopRequested
@@ -257,6 +258,8 @@ class Trainer:
         return summary
 
     def _leave(self, *, clean: bool) -> None:
+        if self._run is not None and self._run.parts.exchange is not None:
+            self._run.parts.exchange.close()  # the window's sockets (idempotent)
         if self._created_group:
             self._created_group = False
             shutdown(clean=clean)
@@ -318,7 +321,8 @@ class Trainer:
         parts = LoopParts(timer=timer, sink=NullSink(),  # the real sinks open on the first train_steps
                           nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
                           checkpointer=checkpointer, monitors=monitors, stop=self.stop, on_step=self._after_step,
-                          checks=checks, lag=lag, flush_after=(lambda step: step % every == 0) if every else None)
+                          checks=checks, lag=lag, flush_after=(lambda step: step % every == 0) if every else None,
+                          exchange=window_exchange(cfg.trainer.collective_timeout_s) if device.type == "cpu" else None)
         return _Run(resolved, prepared, state, parts, testing.intercept("loss", self.components.loss), checkpointer,
                     done, liveness, placement=placement)
 

@@ -4,7 +4,8 @@ Where the loop's N, the global item count of an optimizer step's window, comes f
 the math): every rank adds each micro-batch's summed loss and item count, and after the last forward one
 collective gives the sums over all ranks, with the flags every rank must agree on and the rows a check carries
 (:meth:`WindowTotals.carry`). :class:`DeviceTotals` keeps the sums on an accelerator and all-reduces them;
-:class:`HostTotals`, the CPU's, keeps Python floats and all-gathers each rank's numbers.
+:class:`HostTotals`, the CPU's, keeps Python floats and exchanges each rank's numbers
+(:mod:`distaccum.cluster.exchange`: Unix sockets between the ranks of one host, gloo's all-gather otherwise).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distaccum.cluster.procgroup import all_gather_flat
+from distaccum.cluster.exchange import GlooExchange, Pending, RowExchange
 from distaccum.split import Split
 
 
@@ -55,7 +56,7 @@ class WindowTotals(ABC):
     some rank, a stop request, a time-based checkpoint due by rank 0's clock), then each rank's
     non-finite verdict, smallest/largest micro-batch item count and the rows checks :meth:`carry` in its
     own slot (zeros elsewhere: the sum is an all-gather). :class:`DeviceTotals` all-reduces it;
-    :class:`HostTotals` (the CPU) all-gathers each rank's numbers and builds the same layout on the host. Both
+    :class:`HostTotals` (the CPU) exchanges each rank's numbers and builds the same layout on the host. Both
     kinds compute the same float64 numbers in the same order (for two ranks; with more, the loss sum's last bit
     may follow a different order than a ring all-reduce's), so the totals and the scale are bitwise the same
     (``tests/test_loop.py``).
@@ -64,7 +65,7 @@ class WindowTotals(ABC):
     HEAD = 5
     """The shared numbers before the slots: N, the loss sum, the non-finite flag, the stop and checkpoint votes."""
 
-    def __init__(self, split: Split, rank: int, device: torch.device) -> None:
+    def __init__(self, split: Split, rank: int, device: torch.device, exchange: RowExchange | None = None) -> None:
         self.split, self.rank, self.device = split, rank, device
         self.totals: torch.Tensor
         """The window's totals in the all-reduce's layout (the sum over ranks once the collective has landed)."""
@@ -75,12 +76,13 @@ class WindowTotals(ABC):
         self._host: list[float] | None = None
 
     @staticmethod
-    def for_device(split: Split, rank: int, device: torch.device) -> WindowTotals:
+    def for_device(split: Split, rank: int, device: torch.device, exchange: RowExchange | None = None) -> WindowTotals:
         """The kind for ``device``: on the CPU the sums are Python floats (reading a CPU tensor costs no sync,
         and a dozen operations on tensors of one number cost more than the arithmetic: 0.37 ms of CPU per step on
         this project's 2-core machine, ``benchmarks.fixed_cost --sections`` in BENCHMARKS.md); on an accelerator
-        the loss sum stays there (item counts that are Python numbers stay on the host until the all-reduce)."""
-        return HostTotals(split, rank, device) if device.type == "cpu" else DeviceTotals(split, rank, device)
+        the loss sum stays there (item counts that are Python numbers stay on the host until the all-reduce).
+        ``exchange`` carries the CPU's rows (default: gloo's all-gather)."""
+        return HostTotals(split, rank, device, exchange) if device.type == "cpu" else DeviceTotals(split, rank, device)
 
     @abstractmethod
     def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> torch.Tensor | float:
@@ -153,8 +155,8 @@ class DeviceTotals(WindowTotals):
     window's count lives on the device, continuing the same sum in the same order (so it is :class:`HostTotals`'
     float64 arithmetic exactly, either way)."""
 
-    def __init__(self, split: Split, rank: int, device: torch.device) -> None:
-        super().__init__(split, rank, device)
+    def __init__(self, split: Split, rank: int, device: torch.device, exchange: RowExchange | None = None) -> None:
+        super().__init__(split, rank, device)  # ``exchange``: the CPU's (its collective is the process group's)
         self.host_items = 0.0
         self.device_items: torch.Tensor | None = None
         """The window's item count on the device, once a count came as a tensor (else ``host_items``)."""
@@ -236,16 +238,19 @@ class DeviceTotals(WindowTotals):
 
 class HostTotals(WindowTotals):
     """The sums as Python floats (the device is the CPU): the same float64 arithmetic as :class:`DeviceTotals`,
-    in the same order, with one tensor made for the window's collective and one read of it. The collective is an
-    all-gather of this rank's numbers, not an all-reduce: on gloo a ring all-reduce is a reduce-scatter and an
-    all-gather, and for a few numbers the all-gather alone costs half the CPU time and context switches
+    in the same order, with one row made for the window's collective and one read of it. The collective is an
+    exchange of this rank's numbers (``exchange``, :mod:`distaccum.cluster.exchange`: the run's Unix sockets between
+    the ranks of one host, else gloo's all-gather), not an all-reduce: on gloo a ring all-reduce is a reduce-scatter
+    and an all-gather, and for a few numbers the all-gather alone costs half the CPU time and context switches
     (``benchmarks.fixed_cost``: ``ddp_window_allgather`` against ``ddp_window_allreduce``)."""
 
-    def __init__(self, split: Split, rank: int, device: torch.device) -> None:
+    def __init__(self, split: Split, rank: int, device: torch.device, exchange: RowExchange | None = None) -> None:
         super().__init__(split, rank, device)
+        self.exchange: RowExchange = exchange if exchange is not None else GlooExchange()
         self.items, self.loss_sum = 0.0, 0.0
         self.counts: list[float] = []
         self._got: list[float] | None = None
+        self._work: Pending | None = None
 
     def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> float:
         n = float(n_items)  # exact: a float32 or float64 tensor, or an integer count below 2^53
@@ -274,20 +279,10 @@ class HostTotals(WindowTotals):
         return torch.tensor(self._reduced(), dtype=torch.float64)
 
     def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
-        """Launch the window's collective: an all-gather of this rank's row (its head, its rank, its slot values),
-        which the host turns into the all-reduce's layout (:meth:`_reduced`). On gloo an all-gather of a few
-        numbers costs about half an all-reduce's CPU time and context switches (a ring all-reduce is a
-        reduce-scatter and an all-gather: ``benchmarks.fixed_cost``, ``ddp_window_allgather`` against
-        ``ddp_window_allreduce``)."""
+        """Launch the window's collective: the exchange of this rank's row (its head, its rank, its slot values)
+        with every rank, which the host turns into the all-reduce's layout (:meth:`_reduced`)."""
         head, mine = self._own(stop=stop, checkpoint_due=checkpoint_due)
-        self._send([*head, float(self.rank), *mine])
-
-    def _send(self, row: list[float]) -> None:
-        """Start the exchange of this rank's ``row`` (every rank's the same length): ``_rows`` gets every rank's row in
-        rank order, ``_work.wait()`` says they are there."""
-        local = torch.tensor(row, dtype=torch.float64)
-        self._rows = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64)
-        self._work = all_gather_flat(self._rows, local, async_op=True)
+        self._work = self.exchange.exchange([*head, float(self.rank), *mine])
 
     def _own(self, *, stop: bool, checkpoint_due: bool) -> tuple[list[float], list[float]]:
         """This rank's head (its items, loss sum, non-finite flag and votes: summed over ranks) and its slot values
@@ -304,14 +299,14 @@ class HostTotals(WindowTotals):
         return self._scale
 
     def _reduced(self) -> list[float]:
-        """Wait for the all-gather and read it, once per window (the scale reads it first, :meth:`read` after), as
-        the all-reduce's layout: the heads summed over ranks in rank order (the float64 sums an all-reduce of two
+        """Wait for every rank's row, once per window (the scale reads it first, :meth:`read` after), as the
+        all-reduce's layout: the heads summed over ranks in rank order (the float64 sums an all-reduce of two
         ranks makes; with more, the loss sum's last bit may differ from a ring's order, the integer counts never),
         each rank's values in its slots, zeros in the others' (exactly what the sum of the slots gives)."""
         if self._got is None:
-            self._work.wait()
+            assert self._work is not None, "reduce() launches the window's exchange first"
             head, world = self.HEAD, self.split.world_size
-            rows = self._rows.view(dist.get_world_size(), -1).tolist()
+            rows = self._work.wait()
             sums = rows[0][:head]
             for row in rows[1:]:
                 sums = [a + b for a, b in zip(sums, row[:head], strict=True)]

@@ -83,19 +83,19 @@ def test_variants_train_the_same_model_on_the_same_data(smoke: tuple[dict[str, A
 
 
 @pytest.mark.timeout(180)
-def test_the_window_over_sockets_trains_the_same_model_bit_for_bit(tmp_path: Path) -> None:
-    """The diagnostic ``distaccum_local_exchange`` (the CPU window's row over Unix sockets instead of gloo's
-    all-gather) carries the same rows, so it trains exactly what distaccum and the expert loop train, and its
-    ratio is reported."""
+def test_the_window_over_gloo_trains_the_same_model_bit_for_bit(tmp_path: Path) -> None:
+    """The diagnostic ``distaccum_gloo_window`` (the CPU window's rows through gloo's all-gather instead of the
+    run's Unix sockets) carries the same rows, so it trains exactly what distaccum and the expert loop train, and its
+    ratios are reported."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--sweep", "none", "--rounds", "2",
-                           "--out", str(tmp_path), "--variants", "ddp_no_sync,distaccum,distaccum_local_exchange"],
+                           "--out", str(tmp_path), "--variants", "ddp_no_sync,distaccum,distaccum_gloo_window"],
                           cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = json.loads((tmp_path / "results.json").read_text())["timing"]
     assert [r["k"] for r in rows] == [1, 2]
     for row in rows:
-        assert row["status"] == "ok" and row["param_rel_diff"]["distaccum_local_exchange"] == 0.0, row["k"]
-        for label in ("window: sockets / gloo", "window over sockets: distaccum / no_sync"):
+        assert row["status"] == "ok" and row["param_rel_diff"]["distaccum_gloo_window"] == 0.0, row["k"]
+        for label in ("window: gloo / sockets", "window over gloo: distaccum / no_sync"):
             assert len(row["ratios"][label]["per_round"]) == 2, label
 
 

@@ -509,30 +509,33 @@ def test_the_device_totals_diagnostic_trains_what_distaccum_trains_and_restores_
         cpu_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``distaccum_device_totals`` (what ``benchmarks.fixed_cost`` prices the CPU's Python-float window totals with)
     and ``distaccum_host_allreduce`` (the all-gather against the all-reduce it replaced) run the loop with their
-    kind only while they run: the same parameters as ``distaccum`` bit for bit, the same totals from either
-    collective, and the CPU gets :class:`HostTotals` again afterwards."""
-    from benchmarks.variants import HostTotalsAllreduce, build_variant
+    kind only while they run, as does ``distaccum_gloo_window`` (the rows through gloo, not the run's sockets): the
+    same parameters as ``distaccum`` bit for bit, the same totals from either collective, and the CPU gets
+    :class:`HostTotals` over the run's sockets again afterwards."""
+    from benchmarks.variants import HostTotalsAllreduce, HostTotalsGloo, build_variant
     from distaccum import window
 
     spec = launch_spec(SMOKE_CASES[0], 2)
     data = BenchData(spec, world_size=1)
-    kinds: list[type] = []
-    real = window.WindowTotals.__init__
+    kinds: list[tuple[type, str | None]] = []
+    real = window.WindowTotals.read
 
-    def noting(self: window.WindowTotals, *args: Any) -> None:  # wraps the real constructor: records the kind
-        kinds.append(type(self))
-        real(self, *args)
+    def noting(self: window.WindowTotals) -> window.WindowResult:  # wraps the real read: records kind and transport
+        exchange = getattr(self, "exchange", None)
+        kinds.append((type(self), None if exchange is None else exchange.name))
+        return real(self)
 
-    monkeypatch.setattr(window.WindowTotals, "__init__", noting)
+    monkeypatch.setattr(window.WindowTotals, "read", noting)
     trained = {}
     records = {}
-    for name in ("distaccum", "distaccum_device_totals", "distaccum_host_allreduce"):
+    for name in ("distaccum", "distaccum_device_totals", "distaccum_host_allreduce", "distaccum_gloo_window"):
         variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
         records[name] = variant.run(3) and variant.trainer.state.records  # type: ignore[attr-defined]
         trained[name] = [p.clone() for p in variant.parameters()]
         variant.close()
-    assert kinds == [window.HostTotals] * 3 + [window.DeviceTotals] * 3 + [HostTotalsAllreduce] * 3
-    for name in ("distaccum_device_totals", "distaccum_host_allreduce"):
+    assert kinds == ([(window.HostTotals, "sockets")] * 3 + [(window.DeviceTotals, None)] * 3
+                     + [(HostTotalsAllreduce, "sockets")] * 3 + [(HostTotalsGloo, "gloo")] * 3)
+    for name in ("distaccum_device_totals", "distaccum_host_allreduce", "distaccum_gloo_window"):
         assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True))
         assert [(r["loss"], r["items"]) for r in records[name]] == [(r["loss"], r["items"]) for r in records["distaccum"]]
     assert type(window.WindowTotals.for_device(spec.split(1), 0, torch.device("cpu"))) is window.HostTotals

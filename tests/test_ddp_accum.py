@@ -146,7 +146,7 @@ def test_the_cpu_s_window_all_gather_gives_what_an_all_reduce_gives(tmp_path: Pa
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads(out.read_text())
-    assert got["world"] == world and got["differ"] == []
+    assert got["world"] == world and got["differ"] == [] and got["exchange"] == "sockets"
     windows = got["windows"]
     assert windows[1]["stop"] == 1.0 and windows[2]["checkpoint"] == 1.0 and windows[0]["stop"] == 0.0
     assert windows[4]["bad_ranks"] == [world - 1] and math.isnan(windows[4]["scale"])

@@ -84,6 +84,45 @@ def test_only_engines_that_replicate_the_reduced_gradient_compare_it(tmp_path: P
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_the_sample_keeps_views_of_gradients_that_outlive_a_step_and_never_keeps_freed_ones(
+        tmp_path: Path, set_to_none: bool) -> None:
+    """Gradients zeroed in place (DDP's bucket views) are sampled through views made once; gradients set to None
+    each step (Accelerate's ``zero_grad``) must not be kept alive by the check through the next backward (a second
+    copy of every gradient), and each step's sample is of that step's gradients either way."""
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(64, 32)
+
+    class Engine:
+        replicated_gradients = True
+
+        def unwrapped(self) -> torch.nn.Module:
+            return model
+
+    check = Fingerprint(Engine(), tmp_path, 0, 2, torch.device("cpu"))
+    samples, freed = [], []
+    for step in range(4):
+        model.zero_grad(set_to_none=set_to_none)
+        model(torch.full((3, 64), float(step + 1))).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        samples.append(check._sample())
+        assert torch.equal(samples[-1], gradient_sample(grads))  # this step's gradients, not a cached step's
+        last = [weakref.ref(g) for g in grads]
+        del grads
+        model.zero_grad(set_to_none=set_to_none)
+        gc.collect()
+        freed.append(all(r() is None for r in last))
+    if set_to_none:
+        assert freed == [True] * 4
+        assert check._views == ([], [])
+    else:
+        assert freed == [False] * 4 and check._views[0]  # the same tensors every step: views made once
+    assert len({tuple(s.tolist()) for s in samples}) == 4
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", ["DeviceTotals", "HostTotals"])
 def test_the_next_window_carries_each_ranks_row_in_its_slot_and_the_check_reads_it_from_there(tmp_path: Path,
                                                                                               kind: str) -> None:

@@ -44,6 +44,7 @@ import json
 import math
 import struct
 import sys
+import weakref
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -148,7 +149,9 @@ class Fingerprint:
         self.warned: set[str] = set()
         self._named: list[tuple[str, torch.nn.Parameter]] | None = None
         self._views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        """(the gradients, :func:`sample_views` of them) of the last step whose gradients were all contiguous."""
+        """(the gradients, :func:`sample_views` of them) once the same contiguous gradients came back a second step."""
+        self._seen: list[weakref.ref[torch.Tensor]] = []
+        """The last sampled step's gradients, not kept alive."""
         self._pending: list[tuple[int, torch.Tensor | list[float], Callable[[], list[list[float]] | None] | None]] = []
         """(step, this rank's row, the rows of every rank once a window carried it) taken by
         :meth:`after_reduction` and not judged yet."""
@@ -170,7 +173,12 @@ class Fingerprint:
         cached, views = self._views
         if len(cached) != len(grads) or any(a is not b for a, b in zip(cached, grads, strict=False)):
             views = sample_views(grads)
-            self._views = (grads, views) if all(g.is_contiguous() for g in grads) else ([], [])
+            # Views keep their gradients' memory alive: kept only for gradients that outlive a step (DDP's bucket
+            # views). An engine that frees them (set to None by zero_grad: Accelerate) gets new ones each step,
+            # and a cache would hold the last step's beside them through the next backward: weak references tell.
+            kept = len(self._seen) == len(grads) and all(r() is g for r, g in zip(self._seen, grads, strict=True))
+            self._views = (grads, views) if kept and all(g.is_contiguous() for g in grads) else ([], [])
+            self._seen = [weakref.ref(g) for g in grads]
         return gradient_sample(grads, views=views)
 
     def before_reduce(self, window: Any) -> None:
