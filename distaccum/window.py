@@ -65,7 +65,7 @@ class WindowTotals(ABC):
     HEAD = 5
     """The shared numbers before the slots: N, the loss sum, the non-finite flag, the stop and checkpoint votes."""
 
-    def __init__(self, split: Split, rank: int, device: torch.device, exchange: RowExchange | None = None) -> None:
+    def __init__(self, split: Split, rank: int, device: torch.device) -> None:
         self.split, self.rank, self.device = split, rank, device
         self.totals: torch.Tensor
         """The window's totals in the all-reduce's layout (the sum over ranks once the collective has landed)."""

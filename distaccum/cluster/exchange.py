@@ -225,14 +225,14 @@ def _connect(rank: int, world: int, token: str, timeout_s: float) -> dict[int, s
         listener.close()
 
 
-def window_exchange(timeout_s: float, *, sockets: bool = True) -> RowExchange:
+def window_exchange(timeout_s: float) -> RowExchange:
     """The transport for this run's CPU window (collective over the default group; every rank gets the same kind):
-    :class:`SocketExchange` when ``sockets``, on Linux, and every rank is on this host and could connect to every
-    other; :class:`GlooExchange` otherwise."""
+    :class:`SocketExchange` on Linux when every rank is on this host and could connect to every other (one rank: no
+    peers, nothing to send); :class:`GlooExchange` otherwise."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
-        return SocketExchange(0, 1, {}, timeout_s) if sockets else GlooExchange()
-    here = [socket.gethostname(), secrets.token_hex(8), sockets and sys.platform.startswith("linux")]
+        return SocketExchange(0, 1, {}, timeout_s)
+    here = [socket.gethostname(), secrets.token_hex(8), sys.platform.startswith("linux")]
     everyone: list[list[object] | None] = [None] * world
     dist.all_gather_object(everyone, here)
     hosts = {str(info[0]) for info in everyone if info is not None}
