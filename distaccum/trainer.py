@@ -242,6 +242,8 @@ class Trainer:
             summary["auto_micro_batch"] = self.auto_choice.as_record()
         if run.placement is not None:
             summary["placement"] = run.placement
+        if run.parts.exchange is not None:  # the CPU window's transport ("sockets" or "gloo")
+            summary["window_exchange"] = run.parts.exchange.name
         if run.last_eval is not None:
             summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes

@@ -130,6 +130,8 @@ def test_runs_in_place_under_torchrun(tmp_path: Path) -> None:
     run = Run(0, proc.stdout, proc.stderr, tmp_path / "tr")
     assert len(run.records) == 3 and run.summary["world_size"] == 2
     assert all(r["comm_rounds"] == 1 for r in run.records)
+    assert run.summary["window_exchange"] == "sockets"  # both ranks on this host
+    assert "window's totals go through gloo" not in proc.stderr
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -241,6 +241,10 @@ def window_exchange(timeout_s: float) -> RowExchange:
     token = str(everyone[0][1])  # type: ignore[index]
     try:
         peers = _connect(rank, world, token, timeout_s)
-    except OSError:  # every rank raised: _connect's verdicts are collective
+    except OSError as err:  # every rank raised: _connect's verdicts are collective
+        if rank == 0:  # one host, yet no sockets: slower than it could be, so say so
+            print(f"distaccum: warning: the window's totals go through gloo, not this host's Unix sockets ({err}: "
+                  "a sandbox or separate network namespaces?); the run is unchanged, only each step's small "
+                  "exchange costs gloo's hand-off", file=sys.stderr, flush=True)
         return GlooExchange()
     return SocketExchange(rank, world, peers, timeout_s)
