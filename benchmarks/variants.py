@@ -485,10 +485,17 @@ class DistaccumTotalsKind(DistaccumTrainer):
     ``WindowTotals.for_device`` once per step, so swapping it for the run's duration changes nothing else)."""
 
     KIND: type[window.WindowTotals]
+    """Built as ``for_device`` builds its kinds: a :class:`~distaccum.window.HostTotals` with the run's transport."""
 
     def run(self, steps: int) -> list[Any]:
-        chosen = window.WindowTotals.for_device
-        window.WindowTotals.for_device = staticmethod(self.KIND)  # type: ignore[method-assign, assignment]
+        chosen, kind = window.WindowTotals.for_device, self.KIND
+
+        def build(split: Any, rank: int, device: torch.device, exchange: Any = None) -> window.WindowTotals:
+            if issubclass(kind, window.HostTotals):
+                return kind(split, rank, device, exchange)
+            return kind(split, rank, device)
+
+        window.WindowTotals.for_device = staticmethod(build)  # type: ignore[method-assign, assignment]
         try:
             return super().run(steps)
         finally:
@@ -538,7 +545,7 @@ class HostTotalsGloo(window.HostTotals):
     and on one host before this release), not the run's Unix sockets: the same rows, so the same totals."""
 
     def __init__(self, split: Any, rank: int, device: torch.device, exchange: Any = None) -> None:
-        super().__init__(split, rank, device, GlooExchange())
+        super().__init__(split, rank, device, GlooExchange())  # the run's ``exchange`` set aside
 
 
 class DistaccumGlooWindow(DistaccumTotalsKind):

@@ -155,8 +155,8 @@ class DeviceTotals(WindowTotals):
     window's count lives on the device, continuing the same sum in the same order (so it is :class:`HostTotals`'
     float64 arithmetic exactly, either way)."""
 
-    def __init__(self, split: Split, rank: int, device: torch.device, exchange: RowExchange | None = None) -> None:
-        super().__init__(split, rank, device)  # ``exchange``: the CPU's (its collective is the process group's)
+    def __init__(self, split: Split, rank: int, device: torch.device) -> None:
+        super().__init__(split, rank, device)
         self.host_items = 0.0
         self.device_items: torch.Tensor | None = None
         """The window's item count on the device, once a count came as a tensor (else ``host_items``)."""

@@ -38,6 +38,16 @@ _HEADER = struct.Struct("<I")
 """Each message: the row's length (numbers), then the row as float64."""
 
 
+def _fill(peer: socket.socket, into: memoryview) -> None:
+    """Fill ``into`` from ``peer`` (a stream may hand a message over in pieces); EOF raises ``EOFError``."""
+    got = 0
+    while got < len(into):
+        n = peer.recv_into(into[got:])
+        if n == 0:
+            raise EOFError
+        got += n
+
+
 class Pending(Protocol):
     """An exchange under way."""
 
@@ -139,18 +149,15 @@ class SocketExchange:
         return _Received(self, row)
 
     def receive(self, rank: int, peer: socket.socket, into: memoryview) -> None:
-        """Fill ``into`` from rank ``rank``'s socket (a stream may hand a message over in pieces)."""
-        got = 0
-        while got < len(into):
-            try:
-                n = peer.recv_into(into[got:])
-            except TimeoutError as err:
-                raise self._timed_out(rank, "for") from err
-            except OSError as err:
-                raise self._closed(rank, err) from err
-            if n == 0:
-                raise self._closed(rank, None)
-            got += n
+        """Fill ``into`` from rank ``rank``'s socket, its failures named (:func:`_fill`)."""
+        try:
+            _fill(peer, into)
+        except TimeoutError as err:
+            raise self._timed_out(rank, "for") from err
+        except EOFError:
+            raise self._closed(rank, None) from None
+        except OSError as err:
+            raise self._closed(rank, err) from err
 
     def _timed_out(self, rank: int, what: str) -> TimeoutError:
         return TimeoutError(f"the window's exchange timed out: rank {self.rank} waited {self.timeout_s:g} s {what} "
@@ -204,15 +211,10 @@ def _connect(rank: int, world: int, token: str, timeout_s: float) -> dict[int, s
                 peer, _ = listener.accept()
                 peer.settimeout(timeout_s)
                 who = bytearray(_HEADER.size)
-                view, got = memoryview(who), 0
-                while got < len(who):
-                    n = peer.recv_into(view[got:])
-                    if n == 0:
-                        raise OSError("a peer closed its socket while connecting")
-                    got += n
+                _fill(peer, memoryview(who))
                 peers[_HEADER.unpack(who)[0]] = peer
             connected = sorted(peers) == [r for r in range(world) if r != rank]
-        except OSError:
+        except (OSError, EOFError):  # EOF: a peer closed its socket while connecting
             connected = False
         if not _all(connected):
             raise OSError("a rank could not connect")
