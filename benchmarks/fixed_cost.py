@@ -53,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from benchmarks.cases import SMOKE_CASES, BenchData, Spec, launch_spec
@@ -308,6 +309,10 @@ def main(argv: list[str] | None = None) -> None:
                              "what is done per parameter")
     parser.add_argument("--variants", default=None,
                         help=f"default {','.join(VARIANTS)}; with --sections {','.join(SECTION_VARIANTS)}")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: 2 ranks on gloo; cuda: one rank per GPU on NCCL (the host's work per step when the "
+                             "device waits for it: the window's totals are DeviceTotals there)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="as benchmarks.run's")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw record here")
     parser.add_argument("--sections", action="store_true",
                         help="distaccum (or the distaccum --variants named) with each per-step piece of its loop "
@@ -315,13 +320,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     variants = tuple(args.variants.split(",")) if args.variants else SECTION_VARIANTS if args.sections else VARIANTS
     check_variants(list(variants))
-    spec = launch_spec(SMOKE_CASES[0], args.k, rounds=args.rounds, variants=variants)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but CUDA is not available here")
+    spec = launch_spec(SMOKE_CASES[0], args.k, rounds=args.rounds, variants=variants, device=args.device,
+                       precision=args.precision)
     spec = dataclasses.replace(spec, steps=args.steps, warmup=5,
                                shape=dataclasses.replace(spec.shape, depth=args.depth))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fixed_cost.json"
         mode = "--worker-sections" if args.sections else "--worker"
-        result = launch("benchmarks.fixed_cost", [mode, spec.to_json(), str(out), tmp], 2,
+        world = torch.cuda.device_count() if args.device == "cuda" else 2
+        result = launch("benchmarks.fixed_cost", [mode, spec.to_json(), str(out), tmp], world,
                         Path(tmp) / "log", timeout_s=1800)
         if not result.ok:
             sys.exit(f"the fixed-cost launch failed: {result.tail}")

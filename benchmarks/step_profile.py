@@ -78,8 +78,11 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
             profiler.disable()
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(r"/(distaccum|benchmarks)/", 40)
+            own = io.StringIO()  # every function, torch's own Python included, by the time spent in its body
+            pstats.Stats(profiler, stream=own).sort_stats("tottime").print_stats(30)
             out[name] = {"ops": _ops(prof), "table": table, "step_s": step_seconds(clock, stamps),
-                         "python": text.getvalue(), "device_ms": _device_ms(prof) if cuda else None}
+                         "python": text.getvalue(), "python_own": own.getvalue(),
+                         "device_ms": _device_ms(prof) if cuda else None}
         else:
             variant.run(spec.steps)
             variant.run(spec.steps)
@@ -114,6 +117,8 @@ def report(record: dict[str, Any], steps: int, variants: tuple[str, str] = VARIA
     for name in variants:
         lines.append(f"===== {name}: Python, cumulative (cProfile, one more block)")
         lines.append(record[name]["python"])
+        lines.append(f"===== {name}: Python, own time (cProfile, the same block; every function)")
+        lines.append(record[name]["python_own"])
     return "\n".join(lines)
 
 

@@ -519,11 +519,8 @@ class HostTotalsAllreduce(window.HostTotals):
         return self._sent
 
     def reduce(self, *, stop: bool, checkpoint_due: bool) -> None:
-        head, mine = self._own(stop=stop, checkpoint_due=checkpoint_due)
-        world = self.split.world_size
-        slots = [0.0] * (len(mine) * world)
-        slots[self.rank::world] = mine
-        self._sent = torch.tensor([*head, *slots], dtype=torch.float64)
+        mine = window.layout([self.own_row(stop=stop, checkpoint_due=checkpoint_due)], self.split.world_size)
+        self._sent = torch.tensor(mine, dtype=torch.float64)  # this rank's values, zeros in the others' slots
         self._work = dist.all_reduce(self._sent, async_op=True)
 
     def _reduced(self) -> list[float]:

@@ -13,8 +13,8 @@ source cannot count ahead), so each micro-batch backpropagates
                         c = 2^-round(log2 N_prev), the same power of two on every rank
 
 and after the last micro-batch ONE collective gives N (with the window's loss sum, sample count
-and the stop flag): an all-reduce, or on the CPU an all-gather of each rank's numbers summed on the host,
-which costs gloo half the CPU time (:mod:`distaccum.window`). The engine then multiplies the accumulated
+and the stop flag): an all-gather of each rank's numbers, summed on the host (on an accelerator the device also sums
+N for the scale; on the CPU an all-reduce would cost gloo twice the CPU time: :mod:`distaccum.window`). The engine then multiplies the accumulated
 gradient sum_rk c grad S_rk by 1/(c N) and clips it, in one pass (DDP and Accelerate fold it into the reduction:
 ``Engine.fold_normalization``). A window of one micro-batch (K = 1) can skip that pass: an engine that
 offers ``Engine.normalize_loss`` (DDP and Accelerate on the CPU) has the loop wait for N before the
@@ -158,7 +158,7 @@ class StepMonitor(Protocol):
 
 class ReductionCheck(Protocol):
     """Looks at the step right after the boundary reduction, before the optimizer uses the gradient, and
-    compares what it saw across ranks later: its numbers ride on the next window's all-reduce
+    compares what it saw across ranks later: its numbers ride on the next window's collective
     (:meth:`before_reduce` hands them to :meth:`WindowTotals.carry`), so checking adds no collective and no
     wait to the step, and :meth:`judge` is called one step later, once that window's totals are read; before
     a checkpoint, a tripwire check and at the run's end it is called for the current step too, and gathers
@@ -310,7 +310,7 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
                     summed, n_items = loss_fn(model, batch)
                 n = totals.add(summed, n_items, weight)
                 factor = None
-                if boundary:  # N's all-reduce, launched before the last backward, which it overlaps
+                if boundary:  # N's collective, launched before the last backward, which it overlaps
                     for check in parts.checks:  # the previous step's comparison rides on it
                         check.before_reduce(totals)
                     totals.reduce(stop=parts.stop is not None and parts.stop.requested,

@@ -644,8 +644,8 @@ def test_a_gpu_timing_run_says_once_per_case_why_its_bus_bandwidth_was_not_measu
 def test_the_cuda_step_profile_reports_kernel_time_and_what_the_gpu_waited() -> None:
     from benchmarks.step_profile import report
 
-    record = {name: {"step_s": [0.010, 0.009, 0.011], "table": "", "python": "", "ops": {"aten::mm": (8, 1.0)},
-                     "device_ms": device_ms} for name, device_ms in (("ddp_no_sync", 70.0), ("distaccum", 72.0))}
+    record = {name: {"step_s": [0.010, 0.009, 0.011], "table": "", "python": "", "python_own": "",
+                     "ops": {"aten::mm": (8, 1.0)}, "device_ms": device_ms} for name, device_ms in (("ddp_no_sync", 70.0), ("distaccum", 72.0))}
     text = report(record, steps=8)
     assert "kernels 8.750 ms/step of a 10.000 ms median step (the GPU waited 1.250 ms/step for the host)" in text
     assert "kernels 9.000 ms/step" in text

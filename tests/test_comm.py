@@ -35,6 +35,9 @@ class HandClock:
     def wait(self, stamp: float) -> None:
         pass
 
+    def release(self, stamps: list[float]) -> None:
+        pass
+
 
 def grad(numel: int) -> torch.Tensor:
     return torch.zeros(numel, dtype=torch.float32)
@@ -255,3 +258,61 @@ def test_cpu_peak_memory_is_per_window() -> None:
     del big
     reset_peak_memory(CPU)
     assert peak_memory_bytes(CPU) < grown
+
+
+class PoolClock(HandClock):
+    """A clock of distinct stamp objects kept in a pool, as :class:`~distaccum.telemetry.ledger.CudaClock` keeps its
+    events: records what it hands out and what comes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare: list[list[float]] = []
+        self.made = 0
+        self.released: list[list[float]] = []
+
+    def stamp(self) -> list[float]:  # type: ignore[override]  # a mutable stamp: reusing one changes its time
+        if self.spare:
+            stamp = self.spare.pop()
+        else:
+            stamp, self.made = [0.0], self.made + 1
+        stamp[0] = self.now
+        return stamp
+
+    def seconds(self, start: list[float], end: list[float]) -> float:  # type: ignore[override]
+        return end[0] - start[0]
+
+    def release(self, stamps: list[list[float]]) -> None:  # type: ignore[override]
+        self.released += stamps
+        self.spare += stamps
+
+
+def test_a_resolved_step_hands_each_of_its_stamps_back_once_and_the_next_steps_reuse_them() -> None:
+    """On CUDA every stamp is an event, and creating one and destroying it cost two driver calls more than recording
+    it again: a step's stamps (the timer's and the ledger's; the step's start is one stamp for both) go back to the
+    clock once its times are read, each exactly once (an event handed out twice would give two stamps one time), and
+    later steps take them again, with times as before."""
+    ledger = CommLedger()
+    timer = StepTimer(CPU, ledger)
+    clock = PoolClock()
+    timer.clock = ledger.clock = clock
+    seen = []
+    for step in range(3):
+        at(clock, 10.0 * step)
+        timer.start_step()
+        for _ in range(2):
+            timer.start_micro()
+            timer.batch_ready()
+            token = ledger.launched(grad(4))
+            at(clock, 10.0 * step + 1.0)
+            ledger.completed(token)
+        timer.compute_done()
+        at(clock, 10.0 * step + 2.0)
+        pending = timer.finish_step()
+        times = pending.resolve()
+        assert pending.resolve() is times  # resolved once: a second call hands nothing back again
+        seen.append((times.time_s, times.comm.comm_calls, times.comm.comm_s))
+        stamps = 1 + 2 * 2 + 1 + 1 + 2 * 2  # start (shared), 2 per micro-batch, compute, end, 2 per collective
+        assert len(clock.released) == stamps * (step + 1)
+        assert len({id(s) for s in clock.released[-stamps:]}) == stamps  # each once
+    assert clock.made == stamps  # the second and third steps made no new stamp
+    assert seen == [(2.0, 2, 1.0)] * 3

@@ -37,6 +37,12 @@ class HookState:
     (:func:`normalize_`)."""
     factor: torch.Tensor | None = None
     """1/(c N), computed from ``fold`` when the window's first bucket lands (:func:`window_scale`)."""
+    bucket_factors: dict[torch.dtype, torch.Tensor | float] = field(default_factory=dict)
+    """1/(c N W) per bucket dtype, computed once per window (:func:`normalize_`)."""
+    buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    """Where :func:`normalize_` writes :attr:`bucket_factors` on an accelerator, one per gradient dtype, allocated by
+    :meth:`ReplicatedEngine.fold_normalization` on the loop's stream: the comm hook's continuation runs on a stream
+    from the pool, and allocating there caches a block per pool stream (a ``cudaMalloc`` each, the first 32 steps)."""
     summed: bool = False
     """Set for the boundary reduction of a window of one micro-batch whose loss carried the normalization
     (:meth:`ReplicatedEngine.normalize_loss`): the buckets are all-reduced as they are, a plain sum, with no
@@ -53,20 +59,24 @@ class HookState:
 
 
 def window_scale(state: HookState) -> torch.Tensor:
-    """The window's 1/(c N) (float64), from the item-count all-reduce, computed once per window."""
+    """The window's 1/(c N) (float64), from the window's collective, computed once per window."""
     if state.factor is None:
         assert state.fold is not None
         state.factor = state.fold().to(torch.float64)
     return state.factor
 
 
-def bucket_factor(factor: torch.Tensor, world: int, dtype: torch.dtype) -> torch.Tensor | float:
+def bucket_factor(factor: torch.Tensor, world: int, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor | float:
     """1/(c N W) for a bucket of ``dtype``, from the window's float64 1/(c N): in float64, then rounded to the bucket's
     dtype. For a float32 or float64 bucket on the CPU a Python float: ``mul_`` rounds it to the bucket's dtype as
     ``.to(dtype)`` does, without two operations on a one-number tensor per bucket; otherwise a one-number tensor of
-    the bucket's dtype (a bf16 bucket multiplies by a Python number in float32, not rounded to bf16)."""
+    the bucket's dtype (a bf16 bucket multiplies by a Python number in float32, not rounded to bf16), written into
+    ``out`` when given (one operation: the float64 division, rounded as it is stored)."""
     if factor.device.type == "cpu" and dtype in (torch.float32, torch.float64):
         return factor.item() / world  # the float64 division the tensor makes
+    if out is not None:
+        return torch.div(factor, world, out=out)
     return (factor / world).to(dtype)
 
 
@@ -74,11 +84,16 @@ def normalize_(state: HookState, reduced: torch.Tensor) -> None:
     """After a bucket's all-reduce on a folded boundary reduction (the ranks' sum was reduced as it is):
     multiply it by 1/(c N W), in place, so the step needs no pass of its own to normalize (and, through
     :func:`measure_`, none to measure the norm). After, not before, the reduction: N comes from the window's
-    item-count all-reduce, launched before the last backward and queued ahead of every bucket, so it has
+    collective, launched before the last backward and queued ahead of every bucket, so it has
     landed by now and nothing waits for it inside the backward (multiplying before the reduction, the
     backward stopped at its first bucket until the slower rank had finished its forward)."""
     if state.fold is not None:
-        reduced.mul_(bucket_factor(window_scale(state), dist.get_world_size(), reduced.dtype))
+        factor = state.bucket_factors.get(reduced.dtype)
+        if factor is None:  # the window's first bucket of this dtype (two computing it at once agree)
+            factor = bucket_factor(window_scale(state), dist.get_world_size(), reduced.dtype,
+                                   state.buffers.get(reduced.dtype))
+            state.bucket_factors[reduced.dtype] = factor
+        reduced.mul_(factor)
 
 
 def measure_(state: HookState, bucket: dist.GradBucket) -> None:
@@ -169,6 +184,7 @@ class ReplicatedEngine(EngineBase):
     raw: nn.Module | None = None
     _named_parameters: list[tuple[str, nn.Parameter]] | None = None
     _gradient_bytes: int | None = None
+    _gradient_dtypes: set[torch.dtype] | None = None
     optimizer: torch.optim.Optimizer
     scaler: "torch.amp.GradScaler | None" = None
     ledger: CommLedger
@@ -200,14 +216,16 @@ class ReplicatedEngine(EngineBase):
         state = self._normalizing_hook()
         if state is None:
             return False
-        state.fold, state.factor, state.norms = scale, None, {}
+        state.fold, state.factor, state.norms, state.bucket_factors = scale, None, {}, {}
+        if self.spec.device.type != "cpu":
+            state.buffers = {dtype: torch.empty((), dtype=dtype, device=self.spec.device) for dtype in self._grad_dtypes()}
         return True
 
     def normalize_loss(self, scale: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """On the CPU, for a window of one micro-batch whose gradient holds at least ``engine.normalize_in_loss_mb``
         MiB: all-reduce its gradient as a plain sum of losses already multiplied by 1/(c N), instead of averaging
         it (a pass over every bucket before the all-reduce, as DDP's default does) or normalizing it as it lands
-        (the same pass after: :func:`normalize_`). The price is that N's all-reduce, launched after the forward,
+        (the same pass after: :func:`normalize_`). The price is that N's collective, launched after the forward,
         is waited for before the backward starts: worth it where the pass costs more than that wait (a large
         gradient). Only where :meth:`fold_normalization` would fold, and not on an accelerator, where a pass over
         the gradient costs little and the stream would wait for every rank's forward (not measured there)."""
@@ -220,6 +238,12 @@ class ReplicatedEngine(EngineBase):
     def _raw(self) -> nn.Module:
         assert self.raw is not None, "wrap() first"
         return self.raw
+
+    def _grad_dtypes(self) -> set[torch.dtype]:
+        """The dtypes of the gradient buckets (the trainable parameters')."""
+        if self._gradient_dtypes is None:
+            self._gradient_dtypes = {p.dtype for _, p in self._named() if p.requires_grad}
+        return self._gradient_dtypes
 
     def _grad_bytes(self) -> int:
         """Bytes of the gradient the reduction carries (the trainable parameters; counted once)."""
@@ -244,7 +268,7 @@ class ReplicatedEngine(EngineBase):
                 parts = list(torch._foreach_norm([p.grad for _, p in named if p.grad is not None]))
             norm = torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
         if state is not None:
-            state.fold, state.factor, state.norms, state.summed = None, None, {}, False
+            state.fold, state.factor, state.norms, state.summed, state.bucket_factors = None, None, {}, False, {}
         return step_plain(self.optimizer, named, max_norm, grad_scale, self.scaler, grads_to_none=self.grads_to_none,
                           normalized=folded, normalized_norm=norm, loss_finite=loss_finite)
 

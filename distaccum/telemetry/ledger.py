@@ -69,6 +69,10 @@ class Clock(Protocol):
         """Until the work before ``stamp`` has completed (only that work: other streams' later work goes on)."""
         ...
 
+    def release(self, stamps: list[Stamp]) -> None:
+        """Hand back stamps whose times have been read, once each: a later :meth:`stamp` may reuse them."""
+        ...
+
 
 class HostClock:
     """Wall clock of this process (CPU runs: the work happens on the host, so wall time is the time)."""
@@ -85,20 +89,32 @@ class HostClock:
     def wait(self, stamp: float) -> None:
         pass
 
+    def release(self, stamps: list[float]) -> None:
+        pass
+
 
 class CudaClock:
     """CUDA events recorded on the calling thread's current stream; resolved after one sync per step.
 
-    Host timestamps would measure when kernels were *queued*, not when they ran.
+    Host timestamps would measure when kernels were *queued*, not when they ran. Events whose times have been read
+    are recorded again (:meth:`release`): creating and destroying one per stamp costs two more driver calls each, and
+    a step takes a few per micro-batch and per gradient bucket.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._spare: list[torch.cuda.Event] = []
 
     def stamp(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
+        try:
+            event = self._spare.pop()  # atomic: comm hooks stamp from other threads
+        except IndexError:
+            event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def release(self, stamps: list[torch.cuda.Event]) -> None:
+        self._spare.extend(stamps)
 
     def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         return start.elapsed_time(end) / 1000.0
@@ -148,15 +164,20 @@ class CommLedger:
         self._collectives: list[_Collective] = []
         self._micro = 0
         self._step_start: Stamp = None
+        self._own_start: Stamp = None
+        """The step's start when the ledger stamped it itself (then it releases it too)."""
         self._gathers = [0, 0]  # calls, bytes
 
-    def start_step(self) -> None:
-        """Forget the previous step; time is measured from here."""
+    def start_step(self, start: Stamp = None) -> None:
+        """Forget the previous step; time is measured from here: ``start``, the caller's stamp (the step timer's
+        own start: one stamp for both), else one of the ledger's."""
+        own = self.clock.stamp() if self.enabled and start is None else None
         with self._lock:
             self._collectives = []
             self._micro = 0
             self._gathers = [0, 0]
-            self._step_start = self.clock.stamp() if self.enabled else None
+            self._step_start = start if start is not None else own
+            self._own_start = own
 
     def start_micro(self) -> None:
         """Mark the start of the next micro-batch (rounds and exposed tails are per micro-batch)."""
@@ -209,9 +230,19 @@ class CommLedger:
             collectives = list(self._collectives)
             gather_calls, gather_bytes = self._gathers
             start = self._step_start
+            owned = [self._own_start] if self._own_start is not None else []
         if self.enabled and collectives and end is None and any(c.end is None for c in collectives):
             end = self.clock.stamp()
-        return partial(self._stats, collectives, gather_calls, gather_bytes, start, end)
+            owned.append(end)
+        return partial(self._stats_once, collectives, gather_calls, gather_bytes, start, end, owned)
+
+    def _stats_once(self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp,
+                    end: Stamp, owned: list[Stamp]) -> CommStats:
+        """:meth:`_stats`, then the step's stamps the ledger took go back to the clock (called once per step)."""
+        stats = self._stats(collectives, gather_calls, gather_bytes, start, end)
+        if self.enabled:
+            self.clock.release([*owned, *(s for c in collectives for s in (c.start, c.end) if s is not None)])
+        return stats
 
     def _stats(self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp,
                end: Stamp) -> CommStats:

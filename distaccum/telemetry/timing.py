@@ -24,7 +24,7 @@ separate gloo group on host tensors, so logging adds no device sync.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -53,8 +53,9 @@ class StepTimes:
 
 @dataclass
 class PendingTimes:
-    """A closed step whose figures are computed when asked (:meth:`resolve`): on CUDA once its events have
-    completed, which ``resolve`` waits for (the step's end event, then each collective's), and no more."""
+    """A closed step whose figures are computed when asked (:meth:`resolve`, once): on CUDA once its events have
+    completed, which ``resolve`` waits for (the step's end event, then each collective's), and no more; its stamps
+    then go back to the clock."""
 
     clock: Clock
     marks: dict[str, Stamp]
@@ -62,8 +63,14 @@ class PendingTimes:
     end: Stamp
     comm: Callable[[], CommStats]
     peak_mem_bytes: int
+    _resolved: StepTimes | None = field(default=None, init=False, repr=False)
 
     def resolve(self) -> StepTimes:
+        if self._resolved is None:
+            self._resolved = self._resolve()
+        return self._resolved
+
+    def _resolve(self) -> StepTimes:
         clock, marks, end = self.clock, self.marks, self.end
         clock.wait(end)
         comm = self.comm()
@@ -73,7 +80,7 @@ class PendingTimes:
 
         micro_data = sum(clock.seconds(a, b) for a, b in self.micro_data)
         forward_backward = between("start", "compute") - micro_data
-        return StepTimes(
+        times = StepTimes(
             time_s=between("start", "end"),
             data_s=micro_data,
             compute_s=max(0.0, forward_backward - comm.comm_exposed_s),
@@ -82,6 +89,8 @@ class PendingTimes:
             comm=comm,
             peak_mem_bytes=self.peak_mem_bytes,
         )
+        clock.release([*marks.values(), *(s for pair in self.micro_data for s in pair), end])  # read: reusable
+        return times
 
 
 class StepTimer:
@@ -101,8 +110,9 @@ class StepTimer:
     def start_step(self) -> None:
         """Before anything of the step happens (resets the peak-memory window)."""
         reset_peak_memory(self.device)
-        self.ledger.start_step()
-        self._marks = {"start": self.clock.stamp()}
+        start = self.clock.stamp()
+        self.ledger.start_step(start)
+        self._marks = {"start": start}
         self._micro_data = []
 
     def start_micro(self) -> None:

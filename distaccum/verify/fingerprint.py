@@ -1,9 +1,9 @@
 """The per-step reduction fingerprint: after every boundary reduction, before the optimizer uses it, the
-ranks compare a few numbers, carried by the next window's all-reduce.
+ranks compare a few numbers, carried by the next window's collective.
 
 Per optimizer step every rank contributes :data:`FIELDS` (float64):
 
-The numbers are taken right after the reduction and sent with the next window's item-count all-reduce (in
+The numbers are taken right after the reduction and sent with the next window's item-count collective (in
 each rank's slot of :meth:`~distaccum.window.WindowTotals.carry`: an exact all-gather that costs no collective of
 its own), so they are compared one step later, when that window's totals are read. A separate all-gather per
 step cost its launch, the process group's worker waking up and its own host read even when asynchronous
@@ -33,7 +33,7 @@ that went wrong, and no checkpoint or final model is written after it.
 
 Warnings go to stderr and ``warnings.jsonl`` (rank 0, once per kind). World size 1 has nothing to
 compare and skips everything. Cost per step: one gather of a ~4k-element sample and 5 numbers per rank more in
-the next window's all-reduce, read with its totals (``trainer.fingerprint=false`` turns it off); measured by the
+the next window's collective, read with its totals (``trainer.fingerprint=false`` turns it off); measured by the
 benchmark's ``distaccum_no_fingerprint`` variant (BENCHMARKS.md).
 """
 
@@ -182,13 +182,13 @@ class Fingerprint:
         return gradient_sample(grads, views=views)
 
     def before_reduce(self, window: Any) -> None:
-        """Hand the rows no window carried yet to ``window``'s all-reduce (:meth:`WindowTotals.carry`)."""
+        """Hand the rows no window carried yet to ``window``'s collective (:meth:`WindowTotals.carry`)."""
         for i, (step, local, rows) in enumerate(self._pending):
             if rows is None:
                 self._pending[i] = (step, local, window.carry(local))
 
     def after_reduction(self, step: int, window: Any) -> None:
-        """Take this step's numbers (this rank's row); the next window's all-reduce carries them to the other
+        """Take this step's numbers (this rank's row); the next window's collective carries them to the other
         ranks, and :meth:`judge` compares them."""
         if self.world == 1:
             return
