@@ -471,3 +471,48 @@ def test_a_non_finite_loss_at_k1_skips_the_step_and_the_next_one_trains(tmp_path
     assert math.isnan(records[1]["loss"]) and all(math.isfinite(r["loss"]) for r in records[2:])
     after = params(trainer)
     assert torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+def test_the_device_window_makes_few_operations() -> None:
+    """On an accelerator each operation is a launch the host pays for (tens of microseconds on the hosts of
+    BENCHMARKS.md's H200 runs), so the window's totals make few: none for a window of one micro-batch's loss, one
+    addition per later micro-batch, one concatenation for the row (the host's numbers come in one copy), one
+    all-gather, and five operations for the scale (clamp, multiply, reciprocal, the non-finite test and its
+    addition). Counted on the CPU with the device kind, through the dispatcher (views and allocations aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from conftest import one_rank_group
+    from distaccum.config import Split
+    from distaccum.window import DeviceTotals
+
+    free = {"view", "select", "slice", "empty", "as_strided", "detach", "alias", "lift_fresh", "reshape", "unsqueeze",
+            "expand"}
+
+    class Counted(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = func.overloadpacket.__name__
+            if name not in free:
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    losses = [torch.tensor(float(i) + 0.5, dtype=torch.float32) for i in range(4)]
+    with one_rank_group("cpu"):
+        for k in (1, 4):
+            window = DeviceTotals(Split(2, k, 1), rank=0, device=torch.device("cpu"))
+            per_micro = []
+            for i in range(k):
+                with Counted() as mode:
+                    window.add(losses[i], 2, 1.0)
+                per_micro.append(mode.ops)
+            with Counted() as reduce:
+                window.reduce(stop=False, checkpoint_due=False)
+            with Counted() as scale:
+                got = window.grad_scale(0.5, "global_count")
+            assert per_micro[0] == [] and all(len(ops) <= 2 for ops in per_micro[1:]), per_micro  # a widening, an add
+            assert reduce.ops == ["cat", "_allgather_base_"], reduce.ops  # the host's numbers: no operation here
+            assert len(scale.ops) == 5, scale.ops
+            assert float(got) == 1.0 / (0.5 * 2 * k)
