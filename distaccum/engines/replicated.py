@@ -43,6 +43,11 @@ class HookState:
     """Where :func:`normalize_` writes :attr:`bucket_factors` on an accelerator, one per gradient dtype, allocated by
     :meth:`ReplicatedEngine.fold_normalization` on the loop's stream: the comm hook's continuation runs on a stream
     from the pool, and allocating there caches a block per pool stream (a ``cudaMalloc`` each, the first 32 steps)."""
+    ready: Any = None
+    """On CUDA, the event recorded after a continuation computed the window's scale or a bucket factor, or None (none
+    yet this window): the next bucket's continuation waits for it (:func:`await_window`)."""
+    event: Any = None
+    """The CUDA event :attr:`ready` names, made once and recorded again each time."""
     summed: bool = False
     """Set for the boundary reduction of a window of one micro-batch whose loss carried the normalization
     (:meth:`ReplicatedEngine.normalize_loss`): the buckets are all-reduced as they are, a plain sum, with no
@@ -56,6 +61,24 @@ class HookState:
     """id(parameter) -> the norm of its normalized, reduced gradient, measured by the hook (the step's
     gradient norm, combined in parameter order whatever the buckets: bitwise what a pass over the
     gradients gives, also after DDP rebuilds its buckets)."""
+
+
+def await_window(state: HookState) -> None:
+    """Make this continuation's stream wait for what an earlier bucket's continuation computed for the window (its
+    scale and factors). On CUDA each bucket's continuation runs on a stream of its own from PyTorch's pool, which
+    waits for that bucket's all-reduce only, not for another continuation's stream."""
+    if state.ready is not None:
+        torch.cuda.current_stream().wait_event(state.ready)
+
+
+def window_computed(state: HookState, on: torch.Tensor) -> None:
+    """After this continuation computed something for the window on ``on``'s device: on CUDA, record the event the
+    later buckets' continuations wait for (:func:`await_window`)."""
+    if on.is_cuda:
+        if state.event is None:
+            state.event = torch.cuda.Event()
+        state.event.record()  # a wait already queued keeps the record it saw
+        state.ready = state.event
 
 
 def window_scale(state: HookState) -> torch.Tensor:
@@ -88,11 +111,13 @@ def normalize_(state: HookState, reduced: torch.Tensor) -> None:
     landed by now and nothing waits for it inside the backward (multiplying before the reduction, the
     backward stopped at its first bucket until the slower rank had finished its forward)."""
     if state.fold is not None:
+        await_window(state)
         factor = state.bucket_factors.get(reduced.dtype)
         if factor is None:  # the window's first bucket of this dtype (two computing it at once agree)
-            factor = bucket_factor(window_scale(state), dist.get_world_size(), reduced.dtype,
-                                   state.buffers.get(reduced.dtype))
+            scale = window_scale(state)
+            factor = bucket_factor(scale, dist.get_world_size(), reduced.dtype, state.buffers.get(reduced.dtype))
             state.bucket_factors[reduced.dtype] = factor
+            window_computed(state, scale)
         reduced.mul_(factor)
 
 
@@ -154,7 +179,12 @@ def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torc
         if state.fold is None:
             buffer.copy_(fut.value()[0])
         else:  # back into the bucket and normalized by 1/(c N) in one pass, in the bucket's dtype
-            torch.mul(fut.value()[0], window_scale(state).to(buffer.dtype).reshape(1), out=buffer)
+            await_window(state)
+            first = state.factor is None
+            scale = window_scale(state)
+            if first:
+                window_computed(state, scale)
+            torch.mul(fut.value()[0], scale.to(buffer.dtype).reshape(1), out=buffer)
         if state.squares is not None:
             state.squares.add_reduced(buffer)
         measure_(state, bucket)
@@ -216,7 +246,7 @@ class ReplicatedEngine(EngineBase):
         state = self._normalizing_hook()
         if state is None:
             return False
-        state.fold, state.factor, state.norms, state.bucket_factors = scale, None, {}, {}
+        state.fold, state.factor, state.norms, state.bucket_factors, state.ready = scale, None, {}, {}, None
         if self.spec.device.type != "cpu":
             state.buffers = {dtype: torch.empty((), dtype=dtype, device=self.spec.device) for dtype in self._grad_dtypes()}
         return True
@@ -269,6 +299,7 @@ class ReplicatedEngine(EngineBase):
             norm = torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
         if state is not None:
             state.fold, state.factor, state.norms, state.summed, state.bucket_factors = None, None, {}, False, {}
+            state.ready = None
         return step_plain(self.optimizer, named, max_norm, grad_scale, self.scaler, grads_to_none=self.grads_to_none,
                           normalized=folded, normalized_norm=norm, loss_finite=loss_finite)
 
