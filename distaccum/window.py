@@ -93,6 +93,7 @@ class WindowTotals(ABC):
     def __init__(self, split: Split, rank: int, device: torch.device) -> None:
         self.split, self.rank, self.device = split, rank, device
         self._work: Any = None
+        self._got: list[float] | None = None
         self._scale: torch.Tensor | None = None
         self._carried: list[Any] = []
         """The rows checks :meth:`carry`, in the form this kind sends them (:meth:`_slot_row`)."""
@@ -160,8 +161,15 @@ class WindowTotals(ABC):
         return rows
 
     @abstractmethod
+    def _rows(self) -> list[list[float]]:
+        """Wait for every rank's row (:data:`ROW`, then the carried rows), in rank order."""
+
     def _reduced(self) -> list[float]:
-        """Wait for every rank's row, once per window; the totals (:func:`layout`)."""
+        """The totals (:func:`layout`), from every rank's row, waited for once per window (the scale reads them
+        first, :meth:`read` after)."""
+        if self._got is None:
+            self._got = layout(self._rows(), self.split.world_size)
+        return self._got
 
     def read(self) -> WindowResult:
         """The one host read of the step's totals (on CUDA after the timer's synchronize: the device is idle)."""
@@ -195,10 +203,10 @@ class DeviceTotals(WindowTotals):
         """The window's loss sum: the first micro-batch's loss as it came (0 + x is x), float64 from the second on."""
         self.counts: list[torch.Tensor | float] = []
         self._gathered: torch.Tensor | None = None
+        """Every rank's row, one after another (the process group's ranks, in rank order)."""
         self._scratch: torch.Tensor | None = None
         self._waited = False
         self._landed: tuple[torch.Tensor, Any] | None = None
-        self._got: list[float] | None = None
 
     def _scalar(self, x: float) -> torch.Tensor:
         return torch.full((), x, dtype=torch.float64, device=self.device)
@@ -272,18 +280,12 @@ class DeviceTotals(WindowTotals):
         landed.record(torch.cuda.current_stream(self.device))
         return host, landed
 
-    def _reduced(self) -> list[float]:
-        if self._got is None:
-            gathered = self._wait()
-            if self._landed is None:
-                flat = gathered.tolist()
-            else:
-                host, landed = self._landed
-                landed.synchronize()
-                flat = host.tolist()
-            size = len(flat) // dist.get_world_size()
-            self._got = layout([flat[i:i + size] for i in range(0, len(flat), size)], self.split.world_size)
-        return self._got
+    def _rows(self) -> list[list[float]]:
+        gathered = self._wait()
+        if self._landed is not None:
+            gathered, landed = self._landed
+            landed.synchronize()
+        return gathered.view(dist.get_world_size(), -1).tolist()
 
     def grad_scale(self, c: float, loss_norm: str) -> torch.Tensor:
         if self._scale is None:
@@ -321,7 +323,6 @@ class HostTotals(WindowTotals):
         self.exchange: RowExchange = exchange if exchange is not None else GlooExchange()
         self.items, self.loss_sum = 0.0, 0.0
         self.counts: list[float] = []
-        self._got: list[float] | None = None
         self._work: Pending | None = None
 
     def add(self, summed: torch.Tensor, n_items: torch.Tensor | int | float, weight: float) -> float:
@@ -361,9 +362,6 @@ class HostTotals(WindowTotals):
             self._scale = torch.full((), float("nan") if got[2] > 0 else scale, dtype=torch.float64)
         return self._scale
 
-    def _reduced(self) -> list[float]:
-        """Wait for every rank's row, once per window (the scale reads it first, :meth:`read` after)."""
-        if self._got is None:
-            assert self._work is not None, "reduce() launches the window's exchange first"
-            self._got = layout(self._work.wait(), self.split.world_size)
-        return self._got
+    def _rows(self) -> list[list[float]]:
+        assert self._work is not None, "reduce() launches the window's exchange first"
+        return self._work.wait()

@@ -164,20 +164,18 @@ class CommLedger:
         self._collectives: list[_Collective] = []
         self._micro = 0
         self._step_start: Stamp = None
-        self._own_start: Stamp = None
-        """The step's start when the ledger stamped it itself (then it releases it too)."""
         self._gathers = [0, 0]  # calls, bytes
 
     def start_step(self, start: Stamp = None) -> None:
         """Forget the previous step; time is measured from here: ``start``, the caller's stamp (the step timer's
         own start: one stamp for both), else one of the ledger's."""
-        own = self.clock.stamp() if self.enabled and start is None else None
+        if self.enabled and start is None:
+            start = self.clock.stamp()
         with self._lock:
             self._collectives = []
             self._micro = 0
             self._gathers = [0, 0]
-            self._step_start = start if start is not None else own
-            self._own_start = own
+            self._step_start = start
 
     def start_micro(self) -> None:
         """Mark the start of the next micro-batch (rounds and exposed tails are per micro-batch)."""
@@ -230,18 +228,18 @@ class CommLedger:
             collectives = list(self._collectives)
             gather_calls, gather_bytes = self._gathers
             start = self._step_start
-            owned = [self._own_start] if self._own_start is not None else []
         if self.enabled and collectives and end is None and any(c.end is None for c in collectives):
             end = self.clock.stamp()
-            owned.append(end)
-        return partial(self._stats_once, collectives, gather_calls, gather_bytes, start, end, owned)
+        return partial(self._stats_once, collectives, gather_calls, gather_bytes, start, end)
 
     def _stats_once(self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp,
-                    end: Stamp, owned: list[Stamp]) -> CommStats:
-        """:meth:`_stats`, then the step's stamps the ledger took go back to the clock (called once per step)."""
+                    end: Stamp) -> CommStats:
+        """:meth:`_stats`, then the collectives' stamps go back to the clock (called once per step). The step's
+        start and end are the caller's to hand back (the step timer's); one the ledger took itself, without a
+        timer, is simply dropped."""
         stats = self._stats(collectives, gather_calls, gather_bytes, start, end)
         if self.enabled:
-            self.clock.release([*owned, *(s for c in collectives for s in (c.start, c.end) if s is not None)])
+            self.clock.release([s for c in collectives for s in (c.start, c.end) if s is not None])
         return stats
 
     def _stats(self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp,
