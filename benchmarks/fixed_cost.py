@@ -32,7 +32,11 @@ The thread's CPU time leaves out the other threads' and the scheduler's noise th
 with ``--variants`` naming several distaccum variants (blocks in the balanced order, like the default mode) it
 prices a change to distaccum's own pieces that the default mode's spread hides.
 
+``--case`` runs a timing case's model instead (``27.3M_micro4``: a variant's CPU time per step where its step time is
+too noisy to show a difference of a percent or two; fewer ``--steps``, the steps are long).
+
     python -m benchmarks.fixed_cost --steps 2000 --rounds 3
+    python -m benchmarks.fixed_cost --case 27.3M_micro4 --k 4 --steps 8 --rounds 6 --variants ddp_no_sync,ddp_python_hook_after,distaccum
     python -m benchmarks.fixed_cost --sections --steps 3000
     python -m benchmarks.fixed_cost --sections --variants distaccum,distaccum_device_totals --steps 1000 --rounds 4
 """
@@ -56,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.cases import SMOKE_CASES, BenchData, Spec, launch_spec
+from benchmarks.cases import FULL_CASES, SMOKE_CASES, BenchData, Spec, launch_spec
 from benchmarks.device import join, worker_main
 from benchmarks.interleave import round_order, timed_block
 from benchmarks.launch import launch
@@ -304,9 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--depth", type=int, default=SMOKE_CASES[0].shape.depth,
-                        help="the MLP's hidden layers (%(default)s; 2 parameter tensors each): more tensors price "
-                             "what is done per parameter")
+    parser.add_argument("--depth", type=int, default=None,
+                        help=f"the MLP's hidden layers (default the case's, {SMOKE_CASES[0].shape.depth} for the smoke "
+                             "case; 2 parameter tensors each): more tensors price what is done per parameter")
+    parser.add_argument("--case", default=SMOKE_CASES[0].name, choices=[c.name for c in SMOKE_CASES + FULL_CASES],
+                        help="the model and micro-batch (default %(default)s, where a step is almost nothing but the "
+                             "loop's own work; a timing case such as 27.3M_micro4 prices, in CPU time, what a variant "
+                             "does per step on a model whose step time is too noisy to show it)")
     parser.add_argument("--variants", default=None,
                         help=f"default {','.join(VARIANTS)}; with --sections {','.join(SECTION_VARIANTS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -322,10 +330,11 @@ def main(argv: list[str] | None = None) -> None:
     check_variants(list(variants))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available here")
-    spec = launch_spec(SMOKE_CASES[0], args.k, rounds=args.rounds, variants=variants, device=args.device,
+    case = next(c for c in SMOKE_CASES + FULL_CASES if c.name == args.case)
+    spec = launch_spec(case, args.k, rounds=args.rounds, variants=variants, device=args.device,
                        precision=args.precision)
     spec = dataclasses.replace(spec, steps=args.steps, warmup=5,
-                               shape=dataclasses.replace(spec.shape, depth=args.depth))
+                               shape=dataclasses.replace(spec.shape, depth=args.depth or spec.shape.depth))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fixed_cost.json"
         mode = "--worker-sections" if args.sections else "--worker"

@@ -104,6 +104,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("bf16 reduce: distaccum / hook", "distaccum_bf16_reduce", "ddp_bf16_hook"),
     ("Python hook / C++ hook (hand-written)", "ddp_python_hook", "ddp_no_sync"),
     ("distaccum / Python hook", "distaccum", "ddp_python_hook"),
+    ("Python hook: divided after / before (hand-written)", "ddp_python_hook_after", "ddp_python_hook"),
+    ("distaccum / Python hook, divided after", "distaccum", "ddp_python_hook_after"),
     ("K = 1: 1/N in the loss / folded", "distaccum_in_loss", "distaccum_folded_k1"),
     ("records: synchronous / a step late", "distaccum_sync_records", "distaccum"),
     ("data: DataLoader / in-process rows", "distaccum_loader", "distaccum"),
@@ -142,18 +144,25 @@ def verdict(s: Spread, goal: float | None) -> str:
     return "within the spread"
 
 
-def summarize_launch(record: dict[str, Any]) -> dict[str, Any]:
-    """One timing launch's rows: per-variant round times and every ratio whose variants ran."""
-    spec = record["spec"]
-    rounds = {name: round_times(blocks) for name, blocks in record["step_s"].items()}
-    variants = {name: {"round_s": times, "step_s": spread(times).as_dict()} for name, times in rounds.items()}
+def ratios_of(rounds: dict[str, list[float]], case: str, k: int) -> dict[str, Any]:
+    """Every ratio of :data:`RATIOS` whose two variants ran, from their round times: the spread of the per-round
+    ratios, the rounds' ratios themselves, the target and the verdict."""
     ratios: dict[str, Any] = {}
     for label, num, den in RATIOS:
         if num in rounds and den in rounds:
             values = per_round_ratios(rounds[num], rounds[den])
             s = spread(values)
-            goal = target(label, spec["case"], spec["accum_steps"])
+            goal = target(label, case, k)
             ratios[label] = {**s.as_dict(), "per_round": values, "target": goal, "verdict": verdict(s, goal)}
+    return ratios
+
+
+def summarize_launch(record: dict[str, Any]) -> dict[str, Any]:
+    """One timing launch's rows: per-variant round times and every ratio whose variants ran."""
+    spec = record["spec"]
+    rounds = {name: round_times(blocks) for name, blocks in record["step_s"].items()}
+    variants = {name: {"round_s": times, "step_s": spread(times).as_dict()} for name, times in rounds.items()}
+    ratios = ratios_of(rounds, spec["case"], spec["accum_steps"])
     return {"case": spec["case"], "k": spec["accum_steps"], "micro_batch": spec["micro_batch"],
             "steps_per_block": spec["steps"], "rounds": len(record["orders"]), "variants": variants, "ratios": ratios,
             "orders": record["orders"], "param_rel_diff": record["param_rel_diff"],

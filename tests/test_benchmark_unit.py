@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks import rerender
 from benchmarks.cases import (
     FULL_CASES,
     GPU_CASES,
@@ -168,6 +169,24 @@ def test_report_holds_the_issue_table_and_every_section() -> None:
     for fragment in ("Time per optimizer step", "distaccum's own ledger", "Same work", "Memory flat in K",
                      "12 (27.3 KiB)", "**no**", "GPU: not measured"):
         assert fragment in text, fragment
+
+
+def test_rerender_adds_a_ratio_defined_after_the_run_from_its_rounds(tmp_path: Path) -> None:
+    results = _results()
+    row = results["timing"][0]
+    row["variants"]["ddp_python_hook_after"] = {"round_s": [1.03 * t for t in row["variants"]["ddp_no_sync"]["round_s"]]}
+    row["variants"]["ddp_python_hook"] = {"round_s": list(row["variants"]["ddp_no_sync"]["round_s"])}
+    stale = dict(row["ratios"])  # what the run wrote: no ratio between the hook variants
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    assert rerender.main([str(path), "--out", str(tmp_path / "results.md")]) == 0
+    text = (tmp_path / "results.md").read_text()
+    line = next(x for x in text.splitlines() if "| Python hook: divided after / before (hand-written) |" in x)
+    assert "| 1.030 |" in line  # every round 3 % slower: the median of the rounds' ratios
+    assert "| distaccum / Python hook, divided after | 0.981 |" in text  # 1.01 / 1.03
+    again = rerender.recomputed(results)["timing"][0]["ratios"]
+    assert {k: v["median"] for k, v in again.items() if k in stale} == {k: v["median"] for k, v in stale.items()}
+    assert rerender.main([str(tmp_path / "missing.json")]) == 2
 
 
 def test_update_docs_replaces_only_its_section(tmp_path: Path) -> None:
