@@ -190,8 +190,8 @@ class DeviceTotals(WindowTotals):
     On an accelerator every operation is a launch the host pays for (tens of microseconds each where the driver's
     calls are slow), so the window makes few: the first micro-batch's loss is kept as it came (widened to float64
     exactly where it is sent), each later one is one addition; the row is one copy of the host's numbers from pinned
-    memory and one concatenation; one all-gather; the scale five operations, into memory allocated on the loop's
-    stream (DDP asks for it in a comm hook's continuation, which runs on a stream from the pool: allocating there
+    memory and one concatenation; one all-gather (none in a world of one: the row is all there is); the scale five
+    operations, into memory allocated on the loop's stream (DDP asks for it in a comm hook's continuation, which runs on a stream from the pool: allocating there
     cached a new 2 MiB block per pool stream, a ``cudaMalloc`` per step for the first 32 steps)."""
 
     def __init__(self, split: Split, rank: int, device: torch.device) -> None:
@@ -253,8 +253,12 @@ class DeviceTotals(WindowTotals):
             pieces = [self.device_items.reshape(1), self._from_host(votes), smallest.reshape(1), largest.reshape(1)]
         row = torch.cat([self._loss64().reshape(1) if self.loss_sum is None else self.loss_sum.reshape(1),
                          *pieces, *self._carried]).to(torch.float64)  # cat widens a float32 loss (exactly)
-        self._gathered = torch.empty(dist.get_world_size() * row.numel(), dtype=torch.float64, device=self.device)
         self._scratch = torch.empty(4, dtype=torch.float64, device=self.device)  # the scale's, on this stream
+        world = dist.get_world_size()
+        if world == 1:  # no peer: this rank's row is every row (as the CPU's exchange sends nothing at one rank)
+            self._gathered, self._work = row, None
+            return
+        self._gathered = torch.empty(world * row.numel(), dtype=torch.float64, device=self.device)
         self._work = _all_gather(self._gathered, row, async_op=True)
 
     def _from_host(self, values: list[float]) -> torch.Tensor:
@@ -266,7 +270,8 @@ class DeviceTotals(WindowTotals):
     def _wait(self) -> torch.Tensor:
         assert self._gathered is not None, "reduce() launches the window's collective first"
         if not self._waited:  # on CUDA: this stream waits for the collective, the host does not
-            self._work.wait()
+            if self._work is not None:
+                self._work.wait()
             self._waited = True
         return self._gathered
 

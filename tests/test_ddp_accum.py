@@ -139,7 +139,8 @@ def test_the_cpu_s_window_all_gather_gives_what_an_all_reduce_gives(tmp_path: Pa
     """The CPU's window totals all-gather each rank's numbers and build the all-reduce's layout on the host: on real
     gloo ranks, the same N, scale (NaN for a non-finite window), votes, extremes, carried rows and slots as the
     whole layout all-reduced (the collective before), bit for bit; the loss sum too for two ranks, within an ulp
-    for three (the host adds in rank order, gloo's ring in its own)."""
+    for three (the host adds in rank order, gloo's ring in its own). The accelerator's kind (``DeviceTotals``), whose
+    all-gather runs on the device, gives the CPU's totals bit for bit (on a one-rank group it sends nothing)."""
     out = tmp_path / "read.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}  # benchmarks
