@@ -333,8 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     case = next(c for c in SMOKE_CASES + FULL_CASES if c.name == args.case)
     spec = launch_spec(case, args.k, rounds=args.rounds, variants=variants, device=args.device,
                        precision=args.precision)
-    spec = dataclasses.replace(spec, steps=args.steps, warmup=5,
-                               shape=dataclasses.replace(spec.shape, depth=args.depth or spec.shape.depth))
+    depth = spec.shape.depth if args.depth is None else args.depth
+    spec = dataclasses.replace(spec, steps=args.steps, warmup=5, shape=dataclasses.replace(spec.shape, depth=depth))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fixed_cost.json"
         mode = "--worker-sections" if args.sections else "--worker"

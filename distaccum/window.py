@@ -191,8 +191,9 @@ class DeviceTotals(WindowTotals):
     calls are slow), so the window makes few: the first micro-batch's loss is kept as it came (widened to float64
     exactly where it is sent), each later one is one addition; the row is one copy of the host's numbers from pinned
     memory and one concatenation; one all-gather (none in a world of one: the row is all there is); the scale five
-    operations, into memory allocated on the loop's stream (DDP asks for it in a comm hook's continuation, which runs on a stream from the pool: allocating there
-    cached a new 2 MiB block per pool stream, a ``cudaMalloc`` per step for the first 32 steps)."""
+    operations, into memory allocated on the loop's stream (DDP asks for it in a comm hook's continuation, which runs
+    on a stream from the pool: allocating there cached a new 2 MiB block per pool stream, a ``cudaMalloc`` per step
+    for the first 32 steps)."""
 
     def __init__(self, split: Split, rank: int, device: torch.device) -> None:
         super().__init__(split, rank, device)
