@@ -4,8 +4,9 @@ The timing harness compares step times, whose spread on a shared 2-core machine 
 as large as what is left to find at K = 1. This tool measures the fixed cost directly: on a model so small
 (the smoke case's 1.7k-parameter MLP, micro-batch 2) that a step is almost nothing but the loop's own work,
 each variant runs ``--steps`` optimizer steps in a row, and every rank reads the CPU time its process used
-(``getrusage``: every thread, the process group's workers included), the wall time and the voluntary
-context switches (a thread waiting: mostly the collectives' hand-offs). Variants alternate in a balanced order
+(``getrusage``: every thread, the process group's workers included), the wall time, the voluntary
+context switches (a thread waiting: mostly the collectives' hand-offs) and the minor page faults (memory touched for
+the first time since the allocator took it from the system). Variants alternate in a balanced order
 (:func:`benchmarks.interleave.round_order`) over ``--rounds`` rounds; the table gives medians over rounds of the
 slower rank. CPU time is what a bigger step pays for the same work whenever the ranks keep the cores busy (2
 ranks on 2 cores, as here), so its difference between two variants prices what one does and the other does
@@ -207,15 +208,15 @@ def report_sections(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def usage() -> tuple[float, float, int]:
-    """(CPU seconds of this process, every thread; wall seconds; voluntary context switches)."""
+def usage() -> tuple[float, float, int, int]:
+    """(CPU seconds of this process, every thread; wall seconds; voluntary context switches; minor page faults)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime, time.perf_counter(), r.ru_nvcsw
+    return r.ru_utime + r.ru_stime, time.perf_counter(), r.ru_nvcsw, r.ru_minflt
 
 
 def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
     """Warm every variant up, then run blocks of ``spec.steps`` steps in a balanced order; per block and rank:
-    CPU ms, wall ms and voluntary switches per step (rank 0's record holds every rank's)."""
+    CPU ms, wall ms, voluntary switches and minor page faults per step (rank 0's record holds every rank's)."""
     device, clock = join(spec.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = BenchData(spec, world)
@@ -226,11 +227,11 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
     for r in range(spec.rounds):
         for name in round_order(spec.variants, r):
             dist.barrier()
-            cpu0, wall0, switches0 = usage()
+            cpu0, wall0, switches0, faults0 = usage()
             variants[name].run(spec.steps)
-            cpu1, wall1, switches1 = usage()
+            cpu1, wall1, switches1, faults1 = usage()
             mine = [(cpu1 - cpu0) / spec.steps * 1e3, (wall1 - wall0) / spec.steps * 1e3,
-                    (switches1 - switches0) / spec.steps]
+                    (switches1 - switches0) / spec.steps, (faults1 - faults0) / spec.steps]
             every: list[list[float] | None] = [None] * world
             dist.all_gather_object(every, mine)
             blocks[name].append(every)  # type: ignore[arg-type]
@@ -239,17 +240,17 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
     return {"spec": json.loads(spec.to_json()), "world_size": world, "blocks": blocks}
 
 
-FIELDS = ("cpu_ms", "wall_ms", "switches")
+FIELDS = ("cpu_ms", "wall_ms", "switches", "faults")
 
 
 def slower_rank(record: dict[str, Any]) -> dict[str, list[list[float]]]:
-    """Per variant and round: the largest CPU ms, wall ms and switches per step over the ranks."""
+    """Per variant and round: the largest CPU ms, wall ms, switches and page faults per step over the ranks."""
     return {name: [[max(rank[i] for rank in ranks) for i in range(len(FIELDS))] for ranks in rounds]
             for name, rounds in record["blocks"].items()}
 
 
 def summarize(record: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per variant: medians over rounds of the slower rank's CPU ms, wall ms and switches per step."""
+    """Per variant: medians over rounds of the slower rank's CPU ms, wall ms, switches and page faults per step."""
     return {name: {key: statistics.median(row[i] for row in rows) for i, key in enumerate(FIELDS)}
             for name, rows in slower_rank(record).items()}
 
@@ -272,8 +273,10 @@ def report(record: dict[str, Any]) -> str:
              f"{spec['case']} model with {parameter_tensors(spec)} parameter tensors, micro-batch {spec['micro_batch']}, "
              f"K = {spec['accum_steps']}; "
              "medians over rounds of the slower rank", "",
-             "| variant | CPU ms / step | wall ms / step | voluntary switches / step |", "|---|---:|---:|---:|"]
-    lines += [f"| {name} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['switches']:.1f} |" for name, r in rows.items()]
+             "| variant | CPU ms / step | wall ms / step | voluntary switches / step | minor page faults / step |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['switches']:.1f} | {r['faults']:.1f} |"
+              for name, r in rows.items()]
     pairs = [("ddp_window_allgather", BASELINE, "the window's second, small collective (an all-gather of each rank's row)"),
              ("ddp_window_allreduce", BASELINE, "the same as an all-reduce (distaccum's window before this release)"),
              ("distaccum", "ddp_window_allgather", "distaccum's per-step Python: loop, ledger, fingerprint, data, record"),

@@ -162,8 +162,8 @@ def test_the_fixed_cost_tool_prices_each_part_per_rank_and_round(tmp_path: Path)
     assert list(blocks) == variants
     for name, rounds in blocks.items():
         assert len(rounds) == 2 and all(len(ranks) == 2 for ranks in rounds), name
-        for cpu_ms, wall_ms, switches in (row for ranks in rounds for row in ranks):
-            assert cpu_ms > 0 and wall_ms > 0 and switches >= 0, name
+        for cpu_ms, wall_ms, switches, faults in (row for ranks in rounds for row in ranks):
+            assert cpu_ms > 0 and wall_ms > 0 and switches >= 0 and faults >= 0, name
     for line in ("| ddp_window_allreduce - ddp_python_hook |", "| ddp_window_allgather - ddp_python_hook |",
                  "| distaccum - ddp_window_allgather |", "| distaccum - ddp_python_hook |"):  # the expert-loop row needs ddp_no_sync, not run here
         assert line in proc.stdout
