@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=None,
                         help=f"the MLP's hidden layers (default the case's, {SMOKE_CASES[0].shape.depth} for the smoke "
                              "case; 2 parameter tensors each): more tensors price what is done per parameter")
-    parser.add_argument("--case", default=SMOKE_CASES[0].name, choices=[c.name for c in SMOKE_CASES + FULL_CASES],
+    cases = {c.name: c for c in SMOKE_CASES + FULL_CASES}
+    parser.add_argument("--case", default=SMOKE_CASES[0].name, choices=list(cases),
                         help="the model and micro-batch (default %(default)s, where a step is almost nothing but the "
                              "loop's own work; a timing case such as 27.3M_micro4 prices, in CPU time, what a variant "
                              "does per step on a model whose step time is too noisy to show it)")
@@ -333,8 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     check_variants(list(variants))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available here")
-    case = next(c for c in SMOKE_CASES + FULL_CASES if c.name == args.case)
-    spec = launch_spec(case, args.k, rounds=args.rounds, variants=variants, device=args.device,
+    spec = launch_spec(cases[args.case], args.k, rounds=args.rounds, variants=variants, device=args.device,
                        precision=args.precision)
     depth = spec.shape.depth if args.depth is None else args.depth
     spec = dataclasses.replace(spec, steps=args.steps, warmup=5, shape=dataclasses.replace(spec.shape, depth=depth))

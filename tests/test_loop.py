@@ -478,7 +478,7 @@ def test_the_device_window_makes_few_operations() -> None:
     BENCHMARKS.md's H200 runs), so the window's totals make few: none for a window of one micro-batch's loss, one
     addition per later micro-batch, one concatenation for the row (the host's numbers come in one copy), one
     all-gather (none on a one-rank group: the row is every row, as the CPU's exchange sends nothing there; the
-    benchmark smoke test's two ranks take the all-gather), and five operations for the scale (clamp, multiply,
+    all-gather on real ranks: tests/fixtures/window_gather.py), and five operations for the scale (clamp, multiply,
     reciprocal, the non-finite test and its addition). Counted on the CPU with the device kind, through the
     dispatcher (views and allocations aside)."""
     from torch.utils._python_dispatch import TorchDispatchMode
