@@ -15,6 +15,9 @@
   reduction through Python costs (distaccum's ledger and normalization live in such a hook).
 - ``ddp_no_sync_twin``: (b) built a second time in the same processes, a control: ``ddp_no_sync_twin / ddp_no_sync``
   is 1 by construction, so its spread is the harness's own resolution on the machine (an A/A comparison).
+- ``ddp_no_sync_compiled_twin``: (g) built a second time, the same control for the compiled pair
+  (``ddp_no_sync_compiled_twin / ddp_no_sync_compiled``); both compiled loops share dynamo's cache of the DDP module's
+  code, as ``distaccum_compiled``'s does, so the control includes what sharing it costs.
 - ``ddp_window_allreduce``: ``ddp_python_hook`` plus a second, small all-reduce per step like distaccum's window
   had (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
 - ``ddp_window_allgather``: the same with an all-gather of each rank's row instead, as distaccum's window on the
@@ -613,7 +616,8 @@ TRAINERS: dict[str, type[DistaccumTrainer]] = {"distaccum_copied_rows": Distaccu
 HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "ddp_no_sync_twin": DDPNoSync,
                 "accelerate": AccelerateLoop,
                 "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook,
-                "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_python_hook_after": DDPPythonHookAfter, "ddp_window_allreduce": DDPWindowAllreduce,
+                "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_no_sync_compiled_twin": DDPNoSyncCompiled,
+                "ddp_python_hook_after": DDPPythonHookAfter, "ddp_window_allreduce": DDPWindowAllreduce,
                 "ddp_window_allgather": DDPWindowAllgather}
 
 

@@ -117,6 +117,8 @@ def test_verdict_reads_the_median_s_interval() -> None:
     assert target("distaccum / no_sync", "0.9M_micro256", 4) == 1.02
     assert target("distaccum / floor", "27.3M_micro4", 16) == 1.08
     assert target("distaccum / floor", "27.3M_micro4", 4) is None
+    assert target("compiled: distaccum / hand-written", "27.3M_micro4", 1) == 1.02  # eager and compiled alike
+    assert target("A/A compiled: twin / hand-written", "27.3M_micro4", 1) is None
 
 
 def _timing_record(case: str = "smoke", k: int = 2, rounds: int = 6) -> dict[str, Any]:
