@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from benchmarks.cases import BenchData, Spec
 from benchmarks.device import Clock, bus_bandwidth, join, step_seconds, worker_main
-from benchmarks.variants import DistaccumTrainer, Variant, build_variant
+from benchmarks.variants import HAND_WRITTEN, DistaccumTrainer, Variant, build_variant
 
 REFERENCE = "ddp_no_sync"
-"""The variant whose trained parameters the others are compared with."""
+"""The variant whose trained parameters the others are compared with (:func:`reference_of`)."""
 LEDGER_FIELDS = ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s", "comm_calls",
                  "comm_bytes", "comm_rounds")
 """distaccum's own per-step record fields summarized next to the timings (where its time goes)."""
@@ -96,13 +96,23 @@ def flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
 
 
+def reference_of(names: list[str]) -> str | None:
+    """The variant the others' trained parameters are compared with: :data:`REFERENCE` when it ran, else the first
+    hand-written loop that ran (a run of the compiled pair alone: ``ddp_no_sync_compiled``), else None. Never the
+    compute floor, which must differ."""
+    if REFERENCE in names:
+        return REFERENCE
+    return next((n for n in names if n in HAND_WRITTEN and n != "compute_floor"), None)
+
+
 def parameter_agreement(variants: dict[str, Variant]) -> dict[str, float]:
-    """Largest |difference| of each variant's trained parameters from the reference's, relative to
-    the largest |parameter|: ~1e-7 or less when every variant did the same arithmetic on the same
+    """Largest |difference| of each variant's trained parameters from the reference's (:func:`reference_of`),
+    relative to the largest |parameter|: ~1e-7 or less when every variant did the same arithmetic on the same
     data. The compute floor averages nothing over ranks, so it must differ (a negative control)."""
-    if REFERENCE not in variants:
+    name = reference_of(list(variants))
+    if name is None:
         return {}
-    reference = flat(variants[REFERENCE].parameters())
+    reference = flat(variants[name].parameters())
     scale = float(reference.abs().max()) or 1.0
     out: dict[str, float] = {}
     for name, variant in variants.items():
@@ -154,6 +164,7 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
         "orders": orders,
         "step_s": blocks,
         "param_rel_diff": agreement,
+        "param_reference": reference_of(list(variants)),
         "distaccum_ledger": {k: v for k, v in ledger.items() if v},
         "busbw": busbw,
     }

@@ -188,14 +188,17 @@ def ledger_table(results: dict[str, Any]) -> list[str]:
 
 
 def agreement_lines(results: dict[str, Any]) -> list[str]:
-    """Same work: the largest parameter difference from ddp_no_sync after the launch."""
+    """Same work: the largest parameter difference from the reference loop (ddp_no_sync where it ran) after the
+    launch."""
     worst: dict[str, float] = {}
     for row in results["timing"]:
         for name, diff in row["param_rel_diff"].items():
             worst[name] = max(worst.get(name, 0.0), diff)
     if not worst:
         return []
-    parts = ", ".join(f"{n} {d:.1e}" for n, d in worst.items() if n not in ("ddp_no_sync", "compute_floor"))
+    references = {row.get("param_reference", "ddp_no_sync") for row in results["timing"] if row["param_rel_diff"]}
+    reference = " / ".join(sorted(references))
+    parts = ", ".join(f"{n} {d:.1e}" for n, d in worst.items() if n not in (*references, "compute_floor"))
     floor = worst.get("compute_floor")
     if floor is None:
         control = ""
@@ -204,7 +207,7 @@ def agreement_lines(results: dict[str, Any]) -> list[str]:
                    "so it does the same arithmetic and is no negative control here.")
     else:
         control = f" The compute floor, which averages nothing over ranks, differs by {floor:.1e} (a negative control)."
-    return [f"Same work: after each launch every variant's parameters are compared with ddp_no_sync's "
+    return [f"Same work: after each launch every variant's parameters are compared with {reference}'s "
             f"(largest |difference| / largest |parameter|, worst launch): {parts}.{control}"]
 
 

@@ -168,6 +168,7 @@ def summarize_launch(record: dict[str, Any]) -> dict[str, Any]:
     return {"case": spec["case"], "k": spec["accum_steps"], "micro_batch": spec["micro_batch"],
             "steps_per_block": spec["steps"], "rounds": len(record["orders"]), "variants": variants, "ratios": ratios,
             "orders": record["orders"], "param_rel_diff": record["param_rel_diff"],
+            "param_reference": record.get("param_reference", "ddp_no_sync"),
             "distaccum_ledger": record.get("distaccum_ledger", {}), "busbw": record.get("busbw")}
 
 

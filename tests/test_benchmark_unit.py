@@ -25,8 +25,8 @@ from benchmarks.cases import (
     loss_sum,
 )
 from benchmarks.device import HostClock, mfu, model_flops_per_step, peak_tflops
-from benchmarks.interleave import round_order
-from benchmarks.report import render
+from benchmarks.interleave import reference_of, round_order
+from benchmarks.report import agreement_lines, render
 from benchmarks.run import main as run_main
 from benchmarks.run import memory_growth
 from benchmarks.stats import (
@@ -672,3 +672,15 @@ def test_the_cuda_step_profile_reports_kernel_time_and_what_the_gpu_waited() -> 
     assert "kernels 9.000 ms/step" in text
     record["distaccum"]["device_ms"] = record["ddp_no_sync"]["device_ms"] = None  # a CPU profile: no kernel line
     assert "kernels" not in report(record, steps=8)
+
+
+def test_a_run_without_the_expert_loop_compares_parameters_with_its_first_hand_written_loop() -> None:
+    assert reference_of(["distaccum", "ddp_no_sync_compiled", "ddp_no_sync"]) == "ddp_no_sync"
+    compiled = ["ddp_no_sync_compiled", "distaccum_compiled", "ddp_no_sync_compiled_twin"]
+    assert reference_of(compiled) == "ddp_no_sync_compiled"
+    assert reference_of(["compute_floor", "distaccum"]) is None  # the floor must differ: never the reference
+    row = {"param_rel_diff": {"ddp_no_sync_compiled": 0.0, "distaccum_compiled": 4e-8, "ddp_no_sync_compiled_twin": 0.0},
+           "param_reference": "ddp_no_sync_compiled"}
+    (line,) = agreement_lines({"timing": [row], "settings": {"world_size": 2}})
+    assert "compared with ddp_no_sync_compiled's" in line and "distaccum_compiled 4.0e-08" in line
+    assert "ddp_no_sync_compiled 0.0e+00" not in line
