@@ -109,10 +109,10 @@ def parameter_agreement(variants: dict[str, Variant]) -> dict[str, float]:
     """Largest |difference| of each variant's trained parameters from the reference's (:func:`reference_of`),
     relative to the largest |parameter|: ~1e-7 or less when every variant did the same arithmetic on the same
     data. The compute floor averages nothing over ranks, so it must differ (a negative control)."""
-    name = reference_of(list(variants))
-    if name is None:
+    ref = reference_of(list(variants))
+    if ref is None:
         return {}
-    reference = flat(variants[name].parameters())
+    reference = flat(variants[ref].parameters())
     scale = float(reference.abs().max()) or 1.0
     out: dict[str, float] = {}
     for name, variant in variants.items():
