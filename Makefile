@@ -10,6 +10,8 @@ PYTEST_ARGS ?= --durations=25
 # Tests run on this many pytest-xdist workers, a whole test file per worker (module fixtures are
 # built once). Most tests wait on process start-up more than they compute, so 2 fill CI's 2 cores;
 # `serial` tests (timings) still run alone (tests/serial_lock.py). PYTEST_WORKERS=0: one process.
+# A worker that crashes fails the run at once (--max-worker-restart 0): a replaced worker once left
+# the loadfile scheduler waiting for the crashed file's other tests until CI's limit.
 PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test lint bench bench-smoke bench-docs clean
@@ -34,7 +36,7 @@ test: install  ## the whole suite, exactly as CI runs it
 	# tests use, instead of inside several test files at once on both workers (a no-op when cached).
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions $(PY) -c \
 	  "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart 0 $(PYTEST_ARGS)
 
 lint: install  ## ruff, as `make test` runs it
 	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples
