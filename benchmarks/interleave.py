@@ -30,10 +30,9 @@ import torch.distributed as dist
 
 from benchmarks.cases import BenchData, Spec
 from benchmarks.device import Clock, bus_bandwidth, join, step_seconds, worker_main
+from benchmarks.stats import REFERENCE
 from benchmarks.variants import HAND_WRITTEN, DistaccumTrainer, Variant, build_variant
 
-REFERENCE = "ddp_no_sync"
-"""The variant whose trained parameters the others are compared with (:func:`reference_of`)."""
 LEDGER_FIELDS = ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s", "comm_calls",
                  "comm_bytes", "comm_rounds")
 """distaccum's own per-step record fields summarized next to the timings (where its time goes)."""
@@ -105,11 +104,10 @@ def reference_of(names: list[str]) -> str | None:
     return next((n for n in names if n in HAND_WRITTEN and n != "compute_floor"), None)
 
 
-def parameter_agreement(variants: dict[str, Variant]) -> dict[str, float]:
-    """Largest |difference| of each variant's trained parameters from the reference's (:func:`reference_of`),
-    relative to the largest |parameter|: ~1e-7 or less when every variant did the same arithmetic on the same
-    data. The compute floor averages nothing over ranks, so it must differ (a negative control)."""
-    ref = reference_of(list(variants))
+def parameter_agreement(variants: dict[str, Variant], ref: str | None) -> dict[str, float]:
+    """Largest |difference| of each variant's trained parameters from ``ref``'s (:func:`reference_of`; None: nothing
+    to compare with), relative to the largest |parameter|: ~1e-7 or less when every variant did the same arithmetic
+    on the same data. The compute floor averages nothing over ranks, so it must differ (a negative control)."""
     if ref is None:
         return {}
     reference = flat(variants[ref].parameters())
@@ -151,7 +149,8 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
         orders.append(order)
         for name in order:
             blocks[name].append(timed_block(variants[name], spec.steps, clock))
-    agreement = parameter_agreement(variants)
+    reference = reference_of(list(variants))
+    agreement = parameter_agreement(variants, reference)
     ledger = {name: ledger_medians(v, spec.warmup) for name, v in variants.items()}
     numel = spec.shape.num_params()
     busbw = bus_bandwidth(numel, device, clock) if device.type == "cuda" else None
@@ -164,7 +163,7 @@ def measure(spec: Spec, workdir: Path) -> dict[str, Any]:
         "orders": orders,
         "step_s": blocks,
         "param_rel_diff": agreement,
-        "param_reference": reference_of(list(variants)),
+        "param_reference": reference,
         "distaccum_ledger": {k: v for k, v in ledger.items() if v},
         "busbw": busbw,
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks.stats import ISSUE_RATIOS, RATIOS, across_launches, spread, verdict
+from benchmarks.stats import ISSUE_RATIOS, RATIOS, REFERENCE, across_launches, spread, verdict
 from benchmarks.variants import ENGINE_VARIANTS, LETTERS
 
 MEMORY_LIMIT = 1.03
@@ -196,7 +196,7 @@ def agreement_lines(results: dict[str, Any]) -> list[str]:
             worst[name] = max(worst.get(name, 0.0), diff)
     if not worst:
         return []
-    references = {row.get("param_reference", "ddp_no_sync") for row in results["timing"] if row["param_rel_diff"]}
+    references = {row.get("param_reference", REFERENCE) for row in results["timing"] if row["param_rel_diff"]}
     reference = " / ".join(sorted(references))
     parts = ", ".join(f"{n} {d:.1e}" for n, d in worst.items() if n not in (*references, "compute_floor"))
     floor = worst.get("compute_floor")

@@ -88,6 +88,10 @@ def per_round_ratios(numerator: list[float], denominator: list[float]) -> list[f
     return [a / b for a, b in zip(numerator, denominator, strict=True)]
 
 
+REFERENCE = "ddp_no_sync"
+"""The variant whose trained parameters the others are compared with after a launch (where it ran:
+:func:`benchmarks.interleave.reference_of`); also what a stored launch without a ``param_reference`` compared with."""
+
 RATIOS: tuple[tuple[str, str, str], ...] = (
     ("distaccum / no_sync", "distaccum", "ddp_no_sync"),
     ("Accelerate / no_sync", "accelerate", "ddp_no_sync"),
@@ -114,6 +118,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("window over gloo: distaccum / no_sync", "distaccum_gloo_window", "ddp_no_sync"),
     ("A/A: no_sync twin / no_sync", "ddp_no_sync_twin", "ddp_no_sync"),
     ("A/A compiled: twin / hand-written", "ddp_no_sync_compiled_twin", "ddp_no_sync_compiled"),
+    ("compiled hand-written: static / dynamic shapes", "ddp_no_sync_compiled_static", "ddp_no_sync_compiled"),
 )
 """(label, numerator, denominator): the issue's four ratios first, then the others (each only when both
 variants ran)."""
@@ -168,7 +173,7 @@ def summarize_launch(record: dict[str, Any]) -> dict[str, Any]:
     return {"case": spec["case"], "k": spec["accum_steps"], "micro_batch": spec["micro_batch"],
             "steps_per_block": spec["steps"], "rounds": len(record["orders"]), "variants": variants, "ratios": ratios,
             "orders": record["orders"], "param_rel_diff": record["param_rel_diff"],
-            "param_reference": record.get("param_reference", "ddp_no_sync"),
+            "param_reference": record.get("param_reference", REFERENCE),
             "distaccum_ledger": record.get("distaccum_ledger", {}), "busbw": record.get("busbw")}
 
 

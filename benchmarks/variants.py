@@ -18,6 +18,10 @@
 - ``ddp_no_sync_compiled_twin``: (g) built a second time, the same control for the compiled pair
   (``ddp_no_sync_compiled_twin / ddp_no_sync_compiled``); both compiled loops share dynamo's cache of the DDP module's
   code, as ``distaccum_compiled``'s does, so the control includes what sharing it costs.
+- ``ddp_no_sync_compiled_static``: (g) compiled with dynamo's default automatic dynamic shapes
+  (``torch.compile(ddp)``) instead of ``dynamic=True``: what the shapes the benchmark's fixed micro-batches allow to
+  specialise would save the expert loop (a diagnostic of the baseline; distaccum compiles with ``dynamic=True`` so that
+  variable sequence lengths and partial windows recompile nothing).
 - ``ddp_window_allreduce``: ``ddp_python_hook`` plus a second, small all-reduce per step like distaccum's window
   had (item count, loss sum, votes): what that collective costs (a diagnostic for ``benchmarks.fixed_cost``).
 - ``ddp_window_allgather``: the same with an all-gather of each rank's row instead, as distaccum's window on the
@@ -338,10 +342,12 @@ class DDPNoSyncCompiled(DDPNoSync):
     DDP optimizer splits the graph at the gradient buckets, so the all-reduces still overlap the backward);
     what ``distaccum_compiled`` (``trainer.compile=true``) is measured against."""
 
+    dynamic: bool | None = True
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.eager = self.ddp
-        self.compiled = torch.compile(self.ddp, dynamic=True)
+        self.compiled = torch.compile(self.ddp, dynamic=self.dynamic)
 
     def step(self, batches: list[Batch]) -> None:
         for i, batch in enumerate(batches):
@@ -349,6 +355,13 @@ class DDPNoSyncCompiled(DDPNoSync):
                 self.loss(self.compiled, batch, len(batches)).backward()
         self.optimizer.step()
         zero_in_place(self.optimizer)
+
+
+class DDPNoSyncCompiledStatic(DDPNoSyncCompiled):
+    """(g) with dynamo's default shapes (``dynamic=None``: specialised until a size changes): a diagnostic of the
+    baseline against ``ddp_no_sync_compiled``."""
+
+    dynamic = None
 
 
 class AccelerateLoop(HandWritten):
@@ -617,6 +630,7 @@ HAND_WRITTEN = {"ddp_every_micro": DDPEveryMicro, "ddp_no_sync": DDPNoSync, "ddp
                 "accelerate": AccelerateLoop,
                 "compute_floor": ComputeFloor, "ddp_bf16_hook": DDPBf16Hook, "ddp_python_hook": DDPPythonHook,
                 "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_no_sync_compiled_twin": DDPNoSyncCompiled,
+                "ddp_no_sync_compiled_static": DDPNoSyncCompiledStatic,
                 "ddp_python_hook_after": DDPPythonHookAfter, "ddp_window_allreduce": DDPWindowAllreduce,
                 "ddp_window_allgather": DDPWindowAllgather}
 
