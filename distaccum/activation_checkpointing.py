@@ -117,7 +117,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def checkpoint_module(module: nn.Module) -> None:
     """Make ``module`` recompute its activations in backward (non-reentrant). Idempotent."""
     # A bound method (not a closure) so that copy.deepcopy binds it to the copy.
-    module.forward = types.MethodType(_checkpointed_forward, module)  # type: ignore[method-assign]
+    module.forward = types.MethodType(_checkpointed_forward, module)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

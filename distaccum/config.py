@@ -86,9 +86,6 @@ class EngineConfig:
     copy of the parameters in memory during the window."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
-    normalize_in_loss_mb: float | None = 25.0
-    """K = 1 on the CPU (DDP, Accelerate): from this gradient size (MiB) 1/N goes into the loss, the backward waits
-    for N and the reduction is a plain sum; below it, or null, it folds 1/N in (docs/engines.md, BENCHMARKS.md)."""
     replicas: int | str = AUTO
     """FSDP2 hybrid sharding (HSDP): R replicas of the model, each sharded over world/R ranks (a 2-D
     replicate x shard mesh; R must divide the world). 1: flat FSDP over the whole world. auto: one
@@ -396,10 +393,10 @@ class LogConfig:
     ledger: bool = True
     """Time compute vs communication per step (the comm/compute ledger)."""
     grad_norm: bool = True
-    """Record each step's global gradient norm (grad_norm; one read pass over the gradients, made by the
-    reduction where the engine folds the normalization in). false: no such pass when nothing clips
-    (optim.clip_norm=null): grad_norm is recorded as null and a step is skipped for a non-finite loss only,
-    not for a gradient that overflowed from a finite loss. distaccum verify always records it."""
+    """Record each step's global gradient norm (grad_norm; one read pass over the gradients, which clipping and
+    the reduction fingerprint need too). false: no such pass when nothing needs it (optim.clip_norm=null and
+    trainer.fingerprint=false or one rank): grad_norm is recorded as null and a step is skipped for a non-finite
+    loss only, not for a gradient that overflowed from a finite loss. distaccum verify always records it."""
     warmup_steps: int = 1
     """Steps excluded from summary medians (first-step compile/allocation noise)."""
     rank_stats_every: int = 10

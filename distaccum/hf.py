@@ -93,8 +93,8 @@ def causal_lm(*, model_type: str = "llama", pretrained: str | None = None, vocab
         fields["tie_word_embeddings"] = tie_embeddings
     defaults = AutoConfig.for_model(model_type)
     for special in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(defaults, special, None)
-        if isinstance(value, int) and value >= vocab_size:  # gpt2's 50256 in a byte-level vocabulary
+        token = getattr(defaults, special, None)
+        if isinstance(token, int) and token >= vocab_size:  # gpt2's 50256 in a byte-level vocabulary
             fields[special] = None
     cfg = AutoConfig.for_model(model_type, **fields, **(config or {}))
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)

@@ -111,8 +111,9 @@ def block_units(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     units = [m for m in model.modules() if type(m).__name__ in names] if names else []
     if not units:
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-        units = list(max(lists, key=len)) if lists else []
+        sizes = {id(m): len(m) for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)}
+        lists = [m for m in model.modules() if id(m) in sizes]
+        units = list(max(lists, key=lambda m: sizes[id(m)]).children()) if lists else []
     return list({id(m): m for m in units}.values())
 
 

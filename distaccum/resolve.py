@@ -119,7 +119,8 @@ def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int 
                       clip_norm=cfg.optim.clip_norm, device=device, gns=cfg.log.gns, replicas=replicas,
                       reduce_dtype=cfg.accum.reduce_dtype,
                       compile_mode=cfg.trainer.compile_mode if cfg.trainer.compile else None,
-                      measure_norm=cfg.log.grad_norm or cfg.optim.clip_norm is not None)
+                      measure_norm=(cfg.log.grad_norm or cfg.optim.clip_norm is not None
+                                    or cfg.trainer.fingerprint and world_size > 1))  # its per-tensor norms
     check_engine(spec)
     loop = LoopSettings(split=split, max_steps=cfg.trainer.max_steps, clip_norm=cfg.optim.clip_norm,
                         every_micro=sync == "every_micro", loss_norm=cfg.accum.loss_norm,

@@ -266,7 +266,7 @@ class TextStream(IterableDataset):
                  sample_by: str = "paragraph", tokenizer: str | None = None, packing: bool = True,
                  block_size: int = 64, eval_fraction: float = 0.0, eval_files: Sequence[str] | str | None = None,
                  cache_dir: str = ".cache/distaccum", chunk: int = 256) -> None:
-        self.kwargs = {"text_field": text_field, "sample_by": sample_by, "tokenizer": tokenizer, "packing": packing,
+        self.kwargs: dict[str, Any] = {"text_field": text_field, "sample_by": sample_by, "tokenizer": tokenizer, "packing": packing,
                        "block_size": block_size, "eval_fraction": eval_fraction, "eval_files": eval_files,
                        "cache_dir": cache_dir}
         self.files_arg = files

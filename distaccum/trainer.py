@@ -29,7 +29,6 @@ from torch.utils.data import Dataset
 
 from distaccum import testing
 from distaccum.activation_checkpointing import Checkpointing, parse_checkpointing
-from distaccum.cluster.exchange import window_exchange
 from distaccum.cluster.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.cluster.procgroup import gather_placement, join, shutdown
 from distaccum.cluster.stopping import StopFlag, StopRequested
@@ -40,7 +39,7 @@ from distaccum.data.sources import build_source
 from distaccum.engines import make_engine
 from distaccum.engines.base import Engine, OptimizerFactory
 from distaccum.evaluate import EvalResult, evaluate
-from distaccum.loop import LoopParts, NonFinitePolicy, ReductionCheck, StepMonitor, TrainState, train
+from distaccum.loop import LoopParts, NonFinitePolicy, StepMonitor, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.optim import build_scheduler, describe_lr
 from distaccum.resolve import Prepared, ResolvedRun, prepare, resolve
@@ -57,6 +56,7 @@ from distaccum.telemetry.timing import RankStats, StepTimer
 from distaccum.tuning.autobatch import AutoChoice, auto_micro_batch, default_budget
 from distaccum.verify.fingerprint import Fingerprint
 from distaccum.verify.tripwire import Tripwire
+from distaccum.window import WindowTotals
 
 
 @dataclass
@@ -231,8 +231,8 @@ class Trainer:
         assert self._run is not None, "nothing to finish: train first"
         cfg, run = self.cfg, self._run
         state, resolved = run.state, run.resolved
-        for check in run.parts.checks:  # a comparison still pending (training stopped before max_steps)
-            check.judge(state.source.next_step)
+        if run.parts.fingerprint is not None:  # a comparison still pending (training stopped before max_steps)
+            run.parts.fingerprint.flush()
         if cfg.eval.at_end and (run.last_eval is None or run.last_eval[0] != len(state.records)):
             self.evaluate()
         summary = summarize(resolved.summary_header(run.prepared.names["model"]), state.records, state.engine,
@@ -242,8 +242,6 @@ class Trainer:
             summary["auto_micro_batch"] = self.auto_choice.as_record()
         if run.placement is not None:
             summary["placement"] = run.placement
-        if run.parts.exchange is not None:  # the CPU window's transport ("sockets" or "gloo")
-            summary["window_exchange"] = run.parts.exchange.name
         if run.last_eval is not None:
             summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
@@ -260,8 +258,6 @@ class Trainer:
         return summary
 
     def _leave(self, *, clean: bool) -> None:
-        if self._run is not None and self._run.parts.exchange is not None:
-            self._run.parts.exchange.close()  # the window's sockets (idempotent)
         if self._created_group:
             self._created_group = False
             shutdown(clean=clean)
@@ -296,11 +292,12 @@ class Trainer:
         scheduler = testing.intercept("scheduler", build_scheduler(engine.optimizer, cfg.optim, cfg.trainer.max_steps,
                                                                    global_batch=resolved.global_batch))
         if cfg.optim.lr_scaling != "none" and rank == 0:
-            print(f"distaccum: {describe_lr(cfg.optim, resolved.global_batch, scheduler.base_lrs[0])}", flush=True)
+            print(f"distaccum: {describe_lr(cfg.optim, resolved.global_batch, float(scheduler.base_lrs[0]))}", flush=True)
         source = testing.intercept("source", build_source(
             self.components.dataset, prepared.collate, resolved.split, rank, cfg.trainer.max_steps, resolved.data,
-            device=device))
-        state = TrainState(wrapped, engine, scheduler, source)
+            device=device, float_dtype=resolved.loop.float_dtype))
+        timer = StepTimer(device, ledger)
+        state = TrainState(wrapped, engine, scheduler, timer.watch(source))  # the timer times what the source serves
         done = resume(state, run_dir, prepared.fingerprint, attempt=attempt) if cfg.trainer.resume else 0
         liveness = Liveness(run_dir, rank, attempt)
         liveness.beat(done)
@@ -309,22 +306,21 @@ class Trainer:
                                     manifest={"fingerprint": prepared.fingerprint, "engine": cfg.engine.name},
                                     writer=testing.intercept("checkpoint_writer", CheckpointWriter()))
         checkpointer.last_step = done
-        timer = StepTimer(device, ledger)
-        checks: list[ReductionCheck] = [Fingerprint(engine, run_dir, rank, world, device)] if cfg.trainer.fingerprint else []
+        fingerprint = Fingerprint(engine, run_dir, rank, world, device) if cfg.trainer.fingerprint else None
         monitors: list[StepMonitor] = [Tripwire(engine, cfg.trainer.check_every, run_dir, record=cfg.verify.record,
-                                                first=checks),
+                                                first=[fingerprint] if fingerprint is not None else []),
                                        RankStats(timer, cfg.log.rank_stats_every)]
         if cfg.log.gns:
-            monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world))
+            monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world, rank, device))
         if cfg.trainer.compile:
             monitors.append(CompileWatch(rank, warmup_steps=max(done, 0) + 1))
         lag = records_lag(device, self.on_step is not None, self.lag_records)
         every = cfg.eval.every
         parts = LoopParts(timer=timer, sink=NullSink(),  # the real sinks open on the first train_steps
                           nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
-                          checkpointer=checkpointer, monitors=monitors, stop=self.stop, on_step=self._after_step,
-                          checks=checks, lag=lag, flush_after=(lambda step: step % every == 0) if every else None,
-                          exchange=window_exchange(cfg.trainer.collective_timeout_s) if device.type == "cpu" else None)
+                          totals=WindowTotals(device), checkpointer=checkpointer, monitors=monitors,
+                          fingerprint=fingerprint, stop=self.stop, on_step=self._after_step, lag=lag,
+                          flush_after=(lambda step: step % every == 0) if every else None)
         return _Run(resolved, prepared, state, parts, testing.intercept("loss", self.components.loss), checkpointer,
                     done, liveness, placement=placement)
 

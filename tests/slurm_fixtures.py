@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from distaccum.cluster.local import free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM_LOCAL = REPO / "launch" / "slurm_local.sh"
@@ -63,18 +64,6 @@ def _unavailable() -> str | None:
     return None
 
 
-def _free_ports(count: int) -> list[int]:
-    """Ports free right now on 127.0.0.1 (all held open together so they differ)."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """Start a local Slurm cluster with accounting for the session; stop it afterwards."""
@@ -84,7 +73,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
             pytest.fail(f"CI=true but {problem}", pytrace=False)
         pytest.skip(problem)
     state = tmp_path_factory.mktemp("slurm")
-    ctld, slurmd, dbd, db = _free_ports(4)
+    ctld, slurmd, dbd, db = free_ports(4)
     env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"),
            "SLURM_LOCAL_CTLD_PORT": str(ctld), "SLURM_LOCAL_SLURMD_PORT": str(slurmd),
            "SLURM_LOCAL_DBD_PORT": str(dbd), "SLURM_LOCAL_DB_PORT": str(db)}

@@ -13,12 +13,11 @@ import torch.distributed as dist
 from distaccum.cluster.procgroup import collective_device
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
-from distaccum.engines.base import EngineSpec, Precision, scale_and_clip_, step_plain
+from distaccum.engines.base import EngineSpec, GradNorms, Precision, step_plain
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
-from distaccum.engines.replicated import bucket_factor
 from distaccum.models import MLP, TinyGPT
 from distaccum.telemetry.ledger import CommLedger
 
@@ -112,72 +111,32 @@ def test_registry_knows_every_engine_and_nothing_else() -> None:
         engine_class("horovod")
 
 
-def test_scale_and_clip_normalizes_and_clips_in_one_multiply() -> None:
-    grads = [torch.full((3,), 4.0, dtype=torch.float64), torch.full((4,), 4.0, dtype=torch.float64)]
-    raw = torch.linalg.vector_norm(torch.cat(grads))
-    norm = scale_and_clip_(grads, torch.tensor(0.5, dtype=torch.float64), max_norm=None)
-    assert float(norm) == pytest.approx(0.5 * float(raw)) and torch.all(grads[0] == 2.0)
-    norm = scale_and_clip_(grads, torch.tensor(1.0, dtype=torch.float64), max_norm=1.0)
-    assert float(torch.linalg.vector_norm(torch.cat(grads))) == pytest.approx(1.0, rel=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_a_folded_bucket_is_multiplied_bitwise_as_by_the_scale_rounded_to_its_dtype(dtype: torch.dtype) -> None:
-    """``bucket_factor`` hands a float32/float64 bucket a Python number (no tensor operations per bucket): ``mul_`` by
-    it must give the bits the multiply by the float64 scale divided by the world size, then rounded to the bucket's
-    dtype, gives, for scales whose rounding differs at every bit (and NaN: a non-finite loss)."""
-    gen = torch.Generator().manual_seed(0)
-    bucket = (torch.randn(4096, generator=gen, dtype=torch.float64) * 1e3).to(dtype)
-    scales = [1.0 / (c * n) for c in (0.5, 2.0**-7, 1.0) for n in (3.0, 7.0, 1e6 + 3.0, 12345.0)]
-    for scale in (*scales, float("nan")):
-        for world in (1, 2, 3, 7):
-            factor = torch.tensor(scale, dtype=torch.float64)
-            want = bucket * (factor / world).to(dtype)
-            got = bucket.clone().mul_(bucket_factor(factor, world, dtype))
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) or (scale != scale and got.isnan().all())
-    assert isinstance(bucket_factor(torch.tensor(0.25, dtype=torch.float64), 2, dtype), float) == \
-        (dtype in (torch.float32, torch.float64))
-
-
-
-class CountedReads(torch.Tensor):
-    """A real tensor that counts its host reads (``float``): on CUDA each one is a device sync."""
-
-    reads = 0
-
-    def __float__(self) -> float:
-        CountedReads.reads += 1
-        return super().__float__()
-
-
 @pytest.mark.parametrize("max_norm", [None, 10.0, 1.0])
-def test_a_normalized_step_reads_the_norm_on_the_host_once(max_norm: float | None) -> None:
-    # The boundary reduction measured the norm (sqrt(3 * 2^2) = 3.46); the step clips with it and records it.
-    param = torch.nn.Parameter(torch.zeros(3))
-    param.grad = torch.full((3,), 2.0)
-    optimizer = torch.optim.SGD([param], lr=1.0)
-    measured = torch.linalg.vector_norm(param.grad).as_subclass(CountedReads)
-    CountedReads.reads = 0
-    result = step_plain(optimizer, [("w", param)], max_norm, torch.ones((), dtype=torch.float64), None,
-                        normalized=True, normalized_norm=measured)
-    assert CountedReads.reads == 1  # the same norm read twice was a second sync per step on CUDA
-    assert result.grad_norm == pytest.approx(12**0.5)
-    clipped = 2.0 * (1.0 / (12**0.5 + 1e-6) if max_norm == 1.0 else 1.0)
-    assert param.detach().tolist() == pytest.approx([-clipped] * 3)
+def test_the_step_normalizes_and_clips_in_one_multiply_and_reports_the_normalized_norm(max_norm: float | None) -> None:
+    # The reduced gradient G = (4, ..., 4) over 7 elements, |G| = 4 sqrt(7); grad_scale 0.5: the normalized
+    # gradient is (2, ...), its norm 2 sqrt(7) = 5.29; clipping to 1 scales it to norm 1 in the same multiply.
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(4))]
+    for p in params:
+        p.grad = torch.full(p.shape, 4.0, dtype=p.dtype)
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    result = step_plain(optimizer, [("a", params[0]), ("b", params[1])], max_norm, 0.5, None, norms=GradNorms())
+    norm = 2.0 * 7**0.5
+    assert result.applied and result.grad_norm == pytest.approx(norm, rel=1e-12)
+    coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm is not None else 1.0
+    update = torch.cat([p.detach().flatten().double() for p in params])
+    assert torch.allclose(update, torch.full((7,), -2.0 * coef, dtype=torch.float64), rtol=1e-6)
+    assert result.tensor_norms is not None and result.tensor_norms.tolist() == pytest.approx([4 * 3**0.5, 8.0])
 
 
 @pytest.mark.parametrize("scale", [1.0, float("nan"), float("inf")])
-def test_a_step_without_a_norm_reads_the_window_scale_once_and_skips_when_it_is_not_finite(scale: float) -> None:
+def test_a_step_without_a_norm_skips_when_the_window_scale_is_not_finite(scale: float) -> None:
     # No clipping and no logged norm: the step's only question is whether the window's scale is finite (a
-    # non-finite loss on some rank makes it NaN); answered with one host read of it.
+    # non-finite loss on some rank makes it NaN).
     param = torch.nn.Parameter(torch.zeros(3))
     param.grad = torch.full((3,), 2.0)
     optimizer = torch.optim.SGD([param], lr=1.0)
-    grad_scale = torch.full((), scale, dtype=torch.float64).as_subclass(CountedReads)
-    CountedReads.reads = 0
-    result = step_plain(optimizer, [("w", param)], None, grad_scale, None, normalized=True, normalized_norm=None)
-    assert CountedReads.reads == 1
-    assert result.applied is (scale == 1.0) and result.grad_norm is None
+    result = step_plain(optimizer, [("w", param)], None, scale, None)
+    assert result.applied is (scale == 1.0) and result.grad_norm is None and result.tensor_norms is None
     assert param.detach().tolist() == ([-2.0] * 3 if scale == 1.0 else [0.0] * 3)
 
 
@@ -278,11 +237,10 @@ def _ddp_window_grad_pointers(grads_to_none: bool | None) -> tuple[list[int], li
                 after_boundary = [p.grad.data_ptr() for p in params]
             if window == 2 and k == 0:
                 in_window = [p.grad.data_ptr() for p in params]
-        scale = torch.ones((), dtype=torch.float64)
         if grads_to_none is None:
-            engine.step(None, scale)
+            engine.step(None, 1.0)
         else:
-            step_plain(engine.optimizer, list(engine.unwrapped().named_parameters()), None, scale, None,
+            step_plain(engine.optimizer, list(engine.unwrapped().named_parameters()), None, 1.0, None,
                        grads_to_none=grads_to_none)
     return after_boundary, in_window
 
@@ -315,7 +273,7 @@ def test_the_ddp_step_walks_the_module_tree_once_per_run(cpu_group: None, monkey
     x, y = torch.randn(2, 8), torch.randn(2, 4)
     for _ in range(4):
         engine.backward(((module(x) - y) ** 2).sum())
-        result = engine.step(1.0, torch.ones((), dtype=torch.float64))
+        result = engine.step(1.0, 1.0)
         assert result.applied and result.grad_norm is not None
     assert len(walks) == 1
     monkeypatch.undo()

@@ -1,8 +1,8 @@
 """The per-step reduction fingerprint (distaccum/verify/fingerprint.py).
 
-- unit: what the sampled scalars see (the first element of every tensor, the order of the tensors),
-  NaN-aware grouping of ranks, the seed hash, which engines replicate their reduced gradient, world 1
-  does nothing;
+- unit: the per-tensor norms name the first differing parameter, NaN-aware grouping of ranks, the seed hash,
+  which engines replicate their reduced gradient, world 1 does nothing, the row rides on the next window's
+  collective and only a row no window carried is gathered;
 - dist: a real 2-rank ``distaccum train`` whose reduction goes wrong from step 3 on (``no_sync`` on the
   wrong micro-batch, injected through the testing seam) stops at step 4, before its record, with exit 1,
   naming step 3, the ranks and the first parameter (the comparison is read a step later, so it never
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,22 +26,10 @@ from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed import DeepSpeedEngine
 from distaccum.engines.fsdp import FSDPEngine
 from distaccum.rundir.checkpoint import step_dir
-from distaccum.verify.fingerprint import Fingerprint, all_same, gradient_sample, groups, rng_hash, same
-
-
-@pytest.mark.unit
-def test_the_sample_sees_every_tensor_and_their_order() -> None:
-    torch.manual_seed(0)
-    grads = [torch.randn(1000, 100), torch.randn(3), torch.randn(1000, 100)]
-    base = gradient_sample(grads)
-    assert gradient_sample([g.clone() for g in grads]).tolist() == base.tolist()  # deterministic, bitwise
-    bias = [g.clone() for g in grads]
-    bias[1][0] += 1e-3  # a 3-element tensor: the stride skips it, but its first element is always sampled
-    assert gradient_sample(bias).tolist() != base.tolist()
-    swapped = gradient_sample([grads[2], grads[1], grads[0]])
-    assert swapped[1] == pytest.approx(float(base[1]), rel=1e-12)  # the same values...
-    assert swapped[0] != base[0]  # ...at other positions: the weighted sum tells
-    assert sum(g.numel() for g in grads) // 4096 > 1  # the sample is a sample, not the whole gradient
+from distaccum.engines.base import StepResult
+from distaccum.verify.fingerprint import Fingerprint, all_same, groups, rng_hash, same
+from distaccum.verify.tripwire import RankDivergenceError
+from distaccum.window import Carry, WindowResult
 
 
 @pytest.mark.unit
@@ -78,116 +67,91 @@ def test_only_engines_that_replicate_the_reduced_gradient_compare_it(tmp_path: P
             raise AssertionError("world 1 has nothing to compare: the gradients are never read")
 
     check = Fingerprint(World1Engine(), tmp_path, 0, 1, torch.device("cpu"))
-    check.after_reduction(1, object())  # no process group, no read, no file
-    check.judge(1)
+    check.after_step(1, window([[]]), StepResult(1.0, True))  # no process group, no read, no file
+    assert check.carry() is None
+    check.flush()
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("set_to_none", [False, True])
-def test_the_sample_keeps_views_of_gradients_that_outlive_a_step_and_never_keeps_freed_ones(
-        tmp_path: Path, set_to_none: bool) -> None:
-    """Gradients zeroed in place (DDP's bucket views) are sampled through views made once; gradients set to None
-    each step (Accelerate's ``zero_grad``) must not be kept alive by the check through the next backward (a second
-    copy of every gradient), and each step's sample is of that step's gradients either way."""
-    import gc
-    import weakref
+def window(carried: list[list[float]], sums: tuple[float, float] = (1.0, 4.0)) -> WindowResult:
+    """A window's totals as every rank reads them: ``carried`` per rank, rank r's own sums ``sums`` plus r."""
+    return WindowResult(items=8.0, loss_sum=2.0, bad_ranks=[], stop_votes=0, checkpoint_votes=0, items_min=4.0,
+                        items_max=4.0, rank_sums=[(sums[0] + r, sums[1]) for r in range(len(carried))],
+                        carried=carried)
 
-    model = torch.nn.Linear(64, 32)
 
-    class Engine:
-        replicated_gradients = True
+class Replicated:
+    replicated_gradients = True
 
-        def unwrapped(self) -> torch.nn.Module:
-            return model
+    def __init__(self) -> None:
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
 
-    check = Fingerprint(Engine(), tmp_path, 0, 2, torch.device("cpu"))
-    samples, freed = [], []
-    for step in range(4):
-        model.zero_grad(set_to_none=set_to_none)
-        model(torch.full((3, 64), float(step + 1))).sum().backward()
-        grads = [p.grad for p in model.parameters()]
-        samples.append(check._sample())
-        assert torch.equal(samples[-1], gradient_sample(grads))  # this step's gradients, not a cached step's
-        last = [weakref.ref(g) for g in grads]
-        del grads
-        model.zero_grad(set_to_none=set_to_none)
-        gc.collect()
-        freed.append(all(r() is None for r in last))
-    if set_to_none:
-        assert freed == [True] * 4
-        assert check._views == ([], [])
-    else:
-        assert freed == [False] * 4 and check._views[0]  # the same tensors every step: views made once
-    assert len({tuple(s.tolist()) for s in samples}) == 4
+    def unwrapped(self) -> torch.nn.Module:
+        return self.net
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind", ["DeviceTotals", "HostTotals"])
-def test_the_next_window_carries_each_ranks_row_in_its_slot_and_the_check_reads_it_from_there(tmp_path: Path,
-                                                                                              kind: str) -> None:
-    """The comparison needs no collective of its own: a window's all-reduce carries the previous step's rows
-    (this rank's in its slot, zeros in the others: the sum is an exact all-gather), the check judges them from
-    the totals' one host read, and only rows no window carried yet are gathered (before a checkpoint, at the end).
-    Here: a 2-rank layout on a one-rank group, as rank 1, so the all-reduce hands back exactly what was sent; both
-    kinds of window totals (on the device, and the CPU's Python floats)."""
+def test_the_next_window_carries_the_row_and_a_differing_norm_names_its_parameter(tmp_path: Path) -> None:
+    """The comparison needs no collective of its own: step 1's row (its seed hash, then each gradient tensor's
+    norm) is what the fingerprint hands the next window's collective (:meth:`Fingerprint.carry`), and it is judged
+    from that window's rows; rank 1's third tensor differs: the report names ``1.weight`` (the parameters in order:
+    0.weight, 0.bias, 1.weight, 1.bias) and step 1."""
+    check = Fingerprint(Replicated(), tmp_path, 0, 2, torch.device("cpu"))
+    assert check.carry() is None  # nothing pending yet: nothing carried
+    norms = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    check.after_step(1, window([[], []]), StepResult(5.5, True, None, norms))
+    carry = check.carry()
+    assert carry is not None and carry.tensor is norms and carry.floats == [rng_hash(torch.device("cpu"))]
+    row = [carry.floats[0], *norms.tolist()]
+    check.after_step(2, window([row, row]), StepResult(5.5, True, None, norms))  # step 1 agreed
+    check.carry()
+    odd = [row[0], 1.0, 2.0, 3.5, 4.0]
+    with pytest.raises(RankDivergenceError, match="disagree on the reduced gradient at optimizer step 2") as err:
+        check.after_step(3, window([row, odd]), StepResult(5.5, True, None, norms))
+    assert (err.value.parameter, err.value.rank) == ("1.weight", 1)
+    report = json.loads((tmp_path / "divergence.json").read_text())
+    assert (report["step"], report["ranks"], report["differing_parameters"]) == (2, [1], 1)
+
+
+@pytest.mark.unit
+def test_a_row_no_window_carried_is_gathered_at_once(tmp_path: Path) -> None:
+    """Before a checkpoint, a tripwire check and at the end the pending row is gathered now (one all-gather of its
+    own); here on a one-rank group standing for two ranks, the gather hands back what was sent."""
+    gathered: list[list[float]] = []
+
+    class Counted(Fingerprint):
+        def _judge(self, step: int, rows: list[list[float]]) -> None:
+            gathered.extend(rows)
+
     from conftest import one_rank_group
-    from distaccum import window
 
-    WindowTotals = getattr(window, kind)  # noqa: N806 - a class
-    from distaccum.split import Split
-
-    split = Split(micro_batch=2, accum_steps=2, world_size=2)
-    row = torch.tensor([0.1, -3.0, 2.0**60 + 1.0, float("nan")], dtype=torch.float64)  # exact: float64 + 0.0
     with one_rank_group("cpu"):
-        window = WindowTotals(split, rank=1, device=torch.device("cpu"))
+        check = Counted(Replicated(), tmp_path, 0, 1, torch.device("cpu"))
+        check.world = 1
+        check.flush()  # nothing pending: nothing gathered
+        assert gathered == []
+        check._pending = (4, Carry([7.0], torch.tensor([1.5, 2.5], dtype=torch.float64)))
+        check.flush()
+        assert gathered == [[7.0, 1.5, 2.5]] and check.carry() is None
+
+
+@pytest.mark.unit
+def test_the_window_carries_a_row_bit_for_bit() -> None:
+    """What a check hands the window's collective comes back in every rank's slot exactly (NaN kept), after the
+    window's own numbers."""
+    from conftest import one_rank_group
+    from distaccum.window import WindowTotals
+
+    row = torch.tensor([0.1, -3.0, 2.0**60 + 1.0, float("nan")], dtype=torch.float64)
+    with one_rank_group("cpu"):
+        totals = WindowTotals(torch.device("cpu"))
         for n in (3, 5):
-            window.add(torch.tensor(2.0), n, 1.0)
-        rows = window.carry(row)
-        window.reduce(stop=False, checkpoint_due=False)
-        assert rows() is None  # nothing read yet
-        host = window.read()
-        assert (host.items, host.items_min, host.items_max, host.bad_ranks) == (8.0, 0.0, 5.0, [])  # rank 0's slot: 0
-        got = rows()
-        assert got is not None and got[0] == [0.0] * 4
-        assert got[1][:3] == row.tolist()[:3] and got[1][3] != got[1][3]  # bitwise, NaN kept
-
-        class Replicated:
-            replicated_gradients = True
-
-            def __init__(self) -> None:
-                self.net = torch.nn.Linear(3, 2)
-                self.net(torch.ones(1, 3)).sum().backward()
-
-            def unwrapped(self) -> torch.nn.Module:
-                return self.net
-
-        gathered: list[list[float]] = []
-
-        class Counted(Fingerprint):
-            def _gather(self, local: torch.Tensor | list[float]) -> list[list[float]]:
-                gathered.append(local if isinstance(local, list) else local.tolist())  # the CPU's rows are floats
-                return [gathered[-1]] * self.world
-
-        check = Counted(Replicated(), tmp_path, 1, 2, torch.device("cpu"))
-        first = WindowTotals(split, rank=1, device=torch.device("cpu"))
-        first.add(torch.tensor(1.0), 4, 1.0)
-        check.before_reduce(first)  # nothing pending yet: nothing carried
-        first.reduce(stop=False, checkpoint_due=False)
-        check.after_reduction(1, first)
-        second = WindowTotals(split, rank=1, device=torch.device("cpu"))
-        second.add(torch.tensor(1.0), 4, 1.0)
-        check.before_reduce(second)  # step 1's row rides on step 2's all-reduce
-        second.reduce(stop=False, checkpoint_due=False)
-        check.after_reduction(2, second)
-        second.read()
-        with pytest.raises(Exception, match="disagree on the reduced gradient at optimizer step 1"):
-            check.judge(1)  # rank 0's slot came back as zeros: it "differs", read from the carried totals
-        # The comparison came with the totals; the one gather is the diagnosis's, after the mismatch: each
-        # parameter's (sum, sum of squares), 2 parameters.
-        assert [len(t) for t in gathered] == [4]
-        check.judge(2)  # step 2: no window carried it (a checkpoint or the end): its 5 numbers gathered at once
-        assert [len(t) for t in gathered] == [4, 5]
+            totals.add(torch.tensor(2.0), n, 1)
+        totals.reduce(stop=False, checkpoint=True, carry=Carry([12345.0], row))
+        got = totals.read()
+        assert (got.items, got.items_min, got.items_max, got.checkpoint_votes) == (8.0, 3.0, 5.0, 1)
+        carried = got.carried[0]
+        assert carried[:4] == [12345.0, 0.1, -3.0, 2.0**60 + 1.0] and math.isnan(carried[4])
 
 
 BASE = ("model=mlp", "accum.micro_batch=2", "accum.steps=4", "trainer.nproc=2", "trainer.max_steps=12",

@@ -30,7 +30,7 @@ def test_estimator_recovers_trace_and_squared_gradient_from_expected_norms(count
     world, n_total = len(counts), sum(counts)
     # E|G_n|^2 = |G|^2 + tr(Sigma)/n, arranged as the ranks' all-reduced window_terms
     sums = [sum(g2 + trace / n for n in counts), sum(1 / n for n in counts),
-            world * (g2 + trace / n_total) * n_total**2 / world**2]
+            world * (g2 + trace / n_total) * n_total**2]
     got_g2, got_trace = estimate(sums, n_total, world)
     assert math.isclose(got_g2, g2, rel_tol=1e-12) and math.isclose(got_trace, trace, rel_tol=1e-12)
     assert all(math.isnan(v) for v in estimate([3.0, 1 / 8, 3.0 * 64], 8.0, 1))  # one rank: undefined
@@ -146,10 +146,7 @@ def test_a_lagged_record_gets_its_own_step_s_terms() -> None:
 
     class Window:
         def __init__(self, items: float) -> None:
-            self.items = items
-
-        def sums(self) -> torch.Tensor:
-            return torch.tensor([0.0, self.items], dtype=torch.float64)
+            self.rank_sums = [(0.0, items), (0.0, items)]  # each rank's (loss sum, item count)
 
     def step(monitor: GnsMonitor, squares: GradSquares, k: int, scale: float) -> None:
         squares.add_local(torch.full((4,), scale))
@@ -158,7 +155,7 @@ def test_a_lagged_record_gets_its_own_step_s_terms() -> None:
 
     def records(lagged: bool) -> list[dict[str, float]]:
         squares = GradSquares()
-        monitor, out = GnsMonitor(squares, 0.5, world_size=2), []
+        monitor, out = GnsMonitor(squares, 0.5, world_size=2, rank=0, device=torch.device("cpu")), []
         step(monitor, squares, 1, 1.0)
         if lagged:
             step(monitor, squares, 2, 3.0)

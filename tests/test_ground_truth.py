@@ -226,16 +226,16 @@ def test_the_ground_truth_sees_split_independent_faults(tmp_path: Path, cpu_grou
 @pytest.mark.parametrize("engine", ["ddp", "accelerate"])
 def test_a_window_of_one_micro_batch_is_the_plain_gradient_and_its_faults_show(
         tmp_path: Path, cpu_group: None, engine: str) -> None:
-    """K = 1, where the replicated engines take the window's 1/(c N) in the loss and reduce a plain sum (no
-    pass over the gradient; ``engine.normalize_in_loss_mb=0``, whatever the gradient's size): one SGD step is minus the plain gradient to fp64 rounding, and a gradient off by
-    one part in a million (the fault wraps the normalization the engine takes into the loss) breaks the bound."""
+    """K = 1, a window of one micro-batch through the same normalization as any other (the reduced sum times
+    1/(c N) in the step): one SGD step is minus the plain gradient to fp64 rounding, and a gradient off by one part
+    in a million (the fault wraps the normalization the step applies) breaks the bound."""
     model, samples, plain = unit_case(tmp_path, "tiny_gpt", "full", torch.float64)
     seed = tmp_path / "seed.safetensors"
-    record, params = one_step(tmp_path, model, engine, samples, seed, "fp64", split=(samples, 1), normalize_in_loss_mb=0)
+    record, params = one_step(tmp_path, model, engine, samples, seed, "fp64", split=(samples, 1))
     assert plain.error(params) <= FP64_ATOL, plain.error(params)
     assert record["grad_norm"] == pytest.approx(plain.grad_norm, rel=1e-12, abs=0)
     record, params = one_step(tmp_path / "faulty", model, engine, samples, seed, "fp64", GradScale(1.0 + 1e-6),
-                              split=(samples, 1), normalize_in_loss_mb=0)
+                              split=(samples, 1))
     assert plain.error(params) > 100 * FP64_ATOL, plain.error(params)
     assert record["grad_norm"] != pytest.approx(plain.grad_norm, rel=1e-9, abs=0)
 

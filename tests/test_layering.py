@@ -106,7 +106,9 @@ def test_engines_import_only_the_engine_base_and_leaf_modules() -> None:
         if name.startswith("distaccum.engines.") and name != "distaccum.engines.base":
             other_engines = {d for d in deps if d.startswith("distaccum.engines.")} - {
                 "distaccum.engines.base", "distaccum.engines.comm_tap", "distaccum.engines.deepspeed_config",
-                "distaccum.engines.replicated", "distaccum.engines.compile"}
+                "distaccum.engines.compile"}
+            if name == "distaccum.engines.accelerate":  # Accelerate drives DDP: it shares DDP's replicated base
+                other_engines -= {"distaccum.engines.ddp"}
             assert not other_engines, f"{name} imports {other_engines}"
             assert "distaccum.loop" not in deps and "distaccum.trainer" not in deps, name
 
@@ -150,11 +152,46 @@ def test_the_trainer_reads_no_environment() -> None:
     assert "os.environ" not in _source("distaccum.trainer") and "getenv" not in _source("distaccum.trainer")
 
 
-def test_the_loop_is_the_step_math() -> None:
-    tree = ast.parse(_source("distaccum.loop"))
-    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
-    length = train.end_lineno - train.lineno + 1  # type: ignore[operator]
-    assert length <= 80, f"loop.train is {length} lines"
+def _function(module: str, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.parse(_source(module)).body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_step_is_the_step_math() -> None:
+    """``train_step`` is fetch -> K micro-steps -> one reduction -> clip -> step in at most 40 lines, with nothing
+    of the timer, the records, the checks or the checkpointer in it (they run around it, in ``train``)."""
+    step = _function("distaccum.loop", "train_step")
+    length = step.end_lineno - step.lineno + 1  # type: ignore[operator]
+    assert length <= 40, f"loop.train_step is {length} lines: the step math only"
+    names = {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(step)
+             if isinstance(n, ast.Attribute | ast.Name)}
+    around = {"timer", "sink", "records", "checkpointer", "monitors", "fingerprint", "on_step", "stop"} & names
+    assert not around, f"loop.train_step reaches for {sorted(around)}: those run around the step, in train"
+    loop = _function("distaccum.loop", "train")
+    assert loop.end_lineno - loop.lineno + 1 <= 50, "loop.train: the cadence around the step, on one screen"
+
+
+SOCKETS = re.compile(r"\bsocket\.(socket|socketpair|create_connection|create_server|fromfd)\b|\b(multiprocessing\."
+                     r"connection|asyncio\.open_(unix_)?connection|zmq)\b")
+
+
+def test_no_module_opens_a_transport_of_its_own() -> None:
+    """Per-step data travels in the run's own collectives (gloo, NCCL): nothing a training run imports opens a
+    socket (a host name is not a transport; the launcher, which runs before any worker, may probe for a free port)."""
+    modules = _modules()
+    for name in sorted(_reachable("distaccum.trainer") | {"distaccum.trainer"}):
+        found = SOCKETS.search(modules[name].read_text())
+        assert found is None, f"{name} opens a transport of its own: {found.group(0) if found else ''}"
+    assert SOCKETS.search("peer = socket.socket(socket.AF_UNIX)") and not SOCKETS.search("socket.gethostname()")
+
+
+def test_one_normalization_path() -> None:
+    """The window's 1/(c N) is applied in one place, the engine's step: none of the retired second and third paths
+    (folded into the comm hook, multiplied into the loss at K = 1 above a size threshold) comes back."""
+    retired = re.compile(r"normalize_in_loss_mb|fold_normalization|normalize_loss\b|hand_over|loss_factor|"
+                         r"micro_factor")
+    for path in [*_modules().values(), *(REPO / "configs").rglob("*.yaml")]:
+        found = retired.search(path.read_text())
+        assert found is None, f"{path.relative_to(REPO)}: {found.group(0) if found else ''}"
 
 
 def test_the_top_level_package_stays_small() -> None:

@@ -311,79 +311,47 @@ def test_an_in_memory_tensor_dataset_trains_bit_for_bit_as_through_the_dataloade
     check_tensor_rows_train_as_the_dataloader(tmp_path, "cpu", shuffle=shuffle)
 
 
-@pytest.mark.parametrize("kind", ["DeviceTotals", "HostTotals"])
-def test_window_totals_count_exactly_and_weigh_stand_ins_zero(kind: str) -> None:
-    """The window's running sums (float64: tensors on the device, Python floats on the CPU): a real micro-batch
-    adds its loss and item count exactly (a float32 loss is widened, never rounded); a stand-in sample (weight 0)
-    adds nothing to either, but a non-finite stand-in loss still shows (NaN: the window's check must see it)."""
-    from distaccum import window as totals
-    from distaccum.config import Split
-
-    window = getattr(totals, kind)(Split(4, 3, 1), rank=0, device=torch.device("cpu"))
-    tenth = torch.tensor(0.1, dtype=torch.float32)
-    assert float(window.add(tenth, 4, 1.0)) == 4.0
-    assert float(window.add(torch.tensor(7, dtype=torch.float32), torch.tensor(3), 1.0)) == 3.0
-    assert float(window.add(torch.tensor(5.0), 2, 0.0)) == 0.0
-    loss_sum, items = window.sums().tolist()
-    assert window.sums().dtype == torch.float64 and loss_sum == float(tenth) + 7.0
-    assert items == 7.0 and [float(n) for n in window.counts] == [4.0, 3.0, 0.0]
-    window.add(torch.tensor(float("inf")), 1, 0.0)
-    assert math.isnan(window.sums().tolist()[0])
-    reused = torch.tensor(5.0, dtype=torch.float64)  # a loss that hands back the same count buffer each time
-    window.add(torch.tensor(1.0), reused, 1.0)
-    reused.fill_(9.0)
-    assert float(window.counts[-1]) == 5.0
-
-
-@pytest.mark.parametrize("counts_as", ["mixed", "ints", "tensors"])
-@pytest.mark.parametrize("loss_norm", ["global_count", "mean_per_micro"])
-def test_the_cpu_s_python_float_totals_are_bitwise_the_device_totals(loss_norm: str, counts_as: str) -> None:
-    """On the CPU the window's sums are Python floats (one tensor made for the all-reduce instead of a dozen
-    operations on one-number tensors); they must be the device kind's float64 arithmetic exactly: the same
-    all-reduced totals, the same 1/(c N) (or NaN), the same host read and carried rows, and the same factor
-    each micro-batch's loss is multiplied by. Random float32 and float64 losses, counts as ints, tensors or both
-    (the device kind keeps Python counts on the host until a tensor count comes), stand-ins, a non-finite window;
-    a 3-rank layout on a one-rank group as rank 2 (what was sent comes back)."""
+def test_window_totals_count_exactly_and_weigh_stand_ins_zero() -> None:
+    """The window's totals (one rank): a real micro-batch adds its loss and item count exactly (a float32 loss is
+    widened, never rounded; a count may be an int or a tensor); a stand-in sample (``samples`` 0) adds nothing to
+    either and is backpropagated with weight 0, but a non-finite stand-in loss still shows (the window's check must
+    see it); the scale is 1/(c N), NaN when a loss was not finite."""
     from conftest import one_rank_group
-    from distaccum.config import Split
-    from distaccum.loop import micro_factor
-    from distaccum.window import DeviceTotals, HostTotals
+    from distaccum.window import WindowTotals
 
-    split = Split(micro_batch=3, accum_steps=4, world_size=3)
-    gen = torch.Generator().manual_seed(7)
     with one_rank_group("cpu"):
-        for case in range(6):
-            windows = [kind(split, rank=2, device=torch.device("cpu")) for kind in (DeviceTotals, HostTotals)]
-            losses = torch.randn(4, generator=gen, dtype=torch.float64) * 10.0 ** case
-            counts = torch.randint(0, 50, (4,), generator=gen)
-            for k in range(4):
-                summed = losses[k].to(torch.float32) if k % 2 else losses[k]
-                if case == 5 and k == 1:
-                    summed = torch.tensor(float("nan"))
-                as_tensor = {"mixed": k % 2 == 1, "ints": False, "tensors": True}[counts_as]
-                n_items = counts[k] if as_tensor else int(counts[k])
-                weight = 0.0 if case == 3 and k == 2 else 1.0
-                ns = [w.add(summed, n_items, weight) for w in windows]
-                factors = [micro_factor(loss_norm, 0.25 * weight, n, split) for n in ns]
-                assert float(ns[0]) == ns[1] and float(factors[0]) == float(factors[1])
-            assert (windows[0].device_items is None) == (counts_as == "ints")  # Python counts: no device work
-            rows = [w.carry(torch.tensor([0.1 * case, -2.0, float(case)], dtype=torch.float64)) for w in windows]
-            for w in windows:
-                w.reduce(stop=case == 2, checkpoint_due=case == 4)
-            scales = [w.grad_scale(2.0 ** -case, loss_norm) for w in windows]
-            assert scales[0].dtype == scales[1].dtype == torch.float64
-            if case == 5:
-                assert math.isnan(float(scales[0])) and math.isnan(float(scales[1]))
-            else:
-                assert float(scales[0]) == float(scales[1])
-            device_totals, host_totals = windows[0].totals.tolist(), windows[1].totals.tolist()
-            assert len(device_totals) == len(host_totals)
-            assert all(a == b or (math.isnan(a) and math.isnan(b))
-                       for a, b in zip(device_totals, host_totals, strict=True))
-            reads = [w.read() for w in windows]
-            if case != 5:
-                assert reads[0] == reads[1]
-            assert rows[0]() == rows[1]() and rows[1]()[2] == [0.1 * case, -2.0, float(case)]
+        window = WindowTotals(torch.device("cpu"))
+        tenth = torch.tensor(0.1, dtype=torch.float32)
+        assert window.add(tenth, 4, 2) == 1.0
+        assert window.add(torch.tensor(7, dtype=torch.float32), torch.tensor(3), 2) == 1.0
+        assert window.add(torch.tensor(5.0), 2, 0) == 0.0
+        window.reduce(stop=True, checkpoint=False)
+        got = window.read()
+        assert (got.loss_sum, got.items) == (float(tenth) + 7.0, 7.0)
+        assert (got.items_min, got.items_max, got.bad_ranks, got.stop_votes, got.checkpoint_votes) == (0, 4, [], 1, 0)
+        assert got.grad_scale(0.5) == 1.0 / (0.5 * 7.0) and got.grad_scale(0.5, "mean_per_micro") == 2.0
+        window.start()
+        window.add(torch.tensor(1.0), 3, 1)
+        window.add(torch.tensor(float("inf")), 1, 0)
+        window.reduce(stop=False, checkpoint=False)
+        got = window.read()
+        assert got.bad_ranks == [0] and got.items == 3.0 and math.isnan(got.grad_scale(1.0))
+
+
+def test_a_count_tensor_changed_after_it_was_returned_is_refused() -> None:
+    """The window reads its item counts once, after its last forward: a loss that hands back the same count buffer
+    each time and overwrites it would otherwise be counted with its last value."""
+    from conftest import one_rank_group
+    from distaccum.window import WindowTotals
+
+    with one_rank_group("cpu"):
+        window = WindowTotals(torch.device("cpu"))
+        reused = torch.tensor(5.0, dtype=torch.float64)
+        window.add(torch.tensor(1.0), reused, 1)
+        reused.fill_(9.0)
+        window.add(torch.tensor(1.0), reused, 1)
+        with pytest.raises(ValueError, match="changed it in place afterwards"):
+            window.reduce(stop=False, checkpoint=False)
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -403,15 +371,11 @@ def squared_error(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, int
     return torch.nn.functional.mse_loss(model(x), y, reduction="sum"), y.numel()  # 3 samples x 8 = 24 items
 
 
-@pytest.mark.parametrize("limit_mb", [0.0, 25.0, None])
-def test_a_window_of_one_micro_batch_carries_its_normalization_in_the_loss(tmp_path: Path,
-                                                                           limit_mb: float | None) -> None:
-    """K = 1 on the CPU with a gradient of at least ``engine.normalize_in_loss_mb`` MiB: the loss is multiplied by
-    1/N (fp32) before the backward and the reduction is a plain sum, with no pass over the gradient before or
-    after it. The optimizer steps with bitwise the gradient of loss_sum * fl32(1/N), not the folded one (the
-    reduced sum times 1/(c N)), which differs in rounding here (N = 24), and that folded one below the limit (this
-    model's gradient is 2.8 KiB) or with none; K = 3 over the same samples (always folded) agrees to fp32
-    rounding."""
+def test_the_step_normalizes_once_by_multiplying_the_reduced_sum(tmp_path: Path) -> None:
+    """One normalization on every split: each micro-batch backpropagates its summed loss times the power of two c,
+    the reduction sums, and the step multiplies the reduced gradient by fl(1/(c N)). At K = 1 the optimizer steps
+    with bitwise that gradient (not with the loss multiplied by 1/N, which rounds differently here: N = 24); K = 3
+    over the same samples agrees to fp32 rounding."""
     from torch.utils.data import TensorDataset
 
     gen = torch.Generator().manual_seed(3)
@@ -425,8 +389,7 @@ def test_a_window_of_one_micro_batch_carries_its_normalization_in_the_loss(tmp_p
             return kept[-1]
 
         cfg = config(tmp_path / f"k{k}", optim=SGD, accum={"micro_batch": micro, "steps": k, "global_batch": None},
-                     data={"shuffle": False}, trainer={"max_steps": 1}, log={"grad_norm": False},
-                     engine={"normalize_in_loss_mb": limit_mb})
+                     data={"shuffle": False}, trainer={"max_steps": 1}, log={"grad_norm": False})
         trainer = Trainer(cfg, model=lambda: MLP(32, 16, 2, 8), dataset=data, loss=squared_error, optimizer=make)
         trainer.setup()
         start[k] = [p.detach().clone() for _, p in trainer.state.engine.full_parameters()]
@@ -442,27 +405,25 @@ def test_a_window_of_one_micro_batch_carries_its_normalization_in_the_loss(tmp_p
                 p.copy_(value)
         summed, n = squared_error(model, data.tensors)
         (summed * factor).backward()
-        return [p.grad if after is None else p.grad * torch.tensor(after, dtype=torch.float64).float()
-                for p in model.parameters()]
+        return [p.grad if after is None else p.grad * after for p in model.parameters()]
 
     in_loss = by_hand(torch.tensor(1 / 24, dtype=torch.float64).float(), None)
     c = 2.0 ** -round(math.log2(3))  # power_of_two_scale before the first window (global batch 3)
-    folded = by_hand(c, 1 / (c * 24))
-    assert not all(torch.equal(a, b) for a, b in zip(in_loss, folded, strict=True))  # the test tells them apart
-    assert all(torch.equal(a, b) for a, b in zip(seen[1], in_loss if limit_mb == 0.0 else folded, strict=True))
+    stepped = by_hand(c, 1 / (c * 24))
+    assert not all(torch.equal(a, b) for a, b in zip(in_loss, stepped, strict=True))  # the test tells them apart
+    assert all(torch.equal(a, b) for a, b in zip(seen[1], stepped, strict=True))
     for a, b in zip(seen[1], seen[3], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_a_non_finite_loss_at_k1_skips_the_step_and_the_next_one_trains(tmp_path: Path) -> None:
-    """K = 1 multiplies the loss by the window's 1/(c N), which is NaN when a rank's loss was: every gradient is
-    NaN, the step is skipped, and the next window (gradients zeroed in place) trains normally."""
+    """A rank's NaN loss makes the window's 1/(c N) NaN and every gradient NaN: the step is skipped, and the next
+    window (gradients zeroed in place) trains normally."""
     from distaccum import testing
     from distaccum.testing.faults import NanLoss
 
     testing.install(NanLoss(step=2))
-    trainer = mlp_trainer(tmp_path, optim=SGD, accum={"micro_batch": 8, "steps": 1, "global_batch": None},
-                          engine={"normalize_in_loss_mb": 0.0})
+    trainer = mlp_trainer(tmp_path, optim=SGD, accum={"micro_batch": 8, "steps": 1, "global_batch": None})
     trainer.setup()
     before = params(trainer)
     records = trainer.train_steps(4)
@@ -471,50 +432,3 @@ def test_a_non_finite_loss_at_k1_skips_the_step_and_the_next_one_trains(tmp_path
     assert math.isnan(records[1]["loss"]) and all(math.isfinite(r["loss"]) for r in records[2:])
     after = params(trainer)
     assert torch.isfinite(after).all() and not torch.equal(after, before)
-
-
-def test_the_device_window_makes_few_operations() -> None:
-    """On an accelerator each operation is a launch the host pays for (tens of microseconds on the hosts of
-    BENCHMARKS.md's H200 runs), so the window's totals make few: none for a window of one micro-batch's loss, one
-    addition per later micro-batch, one concatenation for the row (the host's numbers come in one copy), one
-    all-gather (none on a one-rank group: the row is every row, as the CPU's exchange sends nothing there; the
-    all-gather on real ranks: tests/fixtures/window_gather.py), and five operations for the scale (clamp, multiply,
-    reciprocal, the non-finite test and its addition). Counted on the CPU with the device kind, through the
-    dispatcher (views and allocations aside)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from conftest import one_rank_group
-    from distaccum.config import Split
-    from distaccum.window import DeviceTotals
-
-    free = {"view", "select", "slice", "empty", "as_strided", "detach", "alias", "lift_fresh", "reshape", "unsqueeze",
-            "expand"}
-
-    class Counted(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            name = func.overloadpacket.__name__
-            if name not in free:
-                self.ops.append(name)
-            return func(*args, **(kwargs or {}))
-
-    losses = [torch.tensor(float(i) + 0.5, dtype=torch.float32) for i in range(4)]
-    with one_rank_group("cpu"):
-        for k in (1, 4):
-            window = DeviceTotals(Split(2, k, 1), rank=0, device=torch.device("cpu"))
-            per_micro = []
-            for i in range(k):
-                with Counted() as mode:
-                    window.add(losses[i], 2, 1.0)
-                per_micro.append(mode.ops)
-            with Counted() as reduce:
-                window.reduce(stop=False, checkpoint_due=False)
-            with Counted() as scale:
-                got = window.grad_scale(0.5, "global_count")
-            assert per_micro[0] == [] and all(len(ops) <= 2 for ops in per_micro[1:]), per_micro  # a widening, an add
-            assert reduce.ops == ["cat"], reduce.ops  # the host's numbers: no operation here; one rank: no collective
-            assert len(scale.ops) == 5, scale.ops
-            assert float(got) == 1.0 / (0.5 * 2 * k)

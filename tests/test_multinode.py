@@ -6,27 +6,22 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from distaccum.cluster.local import free_ports
+
 pytestmark = pytest.mark.dist
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path: Path) -> None:
     run_dir = tmp_path / "two-nodes"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [sys.executable, "-m", "distaccum", "train", "model=mlp", "engine=fsdp", "trainer.nnodes=2",
-           "trainer.nproc=2", f"trainer.rdzv_endpoint=127.0.0.1:{_free_port()}", "trainer.rdzv_id=two-node-test",
+           "trainer.nproc=2", f"trainer.rdzv_endpoint=127.0.0.1:{free_ports()[0]}", "trainer.rdzv_id=two-node-test",
            "accum.steps=2", "trainer.max_steps=2", "log.console=quiet", f"run_dir={run_dir}"]
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]

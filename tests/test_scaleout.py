@@ -42,8 +42,8 @@ def mode(key: str):
 
 def test_hidden_behind_compute() -> None:
     assert hidden_behind(0.0, 2.0, 4) == 0.0
-    assert hidden_behind(1.0, 2.0, 4) == 0.25  # fits the window: only the last unit's 1/4 shows
-    assert hidden_behind(3.0, 2.0, 4) == 1.5  # longer than the window: 3 - 2 + 2/4
+    assert hidden_behind(1.0, 2.0, 4) == 0.25  # fits in the compute: only the last unit's 1/4 shows
+    assert hidden_behind(3.0, 2.0, 4) == 1.5  # longer than the compute: 3 - 2 + 2/4
 
 
 def test_ddp_steps_by_hand() -> None:

@@ -75,7 +75,7 @@ def to_run_config(dcfg: Any, run_dir: str | None = None) -> RunConfig:
         values.pop("hydra", None)
         if run_dir is not None:
             values["run_dir"] = run_dir
-        cfg = from_mapping(values)
+        cfg = from_mapping({str(k): v for k, v in values.items()})
         check_split(cfg.accum, cfg.world_size())  # suggests valid splits or global batches
     except (ValueError, OmegaConfBaseException) as err:
         raise ConfigError(str(err)) from err

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from distaccum.cluster.stopping import EXIT_REQUEUE
 from distaccum.config import RunConfig
@@ -34,6 +36,19 @@ class LaunchPlan:
     """Named in messages (where the checkpoint and the logs are)."""
     shutdown_grace_s: int = 30
     """Seconds workers get to exit after SIGTERM before they are killed."""
+
+
+def free_ports(count: int = 1) -> list[int]:
+    """``count`` TCP ports free on 127.0.0.1 a moment ago, all different (held open together while chosen): for a
+    rendezvous or a daemon started next. Another process may take one before it is used."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def launch_plan(cfg: RunConfig) -> LaunchPlan:
@@ -111,7 +126,7 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    grace = {"shutdown_timeout": plan.shutdown_grace_s}
+    grace: dict[str, Any] = {"shutdown_timeout": plan.shutdown_grace_s}
     if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
         # torch < 2.13 (outside distaccum's tested versions, e.g. a GPU image's own torch): torch's own grace applies
         print(f"distaccum: this torch's LaunchConfig has no shutdown_timeout; workers get torch's default grace "

@@ -66,8 +66,7 @@ class GlobalBatchPlan:
         """Position: the 0-based optimizer step the plan hands out next (resume state)."""
         self._epoch_order: tuple[int, torch.Tensor] | None = None
         """The last epoch's order, kept: every window of an epoch slices it, and drawing a permutation of a
-        million samples takes tens of milliseconds (``python -m benchmarks.data_fetch``), while the sampler and the
-        loop each ask for every window."""
+        million samples takes tens of milliseconds, while the sampler and the loop each ask for every window."""
         self._pieces: dict[tuple[int, int, int, int], tuple[Window, list[torch.Tensor]]] = {}
         """The last few :meth:`rank_pieces` (see there)."""
 

@@ -12,7 +12,7 @@ forward/backward passes and takes part in every gradient reduction.
 
 An in-memory ``TensorDataset`` without a collate or workers needs no DataLoader: :class:`TensorRows` cuts its
 micro-batches in the training process (a view of consecutive rows, or one ``index_select`` per tensor), the same
-batches the loader would make, without its per-batch machinery (``python -m benchmarks.data_fetch``).
+batches the loader would make, without its per-batch machinery.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 import signal
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
@@ -91,7 +91,7 @@ class TensorBatches(Dataset):
         return [t.index_select(0, index) for t in self.tensors]
 
 
-def plain_tensors(dataset: Dataset, collate: Callable[[list[Any]], Any] | None) -> bool:
+def plain_tensors(dataset: Dataset, collate: Callable[[list[Any]], Any] | None) -> TypeGuard[TensorDataset]:
     """Is ``dataset`` exactly a ``TensorDataset`` batched by ``default_collate`` (``collate`` None or it)? A subclass
     may override ``__getitem__``, and another collate may expect samples."""
     return type(dataset) is TensorDataset and (collate is None or collate is default_collate)
@@ -123,8 +123,8 @@ class TensorRows:
     not. Every write bumps the tensor's version counter, which a view shares with the dataset's tensor: each
     fetch checks that the counters of the tensors a view was handed out of are where they were, and stops the
     run with :class:`DatasetWrittenError` at the next micro-batch after such a write (``tests/test_plan.py``).
-    Copying every micro-batch instead cost about 1 % of the benchmark's 0.9M-parameter step at K = 4 and 16 on this
-    project's 2-core machine (``distaccum_copied_rows`` in BENCHMARKS.md). Two kinds of tensor are still copied:
+    Copying every micro-batch instead is a copy of every input per micro-batch that a hand-written loop, which
+    slices its tensors, does not make. Two kinds of tensor are still copied:
     an unpinned host tensor of a CUDA run (into pinned memory: the move is then asynchronous) and an inference
     tensor (made under ``torch.inference_mode``) on the training device, whose views could neither be watched (it
     keeps no version counter) nor saved for the backward.
@@ -209,6 +209,7 @@ class MicroBatch:
     """One collated micro-batch of this rank."""
 
     batch: Any
+    """On the training device."""
     samples: int
     """Real samples in it; 0 for the stand-in of an empty piece (trained with weight 0)."""
 
@@ -225,7 +226,7 @@ class WindowBatches:
     partial: bool
     """Fewer samples than the global batch (the last window of an epoch)."""
     micro: Iterator[MicroBatch]
-    """This rank's K micro-batches, collated one at a time as the loop asks for them."""
+    """This rank's K micro-batches, collated and moved to the device one at a time as the loop asks for them."""
 
 
 class WindowSource(Protocol):
@@ -253,14 +254,16 @@ class WindowSource(Protocol):
 
 class PlanSource:
     """A map-style dataset served window by window through the global-batch plan (:func:`micro_batches`: a
-    DataLoader, or :class:`TensorRows` for an in-memory ``TensorDataset``) for training on ``device``."""
+    DataLoader, or :class:`TensorRows` for an in-memory ``TensorDataset``) for training on ``device``: each
+    micro-batch is moved there (floating tensors cast to ``float_dtype`` when given) as it is served."""
 
     def __init__(self, dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
                  split: Split, rank: int, stop: int, *, device: torch.device | None = None, num_workers: int = 0,
-                 prefetch_factor: int = 2) -> None:
+                 prefetch_factor: int = 2, float_dtype: torch.dtype | None = None) -> None:
         self.dataset, self.collate, self.plan, self.split, self.rank, self.stop = \
             dataset, collate, plan, split, rank, stop
-        self.loader_options = {"device": device if device is not None else torch.device("cpu"),
+        self.float_dtype = float_dtype
+        self.loader_options: dict[str, Any] = {"device": device if device is not None else torch.device("cpu"),
                                "num_workers": num_workers, "prefetch_factor": prefetch_factor}
         """The keyword arguments this source was made with (a copy of it is ``PlanSource(..., **loader_options)``)."""
         self._batches: Iterator[Any] | None = None
@@ -278,14 +281,15 @@ class PlanSource:
         step = self.plan.next_step
         if self._batches is None or self._at != step:  # first window, or the position moved (resume)
             self._batches = micro_batches(self.dataset, self.collate, self.plan, self.split, self.rank, self.stop,
-                                          **self.loader_options)  # type: ignore[arg-type]
+                                          **self.loader_options)
             self._at = step
         epoch, size, sizes = self.plan.rank_sizes(step, self.split, self.rank)  # no tensors: the pieces are cut
         batches = self._batches  # by the sampler (a DataLoader) or the in-process fetch (TensorRows)
+        device, float_dtype = self.loader_options["device"], self.float_dtype
 
         def micro() -> Iterator[MicroBatch]:
             for n in sizes:
-                yield MicroBatch(next(batches), n)
+                yield MicroBatch(to_device(next(batches), device, float_dtype), n)
 
         return WindowBatches(step, epoch, size, size < self.plan.global_batch, micro())
 
@@ -304,7 +308,7 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None 
     """Move every tensor of ``batch`` (tensors, mappings, sequences, dataclasses, nested) to ``device``;
     floating tensors also to ``float_dtype`` when given (``precision=fp64``). Other values pass through."""
     if isinstance(batch, torch.Tensor):
-        moved = batch.to(device, non_blocking=True)
+        moved = batch if batch.device == device else batch.to(device, non_blocking=True)  # no call for no move
         return moved.to(float_dtype) if float_dtype is not None and moved.is_floating_point() else moved
     # Sequences before the abstract-class check of Mapping (the in-process fetch's batch is a list).
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple

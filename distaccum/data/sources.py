@@ -36,12 +36,16 @@ class DataOptions:
 
 
 def build_source(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, split: Split, rank: int,
-                 max_steps: int, options: DataOptions, *, device: torch.device | None = None) -> WindowSource:
-    """This rank's windows for training on ``device`` (default the CPU): a stream (no length) is cut into windows
-    in order; a map-style dataset is walked by the global-batch plan (through a DataLoader, pinned on CUDA, or an
-    in-memory ``TensorDataset`` cut directly: :class:`~distaccum.data.pipeline.TensorRows`)."""
+                 max_steps: int, options: DataOptions, *, device: torch.device | None = None,
+                 float_dtype: torch.dtype | None = None) -> WindowSource:
+    """This rank's windows for training on ``device`` (default the CPU; floating tensors cast to ``float_dtype`` when
+    given): a stream (no length) is cut into windows in order; a map-style dataset is walked by the global-batch
+    plan (through a DataLoader, pinned on CUDA, or an in-memory ``TensorDataset`` cut directly:
+    :class:`~distaccum.data.pipeline.TensorRows`)."""
     if is_stream(dataset):
         return StreamSource(dataset, collate, split, rank, drop_last=options.drop_last,  # type: ignore[arg-type]
-                            num_workers=options.num_workers, prefetch_factor=options.prefetch_factor)
+                            num_workers=options.num_workers, prefetch_factor=options.prefetch_factor,
+                            device=device, float_dtype=float_dtype)
     return PlanSource(dataset, collate, options.plan(dataset, split.global_batch), split, rank, max_steps,
-                      device=device, num_workers=options.num_workers, prefetch_factor=options.prefetch_factor)
+                      device=device, num_workers=options.num_workers, prefetch_factor=options.prefetch_factor,
+                      float_dtype=float_dtype)

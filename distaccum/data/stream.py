@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from distaccum.config import Split
 from distaccum.data.global_batch import Window
-from distaccum.data.pipeline import MicroBatch, WindowBatches, ignore_stop_signals
+from distaccum.data.pipeline import MicroBatch, WindowBatches, ignore_stop_signals, to_device
 
 
 def is_stream(dataset: Any) -> bool:
@@ -105,8 +105,10 @@ class StreamSource:
     each window of the global stream, collated one micro-batch at a time as the loop asks."""
 
     def __init__(self, dataset: IterableDataset, collate: Callable[[list[Any]], Any] | None, split: Split,
-                 rank: int, *, drop_last: bool = False, num_workers: int = 0, prefetch_factor: int = 2) -> None:
+                 rank: int, *, drop_last: bool = False, num_workers: int = 0, prefetch_factor: int = 2,
+                 device: torch.device | None = None, float_dtype: torch.dtype | None = None) -> None:
         self.dataset, self.collate, self.split, self.rank = dataset, collate or default_collate, split, rank
+        self.device, self.float_dtype = device if device is not None else torch.device("cpu"), float_dtype
         self.options = {"drop_last": drop_last, "num_workers": num_workers, "prefetch_factor": prefetch_factor}
         self.next_step = 0
         self.epoch = 0
@@ -125,13 +127,14 @@ class StreamSource:
         count = len(current.samples)
         layout = Window(self.next_step, current.epoch, torch.arange(count), self.split.global_batch)
         pieces = layout.rank_micro_batches(self.split, self.rank)
-        collate = self.collate
+        collate, device, float_dtype = self.collate, self.device, self.float_dtype
 
         def micro() -> Iterator[MicroBatch]:
             for piece in pieces:
                 # An empty piece still needs a forward/backward: the window's first sample, weight 0.
                 chosen = piece.tolist() if len(piece) else [0]
-                yield MicroBatch(collate([current.samples[i] for i in chosen]), len(piece))
+                batch = collate([current.samples[i] for i in chosen])
+                yield MicroBatch(to_device(batch, device, float_dtype), len(piece))
 
         return WindowBatches(self.next_step, current.epoch, count, layout.partial, micro())
 

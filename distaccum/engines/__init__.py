@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from distaccum.config import ENGINES as ENGINE_NAMES
-from distaccum.engines.base import Engine, EngineSpec
+from distaccum.engines.base import Engine, EngineBase, EngineSpec
 from distaccum.telemetry.ledger import CommLedger
 
 ENGINES: dict[str, str] = {
@@ -23,7 +23,7 @@ ENGINES: dict[str, str] = {
 assert set(ENGINES) == set(ENGINE_NAMES), "config.ENGINES and the registry must list the same engines"
 
 
-def engine_class(name: str) -> type:
+def engine_class(name: str) -> type[EngineBase]:
     """The class registered under ``name`` (imports its module)."""
     if name not in ENGINES:
         raise ValueError(f"engine.name={name!r} is not one of {', '.join(ENGINES)}")
@@ -38,4 +38,4 @@ def check_engine(spec: EngineSpec) -> None:
 
 def make_engine(spec: EngineSpec, ledger: CommLedger) -> Engine:
     """A new engine for ``spec`` (call after the process group exists)."""
-    return engine_class(spec.engine.name)(spec, ledger)
+    return engine_class(spec.engine.name)(spec, ledger)  # type: ignore[return-value]  # each class is an Engine

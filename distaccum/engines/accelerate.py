@@ -5,10 +5,10 @@ windows always hold exactly K micro-batches, so that is the boundary), or on eve
 ``accum.sync=every_micro`` (Accelerate's ``sync_each_batch``). We check that its decision is the
 loop's on every micro-batch rather than trusting the two counters to stay in step.
 
-Scaling: ``Accelerator.backward`` divides every loss by K, and Accelerate wraps the model in DDP.
-We register the replicated engines' comm hook on that DDP module (so the ledger counts these reductions
-too); it averages over the W ranks (see ``engines.replicated.mean_allreduce_hook`` for why not a sum). Both
-divisions are declared in ``grad_divisor = K * W``: the step sees the loop's sum and nothing else.
+Scaling: ``Accelerator.backward`` divides every loss by K, and Accelerate wraps the model in DDP. We register
+DDP's counting comm hook on that DDP module (so the ledger counts these reductions too): a sum, or with
+``accum.sync=every_micro`` a mean over the W ranks (:mod:`distaccum.engines.ddp` says why). Both divisions are
+declared in ``grad_divisor`` (K, or K * W): the step sees the loop's sum and nothing else.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distaccum.engines.base import EngineSpec, OptimizerFactory, StepResult
 from distaccum.engines.compile import compiled
-from distaccum.engines.replicated import ReplicatedEngine
+from distaccum.engines.ddp import ReplicatedEngine
 from distaccum.telemetry.ledger import CommLedger
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -48,8 +48,8 @@ class AccelerateEngine(ReplicatedEngine):
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
         super().__init__(spec, ledger)
         self.accum_steps = spec.split.accum_steps
-        # Accelerator.backward divides by K; the DDP comm hook averages over W ranks.
-        self.grad_divisor = float(self.accum_steps * dist.get_world_size())
+        # Accelerator.backward divides by K; the comm hook averages over the W ranks with every_micro only.
+        self.grad_divisor = float(self.accum_steps * (self.world if self.averages else 1))
         self.accelerator: Any = None
         self.module: nn.Module | None = None
         self.raw: nn.Module | None = None
@@ -97,13 +97,13 @@ class AccelerateEngine(ReplicatedEngine):
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)  # divides by K (declared in grad_divisor), scales fp16
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
         if not self.accelerator.sync_gradients:
             raise RuntimeError("Accelerate's accumulate() has not reached its boundary at the loop's "
                                "optimizer step: its optimizer.step() would silently do nothing")
         # The torch optimizer and Accelerate's GradScaler directly: the same unscale -> normalize
         # -> clip -> step as DDP (Accelerate's prepared optimizer would only add its own checks).
-        return super().step(max_norm, grad_scale, loss_finite)
+        return super().step(max_norm, grad_scale)
 
     def teardown(self) -> None:
         if self.accelerator is not None:

@@ -88,11 +88,15 @@ class StepResult:
 
     grad_norm: float | None
     """Global L2 norm of the normalized gradient, before clipping (inf/nan when non-finite; None when not
-    measured: ``log.grad_norm=false`` without clipping)."""
+    measured: no clipping, ``log.grad_norm=false`` and no reduction fingerprint)."""
     applied: bool
     """False when the step was skipped (fp16 overflow or a non-finite gradient)."""
     nonfinite_param: str | None = None
     """On a skipped step: the first parameter whose (local) gradient is not finite, when known."""
+    tensor_norms: torch.Tensor | None = None
+    """Each gradient tensor's norm before the normalization (float64, on the device), where every rank holds the
+    whole reduced gradient and the norm was measured: bitwise the same on every rank after a correct reduction (the
+    reduction fingerprint compares them). Valid until the next step."""
 
 
 class Engine(Protocol):
@@ -128,26 +132,11 @@ class Engine(Protocol):
         """Backward of one micro-batch's loss (already multiplied by ``grad_divisor`` and c)."""
         ...
 
-    def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
-        """Offer the window's normalization before its boundary backward: an engine that can apply
-        ``scale()`` (the 1/(c N), agreed by every rank) inside the boundary reduction itself, on each
-        bucket as it is reduced, says True, and its :meth:`step` then skips the separate multiply."""
-        ...
-
-    def normalize_loss(self, scale: Callable[[], torch.Tensor]) -> torch.Tensor | None:
-        """Offer the window's normalization before the backward of its only micro-batch (K = 1): an engine that
-        can then reduce the gradient as a plain sum returns what the loss is multiplied by besides the loop's c
-        and the micro-batch's weight (``scale()``, the 1/(c N) agreed by every rank, times whatever its own
-        backward divides by), and neither its reduction nor its :meth:`step` touches the gradient again. None:
-        not offered (the loop then offers :meth:`fold_normalization`)."""
-        ...
-
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
-        """Multiply the reduced gradients by ``grad_scale`` (the window's 1/(c N)), clip the global
-        norm to ``max_norm`` when set, step the optimizer and zero the gradients. Skips the update
-        (and says so) when the gradient is not finite. Called once per optimizer step. ``loss_finite``: the
-        loop's verdict on the window's loss, read from its totals (``grad_scale`` is NaN exactly when it is
-        False), so an engine that measures no norm need not read ``grad_scale`` on the host (None: read it)."""
+    def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
+        """Multiply the reduced gradients by ``grad_scale`` (the window's 1/(c N): the normalization, applied here
+        and nowhere else), clip the global norm to ``max_norm`` when set, step the optimizer and zero the
+        gradients. Skips the update (and says so) when the gradient is not finite (``grad_scale`` is NaN when a
+        rank's loss was). Called once per optimizer step."""
         ...
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -240,44 +229,40 @@ class EngineBase:
         """HSDP: the ranks of each replica (its shard group), replica by replica; None for other layouts."""
         return None
 
-    def fold_normalization(self, scale: Callable[[], torch.Tensor]) -> bool:
-        """By default the step normalizes (see :meth:`Engine.fold_normalization`)."""
-        return False
-
-    def normalize_loss(self, scale: Callable[[], torch.Tensor]) -> torch.Tensor | None:
-        """By default the step normalizes (see :meth:`Engine.normalize_loss`)."""
-        return None
-
     @classmethod
     def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
         """Engine settings a checkpoint must agree with to be resumed (beyond the engine's name)."""
         return {}
 
 
-def scale_and_clip_(grads: list[torch.Tensor], grad_scale: torch.Tensor,
-                    max_norm: float | None) -> torch.Tensor:
-    """Normalize and clip ``grads`` in place with one norm pass and one multiply; returns the norm.
+class GradNorms:
+    """Each gradient tensor's norm, in a float64 buffer kept from step to step, and the global norm from them,
+    read on the host once per step (the update depends on it being finite)."""
 
-    ``grads`` are the accumulated (reduced) gradients G; the true gradient is ``grad_scale * G``.
-    Its norm is ``grad_scale * |G|`` and the clip coefficient is torch's
-    ``min(1, max_norm / (norm + 1e-6))``, so one multiply by ``grad_scale * coef`` both normalizes
-    and clips. The norm stays a tensor (no host sync here). Sharded (DTensor) gradients give a
-    DTensor norm; callers make it full.
-    """
-    raw = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-    if hasattr(raw, "full_tensor"):  # DTensor: per-shard norms, one all-reduce for the total
-        raw = raw.full_tensor()
-    norm = raw.to(torch.float64) * grad_scale.to(raw.device, torch.float64)
-    coef = grad_scale.to(raw.device, torch.float64)
-    if max_norm is not None:
-        coef = coef * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in locals_:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, group in by_dtype.items():
-        torch._foreach_mul_(group, coef.to(dtype))
-    return norm
+    def __init__(self) -> None:
+        self._out: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None
+        self._host_np: Any = None
+        """A NumPy view of the norms on the host (of ``_out`` on the CPU, of a pinned copy on CUDA)."""
+
+    def measure(self, grads: list[torch.Tensor]) -> tuple[float, torch.Tensor | None]:
+        """(the global L2 norm, each tensor's norm) of ``grads``. Sharded (DTensor) gradients: per-shard norms and
+        one all-reduce for the total, and no per-tensor norms (each rank holds other shards)."""
+        if not grads:
+            return 0.0, None
+        if hasattr(grads[0], "full_tensor"):
+            total: Any = torch.nn.utils.get_total_norm(grads, foreach=True)  # a DTensor: one all-reduce makes it full
+            return float(total.full_tensor()), None
+        out = self._out
+        if out is None or out.numel() != len(grads) or out.device != grads[0].device:
+            out = self._out = torch.empty(len(grads), dtype=torch.float64, device=grads[0].device)
+            self._host = torch.empty(len(grads), dtype=torch.float64, pin_memory=True) if out.is_cuda else out
+            self._host_np = self._host.numpy()
+        torch.stack(torch._foreach_norm(grads), out=out)
+        if out.is_cuda:
+            assert self._host is not None
+            self._host.copy_(out)  # the read the step waits for
+        return math.sqrt(math.fsum(x * x for x in self._host_np.tolist())), out
 
 
 def dcp_save(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -298,9 +283,8 @@ def dcp_load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))  # loads in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 def first_nonfinite(named: Iterable[tuple[str, nn.Parameter]]) -> str | None:
@@ -319,51 +303,31 @@ def grads_of(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def clip_normalized_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float | None) -> float:
-    """For gradients already normalized (the reduction applied 1/(c N)) whose ``norm`` the reduction
-    measured: the clip multiply, only when clipping changes something (no pass over the gradients
-    otherwise). Returns the norm read on the host: the one read, which the step needs anyway (on CUDA a
-    second ``float`` of the same tensor would be a second device sync)."""
-    norm = norm.to(torch.float64)
-    value = float(norm)
-    if max_norm is not None and value > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for dtype in {g.dtype for g in grads}:
-            torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype))
-    return value
-
-
 def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
-               grad_scale: torch.Tensor, scaler: torch.amp.GradScaler | None, *,
-               grads_to_none: bool = True, normalized: bool = False,
-               normalized_norm: torch.Tensor | None = None, loss_finite: bool | None = None) -> StepResult:
+               grad_scale: float, scaler: torch.amp.GradScaler | None, *, grads_to_none: bool = True,
+               norms: GradNorms | None = None) -> StepResult:
     """Normalize, clip and step the gradients of ``named`` parameters (whole, or DTensor shards for FSDP2).
 
-    With fp16 the GradScaler unscales first (once per step) and skips the update on overflow;
-    otherwise a non-finite norm skips it. Reading the norm is this function's one host sync (the
-    update is conditional on it); fp16 adds GradScaler's three (found-inf, the scale before and after).
-    ``grads_to_none=False`` zeroes the gradients in place instead of dropping them: needed when they
-    are views into DDP's buckets (see :meth:`distaccum.engines.ddp.DDPEngine.wrap`). Sharded (DTensor)
-    gradients: per-shard norms and one all-reduce for the total; the multiply acts on the local shards.
-    ``normalized``: the gradients are already normalized (the reduction folded ``grad_scale`` in:
-    :meth:`Engine.fold_normalization`) and ``normalized_norm`` is their norm as the reduction measured it,
-    or None when nothing needs it (no clipping, ``log.grad_norm=false``): then the step is skipped only
-    for a non-finite ``grad_scale`` (a non-finite loss), known from ``loss_finite`` when the loop gives it (no host
-    read of ``grad_scale``: the step then makes no device sync at all), and the norm is recorded as None.
+    The reduced gradient G is multiplied by ``grad_scale`` (the window's 1/(c N)) and, with ``max_norm``, by torch's
+    clip coefficient min(1, max_norm / (norm + 1e-6)) in the same multiply: one pass. The norm is the normalized
+    gradient's, ``grad_scale`` times G's, measured before the multiply with ``norms`` (None: not measured; the step
+    is then skipped only for a non-finite ``grad_scale``, that is a non-finite loss). With fp16 the GradScaler
+    unscales first and skips the update on overflow (three host reads of its own). ``grads_to_none=False`` zeroes
+    the gradients in place instead of dropping them: needed when they are views into DDP's buckets (see
+    :meth:`distaccum.engines.ddp.DDPEngine.wrap`).
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
     grads = grads_of(p for _, p in named)
-    if not normalized:
-        norm: float | None = float(scale_and_clip_(grads, grad_scale, max_norm))
-    elif normalized_norm is not None:
-        norm = clip_normalized_(grads, normalized_norm, max_norm)
-    else:
-        norm = None
+    norm, tensor_norms = norms.measure(grads) if norms is not None else (None, None)
     if norm is not None:
-        finite = norm == norm and norm != float("inf")  # the one read
-    else:
-        finite = math.isfinite(float(grad_scale)) if loss_finite is None else loss_finite
+        norm *= grad_scale
+    finite = math.isfinite(grad_scale if norm is None else norm)
+    coef = grad_scale
+    if max_norm is not None and norm is not None and finite:
+        coef *= min(1.0, max_norm / (norm + 1e-6))
+    if grads and (finite or scaler is not None):
+        torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coef)
     if scaler is not None:
         before = scaler.get_scale()
         scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
@@ -376,4 +340,4 @@ def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Param
         applied = False
     culprit = None if applied else first_nonfinite(named)
     optimizer.zero_grad(set_to_none=grads_to_none)
-    return StepResult(norm, applied, culprit)
+    return StepResult(norm, applied, culprit, tensor_norms)

@@ -53,5 +53,5 @@ def compile_in_place(module: nn.Module, mode: str) -> None:
     """Compile ``module``'s forward in place (its parameters, names and hooks stay where they are), with
     automatic dynamic shapes and the inputs' first (micro-batch) dimension dynamic from the start (FSDP2's
     blocks: see the module docstring)."""
-    module.forward = torch.compile(module.forward, **compile_options(mode, dynamic=None))  # type: ignore[method-assign]
+    module.forward = torch.compile(module.forward, **compile_options(mode, dynamic=None))
     module.register_forward_pre_hook(_batch_dim_dynamic)  # eager, before the compiled forward

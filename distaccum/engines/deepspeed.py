@@ -22,9 +22,8 @@ own schedule and says so). ``accum.sync=every_micro`` keeps DeepSpeed's per-micr
 ZeRO-2/3 (each micro-batch's gradient is reduced into the rank's partition, bucket by bucket of
 ``reduce_bucket_size``, and freed; the partition is the window's accumulator from micro-batch 2 on) and is
 refused for ZeRO-0/1 (declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated
-gradients). On the 27.3M benchmark model ZeRO-2 ``every_micro`` peaks above ``boundary`` (``python -m
-benchmarks.rss_maps``, BENCHMARKS.md): its saving needs a gradient larger than a bucket (inferred from
-DeepSpeed's code, not measured).
+gradients). ZeRO-2 ``every_micro`` can save memory over ``boundary`` only for a gradient larger than a bucket
+(inferred from DeepSpeed's code).
 
 Clipping happens inside ``engine.step()`` (``gradient_clipping`` in the generated config).
 """
@@ -182,13 +181,13 @@ class DeepSpeedEngine(EngineBase):
         with tap_gradient_reductions(self.ledger):  # ZeRO reduces inside backward (hooks, epilogue)
             self.engine.backward(loss, scale_wrt_gas=False)
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
         assert (max_norm or 0.0) == self.engine.gradient_clipping(), "clipping comes from the generated config"
         wrapper = self.engine.optimizer
         if wrapper is self.optimizer:
             # ZeRO-0 fp32: whole gradients on the parameters, reduced at the boundary.
             grads = grads_of(self.engine.module.parameters())
-            torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))
+            torch._foreach_mul_(grads, grad_scale)
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
             if not (norm == norm and norm != float("inf")):
                 self.engine.zero_grad()
@@ -200,12 +199,12 @@ class DeepSpeedEngine(EngineBase):
             # the override to act through: its accumulated, reduced fp32 gradients are multiplied before it
             # takes their norm.
             flat = wrapper.fp32_groups_gradients_flat
-            torch._foreach_mul_(flat, grad_scale.to(flat[0].device, flat[0].dtype))
+            torch._foreach_mul_(flat, grad_scale)
             self.engine.step()
         else:
             with _quiet_deepspeed():
                 # ZeRO 1-3: DeepSpeed divides gradients and their norm by its loss scale in step().
-                wrapper.override_loss_scale(1.0 / float(grad_scale))
+                wrapper.override_loss_scale(1.0 / grad_scale)
                 try:
                     self.engine.step()  # norm, clip, optimizer step (skipped on a non-finite norm), zero grads
                 finally:

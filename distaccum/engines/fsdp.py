@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from distaccum.engines.base import (
     EngineBase,
     EngineSpec,
+    GradNorms,
     OptimizerFactory,
     Precision,
     StepResult,
@@ -134,6 +135,7 @@ class FSDPEngine(EngineBase):
         self.mesh: DeviceMesh | None = None
         self._replicate_group: str | None = None
         """Name of the cross-replica process group (HSDP), for the ledger's tap."""
+        self._norms = GradNorms()
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model = model.to(device=self.device, dtype=self.precision.param_dtype)
@@ -197,11 +199,12 @@ class FSDPEngine(EngineBase):
                                      replicate_group=self._replicate_group):
             loss.backward()
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
         assert self.module is not None
         # Sharded DTensor gradients: per-shard norms and one all-reduce for the total (not a gradient
         # reduction, and outside the tap); the multiply acts on the local shards. The norm decides the skip.
-        return step_plain(self.optimizer, list(self.module.named_parameters()), max_norm, grad_scale, None)
+        return step_plain(self.optimizer, list(self.module.named_parameters()), max_norm, grad_scale, None,
+                          norms=self._norms)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.module is not None
@@ -216,7 +219,7 @@ class FSDPEngine(EngineBase):
         assert self.module is not None
         # Gathered shard by shard onto rank 0's CPU (the other ranks get an empty dict).
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return dict(get_model_state_dict(self.module, options=options))
+        return cast(dict[str, torch.Tensor], dict(get_model_state_dict(self.module, options=options)))
 
     def unwrapped(self) -> nn.Module:
         assert self.module is not None

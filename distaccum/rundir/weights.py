@@ -12,7 +12,7 @@ shards, no ``module.`` prefixes), ``run_config.json``, and for a Hugging Face ``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,7 @@ def save_final(engine: Engine, run_dir: Path, run_config: dict[str, Any], tokeni
         final.mkdir(parents=True, exist_ok=True)
         module = engine.unwrapped()
         if is_hf_pretrained(module):
-            module.save_pretrained(str(final), state_dict=dict(state))  # it removes tied names in place
+            cast(Any, module).save_pretrained(str(final), state_dict=dict(state))  # it removes tied names in place
             if (final / FINAL_WEIGHTS).is_file():
                 # save_pretrained drops tied duplicates (GPT-2's lm_head.weight); rewrite the file with
                 # every state-dict name so it loads strictly into the plain model (init_from, verify).

@@ -73,7 +73,7 @@ class CompileWatch:
         _listen()  # torch._dynamo.reset() in user code would have dropped the callbacks
         step = int(record["step"])
         with _lock:
-            upto, breaks = self._ends.pop(step, None) or (len(_events), graph_breaks())
+            upto, breaks = self._ends.pop(step) if step in self._ends else (len(_events), graph_breaks())
             new, self._seen = _events[self._seen:upto], upto
         starts: dict[tuple[str, CallbackTrigger], float] = {}
         seconds, recompiled = 0.0, []

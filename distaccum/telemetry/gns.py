@@ -12,10 +12,10 @@ both (the paper's appendix A.1). Under ``accum.sync=boundary`` DDP sees both siz
 
 Normalization. The loop backpropagates ``S_rk * c * d`` (sums, times the power-of-two c and the
 engine's divisor d; see :mod:`distaccum.loop`), so the bucket the comm hook receives on rank r holds
-``c d L_r`` with ``L_r = sum_k grad S_rk`` (a sum over the rank's items), and the hook's mean over
-ranks returns ``c d L / W`` with ``L = sum_r L_r``. Hence ``|G_r|^2 = |local|^2 / (c d n_r)^2`` and
-``|G_N|^2 = |reduced|^2 (W / (c d N))^2``. With unequal item counts the ranks' estimates average to
-``mean_r |G_r|^2 = |G|^2 + tr(Sigma) mean_r(1/n_r)``, so
+``c d L_r`` with ``L_r = sum_k grad S_rk`` (a sum over the rank's items), and the reduction returns
+``c L`` with ``L = sum_r L_r`` (d undoes exactly what the reduction divides by). Hence
+``|G_r|^2 = |local|^2 / (c d n_r)^2`` and ``|G_N|^2 = |reduced|^2 / (c N)^2``. With unequal item counts the
+ranks' estimates average to ``mean_r |G_r|^2 = |G|^2 + tr(Sigma) mean_r(1/n_r)``, so
 
     tr(Sigma) = (mean_r |G_r|^2 - |G_N|^2) / (mean_r(1/n_r) - 1/N)
     |G|^2     = |G_N|^2 - tr(Sigma) / N
@@ -72,19 +72,20 @@ class GradSquares:
         return local.to(device), reduced.to(device)
 
 
-def window_terms(squares: GradSquares, local_items: torch.Tensor, c: float, d: float) -> list[torch.Tensor]:
+def window_terms(squares: GradSquares, local_items: float, c: float, d: float,
+                 device: torch.device) -> list[torch.Tensor]:
     """This rank's three numbers for the noise-scale all-reduce: |G_r|^2, 1/n_r and |L|^2 (identical
-    on every rank; the loop divides the sum by W). Their sums feed :func:`estimate`."""
-    local_sq, reduced_sq = squares.take(local_items.device)
-    n = local_items.to(torch.float64).clamp(min=1.0)
-    return [local_sq / (c * d * n) ** 2, 1.0 / n, reduced_sq / (c * d) ** 2]
+    on every rank; :func:`estimate` divides the sum by W). Their sums feed :func:`estimate`."""
+    local_sq, reduced_sq = squares.take(device)
+    n = max(local_items, 1.0)
+    return [local_sq / (c * d * n) ** 2, torch.tensor(1.0 / n, dtype=torch.float64, device=device), reduced_sq / c**2]
 
 
 def estimate(sums: list[float], n_total: float, world: int) -> tuple[float, float]:
     """(|G|^2, tr(Sigma)) from the all-reduced :func:`window_terms` of ``world`` ranks and the
     window's global item count ``n_total``."""
     small_sq, inv_small = sums[0] / world, sums[1] / world
-    big_sq = (sums[2] / world) * world**2 / n_total**2  # |c d L / W|^2 per rank -> |L / N|^2
+    big_sq = (sums[2] / world) / n_total**2  # |L|^2 per rank -> |L / N|^2
     inv_big = 1.0 / n_total
     if inv_small <= inv_big:  # one rank, or every item on one rank: the two sizes coincide
         return math.nan, math.nan
@@ -116,13 +117,14 @@ class GnsMonitor:
     all-reduce, of three numbers, combines them over the ranks; the record gets the raw estimate and
     its smoothed ratio (the averages ride in the records, so a resumed run continues them)."""
 
-    def __init__(self, squares: GradSquares, decay: float, world_size: int) -> None:
-        self.squares, self.decay, self.world = squares, decay, world_size
+    def __init__(self, squares: GradSquares, decay: float, world_size: int, rank: int, device: torch.device) -> None:
+        self.squares, self.decay, self.world, self.rank, self.device = squares, decay, world_size, rank, device
         self._sums: dict[int, torch.Tensor] = {}
         """Per step until its record is made (a step late under the loop's lagged records)."""
 
     def after_step(self, step: int, window: Any, c: float, d: float) -> None:
-        sums = torch.stack(window_terms(self.squares, window.sums()[1], c, d))  # this rank's items
+        terms = window_terms(self.squares, window.rank_sums[self.rank][1], c, d, self.device)  # this rank's items
+        sums = torch.stack(terms)
         dist.all_reduce(sums)
         self._sums[step] = sums
 

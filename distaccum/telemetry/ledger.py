@@ -274,14 +274,14 @@ class CommLedger:
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by possibly overlapping ``(start, end)`` intervals (empty ones ignored)."""
     total = 0.0
-    cur_start = cur_end = None
+    current: tuple[float, float] | None = None
     for start, end in sorted(i for i in intervals if i[1] > i[0]):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+        if current is None or start > current[1]:
+            if current is not None:
+                total += current[1] - current[0]
+            current = (start, end)
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
+            current = (current[0], max(current[1], end))
+    if current is not None:
+        total += current[1] - current[0]
     return total

@@ -44,7 +44,7 @@ def _read_status(key: bytes) -> int | None:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (called at the start of each optimizer step)."""
+    """Reset the peak (called at the start of each optimizer step: the peak is then the step's)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
@@ -60,7 +60,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak bytes since the last reset: allocated CUDA memory, or process RSS on CPU."""
     if device.type == "cuda":
         # The same number as torch.cuda.max_memory_allocated, which flattens and sorts every allocator statistic
-        # in Python to return this one (about 0.37 ms of host time per step on an H100's host: BENCHMARKS.md).
+        # in Python to return this one, a fraction of a millisecond of host time on every step.
         stats = torch.cuda.memory_stats_as_nested_dict(device)
         return int(stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0))
     peak = _read_status(b"VmHWM:")

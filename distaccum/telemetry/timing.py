@@ -13,6 +13,11 @@ One optimizer step is split into phases, each a separate record field:
     comm_*     from the :class:`~distaccum.telemetry.ledger.CommLedger` (``comm_s`` overlaps compute_s;
                ``comm_exposed_s`` does not, so compute_s + comm_exposed_s = forward+backward time)
 
+The loop does not call the timer inside its step: :meth:`StepTimer.watch` wraps the window source, so each
+micro-batch's fetch is stamped as the step asks for it, and the step asking for one micro-batch more than the
+window holds marks the end of the K forward/backward passes (``compute``). The loop itself only starts and
+finishes each step.
+
 On CPU the phases are wall-clock intervals. On CUDA they are CUDA events on the current stream.
 ``finish_step`` closes the step and returns its :class:`PendingTimes`; ``resolve`` waits for the step's own
 events only (``Event.synchronize``), so the loop can resolve step n once step n+1 is queued and the device
@@ -23,8 +28,9 @@ separate gloo group on host tensors, so logging adds no device sync.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,9 +131,25 @@ class StepTimer:
         assert self._micro_start is not None
         self._micro_data.append((self._micro_start, self.clock.stamp()))
 
-    def compute_done(self) -> None:
+    def compute_done(self, stamp: Stamp | None = None) -> None:
         """After the last micro-batch's backward (all gradient reductions have been waited for)."""
-        self._marks["compute"] = self.clock.stamp()
+        self._marks["compute"] = self.clock.stamp() if stamp is None else stamp
+
+    def watch(self, source: Any) -> TimedSource:
+        """``source`` with every micro-batch it serves timed (:class:`TimedSource`)."""
+        return TimedSource(source, self)
+
+    def _timed(self, micro: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            start = self.clock.stamp()
+            try:
+                batch = next(micro)
+            except StopIteration:  # the step asked for one micro-batch more: its K passes are done
+                self.compute_done(start)
+                return
+            self._micro_data.append((start, self.clock.stamp()))
+            self.ledger.start_micro()
+            yield batch
 
     def end_step(self) -> StepTimes:
         """After the optimizer step: the step's figures at once (on CUDA one host synchronization)."""
@@ -148,6 +170,39 @@ class StepTimer:
         gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(self._group))]
         dist.all_gather(gathered, local, group=self._group)
         return torch.stack(gathered)
+
+
+class TimedSource:
+    """A window source whose windows' micro-batches are timed by a :class:`StepTimer` as they are fetched (the
+    ``data_s``, ``compute_s`` and ``last_micro_s`` phases). Everything else is the source's."""
+
+    def __init__(self, source: Any, timer: StepTimer) -> None:
+        self.source, self.timer = source, timer
+
+    def window(self) -> Any:
+        window = self.source.window()
+        window.micro = self.timer._timed(window.micro)
+        return window
+
+    @property
+    def next_step(self) -> int:
+        return self.source.next_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self.source.next_step = step
+
+    def advance(self) -> None:
+        self.source.advance()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
 
 
 class RankStats:

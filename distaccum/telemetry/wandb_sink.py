@@ -14,7 +14,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 from distaccum.rundir import Record
@@ -43,13 +43,13 @@ def api_key_available(environ: Mapping[str, str] = os.environ) -> bool:
         return False
 
 
-def resolve_mode(asked: str, environ: Mapping[str, str] = os.environ) -> str:
+def resolve_mode(asked: str, environ: Mapping[str, str] = os.environ) -> Literal["online", "offline", "disabled"]:
     """The mode to run wandb in: ``online`` needs a key, otherwise offline (with a warning)."""
     if asked == "online" and not api_key_available(environ):
         warnings.warn("log.wandb_mode=online but no WANDB_API_KEY (or netrc entry) is set: "
                       "logging offline instead; upload later with `wandb sync`", stacklevel=2)
         return "offline"
-    return asked
+    return cast(Literal["online", "offline", "disabled"], asked)  # LogConfig validated the choice
 
 
 class WandbSink:

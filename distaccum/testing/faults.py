@@ -94,22 +94,14 @@ class SkipReduction:
 
 
 class ScaledStep(Proxy):
-    """An engine whose normalization factor is multiplied by ``factor()``: in its step, in the boundary
-    reduction where the engine folds the normalization in (``fold_normalization``), or in the loss where the
-    engine takes it there (``normalize_loss``)."""
+    """An engine whose normalization (the ``grad_scale`` its step applies) is multiplied by ``factor()``."""
 
     def __init__(self, inner: Any, factor: Any) -> None:
         super().__init__(inner)
         object.__setattr__(self, "factor", factor)
 
-    def fold_normalization(self, scale: Any) -> bool:
-        return self.inner.fold_normalization(lambda: scale() * self.factor())
-
-    def normalize_loss(self, scale: Any) -> Any:
-        return self.inner.normalize_loss(lambda: scale() * self.factor())
-
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor, loss_finite: bool | None = None) -> Any:
-        return self.inner.step(max_norm, grad_scale * self.factor(), loss_finite)
+    def step(self, max_norm: float | None, grad_scale: float) -> Any:
+        return self.inner.step(max_norm, grad_scale * self.factor())
 
 
 class GradScale:

@@ -270,4 +270,5 @@ class SameSamples:
             return obj
         if not isinstance(obj, PlanSource):
             raise ValueError("SameSamples rebuilds a map-style dataset's PlanSource; this run reads a stream")
-        return PlanSource(obj.dataset, obj.collate, obj.plan, obj.split, 0, obj.stop, **obj.loader_options)
+        return PlanSource(obj.dataset, obj.collate, obj.plan, obj.split, 0, obj.stop, **obj.loader_options,
+                          float_dtype=obj.float_dtype)

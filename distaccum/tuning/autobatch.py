@@ -148,7 +148,7 @@ class Steps(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult: ...
+    def step(self, max_norm: float | None, grad_scale: float) -> StepResult: ...
 
 
 class LocalSteps:
@@ -168,7 +168,7 @@ class LocalSteps:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self, max_norm: float | None, grad_scale: torch.Tensor) -> StepResult:
+    def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(0.0, True)
@@ -212,7 +212,7 @@ def trial_window(steps: Steps, model: nn.Module, loss_fn: LossFn, batches: Seque
     if not oom:
         try:
             micro(batches[-1], True)
-            steps.step(max_norm, torch.tensor(1.0, dtype=torch.float64, device=device))
+            steps.step(max_norm, 1.0)
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not _is_oom(err):
                 raise

@@ -27,8 +27,8 @@ network and in-network reduction (SHARP) are not modelled.
 
 On one machine whose processes talk over loopback (gloo on CPU), the "link" is the CPUs copying
 through the kernel: p processes on c < p cores take p/c times as long (:func:`cpu_shared`). That is
-how the validation (``python -m benchmarks.collectives``) predicts world 4 on a 2-core machine from
-α, β and γ fitted at world 2 (:func:`fit_link`).
+how a world of 4 on a 2-core machine is predicted from α, β and γ fitted at world 2 (:func:`fit_link`;
+``tests/test_collectives.py``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Per optimizer step of K micro-batches, each mode's collectives fall in three pla
     backward    parameter re-gathers and the gradient reductions, hidden behind the backward compute
     after step  ZeRO-1/2's all-gather of the updated parameter shards: exposed
 
-A window of W seconds of compute, cut into L units (FSDP units, buckets), hides collectives of C
-seconds except ``max(C/L, C - W + W/L)``: the units pipeline (unit i's collective runs while unit
+A stretch of P seconds of compute, cut into L units (FSDP units, buckets), hides collectives of C
+seconds except ``max(C/L, C - P + P/L)``: the units pipeline (unit i's collective runs while unit
 i+1 computes), the first gather or the last reduction cannot overlap anything, and the link is one
 stream (collectives on the intra-node and the inter-node link are summed, not overlapped). Then
 
@@ -141,12 +141,12 @@ def select_modes(keys: Sequence[str] | None) -> list[Mode]:
     return [m for m in MODES if m.key in keys]
 
 
-def hidden_behind(comm_s: float, window_s: float, units: int) -> float:
-    """Exposed seconds of ``comm_s`` of collectives pipelined with ``window_s`` of compute in ``units``
-    units: ``max(C/L, C - W + W/L)`` (0 without communication)."""
+def hidden_behind(comm_s: float, compute_s: float, units: int) -> float:
+    """Exposed seconds of ``comm_s`` of collectives pipelined with ``compute_s`` of compute in ``units``
+    units: ``max(C/L, C - P + P/L)`` (0 without communication)."""
     if comm_s <= 0:
         return 0.0
-    return max(comm_s / units, comm_s - window_s + window_s / units)
+    return max(comm_s / units, comm_s - compute_s + compute_s / units)
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ def render(rows: Sequence[ModePrediction], work: Workload, cluster: Cluster, mic
         + (f"{_t(work.optim_s)} over all parameters" if work.optim_s else "not included (--optim-ms)") + f"; {batch}",
         f"overlap: forward gathers behind {1 - work.backward_fraction:.0%} of the compute, backward collectives "
         f"behind {work.backward_fraction:.0%}, in {work.units} units (the first gather and the last reduction of a "
-        "window stay exposed)",
+        "pass stay exposed)",
         "",
         "| mode | collectives per step | comm | overlapped | exposed | step | comm share | |",
         "|---|---|---|---|---|---|---|---|",

@@ -17,6 +17,7 @@ be caught. :func:`run_zoo` returns the rows; :func:`render` draws the table; ``b
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -55,7 +56,7 @@ STEPS = 3
 """Optimizer steps per run: 40 samples in windows of 16, so step 3 is a partial window of 8."""
 
 GPT_LOSS = {"_target_": "distaccum.losses.token_cross_entropy", "_partial_": True}
-GPT = {"model": {"_target_": "distaccum.models.TinyGPT", "width": 32, "depth": 1, "heads": 4, "max_len": 32},
+GPT: dict[str, Any] = {"model": {"_target_": "distaccum.models.TinyGPT", "width": 32, "depth": 1, "heads": 4, "max_len": 32},
        "data": {"dataset": {"_target_": "distaccum.datasets.CorpusSequences", "num_samples": 40, "seq_min": 4,
                             "seq_max": 24},
                 "collate": {"_target_": "distaccum.datasets.pad_collate", "_partial_": True}},
@@ -361,7 +362,7 @@ def run_zoo(root: Path, bugs: Sequence[Bug] = BUGS, *, echo: Callable[[str], Non
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 job = config_job(run_config(Bug("reference", "", "", bug.config), ref_root, None), [SPLIT])
-            ran = timed_run(lambda j=job, d=ref_root: j.reference(d / "reference"), ref_root / "reference" / CONSOLE_LOG)
+            ran = timed_run(functools.partial(job.reference, ref_root / "reference"), ref_root / "reference" / CONSOLE_LOG)
             testing.uninstall()
             references[bug.config] = (ref_root, ran)
             echo(f"  reference {bug.config}: exit {ran[0]} ({ran[1]:.1f} s)")

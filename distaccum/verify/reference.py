@@ -61,8 +61,8 @@ def window_samples(cfg: RunConfig, parts: Components, global_batch: int) -> Iter
     plan = GlobalBatchPlan(len(parts.dataset), global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
                            shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
     for step in count():
-        window = plan.window(step)
-        yield window.epoch, [parts.dataset[int(i)] for i in window.indices], window.partial
+        planned = plan.window(step)
+        yield planned.epoch, [parts.dataset[int(i)] for i in planned.indices], planned.partial
 
 
 def run_reference(cfg: RunConfig, parts: Components, run_dir: Path, *, global_batch: int,

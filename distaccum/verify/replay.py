@@ -16,6 +16,7 @@ layers cannot be replayed (their masks would differ), nor streams (their windows
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +102,11 @@ def _clip(vector: torch.Tensor, max_norm: float) -> torch.Tensor:
     return vector * min(1.0, max_norm / (float(vector.norm()) + 1e-6))
 
 
+def _from(start: int, weight: float, r: int, k: int) -> float:
+    """``weight`` for micro-batches ``start`` and later, 0 before (``r``, the rank, does not matter)."""
+    return weight if k >= start else 0.0
+
+
 def combinations(m: MicroGradients, split: Split, clip_norm: float | None) -> list[Replayed]:
     """The correct combination first, then every known wrong one (only those that differ from it)."""
     world, k_steps = split.world_size, split.accum_steps
@@ -124,23 +130,21 @@ def combinations(m: MicroGradients, split: Split, clip_norm: float | None) -> li
         out.append(Replayed(f"lost_before_{start + 1}", "lost_gradients",
                             f"the accumulated gradients are wiped before micro-batch {start + 1} of {k_steps}: "
                             f"only micro-batches {start + 1}..{k_steps} reach the step",
-                            float(total(lambda r, k, s=start: 1.0 / n if k >= s else 0.0).norm())))
+                            float(total(functools.partial(_from, start, 1.0 / n)).norm())))
     if clip_norm is not None and flat:
         c = power_of_two_scale(0.0, split.global_batch)
-        unit = c * world  # what each rank's .grad holds per unit of summed-loss gradient (DDP, Accelerate)
-        ranks = []
+        # What each rank's .grad holds per unit of summed-loss gradient: c (DDP's and Accelerate's grad_divisor undoes
+        # what their backward divides by); the boundary reduction sums the ranks' accumulations.
+        ranks: list[torch.Tensor] = []
         for r in range(world):
             acc = torch.zeros_like(flat[0])
             for k in range(k_steps - 1):
-                acc = _clip(acc + unit * m.grads[r][k], clip_norm)
-            ranks.append(acc + unit * m.grads[r][k_steps - 1])
-        reduced = sum(ranks) / world
+                acc = _clip(acc + c * m.grads[r][k], clip_norm)
+            ranks.append(acc + c * m.grads[r][k_steps - 1])
+        reduced = torch.stack(ranks).sum(dim=0)
         message = (f"clip_grad_norm_(max_norm={clip_norm:g}) is applied after every micro-batch's backward, to the "
                    "partial accumulation, instead of once to the window's reduced gradient")
-        # The last clip sees the all-reduced gradient. Whether the recorded norm is taken before or after it
-        # depends on where the step measures: a boundary reduction that folds in 1/(c N) measures each
-        # gradient as it is reduced (before the user's clip); otherwise the step measures after it.
+        # The last clip sees the reduced gradient; the step measures the norm after it.
         out.append(Replayed("clip_per_micro", "clipping", message, float(_clip(reduced, clip_norm).norm()) / (c * n)))
-        out.append(Replayed("clip_per_micro_measured_first", "clipping", message, float(reduced.norm()) / (c * n)))
     correct = out[0].grad_norm
     return [out[0]] + [h for h in out[1:] if not math.isclose(h.grad_norm, correct, rel_tol=1e-9, abs_tol=0.0)]

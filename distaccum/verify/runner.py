@@ -18,6 +18,7 @@ in ``console.log``); the comparison (:mod:`distaccum.verify.compare`) and the di
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -377,7 +378,7 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
     runs: list[tuple[Launched, Report]] = []
     for split in job.splits:
         run_dir = root / split.label()
-        code, seconds = timed_run(lambda s=split, d=run_dir: job.candidate(s, d), run_dir / CONSOLE_LOG)
+        code, seconds = timed_run(functools.partial(job.candidate, split, run_dir), run_dir / CONSOLE_LOG)
         cand = Launched(split, cfg.engine.name, code, seconds, RunData.load(run_dir))
         runs.append((cand, compare(ref.data, cand.data, tol)))
         echo(f"  {split.label()}: {'pass' if runs[-1][1].passed else 'FAIL'} ({seconds:.1f} s)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,11 @@ from distaccum.cluster.procgroup import collective_device
 from distaccum.engines.base import Engine
 from distaccum.rundir import CHECKSUMS, DIVERGENCE
 
-if TYPE_CHECKING:
-    from distaccum.loop import ReductionCheck
+
+class PendingCheck(Protocol):
+    """A check whose comparison may still be pending (the reduction fingerprint): :meth:`flush` makes it now."""
+
+    def flush(self) -> None: ...
 
 
 class RankDivergenceError(RuntimeError):
@@ -131,14 +134,14 @@ class Tripwire:
     are judged for this step just before it: a broken reduction is reported as such, at its own step."""
 
     def __init__(self, engine: Engine, every: int, run_dir: Path, *, record: bool,
-                 first: Sequence[ReductionCheck] = ()) -> None:
+                 first: Sequence[PendingCheck] = ()) -> None:
         self.engine, self.every, self.run_dir, self.record = engine, every, run_dir, record
         self.first = list(first)
 
     def after_step(self, step: int, window: object, c: float, d: float) -> None:
         if self.every and (step - 1) % self.every == 0:
             for check in self.first:
-                check.judge(step)
+                check.flush()
             check_consistency(self.engine, step, self.run_dir, record=self.record)
 
     def fields(self, record: dict[str, object], times: object, records: list[dict[str, object]]) -> dict[str, object]:
