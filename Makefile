@@ -30,27 +30,34 @@ demo: install  ## train the embedded default on 2 local workers, then verify it
 	$(VENV)/bin/distaccum train run_dir=runs/demo trainer.resume=false
 	$(VENV)/bin/distaccum verify run_dir=runs/demo-verify trainer.max_steps=5 log.console=quiet
 
-test: install  ## the whole suite, exactly as CI runs it
-	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples
+LINTED := distaccum launch tests benchmarks examples
+
+test: install lint  ## the whole suite, exactly as CI runs it (lint and types first)
 	# DeepSpeed compiles its CPU communication op on first use (~45 s): once, here, into the cache the
 	# tests use, instead of inside several test files at once on both workers (a no-op when cached).
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions $(PY) -c \
 	  "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart 0 $(PYTEST_ARGS)
 
-lint: install  ## ruff, as `make test` runs it
-	$(VENV)/bin/ruff check distaccum launch tests benchmarks examples
+lint: install  ## ruff (lint and format) and mypy on distaccum/, as `make test` runs them
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
 
-BENCH_VARIANTS ?= ddp_no_sync,distaccum,accelerate,compute_floor,ddp_every_micro,distaccum_compiled,ddp_no_sync_compiled,ddp_python_hook
+# make bench: on a quiet machine, alone (about half an hour on 2 cores); its CPU figures go into BENCHMARKS.md with
+# make bench-docs. BENCH_VARIANTS: what the timing interleaves (benchmarks/variants.py); BENCH_ARGS: more options
+# of python -m benchmarks.run (e.g. --budget-s 60 for a shorter run, --cases 0.9M_micro256).
+BENCH_VARIANTS ?= ddp_no_sync,distaccum,compute_floor,ddp_no_sync_twin,distaccum_compiled,ddp_no_sync_compiled,ddp_no_sync_compiled_static,ddp_no_sync_compiled_twin
+BENCH_ARGS ?=
 
-bench: install  ## the full benchmark on a quiet machine (by hand; CI runs the smoke size)
-	$(PY) -m benchmarks.run --out runs/bench --variants $(BENCH_VARIANTS)
+bench: install  ## timing, memory in K and operator counts on a quiet machine (by hand; CI runs the smoke size)
+	$(PY) -m benchmarks.run --out runs/bench --variants $(BENCH_VARIANTS) $(BENCH_ARGS)
 
 bench-smoke: install  ## the CI size of the benchmark (structure, not figures)
 	$(PY) -m benchmarks.run --smoke --out runs/bench-smoke
 
-bench-docs: install  ## put runs/bench/results.json into BENCHMARKS.md
-	$(PY) -m benchmarks.update_docs --results runs/bench/results.json
+bench-docs: install  ## keep runs/bench/results.json in docs/results/ and render BENCHMARKS.md from it
+	$(PY) -m benchmarks.report --store runs/bench/results.json
 
 clean:
 	rm -rf runs .pytest_cache

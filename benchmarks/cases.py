@@ -3,8 +3,8 @@
 Every variant of a measurement trains distaccum's own MLP (:class:`distaccum.models.MLP`), built
 from the same seed, on the same samples in the same order, with the same SGD: the hand-written
 loops take their micro-batches from the same global-batch plan (in order) that distaccum's
-:class:`~distaccum.trainer.Trainer` walks, through the same slicing collate, so both train on
-views of one tensor and do the same arithmetic (checked at the end of every launch).
+:class:`~distaccum.trainer.Trainer` walks, as views of the same tensors the Trainer is given, so
+both do the same arithmetic (checked at the end of every launch).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 
 from distaccum.config import Split
 from distaccum.data.global_batch import GlobalBatchPlan
@@ -58,15 +57,12 @@ class Case:
     ks: tuple[int, ...]
     """K values of the timing table."""
     sweep_ks: tuple[int, ...]
-    """K values of the engine sweep (memory and communication; fresh processes each)."""
-    micro_budget: int
-    """Micro-batches timed per variant per round: steps = max(min_steps, ceil(micro_budget / K))."""
-    min_steps: int = 3
+    """K values of the memory sweep (fresh processes each): the smallest and the largest."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Spec:
-    """One launch: a case at one K, everything both ranks need to build identical variants."""
+    """One launch: a case at one K, everything every rank needs to build identical variants."""
 
     case: str
     shape: ModelShape
@@ -74,12 +70,13 @@ class Spec:
     accum_steps: int
     steps: int
     """Timed optimizer steps per variant per round (one block)."""
-    warmup: int
-    """Untimed optimizer steps per variant before the first round."""
+    warmup: int = 2
+    """Untimed optimizer steps per variant before the first round (allocation, DDP's bucket rebuild after its
+    first iteration, the optimizer's first step, compilation)."""
     rounds: int = 1
     """Rounds to run; with ``budget_s``, the most (the Trainer's ``max_steps`` is sized for them)."""
     budget_s: float = 0.0
-    """When positive: stop after the first whole cycle of rounds (:func:`benchmarks.interleave.cycle_length`) that
+    """When positive: stop after the first whole cycle of rounds (:func:`benchmarks.workers.cycle_length`) that
     ends with ``budget_s`` seconds of rounds behind it, so every split gets the same machine time whatever its
     step. Stopping depends on the clock only, never on the times measured."""
     lr: float = 1e-3
@@ -89,9 +86,7 @@ class Spec:
     precision: str = "fp32"
     """fp32, or bf16: every variant's forward under bf16 autocast (distaccum: ``precision=bf16``)."""
     variants: tuple[str, ...] = ()
-    """Timing launches: the variants, in their round-0 order."""
-    engine: str = ""
-    """Sweep launches: the engine variant (``benchmarks.sweep.ENGINE_VARIANTS``)."""
+    """The variants, in their round-0 order (a memory launch: exactly one)."""
 
     @property
     def total_steps(self) -> int:
@@ -113,13 +108,11 @@ class Spec:
         return cls(**{**values, "shape": ModelShape(**values["shape"]), "variants": tuple(values["variants"])})
 
 
-def launch_spec(case: Case, k: int, *, rounds: int = 1, block_steps: int | None = None, **extra: Any) -> Spec:
-    """The spec of ``case`` at ``k``. Warm-up: at least 2 micro-batches and 2 steps (allocation,
-    DDP's bucket rebuild after its first iteration, the first optimizer step's state). ``block_steps``: exactly
-    that many optimizer steps per block at every K (else the case's micro-batch budget decides)."""
-    steps = block_steps if block_steps is not None else max(case.min_steps, math.ceil(case.micro_budget / k))
-    return Spec(case=case.name, shape=case.shape, micro_batch=case.micro_batch, accum_steps=k,
-                steps=steps, warmup=2, rounds=rounds, **extra)
+def launch_spec(case: Case, k: int, *, steps: int, **extra: Any) -> Spec:
+    """The spec of ``case`` at ``k`` with blocks of ``steps`` optimizer steps."""
+    if steps < 1:
+        raise ValueError(f"a block needs at least one optimizer step, got {steps}")
+    return Spec(case=case.name, shape=case.shape, micro_batch=case.micro_batch, accum_steps=k, steps=steps, **extra)
 
 
 def pool_micro_batches(accum_steps: int) -> int:
@@ -128,32 +121,14 @@ def pool_micro_batches(accum_steps: int) -> int:
     return math.lcm(16, accum_steps)
 
 
-class IndexDataset(Dataset):
-    """Sample i is the index i; :class:`SliceCollate` turns a list of them into tensors."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
-class SliceCollate:
-    """``list[index] -> (x, y)``: a view of the data when the indices are consecutive (an in-order
-    walk, what the hand-written loops do), else a gather."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
-
-    def __call__(self, indices: list[int]) -> Batch:
-        first, last = indices[0], indices[-1]
-        if last - first + 1 == len(indices) and indices == list(range(first, last + 1)):
-            return self.x[first : last + 1], self.y[first : last + 1]
-        index = torch.tensor(indices)
-        return self.x[index], self.y[index]
+def rows(x: torch.Tensor, y: torch.Tensor, indices: list[int]) -> Batch:
+    """The samples ``indices`` of ``(x, y)``: views when they are consecutive (the in-order walk), else a gather,
+    as the Trainer cuts a ``TensorDataset``."""
+    first, last = indices[0], indices[-1]
+    if indices == list(range(first, last + 1)):
+        return x[first : last + 1], y[first : last + 1]
+    index = torch.tensor(indices)
+    return x[index], y[index]
 
 
 class BenchData:
@@ -167,19 +142,17 @@ class BenchData:
         self.y = torch.randn(size, spec.shape.out_dim, generator=gen)
         if spec.device == "cuda":  # every variant copies its micro-batches host -> GPU from pinned memory
             self.x, self.y = self.x.pin_memory(), self.y.pin_memory()
-        self.dataset = IndexDataset(size)
-        self.collate = SliceCollate(self.x, self.y)
         self.seed = spec.seed
 
     def plan(self) -> GlobalBatchPlan:
         """The in-order walk distaccum's Trainer takes with ``data.shuffle=false``."""
-        return GlobalBatchPlan(len(self.dataset), self.split.global_batch, seed=self.seed, shuffle=False)
+        return GlobalBatchPlan(len(self.x), self.split.global_batch, seed=self.seed, shuffle=False)
 
     def windows(self, rank: int) -> list[list[Batch]]:
         """This rank's micro-batches of every window of one epoch, exactly as the Trainer cuts them;
         optimizer step s trains on window ``s % len(windows)``."""
         plan = self.plan()
-        return [[self.collate(piece.tolist()) for piece in plan.window(s).rank_micro_batches(self.split, rank)]
+        return [[rows(self.x, self.y, piece.tolist()) for piece in plan.window(s).rank_micro_batches(self.split, rank)]
                 for s in range(plan.windows_per_epoch)]
 
 
@@ -199,27 +172,19 @@ def sgd(lr: float) -> Any:
 FULL_CASES = (
     Case(name="27.3M_micro4", about="27.3M-parameter MLP, micro-batch 4: the gradient all-reduce rivals the compute",
          shape=ModelShape(in_dim=1024, width=2048, depth=7, out_dim=16), micro_batch=4, ks=(1, 4, 16),
-         sweep_ks=(1, 16), micro_budget=16),
+         sweep_ks=(1, 16)),
     Case(name="0.9M_micro256", about="0.9M-parameter MLP, micro-batch 256: compute dominates",
          shape=ModelShape(in_dim=768, width=512, depth=3, out_dim=16), micro_batch=256, ks=(1, 4, 16),
-         sweep_ks=(1, 16), micro_budget=16),
+         sweep_ks=(1, 16)),
 )
+"""What ``make bench`` measures (CPU)."""
 GPU_CASES = (
     Case(name="210M_micro1024", about="210M-parameter MLP, micro-batch 1024: sized for one large GPU (bf16), "
          "where the two cases above are bound by kernel launches", shape=ModelShape(in_dim=1024, width=8192, depth=4,
-         out_dim=16), micro_batch=1024, ks=(1, 4, 16), sweep_ks=(1, 16), micro_budget=16),
+         out_dim=16), micro_batch=1024, ks=(1, 4, 16), sweep_ks=(1, 16)),
 )
-"""Cases too large for a CPU run: timed when named with ``--cases`` (``benchmarks.run --device cuda``)."""
-LIMIT_CASES = tuple(
-    Case(name=f"{mib}MiB_micro16", about=f"MLP with a {mib} MiB gradient, micro-batch 16: where the K = 1 "
-         "normalization in the loss and the folded one cross (engine.normalize_in_loss_mb)",
-         shape=ModelShape(in_dim=1024, width=width, depth=3, out_dim=16), micro_batch=16, ks=(1,), sweep_ks=(1,),
-         micro_budget=16)
-    for mib, width in ((12, 1024), (24, 1536), (50, 2304)))
-"""Gradients between the full cases' 3.5 and 104 MiB, timed when named with ``--cases`` (K = 1, with
-``--variants ddp_no_sync,distaccum_in_loss,distaccum_folded_k1``): where ``engine.normalize_in_loss_mb`` belongs."""
+"""Too large for a CPU run: measured when named with ``--cases`` (``benchmarks/gpu_check.sh``)."""
 SMOKE_CASES = (
     Case(name="smoke", about="tiny MLP: the CI run (structure, not timings)",
-         shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4), micro_batch=2, ks=(1, 2), sweep_ks=(1, 2),
-         micro_budget=2, min_steps=2),
+         shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4), micro_batch=2, ks=(1, 2), sweep_ks=(1, 2)),
 )

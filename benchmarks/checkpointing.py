@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.update_docs import replace_section
+from benchmarks.report import replace_section
 from distaccum.activation_checkpointing import apply_activation_checkpointing, saved_activation_bytes
 from distaccum.losses import token_cross_entropy
 from distaccum.models import TinyGPT

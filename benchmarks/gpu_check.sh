@@ -1,29 +1,23 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, for a machine with CUDA (a lent GPU, a cloud node):
+# The GPU checks in one command, for a machine with CUDA lent for about 10 minutes:
 #
 #   benchmarks/gpu_check.sh OUT [CASES]
 #
-# 1. the timing harness in bf16 on NCCL (every GPU of the machine; `python -m benchmarks.run --device cuda
-#    --precision bf16 --sweep none`), eager and compiled, CASES (default: both standard cases and the one
-#    sized for a GPU) -> OUT/gpu/results.json, written after every launch;
-# 2. the `gpu` test tier -> OUT/pytest.log;
-# 3. the engine sweep of the 27.3M case on the GPU (peak memory from the CUDA allocator, flat in K?, for
-#    DDP and FSDP2 in each sync mode) -> OUT/sweep/results.json.
-# VARIANTS replaces stage 1's variants (e.g. ddp_no_sync,distaccum,distaccum_sync_records,compute_floor: the
-# lagged records' saving, without the compiled pair). Each stage has its own limit (BENCH_S, TESTS_S, SWEEP_S seconds; 300 + 170 + 100 by default: under 10
-# minutes, one call of a lent machine), so a short lease still returns what
-# finished. Then, where the repository lives: python -m benchmarks.update_docs --timing-only --results
-# OUT/gpu/results.json (the gpu-timing section) and --allow-partial --results OUT/sweep/results.json (gpu).
-# Stage times seen on one H100 (this release's run, docs: BENCHMARKS.md "GPU figures"): timing 92 s for
-# 27.3M_micro4, 61 s for 0.9M_micro256, 124 s for 210M_micro1024 at K = 1 and 4 (K = 16 did not fit); the
-# test tier ran 12 of its 13 tests in 160 s; the sweep 9 of its 10 launches in 100 s. All three cases and
-# stages need more than one 10-minute call: run the 210M case in a call of its own (`gpu_check.sh OUT 210M_micro1024`).
-# It prints each stage's exit status and exits 0 once every stage has run. PYTHON picks the interpreter
-# (default python3); distaccum runs from this checkout (PYTHONPATH).
+# 1. the `gpu` test tier (CUDA tests of the ledger, the loop and the benchmark) -> OUT/pytest.log;
+# 2. the timing on NCCL in bf16, every GPU of the machine (`python -m benchmarks.run --device cuda --precision bf16
+#    --sweep none`), CASES (default: both CPU cases and the one sized for a GPU), every launch given BUDGET_PER_S
+#    seconds of rounds -> OUT/bench/results.json, written after every launch;
+# 3. the memory sweep of the 27.3M case (the CUDA allocator's peak at K = 1 and 16 on DDP, FSDP2 and Accelerate)
+#    -> OUT/memory/results.json.
+# Each stage has its own limit (TESTS_S, BENCH_S, MEMORY_S seconds; 150 + 330 + 90 by default: under 10 minutes), so
+# a short lease still returns what finished. VARIANTS replaces stage 2's variants. Then, where the repository lives:
+#   python -m benchmarks.report --store OUT/bench/results.json --store OUT/memory/results.json [--allow-partial]
+# stores both and renders BENCHMARKS.md's GPU section. It prints each stage's exit status and exits 0 once every
+# stage has run. PYTHON picks the interpreter (default python3); distaccum runs from this checkout (PYTHONPATH).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT [CASES]}
 cases=${2:-0.9M_micro256,27.3M_micro4,210M_micro1024}
-variants=${VARIANTS:-ddp_no_sync,distaccum,compute_floor,ddp_no_sync_compiled,distaccum_compiled}
+variants=${VARIANTS:-ddp_no_sync,distaccum,compute_floor,ddp_no_sync_twin,distaccum_compiled,ddp_no_sync_compiled,ddp_no_sync_compiled_static,ddp_no_sync_compiled_twin}
 python=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -34,17 +28,17 @@ if ! "$python" -c "import torch, hydra, omegaconf" >/dev/null 2>&1; then  # else
 fi
 mkdir -p "$out"
 nvidia-smi -L || true
-timeout -k 10 "${BENCH_S:-300}" "$python" -m benchmarks.run --device cuda --precision bf16 --sweep none --rounds 6 \
-  --cases "$cases" --variants "$variants" \
-  --timeout 120 --out "$out/gpu" >"$out/bench.log" 2>&1
-echo "benchmark: exit $? (124: stopped at its limit; results.json keeps the launches that finished)"
-grep '^\[timing\]' "$out/bench.log" || true
-timeout -k 10 "${TESTS_S:-170}" "$python" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 160 \
+timeout -k 10 "${TESTS_S:-150}" "$python" -m pytest -p no:cacheprovider -m gpu -q -rs --timeout 140 \
   tests/test_ledger_gpu.py tests/test_gpu.py tests/test_benchmark_smoke.py >"$out/pytest.log" 2>&1
 echo "gpu tests: exit $?"
 tail -n 15 "$out/pytest.log"
-timeout -k 10 "${SWEEP_S:-100}" "$python" -m benchmarks.run --device cuda --precision bf16 --no-timing --cases 27.3M_micro4 \
-  --sweep ddp_no_sync,distaccum,distaccum_fsdp,distaccum_fsdp_every_micro,distaccum_fsdp_unsharded \
-  --timeout 60 --out "$out/sweep" >"$out/sweep.log" 2>&1
-echo "engine sweep: exit $?"
-grep -A12 '^Memory flat in K' "$out/sweep.log" || true
+timeout -k 10 "${BENCH_S:-330}" "$python" -m benchmarks.run --device cuda --precision bf16 --sweep none \
+  --cases "$cases" --variants "$variants" --budget-s "${BUDGET_PER_S:-10}" \
+  --timeout 150 --out "$out/bench" >"$out/bench.log" 2>&1
+echo "benchmark: exit $? (124: stopped at its limit; results.json keeps the launches that finished)"
+grep '^\[timing\]' "$out/bench.log" || true
+timeout -k 10 "${MEMORY_S:-90}" "$python" -m benchmarks.run --device cuda --precision bf16 --no-timing \
+  --cases 27.3M_micro4 --sweep ddp_no_sync,distaccum,distaccum_fsdp,distaccum_accelerate \
+  --timeout 60 --out "$out/memory" >"$out/memory.log" 2>&1
+echo "memory sweep: exit $?"
+grep '^\[memory\]' "$out/memory.log" || true

@@ -1,34 +1,124 @@
-"""results.json -> the markdown tables (results.md, and the generated part of BENCHMARKS.md).
+"""Stored results and the tables made from them: ``docs/results/*.json`` -> BENCHMARKS.md's generated sections.
 
-Pure functions of the results dictionary: no measurement, no I/O.
+    python -m benchmarks.report --store runs/bench/results.json   # keep a run's parts, then render BENCHMARKS.md
+    python -m benchmarks.report                                   # render BENCHMARKS.md from the stored results
+    python -m benchmarks.report --check                           # 1 when BENCHMARKS.md differs from that render
+    python -m benchmarks.report --hsdp runs/hsdp/results.json     # docs/multinode.md's HSDP table
+
+This module owns the results format. A run's ``results.json`` (:mod:`benchmarks.run`, :mod:`benchmarks.host_ops`)
+holds ``meta`` (:func:`benchmarks.launch.provenance`: the commit, the sources' digest and the environment),
+``settings`` and up to three parts: ``timing``, ``memory`` and ``host_ops``. ``--store`` keeps each part it has as
+one file, ``docs/results/{cpu,gpu}-timing.json``, ``{cpu,gpu}-memory.json`` or ``host-ops.json``, each with the run's
+``meta``, after refusing what must not become a figure (a smoke run, a failed or stopped launch, fewer than
+:data:`MIN_ROUNDS` rounds, a part that misses a split, a machine shared with other work). Every table is rendered from
+these files alone, with the code and environment it describes; a part never stored renders as "not measured".
+Everything but :func:`main` is a pure function of dictionaries.
 """
 
 from __future__ import annotations
 
-import math
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from benchmarks.stats import ISSUE_RATIOS, RATIOS, REFERENCE, across_launches, spread, verdict
-from benchmarks.variants import ENGINE_VARIANTS, LETTERS
+from benchmarks.cases import FULL_CASES
+from benchmarks.host_ops import table as ops_markdown
+from benchmarks.launch import ROOT
+from benchmarks.stats import COMPILED, DISTACCUM_VS_EXPERT, GUARD, TARGET, guard
+from benchmarks.variants import DISTACCUM, EXPERT, sync_of
 
+STORE = ROOT / "docs" / "results"
+"""Where the page's figures live: one file per part and device."""
+DOC = ROOT / "BENCHMARKS.md"
+BY = "python -m benchmarks.report"
+MIN_ROUNDS = 6
 MEMORY_LIMIT = 1.03
 """Peak memory at the largest K over the smallest: the issue's "flat in K" bound."""
+PARTS = {"timing": "timing", "memory": "memory", "host_ops": "ops"}
+"""A results file's part -> the name its stored file and its sections carry."""
+TIMING_COLUMNS = (DISTACCUM_VS_EXPERT, "distaccum / floor", "expert / floor", COMPILED, "A/A: expert twin / expert",
+                  "A/A compiled: twin / compiled expert")
+"""The timing table's ratios, in its column order."""
+STEP_COLUMNS = ("distaccum", EXPERT, "compute_floor", "distaccum_compiled", "ddp_no_sync_compiled",
+                "ddp_no_sync_compiled_static")
+"""The step-time table's variants."""
 
 
-def _num(value: Any, digits: int = 3, scale: float = 1.0) -> str:
-    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+# -- storing -----------------------------------------------------------------------------------------------------
+
+
+def stored_name(part: str, device: str) -> str:
+    """The file a part is stored in: ``host-ops.json`` (the CPU's count), else ``{device}-{part}.json``."""
+    return "host-ops.json" if part == "host_ops" else f"{'gpu' if device == 'cuda' else 'cpu'}-{PARTS[part]}.json"
+
+
+def parts_of(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The stored files a run gives: file name -> ``{"meta", "settings", "cases", part: ...}`` for every part it
+    measured (the ``orders`` of each timing launch left out: ``runs/`` keeps them)."""
+    out = {}
+    for part in PARTS:
+        data = results.get(part)
+        if not data:
+            continue
+        if part == "timing":
+            data = [{k: v for k, v in row.items() if k != "orders"} for row in data]
+        out[stored_name(part, results["meta"]["device"])] = {
+            "meta": results["meta"], "settings": results.get("settings", {}), "cases": results.get("cases", {}),
+            "finished": results.get("finished", True), part: data}
+    return out
+
+
+def problems(stored: dict[str, Any], allow_loaded: bool = False, allow_partial: bool = False) -> list[str]:
+    """Why one part must not become the page's figures (empty: it may)."""
+    found = []
+    settings, device = stored["settings"], stored["meta"]["device"]
+    if settings.get("smoke"):
+        found.append("a smoke run (tiny model): structure only, not figures")
+    if stored.get("finished") is False and not allow_partial:
+        found.append("a run stopped part-way: finish it, or pass --allow-partial")
+    timing, memory, ops = stored.get("timing", []), stored.get("memory", []), stored.get("host_ops", {})
+    failed = [f"timing {r['case']} K={r['k']}" for r in timing if r["status"] != "ok"]
+    failed += [f"memory {r['case']} K={r['k']} {r['variant']}" for r in memory if r["status"] != "ok"]
+    if failed and not allow_partial:
+        found.append(f"failed launches: {', '.join(failed)} (--allow-partial stores the others, shown as failed)")
+    if timing and min(r["rounds"] for r in timing) < MIN_ROUNDS:
+        found.append(f"{min(r['rounds'] for r in timing)} rounds in a launch; figures need at least {MIN_ROUNDS}")
+    if device == "cpu" and not settings.get("smoke") and not allow_partial:
+        missing = [f"{c.name} K={k}" for c in FULL_CASES for k in c.ks if timing
+                   and (c.name, k) not in {(r["case"], r["k"]) for r in timing}]
+        missing += [f"{c.name} K={k}" for c in FULL_CASES for k in c.sweep_ks if memory
+                    and (c.name, k) not in {(r["case"], r["k"]) for r in memory}]
+        missing += [f"host ops K={k}" for k in (1, 16) if ops and str(k) not in {str(key) for key in ops}]
+        if missing:
+            found.append(f"a partial run (no {', '.join(missing)}): run it all, or pass --allow-partial")
+    loads = [r["launch"]["load_1m"][1] for r in timing]
+    limit = stored["meta"]["world_size"] + 1.0
+    if loads and statistics.median(loads) > limit and not allow_loaded:
+        found.append(f"the 1-minute load average after the timing launches had median {statistics.median(loads):.2f} "
+                     f"> {limit:.1f} (the benchmark alone: about {stored['meta']['world_size']}): the machine was "
+                     "shared; rerun it alone, or pass --allow-loaded and say so beside the table")
+    return found
+
+
+# -- tables ------------------------------------------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """A markdown table, its first ``left`` columns left-aligned, the rest right."""
+    marks = ["---" if i < left else "---:" for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
 
 
 def _cell(ratio: dict[str, Any] | None) -> str:
-    """``median (q1-q3)`` of a per-round ratio."""
+    """``median (95 % interval)`` of a per-round ratio."""
     if not ratio:
         return "n/a"
-    return f"{ratio['median']:.3f} ({ratio['q1']:.3f}-{ratio['q3']:.3f})"
-
-
-def _k(row: dict[str, Any]) -> str:
-    """A timing row's K, with its launch number in a run that repeats launches (``--repeat``)."""
-    return f"{row['k']} #{row['repeat'] + 1}" if row.get("repeats", 1) > 1 else str(row["k"])
+    return f"{ratio['median']:.3f} ({ratio['ci_low']:.3f}-{ratio['ci_high']:.3f})"
 
 
 def _bytes(n: float | None) -> str:
@@ -40,220 +130,149 @@ def _bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
-def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
-    """A markdown table; ``align`` gives 'l' (left) or 'r' per leading column, the rest right."""
-    marks = [("---" if i < len(align) and align[i] == "l" else "---:") for i in range(len(header))]
-    return ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|",
-            *("| " + " | ".join(row) + " |" for row in rows)]
-
-
-def _case_label(results: dict[str, Any], case: str) -> str:
-    about = results.get("cases", {}).get(case, {})
+def _case(stored: dict[str, Any], case: str) -> str:
+    about = stored.get("cases", {}).get(case)
     if not about:
         return case
     params = f"{about['params'] / 1e6:.1f}M" if about["params"] >= 10**5 else f"{about['params']:,}"
-    return f"{case} ({params} params, micro {about['micro_batch']})"
+    return f"{case} ({params} params, micro-batch {about['micro_batch']})"
 
 
-def header(results: dict[str, Any]) -> list[str]:
-    """Where and how the figures were taken."""
-    m, s = results["machine"], results["settings"]
-    loads = [x for row in results["timing"] for x in row["launch"]["load_1m"]]
-    load = f"median {sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}" if loads else "n/a"
-    return [
-        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB, {m['platform']}; "
-        f"Python {m['python']}, torch {m['torch']}, accelerate {m['accelerate']}, deepspeed {m['deepspeed']}. "
-        f"{s['backend']}, world {s['world_size']}, {s['threads']}, {s.get('precision', 'fp32')} compute. "
-        f"Date {results['date']}.",
-        "",
-        (f"Command: `{s['command']}` ({_rounds(results)}"
-         + (f", {s['repeats']} launches per case and K" if s.get("repeats", 1) > 1 else "")
-         + f", whole run {results['wall_s']:.0f} s). "
-         f"1-minute load average around the timing launches: {load} (the benchmark alone: about "
-         f"{s['world_size']}; more means other work shared the machine and the figures are noise)."
-         if results["timing"] else
-         f"Command: `{s['command']}` (the engine sweep alone, whole run {results['wall_s']:.0f} s; memory and "
-         "counts, not timing: the machine's load does not change them)."),
-        *(["", "**Smoke run: the structure of the benchmark, not figures (tiny model, few rounds).**"]
-          if s["smoke"] else []),
-    ]
+def provenance_lines(stored: dict[str, Any], source: str) -> list[str]:
+    """What the figures below describe: the code (commit, uncommitted changes, the sources' digest), the
+    environment and the command, and the stored file they are rendered from."""
+    m = stored["meta"]
+    changes = {True: " with uncommitted changes to distaccum/ or benchmarks/", False: "", None: ""}[
+        m.get("uncommitted_changes")]
+    return [f"Code: commit `{m['commit']}`{changes} (sources sha256 `{m['source_sha256']}`). Environment: torch "
+            f"{m['torch']}, Python {m['python']}; {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['device_name']} "
+            f"({m['backend']}), world {m['world_size']}, {m['threads']}, {m['precision']}. Date {m['date']}. "
+            f"Command: `{m['command']}`. Stored: `{source}`."]
 
 
-def _rounds(results: dict[str, Any]) -> str:
-    """How many rounds each launch ran: fixed, or as many whole cycles as the time budget held."""
-    s, counts = results["settings"], [row["rounds"] for row in results["timing"]]
-    if not s.get("budget_s") or not counts:
-        return f"{s['rounds']} rounds per launch"
-    blocks = f"{s['block_steps']}-step blocks, " if s.get("block_steps") else ""
-    return (f"{blocks}whole cycles of rounds for {s['budget_s']:g} s per launch: "
-            f"{min(counts)}-{max(counts)} rounds")
-
-
-def issue_table(results: dict[str, Any]) -> list[str]:
-    """The issue's table: per case and K, the median of the per-round ratios and their IQR."""
-    rows = []
-    last = None
-    for row in results["timing"]:
-        label = _case_label(results, row["case"]) if row["case"] != last else ""
+def timing_lines(stored: dict[str, Any]) -> list[str]:
+    """The timing table (ratios with their 95 % intervals), the step times, the same-work check and the guard."""
+    timing = stored["timing"]
+    rows, times, last = [], [], None
+    for row in timing:
+        label = _case(stored, row["case"]) if row["case"] != last else ""
         last = row["case"]
-        rows.append([label, _k(row), *(_cell(row["ratios"].get(r)) for r in ISSUE_RATIOS)])
-    return [
-        "Median of the per-round ratios of step times (interquartile range over rounds in brackets):",
-        "",
-        *_table(["case", "K", *ISSUE_RATIOS], rows, "l"),
-    ]
+        compiled = row["ratios"].get(COMPILED)
+        vs = "" if not compiled else {"ddp_no_sync_compiled": " vs dynamic", "ddp_no_sync_compiled_static":
+                                      " vs static"}.get(compiled["denominator"], "")
+        cells = [_cell(row["ratios"].get(c)) + (vs if c == COMPILED and compiled else "") for c in TIMING_COLUMNS]
+        rows.append([label, str(row["k"]), str(row["rounds"]), *cells])
+        steps = [row["variants"].get(v, {}).get("step_s") for v in STEP_COLUMNS]
+        times.append([label, str(row["k"]), *("n/a" if not s else f"{s['median'] * 1e3:.1f}" for s in steps)])
+    settings = stored["settings"]
+    blocks = (f"blocks of {settings['block_steps']} optimizer step(s) per variant, "
+              if settings.get("block_steps") else "")
+    budget = (f"whole cycles of rounds for {settings['budget_s']:g} s per launch" if settings.get("budget_s")
+              else f"{settings.get('rounds')} rounds per launch")
+    lines = [f"Per case and K, one launch: {blocks}{budget}. Median of the per-round ratios of step times, its 95 % "
+             "confidence interval in brackets (two order statistics of the rounds: docs/benchmarks.md). The compiled "
+             "column divides by the faster compiled expert loop of the launch (`dynamic=True` or static shapes). "
+             "The A/A columns are the controls: 1 by construction, their interval is the harness's resolution.",
+             "", *_table(["case", "K", "rounds", *TIMING_COLUMNS], rows, 1),
+             "", "Time per optimizer step, ms (median over rounds, slowest rank):",
+             "", *_table(["case", "K", *STEP_COLUMNS], times, 1)]
+    lines += ["", *agreement_lines(timing)]
+    verdicts = [r["ratios"][label]["verdict"] for r in timing for label in (DISTACCUM_VS_EXPERT, COMPILED)
+                if label in r["ratios"]]
+    if verdicts:
+        lines += ["", f"Target: distaccum / expert and compiled distaccum / compiled expert <= {TARGET}, met when the "
+                  f"whole interval is within it: {_tally(verdicts)}."]
+    g = guard(timing) if stored["meta"]["device"] == "cpu" else None  # the guard is the CPU's
+    if g:
+        state = "met" if g["met"] else "**missed**"
+        lines += ["", f"Regression guard (median of distaccum / expert <= {GUARD} at every split, this run as "
+                  f"measured): {state}; the largest median is {g['worst']:.3f} ({g['case']} K={g['k']}), "
+                  f"over {g['splits']} splits."]
+    return lines
 
 
-def spread_table(results: dict[str, Any]) -> list[str]:
-    """Every ratio with min-max over rounds, its target and whether it is met."""
-    rows = []
-    for row in results["timing"]:
-        for label, ratio in row["ratios"].items():
-            goal = f"<= {ratio['target']:.2f}" if ratio["target"] else ""
-            s = spread(ratio["per_round"])  # the interval and verdict from the rounds: also for a run before them
-            rows.append([row["case"], _k(row), label, f"{s.median:.3f}", f"{s.ci_low:.3f}-{s.ci_high:.3f}",
-                         f"{s.q1:.3f}-{s.q3:.3f}", f"{s.min:.3f}-{s.max:.3f}", str(s.rounds), goal,
-                         verdict(s, ratio["target"])])
-    return [
-        "Every ratio: median of the per-round ratios, the median's 95 % confidence interval (distribution-free: two "
-        "order statistics of the rounds; min-max up to 8 rounds), interquartile range and min-max; a target is met "
-        "when the interval lies within it, missed when it lies beyond it, otherwise not resolved (within the "
-        "spread: more rounds narrow the interval, not the IQR).",
-        "",
-        *_table(["case", "K", "ratio", "median", "95 % CI", "IQR", "min-max", "rounds", "target", "verdict"], rows,
-                "lrlrrrrrll"),
-    ]
-
-
-def launches_table(results: dict[str, Any]) -> list[str]:
-    """A run that repeats launches (``--repeat``): every ratio's median per launch, and the verdict from them."""
-    rows = [[r["case"], str(r["k"]), r["ratio"], f"{r['median']:.3f}", f"{r['min']:.3f}-{r['max']:.3f}",
-             " ".join(f"{m:.3f}" for m in r["launch_medians"]), f"<= {r['target']:.2f}" if r["target"] else "",
-             r["verdict"], f"{r['pooled']['median']:.3f} ({r['pooled']['ci_low']:.3f}-{r['pooled']['ci_high']:.3f}, "
-             f"{r['pooled']['rounds']} rounds)", _launch_effect(r)] for r in across_launches(results["timing"])]
-    if not rows:
-        return []
-    return [
-        "Across launches: each launch's median ratio is one value (a launch's processes keep their CPU placement, "
-        "memory layout and allocator state for all its rounds, which can move a ratio from one launch to the next); "
-        "the median of the launches' medians, their min-max (the median's interval: confidence 1 - 2 / 2^launches, "
-        "97 % for 6), and the verdict from it: met when every launch is within the target, missed when every "
-        "launch is beyond it. For information: every launch's rounds pooled as one sample, their "
-        "median and its 95 % interval (narrower, and right only if the launches share no effect of their own), and "
-        "whether they do: the spread (sd) of the launches' mean log ratios against the spread their rounds' noise "
-        "alone would give them (near 1: no effect of the launch's own; `benchmarks.stats.launch_effect`).",
-        "",
-        *_table(["case", "K", "ratio", "median of launches", "min-max", "launches", "target", "verdict",
-                 "rounds pooled: median (95 % interval)", "launch sd / rounds' sd"], rows, "lrl"),
-    ]
-
-
-def _launch_effect(row: dict[str, Any]) -> str:
-    """``launch sd / expected sd`` of an across-launch row (:func:`benchmarks.stats.launch_effect`)."""
-    launch, expected = row["launch_sd"], row["expected_sd"]
-    if not (math.isfinite(launch) and math.isfinite(expected)) or expected == 0:
-        return "n/a"
-    return f"{launch:.3f} / {expected:.3f} = {launch / expected:.2f}"
-
-
-def time_table(results: dict[str, Any]) -> list[str]:
-    """Step time per variant: median over rounds of the block medians, with min-max."""
-    names = list(dict.fromkeys(v for row in results["timing"] for v in row["variants"]))
-    rows = []
-    for row in results["timing"]:
-        cells = []
-        for name in names:
-            s = row["variants"].get(name, {}).get("step_s")
-            cells.append("n/a" if not s else f"{s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})")
-        rows.append([row["case"], _k(row), str(row["steps_per_block"]), *cells])
-    heads = [f"{LETTERS.get(n, '')} {n}".strip() for n in names]
-    return ["Time per optimizer step, ms: median over rounds (min-max), slower rank:", "",
-            *_table(["case", "K", "steps/block", *heads], rows, "l")]
-
-
-def ledger_table(results: dict[str, Any]) -> list[str]:
-    """Where distaccum's step goes, from its own per-step records (medians of the timed steps)."""
-    rows = []
-    for row in results["timing"]:
-        led = row["distaccum_ledger"].get("distaccum")
-        if led:
-            rows.append([row["case"], _k(row), *(_num(led.get(k), 1, 1e3) for k in
-                         ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s")),
-                         f"{led.get('comm_rounds', 0):.0f} / {led.get('comm_calls', 0):.0f}"])
-    if not rows:
-        return []
-    return ["distaccum's own ledger in the same runs, ms (medians; rank 0; `comm_s` overlaps `compute_s`):", "",
-            *_table(["case", "K", "time", "data", "compute", "comm", "comm exposed", "optim", "rounds / calls"],
-                    rows, "l")]
-
-
-def agreement_lines(results: dict[str, Any]) -> list[str]:
-    """Same work: the largest parameter difference from the reference loop (ddp_no_sync where it ran) after the
-    launch."""
+def agreement_lines(timing: list[dict[str, Any]]) -> list[str]:
+    """Same work: the largest parameter difference of each variant from the reference loop after its launch."""
     worst: dict[str, float] = {}
-    for row in results["timing"]:
-        for name, diff in row["param_rel_diff"].items():
+    for row in timing:
+        for name, diff in row.get("param_rel_diff", {}).items():
             worst[name] = max(worst.get(name, 0.0), diff)
-    if not worst:
+    references = sorted({row["param_reference"] for row in timing if row.get("param_reference")})
+    if not worst or not references:
         return []
-    references = {row.get("param_reference", REFERENCE) for row in results["timing"] if row["param_rel_diff"]}
-    reference = " / ".join(sorted(references))
     parts = ", ".join(f"{n} {d:.1e}" for n, d in worst.items() if n not in (*references, "compute_floor"))
     floor = worst.get("compute_floor")
-    if floor is None:
-        control = ""
-    elif results["settings"]["world_size"] == 1:
-        control = (f" The compute floor differs by {floor:.1e}: at world 1 there is nothing to average over ranks, "
-                   "so it does the same arithmetic and is no negative control here.")
-    else:
-        control = f" The compute floor, which averages nothing over ranks, differs by {floor:.1e} (a negative control)."
-    return [f"Same work: after each launch every variant's parameters are compared with {reference}'s "
+    control = ("" if floor is None else f" The compute floor, which averages nothing over ranks, differs by "
+               f"{floor:.1e} (the negative control: the check can fail).")
+    return [f"Same work: after each launch every variant's parameters are compared with {' / '.join(references)}'s "
             f"(largest |difference| / largest |parameter|, worst launch): {parts}.{control}"]
 
 
-def comm_table(results: dict[str, Any]) -> list[str]:
-    """Per engine variant and K: reductions, gathers, step time, peak memory (fresh processes)."""
+def memory_growth(memory: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case and variant: the peaks at the smallest and the largest K of the sweep, and their growth."""
     rows = []
-    for r in results["sweep"]:
-        rec = r.get("records", {})
-        if r["status"] != "ok":
-            rows.append([r["case"], str(r["k"]), r["variant"], r["status"], *[""] * 8])
-            continue
-        engine = ENGINE_VARIANTS.get(r["variant"], ("ddp",))[0]
-        gathers = {"fsdp": f"{rec.get('gather_calls', 0):.0f} ({_bytes(rec.get('gather_bytes'))})",
-                   "deepspeed": "not counted"}.get(engine, "none (replicated)")
-        across = (f"{rec['comm_rounds_replicate']:.0f} / {rec['comm_calls_replicate']:.0f} / "
-                  f"{_bytes(rec['comm_bytes_replicate'])}" if rec.get("comm_calls_replicate") else "-")
-        rows.append([r["case"], str(r["k"]), r["variant"], r["sync"],
-                     _num(rec.get("comm_rounds"), 0), _num(rec.get("comm_calls"), 0),
-                     _bytes(rec.get("comm_bytes")), across, gathers if rec else "n/a (no ledger)",
-                     f"{r['step_s']['median'] * 1e3:.1f}", f"{r['step_peak_mb']:.0f}", f"{r['process_peak_mb']:.0f}"])
-    env = " ".join(f"{k}={v}" for k, v in results["settings"].get("sweep_env", {}).items())
-    env_note = f" (workers' environment: {env}; see docs/benchmarks.md)" if env else ""
-    return ["Engines, each (variant, K) in fresh processes: per optimizer step, medians over the timed "
-            "steps of distaccum's records (gradient-reduction rounds, calls, bytes reduced; for HSDP those "
-            "inside a replica, and the all-reduces across replicas as rounds / calls / bytes; FSDP2 parameter "
-            f"all-gathers), step time (separate launches: read only large differences), {_peak_name(results)} of "
-            f"the step and of the process through training, MiB{env_note}:", "",
-            *_table(["case", "K", "variant", "sync", "rounds", "calls", "reduced", "across replicas",
-                     "all-gathers", "step ms", "step peak", "process peak"], rows, "lrll")]
+    for case in dict.fromkeys(r["case"] for r in memory):
+        for variant in dict.fromkeys(r["variant"] for r in memory):
+            runs = sorted((r for r in memory if r["case"] == case and r["variant"] == variant and r["status"] == "ok"),
+                          key=lambda r: r["k"])
+            if len(runs) < 2:
+                continue
+            low, high = runs[0], runs[-1]
+            step, proc = high["step_peak_mb"] / low["step_peak_mb"], high["process_peak_mb"] / low["process_peak_mb"]
+            rows.append({"case": case, "variant": variant, "k_low": low["k"], "k_high": high["k"],
+                         "step_low": low["step_peak_mb"], "step_high": high["step_peak_mb"], "step_growth": step,
+                         "process_low": low["process_peak_mb"], "process_high": high["process_peak_mb"],
+                         "process_growth": proc, "reduced": high.get("records", {}).get("comm_bytes"),
+                         "flat": step <= MEMORY_LIMIT and proc <= MEMORY_LIMIT})
+    return rows
+
+
+def _engine(variant: str) -> str:
+    return DISTACCUM[variant].engine if variant in DISTACCUM else "hand-written DDP"
+
+
+def memory_lines(stored: dict[str, Any]) -> list[str]:
+    """Peak memory per engine at the smallest and the largest K, and whether it stays flat."""
+    growth = memory_growth(stored["memory"])
+    peak = "peak CUDA memory allocated" if stored["meta"]["device"] == "cuda" else "peak RSS"
+    env = " ".join(f"{k}={v}" for k, v in stored["settings"].get("sweep_env", {}).items())
+    rows = [[_case(stored, g["case"]), g["variant"], _engine(g["variant"]), sync_of(g["variant"]),
+             f"{g['step_low']:.0f} -> {g['step_high']:.0f}", f"{g['step_growth']:.3f}",
+             f"{g['process_low']:.0f} -> {g['process_high']:.0f}", f"{g['process_growth']:.3f}", _bytes(g["reduced"]),
+             "yes" if g["flat"] else "**no**"] for g in growth]
+    ks = sorted({r["k"] for r in stored["memory"]})
+    return [f"Each (variant, K) in fresh processes; {peak} per rank, MiB, the largest rank, of a step (the largest "
+            f"over the timed steps) and of the process (set-up and warm-up too), at K = {ks[0]} -> {ks[-1]}; the "
+            "gradient bytes distaccum's ledger reduced per step at the largest K; flat when both growths are "
+            f"<= {MEMORY_LIMIT}." + (f" Workers' environment: `{env}` (docs/benchmarks.md)." if env else ""),
+            "", *_table(["case", "variant", "engine", "sync", "step peak", "growth", "process peak", "growth",
+                         "reduced / step", "flat"], rows, 4)]
+
+
+def ops_lines(stored: dict[str, Any]) -> list[str]:
+    """The operators per step of distaccum and of the expert loop (:func:`benchmarks.host_ops.table`)."""
+    counts = {int(k): v for k, v in stored["host_ops"].items()}
+    return ["Top-level operators one steady-state optimizer step issues on the host outside the model's forward and "
+            "backward, the loss and the optimizer (counted by torch.profiler on rank 0 of 2 gloo ranks, not timed: "
+            "exact, the same on every run; `benchmarks/host_ops.py`):", "", ops_markdown(counts)]
 
 
 HSDP_MODES = {"distaccum_fsdp": "flat FSDP2, boundary", "distaccum_hsdp_boundary": "HSDP, boundary",
               "distaccum_hsdp_replica_boundary": "HSDP, replica_boundary (default)",
               "distaccum_hsdp_every_micro": "HSDP, every_micro"}
-"""The rows of docs/multinode.md's trade-off table: sweep variant -> mode."""
+"""The rows of docs/multinode.md's trade-off table: variant -> mode."""
 
 
-def hsdp_table(results: dict[str, Any]) -> list[str]:
-    """docs/multinode.md's trade-off table: per FSDP2 mode, the communication of one step at the largest K (inside a
+def hsdp_lines(results: dict[str, Any]) -> list[str]:
+    """docs/multinode.md's trade-off table: per FSDP2 mode, one step's communication at the largest K (inside a
     replica and across replicas, from distaccum's ledger) and the step's peak memory at the smallest and the
     largest K (``python -m benchmarks.run --no-timing --sweep hsdp --world 4``)."""
     rows = []
-    for case in dict.fromkeys(r["case"] for r in results["sweep"]):
+    memory = results["memory"]
+    for case in dict.fromkeys(r["case"] for r in memory):
         for variant, mode in HSDP_MODES.items():
-            runs = sorted((r for r in results["sweep"] if r["case"] == case and r["variant"] == variant
-                           and r["status"] == "ok"), key=lambda r: r["k"])
+            runs = sorted((r for r in memory if r["case"] == case and r["variant"] == variant and r["status"] == "ok"),
+                          key=lambda r: r["k"])
             if not runs:
                 continue
             low, high = runs[0], runs[-1]
@@ -261,71 +280,170 @@ def hsdp_table(results: dict[str, Any]) -> list[str]:
             inner = f"{rec['comm_rounds']:.0f} / {rec['comm_calls']:.0f} / {_bytes(rec['comm_bytes'])}"
             across = (f"{rec['comm_rounds_replicate']:.0f} / {rec['comm_calls_replicate']:.0f} / "
                       f"{_bytes(rec['comm_bytes_replicate'])}" if rec.get("comm_calls_replicate") else "-")
-            rows.append([_case_label(results, case), mode, str(high["k"]), inner, across,
-                         f"{low['step_peak_mb']:.0f}", f"{high['step_peak_mb']:.0f}",
-                         f"{high['step_peak_mb'] / low['step_peak_mb']:.3f}"])
-    ks = sorted({r["k"] for r in results["sweep"]})
-    s = results["settings"]
-    return [f"World {s['world_size']} ({s['backend']}, {results['machine']['cpu']}), HSDP with 2 replicas; per "
-            "optimizer step at the largest K: rounds / calls / bytes of the gradient reductions inside a replica "
-            "(reduce-scatters) and across replicas (all-reduces), from distaccum's ledger; peak RSS of a step per "
-            f"rank (MiB, largest rank) at K = {ks[0]} and K = {ks[-1]}. Command: `{s['command']}`.", "",
+            rows.append([_case(results, case), mode, str(high["k"]), inner, across, f"{low['step_peak_mb']:.0f}",
+                         f"{high['step_peak_mb']:.0f}", f"{high['step_peak_mb'] / low['step_peak_mb']:.3f}"])
+    ks = sorted({r["k"] for r in memory})
+    return [*provenance_lines(results, "the run's results.json"), "",
+            "HSDP with 2 replicas; per optimizer step at the largest K: rounds / calls / bytes of the gradient "
+            "reductions inside a replica (reduce-scatters) and across replicas (all-reduces), from distaccum's "
+            f"ledger; peak memory of a step per rank (MiB, largest rank) at K = {ks[0]} and K = {ks[-1]}.", "",
             *_table(["case", "mode", "K", "in replica", "across replicas", f"peak K={ks[0]}", f"peak K={ks[-1]}",
-                     "growth"], rows, "lll")]
+                     "growth"], rows, 3)]
 
 
-def _peak_name(results: dict[str, Any]) -> str:
-    """What the sweep's peaks measure: the CUDA caching allocator's peak on a GPU, the resident set on the CPU."""
-    return "peak CUDA memory allocated" if results["settings"].get("device") == "cuda" else "peak RSS"
+# -- the page ----------------------------------------------------------------------------------------------------
 
 
-def memory_table(results: dict[str, Any]) -> list[str]:
-    """Peak memory at the largest K over the smallest, per engine variant."""
-    rows = [[m["case"], m["variant"], f"{m['k_low']} -> {m['k_high']}",
-             f"{m['step_peak_low_mb']:.0f} -> {m['step_peak_high_mb']:.0f}", f"{m['step_growth']:.3f}",
-             f"{m['process_peak_low_mb']:.0f} -> {m['process_peak_high_mb']:.0f}", f"{m['process_growth']:.3f}",
-             "yes" if m["flat"] else "**no**"] for m in results["memory"]]
-    return [f"Memory flat in K: {_peak_name(results)} per rank (MiB, largest rank) at the smallest and largest K; "
-            f"flat means both growths <= {MEMORY_LIMIT:.2f}:", "",
-            *_table(["case", "variant", "K", "step peak", "growth", "process peak", "growth", "flat"], rows,
-                    "llrrrrrl")]
+def not_measured(section: str) -> list[str]:
+    """A section's text when its part was never stored."""
+    if section.startswith("gpu"):
+        return ["No GPU was lent for this release: not measured. On a CUDA machine `benchmarks/gpu_check.sh OUT` "
+                "runs the GPU tests and this benchmark; `python -m benchmarks.report --store OUT/bench/results.json "
+                "--store OUT/memory/results.json` stores its results and renders this table."]
+    return ["Not measured for this release yet: run `make bench`, then `make bench-docs`."]
 
 
-def gpu_lines(results: dict[str, Any]) -> list[str]:
-    """MFU and NCCL bus bandwidth, or why they were not measured."""
-    gpu = results.get("gpu")
-    if not gpu:
-        return ["GPU: not measured (no CUDA device in this run)."]
-    lines = [f"GPU: {gpu['device']}, world {gpu['world_size']}, {gpu['precision']} compute, peak "
-             f"{_num(gpu['peak_tflops'], 0)} TFLOP/s ({gpu['peak_source']}); MFU = 6 x parameters x samples per "
-             "rank and step / step time / peak.", ""]
+def _tally(verdicts: list[str]) -> str:
+    """``met 4, not resolved 2 of 6``."""
+    counts = [f"{sum(v == kind for v in verdicts)} {kind}" for kind in ("met", "not resolved", "missed")]
+    return ", ".join(c for c in counts if not c.startswith("0 ")) + f" of {len(verdicts)}"
+
+
+def targets_lines(store: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the targets stand, from the stored timing and memory of each device."""
     rows = []
-    for r in gpu["mfu"]:
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.3g} %"
-        rows.append([r["case"], str(r["k"]), r["variant"], f"{r['step_ms']:.2f}", mfu])
-    if rows:  # an engine sweep alone (--no-timing) times nothing to compute MFU from
-        lines += [*_table(["case", "K", "variant", "step ms", "MFU"], rows, "lll"), ""]
-    busbw = (f"- NCCL all-reduce, {b['case']}: " + (
-        f"{b['bytes'] / 2**20:.0f} MiB in {b['time_s'] * 1e3:.2f} ms, algbw {b['algbw_gbps']:.1f} GB/s, "
-        f"busbw {b['busbw_gbps']:.1f} GB/s" if b["status"] == "ok" else f"not measured ({b['why']})")
-        for b in gpu["busbw"])
-    return lines + list(dict.fromkeys(busbw))  # one line per case when every K reads alike
+    for device in ("cpu", "gpu"):
+        timing = [r for r in store.get(f"{device}-timing.json", {}).get("timing", []) if r["status"] == "ok"]
+        for label in (DISTACCUM_VS_EXPERT, COMPILED):
+            measured = [r for r in timing if label in r["ratios"]]
+            reading = "; ".join(f"{r['case']} K={r['k']} {_cell(r['ratios'][label])}" for r in measured)
+            rows.append([f"{label} <= {TARGET}", device.upper(), reading or "not measured",
+                         _tally([r["ratios"][label]["verdict"] for r in measured]) if measured else ""])
+        g = guard(timing)
+        if device == "cpu":
+            rows.append([f"guard: distaccum / expert median <= {GUARD} at every split", "CPU", "not measured" if not g
+                         else f"largest {g['worst']:.3f} ({g['case']} K={g['k']})",
+                         "" if not g else "met" if g["met"] else "**missed**"])
+        growth = memory_growth(store.get(f"{device}-memory.json", {}).get("memory", []))
+        grows = [f"{g['case']} {g['variant']} {max(g['step_growth'], g['process_growth']):.3f}"
+                 for g in growth if not g["flat"]]
+        rows.append([f"memory flat in K (growth <= {MEMORY_LIMIT})", device.upper(), "not measured" if not growth
+                     else "grows: " + "; ".join(grows) if grows else "every engine flat",
+                     f"{sum(g['flat'] for g in growth)} flat of {len(growth)}" if growth else ""])
+    return ["Read from the stored results in the sections below (each names its code and environment):", "",
+            *_table(["target", "device", "reading: median (95 % interval)", "verdict"], rows, 4)]
 
 
-def render(results: dict[str, Any], *, across_only: bool = False) -> str:
-    """results.md: every table, in reading order. ``across_only``: of the timing, only what is taken across
-    launches and the parameter check (a ``--repeat`` run's section of BENCHMARKS.md; each launch's tables stay in
-    results.md)."""
-    sections = [header(results)]
-    if results["timing"] and across_only:
-        sections += [launches_table(results), agreement_lines(results)]
-    elif results["timing"]:  # an engine sweep alone (--no-timing) has no timing tables to show
-        sections += [launches_table(results), issue_table(results), spread_table(results), time_table(results),
-                     ledger_table(results), agreement_lines(results)]
-    if results["sweep"]:
-        sections += [comm_table(results), memory_table(results)]
-    sections.append(gpu_lines(results))
-    if results["timing"]:
-        labels = ", ".join(f"{label} = {num} / {den}" for label, num, den in RATIOS)
-        sections.append([f"Ratios: {labels}."])
+SECTIONS = {"targets": None, "cpu-timing": ("cpu-timing.json", timing_lines),
+            "cpu-memory": ("cpu-memory.json", memory_lines), "host-ops": ("host-ops.json", ops_lines),
+            "gpu-timing": ("gpu-timing.json", timing_lines), "gpu-memory": ("gpu-memory.json", memory_lines)}
+"""BENCHMARKS.md's generated sections: name -> (the stored file, its renderer); ``targets`` reads them all."""
+
+
+def markers(section: str) -> tuple[str, str]:
+    """The begin and end markers of a generated section."""
+    return f"<!-- bench:{section}:begin (generated by {BY}; edits here are lost) -->", f"<!-- bench:{section}:end -->"
+
+
+def section_body(section: str, store: dict[str, dict[str, Any]], store_name: str = "docs/results") -> str:
+    """The text between a section's markers, from the stored results (``store``: file name -> content)."""
+    if section == "targets":
+        return "\n".join(targets_lines(store))
+    file, render = SECTIONS[section]
+    stored = store.get(file)
+    if stored is None:
+        return "\n".join(not_measured(section))
+    return "\n".join([*provenance_lines(stored, f"{store_name}/{file}"), "", *render(stored)])
+
+
+def replace_section(text: str, section: str, body: str, by: str = BY) -> str:
+    """``text`` with the content between ``section``'s markers replaced by ``body`` (``by``: the command the
+    markers name)."""
+    begin = f"<!-- bench:{section}:begin (generated by {by}"
+    end = f"<!-- bench:{section}:end -->"
+    start = text.find(begin)
+    start = text.find("-->", start) + 3 if start >= 0 else -1
+    stop = text.find(end, max(start, 0))
+    if start < 3 or stop < 0:
+        raise ValueError(f"the document has no '{begin} ...' ... '{end}' section")
+    return text[:start] + "\n\n" + body.strip() + "\n\n" + text[stop:]
+
+
+def render_doc(text: str, store: dict[str, dict[str, Any]], store_name: str = "docs/results") -> str:
+    """``text`` (BENCHMARKS.md) with every generated section rendered from ``store``."""
+    for section in SECTIONS:
+        text = replace_section(text, section, section_body(section, store, store_name))
+    return text
+
+
+def render_results(results: dict[str, Any], source: str = "results.json") -> str:
+    """A run's own ``results.md``: its parts through the page's renderers, then where it ran."""
+    store = parts_of(results)
+    sections = [["**Smoke run: the structure of the benchmark, not figures (tiny model, few rounds).**"]
+                if results.get("settings", {}).get("smoke") else [], provenance_lines(results, source)]
+    for stored in store.values():
+        part = next(p for p in PARTS if p in stored)
+        sections.append({"timing": timing_lines, "memory": memory_lines, "host_ops": ops_lines}[part](stored))
     return "\n\n".join("\n".join(lines) for lines in sections if lines) + "\n"
+
+
+def load_store(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every stored result in ``folder``: file name -> content."""
+    return {name: json.loads((folder / name).read_text()) for name, _ in (s for s in SECTIONS.values() if s)
+            if (folder / name).is_file()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Store results and render the page; 0 on success, 1 when results are refused or the page is stale (--check),
+    2 for missing files."""
+    p = argparse.ArgumentParser(prog=BY, description=__doc__.split("\n\n")[0])
+    p.add_argument("--store", type=Path, action="append", default=[], help="a run's results.json to keep (repeat)")
+    p.add_argument("--results-dir", type=Path, default=STORE, help="where stored results live (docs/results)")
+    p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--check", action="store_true", help="only compare the page with the render of the stored results")
+    p.add_argument("--allow-loaded", action="store_true", help="store a run whose load average says it was shared")
+    p.add_argument("--allow-partial", action="store_true", help="store a run that misses splits or stopped part-way")
+    p.add_argument("--hsdp", type=Path, help="a `--sweep hsdp` run's results.json: docs/multinode.md's HSDP table")
+    args = p.parse_args(argv)
+    if args.hsdp:
+        doc = args.doc if args.doc != DOC else ROOT / "docs" / "multinode.md"
+        results = json.loads(args.hsdp.read_text())
+        if not any(r["variant"] in HSDP_MODES and r["status"] == "ok" for r in results.get("memory", [])):
+            print(f"report: {args.hsdp} holds no HSDP memory launch (run it with --sweep hsdp --world 4)",
+                  file=sys.stderr)
+            return 1
+        doc.write_text(replace_section(doc.read_text(), "hsdp", "\n".join(hsdp_lines(results))))
+        print(f"report: wrote the hsdp section of {doc}")
+        return 0
+    for path in [*args.store, args.doc]:
+        if not path.is_file():
+            print(f"report: no {path} (make bench writes runs/bench/results.json)", file=sys.stderr)
+            return 2
+    strict = args.results_dir.resolve() == STORE.resolve()  # the page's own store takes figures only
+    parts = [(path, name, stored) for path in args.store for name, stored in parts_of(json.loads(path.read_text())).items()]
+    refusals = {(path, name): problems(stored, args.allow_loaded, args.allow_partial) for path, name, stored in parts}
+    if strict and any(refusals.values()):  # nothing is stored unless every part may be
+        for (path, name), refused in refusals.items():
+            if refused:
+                print(f"report: not storing {name} from {path}: " + "; ".join(refused), file=sys.stderr)
+        return 1
+    for path, name, stored in parts:
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        (args.results_dir / name).write_text(json.dumps(stored, indent=1) + "\n")
+        refused = refusals[(path, name)]
+        print(f"report: stored {args.results_dir / name}" + (f" ({'; '.join(refused)})" if refused else ""))
+    store_name = "docs/results" if strict else str(args.results_dir)
+    text = args.doc.read_text()
+    rendered = render_doc(text, load_store(args.results_dir), store_name)
+    if args.check:
+        if rendered != text:
+            print(f"report: {args.doc} differs from what {BY} renders from {store_name}: run it", file=sys.stderr)
+            return 1
+        return 0
+    args.doc.write_text(rendered)
+    print(f"report: rendered {args.doc} from {store_name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

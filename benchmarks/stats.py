@@ -1,16 +1,11 @@
-"""From block step times to per-round times, per-round ratios, medians and spreads.
+"""From block step times to per-round ratios, their medians, intervals and verdicts.
 
-A round's time of a variant is the median of its block's step times (a stray slow step, a
-garbage collection, does not move it). A ratio is taken *per round*, between two blocks that ran
-seconds apart in the same processes, so slow drift of the machine cancels in it; the reported
-figure is the median of the per-round ratios, with its spread: min-max and the interquartile range
-(IQR, the middle half of the rounds). With 8 rounds the IQR spans rounds 3-6 by rank.
-
-Whether a target is met is a question about the median, not about single rounds: the verdict reads the
-median's 95 % confidence interval (:func:`median_interval`, distribution-free: two order statistics), which
-narrows as rounds are added, where the IQR only describes how far single rounds scatter (about +-5 % on this
-project's 2-core machine, for two identical loops too: the ``ddp_no_sync_twin`` control). With 8 rounds the
-interval is min-max; with 60 it spans ranks 22-39.
+A round's time of a variant is the median of its block's step times (a stray slow step, a garbage collection, does
+not move it). A ratio is taken *per round*, between two blocks that ran moments apart in the same processes, so
+slow drift of the machine cancels in it; the reported figure is the median of the per-round ratios with its 95 %
+confidence interval (:func:`median_interval`, distribution-free: two order statistics), which narrows as rounds are
+added, beside the interquartile range, which only says how far single rounds scatter. A target is met when the
+interval lies within it, missed when it lies beyond it, otherwise not resolved (:func:`verdict`).
 """
 
 from __future__ import annotations
@@ -20,6 +15,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Any
+
+from benchmarks.variants import EXPERT
 
 
 @dataclass(frozen=True)
@@ -88,149 +85,92 @@ def per_round_ratios(numerator: list[float], denominator: list[float]) -> list[f
     return [a / b for a, b in zip(numerator, denominator, strict=True)]
 
 
-REFERENCE = "ddp_no_sync"
-"""The variant whose trained parameters the others are compared with after a launch (where it ran:
-:func:`benchmarks.interleave.reference_of`); also what a stored launch without a ``param_reference`` compared with."""
-
+COMPILED_EXPERTS = ("ddp_no_sync_compiled", "ddp_no_sync_compiled_static")
+"""The compiled expert loop with ``dynamic=True`` and with specialised shapes: compiled distaccum is judged against
+whichever of them ran faster in the launch (the lower median round time)."""
+FASTER_COMPILED = "faster compiled expert"
+"""The denominator of the compiled ratio: :func:`faster_compiled_expert`."""
+DISTACCUM_VS_EXPERT = "distaccum / expert"
+COMPILED = "compiled distaccum / compiled expert"
 RATIOS: tuple[tuple[str, str, str], ...] = (
-    ("distaccum / no_sync", "distaccum", "ddp_no_sync"),
-    ("Accelerate / no_sync", "accelerate", "ddp_no_sync"),
+    (DISTACCUM_VS_EXPERT, "distaccum", EXPERT),
     ("distaccum / floor", "distaccum", "compute_floor"),
-    ("no_sync / floor", "ddp_no_sync", "compute_floor"),
-    ("every_micro / no_sync", "ddp_every_micro", "ddp_no_sync"),
+    ("expert / floor", EXPERT, "compute_floor"),
+    (COMPILED, "distaccum_compiled", FASTER_COMPILED),
+    ("A/A: expert twin / expert", "ddp_no_sync_twin", EXPERT),
+    ("A/A compiled: twin / compiled expert", "ddp_no_sync_compiled_twin", "ddp_no_sync_compiled"),
+    ("compiled expert: static / dynamic shapes", "ddp_no_sync_compiled_static", "ddp_no_sync_compiled"),
+    ("Accelerate / expert", "accelerate", EXPERT),
+    ("every_micro / expert", "ddp_every_micro", EXPERT),
     ("ledger on / off", "distaccum", "distaccum_no_ledger"),
     ("fingerprint on / off", "distaccum", "distaccum_no_fingerprint"),
     ("checks on / off", "distaccum", "distaccum_no_checks"),
-    ("checks off: distaccum / no_sync", "distaccum_no_checks", "ddp_no_sync"),
-    ("grad_norm on / off", "distaccum_grad_norm", "distaccum"),
-    ("compiled: distaccum / hand-written", "distaccum_compiled", "ddp_no_sync_compiled"),
-    ("compiled / eager (hand-written)", "ddp_no_sync_compiled", "ddp_no_sync"),
     ("bf16 reduce: distaccum / hook", "distaccum_bf16_reduce", "ddp_bf16_hook"),
-    ("Python hook / C++ hook (hand-written)", "ddp_python_hook", "ddp_no_sync"),
-    ("distaccum / Python hook", "distaccum", "ddp_python_hook"),
-    ("Python hook: divided after / before (hand-written)", "ddp_python_hook_after", "ddp_python_hook"),
-    ("distaccum / Python hook, divided after", "distaccum", "ddp_python_hook_after"),
-    ("K = 1: 1/N in the loss / folded", "distaccum_in_loss", "distaccum_folded_k1"),
     ("records: synchronous / a step late", "distaccum_sync_records", "distaccum"),
-    ("data: DataLoader / in-process rows", "distaccum_loader", "distaccum"),
-    ("data: copied rows / views", "distaccum_copied_rows", "distaccum"),
-    ("window: gloo / sockets", "distaccum_gloo_window", "distaccum"),
-    ("window over gloo: distaccum / no_sync", "distaccum_gloo_window", "ddp_no_sync"),
-    ("A/A: no_sync twin / no_sync", "ddp_no_sync_twin", "ddp_no_sync"),
-    ("A/A compiled: twin / hand-written", "ddp_no_sync_compiled_twin", "ddp_no_sync_compiled"),
-    ("compiled hand-written: static / dynamic shapes", "ddp_no_sync_compiled_static", "ddp_no_sync_compiled"),
 )
-"""(label, numerator, denominator): the issue's four ratios first, then the others (each only when both
-variants ran)."""
-ISSUE_RATIOS = tuple(label for label, *_ in RATIOS[:4])
+"""(label, numerator, denominator): every ratio a launch reports when both of its variants ran."""
+TARGET = 1.02
+"""Issue 21's "no fixed cost": distaccum within 2 % of the expert loop, eager and compiled."""
+GUARD = 1.05
+"""The CPU regression guard: the median of distaccum / expert at most this at every split, read from one run."""
 
 
-def target(label: str, case: str, k: int) -> float | None:
-    """The issues' target for a ratio (None: no target): distaccum / no_sync <= 1.02 everywhere, and the same
-    for the bf16-compressed reduction against the hand-written compressing hook and for compiled distaccum against
-    the hand-written compiled loop (issue 21's "no fixed cost", eager and compiled);
-    distaccum / floor <= 1.08 at K=16 on the 27.3M-parameter case."""
-    if label in ("distaccum / no_sync", "bf16 reduce: distaccum / hook", "compiled: distaccum / hand-written"):
-        return 1.02
-    if label == "distaccum / floor" and case.startswith("27.3M") and k == 16:
-        return 1.08
-    return None
+def target(label: str) -> float | None:
+    """A ratio's target (None: none): :data:`TARGET` for distaccum against the expert loop, eager, compiled and with
+    the bf16-compressed reduction against the hand-written compressing hook."""
+    return TARGET if label in (DISTACCUM_VS_EXPERT, COMPILED, "bf16 reduce: distaccum / hook") else None
 
 
 def verdict(s: Spread, goal: float | None) -> str:
     """'met' when the median's 95 % interval lies within the target, 'missed' when it lies beyond it, otherwise
-    'within the spread' (not resolved: more rounds narrow the interval). Up to 19 rounds the interval holds the
-    IQR (min-max at 8), so it is never looser than the quartile rule it replaced there; beyond, it narrows with
-    the rounds, which the IQR does not, so a long enough run can resolve a target the quartiles never could."""
+    'not resolved' (within the spread: more rounds narrow the interval)."""
     if goal is None:
         return ""
     if s.ci_high <= goal:
         return "met"
     if s.ci_low > goal:
         return "missed"
-    return "within the spread"
+    return "not resolved"
 
 
-def ratios_of(rounds: dict[str, list[float]], case: str, k: int) -> dict[str, Any]:
+def faster_compiled_expert(rounds: dict[str, list[float]]) -> str | None:
+    """Of the compiled expert loops that ran, the one with the lower median round time (None: neither ran)."""
+    ran = [name for name in COMPILED_EXPERTS if name in rounds]
+    return min(ran, key=lambda name: statistics.median(rounds[name]), default=None)
+
+
+def ratios_of(rounds: dict[str, list[float]]) -> dict[str, Any]:
     """Every ratio of :data:`RATIOS` whose two variants ran, from their round times: the spread of the per-round
-    ratios, the rounds' ratios themselves, the target and the verdict."""
+    ratios, the rounds' ratios themselves, the denominator, the target and the verdict."""
     ratios: dict[str, Any] = {}
     for label, num, den in RATIOS:
+        den = (faster_compiled_expert(rounds) or den) if den == FASTER_COMPILED else den
         if num in rounds and den in rounds:
             values = per_round_ratios(rounds[num], rounds[den])
             s = spread(values)
-            goal = target(label, case, k)
-            ratios[label] = {**s.as_dict(), "per_round": values, "target": goal, "verdict": verdict(s, goal)}
+            goal = target(label)
+            ratios[label] = {**s.as_dict(), "per_round": values, "denominator": den, "target": goal,
+                             "verdict": verdict(s, goal)}
     return ratios
 
 
 def summarize_launch(record: dict[str, Any]) -> dict[str, Any]:
-    """One timing launch's rows: per-variant round times and every ratio whose variants ran."""
+    """One timing launch's row: per-variant round times and every ratio whose variants ran."""
     spec = record["spec"]
     rounds = {name: round_times(blocks) for name, blocks in record["step_s"].items()}
-    variants = {name: {"round_s": times, "step_s": spread(times).as_dict()} for name, times in rounds.items()}
-    ratios = ratios_of(rounds, spec["case"], spec["accum_steps"])
     return {"case": spec["case"], "k": spec["accum_steps"], "micro_batch": spec["micro_batch"],
-            "steps_per_block": spec["steps"], "rounds": len(record["orders"]), "variants": variants, "ratios": ratios,
-            "orders": record["orders"], "param_rel_diff": record["param_rel_diff"],
-            "param_reference": record.get("param_reference", REFERENCE),
-            "distaccum_ledger": record.get("distaccum_ledger", {}), "busbw": record.get("busbw")}
+            "steps_per_block": spec["steps"], "rounds": len(record["orders"]),
+            "variants": {name: {"round_s": times, "step_s": spread(times).as_dict()} for name, times in rounds.items()},
+            "ratios": ratios_of(rounds), "orders": record["orders"], "param_rel_diff": record["param_rel_diff"],
+            "param_reference": record.get("param_reference")}
 
 
-MIN_LAUNCHES = 6
-"""Launches a verdict across launches needs: the fewest whose min-max holds the median with 95 % (97 %)."""
-
-
-def across_launches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per case, K and ratio measured in at least two launches (``benchmarks.run --repeat``): each launch's median
-    as one value, their median, min-max and the verdict from them (:func:`verdict`; the interval of up to 8
-    launches is their min-max, whose confidence is 1 - 2 / 2^launches: 97 % for 6). Fewer than
-    :data:`MIN_LAUNCHES` launches give no verdict: their min-max holds the median with less than 95 %. Beside it,
-    ``pooled``: every launch's rounds as one sample (its interval is the narrower, and is right only when the
-    launches share no effect of their own: information, not the verdict).
-
-    Why launches, not rounds: a launch's processes keep their CPU placement, memory layout and allocator state for
-    all its rounds, so an interval from one launch's rounds holds only if launches share no effect of their own,
-    which one launch cannot show; the launches' medians are independent whether or not they do. Several launches
-    can show it: :func:`launch_effect` compares the spread of their means with what their rounds' noise gives."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for row in rows:
-        if row.get("status", "ok") == "ok":
-            groups.setdefault((row["case"], row["k"]), []).append(row)
-    out = []
-    for (case, k), launches in groups.items():
-        if len(launches) < 2:
-            continue
-        for label, _, _ in RATIOS:
-            medians = [launch["ratios"][label]["median"] for launch in launches if label in launch["ratios"]]
-            if len(medians) == len(launches):
-                s = spread(medians)
-                goal = target(label, case, k)
-                judged = verdict(s, goal) if len(medians) >= MIN_LAUNCHES or goal is None else "too few launches"
-                per_launch = [launch["ratios"][label]["per_round"] for launch in launches]
-                pooled = spread([x for rounds in per_launch for x in rounds])
-                out.append({"case": case, "k": k, "ratio": label, "launch_medians": medians, **s.as_dict(),
-                            "target": goal, "verdict": judged, "pooled": pooled.as_dict(),
-                            **launch_effect(per_launch)})
-    return out
-
-
-def launch_effect(per_launch: list[list[float]]) -> dict[str, float]:
-    """Whether launches carry an effect of their own, from every launch's per-round ratios (logs): ``launch_sd``,
-    the spread of the launches' mean log ratios, against ``expected_sd``, what the rounds' own spread inside a
-    launch gives a mean of that many rounds (the root of the mean within-launch variance over the rounds per
-    launch). Alike (``launch_sd / expected_sd`` near 1, an F statistic's root): the launches differ by their
-    rounds' noise only, and one launch's rounds are a sample as good as the same number spread over launches;
-    well above 1: each launch moves the ratio by itself, and only launches' medians can judge it. NaN with fewer
-    than two launches of two rounds each."""
-    usable = [[math.log(x) for x in rounds] for rounds in per_launch if len(rounds) >= 2 and min(rounds) > 0]
-    if len(usable) < 2:
-        return {"launch_sd": math.nan, "expected_sd": math.nan}
-    means = [statistics.fmean(rounds) for rounds in usable]
-    within = statistics.fmean(statistics.variance(rounds) / len(rounds) for rounds in usable)
-    return {"launch_sd": statistics.stdev(means), "expected_sd": math.sqrt(within)}
-
-
-def finite(value: Any) -> bool:
-    """A real, finite number."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def guard(timing: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The CPU regression guard over a run's splits: met when the median of distaccum / expert is at most
+    :data:`GUARD` at every split, with the worst split (None: the ratio was not measured)."""
+    rows = [(row["ratios"][DISTACCUM_VS_EXPERT]["median"], row["case"], row["k"]) for row in timing
+            if DISTACCUM_VS_EXPERT in row.get("ratios", {})]
+    if not rows:
+        return None
+    worst, case, k = max(rows)
+    return {"bound": GUARD, "met": worst <= GUARD, "worst": worst, "case": case, "k": k, "splits": len(rows)}

@@ -21,6 +21,18 @@ pytest_plugins = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
+EXTENSIONS = REPO / ".cache" / "torch_extensions"
+"""DeepSpeed's JIT-compiled ops, built once per checkout (``make test`` builds them first)."""
+ENGINES: dict[str, dict[str, Any]] = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "zero0": {"name": "deepspeed", "zero_stage": 0},
+    "zero1": {"name": "deepspeed", "zero_stage": 1},
+    "zero2": {"name": "deepspeed", "zero_stage": 2},
+    "zero3": {"name": "deepspeed", "zero_stage": 3},
+    "accelerate": {"name": "accelerate"},
+}
+"""Every engine cell the engine-matrix tests run: name -> its ``engine`` config section."""
 FAULTS = REPO / "tests" / "fixtures" / "faults"
 """A config directory with ``loss=injected``: the run's loss wrapped by the testing seam."""
 

@@ -1,10 +1,13 @@
-"""The benchmark harness's arithmetic and bookkeeping, in-process (no launches, no timings)."""
+"""The benchmark harness's arithmetic, bookkeeping and rendering, in-process (no launches, no timings)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
+import re
+import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,39 +16,41 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import rerender
-from benchmarks.cases import (
-    FULL_CASES,
-    GPU_CASES,
-    LIMIT_CASES,
-    SMOKE_CASES,
-    BenchData,
-    Spec,
-    launch_spec,
-    loss_sum,
-)
-from benchmarks.device import HostClock, mfu, model_flops_per_step, peak_tflops
-from benchmarks.interleave import reference_of, round_order
-from benchmarks.report import agreement_lines, render
+from benchmarks import report
+from benchmarks.cases import FULL_CASES, GPU_CASES, SMOKE_CASES, BenchData, Spec, launch_spec, loss_sum
+from benchmarks.launch import ROOT, Launch
+from benchmarks.run import BUDGET_S
 from benchmarks.run import main as run_main
-from benchmarks.run import memory_growth
 from benchmarks.stats import (
-    across_launches,
+    COMPILED,
+    GUARD,
+    faster_compiled_expert,
+    guard,
     interval_rank,
-    launch_effect,
     median_interval,
     per_round_ratios,
     spread,
     summarize_launch,
-    target,
     verdict,
 )
-from benchmarks.update_docs import markers, problems, replace_section, section_of
-from benchmarks.variants import DEFAULT_VARIANTS, HAND_WRITTEN, check_variants, distaccum_config
+from benchmarks.variants import (
+    DISTACCUM,
+    HAND_WRITTEN,
+    SWEPT,
+    TIMED,
+    build_variant,
+    check_variants,
+    distaccum_config,
+)
+from benchmarks.workers import reference_of, round_order
 from distaccum.config import RunConfig, from_mapping, to_mapping
 from distaccum.data.pipeline import PlanSampler
+from distaccum.telemetry.ledger import HostClock
 
 pytestmark = pytest.mark.unit
+
+
+# -- statistics ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
@@ -96,8 +101,6 @@ def test_the_median_interval_holds_95_percent_by_the_binomial(n: int) -> None:
 
 
 def test_the_median_interval_narrows_with_rounds_where_the_quartiles_do_not() -> None:
-    """The same scatter of single rounds (a fixed pattern around 1.00, +-6 %) repeated: the IQR stays as wide, the
-    median's interval closes in on it."""
     pattern = [0.94, 0.97, 0.99, 1.00, 1.01, 1.03, 1.06, 1.00]
     few, many = spread(pattern), spread(pattern * 10)
     assert (few.q1, few.q3) == pytest.approx((many.q1, many.q3), abs=0.011)
@@ -106,355 +109,352 @@ def test_the_median_interval_narrows_with_rounds_where_the_quartiles_do_not() ->
 
 def test_verdict_reads_the_median_s_interval() -> None:
     assert verdict(spread([1.00, 1.01, 1.01, 1.015]), 1.02) == "met"
-    assert verdict(spread([1.00, 1.01, 1.03, 1.04]), 1.02) == "within the spread"
+    assert verdict(spread([1.00, 1.01, 1.03, 1.04]), 1.02) == "not resolved"
     assert verdict(spread([1.021, 1.05, 1.06, 1.07]), 1.02) == "missed"
     assert verdict(spread([1.5]), None) == ""
-    scatter = [0.96, 0.98, 1.00, 1.00, 1.01, 1.02, 1.04, 1.06]  # the upper quartile beyond 1.02
-    assert verdict(spread(scatter), 1.02) == "within the spread"
+    scatter = [0.96, 0.98, 1.00, 1.00, 1.01, 1.02, 1.04, 1.06]
+    assert verdict(spread(scatter), 1.02) == "not resolved"
     assert verdict(spread(scatter * 8), 1.02) == "met"  # 64 rounds: x_(24)..x_(41) = 1.00..1.02
-    assert verdict(spread([x + 0.025 for x in scatter] * 8), 1.02) == "missed"
-    assert verdict(spread([x + 0.015 for x in scatter] * 8), 1.02) == "within the spread"
-    assert target("distaccum / no_sync", "0.9M_micro256", 4) == 1.02
-    assert target("distaccum / floor", "27.3M_micro4", 16) == 1.08
-    assert target("distaccum / floor", "27.3M_micro4", 4) is None
-    assert target("compiled: distaccum / hand-written", "27.3M_micro4", 1) == 1.02  # eager and compiled alike
-    assert target("A/A compiled: twin / hand-written", "27.3M_micro4", 1) is None
 
 
-def _timing_record(case: str = "smoke", k: int = 2, rounds: int = 6) -> dict[str, Any]:
-    names = list(DEFAULT_VARIANTS)
-    base = {"ddp_no_sync": 1.0, "distaccum": 1.01, "accelerate": 1.02, "compute_floor": 0.9, "ddp_every_micro": 1.5}
-    spec = dataclasses.replace(launch_spec(SMOKE_CASES[0], k, rounds=rounds, variants=tuple(names)), case=case)
+BASE = {"ddp_no_sync": 1.0, "distaccum": 1.01, "compute_floor": 0.9, "ddp_no_sync_twin": 1.0,
+        "distaccum_compiled": 1.03, "ddp_no_sync_compiled": 1.05, "ddp_no_sync_compiled_static": 1.02,
+        "ddp_no_sync_compiled_twin": 1.05}
+
+
+def _timing_record(case: str = "27.3M_micro4", k: int = 4, rounds: int = 8, **scale: float) -> dict[str, Any]:
+    """A launch's record as rank 0 writes it: every variant's block times, round by round (the machine drifts)."""
+    names = list(BASE)
+    spec = dataclasses.replace(launch_spec(SMOKE_CASES[0], k, steps=2, rounds=rounds, variants=tuple(names)),
+                               case=case)
+    base = {**BASE, **scale}
     return {"spec": json.loads(spec.to_json()), "orders": [round_order(names, r) for r in range(rounds)],
             "step_s": {n: [[base[n] * (1 + 0.1 * r)] * spec.steps for r in range(rounds)] for n in names},
-            "param_rel_diff": {n: 0.0 for n in names} | {"compute_floor": 3e-3},
-            "distaccum_ledger": {"distaccum": {"time_s": 1.0, "comm_rounds": 1.0, "comm_calls": 2.0}}, "busbw": None}
+            "param_rel_diff": {n: 0.0 for n in names} | {"distaccum": 2e-8, "compute_floor": 3e-3},
+            "param_reference": "ddp_no_sync"}
 
 
 def test_summarize_launch_takes_ratios_round_by_round() -> None:
     row = summarize_launch(_timing_record())
-    assert set(row["ratios"]) == {"distaccum / no_sync", "Accelerate / no_sync", "distaccum / floor",
-                                  "no_sync / floor", "every_micro / no_sync"}  # no ledger-off variant ran
-    ratio = row["ratios"]["distaccum / no_sync"]
-    assert ratio["median"] == pytest.approx(1.01) and ratio["rounds"] == 6 and len(ratio["per_round"]) == 6
-    assert ratio["target"] == 1.02 and ratio["verdict"] == "met"
-    assert row["variants"]["distaccum"]["step_s"]["max"] == pytest.approx(1.01 * 1.5)
+    ratio = row["ratios"]["distaccum / expert"]
+    assert ratio["median"] == pytest.approx(1.01) and ratio["rounds"] == 8 and len(ratio["per_round"]) == 8
+    assert ratio["target"] == 1.02 and ratio["verdict"] == "met" and ratio["denominator"] == "ddp_no_sync"
+    assert row["ratios"]["A/A: expert twin / expert"]["median"] == pytest.approx(1.0)
+    assert row["variants"]["distaccum"]["step_s"]["max"] == pytest.approx(1.01 * 1.7)
+    assert "Accelerate / expert" not in row["ratios"]  # only ratios whose two variants ran
 
 
-def _results(**settings: Any) -> dict[str, Any]:
-    row = summarize_launch(_timing_record())
-    row.update({"status": "ok", "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}})
-    sweep = [{"case": "smoke", "k": k, "variant": "distaccum_fsdp", "sync": "boundary", "status": "ok",
-              "step_s": spread([0.01, 0.012]).as_dict(), "step_peak_mb": peak, "process_peak_mb": peak + 10,
-              "setup_peak_mb": 300.0, "records": {"comm_rounds": 1.0, "comm_calls": 3.0, "comm_bytes": 7e3,
-                                                   "gather_calls": 6.0 * k, "gather_bytes": 1.4e4 * k}}
-             for k, peak in ((1, 300.0), (2, 320.0))]
-    machine = {"cpu": "cpu", "logical_cpus": 2, "memory_gib": 1.0, "platform": "linux", "python": "3",
-               "torch": "2", "accelerate": "1", "deepspeed": "0"}
-    return {"date": "2026-11-23", "machine": machine, "wall_s": 10.0, "gpu": None, "timing": [row], "sweep": sweep,
-            "memory": memory_growth(sweep),
-            "cases": {"smoke": {"params": 1732, "micro_batch": 2}},
-            "settings": {"command": "python -m benchmarks.run", "smoke": False, "rounds": 6, "device": "cpu",
-                         "world_size": 2, "backend": "gloo", "threads": "1 thread", **settings}}
+def test_compiled_distaccum_is_judged_against_the_faster_compiled_expert_loop() -> None:
+    static_faster = summarize_launch(_timing_record())["ratios"][COMPILED]
+    assert static_faster["denominator"] == "ddp_no_sync_compiled_static"
+    assert static_faster["median"] == pytest.approx(1.03 / 1.02)
+    dynamic_faster = summarize_launch(_timing_record(ddp_no_sync_compiled=0.99))["ratios"][COMPILED]
+    assert dynamic_faster["denominator"] == "ddp_no_sync_compiled" and dynamic_faster["verdict"] == "missed"
+    assert faster_compiled_expert({"ddp_no_sync_compiled": [2.0]}) == "ddp_no_sync_compiled"
+    assert faster_compiled_expert({"distaccum": [1.0]}) is None
 
 
-def test_memory_growth_flags_more_than_three_percent() -> None:
-    (row,) = _results()["memory"]
-    assert (row["k_low"], row["k_high"], row["flat"]) == (1, 2, False)
-    assert row["step_growth"] == pytest.approx(320 / 300)
+def test_the_guard_is_the_worst_split_s_median() -> None:
+    rows = [summarize_launch(_timing_record(k=k, distaccum=d)) for k, d in ((1, 1.01), (4, 1.04), (16, 1.02))]
+    assert guard(rows) == {"bound": GUARD, "met": True, "worst": pytest.approx(1.04), "case": "27.3M_micro4", "k": 4,
+                           "splits": 3}
+    rows.append(summarize_launch(_timing_record(k=8, distaccum=1.06)))
+    assert guard(rows)["met"] is False and guard(rows)["k"] == 8
+    assert guard([]) is None
 
 
-def test_report_holds_the_issue_table_and_every_section() -> None:
-    text = render(_results())
-    assert "| case | K | distaccum / no_sync | Accelerate / no_sync | distaccum / floor | no_sync / floor |" in text
-    assert "1.010 (1.010-1.010)" in text  # median (IQR) of a ratio that never moved
-    for fragment in ("Time per optimizer step", "distaccum's own ledger", "Same work", "Memory flat in K",
-                     "12 (27.3 KiB)", "**no**", "GPU: not measured"):
-        assert fragment in text, fragment
+def test_a_run_without_the_expert_loop_compares_parameters_with_its_first_hand_written_loop() -> None:
+    assert reference_of(["distaccum", "ddp_no_sync_compiled", "ddp_no_sync"]) == "ddp_no_sync"
+    assert reference_of(["ddp_no_sync_compiled", "distaccum_compiled"]) == "ddp_no_sync_compiled"
+    assert reference_of(["compute_floor", "distaccum"]) is None  # the floor must differ: never the reference
 
 
-def test_rerender_adds_a_ratio_defined_after_the_run_from_its_rounds(tmp_path: Path) -> None:
-    results = _results()
-    row = results["timing"][0]
-    row["variants"]["ddp_python_hook_after"] = {"round_s": [1.03 * t for t in row["variants"]["ddp_no_sync"]["round_s"]]}
-    row["variants"]["ddp_python_hook"] = {"round_s": list(row["variants"]["ddp_no_sync"]["round_s"])}
-    stale = dict(row["ratios"])  # what the run wrote: no ratio between the hook variants
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(results))
-    assert rerender.main([str(path), "--out", str(tmp_path / "results.md")]) == 0
-    text = (tmp_path / "results.md").read_text()
-    line = next(x for x in text.splitlines() if "| Python hook: divided after / before (hand-written) |" in x)
-    assert "| 1.030 |" in line  # every round 3 % slower: the median of the rounds' ratios
-    assert "| distaccum / Python hook, divided after | 0.981 |" in text  # 1.01 / 1.03
-    again = rerender.recomputed(results)["timing"][0]["ratios"]
-    assert {k: v["median"] for k, v in again.items() if k in stale} == {k: v["median"] for k, v in stale.items()}
-    assert rerender.main([str(tmp_path / "missing.json")]) == 2
+# -- results, the stored files and the page ------------------------------------------------------------------------
 
 
-def test_update_docs_replaces_only_its_section(tmp_path: Path) -> None:
-    begin, end = markers("cpu")
-    doc = f"# B\n\nprose above\n\n{begin}\n\nold figures\n\n{end}\n\nprose below\n"
-    new = replace_section(doc, "cpu", "new figures")
-    assert new == f"# B\n\nprose above\n\n{begin}\n\nnew figures\n\n{end}\n\nprose below\n"
-    with pytest.raises(ValueError, match="bench:gpu"):
-        replace_section(doc, "gpu", "x")
+META = {"commit": "0123456789ab", "uncommitted_changes": False, "source_sha256": "feedfacecafe", "date": "2026-11-28",
+        "command": "python -m benchmarks.run --out runs/bench", "torch": "2.13.0+cpu", "python": "3.11.7",
+        "accelerate": "1.15.0", "deepspeed": "0.19.8", "platform": "linux", "cpu": "AMD EPYC", "logical_cpus": 2,
+        "threads": "1 intra-op thread per rank", "world_size": 2, "device": "cpu", "device_name": "cpu",
+        "backend": "gloo", "precision": "fp32"}
 
 
-def test_update_docs_refuses_noise() -> None:
-    assert any("partial" in p for p in problems(_results()))  # one smoke-sized launch, not every case and K
-    assert problems(_results(), allow_partial=True) == []
-    assert any("smoke" in p for p in problems(_results(smoke=True)))
-    assert any("rounds" in p for p in problems(_results(rounds=3)))
-    loaded = _results()
-    loaded["timing"][0]["launch"]["load_1m"] = [6.0, 7.5]
-    assert any("shared" in p for p in problems(loaded, allow_partial=True))
-    assert problems(loaded, allow_loaded=True, allow_partial=True) == []
+def _ops(k: int) -> dict[str, Any]:
+    return {"k": k, "expert": {"ops": 4 * k + 8, "names": {"aten::div": k, "aten::slice": 2 * k}},
+            "distaccum": {"ops": 4 * k + 14, "names": {"aten::mul": k, "aten::slice": 2 * k, "aten::stack": 2}}}
+
+
+def _results(device: str = "cpu", smoke: bool = False) -> dict[str, Any]:
+    """A whole run's results.json: every full case and K timed, the memory sweep at K = 1 and 16, the op counts."""
+    timing = []
+    for case in FULL_CASES:
+        for k in case.ks:
+            row = summarize_launch(_timing_record(case.name, k))
+            row.update({"status": "ok", "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}})
+            timing.append(row)
+    memory = [{"case": case.name, "k": k, "variant": variant, "sync": "auto", "status": "ok",
+               "step_s": spread([0.01, 0.012]).as_dict(), "step_peak_mb": peak, "process_peak_mb": peak + 10,
+               "setup_peak_mb": 300.0, "records": {"comm_rounds": 1.0, "comm_bytes": 7e6},
+               "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}}
+              for case in FULL_CASES for k in case.sweep_ks for variant, peak in
+              (("distaccum", 500.0 if k == 1 else 505.0), ("distaccum_fsdp", 400.0 if k == 1 else 450.0))]
+    cases = {c.name: {"about": c.about, "params": c.shape.num_params(), "micro_batch": c.micro_batch}
+             for c in FULL_CASES}
+    return {"meta": {**META, "device": device}, "settings": {"smoke": smoke, "rounds": 100000, "budget_s": BUDGET_S,
+                                                            "block_steps": 1, "sweep_env": {}},
+            "cases": cases, "finished": True, "wall_s": 1.0, "timing": timing, "memory": memory,
+            "host_ops": {"1": _ops(1), "16": _ops(16)}}
+
+
+def test_a_run_is_stored_as_one_file_per_part_each_with_the_code_and_environment() -> None:
+    parts = report.parts_of(_results())
+    assert set(parts) == {"cpu-timing.json", "cpu-memory.json", "host-ops.json"}
+    assert all(stored["meta"] == META for stored in parts.values())
+    assert "orders" not in parts["cpu-timing.json"]["timing"][0]  # runs/ keeps them
+    assert set(report.parts_of(_results(device="cuda"))) == {"gpu-timing.json", "gpu-memory.json", "host-ops.json"}
+    assert all(report.problems(stored) == [] for stored in parts.values())
+
+
+def test_storing_refuses_what_must_not_become_a_figure() -> None:
+    def refused(results: dict[str, Any], part: str = "cpu-timing.json", **allow: bool) -> str:
+        return "; ".join(report.problems(report.parts_of(results)[part], **allow))
+
+    assert "smoke" in refused(_results(smoke=True))
+    partial = _results()
+    partial["timing"] = partial["timing"][:-1]
+    partial["host_ops"] = {"1": _ops(1)}
+    assert "partial" in refused(partial) and "host ops K=16" in refused(partial, "host-ops.json")
+    assert refused(partial, allow_partial=True) == ""
+    few = _results()
+    few["timing"][0]["rounds"] = 5
+    assert "5 rounds" in refused(few)
     failed = _results()
-    failed["sweep"][0]["status"] = "failed"
-    assert any("failed" in p for p in problems(failed))
-    complete = _results()
-    complete["timing"] = [{**complete["timing"][0], "case": c.name, "k": k} for c in FULL_CASES for k in c.ks]
-    assert problems(complete) == []
-    timing = {**complete, "sweep": []}  # python -m benchmarks.run --sweep none
-    assert any("no engine sweep" in p for p in problems(timing))
-    assert problems(timing, timing_only=True) == [] and section_of(timing, timing_only=True) == "cpu-timing"
-    assert any("--timing-only with an engine sweep" in p for p in problems(complete, timing_only=True))
-    stopped = {**timing, "finished": False}  # results.json as written after each launch of a run stopped part-way
-    assert any("stopped part-way" in p for p in problems(stopped, timing_only=True))
-    assert problems(stopped, timing_only=True, allow_partial=True) == []
+    failed["memory"][0]["status"] = "failed"
+    assert "failed launches: memory" in refused(failed, "cpu-memory.json")
+    assert refused(failed, "cpu-memory.json", allow_partial=True) == ""
+    loaded = _results()
+    for row in loaded["timing"]:
+        row["launch"]["load_1m"] = [6.0, 7.5]
+    assert "shared" in refused(loaded) and refused(loaded, allow_loaded=True) == ""
+    stopped = {**_results(), "finished": False}
+    assert "stopped part-way" in refused(stopped)
+
+
+def test_the_tables_show_what_ran_where_and_every_column() -> None:
+    parts = report.parts_of(_results())
+    text = report.section_body("cpu-timing", parts)
+    for fragment in ("commit `0123456789ab`", "sources sha256 `feedfacecafe`", "torch 2.13.0+cpu", "AMD EPYC, 2 logical "
+                     "CPUs", "world 2, 1 intra-op thread per rank", "Stored: `docs/results/cpu-timing.json`",
+                     "| 27.3M_micro4 (27.3M params, micro-batch 4) | 1 | 8 | 1.010 (1.010-1.010) |",
+                     "1.010 (1.010-1.010) vs static", "blocks of 1 optimizer step(s) per variant, whole cycles of rounds",
+                     "Same work:", "distaccum 2.0e-08", "The compute floor, which averages nothing over ranks, differs "
+                     "by 3.0e-03", "Regression guard (median of distaccum / expert <= 1.05 at every split, this run as "
+                     "measured): met; the largest median is 1.010", "12 met of 12"):
+        assert fragment in text, fragment
+    memory = report.section_body("cpu-memory", parts)
+    assert "| distaccum | ddp | auto | 500 -> 505 | 1.010 |" in memory and "| 400 -> 450 | 1.125 |" in memory
+    assert "**no**" in memory and "peak RSS" in memory
+    ops = report.section_body("host-ops", parts)
+    assert "| 16 | 72 | 78 | +6 |" in ops and "+0 operators per micro-batch, +6 per step" in ops
+    targets = report.section_body("targets", parts)
+    assert "| distaccum / expert <= 1.02 | CPU |" in targets and "grows: 27.3M_micro4 distaccum_fsdp 1.125" in targets
+    assert "| guard: distaccum / expert median <= 1.05 at every split | CPU | largest 1.010" in targets
+
+
+def test_a_part_never_stored_says_it_was_not_measured_and_how_to_measure_it() -> None:
+    assert "Not measured for this release yet: run `make bench`" in report.section_body("cpu-timing", {})
+    assert "No GPU was lent for this release" in report.section_body("gpu-timing", {})
+    assert "`benchmarks/gpu_check.sh OUT`" in report.section_body("gpu-memory", {})
+
+
+def test_the_page_is_the_render_of_the_stored_results() -> None:
+    """BENCHMARKS.md's generated sections are exactly what ``python -m benchmarks.report`` renders from
+    docs/results/: a figure edited by hand, or a stored result not rendered, fails here."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert report.render_doc(text, report.load_store(report.STORE)) == text, "run `python -m benchmarks.report`"
+    assert all(report.markers(section)[0] in text for section in report.SECTIONS)
+    assert len(text.splitlines()) <= 300
+
+
+def test_rendering_replaces_only_the_generated_sections() -> None:
+    begin, end = report.markers("cpu-timing")
+    doc = f"# B\n\nprose above\n\n{begin}\n\nold figures\n\n{end}\n\nprose below\n"
+    assert report.replace_section(doc, "cpu-timing", "new") == f"# B\n\nprose above\n\n{begin}\n\nnew\n\n{end}\n\nprose below\n"
+    with pytest.raises(ValueError, match="bench:gpu-timing"):
+        report.replace_section(doc, "gpu-timing", "x")
+
+
+def test_make_bench_docs_stores_a_run_and_renders_the_page_from_it(tmp_path: Path) -> None:
+    """``python -m benchmarks.report --store`` end to end on a copy of BENCHMARKS.md: every section filled from the
+    stored files, the page then in sync (``--check``); a refused run stores nothing in docs/results."""
+    results, doc, store = tmp_path / "results.json", tmp_path / "BENCHMARKS.md", tmp_path / "stored"
+    results.write_text(json.dumps(_results()))
+    doc.write_text((ROOT / "BENCHMARKS.md").read_text())
+    assert report.main(["--store", str(results), "--results-dir", str(store), "--doc", str(doc)]) == 0
+    assert sorted(p.name for p in store.iterdir()) == ["cpu-memory.json", "cpu-timing.json", "host-ops.json"]
+    text = doc.read_text()
+    assert "Not measured for this release yet" not in text and "No GPU was lent" in text
+    assert f"Stored: `{store}/cpu-timing.json`" in text
+    assert report.main(["--check", "--results-dir", str(store), "--doc", str(doc)]) == 0
+    doc.write_text(text.replace("1.010 (1.010-1.010)", "0.990 (0.980-1.000)", 1))
+    assert report.main(["--check", "--results-dir", str(store), "--doc", str(doc)]) == 1
+    results.write_text(json.dumps(_results(smoke=True)))
+    assert report.main(["--store", str(results), "--doc", str(doc), "--check"]) == 1  # refused for docs/results
+    assert report.main(["--store", str(tmp_path / "missing.json"), "--doc", str(doc)]) == 2
+
+
+def test_the_hsdp_table_goes_into_its_section(tmp_path: Path) -> None:
+    results = _results()
+    results["memory"] = [{**row, "variant": variant, "records": {"comm_rounds": 1.0, "comm_calls": 8.0, "comm_bytes":
+                                                                  2**20, "comm_rounds_replicate": 1.0,
+                                                                  "comm_calls_replicate": 8.0,
+                                                                  "comm_bytes_replicate": 2**19}}
+                         for row in results["memory"][:4] for variant in ("distaccum_hsdp_replica_boundary",)]
+    path, doc = tmp_path / "hsdp.json", tmp_path / "multinode.md"
+    path.write_text(json.dumps(results))
+    begin, end = report.markers("hsdp")
+    doc.write_text(f"# M\n\n{begin}\n\nold\n\n{end}\n")
+    assert report.main(["--hsdp", str(path), "--doc", str(doc)]) == 0
+    assert "| HSDP, replica_boundary (default) | 16 | 1 / 8 / 1.0 MiB | 1 / 8 / 512.0 KiB |" in doc.read_text()
+
+
+# -- the run's options ---------------------------------------------------------------------------------------------
+
+
+class Launches:
+    """Stands for :func:`benchmarks.launch.launch` in :mod:`benchmarks.run`: records (mode, spec) of every launch and
+    what results.json held when it started, and fails at once (nothing runs)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.calls, self.seen = out, [], []
+
+    def __call__(self, module: str, args: list[str], world: int, log: Path, timeout_s: float,
+                 env: dict[str, str] | None = None) -> Launch:
+        self.calls.append((args[0], Spec.from_json(args[1])))
+        on_disk = self.out / "results.json"
+        self.seen.append(json.loads(on_disk.read_text()) if on_disk.exists() else None)
+        return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Launches:
+    import benchmarks.run as bench_run
+
+    launches = Launches(tmp_path)
+    monkeypatch.setattr(bench_run, "launch", launches)
+    return launches
+
+
+def test_make_bench_times_every_split_step_by_step_for_a_time_budget(tmp_path: Path, launched: Launches) -> None:
+    """The defaults: every full case and K with ``TIMED`` in one-step blocks for ``BUDGET_S`` seconds of whole cycles,
+    then ``SWEPT`` at K = 1 and 16 in fresh processes; the GPU case is not run on a CPU."""
+    assert run_main(["--device", "cpu", "--ops", "none", "--out", str(tmp_path)]) == 1
+    timing = [spec for mode, spec in launched.calls if mode == "timing"]
+    memory = [spec for mode, spec in launched.calls if mode == "memory"]
+    assert [(s.case, s.accum_steps) for s in timing] == [(c.name, k) for c in FULL_CASES for k in c.ks]
+    assert all((s.steps, s.budget_s, s.rounds, s.variants) == (1, BUDGET_S, 100_000, TIMED) for s in timing)
+    assert [(s.case, s.accum_steps, s.variants) for s in memory] == [
+        (c.name, k, (v,)) for c in FULL_CASES for k in c.sweep_ks for v in SWEPT]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["finished"] is True and results["meta"]["world_size"] == 2 and results["meta"]["device"] == "cpu"
+    assert [r["status"] for r in results["timing"]] == ["failed"] * len(timing)
+
+
+def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, launched: Launches) -> None:
+    """A run stopped part-way (a lease that ends, a timeout) keeps the launches it finished: results.json is
+    rewritten after each one, ``finished`` false until the end."""
+    assert run_main(["--smoke", "--sweep", "none", "--ops", "none", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    seen = launched.seen
+    assert seen[0] is None and seen[1]["finished"] is False
+    assert [(r["case"], r["k"], r["status"]) for r in seen[1]["timing"]] == [("smoke", 1, "failed")]
+    final = json.loads((tmp_path / "results.json").read_text())
+    assert final["finished"] is True and len(final["timing"]) == 2
+    assert "Smoke run" in (tmp_path / "results.md").read_text()
+
+
+def test_bad_options_are_refused_before_any_launch(tmp_path: Path, launched: Launches,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    for bad, said in ((["--cases", "27.3M_micro4,nope"], "no case nope"), (["--variants", "horovod"], "horovod"),
+                      (["--block-steps", "0"], "at least 1"), (["--rounds", "0"], "at least 1"),
+                      (["--variants", "accelerate,distaccum_accelerate"], "singleton")):
+        assert run_main([*bad, "--device", "cpu", "--out", str(tmp_path)]) == 2
+        assert said in capsys.readouterr().err
+    assert launched.calls == []
+    assert "210M_micro1024" in {c.name for c in GPU_CASES}
+
+
+# -- cases and variants --------------------------------------------------------------------------------------------
 
 
 def test_cases_have_the_issue_sizes() -> None:
     params = {c.name: c.shape.num_params() for c in FULL_CASES}
     assert round(params["27.3M_micro4"] / 1e6, 1) == 27.3 and round(params["0.9M_micro256"] / 1e6, 1) == 0.9
-    for case in (*FULL_CASES, *SMOKE_CASES):
+    for case in (*FULL_CASES, *SMOKE_CASES, *GPU_CASES):
         with torch.device("meta"):
             model = case.shape.build()
         assert sum(p.numel() for p in model.parameters()) == case.shape.num_params()
-    assert {c.micro_batch for c in FULL_CASES} == {4, 256} and all(c.ks == (1, 4, 16) for c in FULL_CASES)
-
-
-def test_the_gpu_case_is_named_not_run_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    (case,) = GPU_CASES
-    assert round(case.shape.num_params() / 1e6) == 210 and case.micro_batch == 1024 and case.ks == (1, 4, 16)
-    assert run_main(["--cases", "27.3M_micro4,nope", "--device", "cpu"]) == 2  # refused before any launch
-    err = capsys.readouterr().err
-    assert "no case nope" in err and "210M_micro1024" in err
-
-
-@pytest.fixture
-def launched_specs(monkeypatch: pytest.MonkeyPatch) -> list[Spec]:
-    """The spec of every launch ``benchmarks.run`` makes, in order; each launch fails at once (nothing runs)."""
-    import benchmarks.run as bench_run
-    from benchmarks.launch import Launch
-
-    specs: list[Spec] = []
-
-    def failing_launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
-                       env: dict[str, str] | None = None) -> Launch:
-        specs.append(Spec.from_json(args[0]))
-        return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
-
-    monkeypatch.setattr(bench_run, "launch", failing_launch)
-    return specs
-
-
-def test_the_limit_cases_lie_between_the_standard_gradients_and_price_the_k1_choice(
-        tmp_path: Path, launched_specs: list[Spec]) -> None:
-    """``LIMIT_CASES``: gradients strictly between the two standard cases' (where ``engine.normalize_in_loss_mb``
-    sits, 25 MiB, among them), each named by its size and reachable with ``--cases``; a launch of the two K = 1
-    diagnostics yields their ratio."""
-    mib = {c.name: c.shape.num_params() * 4 / 2**20 for c in FULL_CASES + LIMIT_CASES}
-    limits = [mib[c.name] for c in LIMIT_CASES]
-    assert mib["0.9M_micro256"] < min(limits) and max(limits) < mib["27.3M_micro4"]
-    assert min(limits) < 25 < max(limits)
-    assert all(c.name.startswith(f"{round(mib[c.name])}MiB") and c.ks == (1,) for c in LIMIT_CASES)
-    names = ",".join(c.name for c in LIMIT_CASES)
-    assert run_main(["--cases", names, "--sweep", "none", "--device", "cpu", "--out", str(tmp_path),
-                     "--variants", "ddp_no_sync,distaccum_in_loss,distaccum_folded_k1"]) == 1
-    assert [(s.case, s.accum_steps) for s in launched_specs] == [(c.name, 1) for c in LIMIT_CASES]
-    names = ["distaccum_in_loss", "distaccum_folded_k1"]
-    record = {**_timing_record(), "orders": [round_order(names, r) for r in range(4)],
-              "step_s": {"distaccum_in_loss": [[1.1]] * 4, "distaccum_folded_k1": [[1.0]] * 4}}
-    assert summarize_launch(record)["ratios"]["K = 1: 1/N in the loss / folded"]["median"] == pytest.approx(1.1)
-
-
-def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run stopped part-way (a lease that ends, a timeout) keeps the launches it finished: results.json is
-    rewritten after each one, ``finished`` false until the end. The launcher is replaced by one that fails at
-    once, recording what was on disk when each launch started."""
-    import benchmarks.run as bench_run
-    from benchmarks.launch import Launch
-
-    on_disk: list[Any] = []
-    precisions: list[str] = []
-
-    def failing_launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
-                       env: dict[str, str] | None = None) -> Launch:
-        path = tmp_path / "results.json"
-        on_disk.append(json.loads(path.read_text()) if path.exists() else None)
-        precisions.append(Spec.from_json(args[0]).precision)
-        return Launch(False, [1] * world, 0.1, 1.0, (0.0, 0.0), "failed on purpose")
-
-    monkeypatch.setattr(bench_run, "launch", failing_launch)
-    assert run_main(["--smoke", "--sweep", "none", "--device", "cpu", "--out", str(tmp_path)]) == 1
-    assert on_disk[0] is None and on_disk[1]["finished"] is False
-    assert [(r["case"], r["k"], r["status"]) for r in on_disk[1]["timing"]] == [("smoke", 1, "failed")]
-    final = json.loads((tmp_path / "results.json").read_text())
-    assert final["finished"] is True and len(final["timing"]) == 2
-    on_disk.clear()  # the engine sweep alike (fresh processes per case, K and variant)
-    (tmp_path / "results.json").unlink()
-    assert run_main(["--smoke", "--no-timing", "--sweep", "ddp_no_sync,distaccum", "--precision", "bf16",
-                     "--device", "cpu", "--out", str(tmp_path)]) == 1
-    assert on_disk[0] is None and [len(d["sweep"]) for d in on_disk[1:]] == [1, 2, 3]
-    assert all(d["finished"] is False and d["settings"]["precision"] == "bf16" for d in on_disk[1:])
-    assert precisions == ["fp32"] * 2 + ["bf16"] * 4  # the sweep's launches compute in what the run says
-
-
-def test_repeat_launches_every_split_again_after_the_others(tmp_path: Path, launched_specs: list[Spec],
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """``--repeat N``: every case and K once, then again (a split's launches spread over the run), each row
-    numbered; 0 is refused."""
-    assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4", "--repeat", "3", "--sweep", "none",
-                     "--device", "cpu", "--out", str(tmp_path)]) == 1
-    assert [s.accum_steps for s in launched_specs] == [1, 4] * 3
-    rows = json.loads((tmp_path / "results.json").read_text())["timing"]
-    assert [(r["k"], r["repeat"], r["repeats"]) for r in rows] == [(1, 0, 3), (4, 0, 3), (1, 1, 3), (4, 1, 3),
-                                                                   (1, 2, 3), (4, 2, 3)]
-    assert run_main(["--repeat", "0", "--device", "cpu", "--out", str(tmp_path)]) == 2
-    assert "--repeat must be >= 1" in capsys.readouterr().err
-
-
-def _launch_rows(ratios: list[float], label: str = "distaccum / no_sync") -> list[dict[str, Any]]:
-    rows = []
-    for i, ratio in enumerate(ratios):
-        row = summarize_launch(_timing_record(case="0.9M_micro256", k=1))
-        row["ratios"][label] = {**spread([ratio] * 6).as_dict(), "per_round": [ratio] * 6, "target": 1.02,
-                                "verdict": ""}
-        row.update({"status": "ok", "repeat": i, "repeats": len(ratios),
-                    "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}})
-        rows.append(row)
-    return rows
-
-
-def test_the_verdict_across_launches_takes_each_launch_s_median_as_one_value() -> None:
-    """Six launches that each look tight inside: met only when every launch's median is within the target, missed
-    only when every one is beyond it; five launches give no verdict (their min-max holds the median with 94 %)."""
-    def judged(ratios: list[float]) -> dict[str, Any]:
-        (row,) = [r for r in across_launches(_launch_rows(ratios)) if r["ratio"] == "distaccum / no_sync"]
-        return row
-    met = judged([1.00, 1.01, 0.99, 1.015, 1.00, 1.02])
-    assert (met["verdict"], met["median"], met["min"], met["max"]) == ("met", 1.005, 0.99, 1.02)
-    assert judged([1.00, 1.01, 0.99, 1.015, 1.00, 1.03])["verdict"] == "within the spread"
-    assert judged([1.03, 1.04, 1.021, 1.05, 1.06, 1.07])["verdict"] == "missed"
-    assert judged([1.00, 1.01, 0.99, 1.015, 1.00])["verdict"] == "too few launches"
-    assert across_launches(_launch_rows([1.0])) == []  # one launch: nothing across launches
-    results = _results()
-    results["timing"] = _launch_rows([1.00, 1.01, 0.99, 1.015, 1.00, 1.02])
-    results["settings"]["repeats"] = 6
-    text = render(results)
-    assert "Across launches" in text and "| 1 #6 |" in text and "6 launches per case and K" in text
-    assert "| 0.9M_micro256 | 1 | distaccum / no_sync | 1.005 | 0.990-1.020 | 1.000 1.010 0.990 1.015 1.000 1.020 " \
-        "| <= 1.02 | met | 1.005 (1.000-1.015, 36 rounds) |" in text
-    # pooled: 36 rounds, 6 per launch; the interval is x_(12)..x_(25) of 0.99 x6, 1.00 x12, 1.01 x6, 1.015 x6, 1.02 x6
-    brief = render(results, across_only=True)  # what update_docs writes for a --repeat run
-    assert "Across launches" in brief and "Median of the per-round ratios" not in brief and "Same work" in brief
-    assert section_of(results, timing_only=True) == "cpu-launches"
-    assert any("--timing-only" in p for p in problems(results))
-
-
-def test_block_sets_the_timed_steps_per_round(tmp_path: Path, launched_specs: list[Spec],
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """``--block N``: each variant's block is ceil(N / K) optimizer steps, never under the case's minimum (the
-    launcher is replaced by one that records each launch's spec and fails at once)."""
-    specs = launched_specs
-    assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4,16,64", "--block", "64", "--sweep", "none",
-                     "--device", "cpu", "--out", str(tmp_path)]) == 1
-    assert [(s.accum_steps, s.steps) for s in specs] == [(1, 64), (4, 16), (16, 4), (64, 3)]
-    specs.clear()
-    assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4", "--sweep", "none", "--device", "cpu",
-                     "--out", str(tmp_path)]) == 1
-    assert [s.steps for s in specs] == [16, 4]  # the case's own block
-    assert run_main(["--block", "0", "--device", "cpu", "--out", str(tmp_path)]) == 2
-    assert "--block must be >= 1" in capsys.readouterr().err
-
-
-def test_block_steps_sets_the_same_optimizer_steps_per_block_at_every_k(
-        tmp_path: Path, launched_specs: list[Spec], capsys: pytest.CaptureFixture[str]) -> None:
-    """``--block-steps N``: every block is N optimizer steps whatever K (1: the variants alternate step by step), and
-    the time budget reaches every launch; ``--block`` with it, 0 steps and a budget that is not positive are
-    refused."""
-    assert run_main(["--cases", "0.9M_micro256", "--ks", "1,4,16", "--block-steps", "1", "--budget-s", "90",
-                     "--sweep", "none", "--device", "cpu", "--out", str(tmp_path)]) == 1
-    assert [(s.accum_steps, s.steps, s.budget_s, s.rounds) for s in launched_specs] == [
-        (1, 1, 90.0, 100_000), (4, 1, 90.0, 100_000), (16, 1, 90.0, 100_000)]  # the budget decides, the cap is far
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert (results["settings"]["block_steps"], results["settings"]["budget_s"]) == (1, 90.0)
-    assert section_of(results, timing_only=True) == "cpu-budget"  # its own section of BENCHMARKS.md
-    for bad, said in ((["--block", "16", "--block-steps", "1"], "give one"), (["--block-steps", "0"], ">= 1"),
-                      (["--budget-s", "0"], "must be positive")):
-        assert run_main([*bad, "--device", "cpu", "--out", str(tmp_path)]) == 2
-        assert said in capsys.readouterr().err
-
-
-def test_the_launch_effect_tells_launches_that_move_a_ratio_from_ones_that_do_not() -> None:
-    """:func:`launch_effect`: six launches whose rounds scatter alike give a launch spread near what their rounds'
-    noise gives (ratio near 1); the same rounds with each launch shifted by its own factor give one far above it."""
-    noise = [math.exp(0.1 * math.sin(1.7 * i * i + 0.3 * i)) for i in range(600)]  # fixed, roughly symmetric
-    launches = [noise[j * 100:(j + 1) * 100] for j in range(6)]
-    alike = launch_effect(launches)
-    assert 0.3 < alike["launch_sd"] / alike["expected_sd"] < 2.0
-    shifted = launch_effect([[x * f for x in rounds] for rounds, f in zip(launches, (0.94, 1.0, 1.06, 0.97, 1.03, 1.0),
-                                                                        strict=True)])
-    assert shifted["expected_sd"] == pytest.approx(alike["expected_sd"], rel=0.2)
-    assert shifted["launch_sd"] / shifted["expected_sd"] > 3.0
-    assert math.isnan(launch_effect([[1.0, 1.1]])["launch_sd"])  # one launch shows nothing
-    rows = _launch_rows([1.00, 1.01, 0.99, 1.015, 1.00, 1.02])
-    (row,) = [r for r in across_launches(rows) if r["ratio"] == "distaccum / no_sync"]
-    assert row["expected_sd"] == 0.0 and row["launch_sd"] > 0  # rounds without noise: every spread is the launches'
-
-
-def test_bf16_reaches_every_variant(tmp_path: Path) -> None:
-    """``--precision bf16``: the hand-written loops' forward and loss run under bf16 autocast (loss in fp32,
-    as autocast does), distaccum gets ``precision=bf16``; fp32 leaves both alone."""
-    spec = launch_spec(SMOKE_CASES[0], 2, precision="bf16")
-    assert Spec.from_json(spec.to_json()).precision == "bf16"
-    assert distaccum_config(spec, tmp_path)["precision"] == "bf16"
-    loop = HAND_WRITTEN["compute_floor"]("compute_floor", spec, BenchData(spec, world_size=1), 0,
-                                         torch.device("cpu"), HostClock())
-    seen: list[torch.dtype] = []
-    loop.model.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
-    batch = loop.windows[0][0]
-    assert loop.loss(loop.model, batch, 2).dtype == torch.float32 and seen == [torch.bfloat16]
-    fp32 = launch_spec(SMOKE_CASES[0], 2)
-    assert distaccum_config(fp32, tmp_path)["precision"] == "fp32"
-    loop = HAND_WRITTEN["compute_floor"]("compute_floor", fp32, BenchData(fp32, world_size=1), 0,
-                                         torch.device("cpu"), HostClock())
-    loop.model.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
-    loop.loss(loop.model, batch, 2)
-    assert seen[-1] == torch.float32
+    assert all(c.ks == (1, 4, 16) and c.sweep_ks == (1, 16) for c in FULL_CASES)
 
 
 def test_spec_round_trips_through_json() -> None:
-    spec = launch_spec(FULL_CASES[0], 16, rounds=8, variants=DEFAULT_VARIANTS)
+    spec = launch_spec(FULL_CASES[0], 16, steps=1, rounds=8, variants=TIMED, budget_s=BUDGET_S)
     assert Spec.from_json(spec.to_json()) == spec
-    assert (spec.steps, spec.warmup, spec.total_steps) == (3, 2, 2 + 8 * 3)
+    assert (spec.steps, spec.warmup, spec.total_steps) == (1, 2, 2 + 8)
+    with pytest.raises(ValueError):
+        launch_spec(FULL_CASES[0], 1, steps=0)
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_hand_written_loops_see_the_trainer_s_micro_batches_as_views(rank: int) -> None:
-    spec = launch_spec(SMOKE_CASES[0], 2)
-    data = BenchData(spec, world_size=2)
-    windows = data.windows(rank)
-    plan = data.plan()
-    sampler = PlanSampler(plan, data.split, rank, 0, plan.windows_per_epoch)  # what the Trainer's DataLoader walks
-    for (x, y), indices in zip((b for w in windows for b in w), sampler, strict=True):
-        expect_x, expect_y = data.collate(indices)
-        assert torch.equal(x, expect_x) and torch.equal(y, expect_y)
-        assert x.untyped_storage().data_ptr() == data.x.untyped_storage().data_ptr()  # a view, no copy
+def test_every_distaccum_variant_is_a_valid_configuration(tmp_path: Path) -> None:
+    """Variants are configurations: each one's overrides are fields the config knows, with values it accepts."""
+    spec = launch_spec(FULL_CASES[1], 4, steps=1)
+    for name, setup in DISTACCUM.items():
+        cfg = to_mapping(from_mapping(distaccum_config(spec, tmp_path, setup)))
+        for dotted, value in setup.overrides.items():
+            section, key = dotted.split(".")
+            assert cfg[section][key] == value, name
+        assert cfg["engine"]["name"] == setup.engine, name
+    check_variants(list(TIMED))
+    check_variants(list(SWEPT[1:]))
 
 
-def test_distaccum_loss_over_the_global_count_is_the_hand_written_mean() -> None:
+def test_the_distaccum_variant_changes_only_the_documented_settings(tmp_path: Path) -> None:
+    cfg = to_mapping(from_mapping(distaccum_config(launch_spec(FULL_CASES[1], 4, steps=1, rounds=8), tmp_path)))
+    default = to_mapping(RunConfig())
+    changed = {f"{section}.{key}" for section, values in cfg.items() if isinstance(values, dict)
+               for key, value in values.items() if default[section][key] != value}
+    assert changed == {"accum.micro_batch", "optim.schedule", "optim.warmup_steps", "optim.clip_norm",
+                       "trainer.max_steps", "trainer.device", "trainer.check_every", "trainer.checkpoint_every",
+                       "trainer.save_final", "data.shuffle", "log.console", "log.warmup_steps", "log.grad_norm"}
+    assert cfg["log"]["ledger"] is True and cfg["trainer"]["fingerprint"] is True and cfg["engine"]["name"] == "ddp"
+
+
+def test_the_harness_patches_nothing_of_the_library_and_stays_small() -> None:
+    """benchmarks/ builds its variants from configs and Trainer arguments: no assignment to an attribute of anything
+    imported from distaccum, no private name imported from it, no setattr or monkeypatching; and the folder holds
+    at most 12 files."""
+    files = [p for p in (ROOT / "benchmarks").iterdir() if p.name != "__pycache__"]
+    assert len(files) <= 12, sorted(p.name for p in files)
+    for path in (p for p in files if p.suffix == ".py"):
+        tree = ast.parse(path.read_text())
+        library = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distaccum")
+                   for alias in node.names}
+        library |= {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names if alias.name.startswith("distaccum")}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distaccum"):
+                assert not any(a.name.startswith("_") for a in node.names), (path.name, ast.dump(node))
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                assert not (isinstance(root, ast.Name) and root.id in library), (path.name, node.lineno)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id != "setattr", (path.name, node.lineno)
+        assert "monkeypatch" not in path.read_text(), path.name
+
+
+def test_distaccum_s_loss_over_the_global_count_is_the_hand_written_mean() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 4)
     micro = [(torch.randn(5, 3), torch.randn(5, 4)) for _ in range(3)]  # K=3 on one rank
@@ -464,40 +464,23 @@ def test_distaccum_loss_over_the_global_count_is_the_hand_written_mean() -> None
     assert float(sum(sums) / sum(counts)) == pytest.approx(float(hand), rel=1e-6)
 
 
-def test_distaccum_variant_changes_only_the_documented_settings(tmp_path: Path) -> None:
-    spec = launch_spec(FULL_CASES[1], 4, rounds=8)
-    cfg = to_mapping(from_mapping(distaccum_config(spec, tmp_path)))
-    default = to_mapping(RunConfig())
-    changed = {f"{section}.{key}" for section, values in cfg.items() if isinstance(values, dict)
-               for key, value in values.items() if default[section][key] != value}
-    assert changed == {"accum.micro_batch", "optim.schedule", "optim.warmup_steps", "optim.clip_norm",
-                       "trainer.max_steps", "trainer.device", "trainer.check_every", "trainer.checkpoint_every",
-                       "trainer.save_final", "data.shuffle", "log.console", "log.warmup_steps", "log.grad_norm"}
-    assert cfg["log"]["ledger"] is True and cfg["accum"]["sync"] == "auto" and cfg["engine"]["name"] == "ddp"
-
-
-def test_check_variants_refuses_unknown_names_and_two_accelerators() -> None:
-    check_variants([*DEFAULT_VARIANTS, "distaccum_no_ledger", "distaccum_zero2"])
-    with pytest.raises(ValueError, match="horovod"):
-        check_variants(["horovod"])
-    with pytest.raises(ValueError, match="singleton"):
-        check_variants(["accelerate", "distaccum_accelerate"])
-
-
-def test_mfu_is_model_flops_over_the_peak() -> None:
-    assert model_flops_per_step(1000, 8) == 48_000
-    assert mfu(10**9, 4, step_s=0.5, peak=48.0) == pytest.approx(6 * 4e9 / 0.5 / 48e12)
-    assert mfu(10**9, 4, step_s=0.5, peak=None) is None
-    assert peak_tflops("fp32", override=100.0) == (100.0, "--peak-tflops")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_hand_written_loops_see_the_trainer_s_micro_batches_as_views(rank: int) -> None:
+    spec = launch_spec(SMOKE_CASES[0], 2, steps=1)
+    data = BenchData(spec, world_size=2)
+    plan = data.plan()
+    sampler = PlanSampler(plan, data.split, rank, 0, plan.windows_per_epoch)  # what the Trainer walks
+    for (x, y), indices in zip((b for w in data.windows(rank) for b in w), sampler, strict=True):
+        assert torch.equal(x, data.x[indices]) and torch.equal(y, data.y[indices])
+        assert x.untyped_storage().data_ptr() == data.x.untyped_storage().data_ptr()  # a view, no copy
 
 
 @pytest.mark.parametrize("name", ["ddp_no_sync", "ddp_every_micro"])
-def test_the_hand_written_ddp_loops_use_an_experts_settings(cpu_group: None, name: str) -> None:
-    """The baselines are the strongest reasonable loops: gradients as DDP bucket views, zeroed in place (so
-    the same gradient storage serves every window), as distaccum's DDP engine does."""
-    spec = launch_spec(SMOKE_CASES[0], 2)
+def test_the_hand_written_ddp_loops_use_an_expert_s_settings(cpu_group: None, name: str) -> None:
+    """Gradients as DDP bucket views, zeroed in place: the same gradient storage serves every window."""
+    spec = launch_spec(SMOKE_CASES[0], 2, steps=1)
     loop = HAND_WRITTEN[name](name, spec, BenchData(spec, world_size=1), 0, torch.device("cpu"), HostClock())
-    assert loop.ddp.gradient_as_bucket_view is True
+    assert loop.ddp.gradient_as_bucket_view is True  # type: ignore[attr-defined]
     loop.run(2)  # DDP rebuilds its buckets once, after the first iteration
     storages = [p.grad.untyped_storage().data_ptr() for p in loop.model.parameters()]
     assert all(p.grad is not None and not p.grad.any() for p in loop.model.parameters())  # zeroed, kept
@@ -505,182 +488,60 @@ def test_the_hand_written_ddp_loops_use_an_experts_settings(cpu_group: None, nam
     assert [p.grad.untyped_storage().data_ptr() for p in loop.model.parameters()] == storages
 
 
-@pytest.mark.parametrize(("name", "hook"), [("ddp_window_allreduce", "window_allreduce_hook"),
-                                          ("ddp_window_allgather", "window_allreduce_hook"),
-                                          ("ddp_python_hook_after", "python_allreduce_after_hook"),
-                                          ("ddp_no_sync_twin", None)])
-def test_the_hook_diagnostics_train_what_the_no_sync_loop_trains(cpu_group: None, name: str, hook: str) -> None:
-    """``ddp_window_allgather`` and ``ddp_window_allreduce`` (what ``benchmarks.fixed_cost`` prices distaccum's window
-    collective with, as it is and as it was) only add a collective, and ``ddp_python_hook_after`` only moves the division by the world size to after the
-    all-reduce: the same parameters as ``ddp_no_sync``, bit for bit, through their own comm hook (and the window's
-    collective was waited for). ``ddp_no_sync_twin``, the A/A control, is the same loop built again."""
-    spec = launch_spec(SMOKE_CASES[0], 2)
+def test_the_variants_train_the_same_arithmetic_as_distaccum(cpu_group: None, tmp_path: Path) -> None:
+    """The expert loop, its twin, the every-micro-batch loop and distaccum (and distaccum with its per-step checks
+    off) train the same parameters from the same data; the twin bit for bit."""
+    spec = launch_spec(SMOKE_CASES[0], 2, steps=1, rounds=3)
     data = BenchData(spec, world_size=1)
-    loops = {n: HAND_WRITTEN[n](n, spec, data, 0, torch.device("cpu"), HostClock()) for n in ("ddp_no_sync", name)}
-    for loop in loops.values():
-        loop.run(3)
-    plain, diagnostic = ([p.detach() for p in loop.parameters()] for loop in loops.values())
-    assert all(torch.equal(a, b) for a, b in zip(plain, diagnostic, strict=True))
-    assert loops[name].ddp._get_ddp_logging_data().get("comm_hook") == hook
-    if name.startswith("ddp_window_"):
-        assert loops[name].pending["work"].is_completed()
-
-
-def test_the_device_totals_diagnostic_trains_what_distaccum_trains_and_restores_the_loop(
-        cpu_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``distaccum_device_totals`` (what ``benchmarks.fixed_cost`` prices the CPU's Python-float window totals with)
-    and ``distaccum_host_allreduce`` (the all-gather against the all-reduce it replaced) run the loop with their
-    kind only while they run, as does ``distaccum_gloo_window`` (the rows through gloo, not the run's sockets): the
-    same parameters as ``distaccum`` bit for bit, the same totals from either collective, and the CPU gets
-    :class:`HostTotals` over the run's sockets again afterwards."""
-    from benchmarks.variants import HostTotalsAllreduce, HostTotalsGloo, build_variant
-    from distaccum import window
-
-    spec = launch_spec(SMOKE_CASES[0], 2)
-    data = BenchData(spec, world_size=1)
-    kinds: list[tuple[type, str | None]] = []
-    real = window.WindowTotals.read
-
-    def noting(self: window.WindowTotals) -> window.WindowResult:  # wraps the real read: records kind and transport
-        exchange = getattr(self, "exchange", None)
-        kinds.append((type(self), None if exchange is None else exchange.name))
-        return real(self)
-
-    monkeypatch.setattr(window.WindowTotals, "read", noting)
     trained = {}
-    records = {}
-    for name in ("distaccum", "distaccum_device_totals", "distaccum_host_allreduce", "distaccum_gloo_window"):
-        variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
-        records[name] = variant.run(3) and variant.trainer.state.records  # type: ignore[attr-defined]
-        trained[name] = [p.clone() for p in variant.parameters()]
+    for name in ("ddp_no_sync", "ddp_no_sync_twin", "ddp_every_micro", "distaccum", "distaccum_no_checks"):
+        variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path)
+        assert len(variant.run(3)) == 4  # a stamp before the first step and after each
+        trained[name] = torch.cat([p.detach().reshape(-1).clone() for p in variant.parameters()])
         variant.close()
-    assert kinds == ([(window.HostTotals, "sockets")] * 3 + [(window.DeviceTotals, None)] * 3
-                     + [(HostTotalsAllreduce, "sockets")] * 3 + [(HostTotalsGloo, "gloo")] * 3)
-    for name in ("distaccum_device_totals", "distaccum_host_allreduce", "distaccum_gloo_window"):
-        assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True))
-        assert [(r["loss"], r["items"]) for r in records[name]] == [(r["loss"], r["items"]) for r in records["distaccum"]]
-    assert type(window.WindowTotals.for_device(spec.split(1), 0, torch.device("cpu"))) is window.HostTotals
+    expert = trained.pop("ddp_no_sync")
+    assert torch.equal(trained.pop("ddp_no_sync_twin"), expert)
+    for name, params in trained.items():
+        assert float((params - expert).abs().max() / expert.abs().max()) < 1e-6, name
 
 
-def test_distaccum_gets_the_tensors_in_memory_and_the_loader_diagnostic_the_dataloader_same_training(
-        cpu_group: None, tmp_path: Path) -> None:
-    """``distaccum`` gets the benchmark's samples as a ``TensorDataset`` (cut in the process: ``TensorRows``),
-    ``distaccum_loader`` the index dataset and slicing collate through a DataLoader, ``distaccum_copied_rows`` the
-    same rows copied in its loss: the same parameters bit for bit, so each ratio prices the data path alone."""
-    import inspect
-
-    from benchmarks.variants import build_variant
-
-    spec = launch_spec(SMOKE_CASES[0], 2)
-    data = BenchData(spec, world_size=1)
-    trained, generators = {}, {}
-    for name in ("distaccum", "distaccum_loader", "distaccum_copied_rows"):
-        variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
-        variant.run(3)
-        generators[name] = inspect.isgenerator(variant.trainer.state.source._batches)  # type: ignore[attr-defined]
-        trained[name] = [p.clone() for p in variant.parameters()]
-        variant.close()
-    assert generators == {"distaccum": True, "distaccum_loader": False, "distaccum_copied_rows": True}
-    for name in ("distaccum_loader", "distaccum_copied_rows"):
-        assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True)), name
+def test_bf16_reaches_every_variant(tmp_path: Path) -> None:
+    spec = launch_spec(SMOKE_CASES[0], 2, steps=1, precision="bf16")
+    assert Spec.from_json(spec.to_json()).precision == "bf16"
+    assert distaccum_config(spec, tmp_path)["precision"] == "bf16"
+    loop = HAND_WRITTEN["compute_floor"]("compute_floor", spec, BenchData(spec, world_size=1), 0,
+                                         torch.device("cpu"), HostClock())
+    seen: list[torch.dtype] = []
+    loop.model.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    assert loop.loss(loop.model, loop.windows[0][0], 2).dtype == torch.float32 and seen == [torch.bfloat16]
 
 
-def test_the_fixed_cost_groups_leave_out_nested_pieces_and_the_optimizer() -> None:
-    """The group sums of ``fixed_cost --sections``: a piece timed inside another is counted once, and the engine step
-    is distaccum's own work only without the optimizer's step and zero_grad inside it."""
-    from benchmarks.fixed_cost import ENGINE, FINGERPRINT, WINDOW, own_groups
-
-    pieces = {"ReplicatedEngine.step": [0.0, 300.0, 1.0], "SGD.step": [0.0, 100.0, 1.0],
-              "Optimizer.zero_grad": [0.0, 80.0, 1.0], "replicated.normalize_": [0.0, 200.0, 1.0],
-              "HostTotals.grad_scale": [0.0, 150.0, 2.0], "HostTotals.reduce": [0.0, 250.0, 1.0],
-              "Fingerprint.before_reduce": [0.0, 30.0, 1.0], "WindowTotals.carry": [0.0, 25.0, 1.0]}
-    assert own_groups(pieces) == {ENGINE: 120.0, WINDOW: 450.0, FINGERPRINT: 30.0}
-
-
-def test_the_data_fetch_benchmark_runs_every_path(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks.data_fetch import main
-
-    main(["--samples", "64", "--features", "4", "--micro", "4", "--plan-samples", "1000", "--repeats", "1"])
-    out = capsys.readouterr().out
-    for line in ("DataLoader, sample by sample + default_collate", "DataLoader, TensorBatches",
-                 "in the process, TensorRows (shuffled", "in the process, TensorRows (in order",
-                 "order drawn anew (before)", "epoch order kept"):
-        assert line in out
+def test_the_gpu_check_script_names_what_exists() -> None:
+    """benchmarks/gpu_check.sh names real cases, variants and test files, and stays one shell script."""
+    text = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    assert all((ROOT / path).is_file() for path in re.findall(r"tests/\S+\.py", text))
+    cases = re.search(r"cases=\$\{2:-([^}]+)\}", text).group(1).split(",")
+    assert set(cases) == {c.name for c in (*FULL_CASES, *GPU_CASES)}
+    variants = re.search(r"variants=\$\{VARIANTS:-([\w,]+)\}", text).group(1).split(",")
+    assert tuple(variants) == TIMED
+    (swept,) = [names for names in re.findall(r"--sweep ([\w,]+)", text) if names != "none"]
+    check_variants(swept.split(","))
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")]).returncode == 0
 
 
-def test_the_folded_k1_diagnostic_turns_the_in_loss_normalization_off_only_while_it_runs(
-        cpu_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``distaccum_folded_k1`` prices ``engine.normalize_in_loss_mb``: its engine declines the in-loss normalization
-    while it runs (the reduction folds 1/N in), and offers it again afterwards; ``distaccum_in_loss`` takes it
-    whatever the gradient's size. Both train what ``distaccum`` trains (N is a power of two here: bit for bit)."""
-    from benchmarks.run import SWEEP_VARIANTS
-    from benchmarks.variants import build_variant
-    from distaccum.engines.replicated import ReplicatedEngine
+def test_every_documented_benchmark_command_parses() -> None:
+    """Each ``python -m benchmarks.run ...`` the docs show names options and variants the harness has."""
+    import shlex
 
-    spec = launch_spec(SMOKE_CASES[0], 1)
-    data = BenchData(spec, world_size=1)
-    offers: list[tuple[str, bool]] = []
-    real = ReplicatedEngine.normalize_loss
+    from benchmarks.run import _options, parse_args
 
-    def noting(self: ReplicatedEngine, scale: Any) -> Any:  # wraps the real method: records whether it took 1/N
-        factor = real(self, scale)
-        offers.append((self.spec.engine.normalize_in_loss_mb, factor is not None))
-        return factor
-
-    monkeypatch.setattr(ReplicatedEngine, "normalize_loss", noting)
-    trained = {}
-    for name in ("distaccum", "distaccum_in_loss", "distaccum_folded_k1"):
-        variant = build_variant(name, spec, data, 0, torch.device("cpu"), HostClock(), tmp_path / name)
-        variant.run(2)
-        trained[name] = [p.clone() for p in variant.parameters()]
-        engine = variant.trainer.state.engine  # type: ignore[attr-defined]
-        assert "normalize_loss" not in vars(engine)  # the diagnostic's override is gone
-        variant.close()
-    assert offers == [(25.0, False)] * 2 + [(0, True)] * 2  # the diagnostic never reached the engine's method
-    for name in ("distaccum_in_loss", "distaccum_folded_k1"):
-        assert all(torch.equal(a, b) for a, b in zip(trained["distaccum"], trained[name], strict=True))
-    assert not {"distaccum_folded_k1", "distaccum_in_loss", "distaccum_device_totals", "distaccum_loader",
-                "distaccum_sync_records"} & set(SWEEP_VARIANTS)
-
-
-def test_a_gpu_sweep_names_the_allocator_peak_and_lists_no_empty_mfu_table() -> None:
-    # the engine sweep run on the lent H100 (BENCHMARKS.md's GPU figures): no timing, CUDA allocator peaks
-    results = json.loads((Path(__file__).parents[1] / "docs/results/gpu-h100-bf16-sweep.json").read_text())
-    text = render(results)
-    assert "peak CUDA memory allocated" in text and "peak RSS" not in text
-    assert "| case | K | variant | step ms | MFU |" not in text  # nothing timed, so no MFU rows
-    cpu = json.loads(json.dumps(results))
-    cpu["settings"]["device"], cpu["gpu"] = "cpu", None
-    assert "peak RSS" in render(cpu) and "peak CUDA memory" not in render(cpu)
-
-
-def test_a_gpu_timing_run_says_once_per_case_why_its_bus_bandwidth_was_not_measured() -> None:
-    results = json.loads((Path(__file__).parents[1] / "docs/results/gpu-h100-bf16-timing.json").read_text())
-    lines = [line for line in render(results).splitlines() if line.startswith("- NCCL all-reduce")]
-    assert len(results["gpu"]["busbw"]) == 8  # one per (case, K) launch: three cases, 210M's K = 16 not reached
-    assert [line.split(",")[1].split(":")[0].strip() for line in lines] == [
-        "27.3M_micro4", "0.9M_micro256", "210M_micro1024"]
-
-
-def test_the_cuda_step_profile_reports_kernel_time_and_what_the_gpu_waited() -> None:
-    from benchmarks.step_profile import report
-
-    record = {name: {"step_s": [0.010, 0.009, 0.011], "table": "", "python": "", "python_own": "",
-                     "ops": {"aten::mm": (8, 1.0)}, "device_ms": device_ms} for name, device_ms in (("ddp_no_sync", 70.0), ("distaccum", 72.0))}
-    text = report(record, steps=8)
-    assert "kernels 8.750 ms/step of a 10.000 ms median step (the GPU waited 1.250 ms/step for the host)" in text
-    assert "kernels 9.000 ms/step" in text
-    record["distaccum"]["device_ms"] = record["ddp_no_sync"]["device_ms"] = None  # a CPU profile: no kernel line
-    assert "kernels" not in report(record, steps=8)
-
-
-def test_a_run_without_the_expert_loop_compares_parameters_with_its_first_hand_written_loop() -> None:
-    assert reference_of(["distaccum", "ddp_no_sync_compiled", "ddp_no_sync"]) == "ddp_no_sync"
-    compiled = ["ddp_no_sync_compiled", "distaccum_compiled", "ddp_no_sync_compiled_twin"]
-    assert reference_of(compiled) == "ddp_no_sync_compiled"
-    assert reference_of(["compute_floor", "distaccum"]) is None  # the floor must differ: never the reference
-    row = {"param_rel_diff": {"ddp_no_sync_compiled": 0.0, "distaccum_compiled": 4e-8, "ddp_no_sync_compiled_twin": 0.0},
-           "param_reference": "ddp_no_sync_compiled"}
-    (line,) = agreement_lines({"timing": [row], "settings": {"world_size": 2}})
-    assert "compared with ddp_no_sync_compiled's" in line and "distaccum_compiled 4.0e-08" in line
-    assert "ddp_no_sync_compiled 0.0e+00" not in line
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    commands = [" ".join(c.split()) for page in pages
+                for c in re.findall(r"`(python -m benchmarks\.run\b[^`]*)`", page.read_text(), re.S)]
+    commands += [" ".join(line.split("#")[0].split()) for page in pages for block in
+                 re.findall(r"```(?:bash)?\n(.*?)```", page.read_text(), re.S) for line in block.splitlines()
+                 if line.strip().startswith("python -m benchmarks.run")]
+    checked = [c for c in commands if "..." not in c]
+    assert len(checked) >= 4, commands
+    for command in checked:
+        _options(parse_args(shlex.split(command.replace("--device cuda", "--device cpu"))[3:]))

@@ -17,26 +17,14 @@ pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")
 
 
-class HandClock:
-    """A clock whose time only moves when the test says so."""
+class HandClock(HostClock):
+    """The host clock, whose time only moves when the test says so."""
 
     def __init__(self) -> None:
         self.now = 0.0
 
     def stamp(self) -> float:
         return self.now
-
-    def seconds(self, start: float, end: float) -> float:
-        return end - start
-
-    def sync(self) -> None:
-        pass
-
-    def wait(self, stamp: float) -> None:
-        pass
-
-    def release(self, stamps: list[float]) -> None:
-        pass
 
 
 def grad(numel: int) -> torch.Tensor:

@@ -36,23 +36,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import fresh_accelerate_state
+from conftest import ENGINES, EXTENSIONS, fresh_accelerate_state
 from distaccum.config import ConfigError, from_mapping
 from distaccum.preflight import instantiate_components, preflight
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 
-REPO = Path(__file__).resolve().parents[1]
-EXTENSIONS = REPO / ".cache" / "torch_extensions"
-ENGINES: dict[str, dict[str, Any]] = {
-    "ddp": {"name": "ddp"},
-    "fsdp": {"name": "fsdp"},
-    "zero0": {"name": "deepspeed", "zero_stage": 0},
-    "zero1": {"name": "deepspeed", "zero_stage": 1},
-    "zero2": {"name": "deepspeed", "zero_stage": 2},
-    "zero3": {"name": "deepspeed", "zero_stage": 3},
-    "accelerate": {"name": "accelerate"},
-}
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
 SYNCS = ("boundary", "every_micro")

@@ -22,11 +22,11 @@ import torch
 
 from conftest import inject, run_cli
 from distaccum.engines.accelerate import AccelerateEngine
+from distaccum.engines.base import StepResult
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed import DeepSpeedEngine
 from distaccum.engines.fsdp import FSDPEngine
 from distaccum.rundir.checkpoint import step_dir
-from distaccum.engines.base import StepResult
 from distaccum.verify.fingerprint import Fingerprint, all_same, groups, rng_hash, same
 from distaccum.verify.tripwire import RankDivergenceError
 from distaccum.window import Carry, WindowResult

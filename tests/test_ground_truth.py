@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from conftest import fresh_accelerate_state, train
+from conftest import ENGINES, EXTENSIONS, fresh_accelerate_state, train
 from distaccum import losses
 from distaccum.cli.compose import compose_config
 from distaccum.datasets import CorpusSequences, SyntheticRegression, pad_collate
@@ -48,21 +48,10 @@ from distaccum.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 
-REPO = Path(__file__).resolve().parents[1]
-EXTENSIONS = REPO / ".cache" / "torch_extensions"  # DeepSpeed's compiled op (gitignored, built once)
 SGD = {"name": "sgd", "lr": 1.0, "momentum": 0.0, "weight_decay": 0.0, "schedule": "constant", "warmup_steps": 0,
        "clip_norm": None}
 MICRO, K = 4, 8  # unit tier: global batch 32 on one rank
 WINDOWS = {"full": 32, "partial": 20}  # samples in the dataset = in the first (only) window
-ENGINES: dict[str, dict[str, Any]] = {
-    "ddp": {"name": "ddp"},
-    "fsdp": {"name": "fsdp"},
-    "zero0": {"name": "deepspeed", "zero_stage": 0},
-    "zero1": {"name": "deepspeed", "zero_stage": 1},
-    "zero2": {"name": "deepspeed", "zero_stage": 2},
-    "zero3": {"name": "deepspeed", "zero_stage": 3},
-    "accelerate": {"name": "accelerate"},
-}
 FP64_ATOL = 1e-12
 FP32_RTOL = 1e-5
 """DeepSpeed in fp32: max |param - expected| relative to the largest update element (measured 8e-7 at worst)."""

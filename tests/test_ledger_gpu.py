@@ -6,7 +6,7 @@
   a steady-state step must show exactly the number the loop's docstring (:mod:`distaccum.loop`)
   documents, and a call of several steps never drains the device (no ``torch.cuda.synchronize``: the
   records lag a step). One GPU, in-process.
-- The step's peak memory: the CUDA allocator's, a new window after each reset.
+- The step's peak memory: the CUDA allocator's, counted again after each reset.
 - The ledger on 2 NCCL ranks (exact counts and bytes, timing relations as in ``test_ledger.py``);
   skipped, saying so, with fewer than two GPUs.
 """
@@ -119,15 +119,14 @@ def test_host_syncs_per_step_are_the_documented_number(tmp_path: Path, monkeypat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize(("k", "norm"), [(1, False), (4, False), (4, True)])
 def test_steady_steps_allocate_no_device_block_and_create_no_timing_event(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch,
-                                                                          k: int) -> None:
-    """Past warm-up a step reuses what earlier steps allocated: no new device memory segment (a ``cudaMalloc``: the
-    window's scale and the fold's factor used to be allocated in DDP's comm-hook continuation, which runs on a
-    stream from the pool, so each of the pool's 32 streams cached a block of its own, one per step) and no new CUDA
-    event for the timings (read events are recorded again). 40 steps: more than the pool's streams. DDP in bf16
-    without a norm: the benchmark's settings (a norm's per-parameter results are allocated there too)."""
+                                                                          k: int, norm: bool) -> None:
+    """Past warm-up a step reuses what earlier steps allocated: no new device memory segment (a ``cudaMalloc``:
+    anything allocated on a stream from the pool, as DDP's comm-hook continuations run, would cache a block per pool
+    stream) and no new CUDA event for the timings (read events are recorded again). 40 steps: more than the pool's
+    32 streams. DDP in bf16 without a norm, and with one (its per-tensor norms go into a buffer kept across steps)."""
     from torch.utils.data import TensorDataset
 
     from distaccum.models import MLP
@@ -136,14 +135,14 @@ def test_steady_steps_allocate_no_device_block_and_create_no_timing_event(tmp_pa
 
     class Counted(torch.cuda.Event):
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-            made[0] += bool(kwargs.get("enable_timing"))  # the step's times (the totals' "landed" event is not)
+            made[0] += bool(kwargs.get("enable_timing"))  # the step's times
             return super().__new__(cls, *args, **kwargs)
 
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 32, generator=gen), torch.randn(64, 8, generator=gen))
     cfg = {"precision": "bf16", "engine": {"name": "ddp"}, "accum": {"micro_batch": 4, "steps": k},
            "trainer": {"nproc": 1, "max_steps": 50, "check_every": 0, "save_final": False, "device": "cuda"},
-           "run_dir": str(tmp_path), **NO_NORM}
+           "run_dir": str(tmp_path), **({} if norm else NO_NORM)}
     with one_rank_group("cuda"):
         trainer = Trainer(cfg, model=lambda: MLP(in_dim=32, width=64, depth=2, out_dim=8), dataset=data,
                           loss=losses.mse)
@@ -162,7 +161,7 @@ def test_steady_steps_allocate_no_device_block_and_create_no_timing_event(tmp_pa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_cuda_peak_is_the_allocators_peak_since_the_reset() -> None:
     """The step's peak (read from the allocator's nested statistics, without max_memory_allocated's flattening)
-    is max_memory_allocated's number, and a reset starts a new window."""
+    is max_memory_allocated's number, and a reset starts the count again."""
     cuda = torch.device("cuda")
     reset_peak_memory(cuda)
     base = peak_memory_bytes(cuda)

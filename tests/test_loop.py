@@ -432,3 +432,42 @@ def test_a_non_finite_loss_at_k1_skips_the_step_and_the_next_one_trains(tmp_path
     assert math.isnan(records[1]["loss"]) and all(math.isfinite(r["loss"]) for r in records[2:])
     after = params(trainer)
     assert torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+def test_one_default_ddp_step_runs_in_four_library_files(tmp_path: Path) -> None:
+    """Reading one default DDP step takes four library files: every distaccum function that runs inside
+    ``train_step`` is in the loop, the window's totals, the engine protocol's module or the DDP engine, apart from
+    the user's components (here built-in ones: the model, the dataset, the loss) and the objects the step is handed
+    and calls through their interfaces: the window source and the timer that wraps it, the ledger the comm hook
+    reports to, the scheduler, the votes (the checkpointer's, the fingerprint's) and the split's arithmetic."""
+    import inspect
+    import sys
+
+    from distaccum import loop
+
+    trainer = mlp_trainer(tmp_path, accum={"micro_batch": 2, "steps": 4}, trainer={"max_steps": 3})
+    trainer.train_steps(1)  # DDP's first-step work out of the way
+    run = trainer._run
+    assert run is not None
+    ran: set[str] = set()
+    package = Path(loop.__file__).parent
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and path.is_relative_to(package):
+            ran.add(path.relative_to(package).as_posix())
+
+    sys.setprofile(profile)
+    try:
+        loop.train_step(run.state, run.resolved.loop, run.loss, run.parts.totals, run.parts.votes)
+    finally:
+        sys.setprofile(None)
+    components = {Path(inspect.getfile(obj)).relative_to(package).as_posix()
+                  for obj in (MLP, SyntheticRegression, losses.mse)}
+    handed = {"telemetry/timing.py", "telemetry/ledger.py", "optim.py", "rundir/checkpoint.py",
+              "verify/fingerprint.py", "split.py"}
+    served = {f for f in ran if f.startswith("data/") or f in handed}
+    assert components == {"models.py", "datasets.py", "losses.py"} and served, (components, served)
+    served |= components
+    assert ran - served == {"loop.py", "window.py", "engines/base.py", "engines/ddp.py"}, sorted(ran)
+    trainer.finish()

@@ -31,13 +31,11 @@ Asserted where the design makes it flat:
 
 Not asserted: FSDP2 (both modes) and ZeRO-3. Their step peak grows with K here, by amounts that change
 from run to run, so no bound holds deterministically; ``pytest -s`` prints every figure and BENCHMARKS.md
-records them. ZeRO-3 is flat beyond K = 2 after its first measured step (``python -m benchmarks.memory_peaks``).
-FSDP2's growth is mostly this measurement's (most likely parameter-sized buffers freed a step after they were
-allocated stay counted, since the profiler does not report frees of blocks allocated before it started); glibc's malloc,
-which sees every free, holds 0.5-1.2 MiB more at micro-batch 8 than at 2 beyond DDP's drift (``python -m
-benchmarks.memory_peaks --per-micro``), a figure too noisy for a deterministic bound. On a GPU, whose allocator
-counts exactly, FSDP2 ``every_micro`` held one unit's reduced gradient shard more than ``boundary`` at K = 16
-(FSDP2 adds each reduce-scatter's new buffer into the gradient already there; BENCHMARKS.md, GPU figures).
+records the peaks per engine at K = 1 and 16 (``make bench``). FSDP2's growth is mostly this measurement's (most
+likely parameter-sized buffers freed a step after they were allocated stay counted, since the profiler does not
+report frees of blocks allocated before it started), a figure too noisy for a deterministic bound. On a GPU, whose
+allocator counts exactly, FSDP2 ``every_micro`` holds one unit's reduced gradient shard more than ``boundary``
+(FSDP2 adds each reduce-scatter's new buffer into the gradient already there).
 
 The runs share one launch (this file doubles as the worker script).
 """
@@ -106,7 +104,7 @@ def step_peaks(values: dict[str, Any], steps: int = 1, wrap_loss: Any = None,
     """Train the config mapping ``values`` for ``warmup`` steps (one: optimizer state allocated; two: also
     DDP's buckets rebuilt, see the module docstring), then ``steps`` steps, each measured by ``measure``
     (default :func:`step_peak_bytes`), the largest over the ranks, figure by figure (collective).
-    ``wrap_loss``, when given, wraps the configured loss (benchmarks.memory_peaks)."""
+    ``wrap_loss``, when given, wraps the configured loss."""
     import torch.distributed as dist
 
     from distaccum.preflight import instantiate_components

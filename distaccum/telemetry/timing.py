@@ -30,11 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
+from distaccum.data.pipeline import WindowBatches, WindowSource
 from distaccum.telemetry.ledger import Clock, CommLedger, CommStats, CudaClock, HostClock, Stamp
 from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 
@@ -114,7 +115,7 @@ class StepTimer:
         self._micro_data: list[tuple[Stamp, Stamp]] = []
 
     def start_step(self) -> None:
-        """Before anything of the step happens (resets the peak-memory window)."""
+        """Before anything of the step happens (resets the peak memory: the step's peak is measured from here)."""
         reset_peak_memory(self.device)
         start = self.clock.stamp()
         self.ledger.start_step(start)
@@ -135,9 +136,9 @@ class StepTimer:
         """After the last micro-batch's backward (all gradient reductions have been waited for)."""
         self._marks["compute"] = self.clock.stamp() if stamp is None else stamp
 
-    def watch(self, source: Any) -> TimedSource:
+    def watch(self, source: WindowSource) -> WindowSource:
         """``source`` with every micro-batch it serves timed (:class:`TimedSource`)."""
-        return TimedSource(source, self)
+        return cast(WindowSource, TimedSource(source, self))
 
     def _timed(self, micro: Iterator[Any]) -> Iterator[Any]:
         while True:
@@ -174,32 +175,16 @@ class StepTimer:
 
 class TimedSource:
     """A window source whose windows' micro-batches are timed by a :class:`StepTimer` as they are fetched (the
-    ``data_s``, ``compute_s`` and ``last_micro_s`` phases). Everything else is the source's."""
+    ``data_s``, ``compute_s`` and ``last_micro_s`` phases). Everything else (its position, ``advance``, its state)
+    is the source's own, read through this wrapper."""
 
-    def __init__(self, source: Any, timer: StepTimer) -> None:
+    def __init__(self, source: WindowSource, timer: StepTimer) -> None:
         self.source, self.timer = source, timer
 
-    def window(self) -> Any:
+    def window(self) -> WindowBatches:
         window = self.source.window()
         window.micro = self.timer._timed(window.micro)
         return window
-
-    @property
-    def next_step(self) -> int:
-        return self.source.next_step
-
-    @next_step.setter
-    def next_step(self, step: int) -> None:
-        self.source.next_step = step
-
-    def advance(self) -> None:
-        self.source.advance()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.source.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.source.load_state_dict(state)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.source, name)

@@ -26,8 +26,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from distaccum.verify.runner import (
     VerifyResult,
     candidate_config,
     config_job,
+    output_to,
     run_verify,
     timed_run,
 )
@@ -273,26 +273,6 @@ ZOO_STATUS = "zoo-status.json"
 """A candidate's exit code (1 when any rank raised) and wall time in the zoo's shared launch."""
 
 
-@contextmanager
-def output_appended(path: Path) -> Iterator[None]:
-    """This process's stdout/stderr appended to ``path`` for the block (every rank into one file)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
-
-
 def zoo_worker(plan_file: Path) -> None:
     """One rank of the zoo's launch: every bug's candidate, one after the other, each a fresh
     :class:`~distaccum.trainer.Trainer` on the launched process group (as the CLI's worker runs one), its
@@ -313,7 +293,7 @@ def zoo_worker(plan_file: Path) -> None:
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         started, code = time.perf_counter(), EXIT_OK
-        with output_appended(run_dir / ZOO_LOG):
+        with output_to(run_dir / ZOO_LOG, append=True):
             try:
                 parts = instantiate_components(cfg)
                 Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
@@ -336,7 +316,7 @@ def run_candidates(root: Path, configs: list[RunConfig]) -> int:
     plan.write_text(json.dumps([to_mapping(c) for c in configs], indent=2) + "\n")
     launch_plan = LaunchPlan(nnodes=1, nproc=SPLIT.world_size, rdzv_endpoint="127.0.0.1:0", rdzv_id="bugzoo",
                              max_restarts=0, run_dir=str(root))
-    with output_appended(root / ZOO_LOG):
+    with output_to(root / ZOO_LOG, append=True):
         return launch(launch_plan, ["-m", "distaccum", "_bugzoo_worker", str(plan)])
 
 

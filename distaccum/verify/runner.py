@@ -214,28 +214,38 @@ class VerifyResult:
 
 
 @contextmanager
-def console_to(path: Path) -> Iterator[None]:
-    """Send this process's (and its children's) stdout/stderr to ``path``: the table stays readable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def output_to(path: Path, *, append: bool = False) -> Iterator[None]:
+    """This process's (and its children's) stdout/stderr into ``path`` for the block; ``append`` adds to the file
+    (every rank of a launch into one) instead of starting it afresh."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    env_before = dict(os.environ)
-    # Verify runs are tiny: one intra-op thread per worker. Two threads on a loaded 2-core machine
-    # made the world-1 reference 3-10x slower (spinning OpenMP workers); a user's setting wins.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     try:
-        with open(path, "w") as log:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            yield
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
+        for f in (fd, *saved):
+            os.close(f)
+
+
+@contextmanager
+def console_to(path: Path) -> Iterator[None]:
+    """Send this process's (and its children's) stdout/stderr to ``path``: the table stays readable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env_before = dict(os.environ)
+    # Verify runs are tiny: one intra-op thread per worker. Two threads on a loaded 2-core machine
+    # made the world-1 reference 3-10x slower (spinning OpenMP workers); a user's setting wins.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        with output_to(path):
+            yield
+    finally:
         os.environ.clear()
         os.environ.update(env_before)
 
