@@ -105,14 +105,18 @@ class Spec:
     def from_json(cls, text: str) -> Spec:
         """Inverse of :meth:`to_json`."""
         values: dict[str, Any] = json.loads(text)
-        return cls(**{**values, "shape": ModelShape(**values["shape"]), "variants": tuple(values["variants"])})
+        return cls(
+            **{**values, "shape": ModelShape(**values["shape"]), "variants": tuple(values["variants"])}
+        )
 
 
 def launch_spec(case: Case, k: int, *, steps: int, **extra: Any) -> Spec:
     """The spec of ``case`` at ``k`` with blocks of ``steps`` optimizer steps."""
     if steps < 1:
         raise ValueError(f"a block needs at least one optimizer step, got {steps}")
-    return Spec(case=case.name, shape=case.shape, micro_batch=case.micro_batch, accum_steps=k, steps=steps, **extra)
+    return Spec(
+        case=case.name, shape=case.shape, micro_batch=case.micro_batch, accum_steps=k, steps=steps, **extra
+    )
 
 
 def pool_micro_batches(accum_steps: int) -> int:
@@ -152,8 +156,13 @@ class BenchData:
         """This rank's micro-batches of every window of one epoch, exactly as the Trainer cuts them;
         optimizer step s trains on window ``s % len(windows)``."""
         plan = self.plan()
-        return [[rows(self.x, self.y, piece.tolist()) for piece in plan.window(s).rank_micro_batches(self.split, rank)]
-                for s in range(plan.windows_per_epoch)]
+        return [
+            [
+                rows(self.x, self.y, piece.tolist())
+                for piece in plan.window(s).rank_micro_batches(self.split, rank)
+            ]
+            for s in range(plan.windows_per_epoch)
+        ]
 
 
 def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
@@ -170,21 +179,43 @@ def sgd(lr: float) -> Any:
 
 
 FULL_CASES = (
-    Case(name="27.3M_micro4", about="27.3M-parameter MLP, micro-batch 4: the gradient all-reduce rivals the compute",
-         shape=ModelShape(in_dim=1024, width=2048, depth=7, out_dim=16), micro_batch=4, ks=(1, 4, 16),
-         sweep_ks=(1, 16)),
-    Case(name="0.9M_micro256", about="0.9M-parameter MLP, micro-batch 256: compute dominates",
-         shape=ModelShape(in_dim=768, width=512, depth=3, out_dim=16), micro_batch=256, ks=(1, 4, 16),
-         sweep_ks=(1, 16)),
+    Case(
+        name="27.3M_micro4",
+        about="27.3M-parameter MLP, micro-batch 4: the gradient all-reduce rivals the compute",
+        shape=ModelShape(in_dim=1024, width=2048, depth=7, out_dim=16),
+        micro_batch=4,
+        ks=(1, 4, 16),
+        sweep_ks=(1, 16),
+    ),
+    Case(
+        name="0.9M_micro256",
+        about="0.9M-parameter MLP, micro-batch 256: compute dominates",
+        shape=ModelShape(in_dim=768, width=512, depth=3, out_dim=16),
+        micro_batch=256,
+        ks=(1, 4, 16),
+        sweep_ks=(1, 16),
+    ),
 )
 """What ``make bench`` measures (CPU)."""
 GPU_CASES = (
-    Case(name="210M_micro1024", about="210M-parameter MLP, micro-batch 1024: sized for one large GPU (bf16), "
-         "where the two cases above are bound by kernel launches", shape=ModelShape(in_dim=1024, width=8192, depth=4,
-         out_dim=16), micro_batch=1024, ks=(1, 4, 16), sweep_ks=(1, 16)),
+    Case(
+        name="210M_micro1024",
+        about="210M-parameter MLP, micro-batch 1024: sized for one large GPU (bf16), "
+        "where the two cases above are bound by kernel launches",
+        shape=ModelShape(in_dim=1024, width=8192, depth=4, out_dim=16),
+        micro_batch=1024,
+        ks=(1, 4, 16),
+        sweep_ks=(1, 16),
+    ),
 )
 """Too large for a CPU run: measured when named with ``--cases`` (``benchmarks/gpu_check.sh``)."""
 SMOKE_CASES = (
-    Case(name="smoke", about="tiny MLP: the CI run (structure, not timings)",
-         shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4), micro_batch=2, ks=(1, 2), sweep_ks=(1, 2)),
+    Case(
+        name="smoke",
+        about="tiny MLP: the CI run (structure, not timings)",
+        shape=ModelShape(in_dim=16, width=32, depth=2, out_dim=4),
+        micro_batch=2,
+        ks=(1, 2),
+        sweep_ks=(1, 2),
+    ),
 )

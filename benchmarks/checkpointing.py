@@ -61,18 +61,30 @@ class Case:
             return TinyGPT(width=self.width, depth=self.depth, heads=4, max_len=self.seq)
         from transformers import AutoModelForCausalLM, LlamaConfig  # optional: only this case needs it
 
-        config = LlamaConfig(vocab_size=256, hidden_size=self.width, num_hidden_layers=self.depth,
-                             num_attention_heads=4, num_key_value_heads=4, intermediate_size=4 * self.width,
-                             max_position_embeddings=self.seq, use_cache=False)
+        config = LlamaConfig(
+            vocab_size=256,
+            hidden_size=self.width,
+            num_hidden_layers=self.depth,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=4 * self.width,
+            max_position_embeddings=self.seq,
+            use_cache=False,
+        )
         return AutoModelForCausalLM.from_config(config)
 
     def batch(self) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 256, (self.micro_batch, self.seq + 1), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, 256, (self.micro_batch, self.seq + 1), generator=torch.Generator().manual_seed(0)
+        )
         return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
 
-CASES = (Case("tiny_gpt w128", "tiny_gpt", 128, 4, 16, 128), Case("tiny_gpt w512", "tiny_gpt", 512, 4, 16, 128),
-         Case("llama h256", "llama", 256, 4, 16, 128))
+CASES = (
+    Case("tiny_gpt w128", "tiny_gpt", 128, 4, 16, 128),
+    Case("tiny_gpt w512", "tiny_gpt", 512, 4, 16, 128),
+    Case("llama h256", "llama", 256, 4, 16, 128),
+)
 SMOKE = (Case("tiny_gpt w32", "tiny_gpt", 32, 2, 2, 16),)
 
 
@@ -109,9 +121,23 @@ def peak_child(case: Case, variant: str) -> dict[str, int]:
 
 
 def peak_rss(case: Case, variant: str, threads: int) -> dict[str, int]:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.checkpointing", "--child", case.name, variant,
-                          "--threads", str(threads), *(["--smoke"] if case in SMOKE else [])],
-                         capture_output=True, text=True, check=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.checkpointing",
+            "--child",
+            case.name,
+            variant,
+            "--threads",
+            str(threads),
+            *(["--smoke"] if case in SMOKE else []),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -142,9 +168,17 @@ def measure(case: Case, rounds: int, threads: int) -> dict[str, Any]:
     params = sum(p.numel() for p in case.build().parameters())
     times = step_times(case, rounds)
     ratios = [c / p for p, c in zip(times["none"], times["blocks"], strict=True)]
-    return {"case": case.name, "params": params, "micro_batch": case.micro_batch, "seq": case.seq,
-            "depth": case.depth, "saved_bytes": saved, "peak": {v: peak_rss(case, v, threads) for v in VARIANTS},
-            "step_s": times, "time_ratio_rounds": ratios}
+    return {
+        "case": case.name,
+        "params": params,
+        "micro_batch": case.micro_batch,
+        "seq": case.seq,
+        "depth": case.depth,
+        "saved_bytes": saved,
+        "peak": {v: peak_rss(case, v, threads) for v in VARIANTS},
+        "step_s": times,
+        "time_ratio_rounds": ratios,
+    }
 
 
 def mib(n: float) -> str:
@@ -156,12 +190,14 @@ def _ms(times: list[float]) -> str:
 
 
 def render(results: list[dict[str, Any]], rounds: int, threads: int) -> str:
-    lines = [f"| model | params | micro-batch x tokens | saved for backward, MiB (none -> blocks) | peak RSS of a step, "
-             f"MiB | step time, ms (median, range over {rounds} rounds) | "
-             "time ratio blocks/none |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| model | params | micro-batch x tokens | saved for backward, MiB (none -> blocks) | peak RSS of a step, "
+        f"MiB | step time, ms (median, range over {rounds} rounds) | "
+        "time ratio blocks/none |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         saved, peak, times = r["saved_bytes"], r["peak"], r["step_s"]
-
 
         ratio = r["time_ratio_rounds"]
         lines.append(
@@ -169,9 +205,13 @@ def render(results: list[dict[str, Any]], rounds: int, threads: int) -> str:
             f"{mib(saved['none'])} -> {mib(saved['blocks'])} ({saved['blocks'] / saved['none']:.0%}) | "
             f"{mib(peak['none']['peak_rss'])} -> {mib(peak['blocks']['peak_rss'])} "
             f"({mib(peak['blocks']['peak_rss'] - peak['none']['peak_rss'])}) | "
-            f"{_ms(times['none'])} -> {_ms(times['blocks'])} | {statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) |")
-    lines += ["", f"fp32 on CPU, torch {torch.__version__}, {threads} intra-op thread(s); one step = forward, "
-              "backward and an AdamW step of one micro-batch."]
+            f"{_ms(times['none'])} -> {_ms(times['blocks'])} | {statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) |"
+        )
+    lines += [
+        "",
+        f"fp32 on CPU, torch {torch.__version__}, {threads} intra-op thread(s); one step = forward, "
+        "backward and an AdamW step of one micro-batch.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -181,8 +221,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--smoke", action="store_true", help="one tiny model (CI)")
     parser.add_argument("--out", type=Path, default=Path("runs/checkpointing"))
-    parser.add_argument("--docs", type=Path, default=None,
-                        help="also write the table between the bench:checkpointing markers of this file")
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="also write the table between the bench:checkpointing markers of this file",
+    )
     parser.add_argument("--child", nargs=2, metavar=("CASE", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -83,8 +83,10 @@ def ring(chunks: Any, tmp: Any, group: Any, first: int, reduce: bool) -> None:
     right, left = dist.get_global_rank(group, (r + 1) % p), dist.get_global_rank(group, (r - 1) % p)
     for step in range(p - 1):
         into = (first - step - 1) % p
-        pending = [dist.isend(chunks[(first - step) % p], right, group=group),
-                   dist.irecv(tmp if reduce else chunks[into], left, group=group)]
+        pending = [
+            dist.isend(chunks[(first - step) % p], right, group=group),
+            dist.irecv(tmp if reduce else chunks[into], left, group=group),
+        ]
         for request in pending:
             request.wait()
         if reduce:
@@ -113,7 +115,9 @@ def check_rings(group: Any, world: int) -> None:
     total = torch.arange(world * 4, dtype=torch.float64).view(world, 4) * world + 100 * sum(range(world))
     chunks = torch.arange(world * 4, dtype=torch.float64).view(world, 4) + 100 * r
     run_case("reduce_scatter", chunks, torch.empty(4, dtype=torch.float64), group)
-    assert torch.equal(chunks[(r + 1) % world], total[(r + 1) % world]), f"ring reduce-scatter wrong on rank {r}"
+    assert torch.equal(chunks[(r + 1) % world], total[(r + 1) % world]), (
+        f"ring reduce-scatter wrong on rank {r}"
+    )
     chunks = torch.arange(world * 4, dtype=torch.float64).view(world, 4) + 100 * r
     run_case("all_reduce", chunks, torch.empty(4, dtype=torch.float64), group)
     assert torch.equal(chunks, total), f"ring all-reduce wrong on rank {r}"
@@ -146,8 +150,11 @@ def worker(out: str, rounds: int, smoke: bool) -> None:
         if rank < world:
             check_rings(group, world)
     todo = cases(smoke)
-    buffers = {c: (torch.zeros(c.world, c.n_bytes // 4 // c.world), torch.empty(c.n_bytes // 4 // c.world))
-               for c in todo if rank < c.world}  # allocated once: no page faults inside the timings
+    buffers = {
+        c: (torch.zeros(c.world, c.n_bytes // 4 // c.world), torch.empty(c.n_bytes // 4 // c.world))
+        for c in todo
+        if rank < c.world
+    }  # allocated once: no page faults inside the timings
     times: dict[Case, list[float]] = {c: [] for c in todo}
     others: dict[Case, list[float]] = {c: [] for c in todo}
     for r in range(rounds):
@@ -173,7 +180,9 @@ def worker(out: str, rounds: int, smoke: bool) -> None:
             dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
             times[case].append(took.item())
     if rank == 0:
-        Path(out).write_text(json.dumps([{**asdict(c), "times": times[c], "others": others[c]} for c in todo]))
+        Path(out).write_text(
+            json.dumps([{**asdict(c), "times": times[c], "others": others[c]} for c in todo])
+        )
     dist.destroy_process_group()
 
 
@@ -207,7 +216,9 @@ def evaluate(measured: Sequence[dict[str, Any]], n_cores: int) -> tuple[Link, li
     for m in measured:
         case = Case(**{k: m[k] for k in ("role", "op", "world", "n_bytes")})
         found.append((case, statistics.median(m["times"]), statistics.median(m["others"])))
-    link = fit_link([Sample(c.op, c.world, c.n_bytes, t) for c, t, _ in found if c.role == "calibration"], n_cores)
+    link = fit_link(
+        [Sample(c.op, c.world, c.n_bytes, t) for c, t, _ in found if c.role == "calibration"], n_cores
+    )
     return link, [Row(c, t, predict_ring(c.op, c.n_bytes, c.world, link, n_cores), o) for c, t, o in found]
 
 
@@ -221,11 +232,18 @@ QUIET = 0.5
 """The most other runnable processes (median over the cases) a run may see and still count as quiet."""
 
 
-def measure(rounds: int, smoke: bool, scratch: Path, timeout_s: float = 600) -> tuple[list[dict[str, Any]], Any]:
+def measure(
+    rounds: int, smoke: bool, scratch: Path, timeout_s: float = 600
+) -> tuple[list[dict[str, Any]], Any]:
     """Launch the 4 ranks; their raw times and the launch record."""
     out = scratch / "collectives_raw.json"
-    done = launch("benchmarks.collectives", ["--worker", str(out), "--rounds", str(rounds)]
-                  + (["--smoke"] if smoke else []), WORLD, scratch / "collectives.log", timeout_s)
+    done = launch(
+        "benchmarks.collectives",
+        ["--worker", str(out), "--rounds", str(rounds)] + (["--smoke"] if smoke else []),
+        WORLD,
+        scratch / "collectives.log",
+        timeout_s,
+    )
     if not done.ok:
         raise RuntimeError(f"the measuring ranks failed: {done.tail}")
     return json.loads(out.read_text()), done
@@ -237,15 +255,20 @@ def _size(n: int) -> str:
 
 def table(link: Link, rows: Sequence[Row], note: str) -> str:
     """The validation rows as markdown, with the fitted link and how it was measured."""
-    lines = [f"Fitted on this machine (ring reduce-scatter and all-gather, 2 ranks, 64 KiB–8 MiB): "
-             f"α = {link.alpha_s * 1e6:.0f} µs, β = {link.beta_bytes_per_s / 1e9:.2f} GB/s, "
-             f"γ = {link.gamma_s_per_byte * 1e9:.3f} ns/byte. {note}", "",
-             "| collective | size per rank | world | other runnable | predicted | measured | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Fitted on this machine (ring reduce-scatter and all-gather, 2 ranks, 64 KiB–8 MiB): "
+        f"α = {link.alpha_s * 1e6:.0f} µs, β = {link.beta_bytes_per_s / 1e9:.2f} GB/s, "
+        f"γ = {link.gamma_s_per_byte * 1e9:.3f} ns/byte. {note}",
+        "",
+        "| collective | size per rank | world | other runnable | predicted | measured | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.case.role == "validation":
-            lines.append(f"| ring {r.case.op.replace('_', '-')} | {_size(r.case.n_bytes)} | {r.case.world} | "
-                         f"{r.others:g} | {r.predicted_s * 1e3:.2f} ms | {r.measured_s * 1e3:.2f} ms | {r.error:+.1%} |")
+            lines.append(
+                f"| ring {r.case.op.replace('_', '-')} | {_size(r.case.n_bytes)} | {r.case.world} | "
+                f"{r.others:g} | {r.predicted_s * 1e3:.2f} ms | {r.measured_s * 1e3:.2f} ms | {r.error:+.1%} |"
+            )
     return "\n".join(lines)
 
 
@@ -266,10 +289,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     one is not, 2 when the machine was shared (nothing judged; docs/planning.md is not updated)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.collectives", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--smoke", action="store_true", help="one size per world: checks the plumbing, not the model")
+    p.add_argument(
+        "--smoke", action="store_true", help="one size per world: checks the plumbing, not the model"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "collectives.json")
-    p.add_argument("--update-docs", action="store_true",
-                   help="write the table into docs/planning.md (refused when the machine was shared, unless --smoke)")
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="write the table into docs/planning.md (refused when the machine was shared, unless --smoke)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -280,19 +308,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_cores = cores()
     link, rows = evaluate(measured, n_cores)
     shared = busy(rows) > QUIET
-    note = (f"{'Smoke run (provisional figures). ' if args.smoke else ''}{args.rounds} rounds, {n_cores} cores, "
-            f"other programs' runnable processes {busy(rows):g} (median; the model assumes none), 1-minute load "
-            f"average {done.load_1m[0]:.1f} before and {done.load_1m[1]:.1f} after (the 4 ranks alone add about 2).")
+    note = (
+        f"{'Smoke run (provisional figures). ' if args.smoke else ''}{args.rounds} rounds, {n_cores} cores, "
+        f"other programs' runnable processes {busy(rows):g} (median; the model assumes none), 1-minute load "
+        f"average {done.load_1m[0]:.1f} before and {done.load_1m[1]:.1f} after (the 4 ranks alone add about 2)."
+    )
     text = table(link, rows, note)
     print(text)
-    args.out.write_text(json.dumps({"link": asdict(link), "cores": n_cores, "rounds": args.rounds, "smoke": args.smoke,
-                                    "load_1m": done.load_1m, "rows": [{**asdict(r.case), "measured_s": r.measured_s,
-                                                                       "predicted_s": r.predicted_s, "others": r.others}
-                                                                      for r in rows]},
-                                   indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "link": asdict(link),
+                "cores": n_cores,
+                "rounds": args.rounds,
+                "smoke": args.smoke,
+                "load_1m": done.load_1m,
+                "rows": [
+                    {
+                        **asdict(r.case),
+                        "measured_s": r.measured_s,
+                        "predicted_s": r.predicted_s,
+                        "others": r.others,
+                    }
+                    for r in rows
+                ],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     if shared:
-        print(f"the machine was shared ({busy(rows):g} other runnable processes on median, more than {QUIET}): the "
-              "4 ranks did not have the cores the model gives them; nothing judged, run it on a quiet machine")
+        print(
+            f"the machine was shared ({busy(rows):g} other runnable processes on median, more than {QUIET}): the "
+            "4 ranks did not have the cores the model gives them; nothing judged, run it on a quiet machine"
+        )
     if args.update_docs and (args.smoke or not shared):
         doc = ROOT / "docs" / "planning.md"
         doc.write_text(replace_section(doc.read_text(encoding="utf-8"), text), encoding="utf-8")

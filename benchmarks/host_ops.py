@@ -108,7 +108,10 @@ def expert(k: int, rank: int, world: int, warmup: int) -> dict[str, Any] | None:
     def step() -> None:
         for i in range(k):
             first = ((position[0] * k + i) * world + rank) * MICRO % SAMPLES
-            batch = x[first:first + MICRO], y[first:first + MICRO]  # on the CPU: no move (on a GPU: .to(device))
+            batch = (
+                x[first : first + MICRO],
+                y[first : first + MICRO],
+            )  # on the CPU: no move (on a GPU: .to(device))
             with contextlib.nullcontext() if i == k - 1 else ddp.no_sync():
                 summed, _ = user_loss(ddp, batch)
                 (summed / total).backward()
@@ -124,10 +127,19 @@ def expert(k: int, rank: int, world: int, warmup: int) -> dict[str, Any] | None:
 def ours(k: int, rank: int, world: int, warmup: int, run_dir: str) -> dict[str, Any] | None:
     """distaccum's Trainer with its defaults (engine ddp, the reduction fingerprint on, console quiet)."""
     x, y = data()
-    trainer = distaccum.Trainer({"accum": {"micro_batch": MICRO, "steps": k}, "trainer": {"max_steps": 1000},
-                                 "log": {"console": "quiet"}, "data": {"shuffle": False}, "run_dir": run_dir},
-                                model=model, dataset=TensorDataset(x, y), loss=user_loss,
-                                optimizer=lambda params: torch.optim.SGD(params, lr=1e-3))
+    trainer = distaccum.Trainer(
+        {
+            "accum": {"micro_batch": MICRO, "steps": k},
+            "trainer": {"max_steps": 1000},
+            "log": {"console": "quiet"},
+            "data": {"shuffle": False},
+            "run_dir": run_dir,
+        },
+        model=model,
+        dataset=TensorDataset(x, y),
+        loss=user_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-3),
+    )
     trainer.train_steps(warmup)
     got = profiled(lambda: trainer.train_steps(1), rank)
     trainer.state.engine.teardown()
@@ -141,8 +153,11 @@ def worker(out: str, k: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = [tmp if rank == 0 else ""]
         dist.broadcast_object_list(run_dir)
-        result = {"k": k, "expert": expert(k, rank, world, warmup=3),
-                  "distaccum": ours(k, rank, world, 3, run_dir[0])}
+        result = {
+            "k": k,
+            "expert": expert(k, rank, world, warmup=3),
+            "distaccum": ours(k, rank, world, 3, run_dir[0]),
+        }
         dist.barrier()
     if rank == 0:
         with open(out, "w", encoding="utf-8") as f:
@@ -155,7 +170,9 @@ def worker(out: str, k: int) -> int:
 def measure(k: int, workdir: Path, timeout_s: float = 300) -> dict[str, Any]:
     """Launch the two ranks at ``k`` and return rank 0's counts."""
     out = workdir / f"host_ops_k{k}.json"
-    run = launch("benchmarks.host_ops", ["--worker", str(out), str(k)], 2, workdir / f"host_ops_k{k}.log", timeout_s)
+    run = launch(
+        "benchmarks.host_ops", ["--worker", str(out), str(k)], 2, workdir / f"host_ops_k{k}.log", timeout_s
+    )
     if not run.ok:
         raise RuntimeError(f"host_ops at K = {k} failed: {run.tail}")
     return json.loads(out.read_text())
@@ -175,21 +192,30 @@ def extra(counts: dict[int, dict[str, Any]]) -> tuple[float, float]:
 
 def table(counts: dict[int, dict[str, Any]]) -> str:
     """A Markdown table of the counts, and distaccum's own operators per micro-batch and per step."""
-    lines = ["| K | expert loop | distaccum | difference | by operator (distaccum - expert) |", "|---|---|---|---|---|"]
+    lines = [
+        "| K | expert loop | distaccum | difference | by operator (distaccum - expert) |",
+        "|---|---|---|---|---|",
+    ]
     for k, got in sorted(counts.items()):
         mine, theirs = got["distaccum"], got["expert"]
         own = collections.Counter(mine["names"])
         own.subtract(theirs["names"])
         shown = ", ".join(f"{name.split('::')[1]} {n:+d}" for name, n in sorted(own.items()) if n)
-        lines.append(f"| {k} | {theirs['ops']} | {mine['ops']} | {mine['ops'] - theirs['ops']:+d} | {shown} |")
+        lines.append(
+            f"| {k} | {theirs['ops']} | {mine['ops']} | {mine['ops'] - theirs['ops']:+d} | {shown} |"
+        )
     per_micro, per_step = extra(counts)
-    lines.append(f"\ndistaccum's own work beyond the expert loop: {per_micro:+.0f} operators per micro-batch, "
-                 f"{per_step:+.0f} per step.")
+    lines.append(
+        f"\ndistaccum's own work beyond the expert loop: {per_micro:+.0f} operators per micro-batch, "
+        f"{per_step:+.0f} per step."
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_ops", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_ops", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--out", type=Path, default=Path("runs/host_ops"))
     parser.add_argument("--worker", nargs=2, metavar=("OUT", "K"), help=argparse.SUPPRESS)
@@ -200,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = provenance(command.strip(), device="cpu", world_size=2)
     counts = {k: measure(k, args.out.resolve()) for k in args.ks}
-    results = {"meta": meta, "settings": {"smoke": False, "ops_ks": args.ks}, "finished": True,
-               "host_ops": {str(k): got for k, got in counts.items()}}
+    results = {
+        "meta": meta,
+        "settings": {"smoke": False, "ops_ks": args.ks},
+        "finished": True,
+        "host_ops": {str(k): got for k, got in counts.items()},
+    }
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print(table(counts))
     return 0

@@ -45,10 +45,19 @@ class Launch:
 def rank_env(rank: int, world: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of one rank (``extra`` last)."""
     env = {k: v for k, v in os.environ.items() if k not in ("DISTACCUM_VERIFY",)}
-    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -78,8 +87,9 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[list[
     return [codes[p.pid] for p in procs], [rss[p.pid] for p in procs]
 
 
-def launch(module: str, args: list[str], world: int, log: Path, timeout_s: float,
-           env: dict[str, str] | None = None) -> Launch:
+def launch(
+    module: str, args: list[str], world: int, log: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> Launch:
     """Run ``python -m module args`` on ``world`` ranks (``env`` added to theirs); output goes to ``log``."""
     (port,) = free_ports(1)
     load_before = os.getloadavg()[0]
@@ -89,10 +99,20 @@ def launch(module: str, args: list[str], world: int, log: Path, timeout_s: float
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(world):
-                procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env(rank, world, port, env),
-                                              cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", module, *args],
+                        env=rank_env(rank, world, port, env),
+                        cwd=ROOT,
+                        stdout=sink,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
             codes, rss = _wait(procs, timeout_s)
-        except BaseException:  # Ctrl-C, SIGTERM (benchmarks.run turns it into SystemExit): the ranks, in their own
+        except (
+            BaseException
+        ):  # Ctrl-C, SIGTERM (benchmarks.run turns it into SystemExit): the ranks, in their own
             for proc in procs:  # sessions, would not get the signal and would run on
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -128,8 +148,10 @@ def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what the platform says."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
-                        platform.processor() or "unknown")
+            return next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                platform.processor() or "unknown",
+            )
     except OSError:
         return platform.processor() or "unknown"
 

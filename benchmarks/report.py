@@ -40,11 +40,23 @@ MEMORY_LIMIT = 1.03
 """Peak memory at the largest K over the smallest: the issue's "flat in K" bound."""
 PARTS = {"timing": "timing", "memory": "memory", "host_ops": "ops"}
 """A results file's part -> the name its stored file and its sections carry."""
-TIMING_COLUMNS = (DISTACCUM_VS_EXPERT, "distaccum / floor", "expert / floor", COMPILED, "A/A: expert twin / expert",
-                  "A/A compiled: twin / compiled expert")
+TIMING_COLUMNS = (
+    DISTACCUM_VS_EXPERT,
+    "distaccum / floor",
+    "expert / floor",
+    COMPILED,
+    "A/A: expert twin / expert",
+    "A/A compiled: twin / compiled expert",
+)
 """The timing table's ratios, in its column order."""
-STEP_COLUMNS = ("distaccum", EXPERT, "compute_floor", "distaccum_compiled", "ddp_no_sync_compiled",
-                "ddp_no_sync_compiled_static")
+STEP_COLUMNS = (
+    "distaccum",
+    EXPERT,
+    "compute_floor",
+    "distaccum_compiled",
+    "ddp_no_sync_compiled",
+    "ddp_no_sync_compiled_static",
+)
 """The step-time table's variants."""
 
 
@@ -53,7 +65,11 @@ STEP_COLUMNS = ("distaccum", EXPERT, "compute_floor", "distaccum_compiled", "ddp
 
 def stored_name(part: str, device: str) -> str:
     """The file a part is stored in: ``host-ops.json`` (the CPU's count), else ``{device}-{part}.json``."""
-    return "host-ops.json" if part == "host_ops" else f"{'gpu' if device == 'cuda' else 'cpu'}-{PARTS[part]}.json"
+    return (
+        "host-ops.json"
+        if part == "host_ops"
+        else f"{'gpu' if device == 'cuda' else 'cpu'}-{PARTS[part]}.json"
+    )
 
 
 def parts_of(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -67,8 +83,12 @@ def parts_of(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if part == "timing":
             data = [{k: v for k, v in row.items() if k != "orders"} for row in data]
         out[stored_name(part, results["meta"]["device"])] = {
-            "meta": results["meta"], "settings": results.get("settings", {}), "cases": results.get("cases", {}),
-            "finished": results.get("finished", True), part: data}
+            "meta": results["meta"],
+            "settings": results.get("settings", {}),
+            "cases": results.get("cases", {}),
+            "finished": results.get("finished", True),
+            part: data,
+        }
     return out
 
 
@@ -84,23 +104,37 @@ def problems(stored: dict[str, Any], allow_loaded: bool = False, allow_partial: 
     failed = [f"timing {r['case']} K={r['k']}" for r in timing if r["status"] != "ok"]
     failed += [f"memory {r['case']} K={r['k']} {r['variant']}" for r in memory if r["status"] != "ok"]
     if failed and not allow_partial:
-        found.append(f"failed launches: {', '.join(failed)} (--allow-partial stores the others, shown as failed)")
+        found.append(
+            f"failed launches: {', '.join(failed)} (--allow-partial stores the others, shown as failed)"
+        )
     if timing and min(r["rounds"] for r in timing) < MIN_ROUNDS:
-        found.append(f"{min(r['rounds'] for r in timing)} rounds in a launch; figures need at least {MIN_ROUNDS}")
+        found.append(
+            f"{min(r['rounds'] for r in timing)} rounds in a launch; figures need at least {MIN_ROUNDS}"
+        )
     if device == "cpu" and not settings.get("smoke") and not allow_partial:
-        missing = [f"{c.name} K={k}" for c in FULL_CASES for k in c.ks if timing
-                   and (c.name, k) not in {(r["case"], r["k"]) for r in timing}]
-        missing += [f"{c.name} K={k}" for c in FULL_CASES for k in c.sweep_ks if memory
-                    and (c.name, k) not in {(r["case"], r["k"]) for r in memory}]
+        missing = [
+            f"{c.name} K={k}"
+            for c in FULL_CASES
+            for k in c.ks
+            if timing and (c.name, k) not in {(r["case"], r["k"]) for r in timing}
+        ]
+        missing += [
+            f"{c.name} K={k}"
+            for c in FULL_CASES
+            for k in c.sweep_ks
+            if memory and (c.name, k) not in {(r["case"], r["k"]) for r in memory}
+        ]
         missing += [f"host ops K={k}" for k in (1, 16) if ops and str(k) not in {str(key) for key in ops}]
         if missing:
             found.append(f"a partial run (no {', '.join(missing)}): run it all, or pass --allow-partial")
     loads = [r["launch"]["load_1m"][1] for r in timing]
     limit = stored["meta"]["world_size"] + 1.0
     if loads and statistics.median(loads) > limit and not allow_loaded:
-        found.append(f"the 1-minute load average after the timing launches had median {statistics.median(loads):.2f} "
-                     f"> {limit:.1f} (the benchmark alone: about {stored['meta']['world_size']}): the machine was "
-                     "shared; rerun it alone, or pass --allow-loaded and say so beside the table")
+        found.append(
+            f"the 1-minute load average after the timing launches had median {statistics.median(loads):.2f} "
+            f"> {limit:.1f} (the benchmark alone: about {stored['meta']['world_size']}): the machine was "
+            "shared; rerun it alone, or pass --allow-loaded and say so beside the table"
+        )
     return found
 
 
@@ -110,8 +144,11 @@ def problems(stored: dict[str, Any], allow_loaded: bool = False, allow_partial: 
 def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
     """A markdown table, its first ``left`` columns left-aligned, the rest right."""
     marks = ["---" if i < left else "---:" for i in range(len(header))]
-    return ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|",
-            *("| " + " | ".join(row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(marks) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def _cell(ratio: dict[str, Any] | None) -> str:
@@ -143,11 +180,14 @@ def provenance_lines(stored: dict[str, Any], source: str) -> list[str]:
     environment and the command, and the stored file they are rendered from."""
     m = stored["meta"]
     changes = {True: " with uncommitted changes to distaccum/ or benchmarks/", False: "", None: ""}[
-        m.get("uncommitted_changes")]
-    return [f"Code: commit `{m['commit']}`{changes} (sources sha256 `{m['source_sha256']}`). Environment: torch "
-            f"{m['torch']}, Python {m['python']}; {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['device_name']} "
-            f"({m['backend']}), world {m['world_size']}, {m['threads']}, {m['precision']}. Date {m['date']}. "
-            f"Command: `{m['command']}`. Stored: `{source}`."]
+        m.get("uncommitted_changes")
+    ]
+    return [
+        f"Code: commit `{m['commit']}`{changes} (sources sha256 `{m['source_sha256']}`). Environment: torch "
+        f"{m['torch']}, Python {m['python']}; {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['device_name']} "
+        f"({m['backend']}), world {m['world_size']}, {m['threads']}, {m['precision']}. Date {m['date']}. "
+        f"Command: `{m['command']}`. Stored: `{source}`."
+    ]
 
 
 def timing_lines(stored: dict[str, Any]) -> list[str]:
@@ -158,36 +198,64 @@ def timing_lines(stored: dict[str, Any]) -> list[str]:
         label = _case(stored, row["case"]) if row["case"] != last else ""
         last = row["case"]
         compiled = row["ratios"].get(COMPILED)
-        vs = "" if not compiled else {"ddp_no_sync_compiled": " vs dynamic", "ddp_no_sync_compiled_static":
-                                      " vs static"}.get(compiled["denominator"], "")
-        cells = [_cell(row["ratios"].get(c)) + (vs if c == COMPILED and compiled else "") for c in TIMING_COLUMNS]
+        vs = (
+            ""
+            if not compiled
+            else {"ddp_no_sync_compiled": " vs dynamic", "ddp_no_sync_compiled_static": " vs static"}.get(
+                compiled["denominator"], ""
+            )
+        )
+        cells = [
+            _cell(row["ratios"].get(c)) + (vs if c == COMPILED and compiled else "") for c in TIMING_COLUMNS
+        ]
         rows.append([label, str(row["k"]), str(row["rounds"]), *cells])
         steps = [row["variants"].get(v, {}).get("step_s") for v in STEP_COLUMNS]
         times.append([label, str(row["k"]), *("n/a" if not s else f"{s['median'] * 1e3:.1f}" for s in steps)])
     settings = stored["settings"]
-    blocks = (f"blocks of {settings['block_steps']} optimizer step(s) per variant, "
-              if settings.get("block_steps") else "")
-    budget = (f"whole cycles of rounds for {settings['budget_s']:g} s per launch" if settings.get("budget_s")
-              else f"{settings.get('rounds')} rounds per launch")
-    lines = [f"Per case and K, one launch: {blocks}{budget}. Median of the per-round ratios of step times, its 95 % "
-             "confidence interval in brackets (two order statistics of the rounds: docs/benchmarks.md). The compiled "
-             "column divides by the faster compiled expert loop of the launch (`dynamic=True` or static shapes). "
-             "The A/A columns are the controls: 1 by construction, their interval is the harness's resolution.",
-             "", *_table(["case", "K", "rounds", *TIMING_COLUMNS], rows, 1),
-             "", "Time per optimizer step, ms (median over rounds, slowest rank):",
-             "", *_table(["case", "K", *STEP_COLUMNS], times, 1)]
+    blocks = (
+        f"blocks of {settings['block_steps']} optimizer step(s) per variant, "
+        if settings.get("block_steps")
+        else ""
+    )
+    budget = (
+        f"whole cycles of rounds for {settings['budget_s']:g} s per launch"
+        if settings.get("budget_s")
+        else f"{settings.get('rounds')} rounds per launch"
+    )
+    lines = [
+        f"Per case and K, one launch: {blocks}{budget}. Median of the per-round ratios of step times, its 95 % "
+        "confidence interval in brackets (two order statistics of the rounds: docs/benchmarks.md). The compiled "
+        "column divides by the faster compiled expert loop of the launch (`dynamic=True` or static shapes). "
+        "The A/A columns are the controls: 1 by construction, their interval is the harness's resolution.",
+        "",
+        *_table(["case", "K", "rounds", *TIMING_COLUMNS], rows, 1),
+        "",
+        "Time per optimizer step, ms (median over rounds, slowest rank):",
+        "",
+        *_table(["case", "K", *STEP_COLUMNS], times, 1),
+    ]
     lines += ["", *agreement_lines(timing)]
-    verdicts = [r["ratios"][label]["verdict"] for r in timing for label in (DISTACCUM_VS_EXPERT, COMPILED)
-                if label in r["ratios"]]
+    verdicts = [
+        r["ratios"][label]["verdict"]
+        for r in timing
+        for label in (DISTACCUM_VS_EXPERT, COMPILED)
+        if label in r["ratios"]
+    ]
     if verdicts:
-        lines += ["", f"Target: distaccum / expert and compiled distaccum / compiled expert <= {TARGET}, met when the "
-                  f"whole interval is within it: {_tally(verdicts)}."]
+        lines += [
+            "",
+            f"Target: distaccum / expert and compiled distaccum / compiled expert <= {TARGET}, met when the "
+            f"whole interval is within it: {_tally(verdicts)}.",
+        ]
     g = guard(timing) if stored["meta"]["device"] == "cpu" else None  # the guard is the CPU's
     if g:
         state = "met" if g["met"] else "**missed**"
-        lines += ["", f"Regression guard (median of distaccum / expert <= {GUARD} at every split, this run as "
-                  f"measured): {state}; the largest median is {g['worst']:.3f} ({g['case']} K={g['k']}), "
-                  f"over {g['splits']} splits."]
+        lines += [
+            "",
+            f"Regression guard (median of distaccum / expert <= {GUARD} at every split, this run as "
+            f"measured): {state}; the largest median is {g['worst']:.3f} ({g['case']} K={g['k']}), "
+            f"over {g['splits']} splits.",
+        ]
     return lines
 
 
@@ -202,10 +270,16 @@ def agreement_lines(timing: list[dict[str, Any]]) -> list[str]:
         return []
     parts = ", ".join(f"{n} {d:.1e}" for n, d in worst.items() if n not in (*references, "compute_floor"))
     floor = worst.get("compute_floor")
-    control = ("" if floor is None else f" The compute floor, which averages nothing over ranks, differs by "
-               f"{floor:.1e} (the negative control: the check can fail).")
-    return [f"Same work: after each launch every variant's parameters are compared with {' / '.join(references)}'s "
-            f"(largest |difference| / largest |parameter|, worst launch): {parts}.{control}"]
+    control = (
+        ""
+        if floor is None
+        else f" The compute floor, which averages nothing over ranks, differs by "
+        f"{floor:.1e} (the negative control: the check can fail)."
+    )
+    return [
+        f"Same work: after each launch every variant's parameters are compared with {' / '.join(references)}'s "
+        f"(largest |difference| / largest |parameter|, worst launch): {parts}.{control}"
+    ]
 
 
 def memory_growth(memory: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -213,17 +287,33 @@ def memory_growth(memory: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for case in dict.fromkeys(r["case"] for r in memory):
         for variant in dict.fromkeys(r["variant"] for r in memory):
-            runs = sorted((r for r in memory if r["case"] == case and r["variant"] == variant and r["status"] == "ok"),
-                          key=lambda r: r["k"])
+            runs = sorted(
+                (r for r in memory if r["case"] == case and r["variant"] == variant and r["status"] == "ok"),
+                key=lambda r: r["k"],
+            )
             if len(runs) < 2:
                 continue
             low, high = runs[0], runs[-1]
-            step, proc = high["step_peak_mb"] / low["step_peak_mb"], high["process_peak_mb"] / low["process_peak_mb"]
-            rows.append({"case": case, "variant": variant, "k_low": low["k"], "k_high": high["k"],
-                         "step_low": low["step_peak_mb"], "step_high": high["step_peak_mb"], "step_growth": step,
-                         "process_low": low["process_peak_mb"], "process_high": high["process_peak_mb"],
-                         "process_growth": proc, "reduced": high.get("records", {}).get("comm_bytes"),
-                         "flat": step <= MEMORY_LIMIT and proc <= MEMORY_LIMIT})
+            step, proc = (
+                high["step_peak_mb"] / low["step_peak_mb"],
+                high["process_peak_mb"] / low["process_peak_mb"],
+            )
+            rows.append(
+                {
+                    "case": case,
+                    "variant": variant,
+                    "k_low": low["k"],
+                    "k_high": high["k"],
+                    "step_low": low["step_peak_mb"],
+                    "step_high": high["step_peak_mb"],
+                    "step_growth": step,
+                    "process_low": low["process_peak_mb"],
+                    "process_high": high["process_peak_mb"],
+                    "process_growth": proc,
+                    "reduced": high.get("records", {}).get("comm_bytes"),
+                    "flat": step <= MEMORY_LIMIT and proc <= MEMORY_LIMIT,
+                }
+            )
     return rows
 
 
@@ -236,30 +326,65 @@ def memory_lines(stored: dict[str, Any]) -> list[str]:
     growth = memory_growth(stored["memory"])
     peak = "peak CUDA memory allocated" if stored["meta"]["device"] == "cuda" else "peak RSS"
     env = " ".join(f"{k}={v}" for k, v in stored["settings"].get("sweep_env", {}).items())
-    rows = [[_case(stored, g["case"]), g["variant"], _engine(g["variant"]), sync_of(g["variant"]),
-             f"{g['step_low']:.0f} -> {g['step_high']:.0f}", f"{g['step_growth']:.3f}",
-             f"{g['process_low']:.0f} -> {g['process_high']:.0f}", f"{g['process_growth']:.3f}", _bytes(g["reduced"]),
-             "yes" if g["flat"] else "**no**"] for g in growth]
+    rows = [
+        [
+            _case(stored, g["case"]),
+            g["variant"],
+            _engine(g["variant"]),
+            sync_of(g["variant"]),
+            f"{g['step_low']:.0f} -> {g['step_high']:.0f}",
+            f"{g['step_growth']:.3f}",
+            f"{g['process_low']:.0f} -> {g['process_high']:.0f}",
+            f"{g['process_growth']:.3f}",
+            _bytes(g["reduced"]),
+            "yes" if g["flat"] else "**no**",
+        ]
+        for g in growth
+    ]
     ks = sorted({r["k"] for r in stored["memory"]})
-    return [f"Each (variant, K) in fresh processes; {peak} per rank, MiB, the largest rank, of a step (the largest "
-            f"over the timed steps) and of the process (set-up and warm-up too), at K = {ks[0]} -> {ks[-1]}; the "
-            "gradient bytes distaccum's ledger reduced per step at the largest K; flat when both growths are "
-            f"<= {MEMORY_LIMIT}." + (f" Workers' environment: `{env}` (docs/benchmarks.md)." if env else ""),
-            "", *_table(["case", "variant", "engine", "sync", "step peak", "growth", "process peak", "growth",
-                         "reduced / step", "flat"], rows, 4)]
+    return [
+        f"Each (variant, K) in fresh processes; {peak} per rank, MiB, the largest rank, of a step (the largest "
+        f"over the timed steps) and of the process (set-up and warm-up too), at K = {ks[0]} -> {ks[-1]}; the "
+        "gradient bytes distaccum's ledger reduced per step at the largest K; flat when both growths are "
+        f"<= {MEMORY_LIMIT}." + (f" Workers' environment: `{env}` (docs/benchmarks.md)." if env else ""),
+        "",
+        *_table(
+            [
+                "case",
+                "variant",
+                "engine",
+                "sync",
+                "step peak",
+                "growth",
+                "process peak",
+                "growth",
+                "reduced / step",
+                "flat",
+            ],
+            rows,
+            4,
+        ),
+    ]
 
 
 def ops_lines(stored: dict[str, Any]) -> list[str]:
     """The operators per step of distaccum and of the expert loop (:func:`benchmarks.host_ops.table`)."""
     counts = {int(k): v for k, v in stored["host_ops"].items()}
-    return ["Top-level operators one steady-state optimizer step issues on the host outside the model's forward and "
-            "backward, the loss and the optimizer (counted by torch.profiler on rank 0 of 2 gloo ranks, not timed: "
-            "exact, the same on every run; `benchmarks/host_ops.py`):", "", ops_markdown(counts)]
+    return [
+        "Top-level operators one steady-state optimizer step issues on the host outside the model's forward and "
+        "backward, the loss and the optimizer (counted by torch.profiler on rank 0 of 2 gloo ranks, not timed: "
+        "exact, the same on every run; `benchmarks/host_ops.py`):",
+        "",
+        ops_markdown(counts),
+    ]
 
 
-HSDP_MODES = {"distaccum_fsdp": "flat FSDP2, boundary", "distaccum_hsdp_boundary": "HSDP, boundary",
-              "distaccum_hsdp_replica_boundary": "HSDP, replica_boundary (default)",
-              "distaccum_hsdp_every_micro": "HSDP, every_micro"}
+HSDP_MODES = {
+    "distaccum_fsdp": "flat FSDP2, boundary",
+    "distaccum_hsdp_boundary": "HSDP, boundary",
+    "distaccum_hsdp_replica_boundary": "HSDP, replica_boundary (default)",
+    "distaccum_hsdp_every_micro": "HSDP, every_micro",
+}
 """The rows of docs/multinode.md's trade-off table: variant -> mode."""
 
 
@@ -271,24 +396,56 @@ def hsdp_lines(results: dict[str, Any]) -> list[str]:
     memory = results["memory"]
     for case in dict.fromkeys(r["case"] for r in memory):
         for variant, mode in HSDP_MODES.items():
-            runs = sorted((r for r in memory if r["case"] == case and r["variant"] == variant and r["status"] == "ok"),
-                          key=lambda r: r["k"])
+            runs = sorted(
+                (r for r in memory if r["case"] == case and r["variant"] == variant and r["status"] == "ok"),
+                key=lambda r: r["k"],
+            )
             if not runs:
                 continue
             low, high = runs[0], runs[-1]
             rec = high["records"]
             inner = f"{rec['comm_rounds']:.0f} / {rec['comm_calls']:.0f} / {_bytes(rec['comm_bytes'])}"
-            across = (f"{rec['comm_rounds_replicate']:.0f} / {rec['comm_calls_replicate']:.0f} / "
-                      f"{_bytes(rec['comm_bytes_replicate'])}" if rec.get("comm_calls_replicate") else "-")
-            rows.append([_case(results, case), mode, str(high["k"]), inner, across, f"{low['step_peak_mb']:.0f}",
-                         f"{high['step_peak_mb']:.0f}", f"{high['step_peak_mb'] / low['step_peak_mb']:.3f}"])
+            across = (
+                f"{rec['comm_rounds_replicate']:.0f} / {rec['comm_calls_replicate']:.0f} / "
+                f"{_bytes(rec['comm_bytes_replicate'])}"
+                if rec.get("comm_calls_replicate")
+                else "-"
+            )
+            rows.append(
+                [
+                    _case(results, case),
+                    mode,
+                    str(high["k"]),
+                    inner,
+                    across,
+                    f"{low['step_peak_mb']:.0f}",
+                    f"{high['step_peak_mb']:.0f}",
+                    f"{high['step_peak_mb'] / low['step_peak_mb']:.3f}",
+                ]
+            )
     ks = sorted({r["k"] for r in memory})
-    return [*provenance_lines(results, "the run's results.json"), "",
-            "HSDP with 2 replicas; per optimizer step at the largest K: rounds / calls / bytes of the gradient "
-            "reductions inside a replica (reduce-scatters) and across replicas (all-reduces), from distaccum's "
-            f"ledger; peak memory of a step per rank (MiB, largest rank) at K = {ks[0]} and K = {ks[-1]}.", "",
-            *_table(["case", "mode", "K", "in replica", "across replicas", f"peak K={ks[0]}", f"peak K={ks[-1]}",
-                     "growth"], rows, 3)]
+    return [
+        *provenance_lines(results, "the run's results.json"),
+        "",
+        "HSDP with 2 replicas; per optimizer step at the largest K: rounds / calls / bytes of the gradient "
+        "reductions inside a replica (reduce-scatters) and across replicas (all-reduces), from distaccum's "
+        f"ledger; peak memory of a step per rank (MiB, largest rank) at K = {ks[0]} and K = {ks[-1]}.",
+        "",
+        *_table(
+            [
+                "case",
+                "mode",
+                "K",
+                "in replica",
+                "across replicas",
+                f"peak K={ks[0]}",
+                f"peak K={ks[-1]}",
+                "growth",
+            ],
+            rows,
+            3,
+        ),
+    ]
 
 
 # -- the page ----------------------------------------------------------------------------------------------------
@@ -297,9 +454,11 @@ def hsdp_lines(results: dict[str, Any]) -> list[str]:
 def not_measured(section: str) -> list[str]:
     """A section's text when its part was never stored."""
     if section.startswith("gpu"):
-        return ["No GPU was lent for this release: not measured. On a CUDA machine `benchmarks/gpu_check.sh OUT` "
-                "runs the GPU tests and this benchmark; `python -m benchmarks.report --store OUT/bench/results.json "
-                "--store OUT/memory/results.json` stores its results and renders this table."]
+        return [
+            "No GPU was lent for this release: not measured. On a CUDA machine `benchmarks/gpu_check.sh OUT` "
+            "runs the GPU tests and this benchmark; `python -m benchmarks.report --store OUT/bench/results.json "
+            "--store OUT/memory/results.json` stores its results and renders this table."
+        ]
     return ["Not measured for this release yet: run `make bench`, then `make bench-docs`."]
 
 
@@ -317,32 +476,66 @@ def targets_lines(store: dict[str, dict[str, Any]]) -> list[str]:
         for label in (DISTACCUM_VS_EXPERT, COMPILED):
             measured = [r for r in timing if label in r["ratios"]]
             reading = "; ".join(f"{r['case']} K={r['k']} {_cell(r['ratios'][label])}" for r in measured)
-            rows.append([f"{label} <= {TARGET}", device.upper(), reading or "not measured",
-                         _tally([r["ratios"][label]["verdict"] for r in measured]) if measured else ""])
+            rows.append(
+                [
+                    f"{label} <= {TARGET}",
+                    device.upper(),
+                    reading or "not measured",
+                    _tally([r["ratios"][label]["verdict"] for r in measured]) if measured else "",
+                ]
+            )
         g = guard(timing)
         if device == "cpu":
-            rows.append([f"guard: distaccum / expert median <= {GUARD} at every split", "CPU", "not measured" if not g
-                         else f"largest {g['worst']:.3f} ({g['case']} K={g['k']})",
-                         "" if not g else "met" if g["met"] else "**missed**"])
+            rows.append(
+                [
+                    f"guard: distaccum / expert median <= {GUARD} at every split",
+                    "CPU",
+                    "not measured" if not g else f"largest {g['worst']:.3f} ({g['case']} K={g['k']})",
+                    "" if not g else "met" if g["met"] else "**missed**",
+                ]
+            )
         growth = memory_growth(store.get(f"{device}-memory.json", {}).get("memory", []))
-        grows = [f"{g['case']} {g['variant']} {max(g['step_growth'], g['process_growth']):.3f}"
-                 for g in growth if not g["flat"]]
-        rows.append([f"memory flat in K (growth <= {MEMORY_LIMIT})", device.upper(), "not measured" if not growth
-                     else "grows: " + "; ".join(grows) if grows else "every engine flat",
-                     f"{sum(g['flat'] for g in growth)} flat of {len(growth)}" if growth else ""])
-    return ["Read from the stored results in the sections below (each names its code and environment):", "",
-            *_table(["target", "device", "reading: median (95 % interval)", "verdict"], rows, 4)]
+        grows = [
+            f"{g['case']} {g['variant']} {max(g['step_growth'], g['process_growth']):.3f}"
+            for g in growth
+            if not g["flat"]
+        ]
+        rows.append(
+            [
+                f"memory flat in K (growth <= {MEMORY_LIMIT})",
+                device.upper(),
+                "not measured"
+                if not growth
+                else "grows: " + "; ".join(grows)
+                if grows
+                else "every engine flat",
+                f"{sum(g['flat'] for g in growth)} flat of {len(growth)}" if growth else "",
+            ]
+        )
+    return [
+        "Read from the stored results in the sections below (each names its code and environment):",
+        "",
+        *_table(["target", "device", "reading: median (95 % interval)", "verdict"], rows, 4),
+    ]
 
 
-SECTIONS = {"targets": None, "cpu-timing": ("cpu-timing.json", timing_lines),
-            "cpu-memory": ("cpu-memory.json", memory_lines), "host-ops": ("host-ops.json", ops_lines),
-            "gpu-timing": ("gpu-timing.json", timing_lines), "gpu-memory": ("gpu-memory.json", memory_lines)}
+SECTIONS = {
+    "targets": None,
+    "cpu-timing": ("cpu-timing.json", timing_lines),
+    "cpu-memory": ("cpu-memory.json", memory_lines),
+    "host-ops": ("host-ops.json", ops_lines),
+    "gpu-timing": ("gpu-timing.json", timing_lines),
+    "gpu-memory": ("gpu-memory.json", memory_lines),
+}
 """BENCHMARKS.md's generated sections: name -> (the stored file, its renderer); ``targets`` reads them all."""
 
 
 def markers(section: str) -> tuple[str, str]:
     """The begin and end markers of a generated section."""
-    return f"<!-- bench:{section}:begin (generated by {BY}; edits here are lost) -->", f"<!-- bench:{section}:end -->"
+    return (
+        f"<!-- bench:{section}:begin (generated by {BY}; edits here are lost) -->",
+        f"<!-- bench:{section}:end -->",
+    )
 
 
 def section_body(section: str, store: dict[str, dict[str, Any]], store_name: str = "docs/results") -> str:
@@ -379,8 +572,12 @@ def render_doc(text: str, store: dict[str, dict[str, Any]], store_name: str = "d
 def render_results(results: dict[str, Any], source: str = "results.json") -> str:
     """A run's own ``results.md``: its parts through the page's renderers, then where it ran."""
     store = parts_of(results)
-    sections = [["**Smoke run: the structure of the benchmark, not figures (tiny model, few rounds).**"]
-                if results.get("settings", {}).get("smoke") else [], provenance_lines(results, source)]
+    sections = [
+        ["**Smoke run: the structure of the benchmark, not figures (tiny model, few rounds).**"]
+        if results.get("settings", {}).get("smoke")
+        else [],
+        provenance_lines(results, source),
+    ]
     for stored in store.values():
         part = next(p for p in PARTS if p in stored)
         sections.append({"timing": timing_lines, "memory": memory_lines, "host_ops": ops_lines}[part](stored))
@@ -389,28 +586,43 @@ def render_results(results: dict[str, Any], source: str = "results.json") -> str
 
 def load_store(folder: Path) -> dict[str, dict[str, Any]]:
     """Every stored result in ``folder``: file name -> content."""
-    return {name: json.loads((folder / name).read_text()) for name, _ in (s for s in SECTIONS.values() if s)
-            if (folder / name).is_file()}
+    return {
+        name: json.loads((folder / name).read_text())
+        for name, _ in (s for s in SECTIONS.values() if s)
+        if (folder / name).is_file()
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Store results and render the page; 0 on success, 1 when results are refused or the page is stale (--check),
     2 for missing files."""
     p = argparse.ArgumentParser(prog=BY, description=__doc__.split("\n\n")[0])
-    p.add_argument("--store", type=Path, action="append", default=[], help="a run's results.json to keep (repeat)")
+    p.add_argument(
+        "--store", type=Path, action="append", default=[], help="a run's results.json to keep (repeat)"
+    )
     p.add_argument("--results-dir", type=Path, default=STORE, help="where stored results live (docs/results)")
     p.add_argument("--doc", type=Path, default=DOC)
-    p.add_argument("--check", action="store_true", help="only compare the page with the render of the stored results")
-    p.add_argument("--allow-loaded", action="store_true", help="store a run whose load average says it was shared")
-    p.add_argument("--allow-partial", action="store_true", help="store a run that misses splits or stopped part-way")
-    p.add_argument("--hsdp", type=Path, help="a `--sweep hsdp` run's results.json: docs/multinode.md's HSDP table")
+    p.add_argument(
+        "--check", action="store_true", help="only compare the page with the render of the stored results"
+    )
+    p.add_argument(
+        "--allow-loaded", action="store_true", help="store a run whose load average says it was shared"
+    )
+    p.add_argument(
+        "--allow-partial", action="store_true", help="store a run that misses splits or stopped part-way"
+    )
+    p.add_argument(
+        "--hsdp", type=Path, help="a `--sweep hsdp` run's results.json: docs/multinode.md's HSDP table"
+    )
     args = p.parse_args(argv)
     if args.hsdp:
         doc = args.doc if args.doc != DOC else ROOT / "docs" / "multinode.md"
         results = json.loads(args.hsdp.read_text())
         if not any(r["variant"] in HSDP_MODES and r["status"] == "ok" for r in results.get("memory", [])):
-            print(f"report: {args.hsdp} holds no HSDP memory launch (run it with --sweep hsdp --world 4)",
-                  file=sys.stderr)
+            print(
+                f"report: {args.hsdp} holds no HSDP memory launch (run it with --sweep hsdp --world 4)",
+                file=sys.stderr,
+            )
             return 1
         doc.write_text(replace_section(doc.read_text(), "hsdp", "\n".join(hsdp_lines(results))))
         print(f"report: wrote the hsdp section of {doc}")
@@ -420,8 +632,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"report: no {path} (make bench writes runs/bench/results.json)", file=sys.stderr)
             return 2
     strict = args.results_dir.resolve() == STORE.resolve()  # the page's own store takes figures only
-    parts = [(path, name, stored) for path in args.store for name, stored in parts_of(json.loads(path.read_text())).items()]
-    refusals = {(path, name): problems(stored, args.allow_loaded, args.allow_partial) for path, name, stored in parts}
+    parts = [
+        (path, name, stored)
+        for path in args.store
+        for name, stored in parts_of(json.loads(path.read_text())).items()
+    ]
+    refusals = {
+        (path, name): problems(stored, args.allow_loaded, args.allow_partial) for path, name, stored in parts
+    }
     if strict and any(refusals.values()):  # nothing is stored unless every part may be
         for (path, name), refused in refusals.items():
             if refused:
@@ -437,7 +655,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rendered = render_doc(text, load_store(args.results_dir), store_name)
     if args.check:
         if rendered != text:
-            print(f"report: {args.doc} differs from what {BY} renders from {store_name}: run it", file=sys.stderr)
+            print(
+                f"report: {args.doc} differs from what {BY} renders from {store_name}: run it",
+                file=sys.stderr,
+            )
             return 1
         return 0
     args.doc.write_text(rendered)

@@ -70,7 +70,9 @@ def spread(values: list[float]) -> Spread:
         q1 = q3 = values[0]
     else:
         q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return Spread(statistics.median(values), min(values), max(values), q1, q3, len(values), *median_interval(values))
+    return Spread(
+        statistics.median(values), min(values), max(values), q1, q3, len(values), *median_interval(values)
+    )
 
 
 def round_times(blocks: list[list[float]]) -> list[float]:
@@ -149,8 +151,13 @@ def ratios_of(rounds: dict[str, list[float]]) -> dict[str, Any]:
             values = per_round_ratios(rounds[num], rounds[den])
             s = spread(values)
             goal = target(label)
-            ratios[label] = {**s.as_dict(), "per_round": values, "denominator": den, "target": goal,
-                             "verdict": verdict(s, goal)}
+            ratios[label] = {
+                **s.as_dict(),
+                "per_round": values,
+                "denominator": den,
+                "target": goal,
+                "verdict": verdict(s, goal),
+            }
     return ratios
 
 
@@ -158,18 +165,30 @@ def summarize_launch(record: dict[str, Any]) -> dict[str, Any]:
     """One timing launch's row: per-variant round times and every ratio whose variants ran."""
     spec = record["spec"]
     rounds = {name: round_times(blocks) for name, blocks in record["step_s"].items()}
-    return {"case": spec["case"], "k": spec["accum_steps"], "micro_batch": spec["micro_batch"],
-            "steps_per_block": spec["steps"], "rounds": len(record["orders"]),
-            "variants": {name: {"round_s": times, "step_s": spread(times).as_dict()} for name, times in rounds.items()},
-            "ratios": ratios_of(rounds), "orders": record["orders"], "param_rel_diff": record["param_rel_diff"],
-            "param_reference": record.get("param_reference")}
+    return {
+        "case": spec["case"],
+        "k": spec["accum_steps"],
+        "micro_batch": spec["micro_batch"],
+        "steps_per_block": spec["steps"],
+        "rounds": len(record["orders"]),
+        "variants": {
+            name: {"round_s": times, "step_s": spread(times).as_dict()} for name, times in rounds.items()
+        },
+        "ratios": ratios_of(rounds),
+        "orders": record["orders"],
+        "param_rel_diff": record["param_rel_diff"],
+        "param_reference": record.get("param_reference"),
+    }
 
 
 def guard(timing: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The CPU regression guard over a run's splits: met when the median of distaccum / expert is at most
     :data:`GUARD` at every split, with the worst split (None: the ratio was not measured)."""
-    rows = [(row["ratios"][DISTACCUM_VS_EXPERT]["median"], row["case"], row["k"]) for row in timing
-            if DISTACCUM_VS_EXPERT in row.get("ratios", {})]
+    rows = [
+        (row["ratios"][DISTACCUM_VS_EXPERT]["median"], row["case"], row["k"])
+        for row in timing
+        if DISTACCUM_VS_EXPERT in row.get("ratios", {})
+    ]
     if not rows:
         return None
     worst, case, k = max(rows)

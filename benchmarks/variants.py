@@ -67,8 +67,14 @@ DISTACCUM: dict[str, Setup] = {
     "distaccum_no_fingerprint": Setup(overrides={"trainer.fingerprint": False}),
     # Every per-step check and measurement off: the fingerprint, the gradient norm it and the record share, the
     # ledger, the straggler view's gather. What is left is the accumulation itself.
-    "distaccum_no_checks": Setup(overrides={"trainer.fingerprint": False, "log.grad_norm": False, "log.ledger": False,
-                                            "log.rank_stats_every": 0}),
+    "distaccum_no_checks": Setup(
+        overrides={
+            "trainer.fingerprint": False,
+            "log.grad_norm": False,
+            "log.ledger": False,
+            "log.rank_stats_every": 0,
+        }
+    ),
     "distaccum_bf16_reduce": Setup(overrides={"accum.reduce_dtype": "bf16"}),
     "distaccum_sync_records": Setup(lag_records=False),  # on CUDA: what the lagged records save
     "distaccum_fsdp": Setup("fsdp"),
@@ -76,13 +82,19 @@ DISTACCUM: dict[str, Setup] = {
     "distaccum_fsdp_unsharded": Setup("fsdp", {"engine.fsdp_unsharded_window": True}),
     "distaccum_zero1": Setup("deepspeed", {"engine.zero_stage": 1, **_DS}),
     "distaccum_zero2": Setup("deepspeed", {"engine.zero_stage": 2, **_DS}),
-    "distaccum_zero2_every_micro": Setup("deepspeed", {"engine.zero_stage": 2, "accum.sync": "every_micro", **_DS}),
+    "distaccum_zero2_every_micro": Setup(
+        "deepspeed", {"engine.zero_stage": 2, "accum.sync": "every_micro", **_DS}
+    ),
     "distaccum_zero3": Setup("deepspeed", {"engine.zero_stage": 3, **_DS}),
-    "distaccum_zero3_every_micro": Setup("deepspeed", {"engine.zero_stage": 3, "accum.sync": "every_micro", **_DS}),
+    "distaccum_zero3_every_micro": Setup(
+        "deepspeed", {"engine.zero_stage": 3, "accum.sync": "every_micro", **_DS}
+    ),
     "distaccum_accelerate": Setup("accelerate"),
     # FSDP2 hybrid sharding, 2 replicas: a world of 4 or more (benchmarks.run --sweep hsdp --world 4).
     "distaccum_hsdp_boundary": Setup("fsdp", {"engine.replicas": 2, "accum.sync": "boundary"}),
-    "distaccum_hsdp_replica_boundary": Setup("fsdp", {"engine.replicas": 2, "accum.sync": "replica_boundary"}),
+    "distaccum_hsdp_replica_boundary": Setup(
+        "fsdp", {"engine.replicas": 2, "accum.sync": "replica_boundary"}
+    ),
     "distaccum_hsdp_every_micro": Setup("fsdp", {"engine.replicas": 2, "accum.sync": "every_micro"}),
 }
 """distaccum variants by name. A new engine option is one more line; an override the config does not know fails
@@ -110,7 +122,9 @@ class Variant(Protocol):
 class HandWritten:
     """Shared by the hand-written loops: identical model and data; subclasses write ``step``."""
 
-    def __init__(self, name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock) -> None:
+    def __init__(
+        self, name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock
+    ) -> None:
         self.name, self.spec, self.device, self.clock = name, spec, device, clock
         self.windows = data.windows(rank)
         self.position = 0
@@ -159,8 +173,11 @@ class DDPEveryMicro(HandWritten):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         # An expert's DDP: gradients live in the communication buckets (no copy in or out).
-        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                       gradient_as_bucket_view=True)
+        self.ddp = DDP(
+            self.model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
 
     def step(self, batches: list[Batch]) -> None:
         for batch in batches:
@@ -203,7 +220,9 @@ class DDPBf16Hook(DDPNoSync):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.ddp.register_comm_hook(None, bf16_allreduce_hook)  # not named bf16_compress_hook: refused off NCCL
+        self.ddp.register_comm_hook(
+            None, bf16_allreduce_hook
+        )  # not named bf16_compress_hook: refused off NCCL
 
 
 class DDPNoSyncCompiled(DDPNoSync):
@@ -236,8 +255,11 @@ class AccelerateLoop(HandWritten):
         super().__init__(name, spec, *args)
         from accelerate import Accelerator  # optional dependency, only this variant needs it
 
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu", gradient_accumulation_steps=spec.accum_steps,
-                                       mixed_precision="bf16" if spec.precision == "bf16" else "no")
+        self.accelerator = Accelerator(
+            cpu=self.device.type == "cpu",
+            gradient_accumulation_steps=spec.accum_steps,
+            mixed_precision="bf16" if spec.precision == "bf16" else "no",
+        )
         self.prepared, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
 
     def step(self, batches: list[Batch]) -> None:
@@ -271,10 +293,14 @@ def distaccum_config(spec: Spec, run_dir: Path, setup: Setup | None = None) -> d
         # The loops' plain SGD comes in as the optimizer factory; no schedule and no clipping (default 1.0): the
         # loops do not clip.
         "optim": {"schedule": "constant", "warmup_steps": 0, "clip_norm": None},
-        "trainer": {"max_steps": spec.total_steps, "seed": spec.seed, "device": spec.device,
-                    "check_every": 0,  # the cross-rank tripwire (default every 10): a check the loops lack
-                    "checkpoint_every": 0,  # default 100: no periodic checkpoint inside the timed steps
-                    "save_final": False},  # after timing; irrelevant here
+        "trainer": {
+            "max_steps": spec.total_steps,
+            "seed": spec.seed,
+            "device": spec.device,
+            "check_every": 0,  # the cross-rank tripwire (default every 10): a check the loops lack
+            "checkpoint_every": 0,  # default 100: no periodic checkpoint inside the timed steps
+            "save_final": False,
+        },  # after timing; irrelevant here
         "data": {"shuffle": False},  # the loops' in-order walk: the micro-batches are views of the tensors
         # The ledger, the fingerprint and the recorded gradient norm stay on (defaults; the fingerprint compares the
         # per-tensor norms the step measures): their cost together is distaccum / distaccum_no_checks.
@@ -300,16 +326,29 @@ class DistaccumTrainer:
     hook, as the hand-written loops stamp after their optimizer step, because an ``on_step`` would turn off the
     Trainer's default there, the lagged records: the stamp must not move the work."""
 
-    def __init__(self, name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,
-                 run_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: Spec,
+        data: BenchData,
+        rank: int,
+        device: torch.device,
+        clock: Clock,
+        run_dir: Path,
+    ) -> None:
         self.name, self.clock = name, clock
         self._stamps: list[Any] = []
         setup = DISTACCUM[name]
         on_gpu = device.type == "cuda"
-        self.trainer = Trainer(distaccum_config(spec, run_dir, setup), model=spec.shape.build,
-                               dataset=TensorDataset(data.x, data.y), loss=loss_sum,
-                               optimizer=self._stamped(sgd(spec.lr)) if on_gpu else sgd(spec.lr),
-                               on_step=None if on_gpu else self._on_step, lag_records=setup.lag_records)
+        self.trainer = Trainer(
+            distaccum_config(spec, run_dir, setup),
+            model=spec.shape.build,
+            dataset=TensorDataset(data.x, data.y),
+            loss=loss_sum,
+            optimizer=self._stamped(sgd(spec.lr)) if on_gpu else sgd(spec.lr),
+            on_step=None if on_gpu else self._on_step,
+            lag_records=setup.lag_records,
+        )
         self.trainer.setup()  # joins the group this process already has, builds and wraps the model
         self.records: list[dict[str, Any]] = []
 
@@ -321,14 +360,17 @@ class DistaccumTrainer:
             optimizer = factory(params)
             optimizer.register_step_post_hook(lambda *_: self._stamps.append(self.clock.stamp()))
             return optimizer
+
         return build
 
     def run(self, steps: int) -> list[Any]:
         self._stamps = [self.clock.stamp()]
         self.records += self.trainer.train_steps(steps)
         if len(self._stamps) != steps + 1:
-            raise RuntimeError(f"Trainer.train_steps({steps}) stamped {len(self._stamps) - 1} steps: the benchmark "
-                               "times a step from one stamp to the next and needs one per step")
+            raise RuntimeError(
+                f"Trainer.train_steps({steps}) stamped {len(self._stamps) - 1} steps: the benchmark "
+                "times a step from one stamp to the next and needs one per step"
+            )
         return self._stamps
 
     def parameters(self) -> Iterator[torch.Tensor]:
@@ -339,22 +381,43 @@ class DistaccumTrainer:
 
 
 HAND_WRITTEN: dict[str, type[HandWritten]] = {
-    "ddp_no_sync": DDPNoSync, "ddp_no_sync_twin": DDPNoSync, "compute_floor": ComputeFloor,
-    "ddp_no_sync_compiled": DDPNoSyncCompiled, "ddp_no_sync_compiled_twin": DDPNoSyncCompiled,
+    "ddp_no_sync": DDPNoSync,
+    "ddp_no_sync_twin": DDPNoSync,
+    "compute_floor": ComputeFloor,
+    "ddp_no_sync_compiled": DDPNoSyncCompiled,
+    "ddp_no_sync_compiled_twin": DDPNoSyncCompiled,
     "ddp_no_sync_compiled_static": DDPNoSyncCompiledStatic,
-    "ddp_every_micro": DDPEveryMicro, "accelerate": AccelerateLoop, "ddp_bf16_hook": DDPBf16Hook,
+    "ddp_every_micro": DDPEveryMicro,
+    "accelerate": AccelerateLoop,
+    "ddp_bf16_hook": DDPBf16Hook,
 }
 """Hand-written loops by name (a twin is the same class built a second time)."""
-TIMED = ("ddp_no_sync", "distaccum", "compute_floor", "ddp_no_sync_twin", "distaccum_compiled",
-         "ddp_no_sync_compiled", "ddp_no_sync_compiled_static", "ddp_no_sync_compiled_twin")
+TIMED = (
+    "ddp_no_sync",
+    "distaccum",
+    "compute_floor",
+    "ddp_no_sync_twin",
+    "distaccum_compiled",
+    "ddp_no_sync_compiled",
+    "ddp_no_sync_compiled_static",
+    "ddp_no_sync_compiled_twin",
+)
 """``make bench``'s timing: distaccum, the expert loop, the floor, the compiled pair (both compiled expert loops)
 and the two A/A controls."""
-SWEPT = ("ddp_no_sync", "distaccum", "distaccum_fsdp", "distaccum_zero2", "distaccum_zero3", "distaccum_accelerate")
+SWEPT = (
+    "ddp_no_sync",
+    "distaccum",
+    "distaccum_fsdp",
+    "distaccum_zero2",
+    "distaccum_zero3",
+    "distaccum_accelerate",
+)
 """``make bench``'s memory sweep: one variant per engine, and the expert loop as the reference."""
 
 
-def build_variant(name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock,
-                  workdir: Path) -> Variant:
+def build_variant(
+    name: str, spec: Spec, data: BenchData, rank: int, device: torch.device, clock: Clock, workdir: Path
+) -> Variant:
     """Variant ``name`` for this rank (collective: call in the same order on every rank)."""
     if name in HAND_WRITTEN:
         return HAND_WRITTEN[name](name, spec, data, rank, device, clock)
@@ -367,13 +430,16 @@ def check_variants(names: list[str]) -> None:
     """Refuse unknown names and combinations one process cannot hold (before any launch)."""
     unknown = [n for n in names if n not in HAND_WRITTEN and n not in DISTACCUM]
     if unknown:
-        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join([*HAND_WRITTEN, *DISTACCUM])}")
+        raise ValueError(
+            f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join([*HAND_WRITTEN, *DISTACCUM])}"
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"a variant is named twice in {', '.join(names)}")
     if "accelerate" in names and "distaccum_accelerate" in names:
-        raise ValueError("accelerate and distaccum_accelerate cannot share a process: Accelerate's state is a "
-                         "singleton; measure them in separate runs")
+        raise ValueError(
+            "accelerate and distaccum_accelerate cannot share a process: Accelerate's state is a "
+            "singleton; measure them in separate runs"
+        )
 
 
 def sync_of(name: str) -> str:

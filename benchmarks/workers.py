@@ -38,8 +38,17 @@ from benchmarks.variants import EXPERT, HAND_WRITTEN, DistaccumTrainer, Variant,
 from distaccum.telemetry.ledger import Clock, CudaClock, HostClock
 from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
 
-RECORD_FIELDS = ("time_s", "comm_rounds", "comm_calls", "comm_bytes", "gather_calls", "gather_bytes",
-                 "comm_rounds_replicate", "comm_calls_replicate", "comm_bytes_replicate")
+RECORD_FIELDS = (
+    "time_s",
+    "comm_rounds",
+    "comm_calls",
+    "comm_bytes",
+    "gather_calls",
+    "gather_bytes",
+    "comm_rounds_replicate",
+    "comm_calls_replicate",
+    "comm_bytes_replicate",
+)
 """distaccum's per-step record fields whose medians over the timed steps a memory launch keeps."""
 
 
@@ -138,7 +147,9 @@ def parameter_agreement(variants: dict[str, Variant], ref: str | None) -> dict[s
     out: dict[str, float] = {}
     for name, variant in variants.items():
         params = flat(variant.parameters())  # collective for sharded engines: every rank iterates
-        out[name] = float((params - reference).abs().max()) / scale if params.shape == reference.shape else math.inf
+        out[name] = (
+            float((params - reference).abs().max()) / scale if params.shape == reference.shape else math.inf
+        )
     return out
 
 
@@ -164,8 +175,14 @@ def measure_timing(spec: Spec, workdir: Path) -> dict[str, Any]:
     agreement = parameter_agreement(variants, reference)
     for variant in variants.values():
         variant.close()
-    return {"spec": json.loads(spec.to_json()), "world_size": world, "orders": orders, "step_s": blocks,
-            "param_rel_diff": agreement, "param_reference": reference}
+    return {
+        "spec": json.loads(spec.to_json()),
+        "world_size": world,
+        "orders": orders,
+        "step_s": blocks,
+        "param_rel_diff": agreement,
+        "param_reference": reference,
+    }
 
 
 def measure_memory(spec: Spec, workdir: Path) -> dict[str, Any]:
@@ -177,20 +194,32 @@ def measure_memory(spec: Spec, workdir: Path) -> dict[str, Any]:
     setup_peak = peak_memory_bytes(device)  # nothing has reset it yet: imports, data and set-up
     peaks, times = [], []
     for step in range(spec.warmup + spec.steps):
-        reset_peak_memory(device)  # distaccum's loop resets it when its step starts too; the loops get it here
+        reset_peak_memory(
+            device
+        )  # distaccum's loop resets it when its step starts too; the loops get it here
         stamps = variant.run(1)
         peaks.append(peak_memory_bytes(device))
         clock.sync()
         if step >= spec.warmup:
             times.append(step_seconds(clock, stamps)[0])
-    records = variant.records[spec.warmup:] if isinstance(variant, DistaccumTrainer) else []
-    medians = {key: statistics.median(float(r[key]) for r in records)
-               for key in RECORD_FIELDS if records and all(key in r for r in records)}
+    records = variant.records[spec.warmup :] if isinstance(variant, DistaccumTrainer) else []
+    medians = {
+        key: statistics.median(float(r[key]) for r in records)
+        for key in RECORD_FIELDS
+        if records and all(key in r for r in records)
+    }
     variant.close()
-    setup_peak, step_peak, warm_peak = largest_over_ranks([setup_peak, max(peaks[spec.warmup:]), max(peaks)])
-    return {"spec": json.loads(spec.to_json()), "variant": name, "world_size": world,
-            "step_s": largest_over_ranks(times), "setup_peak_bytes": setup_peak, "step_peak_bytes": step_peak,
-            "process_peak_bytes": max(setup_peak, warm_peak), "records": medians}
+    setup_peak, step_peak, warm_peak = largest_over_ranks([setup_peak, max(peaks[spec.warmup :]), max(peaks)])
+    return {
+        "spec": json.loads(spec.to_json()),
+        "variant": name,
+        "world_size": world,
+        "step_s": largest_over_ranks(times),
+        "setup_peak_bytes": setup_peak,
+        "step_peak_bytes": step_peak,
+        "process_peak_bytes": max(setup_peak, warm_peak),
+        "records": medians,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

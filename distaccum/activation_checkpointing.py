@@ -45,6 +45,7 @@ from distaccum.models import block_units
 Checkpointing = str | tuple[str, ...] | None
 """None (off), ``"blocks"``, or module-name patterns (``fnmatch``, matched against ``named_modules``)."""
 
+
 def parse_checkpointing(value: Any, where: str = "model.activation_checkpointing") -> Checkpointing:
     """Normalize a user's setting: ``none``/None -> None, ``blocks``, or a list of patterns -> tuple."""
     if value is None or value == "none":
@@ -56,8 +57,10 @@ def parse_checkpointing(value: Any, where: str = "model.activation_checkpointing
         if patterns and all(isinstance(p, str) and p.strip() for p in patterns):
             return patterns
     hint = f"; for one module-name pattern write [{value}]" if isinstance(value, str) else ""
-    raise ValueError(f"{where}={value!r} is not none, blocks or a non-empty list of module-name patterns "
-                     f"(e.g. [blocks.0, 'layers.*.mlp']){hint}")
+    raise ValueError(
+        f"{where}={value!r} is not none, blocks or a non-empty list of module-name patterns "
+        f"(e.g. [blocks.0, 'layers.*.mlp']){hint}"
+    )
 
 
 def _hf_checkpointing(model: nn.Module) -> Callable[..., Any] | None:
@@ -65,7 +68,8 @@ def _hf_checkpointing(model: nn.Module) -> Callable[..., Any] | None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         return None
     return getattr(model, "activation_checkpointing_enable", None) or getattr(
-        model, "gradient_checkpointing_enable", None)
+        model, "gradient_checkpointing_enable", None
+    )
 
 
 def _named(model: nn.Module) -> dict[int, str]:
@@ -83,17 +87,21 @@ def select_modules(model: nn.Module, spec: Checkpointing) -> list[tuple[str, nn.
     if spec == "blocks":
         units = block_units(model)
         if not units:
-            raise ValueError(f"model.activation_checkpointing=blocks: {model_name} has no blocks (no Hugging Face "
-                             "_no_split_modules, no nn.ModuleList); name the modules to checkpoint instead, "
-                             f"e.g. model.activation_checkpointing=[{_examples(model)[0]}]")
+            raise ValueError(
+                f"model.activation_checkpointing=blocks: {model_name} has no blocks (no Hugging Face "
+                "_no_split_modules, no nn.ModuleList); name the modules to checkpoint instead, "
+                f"e.g. model.activation_checkpointing=[{_examples(model)[0]}]"
+            )
         return [(names[id(m)], m) for m in units]
     chosen: dict[str, nn.Module] = {}
     for pattern in spec:
         found = {n: m for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)}
         if not found:
-            raise ValueError(f"model.activation_checkpointing: pattern {pattern!r} matches no module of "
-                             f"{model_name}; module names look like {', '.join(_examples(model))} "
-                             "(fnmatch patterns: * matches dots too, e.g. 'blocks.*' or 'layers.?')")
+            raise ValueError(
+                f"model.activation_checkpointing: pattern {pattern!r} matches no module of "
+                f"{model_name}; module names look like {', '.join(_examples(model))} "
+                "(fnmatch patterns: * matches dots too, e.g. 'blocks.*' or 'layers.?')"
+            )
         chosen.update(found)
     outermost = [n for n in chosen if not any(n.startswith(other + ".") for other in chosen)]
     order = {name: i for i, name in enumerate(names.values())}
@@ -102,7 +110,9 @@ def select_modules(model: nn.Module, spec: Checkpointing) -> list[tuple[str, nn.
 
 def _examples(model: nn.Module, limit: int = 6) -> list[str]:
     """A few module names, shallowest first, for error messages."""
-    names = sorted((n for n, _ in model.named_modules() if n), key=lambda n: n.count("."))  # stable: model order
+    names = sorted(
+        (n for n, _ in model.named_modules() if n), key=lambda n: n.count(".")
+    )  # stable: model order
     return names[:limit] or ["(the model has no submodules)"]
 
 
@@ -145,8 +155,11 @@ def apply_activation_checkpointing(model: nn.Module, spec: Checkpointing | str |
             enable(activation_checkpointing_kwargs=kwargs)
         else:  # transformers < 5
             enable(gradient_checkpointing_kwargs=kwargs)
-        layers = [n for n, m in model.named_modules()
-                  if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+        layers = [
+            n
+            for n, m in model.named_modules()
+            if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
+        ]
         return layers or [n for n, m in model.named_modules() if is_checkpointed(m)]
     chosen = select_modules(model, spec)
     for _, module in chosen:
@@ -184,7 +197,8 @@ def check_engine_compatible(model: nn.Module, engine: str) -> None:
             "takes part in two reentrant backward passes (pytorch#121594). Let distaccum checkpoint instead "
             "(model.activation_checkpointing=blocks, non-reentrant) and do not enable checkpointing in the model "
             "factory, or enable it with use_reentrant=False (Hugging Face: activation_checkpointing_enable("
-            "activation_checkpointing_kwargs={'use_reentrant': False}))")
+            "activation_checkpointing_kwargs={'use_reentrant': False}))"
+        )
 
 
 def saved_activation_bytes(model: nn.Module, loss: Callable[[nn.Module, Any], Any], batch: Any) -> int:

@@ -48,12 +48,17 @@ class Components:
 
     def describe(self) -> dict[str, str]:
         """What each component is, for messages and records."""
+
         def name(obj: Any) -> str:
             obj = getattr(obj, "func", obj)  # functools.partial
             return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
-        found = {"model": name(self.model), "dataset": name(type(self.dataset)), "loss": name(self.loss),
-                 "collate": name(self.collate or default_collate)}
+        found = {
+            "model": name(self.model),
+            "dataset": name(type(self.dataset)),
+            "loss": name(self.loss),
+            "collate": name(self.collate or default_collate),
+        }
         return {**found, **(self.names or {})}
 
 
@@ -72,8 +77,9 @@ class ModelRecipe:
         return build_model(parts.model, self.seed, self.precision, self.init_from, parts.describe()["model"])
 
 
-def build_model(spec: ModelSpec, seed: int, precision: Precision, init_from: str | None,
-                target: str) -> nn.Module:
+def build_model(
+    spec: ModelSpec, seed: int, precision: Precision, init_from: str | None, target: str
+) -> nn.Module:
     """Seed, build (or take) the model, cast it for ``precision`` (fp64), load ``init_from``."""
     torch.manual_seed(seed)  # identical initial weights on every rank and every split
     model = check_model(spec() if not isinstance(spec, nn.Module) else spec, target)
@@ -85,5 +91,3 @@ def build_model(spec: ModelSpec, seed: int, precision: Precision, init_from: str
         except ValueError as err:
             raise ValueError(f"trainer.init_from={init_from}: {err}") from err
     return model
-
-

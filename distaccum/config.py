@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # Split and its helpers live in a leaf module of their own; importing them from here keeps working.
-from distaccum.split import Split, nearest_valid_global_batches, no_split_message, valid_splits  # noqa: F401
+from distaccum.split import (  # noqa: F401
+    Split,
+    check_split,
+    nearest_valid_global_batches,
+    no_split_message,
+    resolve_split,
+    valid_splits,
+)
 from distaccum.units import parse_bytes
 
 ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
@@ -56,12 +63,15 @@ def _node(where: str, value: Any) -> Node | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise ValueError(f"{where} must be a mapping with a _target_ (e.g. {{_target_: mypkg.make_model}}), "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{where} must be a mapping with a _target_ (e.g. {{_target_: mypkg.make_model}}), got {value!r}"
+        )
     target = value.get("_target_")
     if not isinstance(target, str) or "." not in target:
-        raise ValueError(f"{where} needs a _target_ naming an importable callable such as "
-                         f"'mypkg.module.name', got _target_={target!r}")
+        raise ValueError(
+            f"{where} needs a _target_ naming an importable callable such as "
+            f"'mypkg.module.name', got _target_={target!r}"
+        )
     return dict(value)
 
 
@@ -94,8 +104,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _choice("engine", "name", self.name, ENGINES)
-        if self.replicas != AUTO and (isinstance(self.replicas, str) or isinstance(self.replicas, bool)
-                                      or self.replicas < 1):
+        if self.replicas != AUTO and (
+            isinstance(self.replicas, str) or isinstance(self.replicas, bool) or self.replicas < 1
+        ):
             raise ValueError(f"engine.replicas must be a positive integer or 'auto', got {self.replicas!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"engine.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
@@ -185,10 +196,14 @@ class AccumConfig:
     def __post_init__(self) -> None:
         if isinstance(self.micro_batch, str):
             if self.micro_batch != AUTO:
-                raise ValueError(f"accum.micro_batch must be a positive integer or 'auto', got {self.micro_batch!r}")
+                raise ValueError(
+                    f"accum.micro_batch must be a positive integer or 'auto', got {self.micro_batch!r}"
+                )
             if self.global_batch is None:
-                raise ValueError("accum.micro_batch=auto needs accum.global_batch (the samples per optimizer "
-                                 "step it keeps fixed while it picks the micro-batch), e.g. accum.global_batch=64")
+                raise ValueError(
+                    "accum.micro_batch=auto needs accum.global_batch (the samples per optimizer "
+                    "step it keeps fixed while it picks the micro-batch), e.g. accum.global_batch=64"
+                )
         else:
             _positive("accum", "micro_batch", self.micro_batch)
         _positive("accum", "steps", self.steps)
@@ -207,42 +222,6 @@ class AccumConfig:
     def budget_bytes(self) -> int | None:
         """``memory_budget`` in bytes (None: the device's default)."""
         return None if self.memory_budget is None else parse_bytes("accum.memory_budget", self.memory_budget)
-
-
-def check_split(accum: AccumConfig, world_size: int) -> None:
-    """Raise ValueError (with the valid alternatives) when ``accum`` has no split on ``world_size``
-    ranks. With micro_batch=auto only the global batch can be checked before training starts."""
-    if accum.auto:
-        assert accum.global_batch is not None  # AccumConfig guarantees it
-        _positive("trainer", "world_size", world_size)
-        if accum.global_batch % world_size:
-            raise ValueError(no_split_message(accum.global_batch, world_size))
-        return
-    resolve_split(accum, world_size)
-
-
-def resolve_split(accum: AccumConfig, world_size: int) -> Split:
-    """Resolve the configured split for ``world_size`` ranks, or raise ValueError with suggestions.
-
-    micro_batch=auto cannot be resolved here: the Trainer measures and picks it at setup."""
-    _positive("trainer", "world_size", world_size)
-    if accum.auto:
-        raise ValueError("accum.micro_batch=auto is chosen when training starts (Trainer.setup measures "
-                         "it); give an explicit accum.micro_batch here (`distaccum plan` suggests one)")
-    assert isinstance(accum.micro_batch, int)
-    if accum.global_batch is None:
-        return Split(accum.micro_batch, accum.steps, world_size)
-    if accum.global_batch % world_size:
-        raise ValueError(no_split_message(accum.global_batch, world_size))
-    per_step = accum.micro_batch * world_size
-    if accum.global_batch % per_step:
-        options = valid_splits(accum.global_batch, world_size)
-        hint = ", ".join(f"micro_batch={s.micro_batch} (steps={s.accum_steps})" for s in options)
-        raise ValueError(
-            f"accum.global_batch={accum.global_batch} is not divisible by accum.micro_batch={accum.micro_batch}"
-            f" x world_size={world_size} = {per_step}. Valid splits for world_size={world_size}: {hint}."
-        )
-    return Split(accum.micro_batch, accum.global_batch // per_step, world_size)
 
 
 @dataclass(kw_only=True)
@@ -285,15 +264,17 @@ class OptimConfig:
         self.betas = tuple(self.betas)  # type: ignore[assignment]
         _positive("optim", "base_batch", self.base_batch, allow_none=True)
         if self.lr_scaling != "none" and self.base_batch is None:
-            raise ValueError(f"optim.lr_scaling={self.lr_scaling} needs optim.base_batch: the global batch "
-                             f"optim.lr={self.lr:g} was chosen for (e.g. optim.base_batch=64)")
+            raise ValueError(
+                f"optim.lr_scaling={self.lr_scaling} needs optim.base_batch: the global batch "
+                f"optim.lr={self.lr:g} was chosen for (e.g. optim.base_batch=64)"
+            )
 
     def lr_scale(self, global_batch: int) -> float:
         """``f(global_batch / base_batch)``: 1 (``none``), the ratio (``linear``) or its square root (``sqrt``)."""
         if self.lr_scaling == "none" or self.base_batch is None:
             return 1.0
         ratio = global_batch / self.base_batch
-        return ratio if self.lr_scaling == "linear" else ratio ** 0.5
+        return ratio if self.lr_scaling == "linear" else ratio**0.5
 
 
 @dataclass(kw_only=True)
@@ -370,7 +351,9 @@ class TrainerConfig:
         _choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("trainer", "compile_mode", self.compile_mode, COMPILE_MODES)
         if self.check_every < 0 or self.max_restarts < 0 or self.checkpoint_every < 0:
-            raise ValueError("trainer.check_every, trainer.max_restarts and trainer.checkpoint_every must be >= 0")
+            raise ValueError(
+                "trainer.check_every, trainer.max_restarts and trainer.checkpoint_every must be >= 0"
+            )
         if self.checkpoint_every_s < 0:
             raise ValueError(f"trainer.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
         for name in ("keep_checkpoints", "max_nonfinite_steps", "collective_timeout_s", "shutdown_grace_s"):
@@ -485,7 +468,9 @@ class SlurmConfig:
         self.extra = list(self.extra)
         for directive in self.extra:
             if not directive.startswith("-") or "\n" in directive:
-                raise ValueError(f"slurm.extra entry {directive!r} must be one sbatch option like '--qos=high'")
+                raise ValueError(
+                    f"slurm.extra entry {directive!r} must be one sbatch option like '--qos=high'"
+                )
 
 
 @dataclass(kw_only=True)
@@ -518,8 +503,10 @@ class RunConfig:
         if self.trainer.nnodes > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
         if self.log.gns and self.accum.sync not in ("boundary", "auto"):
-            raise ValueError(f"log.gns=true reads the gradients the comm hook reduces once per step: it needs "
-                             f"accum.sync=boundary, got accum.sync={self.accum.sync}")
+            raise ValueError(
+                f"log.gns=true reads the gradients the comm hook reduces once per step: it needs "
+                f"accum.sync=boundary, got accum.sync={self.accum.sync}"
+            )
 
     def world_size(self) -> int:
         """World size a local launch of this config produces."""
@@ -538,8 +525,13 @@ class RunConfig:
     def describe(self, node: str) -> str:
         """The ``_target_`` of component ``node`` ('model', 'loss', 'dataset', 'collate', 'eval_dataset'),
         for messages."""
-        value = {"model": self.model, "loss": self.loss, "dataset": self.data.dataset,
-                 "collate": self.data.collate, "eval_dataset": self.eval.dataset}[node]
+        value = {
+            "model": self.model,
+            "loss": self.loss,
+            "dataset": self.data.dataset,
+            "collate": self.data.collate,
+            "eval_dataset": self.eval.dataset,
+        }[node]
         return str(value["_target_"]) if value else "(none)"
 
 
@@ -554,8 +546,10 @@ def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join(f'{path}{k}' for k in unknown)}; "
-                         f"valid keys under {path or 'the top level'}: {', '.join(sorted(names))}")
+        raise ValueError(
+            f"unknown config key(s) {', '.join(f'{path}{k}' for k in unknown)}; "
+            f"valid keys under {path or 'the top level'}: {', '.join(sorted(names))}"
+        )
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
         hint = hints[name]

@@ -81,11 +81,16 @@ class CorpusSequences(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s, n = int(self.starts[i]), int(self.lengths[i])
-        return {"input_ids": self.tokens[s:s + n], "labels": self.tokens[s + 1:s + n + 1]}
+        return {"input_ids": self.tokens[s : s + n], "labels": self.tokens[s + 1 : s + n + 1]}
 
 
-def pad_collate(samples: Sequence[Mapping[str, torch.Tensor]], *, pad_id: int = 0,
-                label_pad: int = IGNORE_INDEX, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+def pad_collate(
+    samples: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    pad_id: int = 0,
+    label_pad: int = IGNORE_INDEX,
+    pad_to: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Right-pad variable-length token samples into a batch, with an ``attention_mask``.
 
     Inputs are padded with ``pad_id``, labels with ``label_pad`` (the loss ignores them); length is
@@ -109,5 +114,5 @@ def pad_collate(samples: Sequence[Mapping[str, torch.Tensor]], *, pad_id: int = 
         batch["input_ids"][row, :n] = sample["input_ids"]
         batch["attention_mask"][row, :n] = 1
         if "labels" in batch:
-            batch["labels"][row, :len(sample["labels"])] = sample["labels"]
+            batch["labels"][row, : len(sample["labels"])] = sample["labels"]
     return batch

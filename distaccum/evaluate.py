@@ -50,8 +50,14 @@ class EvalResult:
 
     def record(self, step: int) -> Record:
         """The ``metrics.jsonl`` line: ``step`` is the optimizer steps done when it ran (0: before training)."""
-        return {"step": step, "eval_loss": self.loss, "eval_ppl": self.ppl, "eval_items": self.items,
-                "eval_samples": self.samples, "eval_s": self.seconds}
+        return {
+            "step": step,
+            "eval_loss": self.loss,
+            "eval_ppl": self.ppl,
+            "eval_items": self.items,
+            "eval_samples": self.samples,
+            "eval_s": self.seconds,
+        }
 
 
 def eval_dataset(config: EvalConfig, dataset: Any, given: Dataset | None) -> Dataset | None:
@@ -64,20 +70,25 @@ def eval_dataset(config: EvalConfig, dataset: Any, given: Dataset | None) -> Dat
     wanted = config.every > 0 or config.at_start
     if given is None:
         if wanted:
-            raise ValueError(f"eval.every={config.every} / eval.at_start={config.at_start} ask for an evaluation but "
-                             "there is no held-out data: set eval.dataset (a _target_ node), pass eval_dataset= to "
-                             "the Trainer, or use a dataset with a held-out split (data=text_files: "
-                             "data.dataset.eval_fraction=0.05 or data.dataset.eval_files=[...]); or train without "
-                             "evaluation: eval.every=0 eval.at_start=false")
+            raise ValueError(
+                f"eval.every={config.every} / eval.at_start={config.at_start} ask for an evaluation but "
+                "there is no held-out data: set eval.dataset (a _target_ node), pass eval_dataset= to "
+                "the Trainer, or use a dataset with a held-out split (data=text_files: "
+                "data.dataset.eval_fraction=0.05 or data.dataset.eval_files=[...]); or train without "
+                "evaluation: eval.every=0 eval.at_start=false"
+            )
         return None
     try:
         size = len(given)  # type: ignore[arg-type]
     except TypeError as err:
-        raise ValueError(f"the eval dataset {type(given).__name__} has no len(): evaluation needs a map-style "
-                         "dataset") from err
+        raise ValueError(
+            f"the eval dataset {type(given).__name__} has no len(): evaluation needs a map-style dataset"
+        ) from err
     if size == 0:
-        raise ValueError(f"the eval dataset {type(given).__name__} holds no samples: give held-out data with at "
-                         "least one sample")
+        raise ValueError(
+            f"the eval dataset {type(given).__name__} holds no samples: give held-out data with at "
+            "least one sample"
+        )
     return given
 
 
@@ -89,9 +100,17 @@ def shard_batches(size: int, world: int, rank: int, micro_batch: int) -> list[to
     return mine + [torch.empty(0, dtype=torch.long)] * (count - len(mine))
 
 
-def evaluate(model: nn.Module, dataset: Dataset, collate: Callable[[list[Any]], Any], loss_fn: LossFn, *,
-             micro_batch: int, device: torch.device, float_dtype: torch.dtype | None = None,
-             forward_context: Callable[[], AbstractContextManager[Any]] | None = None) -> EvalResult:
+def evaluate(
+    model: nn.Module,
+    dataset: Dataset,
+    collate: Callable[[list[Any]], Any],
+    loss_fn: LossFn,
+    *,
+    micro_batch: int,
+    device: torch.device,
+    float_dtype: torch.dtype | None = None,
+    forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> EvalResult:
     """Evaluate ``model`` (the wrapped one: its forward may be collective) on this rank's shard of
     ``dataset`` and reduce over the process group. Collective: every rank calls it at the same step."""
     started = time.perf_counter()
@@ -109,12 +128,17 @@ def evaluate(model: nn.Module, dataset: Dataset, collate: Callable[[list[Any]], 
                 with forward_context() if forward_context is not None else torch.no_grad():
                     summed, n_items = loss_fn(model, batch)
                 weight = 1.0 if len(piece) else 0.0
-                totals += torch.stack([summed.detach().to(torch.float64) * weight,
-                                       torch.as_tensor(n_items, device=device).to(torch.float64) * weight,
-                                       torch.tensor(float(len(piece)), dtype=torch.float64, device=device)])
+                totals += torch.stack(
+                    [
+                        summed.detach().to(torch.float64) * weight,
+                        torch.as_tensor(n_items, device=device).to(torch.float64) * weight,
+                        torch.tensor(float(len(piece)), dtype=torch.float64, device=device),
+                    ]
+                )
     finally:
         model.train(was_training)
     dist.all_reduce(totals)
     loss_sum, items, samples = totals.tolist()
-    return EvalResult(loss_sum / items if items else math.nan, round(items), round(samples),
-                      time.perf_counter() - started)
+    return EvalResult(
+        loss_sum / items if items else math.nan, round(items), round(samples), time.perf_counter() - started
+    )

@@ -26,10 +26,20 @@ from torch import nn
 from distaccum.losses import IGNORE_INDEX
 
 CONFIG_NAMES: dict[str, dict[str, str]] = {
-    "llama": {"width": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-              "positions": "max_position_embeddings", "intermediate": "intermediate_size"},
-    "gpt2": {"width": "n_embd", "layers": "n_layer", "heads": "n_head", "positions": "n_positions",
-             "intermediate": "n_inner"},
+    "llama": {
+        "width": "hidden_size",
+        "layers": "num_hidden_layers",
+        "heads": "num_attention_heads",
+        "positions": "max_position_embeddings",
+        "intermediate": "intermediate_size",
+    },
+    "gpt2": {
+        "width": "n_embd",
+        "layers": "n_layer",
+        "heads": "n_head",
+        "positions": "n_positions",
+        "intermediate": "n_inner",
+    },
 }
 """distaccum's size names -> each supported ``model_type``'s config attributes."""
 
@@ -50,11 +60,22 @@ def _dropout_fields(model_type: str, dropout: float) -> dict[str, float]:
     return {"attention_dropout": dropout}
 
 
-def causal_lm(*, model_type: str = "llama", pretrained: str | None = None, vocab_size: int = 256,
-              width: int = 64, layers: int = 2, heads: int = 4, kv_heads: int | None = None,
-              positions: int = 128, intermediate: int | None = None, dropout: float = 0.0,
-              tie_embeddings: bool | None = None, attn_implementation: str = "sdpa",
-              config: dict[str, Any] | None = None) -> nn.Module:
+def causal_lm(
+    *,
+    model_type: str = "llama",
+    pretrained: str | None = None,
+    vocab_size: int = 256,
+    width: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    positions: int = 128,
+    intermediate: int | None = None,
+    dropout: float = 0.0,
+    tie_embeddings: bool | None = None,
+    attn_implementation: str = "sdpa",
+    config: dict[str, Any] | None = None,
+) -> nn.Module:
     """A ``transformers`` causal LM: random init from the sizes given, or ``pretrained`` (a local
     ``save_pretrained`` directory, e.g. a finished run's ``final/``; the sizes are then ignored).
 
@@ -67,27 +88,46 @@ def causal_lm(*, model_type: str = "llama", pretrained: str | None = None, vocab
     if pretrained is not None:
         path = Path(pretrained)
         if not (path / "config.json").is_file():
-            raise ValueError(f"model.pretrained={pretrained!r} is not a save_pretrained directory (no config.json "
-                             "there): give a local directory written by save_pretrained, such as a finished run's "
-                             "final/; nothing is downloaded")
-        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32,
-                                                    attn_implementation=attn_implementation)
+            raise ValueError(
+                f"model.pretrained={pretrained!r} is not a save_pretrained directory (no config.json "
+                "there): give a local directory written by save_pretrained, such as a finished run's "
+                "final/; nothing is downloaded"
+            )
+        return AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation
+        )
     names = CONFIG_NAMES.get(model_type)
     if names is None:
-        raise ValueError(f"model.model_type={model_type!r} is not supported for a random-init model; use one of "
-                         f"{', '.join(CONFIG_NAMES)}, or model.pretrained=<local directory> for any other model")
-    for name, value in (("vocab_size", vocab_size), ("width", width), ("layers", layers), ("heads", heads),
-                        ("positions", positions)):
+        raise ValueError(
+            f"model.model_type={model_type!r} is not supported for a random-init model; use one of "
+            f"{', '.join(CONFIG_NAMES)}, or model.pretrained=<local directory> for any other model"
+        )
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("width", width),
+        ("layers", layers),
+        ("heads", heads),
+        ("positions", positions),
+    ):
         if value <= 0:
             raise ValueError(f"model.{name} must be > 0, got {value}")
     if width % heads:
         raise ValueError(f"model.width={width} is not divisible by model.heads={heads}")
-    fields: dict[str, Any] = {names["width"]: width, names["layers"]: layers, names["heads"]: heads,
-                              names["positions"]: positions, names["intermediate"]: intermediate or 4 * width,
-                              "vocab_size": vocab_size, "use_cache": False, **_dropout_fields(model_type, dropout)}
+    fields: dict[str, Any] = {
+        names["width"]: width,
+        names["layers"]: layers,
+        names["heads"]: heads,
+        names["positions"]: positions,
+        names["intermediate"]: intermediate or 4 * width,
+        "vocab_size": vocab_size,
+        "use_cache": False,
+        **_dropout_fields(model_type, dropout),
+    }
     if kv_heads is not None:
         if model_type != "llama" or heads % kv_heads:
-            raise ValueError(f"model.kv_heads={kv_heads} needs model_type=llama and heads ({heads}) divisible by it")
+            raise ValueError(
+                f"model.kv_heads={kv_heads} needs model_type=llama and heads ({heads}) divisible by it"
+            )
         fields["num_key_value_heads"] = kv_heads
     if tie_embeddings is not None:
         fields["tie_word_embeddings"] = tie_embeddings
@@ -150,18 +190,24 @@ def load_tokenizer(path: str | None) -> Any:
         return ByteTokenizer()
     directory = Path(path)
     if not directory.is_dir():
-        raise ValueError(f"tokenizer={path!r} is not a directory: give a local tokenizer directory (written by "
-                         "save_pretrained) or tokenizer=null for the byte-level tokenizer")
+        raise ValueError(
+            f"tokenizer={path!r} is not a directory: give a local tokenizer directory (written by "
+            "save_pretrained) or tokenizer=null for the byte-level tokenizer"
+        )
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"tokenizer={path!r} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
-                         "point it at a directory written by tokenizer.save_pretrained(), or use "
-                         "tokenizer=null for the byte-level tokenizer")
+        raise ValueError(
+            f"tokenizer={path!r} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+            "point it at a directory written by tokenizer.save_pretrained(), or use "
+            "tokenizer=null for the byte-level tokenizer"
+        )
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... for broken directories
-        raise ValueError(f"tokenizer={path!r}: AutoTokenizer cannot load it: {type(err).__name__}: {err}") from err
+        raise ValueError(
+            f"tokenizer={path!r}: AutoTokenizer cannot load it: {type(err).__name__}: {err}"
+        ) from err
 
 
 def tokenizer_fingerprint(tokenizer: Any, path: str | None) -> str:
@@ -184,8 +230,9 @@ def separator_ids(tokenizer: Any) -> list[int]:
     return list(tokenizer(["\n\n"], add_special_tokens=False)["input_ids"][0])
 
 
-def model_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, as_sum: bool = True,
-               ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+def model_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], *, as_sum: bool = True, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's own causal-LM loss: ``model(**inputs, labels=labels).loss``, a MEAN over the batch's
     shifted non-ignored labels.
 

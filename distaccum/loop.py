@@ -125,8 +125,13 @@ class Step:
         return self.window.step + 1
 
 
-def train_step(state: TrainState, settings: LoopSettings, loss_fn: LossFn, totals: WindowTotals,
-               votes: Callable[[], dict[str, Any]]) -> Step:
+def train_step(
+    state: TrainState,
+    settings: LoopSettings,
+    loss_fn: LossFn,
+    totals: WindowTotals,
+    votes: Callable[[], dict[str, Any]],
+) -> Step:
     """One optimizer step, the step math: fetch this rank's window, K micro-steps accumulating gradients locally, the
     window's one collective (N) launched before the last backward, then one reduction, x 1/(c N), clip, step.
     ``votes()`` gives what rides on the collective (stop and checkpoint votes, a check's row). Collective."""
@@ -146,7 +151,9 @@ def train_step(state: TrainState, settings: LoopSettings, loss_fn: LossFn, total
         del micro, summed  # one micro-batch's inputs alive at a time
     lr = float(state.scheduler.get_last_lr()[0])
     window_totals = totals.read()  # 3. the one reduction is done; N over every rank
-    result = engine.step(settings.clip_norm, window_totals.grad_scale(c, settings.loss_norm))  # 4. x 1/(c N), clip
+    result = engine.step(
+        settings.clip_norm, window_totals.grad_scale(c, settings.loss_norm)
+    )  # 4. x 1/(c N), clip
     if result.applied:  # a skipped step does not advance the schedule; never per micro-batch
         state.scheduler.step()
     state.source.advance()
@@ -192,11 +199,16 @@ class NonFinitePolicy:
         raise NonFiniteError(
             f"{state.nonfinite_streak} consecutive optimizer steps (up to step {step}) had non-finite "
             f"values and were skipped on every rank (trainer.max_nonfinite_steps={self.max_steps}). At step "
-            f"{step}: " + (f"the loss was non-finite on rank(s) {', '.join(map(str, ranks))}; " if ranks else
-                           "the loss was finite but the gradient was not; ")
+            f"{step}: "
+            + (
+                f"the loss was non-finite on rank(s) {', '.join(map(str, ranks))}; "
+                if ranks
+                else "the loss was finite but the gradient was not; "
+            )
             + f"first parameter with a non-finite gradient on rank 0: {result.nonfinite_param or 'n/a'}. "
             "Parameters are those of the last finite step; no checkpoint holds a non-finite value. Lower the "
-            "learning rate or check the data of these steps.")
+            "learning rate or check the data of these steps."
+        )
 
 
 class CheckpointPolicy(Protocol):
@@ -228,12 +240,18 @@ class LoopParts:
     flush_after: Callable[[int], bool] | None = None
     """Steps whose record must be handed over before the next step starts, under ``lag`` (an evaluation's)."""
 
+    def flushes(self, step: int) -> bool:
+        """Whether step ``step``'s record must be published before the next step starts (an evaluation's)."""
+        return self.flush_after is not None and self.flush_after(step)
+
     def votes(self) -> dict[str, Any]:
         """What this rank sends with the window's collective: a stop request, a checkpoint due by time, the
         fingerprint's pending row."""
-        return {"stop": self.stop is not None and self.stop.requested,
-                "checkpoint": self.checkpointer is not None and self.checkpointer.due_by_time(),
-                "carry": self.fingerprint.carry() if self.fingerprint is not None else None}
+        return {
+            "stop": self.stop is not None and self.stop.requested,
+            "checkpoint": self.checkpointer is not None and self.checkpointer.due_by_time(),
+            "carry": self.fingerprint.carry() if self.fingerprint is not None else None,
+        }
 
 
 @dataclass
@@ -264,17 +282,29 @@ class StepEnd:
 def step_record(step: Step, split: Split, times: StepTimes, nonfinite: bool) -> Record:
     """The step's ``metrics.jsonl`` line (identical on every rank but the timings)."""
     window, totals, result, n = step.window, step.totals, step.result, step.totals.items
-    return {"step": step.number, "epoch": window.epoch, "loss": totals.loss_sum / n if n else float("nan"),
-            "lr": step.lr, "samples": window.samples, "items": round(n), "micro_steps": split.accum_steps,
-            "partial_window": window.partial, "grad_norm": result.grad_norm, "skipped": not result.applied,
-            "nonfinite": nonfinite,
-            **times.as_record(),  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
-            "micro_items_min": round(totals.items_min), "micro_items_max": round(totals.items_max),
-            "samples_per_s": window.samples / times.time_s, "items_per_s": n / times.time_s}
+    return {
+        "step": step.number,
+        "epoch": window.epoch,
+        "loss": totals.loss_sum / n if n else float("nan"),
+        "lr": step.lr,
+        "samples": window.samples,
+        "items": round(n),
+        "micro_steps": split.accum_steps,
+        "partial_window": window.partial,
+        "grad_norm": result.grad_norm,
+        "skipped": not result.applied,
+        "nonfinite": nonfinite,
+        **times.as_record(),  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
+        "micro_items_min": round(totals.items_min),
+        "micro_items_max": round(totals.items_max),
+        "samples_per_s": window.samples / times.time_s,
+        "items_per_s": n / times.time_s,
+    }
 
 
-def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts, *,
-          until: int | None = None) -> list[Record]:
+def train(
+    state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts, *, until: int | None = None
+) -> list[Record]:
     """Run optimizer steps until step ``until`` (default ``settings.max_steps``); returns the records
     of the steps run by this call (identical on every rank; ``state.records`` holds them all).
 
@@ -294,15 +324,16 @@ def train(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: Loo
             parts.fingerprint.after_step(step, totals, done.result)
         for monitor in parts.monitors:
             monitor.after_step(step, totals, done.c, done.d)
-        ended = StepEnd(done, parts.timer.finish_step(sync=not parts.lag),
-                        parts.nonfinite.observe(state, totals, done.result))
+        times = parts.timer.finish_step(sync=not parts.lag)
+        ended = StepEnd(done, times, parts.nonfinite.observe(state, totals, done.result))
         if lagged is not None:  # the previous step's record, whose events step n's queued work follows
             lagged.publish(state, parts, settings.split)
         stopping, checkpointer = totals.stop_votes > 0, parts.checkpointer
-        saves = checkpointer is not None and checkpointer.saves_after(step, due=totals.checkpoint_votes > 0,
-                                                                      stopping=stopping)
-        lagged = ended if parts.lag and not (saves or stopping or step >= end or parts.nonfinite.exhausted(state)
-                                             or parts.flush_after is not None and parts.flush_after(step)) else None
+        saves = checkpointer is not None and checkpointer.saves_after(
+            step, due=totals.checkpoint_votes > 0, stopping=stopping
+        )
+        at_once = saves or stopping or step >= end or parts.nonfinite.exhausted(state) or parts.flushes(step)
+        lagged = ended if parts.lag and not at_once else None
         if lagged is None:
             ended.publish(state, parts, settings.split)
         parts.nonfinite.enforce(state, step, totals, done.result)

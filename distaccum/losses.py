@@ -47,9 +47,14 @@ def _pair(batch: Any) -> tuple[Any, torch.Tensor]:
     return inputs, targets
 
 
-def token_cross_entropy(model: nn.Module, batch: Mapping[str, torch.Tensor], *,
-                        ignore_index: int = IGNORE_INDEX, shift: bool = False,
-                        label_key: str = "labels") -> tuple[torch.Tensor, torch.Tensor]:
+def token_cross_entropy(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    shift: bool = False,
+    label_key: str = "labels",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy summed over the labels that are not ``ignore_index``.
 
     ``batch`` is a mapping: every key but ``label_key`` is passed to the model as a keyword

@@ -14,8 +14,9 @@ from torch import nn
 class MLP(nn.Module):
     """Linear(in, width) + ReLU, (depth - 1) x [Linear(width, width) + ReLU], Linear(width, out)."""
 
-    def __init__(self, in_dim: int = 32, width: int = 64, depth: int = 2, out_dim: int = 8,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, in_dim: int = 32, width: int = 64, depth: int = 2, out_dim: int = 8, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Linear(in_dim, width), nn.ReLU()]
         for _ in range(depth - 1):
@@ -47,8 +48,9 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        att = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, c)))
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -60,8 +62,15 @@ class TinyGPT(nn.Module):
     padded to any length; ``attention_mask`` is accepted and not needed.
     """
 
-    def __init__(self, vocab_size: int = 256, max_len: int = 64, width: int = 64, depth: int = 2,
-                 heads: int = 4, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        max_len: int = 64,
+        width: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"TinyGPT width={width} must be divisible by heads={heads}")

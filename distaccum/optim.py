@@ -22,8 +22,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     # foreach=False: the per-parameter path rounds identically whether parameters are whole
     # (DDP, reference) or sharded (FSDP), which keeps split comparisons tight.
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                             foreach=False)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
 
 
 def describe_lr(cfg: OptimConfig, global_batch: int, base_lr: float) -> str:
@@ -33,8 +32,10 @@ def describe_lr(cfg: OptimConfig, global_batch: int, base_lr: float) -> str:
         return f"lr {effective:.4g} (optim.lr_scaling=none)"
     ratio = f"{global_batch}/{cfg.base_batch}"
     factor = ratio if cfg.lr_scaling == "linear" else f"sqrt({ratio})"
-    return (f"effective lr {effective:.4g} = {base_lr:.4g} x {factor} (optim.lr_scaling={cfg.lr_scaling}: global batch "
-            f"{global_batch}, optim.base_batch {cfg.base_batch}); warmup {cfg.warmup_steps} optimizer steps")
+    return (
+        f"effective lr {effective:.4g} = {base_lr:.4g} x {factor} (optim.lr_scaling={cfg.lr_scaling}: global batch "
+        f"{global_batch}, optim.base_batch {cfg.base_batch}); warmup {cfg.warmup_steps} optimizer steps"
+    )
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -51,8 +52,9 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *,
-                    global_batch: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *, global_batch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR of ``lr_scale x`` :func:`lr_factor` for an effective batch of ``global_batch``
     samples; the loop calls ``step()`` once per optimizer step."""
     scale = cfg.lr_scale(global_batch)

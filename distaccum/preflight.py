@@ -53,9 +53,11 @@ def _locate(what: str, node: Node) -> Any:
         return get_object(target)
     except Exception as err:  # ImportError, AttributeError, ValueError from hydra's locator
         cause = err.__cause__ or err
-        raise ConfigError(f"{what}: cannot import _target_ {target!r}: {type(cause).__name__}: {cause}. "
-                          "Check the spelling and that its module is importable (on PYTHONPATH, installed, "
-                          "or in the current directory)") from err
+        raise ConfigError(
+            f"{what}: cannot import _target_ {target!r}: {type(cause).__name__}: {cause}. "
+            "Check the spelling and that its module is importable (on PYTHONPATH, installed, "
+            "or in the current directory)"
+        ) from err
 
 
 def _instantiate(what: str, node: Node, *, partial: bool) -> Any:
@@ -69,8 +71,10 @@ def _instantiate(what: str, node: Node, *, partial: bool) -> Any:
         return instantiate({**node, "_partial_": partial}, _convert_="all")
     except Exception as err:
         cause = err.__cause__ or err
-        raise ConfigError(f"{what}: building {node['_target_']}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) "
-                          f"failed: {type(cause).__name__}: {cause}") from err
+        raise ConfigError(
+            f"{what}: building {node['_target_']}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) "
+            f"failed: {type(cause).__name__}: {cause}"
+        ) from err
 
 
 def _callable_node(what: str, node: Node) -> Callable[..., Any]:
@@ -79,19 +83,25 @@ def _callable_node(what: str, node: Node) -> Callable[..., Any]:
     wants_partial = node.get("_partial_", inspect.isfunction(target) or inspect.isbuiltin(target))
     value = _instantiate(what, node, partial=bool(wants_partial))
     if not callable(value):
-        raise ConfigError(f"{what}: _target_ {node['_target_']!r} gave a {type(value).__name__}, which is not "
-                          "callable")
+        raise ConfigError(
+            f"{what}: _target_ {node['_target_']!r} gave a {type(value).__name__}, which is not callable"
+        )
     return value
 
 
 def instantiate_components(cfg: RunConfig) -> Components:
     """The model factory (called later, per rank, after seeding), dataset, collate, loss and eval dataset."""
     _importable_cwd()
-    missing = [name for name, node in (("model", cfg.model), ("dataset", cfg.data.dataset), ("loss", cfg.loss))
-               if node is None]
+    missing = [
+        name
+        for name, node in (("model", cfg.model), ("dataset", cfg.data.dataset), ("loss", cfg.loss))
+        if node is None
+    ]
     if missing:
-        raise ConfigError(f"no {', '.join(missing)} configured: select a config group (model=..., data=..., "
-                          "loss=...) or give a _target_ node")
+        raise ConfigError(
+            f"no {', '.join(missing)} configured: select a config group (model=..., data=..., "
+            "loss=...) or give a _target_ node"
+        )
     assert cfg.model is not None and cfg.data.dataset is not None and cfg.loss is not None
     model_node = {k: v for k, v in cfg.model.items() if k not in MODEL_RESERVED}
     try:
@@ -107,8 +117,15 @@ def instantiate_components(cfg: RunConfig) -> Components:
     names = {"model": cfg.describe("model"), "dataset": cfg.describe("dataset"), "loss": cfg.describe("loss")}
     if collate is not None:
         names["collate"] = cfg.describe("collate")
-    return Components(model=model, dataset=dataset, loss=loss, collate=collate, names=names,
-                      activation_checkpointing=checkpointing, eval_dataset=eval_dataset)
+    return Components(
+        model=model,
+        dataset=dataset,
+        loss=loss,
+        collate=collate,
+        names=names,
+        activation_checkpointing=checkpointing,
+        eval_dataset=eval_dataset,
+    )
 
 
 @dataclass
@@ -132,12 +149,15 @@ def check_run_dir(run_dir: str) -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
             pass
     except OSError as err:
-        raise ConfigError(f"run_dir={run_dir!r} cannot be created and written: {err.strerror or err} "
-                          f"({os.path.abspath(run_dir)}); choose another run_dir") from err
+        raise ConfigError(
+            f"run_dir={run_dir!r} cannot be created and written: {err.strerror or err} "
+            f"({os.path.abspath(run_dir)}); choose another run_dir"
+        ) from err
 
 
-def preflight(cfg: RunConfig, world_size: int | None = None, *, write: bool = True,
-              nodes: int | None = None) -> Checked:
+def preflight(
+    cfg: RunConfig, world_size: int | None = None, *, write: bool = True, nodes: int | None = None
+) -> Checked:
     """Run every check; raise ConfigError (exit 2) naming the value and the fix. ``world_size`` and
     ``nodes`` default to the local launch's (``trainer.nproc`` x ``trainer.nnodes``)."""
     world = world_size or cfg.world_size()

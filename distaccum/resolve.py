@@ -77,8 +77,13 @@ class ResolvedRun:
 
     def with_split(self, split: Split) -> ResolvedRun:
         """The same run at another split of the world (``micro_batch=auto`` trials, the planner)."""
-        return dataclasses.replace(self, split=split, auto=False, engine=dataclasses.replace(self.engine, split=split),
-                                   loop=dataclasses.replace(self.loop, split=split))
+        return dataclasses.replace(
+            self,
+            split=split,
+            auto=False,
+            engine=dataclasses.replace(self.engine, split=split),
+            loop=dataclasses.replace(self.loop, split=split),
+        )
 
     def optimizer(self, parts: Components) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
         """The optimizer factory: the user's, else ``optim.*``."""
@@ -86,16 +91,32 @@ class ResolvedRun:
 
     def summary_header(self, model_name: str) -> dict[str, Any]:
         """The run-description fields of ``summary.json``."""
-        return {"engine": self.engine.engine.name, "model": model_name, "precision": self.precision.name,
-                "sync": self.engine.sync, "replicas": self.engine.replicas,
-                "reduce_dtype": self.engine.reduce_dtype, "loss_norm": self.loop.loss_norm, "world_size": self.split.world_size,
-                "micro_batch": self.split.micro_batch, "accum_steps": self.split.accum_steps,
-                "global_batch": self.split.global_batch, "lr_scaling": self.optim.lr_scaling,
-                "base_batch": self.optim.base_batch}
+        return {
+            "engine": self.engine.engine.name,
+            "model": model_name,
+            "precision": self.precision.name,
+            "sync": self.engine.sync,
+            "replicas": self.engine.replicas,
+            "reduce_dtype": self.engine.reduce_dtype,
+            "loss_norm": self.loop.loss_norm,
+            "world_size": self.split.world_size,
+            "micro_batch": self.split.micro_batch,
+            "accum_steps": self.split.accum_steps,
+            "global_batch": self.split.global_batch,
+            "lr_scaling": self.optim.lr_scaling,
+            "base_batch": self.optim.base_batch,
+        }
 
 
-def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int = 0,
-            micro_batch: int | None = None, nodes: int = 1) -> ResolvedRun:
+def resolve(
+    cfg: RunConfig,
+    world_size: int,
+    device: torch.device,
+    *,
+    rank: int = 0,
+    micro_batch: int | None = None,
+    nodes: int = 1,
+) -> ResolvedRun:
     """Resolve ``cfg`` for ``world_size`` ranks on ``nodes`` nodes on ``device``; ``micro_batch`` is what
     ``micro_batch=auto`` chose. Raises ValueError for a split the world cannot take or a combination the
     engine cannot run."""
@@ -108,30 +129,66 @@ def resolve(cfg: RunConfig, world_size: int, device: torch.device, *, rank: int 
         split = resolve_split(accum, world_size)
     precision = Precision.of(cfg.precision)
     if cfg.log.gns and not engine_class(cfg.engine.name).supports_gns:
-        raise ValueError(f"log.gns=true reads the gradients the comm hook reduces once per step; engine="
-                         f"{cfg.engine.name} has no such hook (engines that do: ddp)")
+        raise ValueError(
+            f"log.gns=true reads the gradients the comm hook reduces once per step; engine="
+            f"{cfg.engine.name} has no such hook (engines that do: ddp)"
+        )
     if cfg.log.gns and world_size < 2:
-        raise ValueError("log.gns=true compares each rank's gradient with the reduced one: it needs at least "
-                         f"2 ranks, got world_size={world_size}")
-    replicas = resolve_replicas(cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, world_size, nodes)
+        raise ValueError(
+            "log.gns=true compares each rank's gradient with the reduced one: it needs at least "
+            f"2 ranks, got world_size={world_size}"
+        )
+    replicas = resolve_replicas(
+        cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, world_size, nodes
+    )
     sync = resolve_sync(cfg.accum.sync, replicas)
-    spec = EngineSpec(engine=cfg.engine, precision=precision, split=split, sync=sync,
-                      clip_norm=cfg.optim.clip_norm, device=device, gns=cfg.log.gns, replicas=replicas,
-                      reduce_dtype=cfg.accum.reduce_dtype,
-                      compile_mode=cfg.trainer.compile_mode if cfg.trainer.compile else None,
-                      measure_norm=(cfg.log.grad_norm or cfg.optim.clip_norm is not None
-                                    or cfg.trainer.fingerprint and world_size > 1))  # its per-tensor norms
+    spec = EngineSpec(
+        engine=cfg.engine,
+        precision=precision,
+        split=split,
+        sync=sync,
+        clip_norm=cfg.optim.clip_norm,
+        device=device,
+        gns=cfg.log.gns,
+        replicas=replicas,
+        reduce_dtype=cfg.accum.reduce_dtype,
+        compile_mode=cfg.trainer.compile_mode if cfg.trainer.compile else None,
+        measure_norm=(
+            cfg.log.grad_norm or cfg.optim.clip_norm is not None or cfg.trainer.fingerprint and world_size > 1
+        ),
+    )  # its per-tensor norms
     check_engine(spec)
-    loop = LoopSettings(split=split, max_steps=cfg.trainer.max_steps, clip_norm=cfg.optim.clip_norm,
-                        every_micro=sync == "every_micro", loss_norm=cfg.accum.loss_norm,
-                        float_dtype=torch.float64 if precision.param_dtype == torch.float64 else None,
-                        device=device, rank=rank)
-    data = DataOptions(seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last,
-                       num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor)
-    return ResolvedRun(world_size=world_size, rank=rank, device=device, split=split, auto=auto, precision=precision,
-                       engine=spec, loop=loop, data=data, model=ModelRecipe(cfg.trainer.seed, precision,
-                                                                            cfg.trainer.init_from),
-                       optim=cfg.optim, run_dir=Path(cfg.run_dir))
+    loop = LoopSettings(
+        split=split,
+        max_steps=cfg.trainer.max_steps,
+        clip_norm=cfg.optim.clip_norm,
+        every_micro=sync == "every_micro",
+        loss_norm=cfg.accum.loss_norm,
+        float_dtype=torch.float64 if precision.param_dtype == torch.float64 else None,
+        device=device,
+        rank=rank,
+    )
+    data = DataOptions(
+        seed=cfg.trainer.seed,
+        shuffle=cfg.data.shuffle,
+        drop_last=cfg.data.drop_last,
+        num_workers=cfg.data.num_workers,
+        prefetch_factor=cfg.data.prefetch_factor,
+    )
+    return ResolvedRun(
+        world_size=world_size,
+        rank=rank,
+        device=device,
+        split=split,
+        auto=auto,
+        precision=precision,
+        engine=spec,
+        loop=loop,
+        data=data,
+        model=ModelRecipe(cfg.trainer.seed, precision, cfg.trainer.init_from),
+        optim=cfg.optim,
+        run_dir=Path(cfg.run_dir),
+    )
 
 
 def resolve_sync(sync: str, replicas: int) -> str:
@@ -154,8 +211,14 @@ class Prepared:
     names: dict[str, str]
 
 
-def prepare(cfg: RunConfig, run: ResolvedRun, parts: Components, *, model: nn.Module | None = None,
-            check_components: bool = True) -> Prepared:
+def prepare(
+    cfg: RunConfig,
+    run: ResolvedRun,
+    parts: Components,
+    *,
+    model: nn.Module | None = None,
+    check_components: bool = True,
+) -> Prepared:
     """Build the model as every rank builds it (or take ``model``, built by ``run.model``) and check everything
     that needs it (ValueError on failure): activation checkpointing and the engine, the normalization probe
     (``check_components``), the data plan, the held-out set. Warns when batch-statistics layers meet
@@ -174,14 +237,23 @@ def prepare(cfg: RunConfig, run: ResolvedRun, parts: Components, *, model: nn.Mo
         warnings.warn(
             f"accumulating {run.split.accum_steps} micro-batches with batch-statistics layers "
             f"({', '.join(layers)}): their statistics are computed per micro-batch of {run.split.micro_batch}, "
-            "not over the effective batch, so results depend on the split", stacklevel=3)
+            "not over the effective batch, so results depend on the split",
+            stacklevel=3,
+        )
     eval_set = eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset)
-    return Prepared(model, checkpointed, collate, eval_set, fingerprint(cfg, run.world_size, names, parts.dataset,
-                                                                        model), names)
+    return Prepared(
+        model,
+        checkpointed,
+        collate,
+        eval_set,
+        fingerprint(cfg, run.world_size, names, parts.dataset, model),
+        names,
+    )
 
 
-def fingerprint(cfg: RunConfig, world_size: int, names: Mapping[str, str], dataset: Any,
-                model: nn.Module) -> dict[str, Any]:
+def fingerprint(
+    cfg: RunConfig, world_size: int, names: Mapping[str, str], dataset: Any, model: nn.Module
+) -> dict[str, Any]:
     """The fields a checkpoint must agree with to be resumed: the model's architecture, data, loss,
     global batch, seed, precision, optimizer and the engine's sharding. ``max_steps``, logging, the
     learning rate, the micro-batch (at a fixed global batch) and the world size (except for engines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -38,5 +39,61 @@ def nearest_valid_global_batches(global_batch: int, world_size: int) -> list[int
 
 def no_split_message(global_batch: int, world_size: int) -> str:
     near = " or ".join(str(g) for g in nearest_valid_global_batches(global_batch, world_size))
-    return (f"accum.global_batch={global_batch} has no split on world_size={world_size} ranks: it must be a "
-            f"multiple of world_size={world_size}; the nearest valid global batches are {near}")
+    return (
+        f"accum.global_batch={global_batch} has no split on world_size={world_size} ranks: it must be a "
+        f"multiple of world_size={world_size}; the nearest valid global batches are {near}"
+    )
+
+
+class Accumulation(Protocol):
+    """What a split is resolved from (``accum.*``: :class:`distaccum.config.AccumConfig`)."""
+
+    micro_batch: int | str
+    steps: int
+    global_batch: int | None
+
+    @property
+    def auto(self) -> bool: ...
+
+
+def _world(world_size: int) -> None:
+    if world_size <= 0:
+        raise ValueError(f"trainer.world_size must be > 0, got {world_size!r}")
+
+
+def check_split(accum: Accumulation, world_size: int) -> None:
+    """Raise ValueError (with the valid alternatives) when ``accum`` has no split on ``world_size``
+    ranks. With micro_batch=auto only the global batch can be checked before training starts."""
+    if accum.auto:
+        assert accum.global_batch is not None  # AccumConfig guarantees it
+        _world(world_size)
+        if accum.global_batch % world_size:
+            raise ValueError(no_split_message(accum.global_batch, world_size))
+        return
+    resolve_split(accum, world_size)
+
+
+def resolve_split(accum: Accumulation, world_size: int) -> Split:
+    """Resolve the configured split for ``world_size`` ranks, or raise ValueError with suggestions.
+
+    micro_batch=auto cannot be resolved here: the Trainer measures and picks it at setup."""
+    _world(world_size)
+    if accum.auto:
+        raise ValueError(
+            "accum.micro_batch=auto is chosen when training starts (Trainer.setup measures "
+            "it); give an explicit accum.micro_batch here (`distaccum plan` suggests one)"
+        )
+    assert isinstance(accum.micro_batch, int)
+    if accum.global_batch is None:
+        return Split(accum.micro_batch, accum.steps, world_size)
+    if accum.global_batch % world_size:
+        raise ValueError(no_split_message(accum.global_batch, world_size))
+    per_step = accum.micro_batch * world_size
+    if accum.global_batch % per_step:
+        options = valid_splits(accum.global_batch, world_size)
+        hint = ", ".join(f"micro_batch={s.micro_batch} (steps={s.accum_steps})" for s in options)
+        raise ValueError(
+            f"accum.global_batch={accum.global_batch} is not divisible by accum.micro_batch={accum.micro_batch}"
+            f" x world_size={world_size} = {per_step}. Valid splits for world_size={world_size}: {hint}."
+        )
+    return Split(accum.micro_batch, accum.global_batch // per_step, world_size)

@@ -50,8 +50,10 @@ def demo_text_file(cache_dir: Path) -> Path:
     try:
         from pydoc_data.topics import topics
     except ImportError as err:
-        raise ValueError("the demo text (CPython's pydoc_data.topics) is not installed with this Python: give "
-                         "your own text or JSONL files with data.dataset.files=[...]") from err
+        raise ValueError(
+            "the demo text (CPython's pydoc_data.topics) is not installed with this Python: give "
+            "your own text or JSONL files with data.dataset.files=[...]"
+        ) from err
     text = "\n\n".join(str(topics[name]).strip() for name in topics) + "\n"
     path = cache_dir / "demo" / DEMO_FILE
     if not path.is_file() or path.stat().st_size != len(text.encode("utf-8")):
@@ -70,22 +72,30 @@ def check_files(files: Sequence[str | Path] | str | None, cache_dir: Path, what:
         files = [files]
     paths = [Path(f).expanduser().resolve() for f in files]
     if not paths:
-        raise ValueError(f"data.dataset.{what}=[] names no file: give text (.txt) or JSONL (.jsonl) files, "
-                         "or leave it null for the demo text")
+        raise ValueError(
+            f"data.dataset.{what}=[] names no file: give text (.txt) or JSONL (.jsonl) files, "
+            "or leave it null for the demo text"
+        )
     for path in paths:
         if not path.is_file():
-            raise ValueError(f"data.dataset.{what}: {path} does not exist (relative paths are read from "
-                             f"{Path.cwd()}): give existing text or JSONL files")
+            raise ValueError(
+                f"data.dataset.{what}: {path} does not exist (relative paths are read from "
+                f"{Path.cwd()}): give existing text or JSONL files"
+            )
         if path.stat().st_size == 0:
             raise ValueError(f"data.dataset.{what}: {path} is empty: give files that hold text")
     kinds = {p.suffix.lower() in JSON_SUFFIXES for p in paths}
     if len(kinds) > 1:
-        raise ValueError(f"data.dataset.{what} mixes JSONL and plain text files ({', '.join(map(str, paths))}): "
-                         "use one kind per dataset")
+        raise ValueError(
+            f"data.dataset.{what} mixes JSONL and plain text files ({', '.join(map(str, paths))}): "
+            "use one kind per dataset"
+        )
     return paths
 
 
-def pack_blocks(docs: Iterable[Sequence[int]], block_size: int, separator: Sequence[int]) -> Iterator[list[int]]:
+def pack_blocks(
+    docs: Iterable[Sequence[int]], block_size: int, separator: Sequence[int]
+) -> Iterator[list[int]]:
     """Concatenate documents (each followed by ``separator``) and cut blocks of ``block_size`` tokens;
     the last incomplete block is dropped. The same function packs the cached and the streamed data."""
     buffer: list[int] = []
@@ -97,13 +107,17 @@ def pack_blocks(docs: Iterable[Sequence[int]], block_size: int, separator: Seque
             del buffer[:block_size]
 
 
-def tokenize_texts(texts: Sequence[Any], tokenizer: Any, text_field: str, limit: int | None) -> dict[str, list]:
+def tokenize_texts(
+    texts: Sequence[Any], tokenizer: Any, text_field: str, limit: int | None
+) -> dict[str, list]:
     """Token ids of non-empty ``texts``; with ``limit`` (variable-length samples) only documents with at
     least 2 tokens (one loss item after the shift), truncated to ``limit``, and which were truncated."""
     for text in texts:
         if not isinstance(text, str):
-            raise ValueError(f"data.dataset.text_field={text_field!r} holds a {type(text).__name__}, not text: "
-                             "name the field of each record that holds the text")
+            raise ValueError(
+                f"data.dataset.text_field={text_field!r} holds a {type(text).__name__}, not text: "
+                "name the field of each record that holds the text"
+            )
     ids = tokenizer(list(texts), verbose=False)["input_ids"] if texts else []
     if limit is None:
         return {"input_ids": [x for x in ids if len(x)]}
@@ -114,9 +128,19 @@ def tokenize_texts(texts: Sequence[Any], tokenizer: Any, text_field: str, limit:
 class _TextOptions:
     """What decides the samples: shared by the map-style and the streaming dataset."""
 
-    def __init__(self, files: Sequence[str] | str | None, *, text_field: str, sample_by: str, tokenizer: str | None,
-                 packing: bool, block_size: int, eval_fraction: float, eval_files: Sequence[str] | str | None,
-                 cache_dir: str) -> None:
+    def __init__(
+        self,
+        files: Sequence[str] | str | None,
+        *,
+        text_field: str,
+        sample_by: str,
+        tokenizer: str | None,
+        packing: bool,
+        block_size: int,
+        eval_fraction: float,
+        eval_files: Sequence[str] | str | None,
+        cache_dir: str,
+    ) -> None:
         if sample_by not in SAMPLE_BY:
             raise ValueError(f"data.dataset.sample_by={sample_by!r} is not one of {', '.join(SAMPLE_BY)}")
         if block_size < 2:
@@ -124,11 +148,15 @@ class _TextOptions:
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"data.dataset.eval_fraction must be in [0, 1), got {eval_fraction}")
         if eval_fraction and eval_files:
-            raise ValueError("data.dataset.eval_fraction and data.dataset.eval_files are both set: hold out a "
-                             "fraction of the training files or give separate eval files, not both")
+            raise ValueError(
+                "data.dataset.eval_fraction and data.dataset.eval_files are both set: hold out a "
+                "fraction of the training files or give separate eval files, not both"
+            )
         self.cache_dir = Path(cache_dir).expanduser().resolve()
         self.files = check_files(files, self.cache_dir)
-        self.eval_files = None if eval_files is None else check_files(eval_files, self.cache_dir, "eval_files")
+        self.eval_files = (
+            None if eval_files is None else check_files(eval_files, self.cache_dir, "eval_files")
+        )
         self.text_field, self.sample_by, self.tokenizer_path = text_field, sample_by, tokenizer
         self.packing, self.block_size, self.eval_fraction = packing, block_size, eval_fraction
         self.tokenizer = load_tokenizer(tokenizer)
@@ -143,9 +171,15 @@ class _TextOptions:
 
     def fingerprint(self, files: list[Path]) -> str:
         """Identity of the tokenized samples: files (path, size, mtime), tokenizer, options."""
-        stamp = {"v": FORMAT_VERSION, "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
-                 "tokenizer": tokenizer_fingerprint(self.tokenizer, self.tokenizer_path),
-                 "field": self.text_field, "by": self.sample_by, "packing": self.packing, "block": self.block_size}
+        stamp = {
+            "v": FORMAT_VERSION,
+            "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+            "tokenizer": tokenizer_fingerprint(self.tokenizer, self.tokenizer_path),
+            "field": self.text_field,
+            "by": self.sample_by,
+            "packing": self.packing,
+            "block": self.block_size,
+        }
         return hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
 
     def held_out(self, index: int) -> bool:
@@ -157,13 +191,17 @@ class _TextOptions:
         ids, or fewer positions than ``block_size`` (refused rather than truncated: the fix is a setting)."""
         rows, ids = vocab_rows(model), len(self.tokenizer)
         if rows is not None and rows < ids:
-            raise ValueError(f"the model's vocabulary has {rows} entries but the tokenizer produces ids up to "
-                             f"{ids - 1}: set model.vocab_size={ids} (or larger), or use a matching tokenizer")
+            raise ValueError(
+                f"the model's vocabulary has {rows} entries but the tokenizer produces ids up to "
+                f"{ids - 1}: set model.vocab_size={ids} (or larger), or use a matching tokenizer"
+            )
         positions = max_positions(model)
         if positions is not None and self.block_size > positions:
-            raise ValueError(f"data.dataset.block_size={self.block_size} is longer than the model's {positions} "
-                             f"positions: lower data.dataset.block_size to <= {positions} or raise "
-                             "model.positions")
+            raise ValueError(
+                f"data.dataset.block_size={self.block_size} is longer than the model's {positions} "
+                f"positions: lower data.dataset.block_size to <= {positions} or raise "
+                "model.positions"
+            )
 
 
 def _sample(ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -173,13 +211,30 @@ def _sample(ids: torch.Tensor) -> dict[str, torch.Tensor]:
 class TextFiles(Dataset):
     """Local text/JSONL files as a map-style dataset of token samples (see the module docstring)."""
 
-    def __init__(self, files: Sequence[str] | str | None = None, *, text_field: str = "text",
-                 sample_by: str = "paragraph", tokenizer: str | None = None, packing: bool = True,
-                 block_size: int = 64, eval_fraction: float = 0.0, eval_files: Sequence[str] | str | None = None,
-                 cache_dir: str = ".cache/distaccum") -> None:
-        self.options = _TextOptions(files, text_field=text_field, sample_by=sample_by, tokenizer=tokenizer,
-                                    packing=packing, block_size=block_size, eval_fraction=eval_fraction,
-                                    eval_files=eval_files, cache_dir=cache_dir)
+    def __init__(
+        self,
+        files: Sequence[str] | str | None = None,
+        *,
+        text_field: str = "text",
+        sample_by: str = "paragraph",
+        tokenizer: str | None = None,
+        packing: bool = True,
+        block_size: int = 64,
+        eval_fraction: float = 0.0,
+        eval_files: Sequence[str] | str | None = None,
+        cache_dir: str = ".cache/distaccum",
+    ) -> None:
+        self.options = _TextOptions(
+            files,
+            text_field=text_field,
+            sample_by=sample_by,
+            tokenizer=tokenizer,
+            packing=packing,
+            block_size=block_size,
+            eval_fraction=eval_fraction,
+            eval_files=eval_files,
+            cache_dir=cache_dir,
+        )
         self.tokenizer = self.options.tokenizer
         self.rows = self._tokenized(self.options.files)
         every = torch.arange(len(self.rows))
@@ -190,15 +245,23 @@ class TextFiles(Dataset):
         if not packing:
             truncated = int(sum(self.rows["truncated"]))
             if truncated:
-                warnings.warn(f"{truncated} of {len(self.rows)} samples were longer than block_size={block_size} "
-                              "tokens and were truncated to it: raise data.dataset.block_size (up to the model's "
-                              "positions) or set data.dataset.packing=true to train on every token", stacklevel=2)
+                warnings.warn(
+                    f"{truncated} of {len(self.rows)} samples were longer than block_size={block_size} "
+                    "tokens and were truncated to it: raise data.dataset.block_size (up to the model's "
+                    "positions) or set data.dataset.packing=true to train on every token",
+                    stacklevel=2,
+                )
 
     def _empty_message(self) -> str:
-        unit = (f"one block of block_size={self.options.block_size} tokens" if self.options.packing
-                else "one document of at least 2 tokens")
-        return (f"data.dataset: {', '.join(map(str, self.options.files))} hold(s) less than {unit} for training: "
-                "give more text, a smaller block_size, or (JSONL) the right text_field")
+        unit = (
+            f"one block of block_size={self.options.block_size} tokens"
+            if self.options.packing
+            else "one document of at least 2 tokens"
+        )
+        return (
+            f"data.dataset: {', '.join(map(str, self.options.files))} hold(s) less than {unit} for training: "
+            "give more text, a smaller block_size, or (JSONL) the right text_field"
+        )
 
     def _tokenized(self, files: list[Path]) -> Any:
         import datasets
@@ -206,21 +269,33 @@ class TextFiles(Dataset):
         opts = self.options
         datasets.disable_progress_bars()
         builder, kwargs = opts.load_args(files)
-        raw = datasets.load_dataset(builder, split="train", cache_dir=str(opts.cache_dir / "datasets"), **kwargs)
+        raw = datasets.load_dataset(
+            builder, split="train", cache_dir=str(opts.cache_dir / "datasets"), **kwargs
+        )
         if opts.text_field not in raw.column_names:
-            raise ValueError(f"data.dataset.text_field={opts.text_field!r} is not a field of "
-                             f"{', '.join(map(str, files))}; its records have {', '.join(raw.column_names)}: set "
-                             "data.dataset.text_field to the one that holds the text")
+            raise ValueError(
+                f"data.dataset.text_field={opts.text_field!r} is not a field of "
+                f"{', '.join(map(str, files))}; its records have {', '.join(raw.column_names)}: set "
+                "data.dataset.text_field to the one that holds the text"
+            )
         fingerprint = opts.fingerprint(files)
         limit = None if opts.packing else opts.block_size
-        rows = raw.map(lambda b: tokenize_texts(b[opts.text_field], opts.tokenizer, opts.text_field, limit),
-                       batched=True, remove_columns=raw.column_names, new_fingerprint=fingerprint)
+        rows = raw.map(
+            lambda b: tokenize_texts(b[opts.text_field], opts.tokenizer, opts.text_field, limit),
+            batched=True,
+            remove_columns=raw.column_names,
+            new_fingerprint=fingerprint,
+        )
         if opts.packing:
             separator = separator_ids(opts.tokenizer)
             # The whole dataset in one batch: packing carries across documents exactly as the stream does.
-            rows = rows.map(lambda b: {"input_ids": list(pack_blocks(b["input_ids"], opts.block_size, separator))},
-                            batched=True, batch_size=None, remove_columns=rows.column_names,
-                            new_fingerprint=f"{fingerprint}-packed")
+            rows = rows.map(
+                lambda b: {"input_ids": list(pack_blocks(b["input_ids"], opts.block_size, separator))},
+                batched=True,
+                batch_size=None,
+                remove_columns=rows.column_names,
+                new_fingerprint=f"{fingerprint}-packed",
+            )
         return rows.with_format("torch", columns=["input_ids"], output_all_columns=True)
 
     def __len__(self) -> int:
@@ -246,11 +321,16 @@ class TextFiles(Dataset):
         else:
             return None
         if not len(other.index):
-            raise ValueError("the eval split holds no samples: "
-                             + (f"{', '.join(map(str, self.options.eval_files or []))} yield none; give eval files "
-                                "with more text" if self.options.eval_files is not None else
-                                f"data.dataset.eval_fraction={self.options.eval_fraction} of {len(self.rows)} "
-                                "samples is less than one; raise it or give data.dataset.eval_files"))
+            raise ValueError(
+                "the eval split holds no samples: "
+                + (
+                    f"{', '.join(map(str, self.options.eval_files or []))} yield none; give eval files "
+                    "with more text"
+                    if self.options.eval_files is not None
+                    else f"data.dataset.eval_fraction={self.options.eval_fraction} of {len(self.rows)} "
+                    "samples is less than one; raise it or give data.dataset.eval_files"
+                )
+            )
         return other
 
     def check_model(self, model: nn.Module) -> None:
@@ -262,22 +342,41 @@ class TextStream(IterableDataset):
     """The samples of :class:`TextFiles`, in the same order, streamed from the files (``datasets``
     streaming): no cache, no length. Every iteration starts from the first file."""
 
-    def __init__(self, files: Sequence[str] | str | None = None, *, text_field: str = "text",
-                 sample_by: str = "paragraph", tokenizer: str | None = None, packing: bool = True,
-                 block_size: int = 64, eval_fraction: float = 0.0, eval_files: Sequence[str] | str | None = None,
-                 cache_dir: str = ".cache/distaccum", chunk: int = 256) -> None:
-        self.kwargs: dict[str, Any] = {"text_field": text_field, "sample_by": sample_by, "tokenizer": tokenizer, "packing": packing,
-                       "block_size": block_size, "eval_fraction": eval_fraction, "eval_files": eval_files,
-                       "cache_dir": cache_dir}
+    def __init__(
+        self,
+        files: Sequence[str] | str | None = None,
+        *,
+        text_field: str = "text",
+        sample_by: str = "paragraph",
+        tokenizer: str | None = None,
+        packing: bool = True,
+        block_size: int = 64,
+        eval_fraction: float = 0.0,
+        eval_files: Sequence[str] | str | None = None,
+        cache_dir: str = ".cache/distaccum",
+        chunk: int = 256,
+    ) -> None:
+        self.kwargs: dict[str, Any] = {
+            "text_field": text_field,
+            "sample_by": sample_by,
+            "tokenizer": tokenizer,
+            "packing": packing,
+            "block_size": block_size,
+            "eval_fraction": eval_fraction,
+            "eval_files": eval_files,
+            "cache_dir": cache_dir,
+        }
         self.files_arg = files
         self.options = _TextOptions(files, **self.kwargs)
         self.tokenizer = self.options.tokenizer
         self.chunk = chunk
         first = next(self._records(), None)  # fail here, not in a worker, on a wrong text_field
         if first is not None and text_field not in first:
-            raise ValueError(f"data.dataset.text_field={text_field!r} is not a field of the first record of "
-                             f"{self.options.files[0]}; it has {', '.join(first)}: set data.dataset.text_field "
-                             "to the one that holds the text")
+            raise ValueError(
+                f"data.dataset.text_field={text_field!r} is not a field of the first record of "
+                f"{self.options.files[0]}; it has {', '.join(first)}: set data.dataset.text_field "
+                "to the one that holds the text"
+            )
 
     def _records(self) -> Iterator[dict[str, Any]]:
         import datasets
@@ -294,13 +393,17 @@ class TextStream(IterableDataset):
         while chunk := list(islice(records, self.chunk)):
             texts = [r.get(opts.text_field) for r in chunk]
             if any(t is None for t in texts):
-                raise ValueError(f"data.dataset.text_field={opts.text_field!r} is missing from a record of "
-                                 f"{', '.join(map(str, opts.files))}")
+                raise ValueError(
+                    f"data.dataset.text_field={opts.text_field!r} is missing from a record of "
+                    f"{', '.join(map(str, opts.files))}"
+                )
             out = tokenize_texts(texts, opts.tokenizer, opts.text_field, limit)
             if not warned and any(out.get("truncated", ())):
                 warned = True
-                warnings.warn(f"samples longer than block_size={opts.block_size} tokens are truncated to it",
-                              stacklevel=2)
+                warnings.warn(
+                    f"samples longer than block_size={opts.block_size} tokens are truncated to it",
+                    stacklevel=2,
+                )
             yield from out["input_ids"]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -321,7 +424,9 @@ class TextStream(IterableDataset):
         self.options.check_model(model)
 
 
-def text_files(files: Sequence[str] | str | None = None, *, streaming: bool = False, **options: Any) -> Dataset:
+def text_files(
+    files: Sequence[str] | str | None = None, *, streaming: bool = False, **options: Any
+) -> Dataset:
     """The ``data.dataset`` factory of ``data=text_files``: :class:`TextStream` with ``streaming=true``,
     else :class:`TextFiles`. ``options`` are theirs (text_field, tokenizer, packing, block_size, ...)."""
     return TextStream(files, **options) if streaming else TextFiles(files, **options)

@@ -101,17 +101,35 @@ class Trainer:
     ``eval.*`` (default: ``dataset.held_out()`` when the dataset has it).
     """
 
-    def __init__(self, config: RunConfig | Mapping[str, Any] | None = None, *, model: ModelSpec,
-                 dataset: Dataset, loss: LossFn, collate: Callable[[list[Any]], Any] | None = None,
-                 optimizer: OptimizerFactory | None = None, stop: StopFlag | None = None,
-                 on_step: Callable[[TrainState, Record], None] | None = None,
-                 check_components: bool = True, names: dict[str, str] | None = None,
-                 activation_checkpointing: Checkpointing | list[str] = None,
-                 eval_dataset: Dataset | None = None, lag_records: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: RunConfig | Mapping[str, Any] | None = None,
+        *,
+        model: ModelSpec,
+        dataset: Dataset,
+        loss: LossFn,
+        collate: Callable[[list[Any]], Any] | None = None,
+        optimizer: OptimizerFactory | None = None,
+        stop: StopFlag | None = None,
+        on_step: Callable[[TrainState, Record], None] | None = None,
+        check_components: bool = True,
+        names: dict[str, str] | None = None,
+        activation_checkpointing: Checkpointing | list[str] = None,
+        eval_dataset: Dataset | None = None,
+        lag_records: bool | None = None,
+    ) -> None:
         self.cfg = config if isinstance(config, RunConfig) else from_mapping(config or {})
         checkpointing = parse_checkpointing(activation_checkpointing, "activation_checkpointing")
-        self.components = Components(model, dataset, loss, collate, optimizer, names,
-                                     activation_checkpointing=checkpointing, eval_dataset=eval_dataset)
+        self.components = Components(
+            model,
+            dataset,
+            loss,
+            collate,
+            optimizer,
+            names,
+            activation_checkpointing=checkpointing,
+            eval_dataset=eval_dataset,
+        )
         self.stop = stop
         self.on_step = on_step
         self.lag_records = lag_records
@@ -135,8 +153,9 @@ class Trainer:
             joined = join(self.cfg.trainer.device, self.cfg.trainer.collective_timeout_s)
             self._created_group = joined.created or self._created_group
             try:
-                self._run = self._setup(joined.device, joined.env.local_world_size, joined.env.restart_count,
-                                        joined.env.node)
+                self._run = self._setup(
+                    joined.device, joined.env.local_world_size, joined.env.restart_count, joined.env.node
+                )
             except BaseException:
                 self._leave(clean=False)
                 raise
@@ -182,12 +201,24 @@ class Trainer:
             peers = describe_peers(run.resolved.run_dir, rank)
             if peers:
                 killed = kill_stopped_peers(run.resolved.run_dir, rank, run.liveness.attempt)
-                timeout = (f"; a collective waited trainer.collective_timeout_s={self.cfg.trainer.collective_timeout_s:g}"
-                           " s and timed out" if is_timeout(err) else "")
-                print(f"distaccum: rank {rank} failed ({short_error(err)}{timeout}); the other ranks: "
-                      + "; ".join(peers)
-                      + (f". Killed stopped rank(s) {killed}: they cannot continue, and the launcher would wait "
-                         "for them" if killed else ""), file=sys.stderr, flush=True)
+                timeout = (
+                    f"; a collective waited trainer.collective_timeout_s={self.cfg.trainer.collective_timeout_s:g}"
+                    " s and timed out"
+                    if is_timeout(err)
+                    else ""
+                )
+                print(
+                    f"distaccum: rank {rank} failed ({short_error(err)}{timeout}); the other ranks: "
+                    + "; ".join(peers)
+                    + (
+                        f". Killed stopped rank(s) {killed}: they cannot continue, and the launcher would wait "
+                        "for them"
+                        if killed
+                        else ""
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
             raise
 
     def _after_step(self, state: TrainState, record: Record) -> None:
@@ -203,10 +234,17 @@ class Trainer:
         assert self._run is not None
         cfg, run = self.cfg, self._run
         if run.sink is None:
-            run.sink = build_sinks(cfg.log.console, cfg.trainer.max_steps, run.resolved.run_dir, run.resolved.rank,
-                                   wandb_config=to_mapping(cfg) if cfg.log.wandb else None,
-                                   append=bool(run.resumed_at), first_step=run.resumed_at + 1,
-                                   wandb_mode=cfg.log.wandb_mode, wandb_project=cfg.log.wandb_project)
+            run.sink = build_sinks(
+                cfg.log.console,
+                cfg.trainer.max_steps,
+                run.resolved.run_dir,
+                run.resolved.rank,
+                wandb_config=to_mapping(cfg) if cfg.log.wandb else None,
+                append=bool(run.resumed_at),
+                first_step=run.resumed_at + 1,
+                wandb_mode=cfg.log.wandb_mode,
+                wandb_project=cfg.log.wandb_project,
+            )
         return run.sink
 
     def evaluate(self) -> EvalResult | None:
@@ -218,9 +256,16 @@ class Trainer:
         if run.prepared.eval_set is None:
             return None
         state, resolved = run.state, run.resolved
-        result = evaluate(state.model, run.prepared.eval_set, run.prepared.collate, self.components.loss,
-                          micro_batch=self.cfg.eval.micro_batch or resolved.split.micro_batch, device=resolved.device,
-                          float_dtype=resolved.loop.float_dtype, forward_context=state.engine.forward_context)
+        result = evaluate(
+            state.model,
+            run.prepared.eval_set,
+            run.prepared.collate,
+            self.components.loss,
+            micro_batch=self.cfg.eval.micro_batch or resolved.split.micro_batch,
+            device=resolved.device,
+            float_dtype=resolved.loop.float_dtype,
+            forward_context=state.engine.forward_context,
+        )
         run.last_eval = (len(state.records), result)
         self._sink().log(result.record(len(state.records)))
         return result
@@ -231,13 +276,20 @@ class Trainer:
         assert self._run is not None, "nothing to finish: train first"
         cfg, run = self.cfg, self._run
         state, resolved = run.state, run.resolved
-        if run.parts.fingerprint is not None:  # a comparison still pending (training stopped before max_steps)
+        if (
+            run.parts.fingerprint is not None
+        ):  # a comparison still pending (training stopped before max_steps)
             run.parts.fingerprint.flush()
         if cfg.eval.at_end and (run.last_eval is None or run.last_eval[0] != len(state.records)):
             self.evaluate()
-        summary = summarize(resolved.summary_header(run.prepared.names["model"]), state.records, state.engine,
-                            resolved.run_dir, warmup_steps=cfg.log.warmup_steps,
-                            lr_scale=cfg.optim.lr_scale(resolved.global_batch))
+        summary = summarize(
+            resolved.summary_header(run.prepared.names["model"]),
+            state.records,
+            state.engine,
+            resolved.run_dir,
+            warmup_steps=cfg.log.warmup_steps,
+            lr_scale=cfg.optim.lr_scale(resolved.global_batch),
+        )
         if self.auto_choice is not None:
             summary["auto_micro_batch"] = self.auto_choice.as_record()
         if run.placement is not None:
@@ -278,9 +330,14 @@ class Trainer:
                 fresh_start(run_dir)
             write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": prepared.names})
             if prepared.checkpointed:
-                shown = ", ".join(prepared.checkpointed[:3]) + (", ..." if len(prepared.checkpointed) > 3 else "")
-                print(f"distaccum: activation checkpointing (non-reentrant) on {len(prepared.checkpointed)} "
-                      f"modules: {shown}", flush=True)
+                shown = ", ".join(prepared.checkpointed[:3]) + (
+                    ", ..." if len(prepared.checkpointed) > 3 else ""
+                )
+                print(
+                    f"distaccum: activation checkpointing (non-reentrant) on {len(prepared.checkpointed)} "
+                    f"modules: {shown}",
+                    flush=True,
+                )
         # From here on random draws (dropout masks) must differ between ranks, or every rank would
         # drop the same units of its different samples.
         torch.manual_seed(cfg.trainer.seed + 1_000_003 * (rank + 1))
@@ -289,40 +346,88 @@ class Trainer:
         engine = testing.intercept("engine", make_engine(resolved.engine, ledger))
         wrapped = engine.wrap(prepared.model, resolved.optimizer(self.components))  # engines own parameters
         placement = self._placement(engine, rank, rank // local_world_size if node is None else node)
-        scheduler = testing.intercept("scheduler", build_scheduler(engine.optimizer, cfg.optim, cfg.trainer.max_steps,
-                                                                   global_batch=resolved.global_batch))
+        scheduler = testing.intercept(
+            "scheduler",
+            build_scheduler(
+                engine.optimizer, cfg.optim, cfg.trainer.max_steps, global_batch=resolved.global_batch
+            ),
+        )
         if cfg.optim.lr_scaling != "none" and rank == 0:
-            print(f"distaccum: {describe_lr(cfg.optim, resolved.global_batch, float(scheduler.base_lrs[0]))}", flush=True)
-        source = testing.intercept("source", build_source(
-            self.components.dataset, prepared.collate, resolved.split, rank, cfg.trainer.max_steps, resolved.data,
-            device=device, float_dtype=resolved.loop.float_dtype))
+            print(
+                f"distaccum: {describe_lr(cfg.optim, resolved.global_batch, float(scheduler.base_lrs[0]))}",
+                flush=True,
+            )
+        source = testing.intercept(
+            "source",
+            build_source(
+                self.components.dataset,
+                prepared.collate,
+                resolved.split,
+                rank,
+                cfg.trainer.max_steps,
+                resolved.data,
+                device=device,
+                float_dtype=resolved.loop.float_dtype,
+            ),
+        )
         timer = StepTimer(device, ledger)
-        state = TrainState(wrapped, engine, scheduler, timer.watch(source))  # the timer times what the source serves
+        state = TrainState(
+            wrapped, engine, scheduler, timer.watch(source)
+        )  # the timer times what the source serves
         done = resume(state, run_dir, prepared.fingerprint, attempt=attempt) if cfg.trainer.resume else 0
         liveness = Liveness(run_dir, rank, attempt)
         liveness.beat(done)
-        checkpointer = Checkpointer(run_dir, keep=cfg.trainer.keep_checkpoints, every=cfg.trainer.checkpoint_every,
-                                    every_s=cfg.trainer.checkpoint_every_s, rank=rank,
-                                    manifest={"fingerprint": prepared.fingerprint, "engine": cfg.engine.name},
-                                    writer=testing.intercept("checkpoint_writer", CheckpointWriter()))
+        checkpointer = Checkpointer(
+            run_dir,
+            keep=cfg.trainer.keep_checkpoints,
+            every=cfg.trainer.checkpoint_every,
+            every_s=cfg.trainer.checkpoint_every_s,
+            rank=rank,
+            manifest={"fingerprint": prepared.fingerprint, "engine": cfg.engine.name},
+            writer=testing.intercept("checkpoint_writer", CheckpointWriter()),
+        )
         checkpointer.last_step = done
         fingerprint = Fingerprint(engine, run_dir, rank, world, device) if cfg.trainer.fingerprint else None
-        monitors: list[StepMonitor] = [Tripwire(engine, cfg.trainer.check_every, run_dir, record=cfg.verify.record,
-                                                first=[fingerprint] if fingerprint is not None else []),
-                                       RankStats(timer, cfg.log.rank_stats_every)]
+        monitors: list[StepMonitor] = [
+            Tripwire(
+                engine,
+                cfg.trainer.check_every,
+                run_dir,
+                record=cfg.verify.record,
+                first=[fingerprint] if fingerprint is not None else [],
+            ),
+            RankStats(timer, cfg.log.rank_stats_every),
+        ]
         if cfg.log.gns:
             monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world, rank, device))
         if cfg.trainer.compile:
             monitors.append(CompileWatch(rank, warmup_steps=max(done, 0) + 1))
         lag = records_lag(device, self.on_step is not None, self.lag_records)
         every = cfg.eval.every
-        parts = LoopParts(timer=timer, sink=NullSink(),  # the real sinks open on the first train_steps
-                          nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
-                          totals=WindowTotals(device), checkpointer=checkpointer, monitors=monitors,
-                          fingerprint=fingerprint, stop=self.stop, on_step=self._after_step, lag=lag,
-                          flush_after=(lambda step: step % every == 0) if every else None)
-        return _Run(resolved, prepared, state, parts, testing.intercept("loss", self.components.loss), checkpointer,
-                    done, liveness, placement=placement)
+        parts = LoopParts(
+            timer=timer,
+            sink=NullSink(),  # the real sinks open on the first train_steps
+            nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
+            totals=WindowTotals(device),
+            checkpointer=checkpointer,
+            monitors=monitors,
+            fingerprint=fingerprint,
+            stop=self.stop,
+            on_step=self._after_step,
+            lag=lag,
+            flush_after=(lambda step: step % every == 0) if every else None,
+        )
+        return _Run(
+            resolved,
+            prepared,
+            state,
+            parts,
+            testing.intercept("loss", self.components.loss),
+            checkpointer,
+            done,
+            liveness,
+            placement=placement,
+        )
 
     @staticmethod
     def _placement(engine: Engine, rank: int, node: int) -> dict[str, Any] | None:
@@ -332,10 +437,16 @@ class Trainer:
             return None
         placement = gather_placement(groups, node)
         if rank == 0:
-            print(f"distaccum: HSDP, {len(groups)} replicas x {len(groups[0])} shards (each replica's shard group):\n"
-                  + describe_placement(groups, placement["nodes"]), flush=True)
+            print(
+                f"distaccum: HSDP, {len(groups)} replicas x {len(groups[0])} shards (each replica's shard group):\n"
+                + describe_placement(groups, placement["nodes"]),
+                flush=True,
+            )
             for i in split_replicas(groups, placement["nodes"]):
-                print(f"distaccum: warning: replica {i}'s shard group spans nodes: its reduce-scatters (every "
-                      "micro-batch with accum.sync=replica_boundary) cross the slow link; make engine.replicas a "
-                      "multiple of the node count", flush=True)
+                print(
+                    f"distaccum: warning: replica {i}'s shard group spans nodes: its reduce-scatters (every "
+                    "micro-batch with accum.sync=replica_boundary) cross the slow link; make engine.replicas a "
+                    "multiple of the node count",
+                    flush=True,
+                )
         return placement

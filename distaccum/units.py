@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(where: str, value: int | float | str) -> int:
@@ -15,12 +24,14 @@ def parse_bytes(where: str, value: int | float | str) -> int:
     else:
         text = str(value).strip().lower().replace(" ", "")
         number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(number):] or "b"
+        unit = text[len(number) :] or "b"
         try:
             size = float(number) * _UNITS[unit]
         except (ValueError, KeyError):
-            raise ValueError(f"{where}={value!r} is not a size: write bytes or a number with a unit "
-                             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB or 6GB") from None
+            raise ValueError(
+                f"{where}={value!r} is not a size: write bytes or a number with a unit "
+                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB or 6GB"
+            ) from None
     if size <= 0:
         raise ValueError(f"{where} must be > 0, got {value!r}")
     return int(size)

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.13
+_all_gather = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)  # the name before torch 2.13
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,9 @@ class WindowTotals:
         if samples:
             self._losses.append(summed)
             self._counts.append(n_items)
-            if isinstance(n_items, torch.Tensor):  # read at reduce(): it must still hold this micro-batch's count
+            if isinstance(
+                n_items, torch.Tensor
+            ):  # read at reduce(): it must still hold this micro-batch's count
                 self._versions.append((n_items, n_items._version))
             return 1.0
         with torch.no_grad():
@@ -113,9 +117,11 @@ class WindowTotals:
         counts = self._counts
         changed = [i for i, (n, version) in enumerate(self._versions) if n._version != version]
         if changed:
-            raise ValueError("the loss returned an item count tensor and changed it in place afterwards (a buffer it "
-                             "reuses): distaccum reads the window's counts once, after its last forward, so each "
-                             "micro-batch's count must stay as returned; return a fresh tensor (n.clone()) or an int")
+            raise ValueError(
+                "the loss returned an item count tensor and changed it in place afterwards (a buffer it "
+                "reuses): distaccum reads the window's counts once, after its last forward, so each "
+                "micro-batch's count must stay as returned; return a fresh tensor (n.clone()) or an int"
+            )
         tensors = bool(self._versions)
         host = [] if tensors else [float(n) for n in counts]  # exact: integer counts below 2^53, or floats
         host += [float(stop), float(checkpoint), *(carry.floats if carry is not None else [])]
@@ -132,8 +138,11 @@ class WindowTotals:
             return
         if self._gathered is None or self._gathered.numel() != self.world * row.numel():
             self._gathered = torch.empty(self.world * row.numel(), dtype=torch.float64, device=self.device)
-            self._rows_host = (torch.empty(self._gathered.shape, dtype=torch.float64, pin_memory=True) if self._cuda
-                               else self._gathered)
+            self._rows_host = (
+                torch.empty(self._gathered.shape, dtype=torch.float64, pin_memory=True)
+                if self._cuda
+                else self._gathered
+            )
             self._rows_np = self._rows_host.numpy()
         self._work = _all_gather(self._gathered, row, async_op=True)
 
@@ -162,7 +171,9 @@ class WindowTotals:
         if self.world == 1:
             assert self._row is not None, "reduce() launches the window's collective first"
             return self._row.tolist()
-        assert self._work is not None and self._gathered is not None, "reduce() launches the window's collective first"
+        assert self._work is not None and self._gathered is not None, (
+            "reduce() launches the window's collective first"
+        )
         self._work.wait()
         if self._cuda:
             assert self._rows_host is not None
@@ -171,13 +182,20 @@ class WindowTotals:
 
     def _totals(self, flat: list[float]) -> WindowResult:
         k, width = len(self._losses), len(flat) // self.world
-        rows = [flat[r * width:(r + 1) * width] for r in range(self.world)]
-        sums = [(math.fsum(row[:k]) if all(map(math.isfinite, row[:k])) else math.nan, sum(row[k:2 * k]))
-                for row in rows]
-        counts = [n for row in rows for n in row[k:2 * k]]
-        return WindowResult(items=sum(n for _, n in sums), loss_sum=sum(s for s, _ in sums),
-                            bad_ranks=[r for r, (s, _) in enumerate(sums) if not math.isfinite(s)],
-                            stop_votes=sum(int(row[2 * k]) for row in rows),
-                            checkpoint_votes=sum(int(row[2 * k + 1]) for row in rows),
-                            items_min=min(counts), items_max=max(counts), rank_sums=sums,
-                            carried=[row[2 * k + 2:] for row in rows])
+        rows = [flat[r * width : (r + 1) * width] for r in range(self.world)]
+        sums = [
+            (math.fsum(row[:k]) if all(map(math.isfinite, row[:k])) else math.nan, sum(row[k : 2 * k]))
+            for row in rows
+        ]
+        counts = [n for row in rows for n in row[k : 2 * k]]
+        return WindowResult(
+            items=sum(n for _, n in sums),
+            loss_sum=sum(s for s, _ in sums),
+            bad_ranks=[r for r, (s, _) in enumerate(sums) if not math.isfinite(s)],
+            stop_votes=sum(int(row[2 * k]) for row in rows),
+            checkpoint_votes=sum(int(row[2 * k + 1]) for row in rows),
+            items_min=min(counts),
+            items_max=max(counts),
+            rank_sums=sums,
+            carried=[row[2 * k + 2 :] for row in rows],
+        )

@@ -15,9 +15,16 @@ from pathlib import Path
 from distaccum import config
 
 SECTIONS = {
-    "": config.RunConfig, "data": config.DataConfig, "eval": config.EvalConfig, "engine": config.EngineConfig,
-    "accum": config.AccumConfig, "optim": config.OptimConfig, "trainer": config.TrainerConfig,
-    "log": config.LogConfig, "verify": config.VerifyConfig, "slurm": config.SlurmConfig,
+    "": config.RunConfig,
+    "data": config.DataConfig,
+    "eval": config.EvalConfig,
+    "engine": config.EngineConfig,
+    "accum": config.AccumConfig,
+    "optim": config.OptimConfig,
+    "trainer": config.TrainerConfig,
+    "log": config.LogConfig,
+    "verify": config.VerifyConfig,
+    "slurm": config.SlurmConfig,
 }
 
 
@@ -28,8 +35,12 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     body = node.body
     for stmt, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
             docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 

@@ -62,8 +62,13 @@ def inject(loss: str, *faults: str) -> list[str]:
     """CLI overrides that wrap the run's loss (the ``_target_`` of a summed loss) in
     :class:`distaccum.testing.Inject` with ``faults`` (see :func:`fault`): every worker the launcher starts
     installs them when it builds its components; the product itself has no fault switch."""
-    return ["--config-dir", str(FAULTS), "loss=injected", f"loss.component={{_target_:{loss},_partial_:true}}",
-            f"loss.faults=[{','.join(faults)}]"]
+    return [
+        "--config-dir",
+        str(FAULTS),
+        "loss=injected",
+        f"loss.component={{_target_:{loss},_partial_:true}}",
+        f"loss.faults=[{','.join(faults)}]",
+    ]
 
 
 @dataclass
@@ -85,15 +90,20 @@ class Run:
         return json.loads((self.run_dir / "summary.json").read_text())
 
 
-def run_cli(command: str, run_dir: Path, *overrides: str, timeout: float = 180,
-            env: dict[str, str] | None = None) -> Run:
+def run_cli(
+    command: str, run_dir: Path, *overrides: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> Run:
     """``python -m distaccum COMMAND overrides... run_dir=RUN_DIR log.console=quiet``."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID", "SLURM_PROCID"):
         full_env.pop(var, None)  # never let a test inherit a worker environment
     proc = subprocess.run(
         [sys.executable, "-m", "distaccum", command, *overrides, "log.console=quiet", f"run_dir={run_dir}"],
-        cwd=run_dir.parent, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=run_dir.parent,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
@@ -102,8 +112,10 @@ def train(run_dir: Path, *overrides: str, timeout: float = 180, check: bool = Tr
     """Run ``distaccum train``; with ``check`` a failure shows the workers' output."""
     run = run_cli("train", run_dir, *overrides, timeout=timeout)
     if check and run.returncode != 0:
-        pytest.fail(f"distaccum train {' '.join(overrides)} exited {run.returncode}\n"
-                    f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}")
+        pytest.fail(
+            f"distaccum train {' '.join(overrides)} exited {run.returncode}\n"
+            f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-5000:]}"
+        )
     return run
 
 
@@ -121,8 +133,13 @@ def one_rank_group(device: str) -> Iterator[None]:
     if cuda:
         torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0,
-                                world_size=1, device_id=torch.device("cuda", 0) if cuda else None)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"file://{Path(tmp) / 'store'}",
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", 0) if cuda else None,
+        )
         try:
             yield
         finally:
@@ -203,8 +220,12 @@ def plan_env() -> dict[str, str]:
     """The environment of a plan's 2-rank launch: this one without a parent launch's rank variables, the
     checkout on the path, one intra-op thread, DeepSpeed on CPU with its op from the checkout's cache."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
+    )
     return env
 
 
@@ -213,9 +234,22 @@ def launch_plan(script: Path, plan: list[dict[str, Any]], root: Path, timeout: f
     2-rank torch.distributed.run launch (one intra-op thread each, DeepSpeed's op from the checkout's
     cache); fail the test with the output when the launch fails. Returns the completed process."""
     (root / "plan.json").write_text(json.dumps(plan))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(root / "plan.json")],
-                          cwd=root, env=plan_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(root / "plan.json"),
+        ],
+        cwd=root,
+        env=plan_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode:
         pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

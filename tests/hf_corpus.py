@@ -13,7 +13,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 def paragraphs(count: int, start: int = 0) -> list[str]:
     """``count`` non-empty paragraphs of the documentation topics, from paragraph ``start``."""
     found = [p.strip() for name in sorted(topics) for p in topics[name].split("\n\n") if p.strip()]
-    return found[start:start + count]
+    return found[start : start + count]
 
 
 def write_text_files(directory: Path, count: int = 240, files: int = 2) -> list[Path]:
@@ -24,7 +24,7 @@ def write_text_files(directory: Path, count: int = 240, files: int = 2) -> list[
     paths = []
     for i in range(files):
         path = directory / f"part{i}.txt"
-        path.write_text("\n\n".join(texts[i * share:(i + 1) * share]) + "\n", encoding="utf-8")
+        path.write_text("\n\n".join(texts[i * share : (i + 1) * share]) + "\n", encoding="utf-8")
         paths.append(path)
     return paths
 
@@ -38,10 +38,15 @@ def write_bpe_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<eos>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(paragraphs(300), trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>").save_pretrained(str(directory))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>").save_pretrained(
+        str(directory)
+    )
     return directory
 
 

@@ -25,8 +25,19 @@ from distaccum.cluster.local import free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM_LOCAL = REPO / "launch" / "slurm_local.sh"
-BINARIES = ("slurmctld", "slurmd", "slurmdbd", "sbatch", "srun", "squeue", "sacct", "sacctmgr",
-            "scontrol", "mariadbd", "mariadb-install-db")
+BINARIES = (
+    "slurmctld",
+    "slurmd",
+    "slurmdbd",
+    "sbatch",
+    "srun",
+    "squeue",
+    "sacct",
+    "sacctmgr",
+    "scontrol",
+    "mariadbd",
+    "mariadb-install-db",
+)
 START_TIMEOUT_S = 120
 
 
@@ -41,8 +52,9 @@ class SlurmCluster:
 
     def run(self, *argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """Run a command against this cluster and capture its text output."""
-        return subprocess.run(list(argv), env=self.env, capture_output=True, text=True, check=check,
-                              timeout=timeout)
+        return subprocess.run(
+            list(argv), env=self.env, capture_output=True, text=True, check=check, timeout=timeout
+        )
 
     def logs(self) -> str:
         """The tail of every daemon log, for assertion messages."""
@@ -59,8 +71,10 @@ def _unavailable() -> str | None:
         return "the local Slurm cluster needs root (slurmd runs jobs as their owner)"
     missing = [name for name in BINARIES if shutil.which(name) is None]
     if missing:
-        return (f"Slurm/MariaDB binaries missing ({', '.join(missing)}); "
-                "install them with launch/install_slurm.sh --with-accounting")
+        return (
+            f"Slurm/MariaDB binaries missing ({', '.join(missing)}); "
+            "install them with launch/install_slurm.sh --with-accounting"
+        )
     return None
 
 
@@ -74,15 +88,27 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
         pytest.skip(problem)
     state = tmp_path_factory.mktemp("slurm")
     ctld, slurmd, dbd, db = free_ports(4)
-    env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"),
-           "SLURM_LOCAL_CTLD_PORT": str(ctld), "SLURM_LOCAL_SLURMD_PORT": str(slurmd),
-           "SLURM_LOCAL_DBD_PORT": str(dbd), "SLURM_LOCAL_DB_PORT": str(db)}
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(state / "slurm.conf"),
+        "SLURM_LOCAL_CTLD_PORT": str(ctld),
+        "SLURM_LOCAL_SLURMD_PORT": str(slurmd),
+        "SLURM_LOCAL_DBD_PORT": str(dbd),
+        "SLURM_LOCAL_DB_PORT": str(db),
+    }
     cluster = SlurmCluster(state_dir=state, env=env)
     try:
-        start = subprocess.run([str(SLURM_LOCAL), "start", str(state), "--accounting"], env=env,
-                               capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        start = subprocess.run(
+            [str(SLURM_LOCAL), "start", str(state), "--accounting"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+        )
         if start.returncode != 0:
-            pytest.fail(f"launch/slurm_local.sh start failed:\n{start.stderr}\n{cluster.logs()}", pytrace=False)
+            pytest.fail(
+                f"launch/slurm_local.sh start failed:\n{start.stderr}\n{cluster.logs()}", pytrace=False
+            )
         yield cluster
     finally:
         subprocess.run([str(SLURM_LOCAL), "stop", str(state)], env=env, capture_output=True, timeout=120)

@@ -37,14 +37,24 @@ def batch(size: int = 4, length: int = 16, seed: int = 1) -> dict[str, torch.Ten
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
 
-@pytest.mark.parametrize("value, parsed", [(None, None), ("none", None), ("blocks", "blocks"),
-                                           (["blocks.*"], ("blocks.*",)), (("a", "b.c"), ("a", "b.c"))])
+@pytest.mark.parametrize(
+    "value, parsed",
+    [
+        (None, None),
+        ("none", None),
+        ("blocks", "blocks"),
+        (["blocks.*"], ("blocks.*",)),
+        (("a", "b.c"), ("a", "b.c")),
+    ],
+)
 def test_settings_parse(value: object, parsed: object) -> None:
     assert parse_checkpointing(value) == parsed
 
 
-@pytest.mark.parametrize("value, fragment", [("block", "write [block]"), ([], "non-empty list"),
-                                             ([""], "non-empty list"), (True, "True"), (3, "3")])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [("block", "write [block]"), ([], "non-empty list"), ([""], "non-empty list"), (True, "True"), (3, "3")],
+)
 def test_bad_settings_name_the_value(value: object, fragment: str) -> None:
     with pytest.raises(ValueError, match="model.activation_checkpointing") as err:
         parse_checkpointing(value)
@@ -61,18 +71,26 @@ def test_patterns_select_the_outermost_matches_in_model_order() -> None:
     model = gpt(depth=3)
     assert [n for n, _ in select_modules(model, ("blocks.*",))] == ["blocks.0", "blocks.1", "blocks.2"]
     assert [n for n, _ in select_modules(model, ("head", "blocks.1.mlp", "blocks.1"))] == ["blocks.1", "head"]
-    assert [n for n, _ in select_modules(model, ("blocks.?.mlp",))] == ["blocks.0.mlp", "blocks.1.mlp",
-                                                                         "blocks.2.mlp"]
+    assert [n for n, _ in select_modules(model, ("blocks.?.mlp",))] == [
+        "blocks.0.mlp",
+        "blocks.1.mlp",
+        "blocks.2.mlp",
+    ]
 
 
 def test_a_pattern_matching_nothing_is_an_error_with_examples() -> None:
-    with pytest.raises(ValueError, match=r"pattern 'layers\.\*' matches no module of TinyGPT; module names look "
-                                         r"like tok, pos, drop, blocks, ln_f, head"):
+    with pytest.raises(
+        ValueError,
+        match=r"pattern 'layers\.\*' matches no module of TinyGPT; module names look "
+        r"like tok, pos, drop, blocks, ln_f, head",
+    ):
         select_modules(gpt(), ("blocks.0", "layers.*"))
 
 
 def test_blocks_on_a_model_without_blocks_is_an_error() -> None:
-    with pytest.raises(ValueError, match=r"MLP has no blocks .* e\.g\. model\.activation_checkpointing=\[net\]"):
+    with pytest.raises(
+        ValueError, match=r"MLP has no blocks .* e\.g\. model\.activation_checkpointing=\[net\]"
+    ):
         apply_activation_checkpointing(MLP(), "blocks")
 
 
@@ -83,7 +101,10 @@ def test_names_state_dict_and_tree_are_unchanged() -> None:
     assert list(ckpt.state_dict()) == list(plain.state_dict())
     assert [n for n, _ in ckpt.named_modules()] == [n for n, _ in plain.named_modules()]
     assert [is_checkpointed(m) for m in (ckpt.blocks[0], ckpt.blocks[1], ckpt.head)] == [True, True, False]
-    assert apply_activation_checkpointing(ckpt, "none") == [] and apply_activation_checkpointing(ckpt, None) == []
+    assert (
+        apply_activation_checkpointing(ckpt, "none") == []
+        and apply_activation_checkpointing(ckpt, None) == []
+    )
 
 
 def loss_and_grads(model: nn.Module, seed: int = 7) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -159,7 +180,9 @@ def test_a_deep_copy_recomputes_its_own_weights() -> None:
         for p in fresh.parameters():
             p.mul_(0.5)
     loss_b, grads_b = loss_and_grads(fresh)
-    assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+    assert torch.equal(loss_a, loss_b) and all(
+        torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True)
+    )
 
 
 def test_reentrant_checkpointing_is_refused_where_ddp_runs() -> None:
@@ -167,8 +190,11 @@ def test_reentrant_checkpointing_is_refused_where_ddp_runs() -> None:
     model.blocks[1] = checkpoint_wrapper(model.blocks[1], checkpoint_impl=CheckpointImpl.REENTRANT)
     assert reentrant_modules(model) == ["blocks.1"]
     for engine in ("ddp", "accelerate"):
-        with pytest.raises(ValueError, match=rf"reentrant variant \(blocks\.1\); with engine={engine} DDP fails with "
-                                             "'Expected to mark a variable ready only once'"):
+        with pytest.raises(
+            ValueError,
+            match=rf"reentrant variant \(blocks\.1\); with engine={engine} DDP fails with "
+            "'Expected to mark a variable ready only once'",
+        ):
             check_engine_compatible(model, engine)
     check_engine_compatible(model, "fsdp")  # not refused where it is not known to break
     plain = gpt()

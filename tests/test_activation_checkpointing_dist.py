@@ -51,16 +51,33 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 EXTENSIONS = REPO / ".cache" / "torch_extensions"  # gitignored; DeepSpeed compiles its op once per machine
 TINY = ["model=tiny_gpt", "model.width=32", "data.dataset.seq_max=24", "data.dataset.num_samples=36"]
-LLAMA = ["--config-dir", str(FIXTURES / "conf"), "model=llama", "data.dataset.seq_max=24",
-         "data.dataset.num_samples=36"]
-SPLIT = ["accum.micro_batch=2", "accum.steps=4", "trainer.nproc=2", "trainer.max_steps=3", "log.console=quiet"]
+LLAMA = [
+    "--config-dir",
+    str(FIXTURES / "conf"),
+    "model=llama",
+    "data.dataset.seq_max=24",
+    "data.dataset.num_samples=36",
+]
+SPLIT = [
+    "accum.micro_batch=2",
+    "accum.steps=4",
+    "trainer.nproc=2",
+    "trainer.max_steps=3",
+    "log.console=quiet",
+]
 BLOCKS = "model.activation_checkpointing=blocks"
-ENGINE = {"ddp": ["engine=ddp"], "fsdp": ["engine=fsdp"], "accelerate": ["engine=accelerate"],
-          "zero3": ["engine=deepspeed", "engine.zero_stage=3", f"engine.extensions_dir={EXTENSIONS}"]}
+ENGINE = {
+    "ddp": ["engine=ddp"],
+    "fsdp": ["engine=fsdp"],
+    "accelerate": ["engine=accelerate"],
+    "zero3": ["engine=deepspeed", "engine.zero_stage=3", f"engine.extensions_dir={EXTENSIONS}"],
+}
 # name -> overrides; every "X-ckpt" run is compared with its "X-none" twin.
 RUNS: dict[str, list[str]] = {}
 for _engine in ("ddp", "fsdp", "accelerate", "zero3"):
-    _precision = "precision=fp32" if _engine == "zero3" else "precision=fp64"  # ZeRO-0 refuses fp64, 1-3 round it
+    _precision = (
+        "precision=fp32" if _engine == "zero3" else "precision=fp64"
+    )  # ZeRO-0 refuses fp64, 1-3 round it
     RUNS[f"tiny-{_engine}-none"] = [*TINY, *ENGINE[_engine], _precision]
     RUNS[f"tiny-{_engine}-ckpt"] = [*TINY, *ENGINE[_engine], _precision, BLOCKS]
 RUNS["tiny-ddp-patterns"] = [*TINY, "precision=fp64", "model.activation_checkpointing=[blocks.1.mlp,head]"]
@@ -76,8 +93,13 @@ TWINS = [name.removesuffix("-none") for name in RUNS if name.endswith("-none")]
 def hf_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     path = os.pathsep.join(p for p in (str(FIXTURES), env.get("PYTHONPATH", "")) if p)
-    env.update(PYTHONPATH=path, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(
+        PYTHONPATH=path,
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     return env
 
 
@@ -131,10 +153,14 @@ def count_training_forwards(model: torch.nn.Module) -> dict[str, Any]:
         if name and not list(module.children()):
             counts[name] = [0]
             module.register_forward_hook(
-                lambda _m, _i, _o, c=counts[name]: c.__setitem__(0, c[0] + int(torch.is_grad_enabled())))
+                lambda _m, _i, _o, c=counts[name]: c.__setitem__(0, c[0] + int(torch.is_grad_enabled()))
+            )
     flagged = [n for n, m in model.named_modules() if is_checkpointed(m)]
     # Hugging Face flags a model's layer stack as well as its layers: the layers are what recompute.
-    return {"counts": counts, "checkpointed": [n for n in flagged if not any(o.startswith(n + ".") for o in flagged)]}
+    return {
+        "counts": counts,
+        "checkpointed": [n for n in flagged if not any(o.startswith(n + ".") for o in flagged)],
+    }
 
 
 def _worker_main(plan_file: str) -> None:
@@ -148,15 +174,24 @@ def _worker_main(plan_file: str) -> None:
     def train(values: dict[str, Any]) -> None:
         cfg = from_mapping(values)
         parts = instantiate_components(cfg)
-        trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
-                          names=parts.names, activation_checkpointing=parts.activation_checkpointing)
+        trainer = Trainer(
+            cfg,
+            model=parts.model,
+            dataset=parts.dataset,
+            loss=parts.loss,
+            collate=parts.collate,
+            names=parts.names,
+            activation_checkpointing=parts.activation_checkpointing,
+        )
         forwards = count_training_forwards(trainer.setup().engine.unwrapped())
         trainer.fit()
         if dist.get_rank() == 0:
             forwards["counts"] = {k: v[0] for k, v in forwards["counts"].items()}
             (Path(cfg.run_dir) / "forwards.json").write_text(json.dumps(forwards))
 
-    plan_worker(plan_file, train, after=lambda: reentrant_demo(Path(plan_file).parent / "reentrant_demo.json"))
+    plan_worker(
+        plan_file, train, after=lambda: reentrant_demo(Path(plan_file).parent / "reentrant_demo.json")
+    )
 
 
 class Runs(PlanRuns):
@@ -169,15 +204,30 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("ckpt")
     sys.path.insert(0, str(FIXTURES))  # hf_llama, for composing the llama configs
     try:
-        plan = [to_mapping(compose_config([*SPLIT, *overrides, f"run_dir={root / name}"]))
-                for name, overrides in RUNS.items()]
+        plan = [
+            to_mapping(compose_config([*SPLIT, *overrides, f"run_dir={root / name}"]))
+            for name, overrides in RUNS.items()
+        ]
     finally:
         sys.path.remove(str(FIXTURES))
     plan_file = root / "plan.json"
     plan_file.write_text(json.dumps(plan))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(Path(__file__)), str(plan_file)],
-                          cwd=root, env=hf_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(Path(__file__)),
+            str(plan_file),
+        ],
+        cwd=root,
+        env=hf_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode:
         pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return Runs(root, proc.stdout)
@@ -214,7 +264,11 @@ def test_checkpointed_layers_really_recompute_in_backward(runs: Runs, twin: str)
         assert inside, (twin, module)
         for name in inside:  # a layer called twice per forward (a shared dropout) may be recomputed once
             assert plain["counts"][name] <= ckpt["counts"][name] <= 2 * plain["counts"][name], (twin, name)
-        assert ckpt["counts"][inside[0]] == 2 * plain["counts"][inside[0]], (twin, module, inside[0])  # from its start
+        assert ckpt["counts"][inside[0]] == 2 * plain["counts"][inside[0]], (
+            twin,
+            module,
+            inside[0],
+        )  # from its start
     outside = [n for n in plain["counts"] if not any(n.startswith(c + ".") for c in ckpt["checkpointed"])]
     for name in outside:
         assert ckpt["counts"][name] == plain["counts"][name], (twin, name)
@@ -229,7 +283,9 @@ def test_the_runs_said_what_they_checkpoint(runs: Runs) -> None:
 def test_linear_lr_scaling_doubles_every_step_lr_with_the_global_batch(runs: Runs) -> None:
     small, large = runs.records("lr-g16"), runs.records("lr-g32")
     assert [r["samples"] for r in small] == [16] * 3 and [r["samples"] for r in large] == [32] * 3
-    assert [b["lr"] / a["lr"] for a, b in zip(small, large, strict=True)] == pytest.approx([2.0] * 3, rel=1e-12)
+    assert [b["lr"] / a["lr"] for a, b in zip(small, large, strict=True)] == pytest.approx(
+        [2.0] * 3, rel=1e-12
+    )
     assert runs.summary("lr-g16")["effective_lr"] == pytest.approx(3e-3)  # the configured lr at base_batch
     assert runs.summary("lr-g32")["effective_lr"] == pytest.approx(6e-3)
     assert runs.summary("lr-g32")["lr_scaling"] == "linear" and runs.summary("lr-g32")["base_batch"] == 16
@@ -237,13 +293,24 @@ def test_linear_lr_scaling_doubles_every_step_lr_with_the_global_batch(runs: Run
 
 
 def test_the_report_shows_the_effective_lr_per_run(runs: Runs, tmp_path: Path) -> None:
-    code = report_main([str(runs.root / "lr-g16"), str(runs.root / "lr-g32"), str(runs.root / "tiny-ddp-none"),
-                        str(runs.root / "tiny-ddp-ckpt"), "--out", str(tmp_path)])
+    code = report_main(
+        [
+            str(runs.root / "lr-g16"),
+            str(runs.root / "lr-g32"),
+            str(runs.root / "tiny-ddp-none"),
+            str(runs.root / "tiny-ddp-ckpt"),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     markdown = (tmp_path / "report.md").read_text()
     assert code == 0, markdown  # tiny-ddp-ckpt agrees with tiny-ddp-none: checkpointing is comparable
     header = [c.strip() for c in markdown.splitlines()[4].strip("|").split("|")]
-    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.strip("|").split("|")]
-            for line in markdown.splitlines() if line.startswith("| `")}
+    rows = {
+        line.split("|")[1].strip(" `"): [c.strip() for c in line.strip("|").split("|")]
+        for line in markdown.splitlines()
+        if line.startswith("| `")
+    }
     col = header.index("effective lr")
     assert (rows["lr-g16"][col], rows["lr-g32"][col]) == ("0.003", "0.006")
     assert rows["tiny-ddp-ckpt"][header.index("loss curve")].startswith(("ok", "reference"))
@@ -253,7 +320,10 @@ def test_reentrant_checkpointing_breaks_ddp_and_ours_does_not(runs: Runs) -> Non
     """Why the reentrant variant is refused: the negative control fails under DDP + no_sync, the
     non-reentrant one trains and gives the plain model's gradients."""
     demo = json.loads((runs.root / "reentrant_demo.json").read_text())
-    assert not demo["reentrant"]["ok"] and "Expected to mark a variable ready only once" in demo["reentrant"]["error"]
+    assert (
+        not demo["reentrant"]["ok"]
+        and "Expected to mark a variable ready only once" in demo["reentrant"]["error"]
+    )
     assert demo["plain"]["ok"] and demo["non_reentrant"]["ok"]
     assert demo["non_reentrant"]["grad_sum"] == demo["plain"]["grad_sum"]
 
@@ -264,6 +334,7 @@ def test_hugging_face_blocks_use_its_own_non_reentrant_checkpointing() -> None:
         from hf_llama import make_llama
     finally:
         sys.path.remove(str(FIXTURES))
+
     def build(**kwargs: Any) -> torch.nn.Module:
         torch.manual_seed(0)
         return make_llama(**kwargs).double()
@@ -273,13 +344,17 @@ def test_hugging_face_blocks_use_its_own_non_reentrant_checkpointing() -> None:
     plain, ckpt = build(), build()
     assert apply_activation_checkpointing(ckpt, "blocks") == ["model.layers.0", "model.layers.1"]
     assert ckpt.is_activation_checkpointing and reentrant_modules(ckpt) == []
-    assert all(layer._gradient_checkpointing_func.keywords == {"use_reentrant": False} for layer in ckpt.model.layers)
+    assert all(
+        layer._gradient_checkpointing_func.keywords == {"use_reentrant": False} for layer in ckpt.model.layers
+    )
     kept = [saved_activation_bytes(m, token_cross_entropy, batch) for m in (plain, ckpt)]
     assert kept[1] < kept[0] / 2, kept
     for model in (plain, ckpt):
         model.zero_grad()
         token_cross_entropy(model, batch)[0].backward()
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True))
+    assert all(
+        torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True)
+    )
     # A factory that enabled the reentrant variant: "blocks" switches it to the non-reentrant one.
     factory_made = build(reentrant_checkpointing=True)
     assert reentrant_modules(factory_made) == ["model.layers.0", "model.layers.1"]
@@ -288,8 +363,14 @@ def test_hugging_face_blocks_use_its_own_non_reentrant_checkpointing() -> None:
 
 
 def cli(command: str, run_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
-                          cwd=run_dir.parent, env=hf_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
+        cwd=run_dir.parent,
+        env=hf_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
@@ -304,14 +385,20 @@ def test_verify_passes_with_checkpointing(tmp_path: Path, engine: str) -> None:
 
 
 BAD = {
-    "unknown pattern": ([*TINY, "model.activation_checkpointing=[blocks.0,layers.*]"],
-                        "pattern 'layers.*' matches no module of TinyGPT"),
+    "unknown pattern": (
+        [*TINY, "model.activation_checkpointing=[blocks.0,layers.*]"],
+        "pattern 'layers.*' matches no module of TinyGPT",
+    ),
     "base_batch 0": ([*TINY, "optim.base_batch=0"], "optim.base_batch must be > 0, got 0"),
-    "unknown rule": ([*TINY, "optim.lr_scaling=cubic", "optim.base_batch=64"],
-                     "optim.lr_scaling='cubic' is not one of none, linear, sqrt"),
-    "reentrant on ddp": ([*LLAMA, "model.reentrant_checkpointing=true", "engine=ddp"],
-                         "checkpoint activations with the reentrant variant (model.layers.0, model.layers.1); "
-                         "with engine=ddp DDP fails with 'Expected to mark a variable ready only once'"),
+    "unknown rule": (
+        [*TINY, "optim.lr_scaling=cubic", "optim.base_batch=64"],
+        "optim.lr_scaling='cubic' is not one of none, linear, sqrt",
+    ),
+    "reentrant on ddp": (
+        [*LLAMA, "model.reentrant_checkpointing=true", "engine=ddp"],
+        "checkpoint activations with the reentrant variant (model.layers.0, model.layers.1); "
+        "with engine=ddp DDP fails with 'Expected to mark a variable ready only once'",
+    ),
 }
 
 
@@ -327,13 +414,29 @@ def test_bad_values_exit_2_before_workers_start(tmp_path: Path, case: str) -> No
 
 def test_the_trade_off_benchmark_runs(tmp_path: Path) -> None:
     """``python -m benchmarks.checkpointing --smoke``: the table in docs/companions.md, CI-sized."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpointing", "--smoke", "--rounds", "1",
-                           "--out", str(tmp_path)], cwd=REPO, env=hf_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.checkpointing",
+            "--smoke",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=hf_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     (result,) = json.loads((tmp_path / "results.json").read_text())
     assert result["saved_bytes"]["blocks"] < result["saved_bytes"]["none"]
-    assert all(result["peak"][v]["peak_rss"] > 0 and len(result["step_s"][v]) == 1 for v in ("none", "blocks"))
+    assert all(
+        result["peak"][v]["peak_rss"] > 0 and len(result["step_s"][v]) == 1 for v in ("none", "blocks")
+    )
     assert "| tiny_gpt w32 (2 blocks) |" in (tmp_path / "results.md").read_text()
 
 

@@ -34,20 +34,35 @@ pytestmark = pytest.mark.unit
 MiB = 2**20
 
 
-@pytest.mark.parametrize("text, size", [("512MiB", 512 * MiB), ("6GB", 6 * 10**9), ("1.5 GiB", 3 * 2**29),
-                                        (4096, 4096), ("100", 100), ("2kib", 2048)])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("512MiB", 512 * MiB),
+        ("6GB", 6 * 10**9),
+        ("1.5 GiB", 3 * 2**29),
+        (4096, 4096),
+        ("100", 100),
+        ("2kib", 2048),
+    ],
+)
 def test_sizes_parse(text: str | int, size: int) -> None:
     assert parse_bytes("accum.memory_budget", text) == size
 
 
-@pytest.mark.parametrize("mapping, fragment", [
-    ({"accum": {"micro_batch": "auto"}}, "accum.micro_batch=auto needs accum.global_batch"),
-    ({"accum": {"micro_batch": "big", "global_batch": 8}}, "a positive integer or 'auto', got 'big'"),
-    ({"accum": {"micro_batch": "auto", "global_batch": 8, "memory_budget": "12 parsecs"}}, "is not a size"),
-    ({"accum": {"memory_budget": "-3GB"}}, "accum.memory_budget must be > 0"),
-    ({"log": {"gns": True}, "accum": {"sync": "every_micro"}}, "accum.sync=every_micro"),
-    ({"log": {"gns_ema": 1.0}}, "log.gns_ema must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "mapping, fragment",
+    [
+        ({"accum": {"micro_batch": "auto"}}, "accum.micro_batch=auto needs accum.global_batch"),
+        ({"accum": {"micro_batch": "big", "global_batch": 8}}, "a positive integer or 'auto', got 'big'"),
+        (
+            {"accum": {"micro_batch": "auto", "global_batch": 8, "memory_budget": "12 parsecs"}},
+            "is not a size",
+        ),
+        ({"accum": {"memory_budget": "-3GB"}}, "accum.memory_budget must be > 0"),
+        ({"log": {"gns": True}, "accum": {"sync": "every_micro"}}, "accum.sync=every_micro"),
+        ({"log": {"gns_ema": 1.0}}, "log.gns_ema must be in [0, 1)"),
+    ],
+)
 def test_bad_auto_budget_and_gns_config(mapping: dict, fragment: str) -> None:
     with pytest.raises(ValueError) as err:
         from_mapping(mapping)
@@ -114,12 +129,17 @@ def test_search_gives_none_when_one_sample_does_not_fit() -> None:
     best, probes = search([1, 2, 4], linear(2000, 1), BUDGET)
     assert best is None and [p.micro_batch for p in probes] == [1]
     message = str(budget_too_small(probes[0].peak_bytes, BUDGET, torch.device("cpu")))
-    assert "one sample needs" in message and "peaks at 2.0KiB" in message and "Raise accum.memory_budget" in message
+    assert (
+        "one sample needs" in message
+        and "peaks at 2.0KiB" in message
+        and "Raise accum.memory_budget" in message
+    )
 
 
 def parts() -> Components:
-    return Components(model=lambda: MLP(in_dim=8, width=32, out_dim=2), dataset=SyntheticRegression(64, 8, 2),
-                      loss=mse)
+    return Components(
+        model=lambda: MLP(in_dim=8, width=32, out_dim=2), dataset=SyntheticRegression(64, 8, 2), loss=mse
+    )
 
 
 def test_trial_window_measures_a_real_step() -> None:

@@ -63,7 +63,9 @@ def test_the_round_order_balances_positions_and_predecessors(n: int) -> None:
         counts = Counter(r[position] for r in rounds)
         assert set(counts.values()) == {cycle // n} and len(counts) == n
     pairs = Counter((a, b) for r in rounds for a, b in zip(r, r[1:], strict=False))
-    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1  # every variant after every other alike
+    assert (
+        len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+    )  # every variant after every other alike
 
 
 def test_spread_uses_inclusive_quartiles() -> None:
@@ -89,8 +91,10 @@ def test_per_round_ratios_cancel_drift_that_falls_on_both_variants() -> None:
 def test_the_median_interval_holds_95_percent_by_the_binomial(n: int) -> None:
     """x_(j) <= median <= x_(n+1-j) has probability 1 - 2 P(B <= j-1), B ~ Binomial(n, 1/2): the rank is the
     largest whose coverage reaches 95 % (min-max where none does), computed here independently."""
+
     def coverage(j: int) -> float:
         return 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2**n
+
     j = interval_rank(n)
     assert 1 <= j <= (n + 1) // 2
     assert j == 1 or coverage(j) >= 0.95
@@ -117,21 +121,32 @@ def test_verdict_reads_the_median_s_interval() -> None:
     assert verdict(spread(scatter * 8), 1.02) == "met"  # 64 rounds: x_(24)..x_(41) = 1.00..1.02
 
 
-BASE = {"ddp_no_sync": 1.0, "distaccum": 1.01, "compute_floor": 0.9, "ddp_no_sync_twin": 1.0,
-        "distaccum_compiled": 1.03, "ddp_no_sync_compiled": 1.05, "ddp_no_sync_compiled_static": 1.02,
-        "ddp_no_sync_compiled_twin": 1.05}
+BASE = {
+    "ddp_no_sync": 1.0,
+    "distaccum": 1.01,
+    "compute_floor": 0.9,
+    "ddp_no_sync_twin": 1.0,
+    "distaccum_compiled": 1.03,
+    "ddp_no_sync_compiled": 1.05,
+    "ddp_no_sync_compiled_static": 1.02,
+    "ddp_no_sync_compiled_twin": 1.05,
+}
 
 
 def _timing_record(case: str = "27.3M_micro4", k: int = 4, rounds: int = 8, **scale: float) -> dict[str, Any]:
     """A launch's record as rank 0 writes it: every variant's block times, round by round (the machine drifts)."""
     names = list(BASE)
-    spec = dataclasses.replace(launch_spec(SMOKE_CASES[0], k, steps=2, rounds=rounds, variants=tuple(names)),
-                               case=case)
+    spec = dataclasses.replace(
+        launch_spec(SMOKE_CASES[0], k, steps=2, rounds=rounds, variants=tuple(names)), case=case
+    )
     base = {**BASE, **scale}
-    return {"spec": json.loads(spec.to_json()), "orders": [round_order(names, r) for r in range(rounds)],
-            "step_s": {n: [[base[n] * (1 + 0.1 * r)] * spec.steps for r in range(rounds)] for n in names},
-            "param_rel_diff": {n: 0.0 for n in names} | {"distaccum": 2e-8, "compute_floor": 3e-3},
-            "param_reference": "ddp_no_sync"}
+    return {
+        "spec": json.loads(spec.to_json()),
+        "orders": [round_order(names, r) for r in range(rounds)],
+        "step_s": {n: [[base[n] * (1 + 0.1 * r)] * spec.steps for r in range(rounds)] for n in names},
+        "param_rel_diff": {n: 0.0 for n in names} | {"distaccum": 2e-8, "compute_floor": 3e-3},
+        "param_reference": "ddp_no_sync",
+    }
 
 
 def test_summarize_launch_takes_ratios_round_by_round() -> None:
@@ -156,8 +171,14 @@ def test_compiled_distaccum_is_judged_against_the_faster_compiled_expert_loop() 
 
 def test_the_guard_is_the_worst_split_s_median() -> None:
     rows = [summarize_launch(_timing_record(k=k, distaccum=d)) for k, d in ((1, 1.01), (4, 1.04), (16, 1.02))]
-    assert guard(rows) == {"bound": GUARD, "met": True, "worst": pytest.approx(1.04), "case": "27.3M_micro4", "k": 4,
-                           "splits": 3}
+    assert guard(rows) == {
+        "bound": GUARD,
+        "met": True,
+        "worst": pytest.approx(1.04),
+        "case": "27.3M_micro4",
+        "k": 4,
+        "splits": 3,
+    }
     rows.append(summarize_launch(_timing_record(k=8, distaccum=1.06)))
     assert guard(rows)["met"] is False and guard(rows)["k"] == 8
     assert guard([]) is None
@@ -172,16 +193,34 @@ def test_a_run_without_the_expert_loop_compares_parameters_with_its_first_hand_w
 # -- results, the stored files and the page ------------------------------------------------------------------------
 
 
-META = {"commit": "0123456789ab", "uncommitted_changes": False, "source_sha256": "feedfacecafe", "date": "2026-11-28",
-        "command": "python -m benchmarks.run --out runs/bench", "torch": "2.13.0+cpu", "python": "3.11.7",
-        "accelerate": "1.15.0", "deepspeed": "0.19.8", "platform": "linux", "cpu": "AMD EPYC", "logical_cpus": 2,
-        "threads": "1 intra-op thread per rank", "world_size": 2, "device": "cpu", "device_name": "cpu",
-        "backend": "gloo", "precision": "fp32"}
+META = {
+    "commit": "0123456789ab",
+    "uncommitted_changes": False,
+    "source_sha256": "feedfacecafe",
+    "date": "2026-11-28",
+    "command": "python -m benchmarks.run --out runs/bench",
+    "torch": "2.13.0+cpu",
+    "python": "3.11.7",
+    "accelerate": "1.15.0",
+    "deepspeed": "0.19.8",
+    "platform": "linux",
+    "cpu": "AMD EPYC",
+    "logical_cpus": 2,
+    "threads": "1 intra-op thread per rank",
+    "world_size": 2,
+    "device": "cpu",
+    "device_name": "cpu",
+    "backend": "gloo",
+    "precision": "fp32",
+}
 
 
 def _ops(k: int) -> dict[str, Any]:
-    return {"k": k, "expert": {"ops": 4 * k + 8, "names": {"aten::div": k, "aten::slice": 2 * k}},
-            "distaccum": {"ops": 4 * k + 14, "names": {"aten::mul": k, "aten::slice": 2 * k, "aten::stack": 2}}}
+    return {
+        "k": k,
+        "expert": {"ops": 4 * k + 8, "names": {"aten::div": k, "aten::slice": 2 * k}},
+        "distaccum": {"ops": 4 * k + 14, "names": {"aten::mul": k, "aten::slice": 2 * k, "aten::stack": 2}},
+    }
 
 
 def _results(device: str = "cpu", smoke: bool = False) -> dict[str, Any]:
@@ -190,20 +229,51 @@ def _results(device: str = "cpu", smoke: bool = False) -> dict[str, Any]:
     for case in FULL_CASES:
         for k in case.ks:
             row = summarize_launch(_timing_record(case.name, k))
-            row.update({"status": "ok", "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}})
+            row.update(
+                {"status": "ok", "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}}
+            )
             timing.append(row)
-    memory = [{"case": case.name, "k": k, "variant": variant, "sync": "auto", "status": "ok",
-               "step_s": spread([0.01, 0.012]).as_dict(), "step_peak_mb": peak, "process_peak_mb": peak + 10,
-               "setup_peak_mb": 300.0, "records": {"comm_rounds": 1.0, "comm_bytes": 7e6},
-               "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""}}
-              for case in FULL_CASES for k in case.sweep_ks for variant, peak in
-              (("distaccum", 500.0 if k == 1 else 505.0), ("distaccum_fsdp", 400.0 if k == 1 else 450.0))]
-    cases = {c.name: {"about": c.about, "params": c.shape.num_params(), "micro_batch": c.micro_batch}
-             for c in FULL_CASES}
-    return {"meta": {**META, "device": device}, "settings": {"smoke": smoke, "rounds": 100000, "budget_s": BUDGET_S,
-                                                            "block_steps": 1, "sweep_env": {}},
-            "cases": cases, "finished": True, "wall_s": 1.0, "timing": timing, "memory": memory,
-            "host_ops": {"1": _ops(1), "16": _ops(16)}}
+    memory = [
+        {
+            "case": case.name,
+            "k": k,
+            "variant": variant,
+            "sync": "auto",
+            "status": "ok",
+            "step_s": spread([0.01, 0.012]).as_dict(),
+            "step_peak_mb": peak,
+            "process_peak_mb": peak + 10,
+            "setup_peak_mb": 300.0,
+            "records": {"comm_rounds": 1.0, "comm_bytes": 7e6},
+            "launch": {"ok": True, "wall_s": 9.0, "load_1m": [1.5, 2.1], "error": ""},
+        }
+        for case in FULL_CASES
+        for k in case.sweep_ks
+        for variant, peak in (
+            ("distaccum", 500.0 if k == 1 else 505.0),
+            ("distaccum_fsdp", 400.0 if k == 1 else 450.0),
+        )
+    ]
+    cases = {
+        c.name: {"about": c.about, "params": c.shape.num_params(), "micro_batch": c.micro_batch}
+        for c in FULL_CASES
+    }
+    return {
+        "meta": {**META, "device": device},
+        "settings": {
+            "smoke": smoke,
+            "rounds": 100000,
+            "budget_s": BUDGET_S,
+            "block_steps": 1,
+            "sweep_env": {},
+        },
+        "cases": cases,
+        "finished": True,
+        "wall_s": 1.0,
+        "timing": timing,
+        "memory": memory,
+        "host_ops": {"1": _ops(1), "16": _ops(16)},
+    }
 
 
 def test_a_run_is_stored_as_one_file_per_part_each_with_the_code_and_environment() -> None:
@@ -211,7 +281,11 @@ def test_a_run_is_stored_as_one_file_per_part_each_with_the_code_and_environment
     assert set(parts) == {"cpu-timing.json", "cpu-memory.json", "host-ops.json"}
     assert all(stored["meta"] == META for stored in parts.values())
     assert "orders" not in parts["cpu-timing.json"]["timing"][0]  # runs/ keeps them
-    assert set(report.parts_of(_results(device="cuda"))) == {"gpu-timing.json", "gpu-memory.json", "host-ops.json"}
+    assert set(report.parts_of(_results(device="cuda"))) == {
+        "gpu-timing.json",
+        "gpu-memory.json",
+        "host-ops.json",
+    }
     assert all(report.problems(stored) == [] for stored in parts.values())
 
 
@@ -243,13 +317,23 @@ def test_storing_refuses_what_must_not_become_a_figure() -> None:
 def test_the_tables_show_what_ran_where_and_every_column() -> None:
     parts = report.parts_of(_results())
     text = report.section_body("cpu-timing", parts)
-    for fragment in ("commit `0123456789ab`", "sources sha256 `feedfacecafe`", "torch 2.13.0+cpu", "AMD EPYC, 2 logical "
-                     "CPUs", "world 2, 1 intra-op thread per rank", "Stored: `docs/results/cpu-timing.json`",
-                     "| 27.3M_micro4 (27.3M params, micro-batch 4) | 1 | 8 | 1.010 (1.010-1.010) |",
-                     "1.010 (1.010-1.010) vs static", "blocks of 1 optimizer step(s) per variant, whole cycles of rounds",
-                     "Same work:", "distaccum 2.0e-08", "The compute floor, which averages nothing over ranks, differs "
-                     "by 3.0e-03", "Regression guard (median of distaccum / expert <= 1.05 at every split, this run as "
-                     "measured): met; the largest median is 1.010", "12 met of 12"):
+    for fragment in (
+        "commit `0123456789ab`",
+        "sources sha256 `feedfacecafe`",
+        "torch 2.13.0+cpu",
+        "AMD EPYC, 2 logical CPUs",
+        "world 2, 1 intra-op thread per rank",
+        "Stored: `docs/results/cpu-timing.json`",
+        "| 27.3M_micro4 (27.3M params, micro-batch 4) | 1 | 8 | 1.010 (1.010-1.010) |",
+        "1.010 (1.010-1.010) vs static",
+        "blocks of 1 optimizer step(s) per variant, whole cycles of rounds",
+        "Same work:",
+        "distaccum 2.0e-08",
+        "The compute floor, which averages nothing over ranks, differs by 3.0e-03",
+        "Regression guard (median of distaccum / expert <= 1.05 at every split, this run as "
+        "measured): met; the largest median is 1.010",
+        "12 met of 12",
+    ):
         assert fragment in text, fragment
     memory = report.section_body("cpu-memory", parts)
     assert "| distaccum | ddp | auto | 500 -> 505 | 1.010 |" in memory and "| 400 -> 450 | 1.125 |" in memory
@@ -257,7 +341,10 @@ def test_the_tables_show_what_ran_where_and_every_column() -> None:
     ops = report.section_body("host-ops", parts)
     assert "| 16 | 72 | 78 | +6 |" in ops and "+0 operators per micro-batch, +6 per step" in ops
     targets = report.section_body("targets", parts)
-    assert "| distaccum / expert <= 1.02 | CPU |" in targets and "grows: 27.3M_micro4 distaccum_fsdp 1.125" in targets
+    assert (
+        "| distaccum / expert <= 1.02 | CPU |" in targets
+        and "grows: 27.3M_micro4 distaccum_fsdp 1.125" in targets
+    )
     assert "| guard: distaccum / expert median <= 1.05 at every split | CPU | largest 1.010" in targets
 
 
@@ -271,7 +358,9 @@ def test_the_page_is_the_render_of_the_stored_results() -> None:
     """BENCHMARKS.md's generated sections are exactly what ``python -m benchmarks.report`` renders from
     docs/results/: a figure edited by hand, or a stored result not rendered, fails here."""
     text = (ROOT / "BENCHMARKS.md").read_text()
-    assert report.render_doc(text, report.load_store(report.STORE)) == text, "run `python -m benchmarks.report`"
+    assert report.render_doc(text, report.load_store(report.STORE)) == text, (
+        "run `python -m benchmarks.report`"
+    )
     assert all(report.markers(section)[0] in text for section in report.SECTIONS)
     assert len(text.splitlines()) <= 300
 
@@ -279,7 +368,10 @@ def test_the_page_is_the_render_of_the_stored_results() -> None:
 def test_rendering_replaces_only_the_generated_sections() -> None:
     begin, end = report.markers("cpu-timing")
     doc = f"# B\n\nprose above\n\n{begin}\n\nold figures\n\n{end}\n\nprose below\n"
-    assert report.replace_section(doc, "cpu-timing", "new") == f"# B\n\nprose above\n\n{begin}\n\nnew\n\n{end}\n\nprose below\n"
+    assert (
+        report.replace_section(doc, "cpu-timing", "new")
+        == f"# B\n\nprose above\n\n{begin}\n\nnew\n\n{end}\n\nprose below\n"
+    )
     with pytest.raises(ValueError, match="bench:gpu-timing"):
         report.replace_section(doc, "gpu-timing", "x")
 
@@ -299,23 +391,38 @@ def test_make_bench_docs_stores_a_run_and_renders_the_page_from_it(tmp_path: Pat
     doc.write_text(text.replace("1.010 (1.010-1.010)", "0.990 (0.980-1.000)", 1))
     assert report.main(["--check", "--results-dir", str(store), "--doc", str(doc)]) == 1
     results.write_text(json.dumps(_results(smoke=True)))
-    assert report.main(["--store", str(results), "--doc", str(doc), "--check"]) == 1  # refused for docs/results
+    assert (
+        report.main(["--store", str(results), "--doc", str(doc), "--check"]) == 1
+    )  # refused for docs/results
     assert report.main(["--store", str(tmp_path / "missing.json"), "--doc", str(doc)]) == 2
 
 
 def test_the_hsdp_table_goes_into_its_section(tmp_path: Path) -> None:
     results = _results()
-    results["memory"] = [{**row, "variant": variant, "records": {"comm_rounds": 1.0, "comm_calls": 8.0, "comm_bytes":
-                                                                  2**20, "comm_rounds_replicate": 1.0,
-                                                                  "comm_calls_replicate": 8.0,
-                                                                  "comm_bytes_replicate": 2**19}}
-                         for row in results["memory"][:4] for variant in ("distaccum_hsdp_replica_boundary",)]
+    results["memory"] = [
+        {
+            **row,
+            "variant": variant,
+            "records": {
+                "comm_rounds": 1.0,
+                "comm_calls": 8.0,
+                "comm_bytes": 2**20,
+                "comm_rounds_replicate": 1.0,
+                "comm_calls_replicate": 8.0,
+                "comm_bytes_replicate": 2**19,
+            },
+        }
+        for row in results["memory"][:4]
+        for variant in ("distaccum_hsdp_replica_boundary",)
+    ]
     path, doc = tmp_path / "hsdp.json", tmp_path / "multinode.md"
     path.write_text(json.dumps(results))
     begin, end = report.markers("hsdp")
     doc.write_text(f"# M\n\n{begin}\n\nold\n\n{end}\n")
     assert report.main(["--hsdp", str(path), "--doc", str(doc)]) == 0
-    assert "| HSDP, replica_boundary (default) | 16 | 1 / 8 / 1.0 MiB | 1 / 8 / 512.0 KiB |" in doc.read_text()
+    assert (
+        "| HSDP, replica_boundary (default) | 16 | 1 / 8 / 1.0 MiB | 1 / 8 / 512.0 KiB |" in doc.read_text()
+    )
 
 
 # -- the run's options ---------------------------------------------------------------------------------------------
@@ -328,8 +435,15 @@ class Launches:
     def __init__(self, out: Path) -> None:
         self.out, self.calls, self.seen = out, [], []
 
-    def __call__(self, module: str, args: list[str], world: int, log: Path, timeout_s: float,
-                 env: dict[str, str] | None = None) -> Launch:
+    def __call__(
+        self,
+        module: str,
+        args: list[str],
+        world: int,
+        log: Path,
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+    ) -> Launch:
         self.calls.append((args[0], Spec.from_json(args[1])))
         on_disk = self.out / "results.json"
         self.seen.append(json.loads(on_disk.read_text()) if on_disk.exists() else None)
@@ -345,7 +459,9 @@ def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Launches:
     return launches
 
 
-def test_make_bench_times_every_split_step_by_step_for_a_time_budget(tmp_path: Path, launched: Launches) -> None:
+def test_make_bench_times_every_split_step_by_step_for_a_time_budget(
+    tmp_path: Path, launched: Launches
+) -> None:
     """The defaults: every full case and K with ``TIMED`` in one-step blocks for ``BUDGET_S`` seconds of whole cycles,
     then ``SWEPT`` at K = 1 and 16 in fresh processes; the GPU case is not run on a CPU."""
     assert run_main(["--device", "cpu", "--ops", "none", "--out", str(tmp_path)]) == 1
@@ -354,16 +470,24 @@ def test_make_bench_times_every_split_step_by_step_for_a_time_budget(tmp_path: P
     assert [(s.case, s.accum_steps) for s in timing] == [(c.name, k) for c in FULL_CASES for k in c.ks]
     assert all((s.steps, s.budget_s, s.rounds, s.variants) == (1, BUDGET_S, 100_000, TIMED) for s in timing)
     assert [(s.case, s.accum_steps, s.variants) for s in memory] == [
-        (c.name, k, (v,)) for c in FULL_CASES for k in c.sweep_ks for v in SWEPT]
+        (c.name, k, (v,)) for c in FULL_CASES for k in c.sweep_ks for v in SWEPT
+    ]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["finished"] is True and results["meta"]["world_size"] == 2 and results["meta"]["device"] == "cpu"
+    assert (
+        results["finished"] is True
+        and results["meta"]["world_size"] == 2
+        and results["meta"]["device"] == "cpu"
+    )
     assert [r["status"] for r in results["timing"]] == ["failed"] * len(timing)
 
 
 def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, launched: Launches) -> None:
     """A run stopped part-way (a lease that ends, a timeout) keeps the launches it finished: results.json is
     rewritten after each one, ``finished`` false until the end."""
-    assert run_main(["--smoke", "--sweep", "none", "--ops", "none", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert (
+        run_main(["--smoke", "--sweep", "none", "--ops", "none", "--device", "cpu", "--out", str(tmp_path)])
+        == 1
+    )
     seen = launched.seen
     assert seen[0] is None and seen[1]["finished"] is False
     assert [(r["case"], r["k"], r["status"]) for r in seen[1]["timing"]] == [("smoke", 1, "failed")]
@@ -372,11 +496,16 @@ def test_a_run_keeps_each_launch_on_disk_as_it_finishes(tmp_path: Path, launched
     assert "Smoke run" in (tmp_path / "results.md").read_text()
 
 
-def test_bad_options_are_refused_before_any_launch(tmp_path: Path, launched: Launches,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    for bad, said in ((["--cases", "27.3M_micro4,nope"], "no case nope"), (["--variants", "horovod"], "horovod"),
-                      (["--block-steps", "0"], "at least 1"), (["--rounds", "0"], "at least 1"),
-                      (["--variants", "accelerate,distaccum_accelerate"], "singleton")):
+def test_bad_options_are_refused_before_any_launch(
+    tmp_path: Path, launched: Launches, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for bad, said in (
+        (["--cases", "27.3M_micro4,nope"], "no case nope"),
+        (["--variants", "horovod"], "horovod"),
+        (["--block-steps", "0"], "at least 1"),
+        (["--rounds", "0"], "at least 1"),
+        (["--variants", "accelerate,distaccum_accelerate"], "singleton"),
+    ):
         assert run_main([*bad, "--device", "cpu", "--out", str(tmp_path)]) == 2
         assert said in capsys.readouterr().err
     assert launched.calls == []
@@ -418,14 +547,37 @@ def test_every_distaccum_variant_is_a_valid_configuration(tmp_path: Path) -> Non
 
 
 def test_the_distaccum_variant_changes_only_the_documented_settings(tmp_path: Path) -> None:
-    cfg = to_mapping(from_mapping(distaccum_config(launch_spec(FULL_CASES[1], 4, steps=1, rounds=8), tmp_path)))
+    cfg = to_mapping(
+        from_mapping(distaccum_config(launch_spec(FULL_CASES[1], 4, steps=1, rounds=8), tmp_path))
+    )
     default = to_mapping(RunConfig())
-    changed = {f"{section}.{key}" for section, values in cfg.items() if isinstance(values, dict)
-               for key, value in values.items() if default[section][key] != value}
-    assert changed == {"accum.micro_batch", "optim.schedule", "optim.warmup_steps", "optim.clip_norm",
-                       "trainer.max_steps", "trainer.device", "trainer.check_every", "trainer.checkpoint_every",
-                       "trainer.save_final", "data.shuffle", "log.console", "log.warmup_steps", "log.grad_norm"}
-    assert cfg["log"]["ledger"] is True and cfg["trainer"]["fingerprint"] is True and cfg["engine"]["name"] == "ddp"
+    changed = {
+        f"{section}.{key}"
+        for section, values in cfg.items()
+        if isinstance(values, dict)
+        for key, value in values.items()
+        if default[section][key] != value
+    }
+    assert changed == {
+        "accum.micro_batch",
+        "optim.schedule",
+        "optim.warmup_steps",
+        "optim.clip_norm",
+        "trainer.max_steps",
+        "trainer.device",
+        "trainer.check_every",
+        "trainer.checkpoint_every",
+        "trainer.save_final",
+        "data.shuffle",
+        "log.console",
+        "log.warmup_steps",
+        "log.grad_norm",
+    }
+    assert (
+        cfg["log"]["ledger"] is True
+        and cfg["trainer"]["fingerprint"] is True
+        and cfg["engine"]["name"] == "ddp"
+    )
 
 
 def test_the_harness_patches_nothing_of_the_library_and_stays_small() -> None:
@@ -436,11 +588,19 @@ def test_the_harness_patches_nothing_of_the_library_and_stays_small() -> None:
     assert len(files) <= 12, sorted(p.name for p in files)
     for path in (p for p in files if p.suffix == ".py"):
         tree = ast.parse(path.read_text())
-        library = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
-                   if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distaccum")
-                   for alias in node.names}
-        library |= {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                    for alias in node.names if alias.name.startswith("distaccum")}
+        library = {
+            alias.asname or alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distaccum")
+            for alias in node.names
+        }
+        library |= {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.startswith("distaccum")
+        }
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distaccum"):
                 assert not any(a.name.startswith("_") for a in node.names), (path.name, ast.dump(node))
@@ -509,8 +669,9 @@ def test_bf16_reaches_every_variant(tmp_path: Path) -> None:
     spec = launch_spec(SMOKE_CASES[0], 2, steps=1, precision="bf16")
     assert Spec.from_json(spec.to_json()).precision == "bf16"
     assert distaccum_config(spec, tmp_path)["precision"] == "bf16"
-    loop = HAND_WRITTEN["compute_floor"]("compute_floor", spec, BenchData(spec, world_size=1), 0,
-                                         torch.device("cpu"), HostClock())
+    loop = HAND_WRITTEN["compute_floor"](
+        "compute_floor", spec, BenchData(spec, world_size=1), 0, torch.device("cpu"), HostClock()
+    )
     seen: list[torch.dtype] = []
     loop.model.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     assert loop.loss(loop.model, loop.windows[0][0], 2).dtype == torch.float32 and seen == [torch.bfloat16]
@@ -536,11 +697,18 @@ def test_every_documented_benchmark_command_parses() -> None:
     from benchmarks.run import _options, parse_args
 
     pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
-    commands = [" ".join(c.split()) for page in pages
-                for c in re.findall(r"`(python -m benchmarks\.run\b[^`]*)`", page.read_text(), re.S)]
-    commands += [" ".join(line.split("#")[0].split()) for page in pages for block in
-                 re.findall(r"```(?:bash)?\n(.*?)```", page.read_text(), re.S) for line in block.splitlines()
-                 if line.strip().startswith("python -m benchmarks.run")]
+    commands = [
+        " ".join(c.split())
+        for page in pages
+        for c in re.findall(r"`(python -m benchmarks\.run\b[^`]*)`", page.read_text(), re.S)
+    ]
+    commands += [
+        " ".join(line.split("#")[0].split())
+        for page in pages
+        for block in re.findall(r"```(?:bash)?\n(.*?)```", page.read_text(), re.S)
+        for line in block.splitlines()
+        if line.strip().startswith("python -m benchmarks.run")
+    ]
     checked = [c for c in commands if "..." not in c]
     assert len(checked) >= 4, commands
     for command in checked:

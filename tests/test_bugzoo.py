@@ -24,11 +24,21 @@ from distaccum.verify.bugzoo import BUGS, Row, render
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 ISSUE_BUGS = (
-    "loss/K with variable-length items", "the mean-per-micro-batch normalisation", "no_sync on the wrong micro-batch",
-    "a rank that skips the reduction", "static_graph=True with no_sync", "loss scaled twice (DeepSpeed)",
-    "partial window scaled by K", "scheduler stepped per micro-batch", "clipping per micro-batch",
-    "GradScaler updated per micro-batch", "gradients not zeroed between windows", "gradients wiped mid-window",
-    "BatchNorm statistics per micro-batch", "dropout RNG shared across ranks", "every rank reading the same samples",
+    "loss/K with variable-length items",
+    "the mean-per-micro-batch normalisation",
+    "no_sync on the wrong micro-batch",
+    "a rank that skips the reduction",
+    "static_graph=True with no_sync",
+    "loss scaled twice (DeepSpeed)",
+    "partial window scaled by K",
+    "scheduler stepped per micro-batch",
+    "clipping per micro-batch",
+    "GradScaler updated per micro-batch",
+    "gradients not zeroed between windows",
+    "gradients wiped mid-window",
+    "BatchNorm statistics per micro-batch",
+    "dropout RNG shared across ranks",
+    "every rank reading the same samples",
 )
 """The bugs issue 23 lists, in its words."""
 
@@ -38,8 +48,14 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
     run_dir = tmp_path_factory.mktemp("zoo") / "zoo"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     # From the repository root: DeepSpeed's compiled op is cached in .cache/torch_extensions there.
-    run = subprocess.run([sys.executable, "-m", "distaccum", "bugzoo", "--run-dir", str(run_dir)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=380)
+    run = subprocess.run(
+        [sys.executable, "-m", "distaccum", "bugzoo", "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
     assert (run_dir / "bugzoo.json").is_file(), run.stdout[-3000:] + run.stderr[-3000:]
     return run, json.loads((run_dir / "bugzoo.json").read_text())
 

@@ -24,16 +24,23 @@ from distaccum.trainer import Trainer
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("cpu_group")]  # conftest: one gloo rank
 
 
-
 def trainer(run_dir: Path, width: int = 16, on_step: Any = None, **sections: Any) -> Trainer:
-    cfg: dict[str, Any] = {"trainer": {"nproc": 1, "max_steps": 6, "check_every": 0, "checkpoint_every": 2,
-                                       "save_final": False},
-                           "accum": {"micro_batch": 2, "steps": 2}, "precision": "fp64",
-                           "log": {"console": "quiet"}, "run_dir": str(run_dir)}
+    cfg: dict[str, Any] = {
+        "trainer": {"nproc": 1, "max_steps": 6, "check_every": 0, "checkpoint_every": 2, "save_final": False},
+        "accum": {"micro_batch": 2, "steps": 2},
+        "precision": "fp64",
+        "log": {"console": "quiet"},
+        "run_dir": str(run_dir),
+    }
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
-    return Trainer(cfg, model=lambda: MLP(32, width, 2, 8), dataset=SyntheticRegression(64), loss=losses.mse,
-                   on_step=on_step)
+    return Trainer(
+        cfg,
+        model=lambda: MLP(32, width, 2, 8),
+        dataset=SyntheticRegression(64),
+        loss=losses.mse,
+        on_step=on_step,
+    )
 
 
 def params(t: Trainer) -> torch.Tensor:
@@ -78,8 +85,12 @@ def test_resume_is_bit_identical_and_allows_harmless_changes(tmp_path: Path) -> 
     straight.fit()
     first = trainer(tmp_path / "split", trainer={"max_steps": 5}, optim={"schedule": "constant"})
     first.fit()  # finished: its last checkpoint (step 5) is kept next to final/
-    more = trainer(tmp_path / "split", trainer={"max_steps": 10, "check_every": 3}, optim={"schedule": "constant"},
-                   log={"warmup_steps": 2})
+    more = trainer(
+        tmp_path / "split",
+        trainer={"max_steps": 10, "check_every": 3},
+        optim={"schedule": "constant"},
+        log={"warmup_steps": 2},
+    )
     state = more.setup()
     assert state.source.next_step == 5
     more.fit()
@@ -87,13 +98,18 @@ def test_resume_is_bit_identical_and_allows_harmless_changes(tmp_path: Path) -> 
     assert torch.equal(params(more), params(straight))
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"width": 24}, "model:"),
-    ({"accum": {"micro_batch": 4, "steps": 2}}, "global_batch: 4 in the checkpoint, 8 now"),
-    ({"trainer": {"seed": 1}}, "trainer.seed: 0 in the checkpoint, 1 now"),
-    ({"optim": {"name": "sgd"}}, "optim.name"),
-])
-def test_a_change_that_breaks_the_run_is_refused_naming_the_field(tmp_path: Path, change: dict, field: str) -> None:
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"width": 24}, "model:"),
+        ({"accum": {"micro_batch": 4, "steps": 2}}, "global_batch: 4 in the checkpoint, 8 now"),
+        ({"trainer": {"seed": 1}}, "trainer.seed: 0 in the checkpoint, 1 now"),
+        ({"optim": {"name": "sgd"}}, "optim.name"),
+    ],
+)
+def test_a_change_that_breaks_the_run_is_refused_naming_the_field(
+    tmp_path: Path, change: dict, field: str
+) -> None:
     trainer(tmp_path).fit()
     with pytest.raises(ResumeError) as err:
         trainer(tmp_path, **change).setup()
@@ -110,8 +126,10 @@ def test_resume_false_starts_afresh(tmp_path: Path) -> None:
 
 def test_a_failed_write_leaves_the_previous_checkpoint_and_stops(tmp_path: Path) -> None:
     run = trainer(tmp_path)
-    with injected(FullDisk(step=4)), \
-            pytest.raises(CheckpointError, match="after step 4 failed .*No space left on device.*step-00000002"):
+    with (
+        injected(FullDisk(step=4)),
+        pytest.raises(CheckpointError, match="after step 4 failed .*No space left on device.*step-00000002"),
+    ):
         run.fit()
     root = checkpoint_root(tmp_path)
     assert [p.name for p in candidates(root)] == ["step-00000002"] and problems(root / "step-00000002") == []
@@ -119,7 +137,9 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_stops(tmp_path: Path)
 
 
 def test_time_based_checkpoints(tmp_path: Path) -> None:
-    trainer(tmp_path, trainer={"checkpoint_every": 0, "checkpoint_every_s": 1e-9, "keep_checkpoints": 10}).fit()
+    trainer(
+        tmp_path, trainer={"checkpoint_every": 0, "checkpoint_every_s": 1e-9, "keep_checkpoints": 10}
+    ).fit()
     assert len(candidates(checkpoint_root(tmp_path))) == 6  # due at every step
 
 
@@ -133,8 +153,9 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_model_as_it_was(tmp_path: P
     with injected(NanLoss(step=3)):
         run.fit()
     records = run.state.records
-    assert [(r["skipped"], r["nonfinite"]) for r in records] == [(False, False)] * 2 + [(True, True)] + \
-        [(False, False)] * 3
+    assert [(r["skipped"], r["nonfinite"]) for r in records] == [(False, False)] * 2 + [(True, True)] + [
+        (False, False)
+    ] * 3
     assert torch.equal(snapshots[2], snapshots[1])  # step 3 did not move the parameters
     assert run.state.scheduler.last_epoch == 5
     assert torch.isfinite(snapshots[-1]).all()

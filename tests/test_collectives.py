@@ -60,13 +60,19 @@ def test_two_level_all_reduce_by_hand() -> None:
     # 10 us + 1 MB / 1 GB/s = 1.01 ms -> 6.06 ms. Hierarchical: reduce-scatter in the node
     # (1 us + 2 MB / 10 GB/s = 0.201 ms), all-reduce of 2 MB across the 2 nodes by 2 streams sharing the
     # node's 1 GB/s (2 x 10 us + 2 MB / 0.5 GB/s = 4.02 ms), all-gather in the node (0.201 ms): 4.422 ms.
-    topo = Topology(nodes=2, gpus_per_node=2, intra=Link(alpha_s=1e-6, beta_bytes_per_s=1e10),
-                    inter=Link(alpha_s=1e-5, beta_bytes_per_s=1e9))
+    topo = Topology(
+        nodes=2,
+        gpus_per_node=2,
+        intra=Link(alpha_s=1e-6, beta_bytes_per_s=1e10),
+        inter=Link(alpha_s=1e-5, beta_bytes_per_s=1e9),
+    )
     est = collective("all_reduce", 4e6, world_group(topo), topo)
     assert close(est.seconds, 4.422e-3) and est.algorithm.startswith("hierarchical")
     # with 1.5 GB/s inside the node the two in-node phases cost 2 x (1 us + 2 MB / 1.5 GB/s) = 2.669 ms, so
     # hierarchical takes 6.689 ms and the flat ring (its network edge still the slowest) wins with 6.06 ms
-    slower = Topology(nodes=2, gpus_per_node=2, intra=Link(alpha_s=1e-6, beta_bytes_per_s=1.5e9), inter=topo.inter)
+    slower = Topology(
+        nodes=2, gpus_per_node=2, intra=Link(alpha_s=1e-6, beta_bytes_per_s=1.5e9), inter=topo.inter
+    )
     flat = collective("all_reduce", 4e6, world_group(slower), slower)
     assert flat.algorithm == "flat ring" and close(flat.seconds, 6 * (1e-5 + 1e-3))
     # HSDP's cross-node all-reduce of the 1/2 shard (one rank per node, 2 groups sharing each node's link)
@@ -83,14 +89,18 @@ def test_hsdp_layouts() -> None:
     # one replica per node (the default): shard inside the node, replicate across all 64 nodes
     assert hsdp_groups(topo, 64) == (Group(nodes=1, per_node=8), Group(nodes=64, per_node=1, concurrent=8))
     # 4-GPU shards: two per node; a replicate group has 2 ranks on every node, 4 such groups per node
-    assert hsdp_groups(topo, 128) == (Group(nodes=1, per_node=4, concurrent=2),
-                                      Group(nodes=64, per_node=2, concurrent=4))
+    assert hsdp_groups(topo, 128) == (
+        Group(nodes=1, per_node=4, concurrent=2),
+        Group(nodes=64, per_node=2, concurrent=4),
+    )
     # 16-GPU shards span 2 nodes; replicate groups take one rank on each of 32 nodes
     assert hsdp_groups(topo, 32) == (Group(nodes=2, per_node=8), Group(nodes=32, per_node=1, concurrent=8))
     with pytest.raises(ValueError, match="must divide"):
         hsdp_groups(topo, 3)
     with pytest.raises(ValueError, match="straddle nodes"):
-        hsdp_groups(Topology(nodes=3, gpus_per_node=8, intra=LINK, inter=LINK), 2)  # shards of 12 on 8-GPU nodes
+        hsdp_groups(
+            Topology(nodes=3, gpus_per_node=8, intra=LINK, inter=LINK), 2
+        )  # shards of 12 on 8-GPU nodes
 
 
 def test_units_and_validation() -> None:
@@ -111,9 +121,12 @@ def test_cpu_sharing_on_loopback() -> None:
 
 def _samples(link: Link, cores: int, noise: tuple[float, ...] = (1.0,)) -> list[Sample]:
     sizes = (64 * 1024, 1 << 20, 8 << 20)
-    return [Sample(op, p, n, predict_ring(op, n, p, link, cores) * noise[i % len(noise)])
-            for i, (op, p, n) in enumerate((op, p, n) for op in ("reduce_scatter", "all_gather")
-                                            for p in (2, 4) for n in sizes)]
+    return [
+        Sample(op, p, n, predict_ring(op, n, p, link, cores) * noise[i % len(noise)])
+        for i, (op, p, n) in enumerate(
+            (op, p, n) for op in ("reduce_scatter", "all_gather") for p in (2, 4) for n in sizes
+        )
+    ]
 
 
 def test_fit_recovers_the_link_it_was_given() -> None:
@@ -127,7 +140,9 @@ def test_fit_recovers_the_link_it_was_given() -> None:
     # all-gathers carry no reduction: gamma stays 0 instead of being confused with beta
     gathers = [s for s in _samples(truth, cores=2) if s.op == "all_gather"]
     only = fit_link(gathers, cores=2)
-    assert only.gamma_s_per_byte == 0.0 and math.isclose(only.beta_bytes_per_s, truth.beta_bytes_per_s, rel_tol=1e-9)
+    assert only.gamma_s_per_byte == 0.0 and math.isclose(
+        only.beta_bytes_per_s, truth.beta_bytes_per_s, rel_tol=1e-9
+    )
 
 
 def test_fit_clamps_a_negative_latency_and_refuses_flat_times() -> None:
@@ -136,6 +151,8 @@ def test_fit_clamps_a_negative_latency_and_refuses_flat_times() -> None:
     fitted = fit_link(samples, cores=2)
     assert fitted.alpha_s == 0.0 and math.isclose(fitted.beta_bytes_per_s, 1e9, rel_tol=0.01)
     with pytest.raises(ValueError, match="no positive bandwidth"):
-        fit_link([Sample("all_gather", 2, n, 1e-3 * (2 - n / (16 << 20))) for n in (1 << 20, 16 << 20)], cores=2)
+        fit_link(
+            [Sample("all_gather", 2, n, 1e-3 * (2 - n / (16 << 20))) for n in (1 << 20, 16 << 20)], cores=2
+        )
     with pytest.raises(ValueError, match="needs samples"):
         fit_link([], cores=2)

@@ -30,7 +30,13 @@ def test_the_harness_measures_fits_and_predicts_every_collective(tmp_path: Path)
     validation = [r for r in rows if r.case.role == "validation"]
     assert len(rows) == len(cases()) and all(len(m["times"]) == ROUNDS for m in measured)
     assert {(r.case.op, r.case.world) for r in validation} == {
-        (op, w) for op in ("all_reduce", "reduce_scatter", "all_gather") for w in (2, 4)}
+        (op, w) for op in ("all_reduce", "reduce_scatter", "all_gather") for w in (2, 4)
+    }
     assert not {r.case.n_bytes for r in validation if r.case.world == 2} & {
-        r.case.n_bytes for r in rows if r.case.role == "calibration"}, "validation sizes must be new ones"
-    assert link.alpha_s > 0 and link.beta_bytes_per_s > 0 and all(r.predicted_s > 0 and r.measured_s > 0 for r in rows)
+        r.case.n_bytes for r in rows if r.case.role == "calibration"
+    }, "validation sizes must be new ones"
+    assert (
+        link.alpha_s > 0
+        and link.beta_bytes_per_s > 0
+        and all(r.predicted_s > 0 and r.measured_s > 0 for r in rows)
+    )

@@ -47,15 +47,18 @@ def at(clock: HandClock, t: float) -> None:
     clock.now = t
 
 
-@pytest.mark.parametrize("intervals, length", [
-    ([], 0.0),
-    ([(1.0, 2.0)], 1.0),
-    ([(1.0, 3.0), (2.0, 4.0)], 3.0),
-    ([(1.0, 5.0), (2.0, 3.0)], 4.0),
-    ([(3.0, 4.0), (1.0, 2.0)], 2.0),
-    ([(1.0, 2.0), (2.0, 3.0)], 2.0),
-    ([(1.0, 1.0), (5.0, 4.0)], 0.0),
-])
+@pytest.mark.parametrize(
+    "intervals, length",
+    [
+        ([], 0.0),
+        ([(1.0, 2.0)], 1.0),
+        ([(1.0, 3.0), (2.0, 4.0)], 3.0),
+        ([(1.0, 5.0), (2.0, 3.0)], 4.0),
+        ([(3.0, 4.0), (1.0, 2.0)], 2.0),
+        ([(1.0, 2.0), (2.0, 3.0)], 2.0),
+        ([(1.0, 1.0), (5.0, 4.0)], 0.0),
+    ],
+)
 def test_union_length(intervals: list[tuple[float, float]], length: float) -> None:
     assert union_length(intervals) == pytest.approx(length)
 
@@ -158,8 +161,9 @@ def test_completions_from_other_threads() -> None:
     ledger.start_step()
     ledger.start_micro()
     tokens = [ledger.launched(grad(1)) for _ in range(200)]
-    threads = [threading.Thread(target=lambda ts=tokens[i::4]: [ledger.completed(t) for t in ts])
-               for i in range(4)]
+    threads = [
+        threading.Thread(target=lambda ts=tokens[i::4]: [ledger.completed(t) for t in ts]) for i in range(4)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -193,12 +197,29 @@ def test_step_timer_phases_add_up(clock: HandClock) -> None:
     assert times.comm.comm_exposed_s == pytest.approx(1.0)
     assert times.compute_s == pytest.approx(2.5 - 1.0)  # forward+backward minus exposed comm
     assert times.optim_s == pytest.approx(0.25)
-    assert times.last_micro_s == pytest.approx(1.0)  # the boundary micro-batch: from its fetch to compute_done
+    assert times.last_micro_s == pytest.approx(
+        1.0
+    )  # the boundary micro-batch: from its fetch to compute_done
     assert times.peak_mem_bytes > 0
     record = times.as_record()
-    assert set(record) == {"time_s", "data_s", "compute_s", "optim_s", "last_micro_s", "peak_mem_bytes", "comm_calls",
-                           "comm_bytes", "comm_rounds", "comm_s", "comm_exposed_s", "gather_calls", "gather_bytes",
-                           "comm_calls_replicate", "comm_bytes_replicate", "comm_rounds_replicate"}
+    assert set(record) == {
+        "time_s",
+        "data_s",
+        "compute_s",
+        "optim_s",
+        "last_micro_s",
+        "peak_mem_bytes",
+        "comm_calls",
+        "comm_bytes",
+        "comm_rounds",
+        "comm_s",
+        "comm_exposed_s",
+        "gather_calls",
+        "gather_bytes",
+        "comm_calls_replicate",
+        "comm_bytes_replicate",
+        "comm_rounds_replicate",
+    }
     assert record["comm_rounds"] == 1 and record["comm_bytes"] == 40
 
 
@@ -299,7 +320,9 @@ def test_a_resolved_step_hands_each_of_its_stamps_back_once_and_the_next_steps_r
         times = pending.resolve()
         assert pending.resolve() is times  # resolved once: a second call hands nothing back again
         seen.append((times.time_s, times.comm.comm_calls, times.comm.comm_s))
-        stamps = 1 + 2 * 2 + 1 + 1 + 2 * 2  # start (shared), 2 per micro-batch, compute, end, 2 per collective
+        stamps = (
+            1 + 2 * 2 + 1 + 1 + 2 * 2
+        )  # start (shared), 2 per micro-batch, compute, end, 2 per collective
         assert len(clock.released) == stamps * (step + 1)
         assert len({id(s) for s in clock.released[-stamps:]}) == stamps  # each once
     assert clock.made == stamps  # the second and third steps made no new stamp

@@ -31,9 +31,20 @@ from distaccum.config import from_mapping, to_mapping, with_overrides
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 EXTENSIONS = REPO / ".cache" / "torch_extensions"
-MODEL = ["model=tiny_gpt", "model.width=16", "model.depth=1", "data.dataset.num_samples=80",
-         "accum.micro_batch=4", "accum.steps=4", "trainer.nproc=2", "trainer.max_steps=3", "trainer.check_every=1",
-         "optim.lr=1e-2", "log.console=quiet", f"engine.extensions_dir={EXTENSIONS}"]
+MODEL = [
+    "model=tiny_gpt",
+    "model.width=16",
+    "model.depth=1",
+    "data.dataset.num_samples=80",
+    "accum.micro_batch=4",
+    "accum.steps=4",
+    "trainer.nproc=2",
+    "trainer.max_steps=3",
+    "trainer.check_every=1",
+    "optim.lr=1e-2",
+    "log.console=quiet",
+    f"engine.extensions_dir={EXTENSIONS}",
+]
 RUNS: dict[str, list[str]] = {
     "eager": ["engine=ddp"],
     "ddp": ["engine=ddp", "trainer.compile=true"],
@@ -55,8 +66,14 @@ def _worker_main(plan_file: str) -> None:
         torch._dynamo.reset()
         cfg = from_mapping(values)
         parts = instantiate_components(cfg)
-        Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
-                names=parts.names).fit()
+        Trainer(
+            cfg,
+            model=parts.model,
+            dataset=parts.dataset,
+            loss=parts.loss,
+            collate=parts.collate,
+            names=parts.names,
+        ).fit()
 
     plan_worker(plan_file, train)
 
@@ -67,8 +84,10 @@ Runs = PlanRuns
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("compile")
-    plan = [to_mapping(with_overrides(compose_config([*MODEL, *overrides]), {"run_dir": str(root / name)}))
-            for name, overrides in RUNS.items()]
+    plan = [
+        to_mapping(with_overrides(compose_config([*MODEL, *overrides]), {"run_dir": str(root / name)}))
+        for name, overrides in RUNS.items()
+    ]
     proc = launch_plan(Path(__file__), plan, root)
     return Runs(root, proc.stderr)
 
@@ -80,7 +99,11 @@ RECOMPILES = {"ddp": [0, 0, 0], "accelerate": [0, 0, 0], "zero2": [0, 0, 0], "fs
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_runs_compile_in_the_first_window_only(runs: Runs, name: str) -> None:
     records = runs.records(name)
-    assert [r["partial_window"] for r in records] == [False, False, True]  # 80 = 32 + 32 + 16: smaller micro-batches
+    assert [r["partial_window"] for r in records] == [
+        False,
+        False,
+        True,
+    ]  # 80 = 32 + 32 + 16: smaller micro-batches
     assert records[0]["compile_s"] > 0 and records[0]["time_s"] >= records[0]["compile_s"]
     assert [r["recompiles"] for r in records] == RECOMPILES[name], records
     assert [r["compile_s"] for r in records[1:]] == [0.0, 0.0]
@@ -98,7 +121,9 @@ def test_compiled_equals_eager_within_fp32_rounding(runs: Runs, name: str) -> No
     for a, b in zip(eager, compiled, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (name, a["step"])
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (name, a["step"])
-    assert runs.summary(name)["param_sum"] == pytest.approx(runs.summary("eager")["param_sum"], rel=1e-4, abs=1e-4)
+    assert runs.summary(name)["param_sum"] == pytest.approx(
+        runs.summary("eager")["param_sum"], rel=1e-4, abs=1e-4
+    )
 
 
 def test_no_recompile_was_reported(runs: Runs) -> None:
@@ -107,14 +132,26 @@ def test_no_recompile_was_reported(runs: Runs) -> None:
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
 def test_verify_passes_compiled_runs(tmp_path: Path, precision: str) -> None:
-    run = run_cli("verify", tmp_path / "v", "model=mlp", "model.width=32", "data.dataset.num_samples=40",
-                  "accum.micro_batch=4", "accum.steps=2", "trainer.max_steps=3", "trainer.compile=true",
-                  f"precision={precision}", timeout=280)
+    run = run_cli(
+        "verify",
+        tmp_path / "v",
+        "model=mlp",
+        "model.width=32",
+        "data.dataset.num_samples=40",
+        "accum.micro_batch=4",
+        "accum.steps=2",
+        "trainer.max_steps=3",
+        "trainer.compile=true",
+        f"precision={precision}",
+        timeout=280,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((run.run_dir / "verify.json").read_text())
     assert result["passed"]
     cand = result["candidates"][0]
-    records = [json.loads(line) for line in (Path(cand["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (Path(cand["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert records[0]["compile_s"] > 0 and all(r["recompiles"] == 0 for r in records)  # it really compiled
     if precision == "fp64":
         assert cand["max_rel_diff"] <= 1e-9

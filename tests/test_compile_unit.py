@@ -24,10 +24,14 @@ def test_compile_options_make_shapes_dynamic_from_the_start() -> None:
     assert compile_options("max-autotune")["mode"] == "max-autotune"
 
 
-def test_the_watch_counts_recompiles_and_reports_them_after_warm_up(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_watch_counts_recompiles_and_reports_them_after_warm_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     torch._dynamo.reset()
     watch = CompileWatch(rank=0, warmup_steps=1)
-    fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)  # static: every shape recompiles
+    fn = torch.compile(
+        lambda x: (x * 2).sum(), backend="eager", dynamic=False
+    )  # static: every shape recompiles
     fn(torch.ones(3))
     first = watch.fields({"step": 1}, None, [])
     assert first["compile_s"] > 0 and first["recompiles"] == 0  # a first compile, during warm-up
@@ -44,7 +48,9 @@ def test_the_watch_counts_recompiles_and_reports_them_after_warm_up(capsys: pyte
 def test_a_one_sample_micro_batch_recompile_names_its_cause(capsys: pytest.CaptureFixture[str]) -> None:
     torch._dynamo.reset()
     watch = CompileWatch(rank=0, warmup_steps=1)
-    fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=True)  # dynamic, but size 1 is special
+    fn = torch.compile(
+        lambda x: (x * 2).sum(), backend="eager", dynamic=True
+    )  # dynamic, but size 1 is special
     fn(torch.ones(4, 3))
     watch.fields({"step": 1}, None, [])
     fn(torch.ones(1, 3))  # a partial window's one-sample micro-batch

@@ -68,11 +68,15 @@ def test_invalid_values_raise_value_error(mapping: dict, fragment: str) -> None:
 
 
 def test_component_nodes_round_trip() -> None:
-    values = {"model": {"_target_": "distaccum.models.MLP", "width": 8},
-              "loss": {"_target_": "distaccum.losses.mse", "_partial_": True},
-              "data": {"dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "num_samples": 8}}}
+    values = {
+        "model": {"_target_": "distaccum.models.MLP", "width": 8},
+        "loss": {"_target_": "distaccum.losses.mse", "_partial_": True},
+        "data": {"dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "num_samples": 8}},
+    }
     cfg = from_mapping(values)
-    assert cfg.model == values["model"] and cfg.describe("dataset") == "distaccum.datasets.SyntheticRegression"
+    assert (
+        cfg.model == values["model"] and cfg.describe("dataset") == "distaccum.datasets.SyntheticRegression"
+    )
     assert from_mapping(to_mapping(cfg)) == cfg
 
 

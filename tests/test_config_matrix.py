@@ -78,15 +78,22 @@ def cell_config(cell: str, root: Path, seed: Path) -> dict[str, Any]:
     engine, optimizer, precision, sync = cell.split("-")
     return {
         "model": {"_target_": "distaccum.models.MLP", "in_dim": 32, "width": 16, "depth": 1, "out_dim": 8},
-        "data": {"dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "num_samples": SAMPLES},
-                 "shuffle": False},
+        "data": {
+            "dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "num_samples": SAMPLES},
+            "shuffle": False,
+        },
         "loss": {"_target_": "distaccum.losses.mse", "_partial_": True},
         "engine": {**ENGINES[engine], "extensions_dir": str(EXTENSIONS)},
         "accum": {"micro_batch": MICRO, "steps": K, "sync": sync},
         "optim": {"name": optimizer},
         "precision": precision,
-        "trainer": {"nproc": WORLD, "max_steps": STEPS[precision], "check_every": 1, "device": "cpu",
-                    "init_from": str(seed)},
+        "trainer": {
+            "nproc": WORLD,
+            "max_steps": STEPS[precision],
+            "check_every": 1,
+            "device": "cpu",
+            "init_from": str(seed),
+        },
         "log": {"console": "quiet"},
         "run_dir": str(root / cell),
     }
@@ -98,7 +105,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("matrix")
     torch.manual_seed(0)
     parts = instantiate_components(from_mapping(cell_config(CELLS[0], path, path / "seed.safetensors")))
-    save_file({k: v.contiguous() for k, v in parts.model().state_dict().items()}, str(path / "seed.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in parts.model().state_dict().items()}, str(path / "seed.safetensors")
+    )
     return path
 
 
@@ -124,11 +133,25 @@ def trained(root: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-         str(Path(__file__)), str(plan_file)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={WORLD}",
+            str(Path(__file__)),
+            str(plan_file),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode:
-        pytest.fail(f"a matrix cell crashed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"a matrix cell crashed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc.stdout
 
 
@@ -157,14 +180,19 @@ def test_accepted_cells_train_one_step(root: Path, plain: dict[str, float], trai
     assert len(records) == STEPS[precision]
     assert (run_dir / "final" / "model.safetensors").is_file()
     first = records[0]
-    assert first["loss"] == pytest.approx(plain["loss"], rel=TOLERANCE[precision], abs=0), (first["loss"], plain)
+    assert first["loss"] == pytest.approx(plain["loss"], rel=TOLERANCE[precision], abs=0), (
+        first["loss"],
+        plain,
+    )
     if precision == "fp16":  # an overflow skip must say so and leave a non-finite norm
         assert all(r["skipped"] != math.isfinite(r["grad_norm"]) for r in records), records
         assert not records[-1]["skipped"], records
     else:
         assert not first["skipped"]
-        assert first["grad_norm"] == pytest.approx(plain["grad_norm"], rel=TOLERANCE[precision], abs=0), \
-            (first["grad_norm"], plain)
+        assert first["grad_norm"] == pytest.approx(plain["grad_norm"], rel=TOLERANCE[precision], abs=0), (
+            first["grad_norm"],
+            plain,
+        )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engine"] == ENGINES[cell.split("-")[0]]["name"] and summary["steps"] == STEPS[precision]
 

@@ -18,10 +18,17 @@ from distaccum.models import MLP, TinyGPT
 pytestmark = pytest.mark.dist
 
 # 40 samples in windows of 16: steps 1-2 full, step 3 a partial window of 8, step 4 in epoch 2.
-COMMON = ("accum.global_batch=16", "data.dataset.num_samples=40", "trainer.max_steps=4", "trainer.check_every=1")
-SPLITS = {"8x1x2": ("accum.micro_batch=8", "trainer.nproc=2"),
-          "2x4x2": ("accum.micro_batch=2", "trainer.nproc=2"),
-          "4x4x1": ("accum.micro_batch=4", "trainer.nproc=1")}
+COMMON = (
+    "accum.global_batch=16",
+    "data.dataset.num_samples=40",
+    "trainer.max_steps=4",
+    "trainer.check_every=1",
+)
+SPLITS = {
+    "8x1x2": ("accum.micro_batch=8", "trainer.nproc=2"),
+    "2x4x2": ("accum.micro_batch=2", "trainer.nproc=2"),
+    "4x4x1": ("accum.micro_batch=4", "trainer.nproc=1"),
+}
 MODELS = {"mlp": ("model=mlp",), "tiny_gpt": ("model=tiny_gpt", "model.width=32", "data.dataset.seq_max=24")}
 # fp64 must agree to rounding of the reductions (issue: <= 1e-9 relative). fp32 accumulates
 # rounding differences of order 1e-7 per op over a few steps of AdamW; 1e-5 relative states that.
@@ -30,8 +37,11 @@ RTOL = {"fp64": 1e-9, "fp32": 1e-5}
 
 # fp64 is the tight check (every split of both models); fp32 on tiny_gpt checks the stated fp32
 # tolerance across world sizes 1 and 2 and feeds the ledger test below (fp32 gradient bytes).
-CELLS = [(model, "fp64", split) for model in MODELS for split in SPLITS] + \
-    [("tiny_gpt", "fp32", split) for split in ("8x1x2", "4x4x1")] + [("mlp", "fp32", "2x4x2"), ("tiny_gpt", "fp32", "2x4x2")]
+CELLS = (
+    [(model, "fp64", split) for model in MODELS for split in SPLITS]
+    + [("tiny_gpt", "fp32", split) for split in ("8x1x2", "4x4x1")]
+    + [("mlp", "fp32", "2x4x2"), ("tiny_gpt", "fp32", "2x4x2")]
+)
 INVARIANCE = [("mlp", "fp64"), ("tiny_gpt", "fp64"), ("tiny_gpt", "fp32")]
 
 
@@ -40,7 +50,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str],
     out = {}
     for model, precision, split in CELLS:
         run_dir = tmp_path_factory.mktemp(f"{model}-{precision}-{split}")
-        out[(model, precision, split)] = train(run_dir, *COMMON, *MODELS[model], *SPLITS[split], f"precision={precision}")
+        out[(model, precision, split)] = train(
+            run_dir, *COMMON, *MODELS[model], *SPLITS[split], f"precision={precision}"
+        )
     return out
 
 
@@ -84,8 +96,14 @@ def test_every_micro_reduces_k_times(tmp_path: Path, runs: dict) -> None:
 
 def test_mean_per_micro_is_wrong_with_variable_lengths(tmp_path: Path, runs: dict) -> None:
     # The 2024 Transformers bug: per-micro-batch mean loss / K weights tokens unequally.
-    run = train(tmp_path / "classic", *COMMON, *MODELS["tiny_gpt"], *SPLITS["2x4x2"], "precision=fp64",
-                "accum.loss_norm=mean_per_micro")
+    run = train(
+        tmp_path / "classic",
+        *COMMON,
+        *MODELS["tiny_gpt"],
+        *SPLITS["2x4x2"],
+        "precision=fp64",
+        "accum.loss_norm=mean_per_micro",
+    )
     ref = runs[("tiny_gpt", "fp64", "8x1x2")].records
     good = runs[("tiny_gpt", "fp64", "2x4x2")].records
     # Step 1 starts from identical weights: the gradient itself is what differs. (AdamW's
@@ -121,10 +139,26 @@ def test_bad_config_exits_2_before_any_worker(tmp_path: Path, overrides: tuple, 
 def test_runs_in_place_under_torchrun(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "distaccum", "train", "model=mlp", "trainer.max_steps=3", "log.console=quiet",
-         f"run_dir={tmp_path / 'tr'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "distaccum",
+            "train",
+            "model=mlp",
+            "trainer.max_steps=3",
+            "log.console=quiet",
+            f"run_dir={tmp_path / 'tr'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = Run(0, proc.stdout, proc.stderr, tmp_path / "tr")
     assert len(run.records) == 3 and run.summary["world_size"] == 2
@@ -138,9 +172,22 @@ def test_the_window_s_one_all_gather_gives_every_rank_the_same_totals(tmp_path: 
     rank's carried row bit for bit), with counts as ints or tensors."""
     out = tmp_path / "read.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                           str(Path(__file__).parent / "fixtures" / "window_ranks.py"), str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={world}",
+            str(Path(__file__).parent / "fixtures" / "window_ranks.py"),
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads(out.read_text())
     assert got["world"] == world and got["differ"] == []

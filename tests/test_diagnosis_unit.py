@@ -39,17 +39,32 @@ def failed(step: int = 1, quantity: str = "grad_norm") -> Report:
     return Report(False, 3, 0.1, 0.1, "w", 0.1, 0.1, Divergence(step, quantity, "w"))
 
 
-def record(step: int, loss: float = 2.0, grad_norm: float = 1.0, lr: float = 1e-3, items: int = 200,
-           samples: int = 16, partial: bool = False) -> dict:
-    return {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "items": items, "samples": samples,
-            "partial_window": partial}
+def record(
+    step: int,
+    loss: float = 2.0,
+    grad_norm: float = 1.0,
+    lr: float = 1e-3,
+    items: int = 200,
+    samples: int = 16,
+    partial: bool = False,
+) -> dict:
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "items": items,
+        "samples": samples,
+        "partial_window": partial,
+    }
 
 
 NO_FACTS = RunFacts()
 
 
-def causes(report: Report, ref: list[dict], cand: list[dict], facts: RunFacts = NO_FACTS,
-           **extra: object) -> list[str]:
+def causes(
+    report: Report, ref: list[dict], cand: list[dict], facts: RunFacts = NO_FACTS, **extra: object
+) -> list[str]:
     """The causes diagnosed from two runs' records, with extra step facts (warnings, console, exit_code)."""
     steps = step_facts(report, ref, cand, 1e-4, SPLIT)
     code = int(extra.pop("exit_code", 0))  # type: ignore[call-overload]
@@ -62,17 +77,27 @@ REF = [record(1), record(2, loss=1.9, lr=2e-3), record(3, loss=1.8, lr=3e-3)]
 def test_a_known_error_signature_names_the_bug_instead_of_run_failed() -> None:
     console = "Traceback ...\nRuntimeError: expect_autograd_hooks_ INTERNAL ASSERT FAILED at reducer.cpp:1732"
     assert causes(failed(1, "missing"), REF, [], exit_code=1, console=console) == ["known_error"]
-    assert causes(failed(1, "missing"), REF, [], exit_code=1, console="AssertionError: No inf checks were recorded "
-                  "prior to update.") == ["known_error"]
-    assert causes(failed(1, "missing"), REF, [], exit_code=1, console="ValueError: something else") == ["run_failed"]
+    assert causes(
+        failed(1, "missing"),
+        REF,
+        [],
+        exit_code=1,
+        console="AssertionError: No inf checks were recorded prior to update.",
+    ) == ["known_error"]
+    assert causes(failed(1, "missing"), REF, [], exit_code=1, console="ValueError: something else") == [
+        "run_failed"
+    ]
 
 
 def test_runtime_warnings_come_before_what_verify_alone_would_say() -> None:
     facts = RunFacts(random_layers=("drop",))
-    assert causes(failed(1, "loss"), REF, [record(1, loss=2.5)], facts,
-                  warnings=(("same_rng", "seeded alike"),)) == ["shared_rng", "randomness"]
+    assert causes(
+        failed(1, "loss"), REF, [record(1, loss=2.5)], facts, warnings=(("same_rng", "seeded alike"),)
+    ) == ["shared_rng", "randomness"]
     # identical data on every rank also changes the item count: the warning explains it, not the count rule
-    shared = causes(failed(1, "loss"), REF, [record(1, loss=2.5, items=180)], warnings=(("same_samples", "x"),))
+    shared = causes(
+        failed(1, "loss"), REF, [record(1, loss=2.5, items=180)], warnings=(("same_samples", "x"),)
+    )
     assert shared == ["shared_data"]
 
 
@@ -92,8 +117,13 @@ def test_the_schedule_and_stale_gradients_are_told_apart_by_the_records() -> Non
     schedule = [record(1), record(2, loss=1.9, lr=7e-3), record(3, loss=1.7, lr=9e-3)]
     assert causes(failed(2, "parameter"), REF, schedule) == ["lr_schedule"]
     stale = [record(1), record(2, loss=1.9, grad_norm=1.7, lr=2e-3), record(3, loss=1.75, lr=3e-3)]
-    found = diagnose(failed(2, "grad_norm"), RunFacts(), SPLIT, None,
-                     steps=step_facts(failed(2, "grad_norm"), REF, stale, 1e-4, SPLIT))
+    found = diagnose(
+        failed(2, "grad_norm"),
+        RunFacts(),
+        SPLIT,
+        None,
+        steps=step_facts(failed(2, "grad_norm"), REF, stale, 1e-4, SPLIT),
+    )
     assert [f.cause for f in found] == ["stale_gradients"] and "step 2" in found[0].message
     # a partial window that diverges is the partial-window rule's, not a stale gradient
     partial_ref = [*REF[:2], record(3, loss=1.8, lr=3e-3, samples=8, partial=True)]
@@ -106,9 +136,19 @@ def test_a_gradient_scale_is_a_small_fraction_and_nothing_else() -> None:
     assert simple_fraction(0.5 * 1.0037, 1e-4) is None and simple_fraction(0.41370, 1e-4) is None
     assert rule_gradient_scale(RunFacts(), StepFacts(first_step_ratio=0.25)) is not None
     assert rule_gradient_scale(RunFacts(), StepFacts(first_step_ratio=0.4137)) is None
-    assert rule_gradient_scale(RunFacts(), StepFacts(first_step_ratio=0.25, replayed=(("clipping", "x"),))) is None
-    assert set(CAUSES) >= {"known_error", "shared_data", "shared_rng", "lr_schedule", "stale_gradients",
-                           "lost_gradients", "clipping"}
+    assert (
+        rule_gradient_scale(RunFacts(), StepFacts(first_step_ratio=0.25, replayed=(("clipping", "x"),)))
+        is None
+    )
+    assert set(CAUSES) >= {
+        "known_error",
+        "shared_data",
+        "shared_rng",
+        "lr_schedule",
+        "stale_gradients",
+        "lost_gradients",
+        "clipping",
+    }
 
 
 def test_replayed_combinations_are_the_arithmetic_they_name() -> None:

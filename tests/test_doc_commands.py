@@ -33,7 +33,9 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                     if match.group(1) == "plan":  # the plan's own flags parse; the rest are overrides
                         args = parse_args(args)[1]
                     if not any(a.startswith(SKIP_WHEN) for a in args):
-                        found.append((f"{path.name}: distaccum {match.group(1)} {match.group(2).strip()}", args))
+                        found.append(
+                            (f"{path.name}: distaccum {match.group(1)} {match.group(2).strip()}", args)
+                        )
     return found
 
 

@@ -37,7 +37,9 @@ def test_both_dockerfiles_exist() -> None:
 def test_hadolint_is_clean(dockerfile: Path) -> None:
     proc = subprocess.run(
         [_hadolint(), "--no-color", "--config", str(REPO / ".hadolint.yaml"), str(dockerfile)],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
 

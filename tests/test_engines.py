@@ -51,8 +51,17 @@ MODELS: dict[str, list[str]] = {
     "mlp": ["model=mlp"],
     "tiny_gpt": ["model=tiny_gpt", "model.width=32", "data.dataset.seq_max=24"],
     # A Hugging Face causal LM (transformers' random-init Llama, built offline) on the same token data.
-    "llama": ["model=hf_causal_lm", "data=corpus", "loss=token_ce", "model.width=32", "model.layers=1",
-              "model.heads=2", "model.positions=32", "data.dataset.seq_max=24", "eval.every=0"],
+    "llama": [
+        "model=hf_causal_lm",
+        "data=corpus",
+        "loss=token_ce",
+        "model.width=32",
+        "model.layers=1",
+        "model.heads=2",
+        "model.positions=32",
+        "data.dataset.seq_max=24",
+        "eval.every=0",
+    ],
 }
 ENGINES: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
@@ -71,10 +80,23 @@ RTOL = 1e-5
 def mapping(model: str, engine: str, run_dir: Path, seed: Path, sync: str = "boundary") -> dict[str, Any]:
     """The config of one engine run (the test's split, seed checkpoint, recording for verify), composed
     from the packaged configs like ``distaccum train`` does."""
-    cfg = compose_config([*MODELS[model], "data.dataset.num_samples=36", "accum.micro_batch=2", f"accum.steps={K}",
-                          f"accum.sync={sync}", "trainer.nproc=2", "trainer.max_steps=4", "trainer.check_every=1",
-                          f"trainer.init_from={seed}", "verify.record=true", "log.console=quiet",
-                          f"engine.extensions_dir={EXTENSIONS}", f"run_dir={run_dir}"])
+    cfg = compose_config(
+        [
+            *MODELS[model],
+            "data.dataset.num_samples=36",
+            "accum.micro_batch=2",
+            f"accum.steps={K}",
+            f"accum.sync={sync}",
+            "trainer.nproc=2",
+            "trainer.max_steps=4",
+            "trainer.check_every=1",
+            f"trainer.init_from={seed}",
+            "verify.record=true",
+            "log.console=quiet",
+            f"engine.extensions_dir={EXTENSIONS}",
+            f"run_dir={run_dir}",
+        ]
+    )
     return to_mapping(with_overrides(cfg, {f"engine.{k}": v for k, v in ENGINES[engine].items()}))
 
 
@@ -86,11 +108,25 @@ def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **OFFLINE)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         str(Path(__file__)), str(plan_file)],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(Path(__file__)),
+            str(plan_file),
+        ],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode:
-        pytest.fail(f"engine runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"engine runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc.stdout
 
 
@@ -133,8 +169,16 @@ def _worker_main(plan_file: str) -> None:
                 if torch.distributed.get_rank() == 0:
                     save_file({"outputs": out.contiguous()}, str(Path(cfg.run_dir) / "outputs.safetensors"))
 
-        return Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
-                       stop=stop, names=parts.names, on_step=record_outputs)
+        return Trainer(
+            cfg,
+            model=parts.model,
+            dataset=parts.dataset,
+            loss=parts.loss,
+            collate=parts.collate,
+            stop=stop,
+            names=parts.names,
+            on_step=record_outputs,
+        )
 
     def train(values: dict[str, Any]) -> None:
         stop_after = values.pop("_stop_after", None)
@@ -192,7 +236,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         parts = instantiate_components(cfg)
         write_seed_checkpoint(resolve(cfg, 1, torch.device("cpu")).model, parts, seed)
         ref_dir = root / f"{model}-reference"
-        run_reference(reference_config(cfg, ref_dir, seed), parts, ref_dir, global_batch=cfg.split().global_batch)
+        run_reference(
+            reference_config(cfg, ref_dir, seed), parts, ref_dir, global_batch=cfg.split().global_batch
+        )
         for name in ENGINES:
             plan.append(mapping(model, name, root / f"{model}-{name}", seed))
     seed = root / "mlp-seed.safetensors"
@@ -250,8 +296,9 @@ def test_hf_final_reloads_with_from_pretrained(runs: Runs, engine: str) -> None:
     from transformers import AutoModelForCausalLM
 
     run_dir = runs.dir("llama", engine)
-    reloaded, info = AutoModelForCausalLM.from_pretrained(str(run_dir / "final"), output_loading_info=True,
-                                                          local_files_only=True)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(
+        str(run_dir / "final"), output_loading_info=True, local_files_only=True
+    )
     assert {k: v for k, v in info.items() if v} == {}, info  # missing, unexpected, mismatched keys, errors
     reloaded.eval()
     parts = instantiate_components(from_mapping(read_config(run_dir)))
@@ -266,8 +313,11 @@ def test_hf_final_reloads_with_from_pretrained(runs: Runs, engine: str) -> None:
 def test_engine_passes_verify_comparison(runs: Runs, model: str, engine: str) -> None:
     """What ``distaccum verify`` decides for this run: same criterion, same tolerance."""
     cfg = from_mapping(read_config(runs.dir(model, engine)))
-    report = compare(RunData.load(runs.dir(model, "reference")), RunData.load(runs.dir(model, engine)),
-                     tolerance_for(cfg.precision, cfg.verify))
+    report = compare(
+        RunData.load(runs.dir(model, "reference")),
+        RunData.load(runs.dir(model, engine)),
+        tolerance_for(cfg.precision, cfg.verify),
+    )
     assert report.passed, report.to_dict()
     assert report.steps_compared == 4
 
@@ -278,7 +328,14 @@ def _grad_numel(runs: Runs, model: str) -> int:
 
 # Gradient reductions per optimizer step, by design (boundary mode, K micro-batches):
 # (rounds = micro-batches with a reduction, bytes in units of one fp32 copy of the gradients).
-DESIGN = {"fsdp": (1, 1), "zero0": (1, 1), "zero1": (1, 1), "zero2": (1, 1), "zero3": (1, 1), "accelerate": (1, 1)}
+DESIGN = {
+    "fsdp": (1, 1),
+    "zero0": (1, 1),
+    "zero1": (1, 1),
+    "zero2": (1, 1),
+    "zero3": (1, 1),
+    "accelerate": (1, 1),
+}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -340,20 +397,41 @@ def test_checkpoint_resume_is_exact(runs: Runs, engine: str) -> None:
 
 def test_conflicting_deepspeed_config_fails_before_training(tmp_path: Path) -> None:
     user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"gradient_accumulation_steps": 8, "zero_optimization": {"overlap_comm": False}}))
+    user.write_text(
+        json.dumps({"gradient_accumulation_steps": 8, "zero_optimization": {"overlap_comm": False}})
+    )
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "distaccum", "train", "engine=deepspeed", f"engine.deepspeed_config={user}",
-         "accum.steps=4", "log.console=quiet", f"run_dir={run_dir}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "distaccum",
+            "train",
+            "engine=deepspeed",
+            f"engine.deepspeed_config={user}",
+            "accum.steps=4",
+            "log.console=quiet",
+            f"run_dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "gradient_accumulation_steps=8 in the file, but 4 from accum.steps=4" in proc.stderr
     assert "ranks, micro_batch" not in proc.stdout  # the launch line: no worker was started
     assert not (run_dir / "metrics.jsonl").exists()
 
+
 # Each engine once through the real command; the full engine x model matrix is compared above.
-VERIFY_CLI = [("fsdp", "tiny_gpt"), ("zero1", "mlp"), ("zero2", "tiny_gpt"), ("zero3", "mlp"),
-              ("accelerate", "tiny_gpt")]
+VERIFY_CLI = [
+    ("fsdp", "tiny_gpt"),
+    ("zero1", "mlp"),
+    ("zero2", "tiny_gpt"),
+    ("zero3", "mlp"),
+    ("accelerate", "tiny_gpt"),
+]
 
 
 @pytest.mark.parametrize(("engine", "model"), VERIFY_CLI)
@@ -361,10 +439,24 @@ def test_distaccum_verify_passes(tmp_path: Path, engine: str, model: str) -> Non
     """The real ``distaccum verify`` command, end to end (reference + one candidate)."""
     overrides = [f"engine.{k}={v}" for k, v in ENGINES[engine].items()]
     proc = subprocess.run(
-        [sys.executable, "-m", "distaccum", "verify", *overrides, f"engine.extensions_dir={EXTENSIONS}",
-         *MODELS[model], "accum.micro_batch=2", "accum.steps=4",
-         "trainer.max_steps=3", f"run_dir={tmp_path / 'v'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "distaccum",
+            "verify",
+            *overrides,
+            f"engine.extensions_dir={EXTENSIONS}",
+            *MODELS[model],
+            "accum.micro_batch=2",
+            "accum.steps=4",
+            "trainer.max_steps=3",
+            f"run_dir={tmp_path / 'v'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "v" / "verify.json").read_text())
     assert summary["passed"] and summary["candidates"][0]["engine"] == ENGINES[engine]["name"]

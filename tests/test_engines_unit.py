@@ -27,19 +27,33 @@ pytestmark = pytest.mark.unit
 SPLIT = Split(4, 4, 2)
 
 
-def ds_cfg(split: Split = SPLIT, precision: str = "fp32", clip_norm: float | None = 1.0,
-           sync: str = "boundary", **engine: object) -> EngineSpec:
-    return EngineSpec(engine=EngineConfig(name="deepspeed", **engine), precision=Precision.of(precision), split=split,
-                      sync=sync, clip_norm=clip_norm, device=torch.device("cpu"))
+def ds_cfg(
+    split: Split = SPLIT,
+    precision: str = "fp32",
+    clip_norm: float | None = 1.0,
+    sync: str = "boundary",
+    **engine: object,
+) -> EngineSpec:
+    return EngineSpec(
+        engine=EngineConfig(name="deepspeed", **engine),
+        precision=Precision.of(precision),
+        split=split,
+        sync=sync,
+        clip_norm=clip_norm,
+        device=torch.device("cpu"),
+    )
 
 
 @pytest.mark.parametrize("split", [Split(4, 4, 2), Split(1, 8, 4), Split(16, 1, 1), Split(3, 5, 2)])
 def test_generated_batch_sizes_are_consistent_by_construction(split: Split) -> None:
     ours, _ = generate(ds_cfg(split))
-    assert ours["train_batch_size"] == (ours["train_micro_batch_size_per_gpu"]
-                                        * ours["gradient_accumulation_steps"] * split.world_size)
+    assert ours["train_batch_size"] == (
+        ours["train_micro_batch_size_per_gpu"] * ours["gradient_accumulation_steps"] * split.world_size
+    )
     assert (ours["train_micro_batch_size_per_gpu"], ours["gradient_accumulation_steps"]) == (
-        split.micro_batch, split.accum_steps)
+        split.micro_batch,
+        split.accum_steps,
+    )
 
 
 def test_generated_config_follows_ours() -> None:
@@ -53,8 +67,11 @@ def test_generated_config_follows_ours() -> None:
 
 def test_user_keys_we_do_not_set_are_merged() -> None:
     ours, sources = generate(ds_cfg())
-    user = {"zero_optimization": {"overlap_comm": False, "stage": 1}, "wall_clock_breakdown": True,
-            "gradient_accumulation_steps": 4.0}  # equal values (4 == 4.0 in JSON) are no conflict
+    user = {
+        "zero_optimization": {"overlap_comm": False, "stage": 1},
+        "wall_clock_breakdown": True,
+        "gradient_accumulation_steps": 4.0,
+    }  # equal values (4 == 4.0 in JSON) are no conflict
     merged = merge(ours, user, sources)
     assert merged["zero_optimization"] == {"stage": 1, "overlap_comm": False}
     assert merged["wall_clock_breakdown"] is True and merged["gradient_accumulation_steps"] == 4
@@ -83,49 +100,71 @@ def test_config_validation_reads_the_user_file(tmp_path: Path) -> None:
     good.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
     assert build(ds_cfg(deepspeed_config=str(good)))["zero_optimization"]["reduce_bucket_size"] == 1000
-    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=2 in the file, but 4 from accum.micro_batch=4"):
+    with pytest.raises(
+        ValueError, match=r"train_micro_batch_size_per_gpu=2 in the file, but 4 from accum.micro_batch=4"
+    ):
         check_engine(ds_cfg(deepspeed_config=str(bad)))  # pre-flight: before any worker exists
     with pytest.raises(ValueError, match="no such file"):
         check_engine(ds_cfg(deepspeed_config=str(tmp_path / "missing.json")))
 
 
-@pytest.mark.parametrize("engine, precision, stage, sync, fragment", [
-    ("deepspeed", "fp64", 0, "boundary", "zero_stage=0 is unsupported"),
-    ("deepspeed", "fp32", 1, "every_micro", "accum.sync=every_micro with engine=deepspeed"),
-    ("deepspeed", "fp16", 2, "boundary", "use precision=bf16"),
-    ("fsdp", "fp16", 1, "boundary", "precision=fp16 with engine=fsdp"),
-    ("accelerate", "fp16", 1, "boundary", "needs a GPU"),
-])
-def test_engines_refuse_what_they_cannot_run(engine: str, precision: str, stage: int, sync: str,
-                                            fragment: str) -> None:
-    spec = EngineSpec(engine=EngineConfig(name=engine, zero_stage=stage), precision=Precision.of(precision),
-                      split=Split(2, 2, 2), sync=sync, clip_norm=None, device=torch.device("cpu"))
+@pytest.mark.parametrize(
+    "engine, precision, stage, sync, fragment",
+    [
+        ("deepspeed", "fp64", 0, "boundary", "zero_stage=0 is unsupported"),
+        ("deepspeed", "fp32", 1, "every_micro", "accum.sync=every_micro with engine=deepspeed"),
+        ("deepspeed", "fp16", 2, "boundary", "use precision=bf16"),
+        ("fsdp", "fp16", 1, "boundary", "precision=fp16 with engine=fsdp"),
+        ("accelerate", "fp16", 1, "boundary", "needs a GPU"),
+    ],
+)
+def test_engines_refuse_what_they_cannot_run(
+    engine: str, precision: str, stage: int, sync: str, fragment: str
+) -> None:
+    spec = EngineSpec(
+        engine=EngineConfig(name=engine, zero_stage=stage),
+        precision=Precision.of(precision),
+        split=Split(2, 2, 2),
+        sync=sync,
+        clip_norm=None,
+        device=torch.device("cpu"),
+    )
     with pytest.raises(ValueError, match=fragment):
         check_engine(spec)
 
 
 def test_registry_knows_every_engine_and_nothing_else() -> None:
     assert {engine_class(n).name for n in ("ddp", "fsdp", "deepspeed", "accelerate")} == {
-        "ddp", "fsdp", "deepspeed", "accelerate"}
+        "ddp",
+        "fsdp",
+        "deepspeed",
+        "accelerate",
+    }
     with pytest.raises(ValueError, match="horovod"):
         engine_class("horovod")
 
 
 @pytest.mark.parametrize("max_norm", [None, 10.0, 1.0])
-def test_the_step_normalizes_and_clips_in_one_multiply_and_reports_the_normalized_norm(max_norm: float | None) -> None:
+def test_the_step_normalizes_and_clips_in_one_multiply_and_reports_the_normalized_norm(
+    max_norm: float | None,
+) -> None:
     # The reduced gradient G = (4, ..., 4) over 7 elements, |G| = 4 sqrt(7); grad_scale 0.5: the normalized
     # gradient is (2, ...), its norm 2 sqrt(7) = 5.29; clipping to 1 scales it to norm 1 in the same multiply.
     params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(4))]
     for p in params:
         p.grad = torch.full(p.shape, 4.0, dtype=p.dtype)
     optimizer = torch.optim.SGD(params, lr=1.0)
-    result = step_plain(optimizer, [("a", params[0]), ("b", params[1])], max_norm, 0.5, None, norms=GradNorms())
+    result = step_plain(
+        optimizer, [("a", params[0]), ("b", params[1])], max_norm, 0.5, None, norms=GradNorms()
+    )
     norm = 2.0 * 7**0.5
     assert result.applied and result.grad_norm == pytest.approx(norm, rel=1e-12)
     coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm is not None else 1.0
     update = torch.cat([p.detach().flatten().double() for p in params])
     assert torch.allclose(update, torch.full((7,), -2.0 * coef, dtype=torch.float64), rtol=1e-6)
-    assert result.tensor_norms is not None and result.tensor_norms.tolist() == pytest.approx([4 * 3**0.5, 8.0])
+    assert result.tensor_norms is not None and result.tensor_norms.tolist() == pytest.approx(
+        [4 * 3**0.5, 8.0]
+    )
 
 
 @pytest.mark.parametrize("scale", [1.0, float("nan"), float("inf")])
@@ -221,8 +260,14 @@ def _ddp_window_grad_pointers(grads_to_none: bool | None) -> tuple[list[int], li
     window's boundary backward (bucket views once DDP has rebuilt its buckets) and after the third
     window's first, ``no_sync``, backward. ``grads_to_none=None`` steps through the engine itself."""
     torch.manual_seed(0)
-    spec = EngineSpec(engine=EngineConfig(name="ddp"), precision=Precision.of("fp32"), split=Split(2, 3, 1),
-                      sync="boundary", clip_norm=None, device=torch.device("cpu"))
+    spec = EngineSpec(
+        engine=EngineConfig(name="ddp"),
+        precision=Precision.of("fp32"),
+        split=Split(2, 3, 1),
+        sync="boundary",
+        clip_norm=None,
+        device=torch.device("cpu"),
+    )
     engine = DDPEngine(spec, CommLedger())
     module = engine.wrap(MLP(in_dim=8, width=16, depth=2, out_dim=4), lambda p: torch.optim.SGD(p, lr=0.1))
     params = list(engine.unwrapped().parameters())
@@ -240,14 +285,21 @@ def _ddp_window_grad_pointers(grads_to_none: bool | None) -> tuple[list[int], li
         if grads_to_none is None:
             engine.step(None, 1.0)
         else:
-            step_plain(engine.optimizer, list(engine.unwrapped().named_parameters()), None, 1.0, None,
-                       grads_to_none=grads_to_none)
+            step_plain(
+                engine.optimizer,
+                list(engine.unwrapped().named_parameters()),
+                None,
+                1.0,
+                None,
+                grads_to_none=grads_to_none,
+            )
     return after_boundary, in_window
 
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
 def test_ddp_no_sync_backwards_accumulate_in_the_buckets_without_a_second_gradient_copy(
-        cpu_group: None) -> None:
+    cpu_group: None,
+) -> None:
     after_boundary, in_window = _ddp_window_grad_pointers(None)
     assert in_window == after_boundary  # the engine's step keeps the gradients as bucket views
     # The control: dropping the gradients (zero_grad(set_to_none=True)) makes the next window's
@@ -257,11 +309,19 @@ def test_ddp_no_sync_backwards_accumulate_in_the_buckets_without_a_second_gradie
 
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
-def test_the_ddp_step_walks_the_module_tree_once_per_run(cpu_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_ddp_step_walks_the_module_tree_once_per_run(
+    cpu_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The step's parameter list is made at the first step and reused (a walk of the module tree per step cost
     0.45 ms on a GPT-2-shaped model); the steps after it still update every parameter."""
-    spec = EngineSpec(engine=EngineConfig(name="ddp"), precision=Precision.of("fp32"), split=Split(2, 1, 1),
-                      sync="boundary", clip_norm=1.0, device=torch.device("cpu"))
+    spec = EngineSpec(
+        engine=EngineConfig(name="ddp"),
+        precision=Precision.of("fp32"),
+        split=Split(2, 1, 1),
+        sync="boundary",
+        clip_norm=1.0,
+        device=torch.device("cpu"),
+    )
     engine = DDPEngine(spec, CommLedger())
     torch.manual_seed(0)
     module = engine.wrap(MLP(in_dim=8, width=16, depth=2, out_dim=4), lambda p: torch.optim.SGD(p, lr=0.1))
@@ -269,7 +329,9 @@ def test_the_ddp_step_walks_the_module_tree_once_per_run(cpu_group: None, monkey
     before = [p.detach().clone() for p in raw.parameters()]
     walks = []
     original = type(raw).named_parameters
-    monkeypatch.setattr(type(raw), "named_parameters", lambda self, *a, **k: (walks.append(1), original(self, *a, **k))[1])
+    monkeypatch.setattr(
+        type(raw), "named_parameters", lambda self, *a, **k: (walks.append(1), original(self, *a, **k))[1]
+    )
     x, y = torch.randn(2, 8), torch.randn(2, 4)
     for _ in range(4):
         engine.backward(((module(x) - y) ** 2).sum())

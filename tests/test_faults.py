@@ -28,8 +28,16 @@ from conftest import REPO, fault, inject
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
 EXTENSIONS = REPO / ".cache" / "torch_extensions"
-BASE = ("model=mlp", "model.width=128", "accum.micro_batch=2", "accum.global_batch=16", "trainer.check_every=0",
-        "log.console=quiet", "optim.schedule=constant", f"engine.extensions_dir={EXTENSIONS}")
+BASE = (
+    "model=mlp",
+    "model.width=128",
+    "accum.micro_batch=2",
+    "accum.global_batch=16",
+    "trainer.check_every=0",
+    "log.console=quiet",
+    "optim.schedule=constant",
+    f"engine.extensions_dir={EXTENSIONS}",
+)
 
 
 LOSS = "distaccum.losses.mse"  # model=mlp's loss
@@ -49,8 +57,14 @@ def env() -> dict[str, str]:
 
 
 def run(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(command(run_dir, *overrides), cwd=run_dir.parent, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        command(run_dir, *overrides),
+        cwd=run_dir.parent,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def steps(run_dir: Path) -> list[int]:
@@ -81,8 +95,11 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise AssertionError(f"the run never reached step {step} (exit {proc.poll()})")
 
 
-ENGINES = {"ddp": ("engine=ddp",), "fsdp": ("engine=fsdp",),
-           "zero2": ("engine=deepspeed", "engine.zero_stage=2")}
+ENGINES = {
+    "ddp": ("engine=ddp",),
+    "fsdp": ("engine=fsdp",),
+    "zero2": ("engine=deepspeed", "engine.zero_stage=2"),
+}
 N = 36  # 9 checkpoints; the kill lands at one of them (N // 3), two thirds of the run still to go
 
 
@@ -93,8 +110,14 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path: Pat
     assert run(straight, *overrides).returncode == 0
 
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(command(run_dir, *overrides, "trainer.max_restarts=1", "trainer.shutdown_grace_s=5"),
-                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command(run_dir, *overrides, "trainer.max_restarts=1", "trainer.shutdown_grace_s=5"),
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     victim = rank_pid(run_dir, 1)
     wait_for_step(run_dir, N // 3, proc)
     os.kill(victim, signal.SIGKILL)  # mid-window: the next window is already under way
@@ -124,8 +147,14 @@ def test_resuming_on_another_world_size_continues_the_same_run(tmp_path: Path) -
 @pytest.mark.serial  # asserts how long the run takes to end
 def test_a_stopped_rank_fails_the_run_in_time_and_is_named(tmp_path: Path) -> None:
     run_dir = tmp_path / "stopped"
-    proc = subprocess.Popen(command(run_dir, "trainer.max_steps=100000", "trainer.collective_timeout_s=10"),
-                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command(run_dir, "trainer.max_steps=100000", "trainer.collective_timeout_s=10"),
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     victim = rank_pid(run_dir, 1)
     wait_for_step(run_dir, 5, proc)
     os.kill(victim, signal.SIGSTOP)
@@ -147,7 +176,9 @@ def test_nan_on_one_rank_is_skipped_everywhere_and_persistent_nan_stops(tmp_path
     assert records[2]["nonfinite"] and records[2]["lr"] == records[3]["lr"]
 
     always = tmp_path / "always"
-    proc = run(always, "trainer.max_steps=20", *nan_loss(step=4, steps=10, rank=1), "trainer.max_nonfinite_steps=3")
+    proc = run(
+        always, "trainer.max_steps=20", *nan_loss(step=4, steps=10, rank=1), "trainer.max_nonfinite_steps=3"
+    )
     assert proc.returncode == 1
     assert "3 consecutive optimizer steps (up to step 6)" in proc.stderr
     assert "the loss was non-finite on rank(s) 1" in proc.stderr
@@ -178,10 +209,17 @@ def test_incompatible_and_corrupt_checkpoints_exit_2_before_workers_start(tmp_pa
 
 def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(tmp_path: Path) -> None:
     run_dir = tmp_path / "full"
-    proc = run(run_dir, "trainer.max_steps=30", "trainer.checkpoint_every=10",
-               *inject(LOSS, fault("FullDisk", step=20)))
+    proc = run(
+        run_dir,
+        "trainer.max_steps=30",
+        "trainer.checkpoint_every=10",
+        *inject(LOSS, fault("FullDisk", step=20)),
+    )
     assert proc.returncode == 1
-    assert "writing the checkpoint after step 20 failed" in proc.stderr and "No space left on device" in proc.stderr
+    assert (
+        "writing the checkpoint after step 20 failed" in proc.stderr
+        and "No space left on device" in proc.stderr
+    )
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000010"]
     # The same loss node (a resume must not change it); it stops before step 20's checkpoint.
     resumed = run(run_dir, "trainer.max_steps=15", *inject(LOSS, fault("FullDisk", step=20)))

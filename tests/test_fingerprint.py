@@ -39,8 +39,15 @@ def test_ranks_are_grouped_with_nan_equal_to_nan() -> None:
     assert groups([[1.0, 2.0], [1.0, 2.0], [1.0, 3.0]]) == [[0, 1], [2]]
     assert groups([[nan, 1.0], [nan, 1.0]]) == [[0, 1]]  # a non-finite step is alike everywhere
     assert groups([[1.0], [2.0], [2.0], [3.0]]) == [[1, 2], [0], [3]]  # the majority first
-    for rows in ([[1.0, 2.0], [1.0, 2.0], [1.0, 3.0]], [[nan, 1.0], [nan, 1.0]], [[1.0], [2.0], [2.0]], [[0.0], [-0.0]],
-                 [[1.0, 2.0]], [[nan], [1.0]], [[1.0, nan], [1.0, 2.0]]):
+    for rows in (
+        [[1.0, 2.0], [1.0, 2.0], [1.0, 3.0]],
+        [[nan, 1.0], [nan, 1.0]],
+        [[1.0], [2.0], [2.0]],
+        [[0.0], [-0.0]],
+        [[1.0, 2.0]],
+        [[nan], [1.0]],
+        [[1.0, nan], [1.0, 2.0]],
+    ):
         assert all_same(rows) == (len(groups(rows)) == 1), rows  # the verdict without the grouping
 
 
@@ -75,9 +82,17 @@ def test_only_engines_that_replicate_the_reduced_gradient_compare_it(tmp_path: P
 
 def window(carried: list[list[float]], sums: tuple[float, float] = (1.0, 4.0)) -> WindowResult:
     """A window's totals as every rank reads them: ``carried`` per rank, rank r's own sums ``sums`` plus r."""
-    return WindowResult(items=8.0, loss_sum=2.0, bad_ranks=[], stop_votes=0, checkpoint_votes=0, items_min=4.0,
-                        items_max=4.0, rank_sums=[(sums[0] + r, sums[1]) for r in range(len(carried))],
-                        carried=carried)
+    return WindowResult(
+        items=8.0,
+        loss_sum=2.0,
+        bad_ranks=[],
+        stop_votes=0,
+        checkpoint_votes=0,
+        items_min=4.0,
+        items_max=4.0,
+        rank_sums=[(sums[0] + r, sums[1]) for r in range(len(carried))],
+        carried=carried,
+    )
 
 
 class Replicated:
@@ -106,7 +121,9 @@ def test_the_next_window_carries_the_row_and_a_differing_norm_names_its_paramete
     check.after_step(2, window([row, row]), StepResult(5.5, True, None, norms))  # step 1 agreed
     check.carry()
     odd = [row[0], 1.0, 2.0, 3.5, 4.0]
-    with pytest.raises(RankDivergenceError, match="disagree on the reduced gradient at optimizer step 2") as err:
+    with pytest.raises(
+        RankDivergenceError, match="disagree on the reduced gradient at optimizer step 2"
+    ) as err:
         check.after_step(3, window([row, odd]), StepResult(5.5, True, None, norms))
     assert (err.value.parameter, err.value.rank) == ("1.weight", 1)
     report = json.loads((tmp_path / "divergence.json").read_text())
@@ -154,9 +171,15 @@ def test_the_window_carries_a_row_bit_for_bit() -> None:
         assert carried[:4] == [12345.0, 0.1, -3.0, 2.0**60 + 1.0] and math.isnan(carried[4])
 
 
-BASE = ("model=mlp", "accum.micro_batch=2", "accum.steps=4", "trainer.nproc=2", "trainer.max_steps=12",
-        "optim.schedule=constant",
-        *inject("distaccum.losses.mse", "{_target_:distaccum.testing.zoo.NoSyncOffByOne,from_step:3}"))
+BASE = (
+    "model=mlp",
+    "accum.micro_batch=2",
+    "accum.steps=4",
+    "trainer.nproc=2",
+    "trainer.max_steps=12",
+    "optim.schedule=constant",
+    *inject("distaccum.losses.mse", "{_target_:distaccum.testing.zoo.NoSyncOffByOne,from_step:3}"),
+)
 
 
 @pytest.mark.dist
@@ -167,7 +190,10 @@ def test_a_reduction_gone_wrong_stops_the_step_after_not_at_the_next_tripwire(tm
     report = json.loads((run.run_dir / "divergence.json").read_text())
     assert (report["check"], report["step"], report["ranks"]) == ("fingerprint", 3, [1])
     assert report["parameter"] == "net.0.weight" and report["differing_parameters"] == 6
-    assert "ranks disagree on the reduced gradient at optimizer step 3: rank(s) 1 differ from rank(s) 0" in run.stderr
+    assert (
+        "ranks disagree on the reduced gradient at optimizer step 3: rank(s) 1 differ from rank(s) 0"
+        in run.stderr
+    )
     # Step 3's comparison is read one step later (no wait in step 3): the run stops at step 4, before its record.
     assert [r["step"] for r in run.records] == [1, 2, 3]
 
@@ -183,4 +209,3 @@ def test_a_reduction_gone_wrong_stops_the_step_after_not_at_the_next_tripwire(tm
     report = json.loads((off.run_dir / "divergence.json").read_text())
     assert report["step"] == 11 and "check" not in report  # the tripwire: 8 steps on desynchronized ranks
     assert [r["step"] for r in off.records] == list(range(1, 11))  # step 11 stopped before its record
-

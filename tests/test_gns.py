@@ -29,8 +29,11 @@ def test_estimator_recovers_trace_and_squared_gradient_from_expected_norms(count
     g2, trace = 2.5, 40.0
     world, n_total = len(counts), sum(counts)
     # E|G_n|^2 = |G|^2 + tr(Sigma)/n, arranged as the ranks' all-reduced window_terms
-    sums = [sum(g2 + trace / n for n in counts), sum(1 / n for n in counts),
-            world * (g2 + trace / n_total) * n_total**2]
+    sums = [
+        sum(g2 + trace / n for n in counts),
+        sum(1 / n for n in counts),
+        world * (g2 + trace / n_total) * n_total**2,
+    ]
     got_g2, got_trace = estimate(sums, n_total, world)
     assert math.isclose(got_g2, g2, rel_tol=1e-12) and math.isclose(got_trace, trace, rel_tol=1e-12)
     assert all(math.isnan(v) for v in estimate([3.0, 1 / 8, 3.0 * 64], 8.0, 1))  # one rank: undefined
@@ -47,7 +50,9 @@ def test_smoothing_is_a_ratio_of_moving_averages_that_survives_resume() -> None:
         ema_sq, ema_tr = 0.9 * ema_sq + 0.1 * g2, 0.9 * ema_tr + 0.1 * trace
     assert math.isclose(records[-1]["gns_smoothed"], ema_tr / ema_sq) and records[1]["gns"] == 15.0
     assert records[2]["gns_trace_ema"] == records[1]["gns_trace_ema"]  # an undefined step changes nothing
-    resumed = record_fields(0.5, 5.0, json.loads(json.dumps(records[2])), 0.9)  # as restored from metrics.jsonl
+    resumed = record_fields(
+        0.5, 5.0, json.loads(json.dumps(records[2])), 0.9
+    )  # as restored from metrics.jsonl
     assert resumed == records[-1]
 
 
@@ -72,11 +77,26 @@ def per_sample_gradients() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("gns") / "run"
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "fixtures" / "gns_task.py"), str(run_dir)],
-                          env=env, capture_output=True, text=True, timeout=240)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "fixtures" / "gns_task.py"),
+            str(run_dir),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return run_dir
 
@@ -128,13 +148,17 @@ def test_the_estimate_agrees_with_the_noise_scale_of_the_data(trained: list[dict
 
 
 @pytest.mark.dist
-def test_report_plots_the_noise_scale(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_plots_the_noise_scale(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from distaccum.cli.report import report_main
 
     assert report_main([str(run_dir), "--out", str(tmp_path)]) == 0
     assert "## Gradient noise scale" in capsys.readouterr().out
     png = (tmp_path / "report.png").read_bytes()
-    assert int.from_bytes(png[16:20], "big") == 4 * 6 * 110  # four 6-inch panels at 110 dpi: the noise scale added
+    assert (
+        int.from_bytes(png[16:20], "big") == 4 * 6 * 110
+    )  # four 6-inch panels at 110 dpi: the noise scale added
 
 
 @pytest.mark.unit

@@ -21,8 +21,16 @@ from conftest import fresh_accelerate_state, one_rank_group, run_cli, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-COMMON = ("model=tiny_gpt", "model.width=32", "data.dataset.seq_max=24", "accum.global_batch=16",
-          "data.dataset.num_samples=40", "trainer.max_steps=4", "trainer.device=cuda", "precision=fp64")
+COMMON = (
+    "model=tiny_gpt",
+    "model.width=32",
+    "data.dataset.seq_max=24",
+    "accum.global_batch=16",
+    "data.dataset.num_samples=40",
+    "trainer.max_steps=4",
+    "trainer.device=cuda",
+    "precision=fp64",
+)
 
 
 def need_gpus(count: int) -> None:
@@ -58,8 +66,9 @@ def test_fp16_overflow_skip_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize(("shuffle", "pinned"), [(False, True), (True, False)])
-def test_an_in_memory_tensor_dataset_on_cuda_trains_as_through_the_dataloader(tmp_path: Path, shuffle: bool,
-                                                                               pinned: bool) -> None:
+def test_an_in_memory_tensor_dataset_on_cuda_trains_as_through_the_dataloader(
+    tmp_path: Path, shuffle: bool, pinned: bool
+) -> None:
     with one_rank_group("cuda"):
         check_tensor_rows_train_as_the_dataloader(tmp_path, "cuda", shuffle=shuffle, pinned=pinned)
 
@@ -92,12 +101,25 @@ def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_o
         rows, piece = first_rows(host, shuffle)
         assert rows.is_pinned() and rows._base is None and torch.equal(rows, host[piece])
         rows, piece = first_rows(on_gpu, shuffle)
-        assert rows.device == cuda and (rows._base is on_gpu) is not shuffle and torch.equal(rows.cpu(), host[piece])
+        assert (
+            rows.device == cuda
+            and (rows._base is on_gpu) is not shuffle
+            and torch.equal(rows.cpu(), host[piece])
+        )
 
 
-COMPILE_COMMON = ("model=tiny_gpt", "model.width=16", "model.depth=1", "data.dataset.num_samples=40",
-                  "accum.micro_batch=4", "accum.steps=4", "trainer.nproc=1", "trainer.max_steps=3",
-                  "optim.lr=1e-2", "trainer.device=cuda")
+COMPILE_COMMON = (
+    "model=tiny_gpt",
+    "model.width=16",
+    "model.depth=1",
+    "data.dataset.num_samples=40",
+    "accum.micro_batch=4",
+    "accum.steps=4",
+    "trainer.nproc=1",
+    "trainer.max_steps=3",
+    "optim.lr=1e-2",
+    "trainer.device=cuda",
+)
 """Variable-length sequences (8-32 tokens, padded per micro-batch), K = 4, 40 = 16 + 16 + 8 samples: the
 third window is partial (micro-batches of 2)."""
 
@@ -108,7 +130,9 @@ def test_compiled_on_cuda_compiles_in_the_first_window_and_equals_eager(tmp_path
     records = compiled.records
     assert [r["partial_window"] for r in records] == [False, False, True]
     assert records[0]["compile_s"] > 0 and [r["compile_s"] for r in records[1:]] == [0.0, 0.0]
-    assert [r["recompiles"] for r in records] == [0, 0, 0], records  # no_sync toggling, new lengths, partial window
+    assert [r["recompiles"] for r in records] == [0, 0, 0], (
+        records
+    )  # no_sync toggling, new lengths, partial window
     assert compiled.summary["recompiles"] == 0
     for a, b in zip(eager.records, records, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
@@ -117,12 +141,26 @@ def test_compiled_on_cuda_compiles_in_the_first_window_and_equals_eager(tmp_path
 
 
 def test_verify_passes_a_compiled_run_on_cuda(tmp_path: Path) -> None:
-    run = run_cli("verify", tmp_path / "v", "model=mlp", "model.width=32", "data.dataset.num_samples=40",
-                  "accum.micro_batch=4", "accum.steps=2", "trainer.max_steps=3", "trainer.compile=true",
-                  "trainer.nproc=1", "trainer.device=cuda", "precision=fp32", timeout=280)
+    run = run_cli(
+        "verify",
+        tmp_path / "v",
+        "model=mlp",
+        "model.width=32",
+        "data.dataset.num_samples=40",
+        "accum.micro_batch=4",
+        "accum.steps=2",
+        "trainer.max_steps=3",
+        "trainer.compile=true",
+        "trainer.nproc=1",
+        "trainer.device=cuda",
+        "precision=fp32",
+        timeout=280,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((run.run_dir / "verify.json").read_text())
     assert result["passed"]
-    records = [json.loads(line) for line in
-               (Path(result["candidates"][0]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (Path(result["candidates"][0]["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert records[0]["compile_s"] > 0 and all(r["recompiles"] == 0 for r in records)  # it really compiled

@@ -37,8 +37,14 @@ def distaccum(command: str, run_dir: Path, *args: str, timeout: float = 300) -> 
     env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
-                          cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
+        cwd=run_dir.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +67,18 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def test_ddp_verify_passes_on_three_splits_and_eval_loss_does_not_depend_on_the_split(
-        tmp_path: Path, text: tuple[str, ...]) -> None:
-    proc, result = verify(tmp_path / "v", *text, *PADDED, "data.dataset.eval_fraction=0.1", "trainer.max_steps=4",
-                          "verify.splits=auto", "verify.max_candidates=3", "eval.at_start=true")
+    tmp_path: Path, text: tuple[str, ...]
+) -> None:
+    proc, result = verify(
+        tmp_path / "v",
+        *text,
+        *PADDED,
+        "data.dataset.eval_fraction=0.1",
+        "trainer.max_steps=4",
+        "verify.splits=auto",
+        "verify.max_candidates=3",
+        "eval.at_start=true",
+    )
     assert proc.returncode == 0 and result["passed"], proc.stdout[-3000:] + proc.stderr[-3000:]
     cands = result["candidates"]
     assert [c["split"] for c in cands][0] == "w2-m2-k4" and len(cands) == 3
@@ -79,8 +94,10 @@ def test_ddp_verify_passes_on_three_splits_and_eval_loss_does_not_depend_on_the_
     assert all(e["step"] == 0 and e["eval_items"] == first[0]["eval_items"] for e in first)
     losses = [e["eval_loss"] for e in first]
     assert max(losses) - min(losses) <= 1e-6 * min(losses)
-    assert all(e[-1]["step"] == 4 and e[-1]["eval_ppl"] == pytest.approx(2.718281828459045 ** e[-1]["eval_loss"])
-               for e in evals.values())
+    assert all(
+        e[-1]["step"] == 4 and e[-1]["eval_ppl"] == pytest.approx(2.718281828459045 ** e[-1]["eval_loss"])
+        for e in evals.values()
+    )
 
 
 def test_fsdp_verify_passes_fp32(tmp_path: Path, text: tuple[str, ...]) -> None:
@@ -92,8 +109,16 @@ def test_fsdp_verify_passes_fp32(tmp_path: Path, text: tuple[str, ...]) -> None:
 def test_fp64_map_style_and_stream_verify_alike(tmp_path: Path, text: tuple[str, ...]) -> None:
     # GPT-2 runs entirely in fp64 (Llama's RMSNorm upcasts to fp32 inside an fp64 model: ~1e-8 there).
     # Its tied embedding/head also goes through verify's final-weights comparison.
-    common = (*text, *PADDED, "precision=fp64", "model.model_type=gpt2", "data.shuffle=false",
-              "trainer.max_steps=4", "data.dataset.eval_fraction=0", "eval.every=0")
+    common = (
+        *text,
+        *PADDED,
+        "precision=fp64",
+        "model.model_type=gpt2",
+        "data.shuffle=false",
+        "trainer.max_steps=4",
+        "data.dataset.eval_fraction=0",
+        "eval.every=0",
+    )
     runs = {}
     for kind, extra in (("map", ()), ("stream", ("data.dataset.streaming=true",))):
         proc, result = verify(tmp_path / kind, *common, *extra)
@@ -105,17 +130,25 @@ def test_fp64_map_style_and_stream_verify_alike(tmp_path: Path, text: tuple[str,
     assert config["data"]["dataset"]["streaming"] is True
     # The stream cut into windows serves exactly the plan's micro-batches: the same result, bit for bit.
     for sub in ("reference", "w2-m2-k4"):
-        assert records(tmp_path / "map" / sub) and [r["loss"] for r in records(tmp_path / "map" / sub)] == \
-            [r["loss"] for r in records(tmp_path / "stream" / sub)]
+        assert records(tmp_path / "map" / sub) and [r["loss"] for r in records(tmp_path / "map" / sub)] == [
+            r["loss"] for r in records(tmp_path / "stream" / sub)
+        ]
     assert runs["map"]["candidates"][0]["max_abs_diff"] == runs["stream"]["candidates"][0]["max_abs_diff"]
 
 
-def test_the_2024_transformers_bug_fails_verify_with_loss_normalization(tmp_path: Path,
-                                                                        text: tuple[str, ...]) -> None:
+def test_the_2024_transformers_bug_fails_verify_with_loss_normalization(
+    tmp_path: Path, text: tuple[str, ...]
+) -> None:
     # The model's own mean loss (labels= path), divided per micro-batch by K x world: what the
     # Transformers Trainer did before its fix. Variable-length samples make it visible.
-    proc, result = verify(tmp_path / "bug", *text, *PADDED, "loss=hf_model", "accum.loss_norm=mean_per_micro",
-                          "trainer.max_steps=3")
+    proc, result = verify(
+        tmp_path / "bug",
+        *text,
+        *PADDED,
+        "loss=hf_model",
+        "accum.loss_norm=mean_per_micro",
+        "trainer.max_steps=3",
+    )
     assert proc.returncode == 1 and not result["passed"], proc.stdout[-3000:] + proc.stderr[-3000:]
     causes = [d["cause"] for d in result["candidates"][0]["diagnosis"]]
     assert "loss_normalization" in causes, result["candidates"][0]["diagnosis"]
@@ -126,14 +159,29 @@ def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
-def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_identical(tmp_path: Path,
-                                                                        text: tuple[str, ...]) -> None:
-    args = [*MODEL, *text, *PADDED, "trainer.nproc=2", "accum.micro_batch=2", "accum.steps=2", "data.num_workers=2",
-            "data.dataset.eval_fraction=0", "eval.every=0", "trainer.max_steps=24", "trainer.check_every=0", "log.console=quiet"]
+def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_identical(
+    tmp_path: Path, text: tuple[str, ...]
+) -> None:
+    args = [
+        *MODEL,
+        *text,
+        *PADDED,
+        "trainer.nproc=2",
+        "accum.micro_batch=2",
+        "accum.steps=2",
+        "data.num_workers=2",
+        "data.dataset.eval_fraction=0",
+        "eval.every=0",
+        "trainer.max_steps=24",
+        "trainer.check_every=0",
+        "log.console=quiet",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | OFFLINE
     run_dir = tmp_path / "stopped"
     cmd = [sys.executable, "-m", "distaccum", "train", *args, f"run_dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 240
     while _lines(run_dir / "metrics.jsonl") < 3 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -147,11 +195,20 @@ def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_identical(tmp_pat
     assert f"after optimizer step {done}" in resumed.stdout
     assert [r["step"] for r in records(run_dir)] == list(range(1, 25))  # every step once, none twice
     straight = tmp_path / "straight"
-    subprocess.run([*cmd[:-1], f"run_dir={straight}"], cwd=tmp_path, env=env, check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(
+        [*cmd[:-1], f"run_dir={straight}"],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     from safetensors.torch import load_file
 
-    a, b = load_file(str(run_dir / "final" / "model.safetensors")), load_file(str(straight / "final" / "model.safetensors"))
+    a, b = (
+        load_file(str(run_dir / "final" / "model.safetensors")),
+        load_file(str(straight / "final" / "model.safetensors")),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical parameters
     assert [r["loss"] for r in records(run_dir)] == [r["loss"] for r in records(straight)]
 
@@ -163,24 +220,55 @@ def test_final_is_a_save_pretrained_directory_that_reproduces_the_logits(tmp_pat
 
     (text_file,) = write_text_files(tmp_path / "text", count=80, files=1)
     tokenizer = write_bpe_tokenizer(tmp_path / "tokenizer")
-    TextFiles([str(text_file)], tokenizer=str(tokenizer), packing=False, block_size=32,
-              cache_dir=str(tmp_path / "cache"))  # tokenize once here, not in two ranks at a time
-    env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    TextFiles(
+        [str(text_file)],
+        tokenizer=str(tokenizer),
+        packing=False,
+        block_size=32,
+        cache_dir=str(tmp_path / "cache"),
+    )  # tokenize once here, not in two ranks at a time
+    env = {
+        **os.environ,
+        **OFFLINE,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "fixtures" / "hf_final.py"), str(tmp_path), str(text_file),
-                           str(tokenizer), str(tmp_path / "cache")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "fixtures" / "hf_final.py"),
+            str(tmp_path),
+            str(text_file),
+            str(tokenizer),
+            str(tmp_path / "cache"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for engine in ("ddp", "fsdp"):
         final = tmp_path / engine / "final"
-        assert {"config.json", "model.safetensors", "tokenizer.json", "run_config.json"} <= {p.name for p in final.iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "run_config.json"} <= {
+            p.name for p in final.iterdir()
+        }
         saved = torch.load(tmp_path / f"{engine}-logits.pt")
         model = AutoModelForCausalLM.from_pretrained(str(final), local_files_only=True).eval()
         with torch.no_grad():
-            logits = model(input_ids=saved["batch"]["input_ids"], attention_mask=saved["batch"]["attention_mask"]).logits
-        assert torch.allclose(logits, saved["logits"], rtol=0, atol=1e-5), (engine, (logits - saved["logits"]).abs().max())
+            logits = model(
+                input_ids=saved["batch"]["input_ids"], attention_mask=saved["batch"]["attention_mask"]
+            ).logits
+        assert torch.allclose(logits, saved["logits"], rtol=0, atol=1e-5), (
+            engine,
+            (logits - saved["logits"]).abs().max(),
+        )
         summary = json.loads((tmp_path / engine / "summary.json").read_text())
         total = sum(p.detach().double().sum() for p in model.parameters())
         assert float(total) == pytest.approx(summary["param_sum"], rel=1e-12, abs=1e-9)
@@ -199,22 +287,35 @@ def test_the_presets_train_with_no_other_argument(tmp_path: Path) -> None:
 
 BAD = {  # one per path to exit 2 (the model-vs-data check runs in the probe); every message of the library
     # is checked in test_hf_unit.py
-    "missing file (building the dataset)": (("data.dataset.files=[/nonexistent/corpus.txt]",),
-                                            "/nonexistent/corpus.txt does not exist"),
-    "empty eval split (held-out data)": (("data.dataset.eval_fraction=0.001",), "the eval split holds no samples"),
-    "the model's plain mean loss (the probe)": (("loss=hf_model", "loss.as_sum=false"),
-                                                "does not return a sum: sample 0 alone"),
+    "missing file (building the dataset)": (
+        ("data.dataset.files=[/nonexistent/corpus.txt]",),
+        "/nonexistent/corpus.txt does not exist",
+    ),
+    "empty eval split (held-out data)": (
+        ("data.dataset.eval_fraction=0.001",),
+        "the eval split holds no samples",
+    ),
+    "the model's plain mean loss (the probe)": (
+        ("loss=hf_model", "loss.as_sum=false"),
+        "does not return a sum: sample 0 alone",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_exits_2_before_any_worker_and_writes_nothing(tmp_path: Path, text: tuple[str, ...],
-                                                                case: str) -> None:
+def test_bad_input_exits_2_before_any_worker_and_writes_nothing(
+    tmp_path: Path, text: tuple[str, ...], case: str
+) -> None:
     overrides, fragment = BAD[case]
-    proc = distaccum("train", tmp_path / "bad", *MODEL, *text, "data.dataset.packing=false", *overrides, timeout=120)
+    proc = distaccum(
+        "train", tmp_path / "bad", *MODEL, *text, "data.dataset.packing=false", *overrides, timeout=120
+    )
     assert proc.returncode == 2, (case, proc.stdout[-1000:], proc.stderr[-3000:])
     assert fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "equivalent to `" not in proc.stdout  # no worker started
-    written = [p for p in (tmp_path / "bad").rglob("*")
-               if p.is_file() and ".hydra" not in p.parts and p.name != "cli.log"]
+    written = [
+        p
+        for p in (tmp_path / "bad").rglob("*")
+        if p.is_file() and ".hydra" not in p.parts and p.name != "cli.log"
+    ]
     assert written == []  # only Hydra's record of the composed config and its (empty) job log

@@ -39,5 +39,5 @@ def test_workers_change_the_order_never_the_samples_and_reads_repeat(tmp_path: P
 
         plain, two, again, resumed = read(0), read(2), read(2), read(2, index=3)
     assert len(plain) == 60 and sorted(plain) == sorted(two)  # 60 paragraphs, every one once
-    assert two == again and two[3 * 8:] == resumed  # deterministic, and a resume skips exactly
+    assert two == again and two[3 * 8 :] == resumed  # deterministic, and a resume skips exactly
     assert plain != two  # file 1's paragraphs interleave with file 0's

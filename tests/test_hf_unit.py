@@ -90,8 +90,9 @@ def test_packing_carries_tokens_across_documents() -> None:
     assert blocks == [[1, 2, 3, 0], [4, 0, 5, 6], [7, 8, 9, 0]]
 
 
-def test_packed_blocks_are_the_text_bytes_and_tokenized_once(corpus: tuple[list[Path], str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_blocks_are_the_text_bytes_and_tokenized_once(
+    corpus: tuple[list[Path], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     files, cache = corpus
     ds = TextFiles([str(f) for f in files], cache_dir=cache, block_size=32)
     text = "".join(p + "\n\n" for f in files for p in f.read_text().strip().split("\n\n"))
@@ -116,7 +117,8 @@ def test_variable_length_samples_are_truncated_with_a_warning(corpus: tuple[list
     assert max(lengths) == 48 and min(lengths) < 48
     batch = pad_collate([ds[i] for i in range(4)])
     assert (batch["labels"] == -100).any() and batch["attention_mask"].sum() == sum(
-        len(ds[i]["input_ids"]) for i in range(4))
+        len(ds[i]["input_ids"]) for i in range(4)
+    )
 
 
 def test_held_out_split_is_every_kth_sample_and_the_stream_matches(corpus: tuple[list[Path], str]) -> None:
@@ -143,11 +145,17 @@ def test_jsonl_text_field(tmp_path: Path, corpus: tuple[list[Path], str]) -> Non
     path = write_jsonl(tmp_path / "r.jsonl", field="text")
     text = TextFiles([str(corpus[0][0])], eval_files=[str(path)], cache_dir=corpus[1], block_size=32)
     held = text.held_out()  # .txt training files, JSONL eval files
-    assert held is not None and bytes(held[0]["input_ids"].tolist()).startswith(paragraphs(1)[0][:32].encode())
+    assert held is not None and bytes(held[0]["input_ids"].tolist()).startswith(
+        paragraphs(1)[0][:32].encode()
+    )
     path = write_jsonl(tmp_path / "r.jsonl", field="content")
-    ds = TextFiles([str(path)], text_field="content", cache_dir=str(tmp_path / "c"), packing=False, block_size=4096)
+    ds = TextFiles(
+        [str(path)], text_field="content", cache_dir=str(tmp_path / "c"), packing=False, block_size=4096
+    )
     assert bytes(ds[0]["input_ids"].tolist()).decode() == paragraphs(1)[0]
-    with pytest.raises(ValueError, match=r"text_field=.text. is not a field of .*its records have content, id"):
+    with pytest.raises(
+        ValueError, match=r"text_field=.text. is not a field of .*its records have content, id"
+    ):
         TextFiles([str(path)], cache_dir=str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"text_field='text' is not a field of the first record"):
         TextStream([str(path)], cache_dir=str(tmp_path / "c"))
@@ -182,7 +190,9 @@ def test_model_must_fit_the_data(corpus: tuple[list[Path], str]) -> None:
         probe(tiny(), wide, pad_collate, lambda m, b: token_cross_entropy(m, b, shift=True))
 
 
-def test_model_loss_equals_our_summed_loss_and_its_mean_fails_the_probe(corpus: tuple[list[Path], str]) -> None:
+def test_model_loss_equals_our_summed_loss_and_its_mean_fails_the_probe(
+    corpus: tuple[list[Path], str],
+) -> None:
     files, cache = corpus
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -200,7 +210,10 @@ def test_model_loss_equals_our_summed_loss_and_its_mean_fails_the_probe(corpus: 
 def test_stream_source_serves_the_plan_sources_micro_batches(corpus: tuple[list[Path], str]) -> None:
     files, cache = corpus
     names = [str(f) for f in files]
-    mapped, stream = TextFiles(names, cache_dir=cache, block_size=32), TextStream(names, cache_dir=cache, block_size=32)
+    mapped, stream = (
+        TextFiles(names, cache_dir=cache, block_size=32),
+        TextStream(names, cache_dir=cache, block_size=32),
+    )
     global_batch = 24
     steps = len(mapped) // global_batch + 2  # into the second epoch, through the partial window
     for split, rank in ((Split(3, 4, 2), 1), (Split(2, 3, 4), 2), (Split(24, 1, 1), 0)):
@@ -233,7 +246,7 @@ def test_stream_windows_resume_at_the_exact_next_sample(corpus: tuple[list[Path]
     state = source.state_dict()
     resumed = StreamSource(stream, pad_collate, Split(5, 1, 2), 0, drop_last=True)
     resumed.load_state_dict(state)
-    for expected in windows[total // 10 - 1:total // 10 + 2]:
+    for expected in windows[total // 10 - 1 : total // 10 + 2]:
         served = resumed.window()
         first = next(served.micro).batch["input_ids"]
         assert served.epoch == expected.epoch and torch.equal(first[0], expected.samples[0]["input_ids"])
@@ -260,12 +273,15 @@ def test_eval_needs_held_out_data_when_asked(corpus: tuple[list[Path], str]) -> 
         eval_dataset(EvalConfig(), tiny_eval, None)
 
 
-def test_evaluate_is_the_global_mean_whatever_the_micro_batch(corpus: tuple[list[Path], str],
-                                                              tmp_path: Path) -> None:
+def test_evaluate_is_the_global_mean_whatever_the_micro_batch(
+    corpus: tuple[list[Path], str], tmp_path: Path
+) -> None:
     files, cache = corpus
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ds = TextFiles([str(f) for f in files], cache_dir=cache, packing=False, block_size=48, eval_fraction=0.25)
+        ds = TextFiles(
+            [str(f) for f in files], cache_dir=cache, packing=False, block_size=48, eval_fraction=0.25
+        )
     held = ds.held_out()
     assert held is not None
     model = tiny().double()
@@ -274,8 +290,10 @@ def test_evaluate_is_the_global_mean_whatever_the_micro_batch(corpus: tuple[list
         whole, items = loss(model, pad_collate([held[i] for i in range(len(held))]))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        results = [evaluate(model, held, pad_collate, loss, micro_batch=mb, device=torch.device("cpu"))
-                   for mb in (1, 4, len(held))]
+        results = [
+            evaluate(model, held, pad_collate, loss, micro_batch=mb, device=torch.device("cpu"))
+            for mb in (1, 4, len(held))
+        ]
     finally:
         dist.destroy_process_group()
     for r in results:
@@ -288,8 +306,14 @@ def test_evaluate_is_the_global_mean_whatever_the_micro_batch(corpus: tuple[list
 def test_truncating_metrics_on_resume_keeps_the_evaluations(tmp_path: Path) -> None:
     import json
 
-    lines = [{"step": 0, "eval_loss": 5.0}, {"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.5},
-             {"step": 2, "eval_loss": 3.4}, {"step": 3, "loss": 3.0}, {"step": 4, "eval_loss": 2.0}]
+    lines = [
+        {"step": 0, "eval_loss": 5.0},
+        {"step": 1, "loss": 4.0},
+        {"step": 2, "loss": 3.5},
+        {"step": 2, "eval_loss": 3.4},
+        {"step": 3, "loss": 3.0},
+        {"step": 4, "eval_loss": 2.0},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert [r["step"] for r in truncate_metrics(tmp_path, 2)] == [1, 2]
     assert [r["step"] for r in read_evals(tmp_path)] == [0, 2]
@@ -301,12 +325,20 @@ def test_eval_dataset_node_is_instantiated_at_the_edge(corpus: tuple[list[Path],
     from distaccum.preflight import instantiate_components
 
     files, cache = corpus
-    node = {"_target_": "distaccum.textdata.TextFiles", "files": [str(files[0])], "cache_dir": cache,
-            "block_size": 32}
-    cfg = from_mapping({"model": {"_target_": "distaccum.hf.causal_lm"},
-                        "loss": {"_target_": "distaccum.losses.token_cross_entropy", "_partial_": True, "shift": True},
-                        "data": {"dataset": {**node, "files": [str(f) for f in files]}},
-                        "eval": {"dataset": node, "every": 2}})
+    node = {
+        "_target_": "distaccum.textdata.TextFiles",
+        "files": [str(files[0])],
+        "cache_dir": cache,
+        "block_size": 32,
+    }
+    cfg = from_mapping(
+        {
+            "model": {"_target_": "distaccum.hf.causal_lm"},
+            "loss": {"_target_": "distaccum.losses.token_cross_entropy", "_partial_": True, "shift": True},
+            "data": {"dataset": {**node, "files": [str(f) for f in files]}},
+            "eval": {"dataset": node, "every": 2},
+        }
+    )
     parts = instantiate_components(cfg)
     assert isinstance(parts.eval_dataset, TextFiles) and len(parts.eval_dataset) < len(parts.dataset)
     assert eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset) is parts.eval_dataset

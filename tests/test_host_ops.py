@@ -29,4 +29,6 @@ def test_distaccum_s_own_operators_per_step_stay_within_budget(tmp_path: Path) -
     assert per_micro <= PER_MICRO and per_step <= PER_STEP, table(counts)
     # The count is exact: the expert loop's own work is the slicing and the division, once per micro-batch.
     assert counts[16]["expert"]["names"]["aten::div"] == 16 and counts[1]["expert"]["names"]["aten::div"] == 1
-    assert counts[16]["distaccum"]["names"].get("c10d::_allgather_base_") == 1  # one window collective per step
+    assert (
+        counts[16]["distaccum"]["names"].get("c10d::_allgather_base_") == 1
+    )  # one window collective per step

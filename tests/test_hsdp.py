@@ -31,10 +31,16 @@ from conftest import Run, requires, run_cli
 from distaccum.rundir.weights import load_weights
 from hf_corpus import OFFLINE
 
-pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")]
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning"),
+]
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-ENV = {**OFFLINE, "PYTHONPATH": os.pathsep.join(p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p)}
+ENV = {
+    **OFFLINE,
+    "PYTHONPATH": os.pathsep.join(p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p),
+}
 """mytask and hf_llama importable in the workers (and offline Hugging Face)."""
 USER = ("--config-dir", str(FIXTURES / "conf"), "model=mytask", "data=mytask", "loss=mytask")
 HSDP = ("engine=fsdp", "engine.replicas=2", "trainer.nproc=4")
@@ -66,7 +72,9 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
 def fp64(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
     """One fp64 verify per mode on the user component: (mode, run)."""
     mode = request.param
-    return mode, verify(tmp_path_factory.mktemp(mode) / "verify", *USER, "precision=fp64", f"accum.sync={mode}")
+    return mode, verify(
+        tmp_path_factory.mktemp(mode) / "verify", *USER, "precision=fp64", f"accum.sync={mode}"
+    )
 
 
 def padded_elements(model: torch.nn.Module, shards: int) -> int:
@@ -85,7 +93,9 @@ def test_every_mode_passes_verify_at_fp64(fp64: tuple[str, Run]) -> None:
     assert cand["max_rel_diff"] <= 1e-9 and cand["max_grad_norm_diff"] <= 1e-9
 
 
-def test_the_ledger_counts_reductions_per_group(fp64: tuple[str, Run], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_ledger_counts_reductions_per_group(
+    fp64: tuple[str, Run], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(FIXTURES))
     import mytask
 
@@ -96,14 +106,17 @@ def test_the_ledger_counts_reductions_per_group(fp64: tuple[str, Run], monkeypat
     assert len(steps_run) == 2
     for rec in steps_run:
         assert (rec["comm_rounds"], rec["comm_calls"]) == (inner_rounds, inner_calls), rec
-        assert (rec["comm_rounds_replicate"], rec["comm_calls_replicate"]) == (across_rounds, across_calls), rec
+        assert (rec["comm_rounds_replicate"], rec["comm_calls_replicate"]) == (across_rounds, across_calls), (
+            rec
+        )
         # fp64: 8 bytes per element; a round reduce-scatters every unit, the all-reduce takes each 1/2 shard.
         assert rec["comm_bytes"] == 8 * inner_rounds * elements, rec
         assert rec["comm_bytes_replicate"] == 8 * across_rounds * elements // 2, rec
 
 
-def test_final_weights_reload_bit_identical_and_the_placement_is_recorded(fp64: tuple[str, Run],
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_final_weights_reload_bit_identical_and_the_placement_is_recorded(
+    fp64: tuple[str, Run], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(FIXTURES))
     import mytask
 
@@ -120,12 +133,15 @@ def test_final_weights_reload_bit_identical_and_the_placement_is_recorded(fp64: 
     assert float(total) == summary_["param_sum"]
 
 
-def test_bf16_reduction_passes_verify_at_fp32_with_half_the_bytes(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_reduction_passes_verify_at_fp32_with_half_the_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(FIXTURES))
     import mytask
 
-    run = verify(tmp_path / "verify", *USER, "accum.reduce_dtype=bf16")  # fp32, accum.sync=auto: replica_boundary
+    run = verify(
+        tmp_path / "verify", *USER, "accum.reduce_dtype=bf16"
+    )  # fp32, accum.sync=auto: replica_boundary
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "gradients reduced in bf16: + e = 8 roundings" in run.stdout  # replica_boundary: K x W = 2 x 4
     elements = padded_elements(mytask.make_model(), shards=2)
@@ -136,16 +152,27 @@ def test_bf16_reduction_passes_verify_at_fp32_with_half_the_bytes(tmp_path: Path
 
 def test_hugging_face_llama_passes_verify_at_fp32(tmp_path: Path) -> None:
     requires("transformers")
-    run = verify(tmp_path / "verify", "--config-dir", str(FIXTURES / "conf"), "model=llama",
-                 "accum.sync=replica_boundary")
+    run = verify(
+        tmp_path / "verify",
+        "--config-dir",
+        str(FIXTURES / "conf"),
+        "model=llama",
+        "accum.sync=replica_boundary",
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((run.run_dir / "verify.json").read_text())
     assert result["passed"] and result["precision"] == "fp32" and result["model"] == "hf_llama.make_llama"
     assert all(r["comm_rounds_replicate"] == 1 for r in records(candidate(run)))
 
 
-MLP = ("engine=fsdp", "engine.replicas=2", "trainer.nproc=4", "precision=fp64", "trainer.checkpoint_every=4",
-       "trainer.keep_checkpoints=10")
+MLP = (
+    "engine=fsdp",
+    "engine.replicas=2",
+    "trainer.nproc=4",
+    "precision=fp64",
+    "trainer.checkpoint_every=4",
+    "trainer.keep_checkpoints=10",
+)
 N = 24
 
 
@@ -157,9 +184,16 @@ def test_hsdp_checkpoints_restart_a_killed_rank_and_move_to_another_world_size(t
     assert done.returncode == 0, done.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(command(killed, *MLP, f"trainer.max_steps={N}", "trainer.max_restarts=1",
-                                    "trainer.shutdown_grace_s=5"),
-                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command(
+            killed, *MLP, f"trainer.max_steps={N}", "trainer.max_restarts=1", "trainer.shutdown_grace_s=5"
+        ),
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     victim = rank_pid(killed, 1)
     wait_for_step(killed, N // 3 + 1, proc)
     os.kill(victim, signal.SIGKILL)

@@ -55,15 +55,19 @@ def test_reduce_dtype_and_sync_take_only_their_choices() -> None:
     assert AccumConfig().sync == "auto" and AccumConfig().reduce_dtype == "fp32"
 
 
-@pytest.mark.parametrize(("engine", "replicas", "world", "nodes", "expected"), [
-    ("fsdp", "auto", 4, 2, (2, "replica_boundary")),  # several nodes: one replica per node
-    ("fsdp", "auto", 4, 1, (1, "boundary")),  # one node: flat FSDP
-    ("fsdp", 2, 4, 1, (2, "replica_boundary")),  # explicit, on one node
-    ("fsdp", 1, 4, 2, (1, "boundary")),  # explicit flat on two nodes
-    ("ddp", "auto", 4, 2, (1, "boundary")),  # engines without hybrid sharding stay flat
-])
-def test_auto_replicates_across_nodes_and_sync_auto_follows(engine: str, replicas: object, world: int,
-                                                            nodes: int, expected: tuple[int, str]) -> None:
+@pytest.mark.parametrize(
+    ("engine", "replicas", "world", "nodes", "expected"),
+    [
+        ("fsdp", "auto", 4, 2, (2, "replica_boundary")),  # several nodes: one replica per node
+        ("fsdp", "auto", 4, 1, (1, "boundary")),  # one node: flat FSDP
+        ("fsdp", 2, 4, 1, (2, "replica_boundary")),  # explicit, on one node
+        ("fsdp", 1, 4, 2, (1, "boundary")),  # explicit flat on two nodes
+        ("ddp", "auto", 4, 2, (1, "boundary")),  # engines without hybrid sharding stay flat
+    ],
+)
+def test_auto_replicates_across_nodes_and_sync_auto_follows(
+    engine: str, replicas: object, world: int, nodes: int, expected: tuple[int, str]
+) -> None:
     cfg = run_config(engine={"name": engine, "replicas": replicas})
     spec = resolve(cfg, world, CPU, nodes=nodes).engine
     assert (spec.replicas, spec.sync) == expected
@@ -76,15 +80,22 @@ def test_resolve_replicas_needs_ranks_that_split_evenly_over_the_nodes() -> None
 
 @pytest.mark.parametrize("engine", ["ddp", "accelerate", "deepspeed"])
 def test_replica_boundary_is_refused_where_it_has_no_meaning(engine: str) -> None:
-    cfg = run_config(engine={"name": engine}, accum={"micro_batch": 2, "steps": 2, "sync": "replica_boundary"})
-    with pytest.raises(ValueError, match=f"accum.sync=replica_boundary with engine={engine} has no meaning: this "
-                                         "engine keeps a whole replica on every rank"):
+    cfg = run_config(
+        engine={"name": engine}, accum={"micro_batch": 2, "steps": 2, "sync": "replica_boundary"}
+    )
+    with pytest.raises(
+        ValueError,
+        match=f"accum.sync=replica_boundary with engine={engine} has no meaning: this "
+        "engine keeps a whole replica on every rank",
+    ):
         resolve(cfg, 2, CPU)
 
 
 def test_replica_boundary_on_flat_fsdp_and_replicas_on_ddp_are_refused() -> None:
-    flat = run_config(engine={"name": "fsdp", "replicas": 1},
-                      accum={"micro_batch": 2, "steps": 2, "sync": "replica_boundary"})
+    flat = run_config(
+        engine={"name": "fsdp", "replicas": 1},
+        accum={"micro_batch": 2, "steps": 2, "sync": "replica_boundary"},
+    )
     with pytest.raises(ValueError, match="with engine.replicas=1 the mesh is flat"):
         resolve(flat, 4, CPU)
     with pytest.raises(ValueError, match="engine.replicas=2 asks for hybrid sharding.*engine=ddp"):
@@ -93,16 +104,28 @@ def test_replica_boundary_on_flat_fsdp_and_replicas_on_ddp_are_refused() -> None
 
 def test_replicas_that_do_not_divide_the_world_are_refused_with_the_numbers() -> None:
     cfg = run_config(engine={"name": "fsdp", "replicas": 4})
-    with pytest.raises(ValueError, match=r"engine.replicas=4 does not divide the world of 6 ranks.*"
-                                         r"Replicas that do: \[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine.replicas=4 does not divide the world of 6 ranks.*"
+        r"Replicas that do: \[1, 2, 3, 6\]",
+    ):
         resolve(cfg, 6, CPU)
 
 
 def test_distenv_reads_the_node_the_launcher_assigned() -> None:
-    torchrun = DistEnv.from_environ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"})
+    torchrun = DistEnv.from_environ(
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    )
     assert (torchrun.node, torchrun.nodes) == (1, 2)
-    srun = DistEnv.from_environ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NTASKS": "4",
-                                 "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "1"})
+    srun = DistEnv.from_environ(
+        {
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "2",
+            "SLURM_NTASKS": "4",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_NODEID": "1",
+        }
+    )
     assert (srun.node, srun.nodes) == (1, 2)
     assert DistEnv.from_environ({"RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}).nodes == 1
 
@@ -114,7 +137,9 @@ def test_replica_groups_are_mesh_rows_and_the_plan_puts_one_replica_on_each_node
     assert split_replicas(replica_groups(4, 2), nodes) == []
     assert split_replicas(replica_groups(4, 1), nodes) == [0]
     assert describe_placement(replica_groups(4, 2), nodes).splitlines() == [
-        "  replica 0: ranks 0-1 on node 0", "  replica 1: ranks 2-3 on node 1"]
+        "  replica 0: ranks 0-1 on node 0",
+        "  replica 1: ranks 2-3 on node 1",
+    ]
     plan = placement_plan(2, nodes=2, per_node=4)
     assert plan[0].startswith("HSDP: 2 replicas x 4 shards over 2 node(s) of 4 ranks")
     assert plan[1:] == ["  replica 0: ranks 0-3 on node 0", "  replica 1: ranks 4-7 on node 1"]
@@ -153,8 +178,15 @@ def _ddp_step(reduce_dtype: str) -> tuple[int, list[torch.Tensor], list[torch.Te
     """One K=2 window through the DDP engine on one rank: the bytes reduced, the reduced gradients, and the
     gradients a plain backward gives."""
     torch.manual_seed(0)
-    spec = EngineSpec(engine=EngineConfig(name="ddp"), precision=Precision.of("fp32"), split=Split(2, 2, 1),
-                      sync="boundary", clip_norm=None, device=CPU, reduce_dtype=reduce_dtype)
+    spec = EngineSpec(
+        engine=EngineConfig(name="ddp"),
+        precision=Precision.of("fp32"),
+        split=Split(2, 2, 1),
+        sync="boundary",
+        clip_norm=None,
+        device=CPU,
+        reduce_dtype=reduce_dtype,
+    )
     ledger = CommLedger(enabled=False)
     engine = DDPEngine(spec, ledger)
     model = MLP(in_dim=8, width=16, depth=2, out_dim=4)
@@ -169,8 +201,11 @@ def _ddp_step(reduce_dtype: str) -> tuple[int, list[torch.Tensor], list[torch.Te
             engine.backward(((module(x) - y) ** 2).sum())
         ((plain(x) - y) ** 2).sum().backward()
     stats = ledger.end_step()
-    return (stats.comm_bytes, [p.grad.clone() for p in engine.unwrapped().parameters()],
-            [p.grad for p in plain.parameters()])
+    return (
+        stats.comm_bytes,
+        [p.grad.clone() for p in engine.unwrapped().parameters()],
+        [p.grad for p in plain.parameters()],
+    )
 
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
@@ -195,12 +230,21 @@ def test_fsdp_policy_reduces_in_the_compressed_dtype() -> None:
 
 
 def test_deepspeed_gets_its_communication_data_type() -> None:
-    spec = EngineSpec(engine=EngineConfig(name="deepspeed"), precision=Precision.of("fp32"), split=Split(2, 2, 2),
-                      sync="boundary", clip_norm=None, device=CPU, reduce_dtype="bf16")
+    spec = EngineSpec(
+        engine=EngineConfig(name="deepspeed"),
+        precision=Precision.of("fp32"),
+        split=Split(2, 2, 2),
+        sync="boundary",
+        clip_norm=None,
+        device=CPU,
+        reduce_dtype="bf16",
+    )
     config, sources = generate(spec)
     assert config["communication_data_type"] == "bf16"
     assert sources["communication_data_type"] == "accum.reduce_dtype=bf16"
-    assert "communication_data_type" not in generate(EngineSpec(**{**spec.__dict__, "reduce_dtype": "fp32"}))[0]
+    assert (
+        "communication_data_type" not in generate(EngineSpec(**{**spec.__dict__, "reduce_dtype": "fp32"}))[0]
+    )
 
 
 def test_reduction_tolerance_is_derived_from_the_roundings() -> None:
@@ -208,22 +252,29 @@ def test_reduction_tolerance_is_derived_from_the_roundings() -> None:
     assert reduction_roundings("every_micro", 4, 8) == reduction_roundings("replica_boundary", 4, 8) == 32
     base = DEFAULT_TOLERANCES["fp32"]
     tol = with_reduction(base, "bf16", roundings=2, lr=1e-3, steps=10, adam_betas=(0.9, 0.95))
-    e = 2 * 2.0 ** -8
+    e = 2 * 2.0**-8
     assert tol.steps.rtol == base.steps.rtol + e and tol.steps.atol == base.steps.atol
     # Adam: k = max(1, 0.1 / sqrt(0.05)) = 1; every element moves at most lr per step in either run.
-    assert tol.params.rtol == base.params.rtol and tol.params.atol == pytest.approx(base.params.atol + 2 * 1e-3 * 10)
+    assert tol.params.rtol == base.params.rtol and tol.params.atol == pytest.approx(
+        base.params.atol + 2 * 1e-3 * 10
+    )
     adam_fast_v = with_reduction(base, "bf16", roundings=2, lr=1e-3, steps=10, adam_betas=(0.5, 0.99))
     assert adam_fast_v.params.atol == pytest.approx(base.params.atol + 2 * 5.0 * 1e-3 * 10)  # k = 0.5 / 0.1
     sgd = with_reduction(base, "fp16", roundings=4, lr=1e-3, steps=10, adam_betas=None)
-    assert sgd.params.rtol == base.params.rtol + 2 * 4 * 2.0 ** -11 and sgd.params.atol == base.params.atol
+    assert sgd.params.rtol == base.params.rtol + 2 * 4 * 2.0**-11 and sgd.params.atol == base.params.atol
     assert with_reduction(base, "fp32", roundings=2, lr=1e-3, steps=10, adam_betas=None) == base
 
 
 def test_verify_widens_for_the_split_that_rounds_most_and_respects_explicit_tolerances() -> None:
-    cfg = run_config(engine={"name": "fsdp", "replicas": 2}, trainer={"nproc": 4},
-                     accum={"micro_batch": 2, "steps": 2, "reduce_dtype": "bf16"})
+    cfg = run_config(
+        engine={"name": "fsdp", "replicas": 2},
+        trainer={"nproc": 4},
+        accum={"micro_batch": 2, "steps": 2, "reduce_dtype": "bf16"},
+    )
     tol, note = verify_tolerance(cfg, [Split(2, 2, 4), Split(2, 4, 2)])
-    e = 8 * 2.0 ** -8  # replica_boundary: K W = 4 x 2 or 2 x 4 roundings
-    assert tol.steps.rtol == pytest.approx(DEFAULT_TOLERANCES["fp32"].steps.rtol + e) and "8 roundings" in note
+    e = 8 * 2.0**-8  # replica_boundary: K W = 4 x 2 or 2 x 4 roundings
+    assert (
+        tol.steps.rtol == pytest.approx(DEFAULT_TOLERANCES["fp32"].steps.rtol + e) and "8 roundings" in note
+    )
     explicit = run_config(accum={"micro_batch": 2, "steps": 2, "reduce_dtype": "bf16"}, verify={"rtol": 0.1})
     assert verify_tolerance(explicit, [Split(2, 2, 2)])[0].steps.rtol == 0.1

@@ -60,8 +60,10 @@ def _imports(path: Path, module: str) -> set[str]:
 
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {name: {i for i in _imports(path, name) if i in modules and i != name}
-            for name, path in modules.items()}
+    return {
+        name: {i for i in _imports(path, name) if i in modules and i != name}
+        for name, path in modules.items()
+    }
 
 
 def test_library_never_imports_the_entry_layer_or_hydra() -> None:
@@ -70,8 +72,12 @@ def test_library_never_imports_the_entry_layer_or_hydra() -> None:
             continue
         for imported in _imports(path, name):
             if name != HYDRA_INSTANTIATION or imported.split(".")[0] != "hydra":
-                assert imported.split(".")[0] not in ENTRY_ONLY_PACKAGES, f"{name} imports {imported} (entry layer only)"
-            assert not imported.startswith(ENTRY_PREFIXES), f"library module {name} imports entry module {imported}"
+                assert imported.split(".")[0] not in ENTRY_ONLY_PACKAGES, (
+                    f"{name} imports {imported} (entry layer only)"
+                )
+            assert not imported.startswith(ENTRY_PREFIXES), (
+                f"library module {name} imports entry module {imported}"
+            )
         assert "sys.exit" not in path.read_text(), f"{name} calls sys.exit (entry layer only)"
 
 
@@ -105,9 +111,14 @@ def test_engines_import_only_the_engine_base_and_leaf_modules() -> None:
     for name, deps in graph.items():
         if name.startswith("distaccum.engines.") and name != "distaccum.engines.base":
             other_engines = {d for d in deps if d.startswith("distaccum.engines.")} - {
-                "distaccum.engines.base", "distaccum.engines.comm_tap", "distaccum.engines.deepspeed_config",
-                "distaccum.engines.compile"}
-            if name == "distaccum.engines.accelerate":  # Accelerate drives DDP: it shares DDP's replicated base
+                "distaccum.engines.base",
+                "distaccum.engines.comm_tap",
+                "distaccum.engines.deepspeed_config",
+                "distaccum.engines.compile",
+            }
+            if (
+                name == "distaccum.engines.accelerate"
+            ):  # Accelerate drives DDP: it shares DDP's replicated base
                 other_engines -= {"distaccum.engines.ddp"}
             assert not other_engines, f"{name} imports {other_engines}"
             assert "distaccum.loop" not in deps and "distaccum.trainer" not in deps, name
@@ -138,13 +149,18 @@ def test_nothing_below_the_trainer_takes_the_whole_run_config() -> None:
     below = _reachable("distaccum.trainer")
     assert "distaccum.resolve" in below and "distaccum.loop" in below
     for name in sorted(below - RESOLUTION):
-        assert "distaccum.config.RunConfig" not in _imports(_modules()[name], name), \
+        assert "distaccum.config.RunConfig" not in _imports(_modules()[name], name), (
             f"{name} (below the Trainer) imports RunConfig: hand it the narrow objects it uses"
+        )
 
 
 def test_an_engine_spec_is_built_in_exactly_one_place() -> None:
-    builders = [(name, line) for name, path in _modules().items()
-                for line in path.read_text().splitlines() if "EngineSpec(" in line and "class EngineSpec" not in line]
+    builders = [
+        (name, line)
+        for name, path in _modules().items()
+        for line in path.read_text().splitlines()
+        if "EngineSpec(" in line and "class EngineSpec" not in line
+    ]
     assert [name for name, _ in builders] == ["distaccum.resolve"], builders
 
 
@@ -153,7 +169,9 @@ def test_the_trainer_reads_no_environment() -> None:
 
 
 def _function(module: str, name: str) -> ast.FunctionDef:
-    return next(n for n in ast.parse(_source(module)).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return next(
+        n for n in ast.parse(_source(module)).body if isinstance(n, ast.FunctionDef) and n.name == name
+    )
 
 
 def test_the_step_is_the_step_math() -> None:
@@ -162,16 +180,30 @@ def test_the_step_is_the_step_math() -> None:
     step = _function("distaccum.loop", "train_step")
     length = step.end_lineno - step.lineno + 1  # type: ignore[operator]
     assert length <= 40, f"loop.train_step is {length} lines: the step math only"
-    names = {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(step)
-             if isinstance(n, ast.Attribute | ast.Name)}
-    around = {"timer", "sink", "records", "checkpointer", "monitors", "fingerprint", "on_step", "stop"} & names
+    names = {
+        n.attr if isinstance(n, ast.Attribute) else n.id
+        for n in ast.walk(step)
+        if isinstance(n, ast.Attribute | ast.Name)
+    }
+    around = {
+        "timer",
+        "sink",
+        "records",
+        "checkpointer",
+        "monitors",
+        "fingerprint",
+        "on_step",
+        "stop",
+    } & names
     assert not around, f"loop.train_step reaches for {sorted(around)}: those run around the step, in train"
     loop = _function("distaccum.loop", "train")
     assert loop.end_lineno - loop.lineno + 1 <= 50, "loop.train: the cadence around the step, on one screen"
 
 
-SOCKETS = re.compile(r"\bsocket\.(socket|socketpair|create_connection|create_server|fromfd)\b|\b(multiprocessing\."
-                     r"connection|asyncio\.open_(unix_)?connection|zmq)\b")
+SOCKETS = re.compile(
+    r"\bsocket\.(socket|socketpair|create_connection|create_server|fromfd)\b|\b(multiprocessing\."
+    r"connection|asyncio\.open_(unix_)?connection|zmq)\b"
+)
 
 
 def test_no_module_opens_a_transport_of_its_own() -> None:
@@ -181,14 +213,18 @@ def test_no_module_opens_a_transport_of_its_own() -> None:
     for name in sorted(_reachable("distaccum.trainer") | {"distaccum.trainer"}):
         found = SOCKETS.search(modules[name].read_text())
         assert found is None, f"{name} opens a transport of its own: {found.group(0) if found else ''}"
-    assert SOCKETS.search("peer = socket.socket(socket.AF_UNIX)") and not SOCKETS.search("socket.gethostname()")
+    assert SOCKETS.search("peer = socket.socket(socket.AF_UNIX)") and not SOCKETS.search(
+        "socket.gethostname()"
+    )
 
 
 def test_one_normalization_path() -> None:
     """The window's 1/(c N) is applied in one place, the engine's step: none of the retired second and third paths
     (folded into the comm hook, multiplied into the loss at K = 1 above a size threshold) comes back."""
-    retired = re.compile(r"normalize_in_loss_mb|fold_normalization|normalize_loss\b|hand_over|loss_factor|"
-                         r"micro_factor")
+    retired = re.compile(
+        r"normalize_in_loss_mb|fold_normalization|normalize_loss\b|hand_over|loss_factor|"
+        r"micro_factor"
+    )
     for path in [*_modules().values(), *(REPO / "configs").rglob("*.yaml")]:
         found = retired.search(path.read_text())
         assert found is None, f"{path.relative_to(REPO)}: {found.group(0) if found else ''}"
@@ -201,7 +237,9 @@ def test_the_top_level_package_stays_small() -> None:
 
 def test_no_module_tests_an_engine_by_name() -> None:
     """Capabilities live on the engine classes; only the registry maps names to classes."""
-    pattern = re.compile(r"""(name|engine)\s*(==|!=|in|not in)\s*[(\[]?\s*["'](ddp|fsdp|deepspeed|accelerate)["']""")
+    pattern = re.compile(
+        r"""(name|engine)\s*(==|!=|in|not in)\s*[(\[]?\s*["'](ddp|fsdp|deepspeed|accelerate)["']"""
+    )
     for name, path in _modules().items():
         if name.startswith(("distaccum.engines", "distaccum.cli")):
             continue
@@ -210,8 +248,13 @@ def test_no_module_tests_an_engine_by_name() -> None:
 
 
 def test_faults_enter_only_through_the_testing_seam_in_the_trainer() -> None:
-    users = sorted(name for name, path in _modules().items()
-                   if "intercept(" in path.read_text() and not name.startswith("distaccum.testing"))
+    users = sorted(
+        name
+        for name, path in _modules().items()
+        if "intercept(" in path.read_text() and not name.startswith("distaccum.testing")
+    )
     assert users == ["distaccum.trainer"], users
     config = _source("distaccum.config")
-    assert re.search(r"\b(debug|fault)", config, re.IGNORECASE) is None, "a test-only switch in the public config"
+    assert re.search(r"\b(debug|fault)", config, re.IGNORECASE) is None, (
+        "a test-only switch in the public config"
+    )

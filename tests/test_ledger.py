@@ -20,9 +20,17 @@ from distaccum.models import MLP
 pytestmark = [pytest.mark.dist, pytest.mark.serial]  # compares communication times between two runs
 
 K, STEPS, WIDTH, DEPTH = 4, 6, 1024, 4
-COMMON = ("model=mlp", f"model.width={WIDTH}", f"model.depth={DEPTH}", "accum.micro_batch=2",
-          f"accum.steps={K}", "engine.bucket_cap_mb=1", f"trainer.max_steps={STEPS}", "trainer.nproc=2",
-          "log.rank_stats_every=1")
+COMMON = (
+    "model=mlp",
+    f"model.width={WIDTH}",
+    f"model.depth={DEPTH}",
+    "accum.micro_batch=2",
+    f"accum.steps={K}",
+    "engine.bucket_cap_mb=1",
+    f"trainer.max_steps={STEPS}",
+    "trainer.nproc=2",
+    "log.rank_stats_every=1",
+)
 
 
 def param_count() -> int:

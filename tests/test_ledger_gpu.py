@@ -40,20 +40,43 @@ clipping, ``log.grad_norm=false``, one rank: no fingerprint): the window's read 
 NO_NORM = {"optim": {"clip_norm": None}, "log": {"console": "quiet", "grad_norm": False}}
 
 
-def gpt_trainer(run_dir: Path, device: str, engine: str = "ddp", precision: str = "fp32",
-                max_steps: int = STEPS, **sections: Any) -> Trainer:
+def gpt_trainer(
+    run_dir: Path,
+    device: str,
+    engine: str = "ddp",
+    precision: str = "fp32",
+    max_steps: int = STEPS,
+    **sections: Any,
+) -> Trainer:
     """tiny_gpt on variable-length sequences: token counts come back from the loss as device tensors."""
-    cfg = {"precision": precision, "engine": {"name": engine}, "accum": {"micro_batch": 2, "steps": K},
-           "trainer": {"nproc": 1, "max_steps": max_steps, "check_every": 0, "save_final": False,
-                       "device": device},
-           "log": {"console": "quiet"}, "run_dir": str(run_dir), **sections}
-    return Trainer(cfg, model=lambda: TinyGPT(width=32, depth=2), dataset=CorpusSequences(64, seq_max=24),
-                   loss=losses.token_cross_entropy, collate=pad_collate)
+    cfg = {
+        "precision": precision,
+        "engine": {"name": engine},
+        "accum": {"micro_batch": 2, "steps": K},
+        "trainer": {
+            "nproc": 1,
+            "max_steps": max_steps,
+            "check_every": 0,
+            "save_final": False,
+            "device": device,
+        },
+        "log": {"console": "quiet"},
+        "run_dir": str(run_dir),
+        **sections,
+    }
+    return Trainer(
+        cfg,
+        model=lambda: TinyGPT(width=32, depth=2),
+        dataset=CorpusSequences(64, seq_max=24),
+        loss=losses.token_cross_entropy,
+        collate=pad_collate,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_steps_are_timed_on_the_devices_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              device: str) -> None:
+def test_steps_are_timed_on_the_devices_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
     stamps = {HostClock: 0, CudaClock: 0}
     for cls in stamps:
         original = cls.stamp
@@ -77,18 +100,28 @@ def test_steps_are_timed_on_the_devices_clock(tmp_path: Path, monkeypatch: pytes
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("engine", "precision", "norm"), [("ddp", "fp32", True), ("ddp", "bf16", True),
-                                                           ("ddp", "fp16", True), ("accelerate", "fp32", True),
-                                                           ("ddp", "bf16", False)])
-def test_host_syncs_per_step_are_the_documented_number(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       engine: str, precision: str, norm: bool) -> None:
+@pytest.mark.parametrize(
+    ("engine", "precision", "norm"),
+    [
+        ("ddp", "fp32", True),
+        ("ddp", "bf16", True),
+        ("ddp", "fp16", True),
+        ("accelerate", "fp32", True),
+        ("ddp", "bf16", False),
+    ],
+)
+def test_host_syncs_per_step_are_the_documented_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str, precision: str, norm: bool
+) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")  # as a launched rank has it (Accelerate reads it)
     fresh_accelerate_state()
     per_step: list[int] = []
     where: list[list[str]] = []
     with one_rank_group("cuda"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = gpt_trainer(tmp_path, "cuda", engine, precision, max_steps=2 * STEPS, **({} if norm else NO_NORM))
+        trainer = gpt_trainer(
+            tmp_path, "cuda", engine, precision, max_steps=2 * STEPS, **({} if norm else NO_NORM)
+        )
         trainer.setup()
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -113,16 +146,18 @@ def test_host_syncs_per_step_are_the_documented_number(tmp_path: Path, monkeypat
     steady = per_step[2:]
     expected = FLAGGED_SYNCS_PER_STEP[precision] if norm else 1
     assert steady == [expected] * len(steady), (per_step, where)
-    assert drains == [] and [r["step"] for r in records] == list(range(on_step_records + 1, on_step_records + 1 + STEPS))
+    assert drains == [] and [r["step"] for r in records] == list(
+        range(on_step_records + 1, on_step_records + 1 + STEPS)
+    )
     assert all(r["time_s"] > 0 for r in records)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("k", "norm"), [(1, False), (4, False), (4, True)])
-def test_steady_steps_allocate_no_device_block_and_create_no_timing_event(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch,
-                                                                          k: int, norm: bool) -> None:
+def test_steady_steps_allocate_no_device_block_and_create_no_timing_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, k: int, norm: bool
+) -> None:
     """Past warm-up a step reuses what earlier steps allocated: no new device memory segment (a ``cudaMalloc``:
     anything allocated on a stream from the pool, as DDP's comm-hook continuations run, would cache a block per pool
     stream) and no new CUDA event for the timings (read events are recorded again). 40 steps: more than the pool's
@@ -140,12 +175,18 @@ def test_steady_steps_allocate_no_device_block_and_create_no_timing_event(tmp_pa
 
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 32, generator=gen), torch.randn(64, 8, generator=gen))
-    cfg = {"precision": "bf16", "engine": {"name": "ddp"}, "accum": {"micro_batch": 4, "steps": k},
-           "trainer": {"nproc": 1, "max_steps": 50, "check_every": 0, "save_final": False, "device": "cuda"},
-           "run_dir": str(tmp_path), **({} if norm else NO_NORM)}
+    cfg = {
+        "precision": "bf16",
+        "engine": {"name": "ddp"},
+        "accum": {"micro_batch": 4, "steps": k},
+        "trainer": {"nproc": 1, "max_steps": 50, "check_every": 0, "save_final": False, "device": "cuda"},
+        "run_dir": str(tmp_path),
+        **({} if norm else NO_NORM),
+    }
     with one_rank_group("cuda"):
-        trainer = Trainer(cfg, model=lambda: MLP(in_dim=32, width=64, depth=2, out_dim=8), dataset=data,
-                          loss=losses.mse)
+        trainer = Trainer(
+            cfg, model=lambda: MLP(in_dim=32, width=64, depth=2, out_dim=8), dataset=data, loss=losses.mse
+        )
         trainer.train_steps(4)  # warm-up: the allocations and events the first steps make
         torch.cuda.synchronize()
         segments = torch.cuda.memory_stats()["segment.all.allocated"]
@@ -180,9 +221,18 @@ def test_two_rank_ledger_on_cuda(tmp_path: Path) -> None:
     found = torch.cuda.device_count()
     if found < 2:
         pytest.skip(f"needs 2 GPUs, found {found}: the 2-rank ledger check did not run")
-    run = train(tmp_path / "run", "model=mlp", "model.width=1024", "model.depth=4", "accum.micro_batch=2",
-                f"accum.steps={K}", "accum.sync=every_micro", f"trainer.max_steps={STEPS}", "trainer.nproc=2",
-                "trainer.device=cuda")
+    run = train(
+        tmp_path / "run",
+        "model=mlp",
+        "model.width=1024",
+        "model.depth=4",
+        "accum.micro_batch=2",
+        f"accum.steps={K}",
+        "accum.sync=every_micro",
+        f"trainer.max_steps={STEPS}",
+        "trainer.nproc=2",
+        "trainer.device=cuda",
+    )
     params = 4 * (32 * 1024 + 1024 + 3 * (1024 * 1024 + 1024) + 1024 * 8 + 8)  # fp32 bytes of the MLP
     records = run.records
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

@@ -25,8 +25,12 @@ pytestmark = pytest.mark.unit
 
 def test_gloo_timeouts_are_recognised_in_both_wordings() -> None:
     assert is_timeout(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 10000ms for recv"))
-    assert is_timeout(RuntimeError("Got the following error when running the callback: RuntimeError: "
-                                   "Application timeout caused pair closure"))
+    assert is_timeout(
+        RuntimeError(
+            "Got the following error when running the callback: RuntimeError: "
+            "Application timeout caused pair closure"
+        )
+    )
     assert not is_timeout(RuntimeError("Connection reset by peer"))
 
 
@@ -64,7 +68,9 @@ def test_a_stopped_peer_is_named_and_killed_a_gone_one_named(tmp_path: Path) -> 
         gone.wait()
         lines = describe_peers(tmp_path, me=0)
         assert any(f"rank 1 (pid {stopped.pid}) is stopped (SIGSTOP" in line for line in lines), lines
-        assert any(f"rank 2 (pid {gone.pid}) is gone: it died without a trace" in line for line in lines), lines
+        assert any(f"rank 2 (pid {gone.pid}) is gone: it died without a trace" in line for line in lines), (
+            lines
+        )
         assert kill_stopped_peers(tmp_path, me=0, attempt=1) == []  # another attempt's rank files: left alone
         assert kill_stopped_peers(tmp_path, me=0, attempt=0) == [1]
         stopped.wait(timeout=10)

@@ -22,19 +22,24 @@ from distaccum.trainer import Trainer
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("cpu_group")]  # conftest: one gloo rank
 
 
-
 def config(run_dir: Path, **sections: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"trainer": {"nproc": 1, "max_steps": 4, "check_every": 0, "save_final": False,
-                                        "checkpoint_every": 0},
-                            "log": {"console": "quiet"}, "run_dir": str(run_dir)}
+    base: dict[str, Any] = {
+        "trainer": {"nproc": 1, "max_steps": 4, "check_every": 0, "save_final": False, "checkpoint_every": 0},
+        "log": {"console": "quiet"},
+        "run_dir": str(run_dir),
+    }
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return base
 
 
 def mlp_trainer(run_dir: Path, samples: int = 64, **sections: Any) -> Trainer:
-    return Trainer(config(run_dir, **sections), model=lambda: MLP(32, 16, 2, 8),
-                   dataset=SyntheticRegression(samples), loss=losses.mse)
+    return Trainer(
+        config(run_dir, **sections),
+        model=lambda: MLP(32, 16, 2, 8),
+        dataset=SyntheticRegression(samples),
+        loss=losses.mse,
+    )
 
 
 def params(trainer: Trainer) -> torch.Tensor:
@@ -45,8 +50,12 @@ SGD = {"name": "sgd", "schedule": "constant", "warmup_steps": 0, "clip_norm": No
 
 
 def test_scheduler_and_optimizer_step_once_per_optimizer_step(tmp_path: Path) -> None:
-    trainer = mlp_trainer(tmp_path, accum={"micro_batch": 2, "steps": 4}, trainer={"max_steps": 5},
-                          optim={"warmup_steps": 2, "schedule": "cosine"})
+    trainer = mlp_trainer(
+        tmp_path,
+        accum={"micro_batch": 2, "steps": 4},
+        trainer={"max_steps": 5},
+        optim={"warmup_steps": 2, "schedule": "cosine"},
+    )
     state = trainer.setup()
     steps: list[int] = []
     state.engine.optimizer.register_step_post_hook(lambda opt, args, kwargs: steps.append(1))
@@ -55,16 +64,21 @@ def test_scheduler_and_optimizer_step_once_per_optimizer_step(tmp_path: Path) ->
     assert len(steps) == 5 and state.scheduler.last_epoch == 5
     assert [r["micro_steps"] for r in records] == [4] * 5
     for r in records:  # the lr used at step s is the schedule's value at s, not at s * K
-        assert r["lr"] == pytest.approx(trainer.cfg.optim.lr * lr_factor(r["step"] - 1, trainer.cfg.optim, 5),
-                                        rel=1e-12)
+        assert r["lr"] == pytest.approx(
+            trainer.cfg.optim.lr * lr_factor(r["step"] - 1, trainer.cfg.optim, 5), rel=1e-12
+        )
 
 
 def test_clipping_happens_once_on_the_accumulated_gradient(tmp_path: Path) -> None:
     # Tiny clip norm: clipping per micro-batch (or before the sum) would change the update.
     results = []
     for micro, steps in ((16, 1), (4, 4), (1, 16)):
-        trainer = mlp_trainer(tmp_path / f"{micro}", accum={"micro_batch": micro, "steps": steps}, precision="fp64",
-                              optim={**SGD, "clip_norm": 0.05})
+        trainer = mlp_trainer(
+            tmp_path / f"{micro}",
+            accum={"micro_batch": micro, "steps": steps},
+            precision="fp64",
+            optim={**SGD, "clip_norm": 0.05},
+        )
         state = trainer.setup()
         norms: list[float] = []
 
@@ -100,11 +114,20 @@ def check_fp16_overflow_skip(run_dir: Path, engine: str, device: str) -> None:
     """One body for every engine that trains fp16 (CPU: DDP; CUDA: DDP, Accelerate): a skipped step
     leaves the parameters bit for bit, and the optimizer and the schedule count applied steps only."""
     k, steps = 2, 3
-    trainer = Trainer(config(run_dir, precision="fp16", engine={"name": engine}, accum={"micro_batch": 4, "steps": k},
-                             trainer={"max_steps": steps, "device": device},
-                             optim={"name": "adamw", "schedule": "linear", "warmup_steps": 0}),
-                      model=lambda: MLP(32, 16, 2, 8), dataset=SyntheticRegression(64), loss=FirstWindowOverflows(k),
-                      check_components=False)  # the probe would call the loss too
+    trainer = Trainer(
+        config(
+            run_dir,
+            precision="fp16",
+            engine={"name": engine},
+            accum={"micro_batch": 4, "steps": k},
+            trainer={"max_steps": steps, "device": device},
+            optim={"name": "adamw", "schedule": "linear", "warmup_steps": 0},
+        ),
+        model=lambda: MLP(32, 16, 2, 8),
+        dataset=SyntheticRegression(64),
+        loss=FirstWindowOverflows(k),
+        check_components=False,
+    )  # the probe would call the loss too
     state = trainer.setup()
     optimizer_steps: list[int] = []
     state.engine.optimizer.register_step_post_hook(lambda opt, args, kwargs: optimizer_steps.append(1))
@@ -117,11 +140,15 @@ def check_fp16_overflow_skip(run_dir: Path, engine: str, device: str) -> None:
         before = after
     skipped = [r["skipped"] for r in state.records]
     applied = skipped.count(False)
-    assert skipped[0] and applied > 0, skipped  # the first window overflows by construction; the scaler recovers
+    assert skipped[0] and applied > 0, (
+        skipped
+    )  # the first window overflows by construction; the scaler recovers
     assert len(optimizer_steps) == applied and state.scheduler.last_epoch == applied
     adam_steps = {float(s["step"]) for s in state.engine.optimizer.state.values()}
     assert adam_steps == {float(applied)}, adam_steps  # AdamW's own step count (bias correction)
-    assert state.records[skipped.index(False)]["lr"] == state.records[0]["lr"]  # skips left the schedule alone
+    assert (
+        state.records[skipped.index(False)]["lr"] == state.records[0]["lr"]
+    )  # skips left the schedule alone
     assert all(math.isfinite(r["loss"]) for r in state.records)
     trainer.finish()
 
@@ -131,9 +158,12 @@ def test_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path) -> None:
 
 
 def test_batchnorm_with_accumulation_warns_and_names_layers(tmp_path: Path) -> None:
-    trainer = Trainer(config(tmp_path, accum={"micro_batch": 2, "steps": 4}),
-                      model=lambda: ConvNetBN(width=4, depth=1), dataset=SyntheticImages(32),
-                      loss=losses.sample_cross_entropy)
+    trainer = Trainer(
+        config(tmp_path, accum={"micro_batch": 2, "steps": 4}),
+        model=lambda: ConvNetBN(width=4, depth=1),
+        dataset=SyntheticImages(32),
+        loss=losses.sample_cross_entropy,
+    )
     with pytest.warns(UserWarning, match=r"batch-statistics layers \(features.1\)"):
         trainer.setup()
 
@@ -142,8 +172,15 @@ def test_partial_window_is_weighted_by_what_it_holds(tmp_path: Path) -> None:
     # 20 samples, global batch 16: step 2 holds 4 samples spread over 4 micro-batches of 1.
     results = {}
     for micro, steps in ((16, 1), (4, 4), (1, 16)):
-        trainer = mlp_trainer(tmp_path / f"{micro}", samples=20, accum={"micro_batch": micro, "steps": steps},
-                              precision="fp64", data={"shuffle": False}, trainer={"max_steps": 2}, optim=SGD)
+        trainer = mlp_trainer(
+            tmp_path / f"{micro}",
+            samples=20,
+            accum={"micro_batch": micro, "steps": steps},
+            precision="fp64",
+            data={"shuffle": False},
+            trainer={"max_steps": 2},
+            optim=SGD,
+        )
         trainer.fit()
         records = trainer.state.records
         assert records[1]["partial_window"] and records[1]["samples"] == 4 and records[1]["items"] == 4
@@ -156,8 +193,12 @@ def test_partial_window_is_weighted_by_what_it_holds(tmp_path: Path) -> None:
 
 
 def test_checkpoint_between_windows_resumes_exactly(tmp_path: Path) -> None:
-    straight = mlp_trainer(tmp_path / "straight", accum={"micro_batch": 2, "steps": 4}, precision="fp64",
-                           trainer={"max_steps": 6})
+    straight = mlp_trainer(
+        tmp_path / "straight",
+        accum={"micro_batch": 2, "steps": 4},
+        precision="fp64",
+        trainer={"max_steps": 6},
+    )
     straight.fit()
 
     flag = StopFlag()
@@ -167,17 +208,27 @@ def test_checkpoint_between_windows_resumes_exactly(tmp_path: Path) -> None:
         # A request (SIGTERM) arriving during window 3 is seen when that window ends.
         flag.requested = flag.requested or record["step"] == stop_after - 1
 
-    first = Trainer(config(tmp_path / "stopped", accum={"micro_batch": 2, "steps": 4}, precision="fp64",
-                           trainer={"max_steps": 6}),
-                    model=lambda: MLP(32, 16, 2, 8), dataset=SyntheticRegression(64), loss=losses.mse,
-                    stop=flag, on_step=request_stop)
+    first = Trainer(
+        config(
+            tmp_path / "stopped",
+            accum={"micro_batch": 2, "steps": 4},
+            precision="fp64",
+            trainer={"max_steps": 6},
+        ),
+        model=lambda: MLP(32, 16, 2, 8),
+        dataset=SyntheticRegression(64),
+        loss=losses.mse,
+        stop=flag,
+        on_step=request_stop,
+    )
     with pytest.raises(StopRequested) as stopped:
         first.fit()
     assert stopped.value.step == stop_after
     assert (tmp_path / "stopped" / "checkpoints" / "step-00000003" / "manifest.json").is_file()
 
-    resumed = mlp_trainer(tmp_path / "stopped", accum={"micro_batch": 2, "steps": 4}, precision="fp64",
-                          trainer={"max_steps": 6})
+    resumed = mlp_trainer(
+        tmp_path / "stopped", accum={"micro_batch": 2, "steps": 4}, precision="fp64", trainer={"max_steps": 6}
+    )
     state = resumed.setup()
     assert state.source.next_step == stop_after and len(state.records) == stop_after
     resumed.fit()
@@ -189,8 +240,9 @@ def test_the_power_of_two_scale_never_changes_a_bit(tmp_path: Path) -> None:
     # loop.py claims: multiplying by c = 2^-k is exact, so whatever N_prev is, the result is the same.
     results = []
     for n_prev in (0.0, 3.0, 1e6):
-        trainer = mlp_trainer(tmp_path / f"{n_prev}", accum={"micro_batch": 4, "steps": 4},
-                              trainer={"max_steps": 1})
+        trainer = mlp_trainer(
+            tmp_path / f"{n_prev}", accum={"micro_batch": 4, "steps": 4}, trainer={"max_steps": 1}
+        )
         trainer.setup().n_prev = n_prev
         trainer.fit()
         results.append((params(trainer), trainer.state.records[0]["grad_norm"]))
@@ -225,9 +277,14 @@ def test_one_collated_micro_batch_is_alive_at_a_time(tmp_path: Path) -> None:
     # Memory flat in K, structurally: with K=16 each micro-batch is collated just before its forward
     # and released before the next one is, so inputs never pile up over the window.
     Tracked.alive = Tracked.most_alive_at_forward = 0
-    trainer = Trainer(config(tmp_path, accum={"micro_batch": 2, "steps": 16}, trainer={"max_steps": 2}),
-                      model=lambda: MLP(32, 16, 2, 8), dataset=SyntheticRegression(64), loss=tracked_mse,
-                      collate=tracked_collate, check_components=False)
+    trainer = Trainer(
+        config(tmp_path, accum={"micro_batch": 2, "steps": 16}, trainer={"max_steps": 2}),
+        model=lambda: MLP(32, 16, 2, 8),
+        dataset=SyntheticRegression(64),
+        loss=tracked_mse,
+        collate=tracked_collate,
+        check_components=False,
+    )
     trainer.fit()
     assert len(trainer.state.records) == 2 and trainer.state.records[0]["micro_steps"] == 16
     assert Tracked.most_alive_at_forward == 1
@@ -246,8 +303,9 @@ def test_training_in_chunks_equals_one_fit(tmp_path: Path) -> None:
     assert [r["loss"] for r in chunked.state.records] == [r["loss"] for r in whole.state.records]
 
 
-def check_tensor_rows_train_as_the_dataloader(run_dir: Path, device: str, *, shuffle: bool = True,
-                                             pinned: bool = False) -> None:
+def check_tensor_rows_train_as_the_dataloader(
+    run_dir: Path, device: str, *, shuffle: bool = True, pinned: bool = False
+) -> None:
     """One body for CPU and CUDA: a plain ``TensorDataset`` is cut in the training process (``TensorRows``, no
     DataLoader); a subclass of it goes through the DataLoader. Over a partial window and into the next epoch (50
     samples, global batch 8: the seventh window holds 2), stepped in chunks: the same records and parameters bit
@@ -263,19 +321,32 @@ def check_tensor_rows_train_as_the_dataloader(run_dir: Path, device: str, *, shu
         tensors = tuple(t.pin_memory() for t in tensors)
     runs = []
     for kind in (TensorDataset, ThroughTheLoader):
-        trainer = Trainer(config(run_dir / kind.__name__, accum={"micro_batch": 2, "steps": 4},
-                                 trainer={"max_steps": 9, "device": device}, data={"shuffle": shuffle}),
-                          model=lambda: MLP(32, 16, 2, 8), dataset=kind(*tensors), loss=squared_error)
+        trainer = Trainer(
+            config(
+                run_dir / kind.__name__,
+                accum={"micro_batch": 2, "steps": 4},
+                trainer={"max_steps": 9, "device": device},
+                data={"shuffle": shuffle},
+            ),
+            model=lambda: MLP(32, 16, 2, 8),
+            dataset=kind(*tensors),
+            loss=squared_error,
+        )
         trainer.train_steps(5)
-        assert inspect.isgenerator(trainer.state.source._batches) is (kind is TensorDataset)  # TensorRows, or not
+        assert inspect.isgenerator(trainer.state.source._batches) is (
+            kind is TensorDataset
+        )  # TensorRows, or not
         trainer.train_steps()
-        runs.append((params(trainer), [(r["loss"], r["items"], r["partial_window"]) for r in trainer.state.records]))
+        runs.append(
+            (params(trainer), [(r["loss"], r["items"], r["partial_window"]) for r in trainer.state.records])
+        )
     assert runs[0][1] == runs[1][1] and any(partial for _, _, partial in runs[0][1])
     assert torch.equal(runs[0][0], runs[1][0])
 
 
 def test_a_loss_that_writes_into_its_in_memory_batch_stops_the_run_before_later_data_is_changed(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """An in-order ``TensorDataset``'s micro-batches are views of it: a loss that writes into its batch stops the
     run at the next micro-batch with :class:`DatasetWrittenError` naming the rows, after at most that one
     micro-batch's rows changed and before any step trained on changed data; shuffled, it trains (gathered
@@ -293,9 +364,12 @@ def test_a_loss_that_writes_into_its_in_memory_batch_stops_the_run_before_later_
     tensors = (torch.randn(48, 32, generator=gen), torch.randn(48, 8, generator=gen))
     for shuffle in (False, True):
         data = tuple(t.clone() for t in tensors)
-        trainer = Trainer(config(tmp_path / str(shuffle), accum={"micro_batch": 4, "steps": 3},
-                                 data={"shuffle": shuffle}),
-                          model=lambda: MLP(32, 16, 2, 8), dataset=TensorDataset(*data), loss=normalizing_in_place)
+        trainer = Trainer(
+            config(tmp_path / str(shuffle), accum={"micro_batch": 4, "steps": 3}, data={"shuffle": shuffle}),
+            model=lambda: MLP(32, 16, 2, 8),
+            dataset=TensorDataset(*data),
+            loss=normalizing_in_place,
+        )
         if shuffle:
             assert len(trainer.train_steps()) == 4 and torch.equal(data[0], tensors[0])
             continue
@@ -306,8 +380,9 @@ def test_a_loss_that_writes_into_its_in_memory_batch_stops_the_run_before_later_
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_an_in_memory_tensor_dataset_trains_bit_for_bit_as_through_the_dataloader(tmp_path: Path,
-                                                                                 shuffle: bool) -> None:
+def test_an_in_memory_tensor_dataset_trains_bit_for_bit_as_through_the_dataloader(
+    tmp_path: Path, shuffle: bool
+) -> None:
     check_tensor_rows_train_as_the_dataloader(tmp_path, "cpu", shuffle=shuffle)
 
 
@@ -328,7 +403,13 @@ def test_window_totals_count_exactly_and_weigh_stand_ins_zero() -> None:
         window.reduce(stop=True, checkpoint=False)
         got = window.read()
         assert (got.loss_sum, got.items) == (float(tenth) + 7.0, 7.0)
-        assert (got.items_min, got.items_max, got.bad_ranks, got.stop_votes, got.checkpoint_votes) == (0, 4, [], 1, 0)
+        assert (got.items_min, got.items_max, got.bad_ranks, got.stop_votes, got.checkpoint_votes) == (
+            0,
+            4,
+            [],
+            1,
+            0,
+        )
         assert got.grad_scale(0.5) == 1.0 / (0.5 * 7.0) and got.grad_scale(0.5, "mean_per_micro") == 2.0
         window.start()
         window.add(torch.tensor(1.0), 3, 1)
@@ -388,9 +469,17 @@ def test_the_step_normalizes_once_by_multiplying_the_reduced_sum(tmp_path: Path)
             kept.append(RecordingSGD(params, lr=0.1))
             return kept[-1]
 
-        cfg = config(tmp_path / f"k{k}", optim=SGD, accum={"micro_batch": micro, "steps": k, "global_batch": None},
-                     data={"shuffle": False}, trainer={"max_steps": 1}, log={"grad_norm": False})
-        trainer = Trainer(cfg, model=lambda: MLP(32, 16, 2, 8), dataset=data, loss=squared_error, optimizer=make)
+        cfg = config(
+            tmp_path / f"k{k}",
+            optim=SGD,
+            accum={"micro_batch": micro, "steps": k, "global_batch": None},
+            data={"shuffle": False},
+            trainer={"max_steps": 1},
+            log={"grad_norm": False},
+        )
+        trainer = Trainer(
+            cfg, model=lambda: MLP(32, 16, 2, 8), dataset=data, loss=squared_error, optimizer=make
+        )
         trainer.setup()
         start[k] = [p.detach().clone() for _, p in trainer.state.engine.full_parameters()]
         trainer.train_steps(1)
@@ -410,7 +499,9 @@ def test_the_step_normalizes_once_by_multiplying_the_reduced_sum(tmp_path: Path)
     in_loss = by_hand(torch.tensor(1 / 24, dtype=torch.float64).float(), None)
     c = 2.0 ** -round(math.log2(3))  # power_of_two_scale before the first window (global batch 3)
     stepped = by_hand(c, 1 / (c * 24))
-    assert not all(torch.equal(a, b) for a, b in zip(in_loss, stepped, strict=True))  # the test tells them apart
+    assert not all(
+        torch.equal(a, b) for a, b in zip(in_loss, stepped, strict=True)
+    )  # the test tells them apart
     assert all(torch.equal(a, b) for a, b in zip(seen[1], stepped, strict=True))
     for a, b in zip(seen[1], seen[3], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -462,10 +553,18 @@ def test_one_default_ddp_step_runs_in_four_library_files(tmp_path: Path) -> None
         loop.train_step(run.state, run.resolved.loop, run.loss, run.parts.totals, run.parts.votes)
     finally:
         sys.setprofile(None)
-    components = {Path(inspect.getfile(obj)).relative_to(package).as_posix()
-                  for obj in (MLP, SyntheticRegression, losses.mse)}
-    handed = {"telemetry/timing.py", "telemetry/ledger.py", "optim.py", "rundir/checkpoint.py",
-              "verify/fingerprint.py", "split.py"}
+    components = {
+        Path(inspect.getfile(obj)).relative_to(package).as_posix()
+        for obj in (MLP, SyntheticRegression, losses.mse)
+    }
+    handed = {
+        "telemetry/timing.py",
+        "telemetry/ledger.py",
+        "optim.py",
+        "rundir/checkpoint.py",
+        "verify/fingerprint.py",
+        "split.py",
+    }
     served = {f for f in ran if f.startswith("data/") or f in handed}
     assert components == {"models.py", "datasets.py", "losses.py"} and served, (components, served)
     served |= components

@@ -59,9 +59,19 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 EXTENSIONS = REPO / ".cache" / "torch_extensions"
 WARMUP = 2
 """Steps trained before the measured one: optimizer state, DDP's bucket rebuild (see above)."""
-MODEL = ["model=mlp", "model.width=512", "model.depth=4", "data.dataset.num_samples=128", "accum.micro_batch=8",
-         "trainer.nproc=2", f"trainer.max_steps={WARMUP + 1}", "log.console=quiet", "trainer.checkpoint_every=0",
-         "optim.name=sgd", f"engine.extensions_dir={EXTENSIONS}"]
+MODEL = [
+    "model=mlp",
+    "model.width=512",
+    "model.depth=4",
+    "data.dataset.num_samples=128",
+    "accum.micro_batch=8",
+    "trainer.nproc=2",
+    f"trainer.max_steps={WARMUP + 1}",
+    "log.console=quiet",
+    "trainer.checkpoint_every=0",
+    "optim.name=sgd",
+    f"engine.extensions_dir={EXTENSIONS}",
+]
 MODES: dict[str, list[str]] = {
     "ddp": ["engine=ddp"],
     "ddp_every_micro": ["engine=ddp", "accum.sync=every_micro"],
@@ -85,8 +95,11 @@ def allocation_events(step: Any, marker: str | None = None) -> tuple[list[tuple[
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     results = prof.profiler.kineto_results.events()
-    events = sorted((e.start_ns(), e.nbytes()) for e in results
-                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in results
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    )
     return events, sorted(e.start_ns() for e in results if marker is not None and e.name() == marker)
 
 
@@ -99,8 +112,13 @@ def step_peak_bytes(step: Any) -> list[float]:
     return [float(peak)]
 
 
-def step_peaks(values: dict[str, Any], steps: int = 1, wrap_loss: Any = None,
-               measure: Any = step_peak_bytes, warmup: int = 1) -> list[list[float]]:
+def step_peaks(
+    values: dict[str, Any],
+    steps: int = 1,
+    wrap_loss: Any = None,
+    measure: Any = step_peak_bytes,
+    warmup: int = 1,
+) -> list[list[float]]:
     """Train the config mapping ``values`` for ``warmup`` steps (one: optimizer state allocated; two: also
     DDP's buckets rebuilt, see the module docstring), then ``steps`` steps, each measured by ``measure``
     (default :func:`step_peak_bytes`), the largest over the ranks, figure by figure (collective).
@@ -113,8 +131,9 @@ def step_peaks(values: dict[str, Any], steps: int = 1, wrap_loss: Any = None,
     cfg = from_mapping(values)
     parts = instantiate_components(cfg)
     loss = parts.loss if wrap_loss is None else wrap_loss(parts.loss)
-    trainer = Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=loss, collate=parts.collate,
-                      names=parts.names)
+    trainer = Trainer(
+        cfg, model=parts.model, dataset=parts.dataset, loss=loss, collate=parts.collate, names=parts.names
+    )
     trainer.setup()
     trainer.train_steps(warmup)
     peaks = []
@@ -146,23 +165,33 @@ def _worker_main(plan_file: str) -> None:
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, int]]:
     root = tmp_path_factory.mktemp("memory")
-    plan = [to_mapping(with_overrides(compose_config([*MODEL, *overrides, f"accum.steps={k}"]),
-                                      {"run_dir": str(root / f"{name}-k{k}")}))
-            for name, overrides in MODES.items() for k in KS]
+    plan = [
+        to_mapping(
+            with_overrides(
+                compose_config([*MODEL, *overrides, f"accum.steps={k}"]),
+                {"run_dir": str(root / f"{name}-k{k}")},
+            )
+        )
+        for name, overrides in MODES.items()
+        for k in KS
+    ]
     launch_plan(Path(__file__), plan, root)
     flat = json.loads((root / "peaks.json").read_text())
     print({name: [flat[f"{name}-k{k}"] / 2**20 for k in KS] for name in MODES})  # MiB, for the record (-s)
     return {name: {k: flat[f"{name}-k{k}"] for k in KS} for name in MODES}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "ddp_every_micro", "accelerate", "zero1", "zero2", "zero2_every_micro"])
+@pytest.mark.parametrize(
+    "mode", ["ddp", "ddp_every_micro", "accelerate", "zero1", "zero2", "zero2_every_micro"]
+)
 def test_nothing_grows_beyond_the_first_accumulation(peaks: dict[str, dict[int, int]], mode: str) -> None:
     assert peaks[mode][8] <= 1.03 * peaks[mode][2], peaks[mode]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2"])
-def test_flat_from_k1_where_the_gradients_live_in_buffers_allocated_once(peaks: dict[str, dict[int, int]],
-                                                                        mode: str) -> None:
+def test_flat_from_k1_where_the_gradients_live_in_buffers_allocated_once(
+    peaks: dict[str, dict[int, int]], mode: str
+) -> None:
     assert peaks[mode][8] <= 1.03 * peaks[mode][1], peaks[mode]
 
 

@@ -20,11 +20,28 @@ pytestmark = pytest.mark.dist
 def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path: Path) -> None:
     run_dir = tmp_path / "two-nodes"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "distaccum", "train", "model=mlp", "engine=fsdp", "trainer.nnodes=2",
-           "trainer.nproc=2", f"trainer.rdzv_endpoint=127.0.0.1:{free_ports()[0]}", "trainer.rdzv_id=two-node-test",
-           "accum.steps=2", "trainer.max_steps=2", "log.console=quiet", f"run_dir={run_dir}"]
-    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distaccum",
+        "train",
+        "model=mlp",
+        "engine=fsdp",
+        "trainer.nnodes=2",
+        "trainer.nproc=2",
+        f"trainer.rdzv_endpoint=127.0.0.1:{free_ports()[0]}",
+        "trainer.rdzv_id=two-node-test",
+        "accum.steps=2",
+        "trainer.max_steps=2",
+        "log.console=quiet",
+        f"run_dir={run_dir}",
+    ]
+    nodes = [
+        subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=240) for node in nodes]
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
@@ -39,4 +56,6 @@ def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path:
     assert "replica 0: ranks 0-1 on node 0" in printed and "replica 1: ranks 2-3 on node 1" in printed
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    assert all(r["comm_rounds"] == 2 and r["comm_rounds_replicate"] == 1 and r["samples"] == 32 for r in records)
+    assert all(
+        r["comm_rounds"] == 2 and r["comm_rounds_replicate"] == 1 and r["samples"] == 32 for r in records
+    )

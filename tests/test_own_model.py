@@ -25,14 +25,24 @@ TASK = ("--config-dir", str(FIXTURES / "conf"), "model=mytask", "data=mytask", "
 SPLIT = ("trainer.nproc=2", "accum.micro_batch=2", "accum.steps=4")
 
 
-def distaccum(command: str, run_dir: Path, *args: str, timeout: float = 240,
-              cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
+def distaccum(
+    command: str, run_dir: Path, *args: str, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
-                          cwd=cwd or run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
+        cwd=cwd or run_dir.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +57,17 @@ def test_own_task_trains_through_the_cli(trained: Path) -> None:
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((trained / "summary.json").read_text())
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert summary["model"] == "mytask.make_model" and summary["world_size"] == 2 and summary["accum_steps"] == 4
+    assert (
+        summary["model"] == "mytask.make_model" and summary["world_size"] == 2 and summary["accum_steps"] == 4
+    )
     assert all(r["comm_rounds"] == 1 for r in records)  # one reduction per optimizer step
     assert any(r["micro_items_min"] != r["micro_items_max"] for r in records)  # variable-length samples
     assert all(0 < r["loss"] < 10 for r in records)
     config = json.loads((trained / "config.json").read_text())
-    assert config["model"]["_target_"] == "mytask.make_model" and config["components"]["loss"] == "mytask.loss_sum"
+    assert (
+        config["model"]["_target_"] == "mytask.make_model"
+        and config["components"]["loss"] == "mytask.loss_sum"
+    )
 
 
 def import_mytask() -> Any:
@@ -69,7 +84,12 @@ def test_final_weights_reproduce_the_trained_model(trained: Path) -> None:
     summary = json.loads((trained / "summary.json").read_text())
     assert summary["final_model"] == str(trained / "final")
     state = load_weights(trained / "final")
-    assert set(state) == {"body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"}  # no "module." prefix
+    assert set(state) == {
+        "body.0.weight",
+        "body.0.bias",
+        "body.2.weight",
+        "body.2.bias",
+    }  # no "module." prefix
     model = mytask.make_model()
     model.load_state_dict(state)
     total = torch.zeros((), dtype=torch.float64)
@@ -80,12 +100,21 @@ def test_final_weights_reproduce_the_trained_model(trained: Path) -> None:
     assert config["model"] == {"_target_": "mytask.make_model", "dim": 4, "hidden": 16}
 
 
-def test_init_from_a_torch_save_state_dict_trains_and_a_bad_file_exits_2(trained: Path, tmp_path: Path) -> None:
+def test_init_from_a_torch_save_state_dict_trains_and_a_bad_file_exits_2(
+    trained: Path, tmp_path: Path
+) -> None:
     """The most common PyTorch weights file starts a run; a file that is no weights is refused before any
     worker starts, naming trainer.init_from (not the model factory) and the accepted formats."""
     torch.save(load_weights(trained / "final"), tmp_path / "weights.pt")
-    proc = distaccum("train", tmp_path / "from_pt", *TASK, *SPLIT, "trainer.max_steps=1", "log.console=quiet",
-                     f"trainer.init_from={tmp_path / 'weights.pt'}")
+    proc = distaccum(
+        "train",
+        tmp_path / "from_pt",
+        *TASK,
+        *SPLIT,
+        "trainer.max_steps=1",
+        "log.console=quiet",
+        f"trainer.init_from={tmp_path / 'weights.pt'}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads((tmp_path / "from_pt" / "metrics.jsonl").read_text().splitlines()[0])
     # Its step-1 loss is what the trained weights give on the plan's first window (computed here).
@@ -98,8 +127,14 @@ def test_init_from_a_torch_save_state_dict_trains_and_a_bad_file_exits_2(trained
         total, items = mytask.loss_sum(model, mytask.collate([data[i] for i in window]))
     assert resumed["loss"] == pytest.approx(float(total / items), rel=1e-5)
     (tmp_path / "notes.bin").write_text("these are not weights\n")
-    bad = distaccum("train", tmp_path / "bad", *TASK, *SPLIT, "trainer.max_steps=1",
-                    f"trainer.init_from={tmp_path / 'notes.bin'}")
+    bad = distaccum(
+        "train",
+        tmp_path / "bad",
+        *TASK,
+        *SPLIT,
+        "trainer.max_steps=1",
+        f"trainer.init_from={tmp_path / 'notes.bin'}",
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert f"trainer.init_from={tmp_path / 'notes.bin'}: weights file" in bad.stderr
     assert "mytask.make_model failed" not in bad.stderr and "equivalent to `" not in bad.stdout
@@ -119,7 +154,9 @@ def test_verify_passes_on_the_own_task(tmp_path: Path, precision: str) -> None:
 
 
 def test_a_mean_reduced_loss_exits_2_from_the_probe(tmp_path: Path) -> None:
-    proc = distaccum("train", tmp_path / "mean", *TASK[:-1], "loss=mytask_mean", *SPLIT, "trainer.max_steps=2")
+    proc = distaccum(
+        "train", tmp_path / "mean", *TASK[:-1], "loss=mytask_mean", *SPLIT, "trainer.max_steps=2"
+    )
     assert proc.returncode == 2, proc.stderr
     assert "loss mytask.loss_mean does not return a sum" in proc.stderr and "That is a mean" in proc.stderr
     assert "equivalent to `" not in proc.stdout  # no worker was started
@@ -127,16 +164,28 @@ def test_a_mean_reduced_loss_exits_2_from_the_probe(tmp_path: Path) -> None:
 
 
 BAD = {
-    "unimportable target": (("model._target_=mytask.no_such_factory",),
-                            "model: cannot import _target_ 'mytask.no_such_factory'"),
-    "factory returns no module": (("model._target_=builtins.dict",), "returned a dict, not a torch.nn.Module"),
+    "unimportable target": (
+        ("model._target_=mytask.no_such_factory",),
+        "model: cannot import _target_ 'mytask.no_such_factory'",
+    ),
+    "factory returns no module": (
+        ("model._target_=builtins.dict",),
+        "returned a dict, not a torch.nn.Module",
+    ),
     "empty dataset": (("data.dataset.size=0",), "is empty"),
     "collate fails": (("data.collate._target_=torch.stack",), "collate torch.stack failed on sample 0"),
-    "global batch larger than the dataset": (("data.dataset.size=10", "data.drop_last=true"),
-                                             "larger than the dataset (10 samples) with data.drop_last=true"),
-    "init_from missing": (("trainer.init_from=/nonexistent/model.safetensors",), "no weights at /nonexistent"),
-    "loss returns a non-scalar": (("loss._target_=mytask.loss_per_sample",),
-                                  "loss mytask.loss_per_sample returned a loss_sum of shape (2,)"),
+    "global batch larger than the dataset": (
+        ("data.dataset.size=10", "data.drop_last=true"),
+        "larger than the dataset (10 samples) with data.drop_last=true",
+    ),
+    "init_from missing": (
+        ("trainer.init_from=/nonexistent/model.safetensors",),
+        "no weights at /nonexistent",
+    ),
+    "loss returns a non-scalar": (
+        ("loss._target_=mytask.loss_per_sample",),
+        "loss mytask.loss_per_sample returned a loss_sum of shape (2,)",
+    ),
 }
 
 

@@ -24,7 +24,9 @@ SPLITS = [Split(8, 1, 2), Split(2, 4, 2), Split(4, 4, 1), Split(1, 4, 4), Split(
 
 def _window_sets(plan: GlobalBatchPlan, split: Split, step: int) -> list[list[int]]:
     window = plan.window(step)
-    return [[int(i) for i in mb] for r in range(split.world_size) for mb in window.rank_micro_batches(split, r)]
+    return [
+        [int(i) for i in mb] for r in range(split.world_size) for mb in window.rank_micro_batches(split, r)
+    ]
 
 
 @pytest.mark.parametrize("split", SPLITS)
@@ -58,7 +60,9 @@ def test_drop_last_skips_the_partial_window_and_refuses_an_impossible_batch() ->
     plan = GlobalBatchPlan(20, 16, seed=0, drop_last=True)
     assert plan.windows_per_epoch == 1
     assert not plan.window(1).partial and plan.window(1).epoch == 1
-    with pytest.raises(ValueError, match=r"global batch \(32 samples\) is larger than the dataset \(20 samples\)"):
+    with pytest.raises(
+        ValueError, match=r"global batch \(32 samples\) is larger than the dataset \(20 samples\)"
+    ):
         GlobalBatchPlan(20, 32, seed=0, drop_last=True)
     with pytest.raises(ValueError, match="empty"):
         GlobalBatchPlan(0, 4, seed=0)
@@ -87,7 +91,9 @@ def test_sampler_yields_each_ranks_micro_batches_in_plan_order_with_stand_ins_fo
     assert batches[4:] == [p.tolist() for p in plan.window(2).rank_micro_batches(split, 1)]
 
 
-def plans_and_splits(samples: int, *, shuffle: bool, seed: int = 0) -> Iterator[tuple[GlobalBatchPlan, Split]]:
+def plans_and_splits(
+    samples: int, *, shuffle: bool, seed: int = 0
+) -> Iterator[tuple[GlobalBatchPlan, Split]]:
     """Every split of a few global batches (4, 8, 16) of a plan over ``samples`` samples: partial windows, empty
     pieces, several ranks."""
     for global_batch in (4, 8, 16):
@@ -122,7 +128,13 @@ def test_rank_sizes_are_the_windows_and_pieces_sizes_by_arithmetic(shuffle: bool
                 for rank in range(split.world_size):
                     window, pieces = plan.rank_pieces(step, split, rank)
                     want = (window.epoch, len(window.indices), [len(p) for p in pieces])
-                    assert plan.rank_sizes(step, split, rank) == want, (samples, plan.global_batch, split, step, rank)
+                    assert plan.rank_sizes(step, split, rank) == want, (
+                        samples,
+                        plan.global_batch,
+                        split,
+                        step,
+                        rank,
+                    )
 
 
 def test_a_plan_keeps_each_epochs_order_and_hands_out_the_windows_a_fresh_plan_would() -> None:
@@ -142,15 +154,22 @@ def test_rank_pieces_are_the_windows_pieces_computed_once_for_the_last_few_steps
         for rank in (0, 1):
             window, pieces = plan.rank_pieces(step, split, rank)
             fresh = GlobalBatchPlan(50, 8, seed=3).window(step)
-            assert (window.step, window.epoch, window.indices.tolist()) == (step, fresh.epoch, fresh.indices.tolist())
+            assert (window.step, window.epoch, window.indices.tolist()) == (
+                step,
+                fresh.epoch,
+                fresh.indices.tolist(),
+            )
             assert [p.tolist() for p in pieces] == [p.tolist() for p in fresh.rank_micro_batches(split, rank)]
     first = plan.rank_pieces(1, split, 0)
     assert plan.rank_pieces(1, split, 0) is first  # asked again (the loop after the sampler): not recomputed
     assert plan.rank_pieces(1, Split(1, 4, 2), 0)[1] != first[1]  # another split cuts other pieces
     assert len(plan._pieces) <= 4  # bounded however long the run
 
+
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_would_batch_it(workers: int) -> None:
+def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_would_batch_it(
+    workers: int,
+) -> None:
     from torch.utils.data import TensorDataset
 
     from distaccum.data.pipeline import TensorBatches
@@ -160,17 +179,23 @@ def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_
     plan = GlobalBatchPlan(len(dataset), 8, seed=0)
     split = Split(2, 2, 2)
     loader = build_loader(dataset, None, plan, split, rank=1, stop=5, num_workers=workers)
-    assert isinstance(loader.dataset, TensorBatches)  # one index_select per tensor, not 2 __getitem__ + a stack
+    assert isinstance(
+        loader.dataset, TensorBatches
+    )  # one index_select per tensor, not 2 __getitem__ + a stack
     got = list(loader)
     assert len(got) == 5 * split.accum_steps
     for step in range(5):  # the last window of the epoch is partial: pieces of 1 sample
         for k, piece in enumerate(plan.window(step).rank_micro_batches(split, 1)):
-            want = default_collate([dataset[int(i)] for i in (piece if len(piece) else plan.window(step).indices[:1])])
+            want = default_collate(
+                [dataset[int(i)] for i in (piece if len(piece) else plan.window(step).indices[:1])]
+            )
             batch = got[step * 2 + k]
             assert type(batch) is type(want) and len(batch) == 2
             for a, b in zip(batch, want, strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b)
-    assert type(build_loader(dataset, pad_collate, plan, split, 0, 1).dataset) is TensorDataset  # a collate: as given
+    assert (
+        type(build_loader(dataset, pad_collate, plan, split, 0, 1).dataset) is TensorDataset
+    )  # a collate: as given
 
 
 def _tensor_dataset() -> TensorDataset:
@@ -210,9 +235,12 @@ def test_tensor_rows_in_order_are_views_and_a_write_into_one_stops_at_the_next_m
         assert torch.equal(rows[0], dataset.tensors[0][2:4])  # rank 1's first piece of window 0: samples 2, 3
     read = list(micro_batches(dataset, None, plan, split, 0, 4, device=torch.device("cpu")))
     assert len(read) == 8 and all(r[0]._base is dataset.tensors[0] for r in read)  # reading is free
-    writes = {"mul_": lambda b: b[0].mul_(0.0), "setitem": lambda b: b[1].__setitem__(b[1] > 3, -100),
-              "no_grad": lambda b: torch.no_grad()(lambda: b[0].add_(1.0))(),
-              "view of the view": lambda b: b[0].view(-1)[:1].zero_()}
+    writes = {
+        "mul_": lambda b: b[0].mul_(0.0),
+        "setitem": lambda b: b[1].__setitem__(b[1] > 3, -100),
+        "no_grad": lambda b: torch.no_grad()(lambda: b[0].add_(1.0))(),
+        "view of the view": lambda b: b[0].view(-1)[:1].zero_(),
+    }
     for name, write in writes.items():
         fresh = _tensor_dataset()
         batches = micro_batches(fresh, None, plan, split, 0, 4, device=torch.device("cpu"))
@@ -236,21 +264,30 @@ def test_tensor_rows_of_an_inference_mode_dataset_are_copies_a_backward_can_save
     labels = torch.randn(30, 2)
     layer = torch.nn.Linear(5, 2)
     plan, split = GlobalBatchPlan(30, 8, seed=0, shuffle=False), Split(2, 2, 2)
-    for x, y in micro_batches(TensorDataset(features, labels), None, plan, split, 0, 4, device=torch.device("cpu")):
+    for x, y in micro_batches(
+        TensorDataset(features, labels), None, plan, split, 0, 4, device=torch.device("cpu")
+    ):
         assert not x.is_inference() and x._base is None and y._base is labels
         torch.nn.functional.mse_loss(layer(x), y).backward()  # saved for backward: no error
     assert layer.weight.grad is not None
 
 
 def test_a_tensor_dataset_with_a_collate_workers_or_a_subclass_goes_through_the_dataloader() -> None:
-    dataset, plan, split, cpu = _tensor_dataset(), GlobalBatchPlan(30, 8, seed=0), Split(2, 2, 2), torch.device("cpu")
+    dataset, plan, split, cpu = (
+        _tensor_dataset(),
+        GlobalBatchPlan(30, 8, seed=0),
+        Split(2, 2, 2),
+        torch.device("cpu"),
+    )
 
     class Rows(TensorDataset):
         pass
 
-    for it in (micro_batches(dataset, pad_collate, plan, split, 0, 1, device=cpu),
-               micro_batches(dataset, None, plan, split, 0, 1, device=cpu, num_workers=1),
-               micro_batches(Rows(*dataset.tensors), None, plan, split, 0, 1, device=cpu)):
+    for it in (
+        micro_batches(dataset, pad_collate, plan, split, 0, 1, device=cpu),
+        micro_batches(dataset, None, plan, split, 0, 1, device=cpu, num_workers=1),
+        micro_batches(Rows(*dataset.tensors), None, plan, split, 0, 1, device=cpu),
+    ):
         assert not inspect.isgenerator(it)  # a DataLoader's iterator
         del it  # the worker exits
 
@@ -301,8 +338,13 @@ class Holder:
 
 
 def test_to_device_moves_any_structure_and_casts_floats_only() -> None:
-    batch = {"a": torch.ones(2), "b": [torch.zeros(1, dtype=torch.long), (torch.ones(1),)],
-             "c": Pair(torch.ones(1), 3), "d": Holder(torch.ones(1), "t"), "e": "text"}
+    batch = {
+        "a": torch.ones(2),
+        "b": [torch.zeros(1, dtype=torch.long), (torch.ones(1),)],
+        "c": Pair(torch.ones(1), 3),
+        "d": Holder(torch.ones(1), "t"),
+        "e": "text",
+    }
     out = to_device(batch, torch.device("cpu"), torch.float64)
     assert out["a"].dtype == torch.float64 and out["b"][0].dtype == torch.long
     assert out["b"][1][0].dtype == torch.float64 and isinstance(out["b"][1], tuple)

@@ -19,10 +19,28 @@ pytestmark = pytest.mark.dist
 
 def test_plan_run_and_sweep(tmp_path: Path) -> None:
     plan_dir = tmp_path / "plan"
-    run = run_cli("plan", plan_dir, "model=mlp", "accum.global_batch=8", "trainer.max_steps=3",
-                  "--sweep", "--run", "--rounds", "2", "--steps", "1",
-                  "--nodes", "2", "--gpus-per-node", "2", "--inter-node-gbps", "10", "--intra-node-gbps", "100",
-                  timeout=400)
+    run = run_cli(
+        "plan",
+        plan_dir,
+        "model=mlp",
+        "accum.global_batch=8",
+        "trainer.max_steps=3",
+        "--sweep",
+        "--run",
+        "--rounds",
+        "2",
+        "--steps",
+        "1",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--inter-node-gbps",
+        "10",
+        "--intra-node-gbps",
+        "100",
+        timeout=400,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     plan = json.loads((plan_dir / "plan.json").read_text())
     rows = {(p["split"]["micro_batch"], p["split"]["accum_steps"]): p for p in plan["predictions"]}
@@ -36,8 +54,10 @@ def test_plan_run_and_sweep(tmp_path: Path) -> None:
     # --nodes: every engine and sync mode predicted for 2 x 2 GPUs from the compute the trials measured
     assert "PREDICTION for 2 nodes x 2 GPUs = 4 ranks: not a measurement" in run.stdout
     assert f"(measured here: micro-batch {rec['micro_batch']}, median of" in run.stdout
-    predicted = [line.split(" | ")[0][2:] for line in run.stdout.splitlines() if line.endswith("| predicted |")]
-    assert predicted[:len(MODES)] == [m.key for m in MODES]
+    predicted = [
+        line.split(" | ")[0][2:] for line in run.stdout.splitlines() if line.endswith("| predicted |")
+    ]
+    assert predicted[: len(MODES)] == [m.key for m in MODES]
     # --run trained the recommendation
     trained = json.loads((plan_dir / "train" / "summary.json").read_text())
     assert (trained["micro_batch"], trained["global_batch"], trained["steps"]) == (rec["micro_batch"], 8, 3)
@@ -45,12 +65,16 @@ def test_plan_run_and_sweep(tmp_path: Path) -> None:
     script = (plan_dir / "sweep.sh").read_text()
     assert "distaccum train --multirun model=mlp trainer.max_steps=3 log.console=quiet" in script
     assert f"accum.global_batch=8 accum.micro_batch=1,2,4 run_dir={plan_dir / 'sweep'}" in script
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    sweep = subprocess.run(["sh", str(plan_dir / "sweep.sh")], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=600)
+    sweep = subprocess.run(
+        ["sh", str(plan_dir / "sweep.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     report = (plan_dir / "sweep" / "report.md").read_text()
     assert "3 runs: 3 ok" in report and "All 3 comparable runs agree" in report

@@ -25,25 +25,49 @@ pytestmark = [pytest.mark.dist, pytest.mark.serial]  # predicted against measure
 
 
 def test_predicted_step_times_match_the_real_splits(tmp_path: Path) -> None:
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     out = tmp_path / "plan_vs_real.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "fixtures" / "plan_vs_real.py"), str(out), str(tmp_path / "runs")],
-                          env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "fixtures" / "plan_vs_real.py"),
+            str(out),
+            str(tmp_path / "runs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
-    table = "\n".join(f"{r['split']}: predicted {r['predicted_s'] * 1e3:.1f} ms "
-                      f"({'extrapolated from K=' + str(r['trial_accum']) if r['accum_steps'] > r['trial_accum'] else 'its own trial'}),"
-                      f" measured {r['measured_s'] * 1e3:.1f} ms ({r['predicted_s'] / r['measured_s'] - 1:+.1%})"
-                      for r in rows)
+    table = "\n".join(
+        f"{r['split']}: predicted {r['predicted_s'] * 1e3:.1f} ms "
+        f"({'extrapolated from K=' + str(r['trial_accum']) if r['accum_steps'] > r['trial_accum'] else 'its own trial'}),"
+        f" measured {r['measured_s'] * 1e3:.1f} ms ({r['predicted_s'] / r['measured_s'] - 1:+.1%})"
+        for r in rows
+    )
     print(table)
     measured = {r["split"]: r["measured_s"] for r in rows}
     assert len(rows) == 5 and all(r["steps"] == 12 for r in rows)
-    extrapolated = sorted(r["accum_steps"] // r["trial_accum"] for r in rows if r["accum_steps"] > r["trial_accum"])
+    extrapolated = sorted(
+        r["accum_steps"] // r["trial_accum"] for r in rows if r["accum_steps"] > r["trial_accum"]
+    )
     assert extrapolated == [2, 4, 8], f"the plan must extrapolate K = 4, 8, 16 from trials at K = 2:\n{table}"
     assert max(measured.values()) >= 2 * min(measured.values()), f"splits too alike to test a plan:\n{table}"
     for r in rows:
-        assert abs(r["predicted_s"] / r["measured_s"] - 1) <= 0.20, f"{r['split']} off by more than 20%:\n{table}"
-    assert measured[result["recommended"]] <= 1.10 * min(measured.values()), f"recommended {result['recommended']}:\n{table}"
+        assert abs(r["predicted_s"] / r["measured_s"] - 1) <= 0.20, (
+            f"{r['split']} off by more than 20%:\n{table}"
+        )
+    assert measured[result["recommended"]] <= 1.10 * min(measured.values()), (
+        f"recommended {result['recommended']}:\n{table}"
+    )

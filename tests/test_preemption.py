@@ -16,8 +16,16 @@ from conftest import train
 
 pytestmark = pytest.mark.dist
 
-ARGS = ("model=mlp", "model.width=16", "accum.micro_batch=2", "accum.steps=2", "precision=fp64",
-        "trainer.max_steps=400", "trainer.check_every=0", "log.console=quiet")
+ARGS = (
+    "model=mlp",
+    "model.width=16",
+    "accum.micro_batch=2",
+    "accum.steps=2",
+    "precision=fp64",
+    "trainer.max_steps=400",
+    "trainer.check_every=0",
+    "log.console=quiet",
+)
 
 
 def _lines(path: Path) -> int:
@@ -28,8 +36,9 @@ def test_sigterm_checkpoints_at_a_window_boundary_and_resumes(tmp_path: Path) ->
     run_dir = tmp_path / "stopped"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [sys.executable, "-m", "distaccum", "train", *ARGS, f"run_dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while _lines(run_dir / "metrics.jsonl") < 5 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)

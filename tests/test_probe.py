@@ -37,7 +37,9 @@ def test_token_cross_entropy_shifts_like_hugging_face() -> None:
             super().__init__()
             self.scale = nn.Parameter(torch.tensor(10.0))
 
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        def forward(
+            self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        ) -> torch.Tensor:
             return self.scale * nn.functional.one_hot(input_ids, 8).float()
 
     ids = torch.tensor([[1, 1, 1, 0]])
@@ -64,7 +66,9 @@ def mean_mse(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
 def test_probe_accepts_summed_losses() -> None:
     report = probe(MLP(), SyntheticRegression(8), default_collate, losses.mse)
     assert report.checked_sum and report.loss_two == pytest.approx(2 * report.loss_one, rel=1e-5)
-    report = probe(TinyGPT(width=16, depth=1, heads=2), CorpusSequences(8), pad_collate, losses.token_cross_entropy)
+    report = probe(
+        TinyGPT(width=16, depth=1, heads=2), CorpusSequences(8), pad_collate, losses.token_cross_entropy
+    )
     assert report.items_two == 2 * report.items_one
 
 
@@ -76,15 +80,18 @@ def test_probe_refuses_a_mean_and_says_so() -> None:
     assert "reduction='sum'" in message
 
 
-@pytest.mark.parametrize("bad_loss, fragment", [
-    (lambda model, batch: losses.mse(model, batch)[0], "must return (loss_sum, n_items)"),
-    (lambda model, batch: (1.0, 4), "loss_sum of type float"),
-    (lambda model, batch: (model(batch[0]).sum(dim=1), len(batch[0])), "loss_sum of shape"),
-    (lambda model, batch: (losses.mse(model, batch)[0], "4"), "n_items of type str"),
-    (lambda model, batch: (losses.mse(model, batch)[0], 3), "n_items must add up"),
-    (lambda model, batch: (losses.mse(model, batch)[0], 0), "n_items=0"),
-    (lambda model, batch: 1 / 0, "failed on sample 0: ZeroDivisionError"),
-])
+@pytest.mark.parametrize(
+    "bad_loss, fragment",
+    [
+        (lambda model, batch: losses.mse(model, batch)[0], "must return (loss_sum, n_items)"),
+        (lambda model, batch: (1.0, 4), "loss_sum of type float"),
+        (lambda model, batch: (model(batch[0]).sum(dim=1), len(batch[0])), "loss_sum of shape"),
+        (lambda model, batch: (losses.mse(model, batch)[0], "4"), "n_items of type str"),
+        (lambda model, batch: (losses.mse(model, batch)[0], 3), "n_items must add up"),
+        (lambda model, batch: (losses.mse(model, batch)[0], 0), "n_items=0"),
+        (lambda model, batch: 1 / 0, "failed on sample 0: ZeroDivisionError"),
+    ],
+)
 def test_probe_names_every_broken_contract(bad_loss, fragment: str) -> None:
     with pytest.raises(ValueError) as err:
         probe(MLP(), SyntheticRegression(8), default_collate, bad_loss)
@@ -104,8 +111,9 @@ def test_probe_checks_the_dataset_and_collate() -> None:
 
 def test_probe_only_counts_items_for_batch_statistics_models() -> None:
     with pytest.warns(UserWarning, match="loss-sum check is skipped"):
-        report = probe(ConvNetBN(width=4, depth=1), SyntheticImages(8), default_collate,
-                       losses.sample_cross_entropy)
+        report = probe(
+            ConvNetBN(width=4, depth=1), SyntheticImages(8), default_collate, losses.sample_cross_entropy
+        )
     assert not report.checked_sum
 
 
@@ -117,9 +125,11 @@ def test_probe_leaves_the_model_and_the_rng_as_they_were() -> None:
 
 
 def node_cfg(**nodes: dict) -> object:
-    base = {"model": {"_target_": "distaccum.models.MLP", "width": 8},
-            "loss": {"_target_": "distaccum.losses.mse", "_partial_": True},
-            "data": {"dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "num_samples": 8}}}
+    base = {
+        "model": {"_target_": "distaccum.models.MLP", "width": 8},
+        "loss": {"_target_": "distaccum.losses.mse", "_partial_": True},
+        "data": {"dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "num_samples": 8}},
+    }
     base.update(nodes)
     return from_mapping(base)
 
@@ -131,21 +141,30 @@ def test_components_are_instantiated_with_the_model_built_later() -> None:
     assert parts.describe()["model"] == "distaccum.models.MLP"
 
 
-@pytest.mark.parametrize("nodes, fragment", [
-    ({"model": {"_target_": "nosuchpkg.make"}}, "model: cannot import _target_ 'nosuchpkg.make'"),
-    ({"model": {"_target_": "distaccum.models.Nope"}}, "cannot import _target_ 'distaccum.models.Nope'"),
-    ({"data": {"dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "bogus": 1}}},
-     "data.dataset: building distaccum.datasets.SyntheticRegression(bogus=1) failed: TypeError"),
-    ({"model": None}, "no model configured"),
-])
+@pytest.mark.parametrize(
+    "nodes, fragment",
+    [
+        ({"model": {"_target_": "nosuchpkg.make"}}, "model: cannot import _target_ 'nosuchpkg.make'"),
+        ({"model": {"_target_": "distaccum.models.Nope"}}, "cannot import _target_ 'distaccum.models.Nope'"),
+        (
+            {"data": {"dataset": {"_target_": "distaccum.datasets.SyntheticRegression", "bogus": 1}}},
+            "data.dataset: building distaccum.datasets.SyntheticRegression(bogus=1) failed: TypeError",
+        ),
+        ({"model": None}, "no model configured"),
+    ],
+)
 def test_component_errors_name_the_target(nodes: dict, fragment: str) -> None:
     with pytest.raises(ConfigError) as err:
         instantiate_components(node_cfg(**nodes))
     assert fragment in str(err.value)
 
 
-def test_modules_in_the_current_directory_are_importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "cwdtask.py").write_text("from distaccum.models import MLP\n\ndef make(width):\n    return MLP(width=width)\n")
+def test_modules_in_the_current_directory_are_importable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "cwdtask.py").write_text(
+        "from distaccum.models import MLP\n\ndef make(width):\n    return MLP(width=width)\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
     parts = instantiate_components(node_cfg(model={"_target_": "cwdtask.make", "width": 4}))

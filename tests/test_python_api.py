@@ -23,20 +23,55 @@ ARGS = ("--precision", "fp64", "--steps", "4", "--micro-batch", "2", "--global-b
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DISTACCUM_VERIFY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DISTACCUM_VERIFY")
+    }
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     root = tmp_path_factory.mktemp("api")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(SCRIPT), *ARGS, "--run-dir", str(root / "torchrun")],
-                          cwd=root, env=clean_env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(SCRIPT),
+            *ARGS,
+            "--run-dir",
+            str(root / "torchrun"),
+        ],
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    verify = subprocess.run([sys.executable, "-m", "distaccum", "verify", "--script", str(SCRIPT),
-                             "--run-dir", str(root / "verify"), "--", *ARGS],
-                            cwd=root, env=clean_env(), capture_output=True, text=True, timeout=240)
+    verify = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distaccum",
+            "verify",
+            "--script",
+            str(SCRIPT),
+            "--run-dir",
+            str(root / "verify"),
+            "--",
+            *ARGS,
+        ],
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     return root / "torchrun", root / "verify", verify.stdout + verify.stderr if verify.returncode else ""
 
 
@@ -51,7 +86,9 @@ def test_the_script_writes_what_the_cli_writes(runs: tuple[Path, Path, str]) -> 
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert (summary["world_size"], summary["micro_batch"], summary["accum_steps"]) == (2, 2, 4)
     assert all(r["comm_rounds"] == 1 for r in records) and summary["model"] == "__main__.make_model"
-    assert (run_dir / "final" / "model.safetensors").is_file() and summary["final_model"] == str(run_dir / "final")
+    assert (run_dir / "final" / "model.safetensors").is_file() and summary["final_model"] == str(
+        run_dir / "final"
+    )
 
 
 def test_the_script_matches_the_single_process_reference(runs: tuple[Path, Path, str]) -> None:
@@ -81,6 +118,12 @@ def test_verify_script_passes_and_reports(runs: tuple[Path, Path, str]) -> None:
 
 
 def test_verify_script_refuses_a_missing_file(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "distaccum", "verify", "--script", str(tmp_path / "nope.py")],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "distaccum", "verify", "--script", str(tmp_path / "nope.py")],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "no such file" in proc.stderr

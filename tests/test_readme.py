@@ -21,10 +21,11 @@ def test_config_reference_is_current() -> None:
     spec.loader.exec_module(module)
     doc = (REPO / "docs" / "configuration.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
-    current = doc[doc.index(start) + len(start):doc.index(end)]
+    current = doc[doc.index(start) + len(start) : doc.index(end)]
     assert current.strip() == module.render().strip(), (
         "docs/configuration.md's config reference is stale: regenerate it with "
-        "`python launch/update_config_reference.py`")
+        "`python launch/update_config_reference.py`"
+    )
 
 
 def test_the_reference_names_every_config_field() -> None:
@@ -57,7 +58,7 @@ def test_readme_is_short_and_has_the_two_commands() -> None:
 
 def test_the_readme_routes_each_goal_to_a_docs_page() -> None:
     text = README.read_text()
-    table = text[text.index("## Where to read next"):]
+    table = text[text.index("## Where to read next") :]
     pages = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", table))
     on_disk = {p.name for p in (REPO / "docs").glob("*.md")}
     assert pages == on_disk, f"pages the README's table misses: {sorted(on_disk - pages)}"

@@ -20,11 +20,14 @@ from test_config_matrix import ENGINES, WORLD, cell_config, plain, root  # noqa:
 
 from conftest import fault, inject, run_cli
 
-pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")]
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning"),
+]
 
 REDUCE = ("fp32", "bf16")
 CELLS = [(engine, dtype) for engine in ENGINES for dtype in REDUCE]
-BF16_U = 2.0 ** -8
+BF16_U = 2.0**-8
 """bf16's unit roundoff (8 significand bits)."""
 
 
@@ -44,18 +47,36 @@ def trained(root: Path) -> dict[tuple[str, str], dict[str, Any]]:  # noqa: F811 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     worker = Path(__file__).with_name("test_config_matrix.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={WORLD}", str(worker), str(plan_file)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={WORLD}",
+            str(worker),
+            str(plan_file),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode:
         pytest.fail(f"a cell crashed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return {(e, d): json.loads((root / f"reduce-{e}-{d}" / "metrics.jsonl").read_text().splitlines()[0])
-            for e, d in CELLS}
+    return {
+        (e, d): json.loads((root / f"reduce-{e}-{d}" / "metrics.jsonl").read_text().splitlines()[0])
+        for e, d in CELLS
+    }
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_bf16_reduction_halves_the_bytes_and_stays_within_the_derived_tolerance(
-        trained: dict[tuple[str, str], dict[str, Any]], plain: dict[str, float], engine: str) -> None:  # noqa: F811
+    trained: dict[tuple[str, str], dict[str, Any]],
+    plain: dict[str, float],  # noqa: F811 - the fixture imported above
+    engine: str,
+) -> None:
     full, half = trained[(engine, "fp32")], trained[(engine, "bf16")]
     assert full["comm_bytes"] > 0 and half["comm_bytes"] * 2 == full["comm_bytes"]
     assert half["comm_calls"] == full["comm_calls"] and half["comm_rounds"] == full["comm_rounds"] == 1
@@ -71,9 +92,19 @@ def test_bf16_reduction_halves_the_bytes_and_stays_within_the_derived_tolerance(
 def test_a_wrong_reduction_under_bf16_still_fails_verify(tmp_path: Path) -> None:
     # Every reduced gradient 5% too large: far above bf16's rounding (e = 2 x 2^-8 = 0.8%), so the widened
     # tolerance must still catch it at step 1.
-    run = run_cli("verify", tmp_path / "verify", *inject("distaccum.losses.mse", fault("GradScale", factor=1.05)),
-                  "model=mlp", "engine=ddp", "accum.reduce_dtype=bf16", "trainer.nproc=2", "accum.micro_batch=2",
-                  "accum.steps=2", "trainer.max_steps=2", timeout=240)
+    run = run_cli(
+        "verify",
+        tmp_path / "verify",
+        *inject("distaccum.losses.mse", fault("GradScale", factor=1.05)),
+        "model=mlp",
+        "engine=ddp",
+        "accum.reduce_dtype=bf16",
+        "trainer.nproc=2",
+        "accum.micro_batch=2",
+        "accum.steps=2",
+        "trainer.max_steps=2",
+        timeout=240,
+    )
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "verify" / "verify.json").read_text())
     first = result["candidates"][0]["first_divergence"]
@@ -81,4 +112,3 @@ def test_a_wrong_reduction_under_bf16_still_fails_verify(tmp_path: Path) -> None
     assert abs(first["candidate"] / first["reference"] - 1.05) < 0.01
     assert result["tolerance"]["steps"]["rtol"] == pytest.approx(1e-4 + 2 * BF16_U)
     assert "gradients reduced in bf16: + e = 2 roundings" in run.stdout
-

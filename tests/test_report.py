@@ -28,9 +28,22 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hydra multirun over micro-batch sizes (one of them invalid)."""
     run_dir = tmp_path_factory.mktemp("report") / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "distaccum", "train", "--multirun", "accum.micro_batch=2,3,8", *COMMON,
-         "log.console=quiet", f"run_dir={run_dir}"],
-        cwd=run_dir.parent, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "distaccum",
+            "train",
+            "--multirun",
+            "accum.micro_batch=2,3,8",
+            *COMMON,
+            "log.console=quiet",
+            f"run_dir={run_dir}",
+        ],
+        cwd=run_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir
 
@@ -81,14 +94,18 @@ def test_sweep_report_lists_every_split_and_agrees(sweep: Path, capsys: pytest.C
         assert rows[label][col["comm share"]].endswith("%")
         assert rows[label][col["peak mem"]].endswith("MiB")
         assert float(rows[label][col["final loss"]]) > 0
-    assert {rows["0"][col["loss curve"]].split()[0], rows["2"][col["loss curve"]].split()[0]} == {"reference", "ok"}
+    assert {rows["0"][col["loss curve"]].split()[0], rows["2"][col["loss curve"]].split()[0]} == {
+        "reference",
+        "ok",
+    }
     assert "All 2 comparable runs agree" in markdown
     assert "`1`: invalid_config: accum.global_batch=16 is not divisible" in markdown
     check_png(sweep / "report.png")
 
 
-def test_report_flags_the_run_that_computes_another_objective(sweep: Path, wrong_norm: Path,
-                                                             tmp_path: Path) -> None:
+def test_report_flags_the_run_that_computes_another_objective(
+    sweep: Path, wrong_norm: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     assert report_main([str(sweep), str(wrong_norm), "--out", str(out)]) == 1
     markdown = (out / "report.md").read_text()
@@ -103,8 +120,22 @@ def test_report_exit_codes(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert report_main([str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
     # the console script, end to end: runs given one by one, output elsewhere
-    ok = subprocess.run([sys.executable, "-m", "distaccum", "report", str(sweep / "0"), str(sweep / "2"),
-                         "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distaccum",
+            "report",
+            str(sweep / "0"),
+            str(sweep / "2"),
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "| `0` | ok |" in ok.stdout
     assert (tmp_path / "report.png").is_file() and (tmp_path / "report.md").is_file()

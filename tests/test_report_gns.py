@@ -17,15 +17,28 @@ def write_run(path: Path, gns: bool) -> Path:
     path.mkdir(parents=True)
     records = []
     for i in range(1, 6):
-        record = {"step": i, "loss": 2.0 / i, "samples": 16, "items": 64, "time_s": 0.1, "data_s": 0.01,
-                  "compute_s": 0.05, "comm_s": 0.02, "comm_exposed_s": 0.02, "optim_s": 0.02, "comm_bytes": 100,
-                  "comm_calls": 1, "peak_mem_bytes": 2**20}
+        record = {
+            "step": i,
+            "loss": 2.0 / i,
+            "samples": 16,
+            "items": 64,
+            "time_s": 0.1,
+            "data_s": 0.01,
+            "compute_s": 0.05,
+            "comm_s": 0.02,
+            "comm_exposed_s": 0.02,
+            "optim_s": 0.02,
+            "comm_bytes": 100,
+            "comm_calls": 1,
+            "peak_mem_bytes": 2**20,
+        }
         if gns:
             record.update({"gns": 30.0 + 10 * (-1) ** i, "gns_smoothed": 30.0 + i})
         records.append(record)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (path / "summary.json").write_text(json.dumps({"engine": "ddp", "micro_batch": 2, "accum_steps": 4,
-                                                   "world_size": 2, "global_batch": 16}))
+    (path / "summary.json").write_text(
+        json.dumps({"engine": "ddp", "micro_batch": 2, "accum_steps": 4, "world_size": 2, "global_batch": 16})
+    )
     (path / "config.json").write_text(json.dumps({"log": {"warmup_steps": 1}}))
     return path
 

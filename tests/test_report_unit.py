@@ -22,29 +22,62 @@ from distaccum.telemetry.report import (
 
 pytestmark = pytest.mark.unit
 
-CONFIG = {"model": {"_target_": "distaccum.models.TinyGPT", "width": 64},
-          "data": {"dataset": {"_target_": "distaccum.datasets.CorpusSequences", "seed": 1}}, "optim": {"lr": 0.003},
-          "precision": "fp32", "trainer": {"seed": 0}, "log": {"warmup_steps": 1},
-          "accum": {"sync": "boundary", "loss_norm": "global_count"}}
+CONFIG = {
+    "model": {"_target_": "distaccum.models.TinyGPT", "width": 64},
+    "data": {"dataset": {"_target_": "distaccum.datasets.CorpusSequences", "seed": 1}},
+    "optim": {"lr": 0.003},
+    "precision": "fp32",
+    "trainer": {"seed": 0},
+    "log": {"warmup_steps": 1},
+    "accum": {"sync": "boundary", "loss_norm": "global_count"},
+}
 
 
 def step(n: int, loss: float, **extra: float) -> dict:
-    base = {"step": n, "loss": loss, "samples": 16, "time_s": 0.5, "data_s": 0.05, "compute_s": 0.3,
-            "comm_s": 0.2, "comm_exposed_s": 0.1, "optim_s": 0.05, "comm_bytes": 1000, "comm_calls": 2,
-            "peak_mem_bytes": 2**20 * n}
+    base = {
+        "step": n,
+        "loss": loss,
+        "samples": 16,
+        "time_s": 0.5,
+        "data_s": 0.05,
+        "compute_s": 0.3,
+        "comm_s": 0.2,
+        "comm_exposed_s": 0.1,
+        "optim_s": 0.05,
+        "comm_bytes": 1000,
+        "comm_calls": 2,
+        "peak_mem_bytes": 2**20 * n,
+    }
     return {**base, **extra}
 
 
-def write_run(path: Path, losses: list[float] | None, *, status: dict | None = None,
-              summary: bool = True, config: dict | None = None, overrides: list[str] | None = None) -> Path:
+def write_run(
+    path: Path,
+    losses: list[float] | None,
+    *,
+    status: dict | None = None,
+    summary: bool = True,
+    config: dict | None = None,
+    overrides: list[str] | None = None,
+) -> Path:
     path.mkdir(parents=True)
     if losses is not None:
         lines = [json.dumps(step(i + 1, loss)) for i, loss in enumerate(losses)]
         (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if summary:
-        (path / "summary.json").write_text(json.dumps(
-            {"engine": "ddp", "sync": "boundary", "loss_norm": "global_count", "micro_batch": 2,
-             "accum_steps": 4, "world_size": 2, "global_batch": 16}))
+        (path / "summary.json").write_text(
+            json.dumps(
+                {
+                    "engine": "ddp",
+                    "sync": "boundary",
+                    "loss_norm": "global_count",
+                    "micro_batch": 2,
+                    "accum_steps": 4,
+                    "world_size": 2,
+                    "global_batch": 16,
+                }
+            )
+        )
     if status is not None:
         (path / "status.json").write_text(json.dumps(status))
     (path / "config.json").write_text(json.dumps(config or CONFIG))
@@ -56,20 +89,28 @@ def write_run(path: Path, losses: list[float] | None, *, status: dict | None = N
 
 def test_read_metrics_keeps_the_last_record_of_a_step_and_skips_a_torn_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    path.write_text("\n".join([json.dumps(step(1, 3.0)), json.dumps(step(2, 2.0)),
-                               json.dumps(step(2, 2.5)), '{"step": 3, "lo']) + "\n")
+    path.write_text(
+        "\n".join(
+            [json.dumps(step(1, 3.0)), json.dumps(step(2, 2.0)), json.dumps(step(2, 2.5)), '{"step": 3, "lo']
+        )
+        + "\n"
+    )
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 3.0), (2, 2.5)]
 
 
-@pytest.mark.parametrize("status, summary, losses, expected", [
-    (None, True, [1.0], "ok"),
-    ({"status": "ok", "exit_code": 0}, False, [1.0], "incomplete"),
-    (None, False, [1.0], "incomplete"),
-    ({"status": "failed", "exit_code": 1}, False, [1.0], "failed"),
-    ({"status": "invalid_config", "error": "bad split"}, False, None, "invalid_config"),
-])
-def test_run_status(tmp_path: Path, status: dict | None, summary: bool, losses: list[float] | None,
-                    expected: str) -> None:
+@pytest.mark.parametrize(
+    "status, summary, losses, expected",
+    [
+        (None, True, [1.0], "ok"),
+        ({"status": "ok", "exit_code": 0}, False, [1.0], "incomplete"),
+        (None, False, [1.0], "incomplete"),
+        ({"status": "failed", "exit_code": 1}, False, [1.0], "failed"),
+        ({"status": "invalid_config", "error": "bad split"}, False, None, "invalid_config"),
+    ],
+)
+def test_run_status(
+    tmp_path: Path, status: dict | None, summary: bool, losses: list[float] | None, expected: str
+) -> None:
     run = load_run(write_run(tmp_path / "r", losses, status=status, summary=summary))
     assert run.status == expected
     if expected == "failed":
@@ -79,14 +120,25 @@ def test_run_status(tmp_path: Path, status: dict | None, summary: bool, losses: 
 def test_sweep_expands_in_job_order_with_the_overrides_that_vary(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     for job, micro in ((10, 8), (2, 4), (0, 1)):
-        write_run(sweep / str(job), [2.0, 1.0], overrides=[f"accum.micro_batch={micro}", "accum.global_batch=16"])
-    write_run(sweep / "1", None, status={"status": "invalid_config", "error": "not divisible"},
-              summary=False, overrides=["accum.micro_batch=3", "accum.global_batch=16"])
+        write_run(
+            sweep / str(job), [2.0, 1.0], overrides=[f"accum.micro_batch={micro}", "accum.global_batch=16"]
+        )
+    write_run(
+        sweep / "1",
+        None,
+        status={"status": "invalid_config", "error": "not divisible"},
+        summary=False,
+        overrides=["accum.micro_batch=3", "accum.global_batch=16"],
+    )
     (sweep / ".hydra").mkdir()
     runs = discover([sweep])
     assert [r.label for r in runs] == ["0", "1", "2", "10"]
-    assert [r.overrides for r in runs] == [["accum.micro_batch=1"], ["accum.micro_batch=3"],
-                                           ["accum.micro_batch=4"], ["accum.micro_batch=8"]]
+    assert [r.overrides for r in runs] == [
+        ["accum.micro_batch=1"],
+        ["accum.micro_batch=3"],
+        ["accum.micro_batch=4"],
+        ["accum.micro_batch=8"],
+    ]
     both = discover([sweep, sweep / "2"])
     assert [r.label for r in both][:4] == ["sweep/0", "sweep/1", "sweep/2", "sweep/10"]
     assert both[4].label == "2"
@@ -108,11 +160,14 @@ def test_compare_curves_tolerance_and_first_bad_step() -> None:
 
 def test_agreement_picks_the_medoid_and_flags_the_outlier(tmp_path: Path) -> None:
     base = [3.0, 2.0, 1.5, 1.2]
-    paths = [write_run(tmp_path / "a", base),
-             write_run(tmp_path / "b", [x * (1 + 1e-7) for x in base]),
-             write_run(tmp_path / "c", [3.0, 2.1, 1.6, 1.3]),
-             write_run(tmp_path / "other_model", [9.0, 8.0, 7.0, 6.0],
-                       config={**CONFIG, "model": {"name": "mlp"}})]
+    paths = [
+        write_run(tmp_path / "a", base),
+        write_run(tmp_path / "b", [x * (1 + 1e-7) for x in base]),
+        write_run(tmp_path / "c", [3.0, 2.1, 1.6, 1.3]),
+        write_run(
+            tmp_path / "other_model", [9.0, 8.0, 7.0, 6.0], config={**CONFIG, "model": {"name": "mlp"}}
+        ),
+    ]
     runs = discover(paths)
     agreements = check_agreement(runs, rtol=1e-4, atol=1e-6)
     by_label = {a.label: a for a in agreements}
@@ -129,8 +184,12 @@ def test_agreement_picks_the_medoid_and_flags_the_outlier(tmp_path: Path) -> Non
 
 def test_table_row_uses_steady_state_medians(tmp_path: Path) -> None:
     path = write_run(tmp_path / "r", None)
-    records = [step(1, 3.0, compute_s=9.0), step(2, 2.0, compute_s=0.3), step(3, 1.0, compute_s=0.5),
-               step(4, 0.5, compute_s=0.4)]
+    records = [
+        step(1, 3.0, compute_s=9.0),
+        step(2, 2.0, compute_s=0.3),
+        step(3, 1.0, compute_s=0.5),
+        step(4, 0.5, compute_s=0.4),
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     row = table_row(load_run(path))
     assert row.compute_s == pytest.approx(0.4)  # step 1 (warm-up) excluded
@@ -140,9 +199,14 @@ def test_table_row_uses_steady_state_medians(tmp_path: Path) -> None:
 
 
 def test_markdown_reports_invalid_runs_and_no_comparison(tmp_path: Path) -> None:
-    runs = discover([write_run(tmp_path / "only", [2.0, 1.0]),
-                     write_run(tmp_path / "bad", None, status={"status": "invalid_config", "error": "oops"},
-                               summary=False)])
+    runs = discover(
+        [
+            write_run(tmp_path / "only", [2.0, 1.0]),
+            write_run(
+                tmp_path / "bad", None, status={"status": "invalid_config", "error": "oops"}, summary=False
+            ),
+        ]
+    )
     rows = build_rows(runs, [])
     assert math.isnan(rows[1].samples_per_s) and rows[1].steps == 0
     markdown = render_markdown(rows, [], runs, 1e-4, 1e-6)

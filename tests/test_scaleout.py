@@ -32,8 +32,9 @@ def two_nodes(gpus: int = 1) -> Cluster:
     return Cluster(topology=Topology(nodes=2, gpus_per_node=gpus, intra=link, inter=link), replicas=2)
 
 
-WORK = Workload(params=1_000_000, compute_s=0.010, compute_basis="given", accum_steps=4, backward_fraction=0.5,
-                units=4)
+WORK = Workload(
+    params=1_000_000, compute_s=0.010, compute_basis="given", accum_steps=4, backward_fraction=0.5, units=4
+)
 
 
 def mode(key: str):
@@ -57,7 +58,9 @@ def test_ddp_steps_by_hand() -> None:
     assert math.isclose(every.comm_s, 16e-3) and math.isclose(every.exposed_s, 4e-3)
     assert boundary.calls == {"all_reduce@world": 1} and every.calls == {"all_reduce@world": 4}
     bf16 = predict_mode(mode("ddp.boundary.bf16"), WORK, two_nodes())
-    assert math.isclose(bf16.priced[0].n_bytes, boundary.priced[0].n_bytes / 2) and math.isclose(bf16.comm_s, 2e-3)
+    assert math.isclose(bf16.priced[0].n_bytes, boundary.priced[0].n_bytes / 2) and math.isclose(
+        bf16.comm_s, 2e-3
+    )
 
 
 def test_zero1_all_gather_after_the_step_is_exposed() -> None:
@@ -80,8 +83,10 @@ def test_fsdp_gathers_hide_behind_forward_and_backward() -> None:
 
 def test_hsdp_cross_replica_calls_per_mode() -> None:
     cluster = two_nodes(gpus=2)  # 2 replicas (one per node) of 2 shards each
-    calls = {key: predict_mode(mode(key), WORK, cluster).calls
-             for key in ("hsdp.boundary", "hsdp.replica_boundary", "hsdp.every_micro")}
+    calls = {
+        key: predict_mode(mode(key), WORK, cluster).calls
+        for key in ("hsdp.boundary", "hsdp.replica_boundary", "hsdp.every_micro")
+    }
     assert [c["all_reduce@replicate"] for c in calls.values()] == [1, 1, 4]  # issue 22: 1, 1 and K per step
     assert [c["reduce_scatter@shard"] for c in calls.values()] == [1, 4, 4]
     assert all(c["all_gather@shard"] == 8 for c in calls.values())
@@ -97,8 +102,13 @@ def test_every_printed_row_says_it_is_a_prediction() -> None:
     text = render(rows, WORK, two_nodes(gpus=2), micro_batch=4)
     assert text.startswith("PREDICTION for 2 nodes x 2 GPUs = 4 ranks: not a measurement")
     lines = text.splitlines()
-    rows = [line for i, line in enumerate(lines)  # table rows, not headers (a header precedes its |---|)
-            if line.startswith("| ") and not line.startswith("|---") and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))]
+    rows = [
+        line
+        for i, line in enumerate(lines)  # table rows, not headers (a header precedes its |---|)
+        if line.startswith("| ")
+        and not line.startswith("|---")
+        and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))
+    ]
     assert sum(line.split(" | ")[0][2:] in {m.key for m in MODES} for line in rows) == len(MODES)
     assert len(rows) > len(MODES) and all(line.endswith("| predicted |") for line in rows)  # collectives too
     with pytest.raises(ValueError, match="unknown mode"):
@@ -120,18 +130,59 @@ def test_the_docs_example_is_what_the_command_prints(capsys: pytest.CaptureFixtu
     missing = [line for line in shown.strip().splitlines() if line not in printed.splitlines()]
     assert not missing, f"docs/planning.md lines the command no longer prints: {missing}"
     assert "not measured here" in printed
-    assert [line.split(" | ")[0][2:] for line in printed.splitlines() if line.endswith("| predicted |")][:len(MODES)] \
-        == [m.key for m in MODES]
+    assert [line.split(" | ")[0][2:] for line in printed.splitlines() if line.endswith("| predicted |")][
+        : len(MODES)
+    ] == [m.key for m in MODES]
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--nodes", "4", "--intra-node-gbps", "900", "--compute-ms", "10", "--params", "1e6"], "needs --inter-node-gbps"),
-    (["--nodes", "4", "--gpus-per-node", "8", "--inter-node-gbps", "100", "--intra-node-gbps", "900",
-      "--replicas", "3", "--compute-ms", "10", "--params", "1e6"], "replicas=3 must divide"),
-    (["--nodes", "2", "--inter-node-gbps", "100", "--intra-node-gbps", "900", "--compute-ms", "10",
-      "--params", "1e6", "--modes", "ddp.never"], "unknown mode"),
-    (["--gpus-per-node", "8"], "give --nodes too"),
-])
-def test_bad_cluster_flags_are_bad_input(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--nodes", "4", "--intra-node-gbps", "900", "--compute-ms", "10", "--params", "1e6"],
+            "needs --inter-node-gbps",
+        ),
+        (
+            [
+                "--nodes",
+                "4",
+                "--gpus-per-node",
+                "8",
+                "--inter-node-gbps",
+                "100",
+                "--intra-node-gbps",
+                "900",
+                "--replicas",
+                "3",
+                "--compute-ms",
+                "10",
+                "--params",
+                "1e6",
+            ],
+            "replicas=3 must divide",
+        ),
+        (
+            [
+                "--nodes",
+                "2",
+                "--inter-node-gbps",
+                "100",
+                "--intra-node-gbps",
+                "900",
+                "--compute-ms",
+                "10",
+                "--params",
+                "1e6",
+                "--modes",
+                "ddp.never",
+            ],
+            "unknown mode",
+        ),
+        (["--gpus-per-node", "8"], "give --nodes too"),
+    ],
+)
+def test_bad_cluster_flags_are_bad_input(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert plan_main([*flags, "model=mlp"]) == 2
     assert message in capsys.readouterr().err

@@ -16,8 +16,9 @@ from serial_lock import machine_share
 pytestmark = pytest.mark.unit
 
 
-def _holder(name: str, exclusive: bool, log: list[str], entered: threading.Event,
-            release: threading.Event) -> threading.Thread:
+def _holder(
+    name: str, exclusive: bool, log: list[str], entered: threading.Event, release: threading.Event
+) -> threading.Thread:
     def hold() -> None:
         with machine_share(exclusive):
             log.append(f"{name} in")
@@ -45,7 +46,8 @@ def _until_held(path: Path) -> None:
 
 
 def test_a_serial_test_waits_for_the_running_test_and_later_tests_wait_for_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "unit")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     log: list[str] = []
@@ -99,12 +101,22 @@ class _Item:
 
 
 def test_launching_files_go_first_then_unit_files_then_serial_files() -> None:
-    items = [_Item("tests/test_a_unit.py::x", "unit"), _Item("tests/test_b_dist.py::x", "dist"),
-             _Item("tests/test_c_serial.py::x", "dist", "serial"), _Item("tests/test_d_mixed.py::x", "dist"),
-             _Item("tests/test_d_mixed.py::y", "dist", "serial"), _Item("tests/test_e_unit.py::x", "unit"),
-             _Item("tests/test_b_dist.py::y", "dist")]
+    items = [
+        _Item("tests/test_a_unit.py::x", "unit"),
+        _Item("tests/test_b_dist.py::x", "dist"),
+        _Item("tests/test_c_serial.py::x", "dist", "serial"),
+        _Item("tests/test_d_mixed.py::x", "dist"),
+        _Item("tests/test_d_mixed.py::y", "dist", "serial"),
+        _Item("tests/test_e_unit.py::x", "unit"),
+        _Item("tests/test_b_dist.py::y", "dist"),
+    ]
     serial_lock.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     assert [item.nodeid for item in items] == [
-        "tests/test_b_dist.py::x", "tests/test_d_mixed.py::x", "tests/test_d_mixed.py::y",
-        "tests/test_b_dist.py::y", "tests/test_a_unit.py::x", "tests/test_e_unit.py::x",
-        "tests/test_c_serial.py::x"]
+        "tests/test_b_dist.py::x",
+        "tests/test_d_mixed.py::x",
+        "tests/test_d_mixed.py::y",
+        "tests/test_b_dist.py::y",
+        "tests/test_a_unit.py::x",
+        "tests/test_e_unit.py::x",
+        "tests/test_c_serial.py::x",
+    ]

@@ -15,13 +15,31 @@ pytestmark = pytest.mark.unit
 
 
 def record(step: int, **extra: object) -> dict:
-    base = {"step": step, "loss": 2.0 / step, "lr": 1e-3, "samples_per_s": 123.4, "comm_bytes": 3 * 2**20,
-            "comm_calls": 2, "compute_s": 0.3, "comm_exposed_s": 0.1, "skipped": False}
+    base = {
+        "step": step,
+        "loss": 2.0 / step,
+        "lr": 1e-3,
+        "samples_per_s": 123.4,
+        "comm_bytes": 3 * 2**20,
+        "comm_calls": 2,
+        "compute_s": 0.3,
+        "comm_exposed_s": 0.1,
+        "skipped": False,
+    }
     return {**base, **extra}
 
 
-SUMMARY = {"steps": 2, "final_loss": 1.0, "samples_per_s": 100.0, "engine": "ddp", "world_size": 2,
-           "micro_batch": 4, "accum_steps": 2, "global_batch": 16, "run_dir": "runs/x"}
+SUMMARY = {
+    "steps": 2,
+    "final_loss": 1.0,
+    "samples_per_s": 100.0,
+    "engine": "ddp",
+    "world_size": 2,
+    "micro_batch": 4,
+    "accum_steps": 2,
+    "global_batch": 16,
+    "run_dir": "runs/x",
+}
 
 
 def test_console_prints_one_progress_line_per_step() -> None:
@@ -135,10 +153,13 @@ def test_console_prints_eval_lines_apart_from_steps() -> None:
     out = io.StringIO()
     sink = ConsoleSink(total_steps=2, stream=out)
     sink.log(record(1))
-    sink.log({"step": 1, "eval_loss": 2.5, "eval_ppl": 12.18, "eval_items": 300, "eval_samples": 8, "eval_s": 0.2})
+    sink.log(
+        {"step": 1, "eval_loss": 2.5, "eval_ppl": 12.18, "eval_items": 300, "eval_samples": 8, "eval_s": 0.2}
+    )
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("step 1/2 ") and lines[1] == (
-        "eval after step 1: loss 2.5000 ppl 12.18 on 300 items of 8 samples (0.2 s)")
+        "eval after step 1: loss 2.5000 ppl 12.18 on 300 items of 8 samples (0.2 s)"
+    )
     quiet = io.StringIO()
     ConsoleSink(total_steps=2, stream=quiet, quiet=True).log({"step": 1, "eval_loss": 2.5})
     assert quiet.getvalue() == ""
@@ -155,5 +176,7 @@ def test_console_shows_compile_time_and_recompiles() -> None:
     assert "comm 25% compiled 19.8s elapsed" in lines[0]
     assert "compiled" not in lines[1] and "recompiled" not in lines[1]
     assert " compiled 1.2s recompiled 2 " in lines[2]
-    assert ("torch.compile: 21.1 s compiling (inside the steps' times), 2 recompiles after warm-up, 3 graph breaks; "
-            "median step 40.5 ms after warm-up") in lines
+    assert (
+        "torch.compile: 21.1 s compiling (inside the steps' times), 2 recompiles after warm-up, 3 graph breaks; "
+        "median step 40.5 ms after warm-up"
+    ) in lines

@@ -38,25 +38,36 @@ def _sacct_state(cluster: SlurmCluster, job_id: str, timeout_s: float = 20) -> s
 
 
 def test_two_task_job_runs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    job_id = _sbatch(slurm_cluster, tmp_path / "smoke.sbatch", f"""\
+    job_id = _sbatch(
+        slurm_cluster,
+        tmp_path / "smoke.sbatch",
+        f"""\
 #SBATCH --job-name=smoke
 #SBATCH --ntasks=2
 #SBATCH --output={tmp_path}/smoke-%j.out
 srun -n2 bash -c 'echo "task $SLURM_PROCID of $SLURM_NTASKS"'
-""")
+""",
+    )
     state = wait_job(job_id, timeout_s=60, env=slurm_cluster.env)
     out = (tmp_path / f"smoke-{job_id}.out").read_text()
     assert state == "COMPLETED", f"{state}\n{out}\n{slurm_cluster.logs()}"
-    assert sorted(line for line in out.splitlines() if line.startswith("task")) == ["task 0 of 2", "task 1 of 2"]
+    assert sorted(line for line in out.splitlines() if line.startswith("task")) == [
+        "task 0 of 2",
+        "task 1 of 2",
+    ]
     assert _sacct_state(slurm_cluster, job_id) == "COMPLETED"
 
 
 def test_failed_job_is_visible_to_sacct(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     # submitit decides that a job without a result file is finished from sacct's state alone.
-    job_id = _sbatch(slurm_cluster, tmp_path / "fail.sbatch", f"""\
+    job_id = _sbatch(
+        slurm_cluster,
+        tmp_path / "fail.sbatch",
+        f"""\
 #SBATCH --output={tmp_path}/fail-%j.out
 srun -n1 bash -c 'exit 3'
-""")
+""",
+    )
     assert wait_job(job_id, timeout_s=60, env=slurm_cluster.env) == "FAILED"
     assert _sacct_state(slurm_cluster, job_id) == "FAILED"
 
@@ -70,14 +81,29 @@ def test_parse_nodelist_agrees_with_scontrol(slurm_cluster: SlurmCluster, nodeli
 def test_distaccum_submit_trains(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "distaccum", "submit", "trainer.nproc=2", "model=mlp", "trainer.max_steps=3",
-         f"run_dir={run_dir}", "log.console=quiet"],
-        cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "distaccum",
+            "submit",
+            "trainer.nproc=2",
+            "model=mlp",
+            "trainer.max_steps=3",
+            f"run_dir={run_dir}",
+            "log.console=quiet",
+        ],
+        cwd=REPO,
+        env=slurm_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().splitlines()[-1]
     state = wait_job(job_id, timeout_s=240, pending_timeout_s=60, env=slurm_cluster.env)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(run_dir.glob("slurm-*")))
+    logs = "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(run_dir.glob("slurm-*"))
+    )
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3, logs
@@ -90,17 +116,38 @@ def test_submitit_sweep_over_splits_then_one_report(slurm_cluster: SlurmCluster,
     """Hydra's submitit_slurm launcher runs each split as a Slurm job; one report compares them."""
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "distaccum", "train", "--multirun", "hydra/launcher=submitit_slurm",
-         "hydra.launcher.timeout_min=10", "hydra.launcher.cpus_per_task=2", "model=mlp",
-         "accum.micro_batch=2,4,8", "accum.global_batch=16", "trainer.max_steps=3", "log.console=quiet",
-         f"run_dir={sweep}"],
-        cwd=tmp_path, env=slurm_cluster.env, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "distaccum",
+            "train",
+            "--multirun",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.timeout_min=10",
+            "hydra.launcher.cpus_per_task=2",
+            "model=mlp",
+            "accum.micro_batch=2,4,8",
+            "accum.global_batch=16",
+            "trainer.max_steps=3",
+            "log.console=quiet",
+            f"run_dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=slurm_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-4000:] + slurm_cluster.logs()
     for job in ("0", "1", "2"):
         assert json.loads((sweep / job / "status.json").read_text())["status"] == "ok"
-    report = subprocess.run([sys.executable, "-m", "distaccum", "report", str(sweep)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "distaccum", "report", str(sweep)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stdout + report.stderr  # 0: every split's loss curve agrees
     table = (sweep / "report.md").read_text()
     for split in ("2x4x2=16", "4x2x2=16", "8x1x2=16"):
@@ -108,17 +155,33 @@ def test_submitit_sweep_over_splits_then_one_report(slurm_cluster: SlurmCluster,
     assert "3 runs: 3 ok" in table and (sweep / "report.png").stat().st_size > 10_000
 
 
-def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster: SlurmCluster,
-                                                                 tmp_path: Path) -> None:
+def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
     """What `--signal=B:USR1@N` does near a time limit: finish the window, checkpoint, requeue,
     resume at the exact next sample — no partial window lost, none repeated."""
     run_dir = tmp_path / "preempted"
     steps = 2000
     proc = subprocess.run(
-        [sys.executable, "-m", "distaccum", "submit", "model=mlp", "model.width=16", "accum.micro_batch=2",
-         "accum.steps=2", f"trainer.max_steps={steps}", "trainer.check_every=0", "log.console=quiet",
-         f"run_dir={run_dir}"],
-        cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "distaccum",
+            "submit",
+            "model=mlp",
+            "model.width=16",
+            "accum.micro_batch=2",
+            "accum.steps=2",
+            f"trainer.max_steps={steps}",
+            "trainer.check_every=0",
+            "log.console=quiet",
+            f"run_dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=slurm_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().splitlines()[-1]
@@ -127,7 +190,8 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster: S
     while not metrics.is_file() or len(metrics.read_text().splitlines()) < 5:
         queue = slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%T %r", check=False).stdout.strip()
         assert time.monotonic() < deadline and queue.startswith(("PENDING", "RUNNING", "CONFIGURING")), (
-            f"job {job_id} never reached step 5 (squeue: {queue!r})\n{slurm_cluster.logs()}")
+            f"job {job_id} never reached step 5 (squeue: {queue!r})\n{slurm_cluster.logs()}"
+        )
         time.sleep(0.1)
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)  # what the limit's warning sends
     # A requeued job waits ~120 s before it may start again; move its start time to now, but only once
@@ -145,7 +209,9 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster: S
             break
         time.sleep(0.2)
     else:
-        raise AssertionError(f"job {job_id} never came back to PENDING on an idle node\n{slurm_cluster.logs()}")
+        raise AssertionError(
+            f"job {job_id} never came back to PENDING on an idle node\n{slurm_cluster.logs()}"
+        )
     state = wait_job(job_id, timeout_s=300, pending_timeout_s=120, env=slurm_cluster.env)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(run_dir.glob("slurm-*")))
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{logs}"
@@ -160,21 +226,40 @@ def test_srun_tasks_run_as_ranks_in_place(slurm_cluster: SlurmCluster, tmp_path:
     """`srun -n 2 distaccum train`: each task is one rank (SLURM_PROCID/NTASKS), no launcher."""
     run_dir = tmp_path / "srun"
     proc = slurm_cluster.run(
-        "srun", "-n", "2", "--cpus-per-task=1", sys.executable, "-m", "distaccum", "train", "model=mlp",
-        "trainer.max_steps=3", "log.console=quiet", f"run_dir={run_dir}", check=False, timeout=180)
+        "srun",
+        "-n",
+        "2",
+        "--cpus-per-task=1",
+        sys.executable,
+        "-m",
+        "distaccum",
+        "train",
+        "model=mlp",
+        "trainer.max_steps=3",
+        "log.console=quiet",
+        f"run_dir={run_dir}",
+        check=False,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
 
 
-def test_a_job_that_does_not_start_fails_fast_with_the_reason(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_a_job_that_does_not_start_fails_fast_with_the_reason(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
     # Pending for a reason the test controls (a start time an hour away), instead of a real one
     # (not enough CPUs) that would depend on the machine.
-    job_id = _sbatch(slurm_cluster, tmp_path / "later.sbatch", f"""\
+    job_id = _sbatch(
+        slurm_cluster,
+        tmp_path / "later.sbatch",
+        f"""\
 #SBATCH --output={tmp_path}/later-%j.out
 #SBATCH --begin=now+3600
 true
-""")
+""",
+    )
     start = time.monotonic()
     with pytest.raises(SlurmError, match="still pending after .* reason 'BeginTime'"):
         wait_job(job_id, timeout_s=60, pending_timeout_s=2, env=slurm_cluster.env)

@@ -33,9 +33,16 @@ CASES: dict[str, tuple[dict[str, Any], list[str], str]] = {
     "gpu_2nodes": (
         {
             "run_dir": "/scratch/runs/gpt",
-            "slurm": {"nodes": 2, "gpus_per_node": 8, "cpus_per_task": 32, "partition": "gpu",
-                      "account": "ml-team", "time": "04:00:00", "job_name": "gpt-fsdp",
-                      "extra": ["--qos=high", "--exclusive"]},
+            "slurm": {
+                "nodes": 2,
+                "gpus_per_node": 8,
+                "cpus_per_task": 32,
+                "partition": "gpu",
+                "account": "ml-team",
+                "time": "04:00:00",
+                "job_name": "gpt-fsdp",
+                "extra": ["--qos=high", "--exclusive"],
+            },
         },
         # A space and a quote show the shell quoting; the stale run_dir is replaced.
         ["engine=fsdp", "precision=bf16", "log.wandb_project=my run", "+note='x'", "run_dir=old"],
@@ -47,8 +54,11 @@ CASES: dict[str, tuple[dict[str, Any], list[str], str]] = {
         "python",
     ),
     "cpu_restarts_nosignal": (
-        {"run_dir": "runs/elastic", "trainer": {"nproc": 4, "max_restarts": 1},
-         "slurm": {"signal_seconds": 0, "rdzv_port": 29600}},
+        {
+            "run_dir": "runs/elastic",
+            "trainer": {"nproc": 4, "max_restarts": 1},
+            "slurm": {"signal_seconds": 0, "rdzv_port": 29600},
+        },
         [],
         "python3",
     ),
@@ -86,12 +96,21 @@ def test_render_is_deterministic_across_processes() -> None:
     """The iteration order of a set of strings changes with the hash seed; the script must not."""
     here = {name: _render(name) for name in CASES}
     assert here == {name: _render(name) for name in CASES}
-    code = ("import json, sys; from distaccum.config import from_mapping; from distaccum.cluster.slurm import render_sbatch; "
-            "print(json.dumps({name: render_sbatch(from_mapping(m), o, python=p) "
-            "for name, (m, o, p) in json.loads(sys.argv[1]).items()}))")
+    code = (
+        "import json, sys; from distaccum.config import from_mapping; from distaccum.cluster.slurm import render_sbatch; "
+        "print(json.dumps({name: render_sbatch(from_mapping(m), o, python=p) "
+        "for name, (m, o, p) in json.loads(sys.argv[1]).items()}))"
+    )
     seeds = ("0", "1")
-    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(CASES)], text=True, stdout=subprocess.PIPE,
-                              env={**os.environ, "PYTHONHASHSEED": seed}) for seed in seeds]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(CASES)],
+            text=True,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        for seed in seeds
+    ]
     for seed, proc in zip(seeds, procs, strict=True):
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0
@@ -111,8 +130,16 @@ def test_render_rejects_unusable_run_dir(run_dir: str) -> None:
         render_sbatch(from_mapping({"run_dir": run_dir}), [])
 
 
-@pytest.mark.parametrize("slurm", [{"extra": ["qos=high"]}, {"signal_seconds": -1}, {"rdzv_port": 0},
-                                   {"job_name": "my job"}, {"cpus_per_task": 0}])
+@pytest.mark.parametrize(
+    "slurm",
+    [
+        {"extra": ["qos=high"]},
+        {"signal_seconds": -1},
+        {"rdzv_port": 0},
+        {"job_name": "my job"},
+        {"cpus_per_task": 0},
+    ],
+)
 def test_config_rejects_bad_slurm_fields(slurm: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="slurm"):
         from_mapping({"slurm": slurm})
@@ -134,8 +161,9 @@ def test_parse_nodelist(nodelist: str, hosts: list[str]) -> None:
     assert parse_nodelist(nodelist) == hosts
 
 
-@pytest.mark.parametrize("nodelist", ["node[1-", "node1]", "node[3-1]", "node[a-b]", "node[]", "a,,b",
-                                      "n[[1]]"])
+@pytest.mark.parametrize(
+    "nodelist", ["node[1-", "node1]", "node[3-1]", "node[a-b]", "node[]", "a,,b", "n[[1]]"]
+)
 def test_parse_nodelist_rejects_malformed(nodelist: str) -> None:
     with pytest.raises(ValueError, match="nodelist"):
         parse_nodelist(nodelist)
@@ -159,7 +187,10 @@ def test_submit_without_sbatch_is_a_clear_error(tmp_path: Path, monkeypatch: pyt
 def test_submit_dry_run_shows_the_hsdp_mapping(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from distaccum.cli.submit import submit_main
 
-    assert submit_main(["--dry-run", "slurm.nodes=2", "engine=fsdp", "model=mlp", f"run_dir={tmp_path / 'run'}"]) == 0
+    assert (
+        submit_main(["--dry-run", "slurm.nodes=2", "engine=fsdp", "model=mlp", f"run_dir={tmp_path / 'run'}"])
+        == 0
+    )
     header = capsys.readouterr().out.split("#SBATCH")[0]
     assert "HSDP: 2 replicas x 2 shards over 2 node(s) of 2 ranks" in header
     assert "replica 0: ranks 0-1 on node 0" in header and "replica 1: ranks 2-3 on node 1" in header

@@ -12,18 +12,38 @@ pytestmark = pytest.mark.unit
 
 
 def test_torchrun_variables() -> None:
-    env = DistEnv.from_environ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234",
-                                "TORCHELASTIC_RESTART_COUNT": "1"})
+    env = DistEnv.from_environ(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "1234",
+            "TORCHELASTIC_RESTART_COUNT": "1",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.node_rank) == (3, 4, 1, 1)
-    assert (env.master_addr, env.master_port, env.source, env.restart_count) == ("10.0.0.1", 1234, "torchrun", 1)
+    assert (env.master_addr, env.master_port, env.source, env.restart_count) == (
+        "10.0.0.1",
+        1234,
+        "torchrun",
+        1,
+    )
     assert env.init_env()["WORLD_SIZE"] == "4"
 
 
 def test_srun_variables_pick_first_node_as_master() -> None:
-    env = DistEnv.from_environ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
-                                "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
-                                "SLURM_JOB_NODELIST": "gpu[07-08]"})
+    env = DistEnv.from_environ(
+        {
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+            "SLURM_JOB_NODELIST": "gpu[07-08]",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
     assert env.master_addr == "gpu07" and env.source == "slurm" and env.node_rank == 1
 
@@ -34,8 +54,10 @@ def test_batch_script_and_plain_shell_are_not_workers() -> None:
     assert DistEnv.from_environ({}).source == "single"
 
 
-@pytest.mark.parametrize("nodelist, head", [("node01", "node01"), ("node[03-05,09],gpu1", "node03"),
-                                            ("a[1,2]", "a1"), ("x-y[010-012]", "x-y010")])
+@pytest.mark.parametrize(
+    "nodelist, head",
+    [("node01", "node01"), ("node[03-05,09],gpu1", "node03"), ("a[1,2]", "a1"), ("x-y[010-012]", "x-y010")],
+)
 def test_first_host(nodelist: str, head: str) -> None:
     assert first_host(nodelist) == head
 
@@ -46,12 +68,32 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
     from distaccum.cluster.local import launch_plan, torchrun_argv, worker_args
     from distaccum.config import from_mapping
 
-    cfg = from_mapping({"trainer": {"nproc": 4, "nnodes": 2, "rdzv_endpoint": "node01:29500",
-                                    "rdzv_id": "exp", "max_restarts": 1}})
+    cfg = from_mapping(
+        {
+            "trainer": {
+                "nproc": 4,
+                "nnodes": 2,
+                "rdzv_endpoint": "node01:29500",
+                "rdzv_id": "exp",
+                "max_restarts": 1,
+            }
+        }
+    )
     assert torchrun_argv(launch_plan(cfg), worker_args(Path("run/launch_config.json")), python="python") == [
-        "python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
-        "--rdzv_endpoint=node01:29500", "--rdzv_id=exp", "--max_restarts=1",
-        "-m", "distaccum", "_worker", "run/launch_config.json"]
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=4",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=node01:29500",
+        "--rdzv_id=exp",
+        "--max_restarts=1",
+        "-m",
+        "distaccum",
+        "_worker",
+        "run/launch_config.json",
+    ]
     single = from_mapping({"trainer": {"nproc": 2}})
     assert "--rdzv_endpoint=127.0.0.1:0" in torchrun_argv(launch_plan(single), ["examples/own_loop.py"])
 

@@ -40,7 +40,9 @@ MATRIX = {
 @pytest.fixture(scope="module", params=sorted(MATRIX))
 def passing(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
     name = request.param
-    return name, verify(tmp_path_factory, name, *MATRIX[name], "verify.splits=auto", "verify.max_candidates=3")
+    return name, verify(
+        tmp_path_factory, name, *MATRIX[name], "verify.splits=auto", "verify.max_candidates=3"
+    )
 
 
 def test_matrix_passes_with_three_splits(passing: tuple[str, Run]) -> None:
@@ -86,15 +88,18 @@ def test_reference_and_candidates_really_trained_the_same_model(passing: tuple[s
         assert cand.keys() == ref.keys()
         for k in ref:
             scale = float(ref[k].double().abs().max()) + 1e-12
-            assert float((cand[k].double() - ref[k].double()).abs().max()) / scale < per_tensor_bound(name, k), k
+            assert float((cand[k].double() - ref[k].double()).abs().max()) / scale < per_tensor_bound(
+                name, k
+            ), k
         rows = (Path(c["run_dir"]) / "checksums.jsonl").read_text().splitlines()
         assert [json.loads(r)["step"] for r in rows] == list(range(1, report(run)["steps"] + 1))
 
 
 @pytest.fixture(scope="module")
 def mean_per_micro(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return verify(tmp_path_factory, "mean", "model=tiny_gpt", "accum.loss_norm=mean_per_micro",
-                  "trainer.max_steps=3")
+    return verify(
+        tmp_path_factory, "mean", "model=tiny_gpt", "accum.loss_norm=mean_per_micro", "trainer.max_steps=3"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +109,13 @@ def batchnorm(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def desync(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return verify(tmp_path_factory, "desync", "model=tiny_gpt", "trainer.max_steps=3",
-                  *inject("distaccum.losses.token_cross_entropy", fault("SkipReduction", rank=1)))
+    return verify(
+        tmp_path_factory,
+        "desync",
+        "model=tiny_gpt",
+        "trainer.max_steps=3",
+        *inject("distaccum.losses.token_cross_entropy", fault("SkipReduction", rank=1)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +126,34 @@ def dropout(tmp_path_factory: pytest.TempPathFactory) -> Run:
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # Every split alike: the gradient is 2x what it should be (a loss divided once too few times).
-    return verify(tmp_path_factory, "scaled", "model=mlp", "precision=fp64", "optim.name=sgd", "trainer.max_steps=3",
-                  "verify.splits=auto", "verify.max_candidates=2",
-                  *inject("distaccum.losses.mse", fault("GradScale", factor=2.0)))
+    return verify(
+        tmp_path_factory,
+        "scaled",
+        "model=mlp",
+        "precision=fp64",
+        "optim.name=sgd",
+        "trainer.max_steps=3",
+        "verify.splits=auto",
+        "verify.max_candidates=2",
+        *inject("distaccum.losses.mse", fault("GradScale", factor=2.0)),
+    )
 
 
 @pytest.fixture(scope="module")
 def nominal(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # 40 samples in windows of 16: step 3 is a partial window of 8, normalized as if it held 16.
-    return verify(tmp_path_factory, "nominal", "model=tiny_gpt", "model.width=32", "precision=fp64",
-                  "data.dataset.num_samples=40", "accum.global_batch=16", "accum.micro_batch=2",
-                  "trainer.max_steps=4", *inject("distaccum.losses.token_cross_entropy", fault("NominalPartialCount")))
+    return verify(
+        tmp_path_factory,
+        "nominal",
+        "model=tiny_gpt",
+        "model.width=32",
+        "precision=fp64",
+        "data.dataset.num_samples=40",
+        "accum.global_batch=16",
+        "accum.micro_batch=2",
+        "trainer.max_steps=4",
+        *inject("distaccum.losses.token_cross_entropy", fault("NominalPartialCount")),
+    )
 
 
 def failed_candidate(run: Run) -> dict[str, Any]:

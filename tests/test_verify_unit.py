@@ -67,14 +67,18 @@ def make_cfg(**sections: dict) -> RunConfig:
 
 # --- which runs -------------------------------------------------------------------------------------
 
+
 def test_config_mode_runs_only_the_configured_split() -> None:
     cfg = make_cfg(accum={"micro_batch": 4, "steps": 4}, trainer={"nproc": 2})
     assert candidate_splits(cfg) == [Split(4, 4, 2)]
 
 
 def test_auto_mode_covers_both_world_sizes_and_excludes_the_reference() -> None:
-    cfg = make_cfg(accum={"micro_batch": 4, "steps": 4}, trainer={"nproc": 2},
-                   verify={"splits": "auto", "max_candidates": 3})
+    cfg = make_cfg(
+        accum={"micro_batch": 4, "steps": 4},
+        trainer={"nproc": 2},
+        verify={"splits": "auto", "max_candidates": 3},
+    )
     splits = candidate_splits(cfg)
     assert splits[0] == Split(4, 4, 2) and len(splits) == 3 and len(set(splits)) == 3
     assert {s.world_size for s in splits} == {1, 2}
@@ -86,8 +90,12 @@ def test_auto_mode_covers_both_world_sizes_and_excludes_the_reference() -> None:
 
 
 def test_reference_and_candidate_configs(tmp_path: Path) -> None:
-    cfg = make_cfg(accum={"micro_batch": 2, "steps": 4}, trainer={"nproc": 2, "check_every": 0},
-                   verify={"reference_dtype": "fp64"}, engine={"name": "fsdp"})
+    cfg = make_cfg(
+        accum={"micro_batch": 2, "steps": 4},
+        trainer={"nproc": 2, "check_every": 0},
+        verify={"reference_dtype": "fp64"},
+        engine={"name": "fsdp"},
+    )
     seed = tmp_path / "seed.safetensors"
     ref = reference_config(cfg, tmp_path / "ref", seed)
     assert ref.split() == Split(16, 1, 1)
@@ -112,7 +120,9 @@ def test_tolerances_per_precision_and_overrides() -> None:
     fp32 = DEFAULT_TOLERANCES["fp32"]
     assert fp32.steps.rtol < fp32.params.rtol and DEFAULT_TOLERANCES["fp64"].params.rtol < fp32.steps.rtol
     custom = tolerance_for("fp32", make_cfg(verify={"rtol": 0.5}).verify)
-    assert custom.steps == Tolerance(0.5, fp32.steps.atol) and custom.params == Tolerance(0.5, fp32.params.atol)
+    assert custom.steps == Tolerance(0.5, fp32.steps.atol) and custom.params == Tolerance(
+        0.5, fp32.params.atol
+    )
 
 
 def test_seed_checkpoint_holds_the_models_initial_weights(tmp_path: Path) -> None:
@@ -130,20 +140,29 @@ def test_seed_checkpoint_holds_the_models_initial_weights(tmp_path: Path) -> Non
 
 # --- compare ------------------------------------------------------------------------------------------
 
+
 def fake_run(tmp: Path, steps: int = 4, seed: int = 0) -> RunData:
     gen = torch.Generator().manual_seed(seed)
-    params = {"a.weight": torch.randn(8, 4, generator=gen, dtype=torch.float64),
-              "b.bias": torch.randn(3, generator=gen, dtype=torch.float64)}
+    params = {
+        "a.weight": torch.randn(8, 4, generator=gen, dtype=torch.float64),
+        "b.bias": torch.randn(3, generator=gen, dtype=torch.float64),
+    }
     records = [{"step": s, "loss": 2.0 / s, "grad_norm": 1.0 + s} for s in range(1, steps + 1)]
-    checksums = {s: {k: [float(v.sum()) * s, float((v * v).sum()) * s, v.numel()] for k, v in params.items()}
-                 for s in range(1, steps + 1)}
+    checksums = {
+        s: {k: [float(v.sum()) * s, float((v * v).sum()) * s, v.numel()] for k, v in params.items()}
+        for s in range(1, steps + 1)
+    }
     return RunData(tmp, records, checksums, params, None)
 
 
 def clone(run: RunData) -> RunData:
-    return RunData(run.run_dir, [dict(r) for r in run.records],
-                   {s: {k: list(v) for k, v in row.items()} for s, row in run.checksums.items()},
-                   {k: v.clone() for k, v in run.params.items()} if run.params else None, run.divergence)
+    return RunData(
+        run.run_dir,
+        [dict(r) for r in run.records],
+        {s: {k: list(v) for k, v in row.items()} for s, row in run.checksums.items()},
+        {k: v.clone() for k, v in run.params.items()} if run.params else None,
+        run.divergence,
+    )
 
 
 def test_identical_runs_pass(tmp_path: Path) -> None:
@@ -193,8 +212,12 @@ def test_checksum_gap_proves_a_divergence_only_when_it_must_exist(tmp_path: Path
     ref = fake_run(tmp_path)
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):  # perturbations inside the tolerance never trip the checksum test
-        cand = {k: v + (torch.rand(v.shape, generator=gen, dtype=torch.float64) * 2 - 1)
-                * TOL.params.bound(float(v.abs().max())) for k, v in ref.params.items()}
+        cand = {
+            k: v
+            + (torch.rand(v.shape, generator=gen, dtype=torch.float64) * 2 - 1)
+            * TOL.params.bound(float(v.abs().max()))
+            for k, v in ref.params.items()
+        }
         sums = {k: [float(v.sum()), float((v * v).sum()), v.numel()] for k, v in cand.items()}
         base = {k: [float(v.sum()), float((v * v).sum()), v.numel()] for k, v in ref.params.items()}
         assert not any(proven for _, _, proven in checksum_gaps(base, sums, TOL.params))
@@ -212,12 +235,20 @@ def test_checksum_gap_proves_a_divergence_only_when_it_must_exist(tmp_path: Path
 
 def test_tripwire_report_and_missing_steps_fail(tmp_path: Path) -> None:
     ref = fake_run(tmp_path)
-    stopped = RunData(tmp_path, ref.records[:1], {}, None,
-                      {"step": 2, "parameter": "b.bias", "rank": 1, "message": "ranks diverged"})
+    stopped = RunData(
+        tmp_path,
+        ref.records[:1],
+        {},
+        None,
+        {"step": 2, "parameter": "b.bias", "rank": 1, "message": "ranks diverged"},
+    )
     report = compare(ref, stopped, TOL)
     assert not report.passed
-    assert (report.first_divergence.step, report.first_divergence.quantity,
-            report.first_divergence.parameter) == (2, "ranks", "b.bias")
+    assert (
+        report.first_divergence.step,
+        report.first_divergence.quantity,
+        report.first_divergence.parameter,
+    ) == (2, "ranks", "b.bias")
     short = compare(ref, RunData(tmp_path, ref.records[:2], {}, ref.params, None), TOL)
     assert not short.passed and short.first_divergence.quantity == "missing"
     nan = clone(ref)
@@ -229,7 +260,9 @@ def test_reproducible_is_bitwise(tmp_path: Path) -> None:
     ref = fake_run(tmp_path)
     assert reproducible(ref, clone(ref))
     other = clone(ref)
-    other.params["a.weight"][0, 0] = torch.nextafter(other.params["a.weight"][0, 0], torch.tensor(9.0).double())
+    other.params["a.weight"][0, 0] = torch.nextafter(
+        other.params["a.weight"][0, 0], torch.tensor(9.0).double()
+    )
     assert not reproducible(ref, other)
 
 
@@ -266,7 +299,9 @@ def test_diagnose_combines_rules_and_falls_back() -> None:
     assert causes == ["batch_statistics", "randomness", "nondeterminism"]
     tripped = replace(FAILED, first_divergence=Divergence(3, "ranks", "tok.weight"))
     [finding] = diagnose(tripped, RunFacts(), SPLIT, None)
-    assert finding.cause == "rank_divergence" and "step 3" in finding.message and "tok.weight" in finding.message
+    assert (
+        finding.cause == "rank_divergence" and "step 3" in finding.message and "tok.weight" in finding.message
+    )
     assert [f.cause for f in diagnose(FAILED, RunFacts(), SPLIT, None, exit_code=1)] == ["run_failed"]
     crashed_bn = diagnose(FAILED, RunFacts(batch_stat_layers=("bn",)), SPLIT, None, exit_code=1)
     assert [f.cause for f in crashed_bn] == ["run_failed", "batch_statistics"]
@@ -282,13 +317,16 @@ def test_facts_from_models_and_the_records() -> None:
     assert drop.random_layers and not drop.batch_stat_layers
     attention = model_facts(TinyGPT(dropout=0.1), "global_count")  # functional dropout in attention
     assert {"blocks.0", "blocks.0.drop"} <= set(attention.random_layers)
-    records = [{"step": 1, "micro_steps": 4, "micro_items_min": 20, "micro_items_max": 20},
-               {"step": 2, "micro_steps": 4, "micro_items_min": 12, "micro_items_max": 31}]
+    records = [
+        {"step": 1, "micro_steps": 4, "micro_items_min": 20, "micro_items_max": 20},
+        {"step": 2, "micro_steps": 4, "micro_items_min": 12, "micro_items_max": 31},
+    ]
     assert unequal_items(records) == "at step 2 the 4 micro-batches per rank hold 12 to 31 loss items"
     assert unequal_items(records[:1]) is None
 
 
 # --- the tripwire's recording (single process; the multi-rank path runs in test_verify.py) -----------
+
 
 class _Params:
     def __init__(self, module: torch.nn.Module) -> None:

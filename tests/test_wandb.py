@@ -35,7 +35,9 @@ def network_isolation() -> list[str]:
     if not shutil.which("unshare") or not shutil.which("ip"):
         return []
     probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True)
-    return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"] if probe.returncode == 0 else []
+    return (
+        ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"] if probe.returncode == 0 else []
+    )
 
 
 def wandb_records(path: Path) -> list[Any]:
@@ -48,8 +50,8 @@ def wandb_records(path: Path) -> list[Any]:
         if 32768 - pos % 32768 < 7:  # block trailer too short for a header: zero padding
             pos += 32768 - pos % 32768
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        payload += data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        payload += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_pb.Record()
@@ -68,10 +70,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("wandb")
     home, run_dir = base / "home", base / "run"
     home.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("WANDB_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), XDG_CONFIG_HOME=str(home / ".config"),
-               WANDB_API_KEY=SECRET, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("WANDB_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    env.update(
+        HOME=str(home),
+        XDG_CACHE_HOME=str(home / ".cache"),
+        XDG_CONFIG_HOME=str(home / ".config"),
+        WANDB_API_KEY=SECRET,
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONUNBUFFERED="1",
+    )
     prefix = network_isolation()
     if not prefix:
         why = "unshare -n (or ip) is unavailable or refused here: the wandb run would not be network-isolated"
@@ -79,9 +90,25 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             pytest.fail(f"CI=true but {why}", pytrace=False)
         warnings.warn(why, stacklevel=1)
     proc = subprocess.run(
-        [*prefix, sys.executable, "-m", "distaccum", "train", "model=mlp", f"trainer.max_steps={STEPS}",
-         "log.wandb=true", "log.wandb_mode=offline", "log.console=bar", f"run_dir={run_dir}"],
-        cwd=base, env=env, capture_output=True, text=True, timeout=240)
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "distaccum",
+            "train",
+            "model=mlp",
+            f"trainer.max_steps={STEPS}",
+            "log.wandb=true",
+            "log.wandb_mode=offline",
+            "log.console=bar",
+            f"run_dir={run_dir}",
+        ],
+        cwd=base,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     return {"proc": proc, "home": home, "run_dir": run_dir, "base": base, "isolated": bool(prefix)}
 
@@ -118,7 +145,6 @@ def test_the_api_key_is_never_printed_or_written(run: dict[str, Any]) -> None:
     for path in run["base"].rglob("*"):
         if path.is_file():
             assert SECRET.encode() not in path.read_bytes(), path
-
 
 
 def test_eval_lines_reach_wandb_at_the_step_they_follow(tmp_path: Path) -> None:

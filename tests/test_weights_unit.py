@@ -26,7 +26,9 @@ def built(init_from: Path) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(("name", "wrap"), [("w.pt", None), ("w.bin", "state_dict"), ("w.pth", "model")])
-def test_a_torch_save_state_dict_is_read_like_safetensors(tmp_path: Path, name: str, wrap: str | None) -> None:
+def test_a_torch_save_state_dict_is_read_like_safetensors(
+    tmp_path: Path, name: str, wrap: str | None
+) -> None:
     torch.manual_seed(7)
     source = make().state_dict()
     torch.save(source if wrap is None else {wrap: source, "epoch": 3}, tmp_path / name)
@@ -41,14 +43,19 @@ class NotWeights:
     """A pickled object: torch.load with weights_only=True refuses to run its class."""
 
 
-@pytest.mark.parametrize(("name", "content", "fragment"), [
-    ("code.pt", "pickle", "is not a PyTorch state dict torch.load can read with weights_only=True"),
-    ("list.pt", "list", "holds a list, not a state dict of tensors"),
-    ("junk.bin", "text", "is not a PyTorch state dict"),
-    ("junk.safetensors", "text", "is not a safetensors file"),
-    ("missing.pt", None, "no weights at"),
-])
-def test_other_files_are_one_clear_error(tmp_path: Path, name: str, content: str | None, fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "content", "fragment"),
+    [
+        ("code.pt", "pickle", "is not a PyTorch state dict torch.load can read with weights_only=True"),
+        ("list.pt", "list", "holds a list, not a state dict of tensors"),
+        ("junk.bin", "text", "is not a PyTorch state dict"),
+        ("junk.safetensors", "text", "is not a safetensors file"),
+        ("missing.pt", None, "no weights at"),
+    ],
+)
+def test_other_files_are_one_clear_error(
+    tmp_path: Path, name: str, content: str | None, fragment: str
+) -> None:
     path = tmp_path / name
     if content == "pickle":
         torch.save({"w": NotWeights()}, path)

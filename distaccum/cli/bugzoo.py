@@ -26,8 +26,12 @@ def bugzoo_main(argv: list[str]) -> int:
     from distaccum.verify.bugzoo import BUGS, ZOO_FILE, render, run_zoo
 
     parser = argparse.ArgumentParser(prog="distaccum bugzoo", description=__doc__)
-    parser.add_argument("--run-dir", type=Path, default=None,
-                        help="where the runs and bugzoo.json go (default runs/bugzoo-<time>)")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="where the runs and bugzoo.json go (default runs/bugzoo-<time>)",
+    )
     parser.add_argument("--only", default="", help="comma-separated bug names (default: all)")
     parser.add_argument("--list", action="store_true", help="list the bugs and exit")
     try:
@@ -41,13 +45,19 @@ def bugzoo_main(argv: list[str]) -> int:
     names = [n for n in opts.only.split(",") if n]
     unknown = sorted(set(names) - {b.name for b in BUGS})
     if unknown:
-        print(f"distaccum: unknown bug(s) {', '.join(unknown)}; `distaccum bugzoo --list` names them", file=sys.stderr)
+        print(
+            f"distaccum: unknown bug(s) {', '.join(unknown)}; `distaccum bugzoo --list` names them",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     bugs = [b for b in BUGS if not names or b.name in names]
     root = opts.run_dir or Path("runs") / f"bugzoo-{time.strftime('%Y%m%d-%H%M%S')}"
     started = time.perf_counter()
-    print(f"distaccum bugzoo: {len(bugs)} runs (each one verify: the plain reference vs world 2, micro-batch 2 x 4 "
-          f"accumulation steps, 3 optimizer steps, with the runtime checks on) -> {root}", flush=True)
+    print(
+        f"distaccum bugzoo: {len(bugs)} runs (each one verify: the plain reference vs world 2, micro-batch 2 x 4 "
+        f"accumulation steps, 3 optimizer steps, with the runtime checks on) -> {root}",
+        flush=True,
+    )
     rows = run_zoo(root, bugs, echo=lambda line: print(line, flush=True))
     print("\n" + render(rows))
     print(f"\n{time.perf_counter() - started:.0f} s -> {root / ZOO_FILE}")

@@ -42,62 +42,131 @@ SPLIT_KEYS = ("accum.micro_batch", "accum.steps", "accum.global_batch", "run_dir
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The plan's own flags, and the config overrides (everything else)."""
-    parser = argparse.ArgumentParser(prog="distaccum plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="distaccum plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--run", action="store_true", help="then train the recommended split")
-    parser.add_argument("--sweep", action="store_true",
-                        help="write run_dir/sweep.sh: the multirun measuring every split that fits")
-    parser.add_argument("--rounds", type=int, default=5, help="timing rounds per micro-batch size (default 5)")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="write run_dir/sweep.sh: the multirun measuring every split that fits",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timing rounds per micro-batch size (default 5)"
+    )
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per size and round (default 2)")
-    parser.add_argument("--trial-accum", type=int, default=4,
-                        help="accumulation steps of a timing trial; larger K are extrapolated (default 4)")
-    parser.add_argument("--sequential", action="store_true",
-                        help="time one size after another (default on CUDA) instead of interleaving rounds")
+    parser.add_argument(
+        "--trial-accum",
+        type=int,
+        default=4,
+        help="accumulation steps of a timing trial; larger K are extrapolated (default 4)",
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time one size after another (default on CUDA) instead of interleaving rounds",
+    )
     add_cluster_flags(parser)
     args, overrides = parser.parse_known_args(argv)
-    for value, name in ((args.rounds, "--rounds"), (args.steps, "--steps"), (args.trial_accum, "--trial-accum")):
+    for value, name in (
+        (args.rounds, "--rounds"),
+        (args.steps, "--steps"),
+        (args.trial_accum, "--trial-accum"),
+    ):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
     given = [f"--{k.replace('_', '-')}" for k in CLUSTER_ONLY if getattr(args, k) is not None]
     if args.nodes is None and given:
         parser.error(f"{', '.join(given)} describe a cluster: give --nodes too")
     if args.compute_ms is not None and (args.run or args.sweep):
-        parser.error("--compute-ms predicts without measuring this machine: it does not combine with --run or --sweep")
+        parser.error(
+            "--compute-ms predicts without measuring this machine: it does not combine with --run or --sweep"
+        )
     return args, overrides
 
 
-CLUSTER_ONLY = ("gpus_per_node", "inter_node_gbps", "intra_node_gbps", "replicas", "compute_ms", "optim_ms",
-                "params", "accum_steps", "modes")
+CLUSTER_ONLY = (
+    "gpus_per_node",
+    "inter_node_gbps",
+    "intra_node_gbps",
+    "replicas",
+    "compute_ms",
+    "optim_ms",
+    "params",
+    "accum_steps",
+    "modes",
+)
 """Flags that only mean something with ``--nodes``."""
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of a prediction for a cluster larger than this machine."""
     group = parser.add_argument_group(
-        "a cluster larger than this machine (a prediction from the α–β model of docs/planning.md)")
+        "a cluster larger than this machine (a prediction from the α–β model of docs/planning.md)"
+    )
     add = group.add_argument
     add("--nodes", type=int, help="nodes of the target cluster: predict every engine and sync mode there")
     add("--gpus-per-node", type=int, help="GPUs (ranks) per node (default 8)")
     add("--inter-node-gbps", type=float, help="network bandwidth of one node, Gbit/s each way (all its NICs)")
-    add("--intra-node-gbps", type=float, help="one GPU's bandwidth to the others in its node, Gbit/s each way "
-                                              "(NVLink 4 on H100: 3600)")
-    add("--inter-node-latency-us", type=float, default=20.0, help="α between nodes, µs per message (default 20)")
-    add("--intra-node-latency-us", type=float, default=5.0, help="α inside a node, µs per message (default 5)")
+    add(
+        "--intra-node-gbps",
+        type=float,
+        help="one GPU's bandwidth to the others in its node, Gbit/s each way (NVLink 4 on H100: 3600)",
+    )
+    add(
+        "--inter-node-latency-us",
+        type=float,
+        default=20.0,
+        help="α between nodes, µs per message (default 20)",
+    )
+    add(
+        "--intra-node-latency-us", type=float, default=5.0, help="α inside a node, µs per message (default 5)"
+    )
     add("--replicas", type=int, help="HSDP replicas (default: one per node, sharding inside the node)")
-    add("--compute-ms", type=float, help="forward+backward of one micro-batch on the target GPU, ms: given, "
-                                         "not measured (default: measure this machine's)")
-    add("--optim-ms", type=float, help="optimizer step over all parameters, ms (default: measured, or 0 with "
-                                       "--compute-ms)")
+    add(
+        "--compute-ms",
+        type=float,
+        help="forward+backward of one micro-batch on the target GPU, ms: given, "
+        "not measured (default: measure this machine's)",
+    )
+    add(
+        "--optim-ms",
+        type=float,
+        help="optimizer step over all parameters, ms (default: measured, or 0 with --compute-ms)",
+    )
     add("--params", type=float, help="parameters of the model (default: count the configured model's)")
     add("--accum-steps", type=int, help="K on the cluster (default: the measured split's, or accum.steps)")
-    add("--grad-bytes", type=float, default=4.0, help="bytes per parameter of a gradient reduction (default 4)")
-    add("--param-bytes", type=float, default=4.0, help="bytes per parameter of a parameter all-gather (default 4; "
-                                                       "2 with bf16 mixed precision)")
-    add("--compressed-bytes", type=float, default=2.0, help="bytes per parameter of the compressed (bf16) "
-                                                            "reductions (default 2)")
-    add("--backward-fraction", type=float, default=2 / 3, help="share of the compute in the backward (default 2/3)")
-    add("--units", type=int, default=32, help="units (FSDP units, buckets) a window's collectives are cut into; "
-                                              "the first gather and the last reduction stay exposed (default 32)")
+    add(
+        "--grad-bytes",
+        type=float,
+        default=4.0,
+        help="bytes per parameter of a gradient reduction (default 4)",
+    )
+    add(
+        "--param-bytes",
+        type=float,
+        default=4.0,
+        help="bytes per parameter of a parameter all-gather (default 4; 2 with bf16 mixed precision)",
+    )
+    add(
+        "--compressed-bytes",
+        type=float,
+        default=2.0,
+        help="bytes per parameter of the compressed (bf16) reductions (default 2)",
+    )
+    add(
+        "--backward-fraction",
+        type=float,
+        default=2 / 3,
+        help="share of the compute in the backward (default 2/3)",
+    )
+    add(
+        "--units",
+        type=int,
+        default=32,
+        help="units (FSDP units, buckets) a window's collectives are cut into; "
+        "the first gather and the last reduction stay exposed (default 32)",
+    )
     add("--modes", help="comma-separated engine modes to predict (default all): " + ", ".join(MODE_KEYS))
 
 
@@ -107,26 +176,47 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     if args.nodes > 1 and args.inter_node_gbps is None:
         raise ValueError(f"--nodes {args.nodes} needs --inter-node-gbps (the network bandwidth of one node)")
     if gpus > 1 and args.intra_node_gbps is None:
-        raise ValueError(f"--gpus-per-node {gpus} needs --intra-node-gbps (one GPU's bandwidth inside its node)")
+        raise ValueError(
+            f"--gpus-per-node {gpus} needs --intra-node-gbps (one GPU's bandwidth inside its node)"
+        )
 
     def link(latency_us: float, gbit: float | None) -> Link:  # None: a level the cluster does not have
         return Link(alpha_s=latency_us * 1e-6, beta_bytes_per_s=gbps(gbit if gbit is not None else 1.0))
 
-    topo = Topology(nodes=args.nodes, gpus_per_node=gpus, intra=link(args.intra_node_latency_us, args.intra_node_gbps),
-                    inter=link(args.inter_node_latency_us, args.inter_node_gbps))
+    topo = Topology(
+        nodes=args.nodes,
+        gpus_per_node=gpus,
+        intra=link(args.intra_node_latency_us, args.intra_node_gbps),
+        inter=link(args.inter_node_latency_us, args.inter_node_gbps),
+    )
     cluster = Cluster(topology=topo, replicas=args.nodes if args.replicas is None else args.replicas)
     cluster.groups()  # checks the HSDP layout
     return cluster
 
 
-def cluster_workload(args: argparse.Namespace, params: int, compute_s: float, basis: str, accum_steps: int,
-                     data_s: float = 0.0, optim_s: float = 0.0) -> Workload:
+def cluster_workload(
+    args: argparse.Namespace,
+    params: int,
+    compute_s: float,
+    basis: str,
+    accum_steps: int,
+    data_s: float = 0.0,
+    optim_s: float = 0.0,
+) -> Workload:
     """What one rank does per step on the cluster (the flags override the measured values)."""
-    return Workload(params=params, compute_s=compute_s, compute_basis=basis,
-                    accum_steps=accum_steps if args.accum_steps is None else args.accum_steps, data_s=data_s,
-                    optim_s=args.optim_ms / 1e3 if args.optim_ms is not None else optim_s,
-                    grad_bytes=args.grad_bytes, param_bytes=args.param_bytes, compressed_bytes=args.compressed_bytes,
-                    backward_fraction=args.backward_fraction, units=args.units)
+    return Workload(
+        params=params,
+        compute_s=compute_s,
+        compute_basis=basis,
+        accum_steps=accum_steps if args.accum_steps is None else args.accum_steps,
+        data_s=data_s,
+        optim_s=args.optim_ms / 1e3 if args.optim_ms is not None else optim_s,
+        grad_bytes=args.grad_bytes,
+        param_bytes=args.param_bytes,
+        compressed_bytes=args.compressed_bytes,
+        backward_fraction=args.backward_fraction,
+        units=args.units,
+    )
 
 
 def check_cluster_flags(args: argparse.Namespace) -> None:
@@ -135,7 +225,9 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     select_modes(args.modes.split(",") if args.modes else None)
     cluster_workload(args, 1, 0.0, "", 1)  # the workload flags' ranges
     if args.compute_ms is not None and args.compute_ms < 0 or args.params is not None and args.params < 1:
-        raise ValueError(f"--compute-ms must be >= 0 and --params >= 1, got {args.compute_ms} and {args.params}")
+        raise ValueError(
+            f"--compute-ms must be >= 0 and --params >= 1, got {args.compute_ms} and {args.params}"
+        )
 
 
 def predict_cluster(args: argparse.Namespace, work: Workload, micro_batch: int | None) -> str:
@@ -150,10 +242,19 @@ def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         check_cluster_flags(args)
         cfg = compose_config(overrides)
-        params = int(args.params) if args.params else sum(p.numel() for p in preflight(cfg, write=False).model.parameters())
+        params = (
+            int(args.params)
+            if args.params
+            else sum(p.numel() for p in preflight(cfg, write=False).model.parameters())
+        )
         micro = cfg.accum.micro_batch if isinstance(cfg.accum.micro_batch, int) else None
-        work = cluster_workload(args, params, args.compute_ms / 1e3,
-                                "given with --compute-ms: an assumption, not measured here", cfg.accum.steps)
+        work = cluster_workload(
+            args,
+            params,
+            args.compute_ms / 1e3,
+            "given with --compute-ms: an assumption, not measured here",
+            cfg.accum.steps,
+        )
         print(predict_cluster(args, work, micro), flush=True)
     except (ConfigError, ValueError) as err:
         print(f"distaccum plan: {err}", file=sys.stderr)
@@ -166,10 +267,19 @@ def user_overrides(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in SPLIT_KEYS]
 
 
-def train_command(overrides: list[str], global_batch: int, micro: str, run_dir: str, *, multirun: bool) -> list[str]:
+def train_command(
+    overrides: list[str], global_batch: int, micro: str, run_dir: str, *, multirun: bool
+) -> list[str]:
     """``distaccum train [--multirun] ...`` for the given micro-batch value(s)."""
-    return ["distaccum", "train", *(["--multirun"] if multirun else []), *user_overrides(overrides),
-            f"accum.global_batch={global_batch}", f"accum.micro_batch={micro}", f"run_dir={run_dir}"]
+    return [
+        "distaccum",
+        "train",
+        *(["--multirun"] if multirun else []),
+        *user_overrides(overrides),
+        f"accum.global_batch={global_batch}",
+        f"accum.micro_batch={micro}",
+        f"run_dir={run_dir}",
+    ]
 
 
 def plan_main(argv: list[str]) -> int:
@@ -192,33 +302,58 @@ def plan_main(argv: list[str]) -> int:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         return EXIT_CONFIG
     run_dir = Path(cfg.run_dir)
-    options = {"rounds": args.rounds, "steps": args.steps, "trial_accum": args.trial_accum,
-               "interleaved": False if args.sequential else None}
+    options = {
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "trial_accum": args.trial_accum,
+        "interleaved": False if args.sequential else None,
+    }
     config_file = run_dir / PLAN_CONFIG
     config_file.write_text(json.dumps({"config": to_mapping(cfg), "options": options}, indent=2) + "\n")
     names = checked.components.describe()
     global_batch = checked.run.split.global_batch
-    print(f"distaccum plan: {names['model']} on {names['dataset']}, {cfg.engine.name} x{checked.run.split.world_size} "
-          f"ranks, global batch {global_batch}: measuring every micro-batch size, run_dir {run_dir}", flush=True)
+    print(
+        f"distaccum plan: {names['model']} on {names['dataset']}, {cfg.engine.name} x{checked.run.split.world_size} "
+        f"ranks, global batch {global_batch}: measuring every micro-batch size, run_dir {run_dir}",
+        flush=True,
+    )
     code = launch(launch_plan(cfg), ["-m", "distaccum", "_plan", str(config_file)])
     if code:
-        print(f"distaccum plan: the measuring workers failed (exit {code}); see their output above", file=sys.stderr)
+        print(
+            f"distaccum plan: the measuring workers failed (exit {code}); see their output above",
+            file=sys.stderr,
+        )
         return code
     plan = SplitPlan.from_dict(read_json(run_dir / PLAN))
     table = render_table(plan)
     fitting = [p.split.micro_batch for p in plan.predictions if p.fits]
-    sweep = train_command(overrides, global_batch, ",".join(map(str, fitting)), str(run_dir / "sweep"), multirun=True)
-    lines = [f"budget {plan.budget_bytes / 2**20:.0f} MiB per rank ({plan.memory}); times are medians of "
-             f"{args.rounds} x {args.steps} steps per micro-batch size at K <= {args.trial_accum}, larger K "
-             "extrapolated", "", table, ""]
+    sweep = train_command(
+        overrides, global_batch, ",".join(map(str, fitting)), str(run_dir / "sweep"), multirun=True
+    )
+    lines = [
+        f"budget {plan.budget_bytes / 2**20:.0f} MiB per rank ({plan.memory}); times are medians of "
+        f"{args.rounds} x {args.steps} steps per micro-batch size at K <= {args.trial_accum}, larger K "
+        "extrapolated",
+        "",
+        table,
+        "",
+    ]
     rec = plan.recommended
     if rec is None:
         lines.append("no split fits the memory budget: raise accum.memory_budget or use a smaller model")
     else:
         lines.append(f"recommended: accum.micro_batch={rec.micro_batch} (K={rec.accum_steps})")
-        lines.append("train it:      " + shlex.join(train_command(overrides, global_batch, str(rec.micro_batch),
-                                                                  str(run_dir / "train"), multirun=False)))
-    lines.append("measure all:   " + shlex.join(sweep) + f" && distaccum report {shlex.quote(str(run_dir / 'sweep'))}")
+        lines.append(
+            "train it:      "
+            + shlex.join(
+                train_command(
+                    overrides, global_batch, str(rec.micro_batch), str(run_dir / "train"), multirun=False
+                )
+            )
+        )
+    lines.append(
+        "measure all:   " + shlex.join(sweep) + f" && distaccum report {shlex.quote(str(run_dir / 'sweep'))}"
+    )
     if args.nodes is not None:
         params = int(args.params or sum(p.numel() for p in checked.model.parameters()))
         lines += ["", measured_cluster(args, plan, cfg.engine.name, params)]
@@ -227,13 +362,23 @@ def plan_main(argv: list[str]) -> int:
     print(text, flush=True)
     if args.sweep:
         script = run_dir / SWEEP_SCRIPT
-        script.write_text("#!/bin/sh\n# every split that fits, then the report (written by distaccum plan)\nset -e\n"
-                          + shlex.join(sweep) + "\n" + shlex.join(["distaccum", "report", str(run_dir / "sweep")]) + "\n")
+        script.write_text(
+            "#!/bin/sh\n# every split that fits, then the report (written by distaccum plan)\nset -e\n"
+            + shlex.join(sweep)
+            + "\n"
+            + shlex.join(["distaccum", "report", str(run_dir / "sweep")])
+            + "\n"
+        )
         script.chmod(0o755)
         print(f"wrote {script}", flush=True)
     if args.run and rec is not None:
-        command = [sys.executable, "-m", *train_command(overrides, global_batch, str(rec.micro_batch),
-                                                        str(run_dir / "train"), multirun=False)]
+        command = [
+            sys.executable,
+            "-m",
+            *train_command(
+                overrides, global_batch, str(rec.micro_batch), str(run_dir / "train"), multirun=False
+            ),
+        ]
         return subprocess.run(command, check=False).returncode
     return EXIT_OK if rec is not None or not args.run else EXIT_FAIL
 
@@ -245,10 +390,16 @@ def measured_cluster(args: argparse.Namespace, plan: SplitPlan, engine: str, par
     if rec is None:
         return "no split fits the memory budget: nothing measured to predict the cluster from (give --compute-ms)"
     cost = next(c for c in plan.costs if c.micro_batch == rec.micro_batch)
-    basis = (f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} step(s) on "
-             f"{plan.world_size} {engine} ranks ({plan.memory.split()[0]})")
-    data_s = max(cost.micro_s - cost.compute_s, 0.0)  # medians of two quantities: the difference can dip below 0
-    work = cluster_workload(args, params, cost.compute_s, basis, rec.accum_steps, data_s=data_s, optim_s=cost.optim_s)
+    basis = (
+        f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} step(s) on "
+        f"{plan.world_size} {engine} ranks ({plan.memory.split()[0]})"
+    )
+    data_s = max(
+        cost.micro_s - cost.compute_s, 0.0
+    )  # medians of two quantities: the difference can dip below 0
+    work = cluster_workload(
+        args, params, cost.compute_s, basis, rec.accum_steps, data_s=data_s, optim_s=cost.optim_s
+    )
     return predict_cluster(args, work, cost.micro_batch)
 
 

@@ -27,16 +27,31 @@ EXIT_DISAGREE, EXIT_USAGE = EXIT_FAIL, EXIT_CONFIG
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The report command's arguments."""
-    parser = argparse.ArgumentParser(prog="distaccum report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR",
-                        help="run directories and/or sweep (multirun) directories")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where report.md and report.png go (default: the first RUN_DIR)")
-    parser.add_argument("--rtol", type=float, default=1e-4,
-                        help="relative tolerance on per-step loss between comparable runs (default 1e-4)")
-    parser.add_argument("--atol", type=float, default=1e-6,
-                        help="absolute tolerance on per-step loss (default 1e-6)")
+    parser = argparse.ArgumentParser(
+        prog="distaccum report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help="run directories and/or sweep (multirun) directories",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where report.md and report.png go (default: the first RUN_DIR)",
+    )
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-4,
+        help="relative tolerance on per-step loss between comparable runs (default 1e-4)",
+    )
+    parser.add_argument(
+        "--atol", type=float, default=1e-6, help="absolute tolerance on per-step loss (default 1e-6)"
+    )
     return parser.parse_args(argv)
 
 
@@ -57,9 +72,15 @@ def report_main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(rows, agreements, runs, args.rtol, args.atol)
     (out / "report.md").write_text(markdown, encoding="utf-8")
-    plot_report(rows, {r.label: r.losses for r in runs}, agreements, out / "report.png", args.rtol,
-                {r.label: r.eval_losses for r in runs},
-                gns={r.label: gns_series(r) for r in runs})
+    plot_report(
+        rows,
+        {r.label: r.losses for r in runs},
+        agreements,
+        out / "report.png",
+        args.rtol,
+        {r.label: r.eval_losses for r in runs},
+        gns={r.label: gns_series(r) for r in runs},
+    )
     print(markdown)
     print(f"wrote {out / 'report.md'} and {out / 'report.png'}")
     return EXIT_OK if all(a.ok for a in agreements) else EXIT_DISAGREE

@@ -15,10 +15,13 @@ from distaccum.preflight import preflight
 
 def submit_main(argv: list[str]) -> int:
     """Parse ``argv``, compose and pre-flight the config, submit (or print the script with --dry-run)."""
-    parser = argparse.ArgumentParser(prog="distaccum submit",
-                                     description="Render an sbatch script from the config and submit it.")
+    parser = argparse.ArgumentParser(
+        prog="distaccum submit", description="Render an sbatch script from the config and submit it."
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (and --config-dir DIR), as for `distaccum train`")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides (and --config-dir DIR), as for `distaccum train`"
+    )
     args, unknown = parser.parse_known_args(argv)
     overrides = [*unknown, *args.overrides]
     try:

@@ -50,15 +50,28 @@ def train_task(dcfg: Any) -> int:
     config_file.write_text(json.dumps(to_mapping(cfg), indent=2) + "\n")
     split = checked.run.split
     names = checked.components.describe()
-    how = ("micro_batch auto (measured by the workers) x the accumulation steps that follow"
-           if cfg.accum.auto else f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps")
-    print(f"distaccum: {names['model']} on {names['dataset']}, {cfg.engine.name} x{split.world_size} ranks, "
-          f"{how} = {split.global_batch} samples per optimizer step, run_dir {cfg.run_dir}", flush=True)
-    print("distaccum: equivalent to `" + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file))) + "`", flush=True)
+    how = (
+        "micro_batch auto (measured by the workers) x the accumulation steps that follow"
+        if cfg.accum.auto
+        else f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps"
+    )
+    print(
+        f"distaccum: {names['model']} on {names['dataset']}, {cfg.engine.name} x{split.world_size} ranks, "
+        f"{how} = {split.global_batch} samples per optimizer step, run_dir {cfg.run_dir}",
+        flush=True,
+    )
+    print(
+        "distaccum: equivalent to `"
+        + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file)))
+        + "`",
+        flush=True,
+    )
     for line in placement_plan(checked.run.engine.replicas, cfg.trainer.nnodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
     code = launch_local(cfg, config_file)
-    write_json(Path(cfg.run_dir) / STATUS, {"status": "ok" if code == EXIT_OK else "failed", "exit_code": code})
+    write_json(
+        Path(cfg.run_dir) / STATUS, {"status": "ok" if code == EXIT_OK else "failed", "exit_code": code}
+    )
     if code and not multirun:
         raise SystemExit(code)
     return code

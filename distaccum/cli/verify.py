@@ -38,12 +38,19 @@ def script_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="distaccum verify --script",
         description="Verify a script that trains with distaccum.Trainer: run it as a single-process reference "
-                    "and as candidate splits under the launcher, and compare them step by step.")
-    parser.add_argument("--script", type=Path, required=True, help="the Python script (its Trainer is verified)")
+        "and as candidate splits under the launcher, and compare them step by step.",
+    )
+    parser.add_argument(
+        "--script", type=Path, required=True, help="the Python script (its Trainer is verified)"
+    )
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the candidate run (default 2)")
     parser.add_argument("--auto", action="store_true", help="also try other splits of the same global batch")
-    parser.add_argument("--run-dir", type=Path, default=None,
-                        help="where the runs and verify.json go (default runs/verify-<script>-<time>)")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="where the runs and verify.json go (default runs/verify-<script>-<time>)",
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     try:
         opts = parser.parse_args(argv)

@@ -20,9 +20,12 @@ from typing import Any
 
 from distaccum.rundir import RANKS, read_json
 
-PROC_STATES = {"T": "stopped (SIGSTOP, or suspended by a debugger)", "t": "stopped by a tracer",
-               "Z": "dead (it exited or was killed, and has not been reaped yet)",
-               "D": "in uninterruptible sleep (disk or network I/O)"}
+PROC_STATES = {
+    "T": "stopped (SIGSTOP, or suspended by a debugger)",
+    "t": "stopped by a tracer",
+    "Z": "dead (it exited or was killed, and has not been reaped yet)",
+    "D": "in uninterruptible sleep (disk or network I/O)",
+}
 
 
 def short_error(err: BaseException) -> str:
@@ -58,8 +61,15 @@ class Liveness:
         """Record ``state`` ('running', 'failed', 'stopped', 'finished') and extra fields."""
         path = rank_file(self.run_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        value = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "attempt": self.attempt,
-                 "state": state, "time": time.time(), **fields}
+        value = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "attempt": self.attempt,
+            "state": state,
+            "time": time.time(),
+            **fields,
+        }
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(value) + "\n", encoding="utf-8")
         os.replace(tmp, path)
@@ -106,8 +116,10 @@ def describe_peers(run_dir: Path, me: int) -> list[str]:
         elif info.get("host") == host:
             state = process_state(int(info["pid"]))
             if state is None:
-                lines.append(f"rank {rank} (pid {info['pid']}) is gone: it died without a trace "
-                             f"(killed by a signal such as SIGKILL, the OOM killer, or a crash in native code; {seen})")
+                lines.append(
+                    f"rank {rank} (pid {info['pid']}) is gone: it died without a trace "
+                    f"(killed by a signal such as SIGKILL, the OOM killer, or a crash in native code; {seen})"
+                )
             elif state in PROC_STATES:
                 lines.append(f"rank {rank} (pid {info['pid']}) is {PROC_STATES[state]} ({seen})")
         elif info["state"] == "running":
@@ -126,8 +138,12 @@ def kill_stopped_peers(run_dir: Path, me: int, attempt: int) -> list[int]:
     killed = []
     for info in read_ranks(run_dir):
         rank, pid = int(info["rank"]), int(info["pid"])
-        if rank != me and info.get("host") == host and int(info.get("attempt", -1)) == attempt \
-                and process_state(pid) == "T":
+        if (
+            rank != me
+            and info.get("host") == host
+            and int(info.get("attempt", -1)) == attempt
+            and process_state(pid) == "T"
+        ):
             try:
                 os.kill(pid, 9)
                 killed.append(rank)
@@ -145,9 +161,12 @@ def previous_attempt(run_dir: Path, attempt: int) -> list[str]:
             continue
         rank, step = int(info["rank"]), info.get("step", 0)
         if info["state"] == "running":
-            lines.insert(0, f"rank {rank} (pid {info['pid']} on {info.get('host')}) died without a trace after "
-                            f"step {step} (killed by a signal such as SIGKILL, the OOM killer, or a crash in native "
-                            "code)")
+            lines.insert(
+                0,
+                f"rank {rank} (pid {info['pid']} on {info.get('host')}) died without a trace after "
+                f"step {step} (killed by a signal such as SIGKILL, the OOM killer, or a crash in native "
+                "code)",
+            )
         elif info["state"] == "failed":
             lines.append(f"rank {rank} failed after step {step}: {info.get('error', '?')}")
     return lines

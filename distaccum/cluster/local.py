@@ -54,8 +54,15 @@ def free_ports(count: int = 1) -> list[int]:
 def launch_plan(cfg: RunConfig) -> LaunchPlan:
     """Single node: a free local port (like ``torchrun --standalone``); multi-node: the configured one."""
     endpoint = cfg.trainer.rdzv_endpoint if cfg.trainer.nnodes > 1 else "127.0.0.1:0"
-    return LaunchPlan(cfg.trainer.nnodes, cfg.trainer.nproc, endpoint, cfg.trainer.rdzv_id,
-                      cfg.trainer.max_restarts, cfg.run_dir, cfg.trainer.shutdown_grace_s)
+    return LaunchPlan(
+        cfg.trainer.nnodes,
+        cfg.trainer.nproc,
+        endpoint,
+        cfg.trainer.rdzv_id,
+        cfg.trainer.max_restarts,
+        cfg.run_dir,
+        cfg.trainer.shutdown_grace_s,
+    )
 
 
 def worker_args(config_file: Path) -> list[str]:
@@ -66,7 +73,9 @@ def worker_args(config_file: Path) -> list[str]:
 def torchrun_argv(plan: LaunchPlan, args: Sequence[str], *, python: str = sys.executable) -> list[str]:
     """The torchrun command equivalent to :func:`launch` (shown to users, used by tests)."""
     return [
-        python, "-m", "torch.distributed.run",
+        python,
+        "-m",
+        "torch.distributed.run",
         f"--nnodes={plan.nnodes}",
         f"--nproc_per_node={plan.nproc}",
         "--rdzv_backend=c10d",
@@ -129,9 +138,11 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
     grace: dict[str, Any] = {"shutdown_timeout": plan.shutdown_grace_s}
     if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
         # torch < 2.13 (outside distaccum's tested versions, e.g. a GPU image's own torch): torch's own grace applies
-        print(f"distaccum: this torch's LaunchConfig has no shutdown_timeout; workers get torch's default grace "
-              f"after SIGTERM, not trainer.shutdown_grace_s={plan.shutdown_grace_s} (distaccum is tested on torch>=2.13)",
-              file=sys.stderr)
+        print(
+            f"distaccum: this torch's LaunchConfig has no shutdown_timeout; workers get torch's default grace "
+            f"after SIGTERM, not trainer.shutdown_grace_s={plan.shutdown_grace_s} (distaccum is tested on torch>=2.13)",
+            file=sys.stderr,
+        )
         grace = {}
     config = LaunchConfig(
         min_nodes=plan.nnodes,
@@ -151,8 +162,11 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if codes == {EXIT_REQUEUE}:
-            print(f"distaccum: stopped on request; checkpoint in {plan.run_dir}; "
-                  "rerun the same command to resume", file=sys.stderr)
+            print(
+                f"distaccum: stopped on request; checkpoint in {plan.run_dir}; "
+                "rerun the same command to resume",
+                file=sys.stderr,
+            )
             return EXIT_REQUEUE
         failures = ", ".join(f"rank {r}: exit {f.exitcode}" for r, f in sorted(err.failures.items()))
         print(f"distaccum: worker(s) failed ({failures})", file=sys.stderr)
@@ -160,7 +174,10 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
     except SignalException as err:
         # SIGTERM/SIGINT reached this launcher: torch elastic forwarded SIGTERM to the workers,
         # which finish the window in progress and checkpoint before exiting.
-        print(f"distaccum: launcher got {err.sigval.name}; workers checkpoint at the next window "
-              f"boundary in {plan.run_dir}; rerun the same command to resume", file=sys.stderr)
+        print(
+            f"distaccum: launcher got {err.sigval.name}; workers checkpoint at the next window "
+            f"boundary in {plan.run_dir}; rerun the same command to resume",
+            file=sys.stderr,
+        )
         return EXIT_REQUEUE
     return 0

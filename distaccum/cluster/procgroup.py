@@ -30,7 +30,9 @@ def pick_device(device: str, env: DistEnv) -> torch.device:
 
 def planned_device(device: str) -> torch.device:
     """The device type the workers will pick for ``trainer.device`` (checked before any worker starts)."""
-    return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    return torch.device(
+        "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
 
 
 def init_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> None:
@@ -43,8 +45,13 @@ def init_process_group(env: DistEnv, device: torch.device, timeout: timedelta | 
     if env.source == "torchrun":
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     elif env.source == "slurm":
-        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 

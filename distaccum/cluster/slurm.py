@@ -95,8 +95,10 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
     ``cfg.run_dir`` cannot be used in an ``#SBATCH`` line.
     """
     if not cfg.run_dir or _UNSAFE_PATH.search(cfg.run_dir):
-        raise ValueError(f"run_dir={cfg.run_dir!r} cannot be used for Slurm: it must be non-empty "
-                         "and hold no whitespace or '%' (sbatch reads '%' as a file-name pattern)")
+        raise ValueError(
+            f"run_dir={cfg.run_dir!r} cannot be used for Slurm: it must be non-empty "
+            "and hold no whitespace or '%' (sbatch reads '%' as a file-name pattern)"
+        )
     slurm = cfg.slurm
     nproc = job_world_size(cfg) // slurm.nodes
     train_args = [o for o in overrides if not o.startswith("run_dir=")] + [f"run_dir={cfg.run_dir}"]
@@ -111,8 +113,9 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
         f"--signals_to_handle={AGENT_SIGNALS}",
         "-m distaccum train " + " ".join(shlex.quote(arg) for arg in train_args),
     ]
-    replicas = resolve_replicas(cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding,
-                                nproc * slurm.nodes, slurm.nodes)
+    replicas = resolve_replicas(
+        cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, nproc * slurm.nodes, slurm.nodes
+    )
     lines = [
         "#!/bin/bash",
         "# Rendered by distaccum.cluster.slurm.render_sbatch; submit with `distaccum submit` or sbatch.",
@@ -137,13 +140,13 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
             "status=0",
             'wait "$srun_pid" || status=$?',
             'while kill -0 "$srun_pid" 2>/dev/null; do',
-            '    status=0',
+            "    status=0",
             '    wait "$srun_pid" || status=$?',
             "done",
             "# The workers finished their window and wrote a checkpoint: requeue, and the rerun of",
             "# this script resumes at the exact next sample (trainer.resume).",
             f'if [ "$stop_requested" = 1 ] && ls {shlex.quote(cfg.run_dir)}/checkpoints/step-*/manifest.json '
-            '>/dev/null 2>&1; then',
+            ">/dev/null 2>&1; then",
             '    scontrol requeue "$SLURM_JOB_ID"',
             "    exit 0",
             "fi",
@@ -152,8 +155,9 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
     return "\n".join(lines) + "\n"
 
 
-def submit(cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool = False,
-           python: str = sys.executable) -> SubmitResult:
+def submit(
+    cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool = False, python: str = sys.executable
+) -> SubmitResult:
     """Render the script, write it to ``run_dir/submit.sbatch`` and ``sbatch`` it.
 
     ``python`` defaults to this interpreter, so the job uses the submitter's environment (nodes
@@ -166,8 +170,10 @@ def submit(cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool = False,
         return SubmitResult(script=script, script_path=None, job_id=None)
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise SlurmError("sbatch not found on PATH: run `distaccum submit` on a Slurm login node, "
-                         "or use --dry-run to only print the script")
+        raise SlurmError(
+            "sbatch not found on PATH: run `distaccum submit` on a Slurm login node, "
+            "or use --dry-run to only print the script"
+        )
     run_dir = Path(cfg.run_dir)
     # Slurm opens --output/--error before the job starts; a missing directory fails the job.
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -189,20 +195,32 @@ def job_state(job_id: str, *, env: Mapping[str, str] | None = None) -> str:
     slurmctld forgets a finished job after MinJobAge (300 s by default); ``sacct`` then answers
     where accounting is enabled. Returns ``UNKNOWN`` when neither knows the job.
     """
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                          env=env, check=False)
+    proc = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env, check=False
+    )
     match = re.search(r"\bJobState=(\S+)", proc.stdout)
     if proc.returncode == 0 and match:
         return match.group(1)
-    proc = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id],
-                          capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     states = proc.stdout.split()
     # sacct prints "CANCELLED by 0"; keep the state word.
     return states[0] if proc.returncode == 0 and states else "UNKNOWN"
 
 
-def wait_job(job_id: str, *, timeout_s: float | None = None, poll_s: float = 0.5,
-             pending_timeout_s: float | None = None, env: Mapping[str, str] | None = None) -> str:
+def wait_job(
+    job_id: str,
+    *,
+    timeout_s: float | None = None,
+    poll_s: float = 0.5,
+    pending_timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> str:
     """Block until the job has left the queue; return its final state (see :func:`job_state`).
 
     Polls ``squeue -h -j ID``, which shows pending, running and completing jobs only: it returns
@@ -214,8 +232,13 @@ def wait_job(job_id: str, *, timeout_s: float | None = None, poll_s: float = 0.5
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
     while True:
-        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True,
-                              text=True, env=env, check=False)
+        proc = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T|%r"],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
         if proc.returncode != 0 and "Invalid job id" not in proc.stderr:
             raise SlurmError(f"squeue -j {job_id} failed (exit {proc.returncode}): {proc.stderr.strip()}")
         if not proc.stdout.strip():  # gone from the queue (or already purged: "Invalid job id")
@@ -223,8 +246,10 @@ def wait_job(job_id: str, *, timeout_s: float | None = None, poll_s: float = 0.5
         state, _, reason = proc.stdout.strip().splitlines()[0].partition("|")
         waited = time.monotonic() - start
         if state == "PENDING" and pending_timeout_s is not None and waited > pending_timeout_s:
-            raise SlurmError(f"Slurm job {job_id} is still pending after {waited:.0f} s: reason {reason!r} "
-                             "(see `scontrol show job` and `sinfo`)")
+            raise SlurmError(
+                f"Slurm job {job_id} is still pending after {waited:.0f} s: reason {reason!r} "
+                "(see `scontrol show job` and `sinfo`)"
+            )
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"Slurm job {job_id} still {state} ({reason}) after {timeout_s} s")
         time.sleep(poll_s)

@@ -35,7 +35,9 @@ class StopRequested(Exception):
     """Raised by the loop after a checkpoint was written because a stop was requested."""
 
     def __init__(self, step: int, path: Path | None) -> None:
-        super().__init__(f"stopped on request after optimizer step {step}; "
-                         + (f"checkpoint {path}" if path is not None else "no checkpoint written"))
+        super().__init__(
+            f"stopped on request after optimizer step {step}; "
+            + (f"checkpoint {path}" if path is not None else "no checkpoint written")
+        )
         self.step = step
         self.path = path

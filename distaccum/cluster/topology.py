@@ -134,11 +134,16 @@ def describe_placement(groups: list[list[int]], nodes: list[int]) -> str:
 
     def span(values: list[int]) -> str:
         lo, hi = min(values), max(values)
-        return str(lo) if lo == hi else (f"{lo}-{hi}" if sorted(values) == list(range(lo, hi + 1))
-                                         else ",".join(map(str, values)))
+        return (
+            str(lo)
+            if lo == hi
+            else (f"{lo}-{hi}" if sorted(values) == list(range(lo, hi + 1)) else ",".join(map(str, values)))
+        )
 
-    lines = [f"  replica {i}: ranks {span(ranks)} on node {span(sorted({nodes[r] for r in ranks}))}"
-             for i, ranks in enumerate(groups)]
+    lines = [
+        f"  replica {i}: ranks {span(ranks)} on node {span(sorted({nodes[r] for r in ranks}))}"
+        for i, ranks in enumerate(groups)
+    ]
     return "\n".join(lines)
 
 
@@ -159,10 +164,14 @@ def placement_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
         return []
     groups = replica_groups(world, replicas)
     node_of = [rank // per_node for rank in range(world)]
-    lines = [f"HSDP: {replicas} replicas x {world // replicas} shards over {nodes} node(s) of {per_node} ranks "
-             "(a shard group = one replica; the reduce-scatter stays inside it, the all-reduce crosses replicas):",
-             *describe_placement(groups, node_of).splitlines()]
+    lines = [
+        f"HSDP: {replicas} replicas x {world // replicas} shards over {nodes} node(s) of {per_node} ranks "
+        "(a shard group = one replica; the reduce-scatter stays inside it, the all-reduce crosses replicas):",
+        *describe_placement(groups, node_of).splitlines(),
+    ]
     if split_replicas(groups, node_of):
-        lines.append("warning: a shard group spans nodes, so the per-micro-batch reduce-scatter crosses the slow "
-                     "link; choose engine.replicas as a multiple of the node count")
+        lines.append(
+            "warning: a shard group spans nodes, so the per-micro-batch reduce-scatter crosses the slow "
+            "link; choose engine.replicas as a multiple of the node count"
+        )
     return lines

@@ -49,14 +49,17 @@ class GlobalBatchPlan:
     every split of the same global batch sees the same samples at the same optimizer step.
     """
 
-    def __init__(self, num_samples: int, global_batch: int, *, seed: int, shuffle: bool = True,
-                 drop_last: bool = False) -> None:
+    def __init__(
+        self, num_samples: int, global_batch: int, *, seed: int, shuffle: bool = True, drop_last: bool = False
+    ) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty: there is nothing to train on")
         if global_batch > num_samples and drop_last:
-            raise ValueError(f"the global batch ({global_batch} samples) is larger than the dataset "
-                             f"({num_samples} samples) with data.drop_last=true: no window would ever run. "
-                             "Lower accum.global_batch (or micro_batch x steps x world) or set data.drop_last=false")
+            raise ValueError(
+                f"the global batch ({global_batch} samples) is larger than the dataset "
+                f"({num_samples} samples) with data.drop_last=true: no window would ever run. "
+                "Lower accum.global_batch (or micro_batch x steps x world) or set data.drop_last=false"
+            )
         self.num_samples = num_samples
         self.global_batch = global_batch
         self.seed = seed
@@ -128,7 +131,9 @@ class GlobalBatchPlan:
         window's first sample, once), as :meth:`PlanSampler.pieces` serves it. No tensor is made or read: the
         in-process fetch asks per micro-batch."""
         if self.shuffle:
-            raise ValueError("rank_ranges needs an in-order plan (shuffle=False): a shuffled window is no range")
+            raise ValueError(
+                "rank_ranges needs an in-order plan (shuffle=False): a shuffled window is no range"
+            )
         _, start, _, q, r = self._cut(step, split)
         out = []
         for m in range(split.accum_steps):
@@ -139,13 +144,18 @@ class GlobalBatchPlan:
 
     def state_dict(self) -> dict[str, int]:
         """Position and identity, enough to resume at the exact next sample."""
-        return {"next_step": self.next_step, "global_batch": self.global_batch, "seed": self.seed,
-                "num_samples": self.num_samples}
+        return {
+            "next_step": self.next_step,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume; refuses a state from a plan with a different global batch, seed or dataset."""
         for key in ("global_batch", "seed", "num_samples"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"cannot resume: plan {key}={state[key]} in the checkpoint, "
-                                 f"{getattr(self, key)} now")
+                raise ValueError(
+                    f"cannot resume: plan {key}={state[key]} in the checkpoint, {getattr(self, key)} now"
+                )
         self.next_step = int(state["next_step"])

@@ -149,10 +149,15 @@ class TensorRows:
                 yield [self._gather(t, piece) for t in self.tensors]
             return
         # In order, every piece is a range of rows (0, 1, 2, ...): cut by arithmetic, no tensor per micro-batch.
-        watched = [t for t, how in self.kinds if how == "view" and not t.is_inference()]  # moved copies: unwatched
+        watched = [
+            t for t, how in self.kinds if how == "view" and not t.is_inference()
+        ]  # moved copies: unwatched
         for first, n in self.sampler.ranges():
             versions = [t._version for t in watched]
-            yield [t[first:first + n] if how == "view" else self._copy(t[first:first + n], how) for t, how in self.kinds]
+            yield [
+                t[first : first + n] if how == "view" else self._copy(t[first : first + n], how)
+                for t, how in self.kinds
+            ]
             if [t._version for t in watched] != versions:
                 raise DatasetWrittenError(self._written(first, n))
 
@@ -163,45 +168,83 @@ class TensorRows:
         return rows.clone()
 
     def _written(self, first: int, n: int) -> str:
-        return (f"the in-memory TensorDataset changed in place while its rows {first}..{first + n - 1} were a "
-                "micro-batch in training: the loss or the model wrote into its batch (x.mul_(...), y[mask] = ...). "
-                "distaccum hands the rows of a TensorDataset out as views of it, as a hand-written loop slices its "
-                "tensors, so the write changed the dataset itself and every later epoch would train on the changed "
-                "rows. Copy what you modify (x = x.clone() before writing into it), or train with data.shuffle=true "
-                "(shuffled rows are gathered into fresh tensors)")
+        return (
+            f"the in-memory TensorDataset changed in place while its rows {first}..{first + n - 1} were a "
+            "micro-batch in training: the loss or the model wrote into its batch (x.mul_(...), y[mask] = ...). "
+            "distaccum hands the rows of a TensorDataset out as views of it, as a hand-written loop slices its "
+            "tensors, so the write changed the dataset itself and every later epoch would train on the changed "
+            "rows. Copy what you modify (x = x.clone() before writing into it), or train with data.shuffle=true "
+            "(shuffled rows are gathered into fresh tensors)"
+        )
 
     def _gather(self, t: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-        index = piece.to(t.device, non_blocking=True)  # a dataset on the GPU: no wait for the copy of the index
+        index = piece.to(
+            t.device, non_blocking=True
+        )  # a dataset on the GPU: no wait for the copy of the index
         if self.pin_memory and t.device.type == "cpu":
             out = torch.empty((len(piece), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
             return torch.index_select(t, 0, index, out=out)
         return t.index_select(0, index)
 
 
-def micro_batches(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan, split: Split,
-                  rank: int, stop: int, *, device: torch.device, num_workers: int = 0,
-                  prefetch_factor: int = 2) -> Iterator[Any]:
+def micro_batches(
+    dataset: Dataset,
+    collate: Callable[[list[Any]], Any] | None,
+    plan: GlobalBatchPlan,
+    split: Split,
+    rank: int,
+    stop: int,
+    *,
+    device: torch.device,
+    num_workers: int = 0,
+    prefetch_factor: int = 2,
+) -> Iterator[Any]:
     """This rank's collated micro-batches from ``plan.next_step`` to optimizer step ``stop``, for training on
     ``device``: a :func:`plain_tensors` dataset without workers through :class:`TensorRows`, anything else through
     :func:`build_loader`'s DataLoader (pinned on CUDA)."""
     if plain_tensors(dataset, collate) and num_workers == 0:
         return iter(TensorRows(dataset, PlanSampler(plan, split, rank, plan.next_step, stop), device=device))
-    return iter(build_loader(dataset, collate, plan, split, rank, stop, num_workers=num_workers,
-                             prefetch_factor=prefetch_factor, pin_memory=device.type == "cuda"))
+    return iter(
+        build_loader(
+            dataset,
+            collate,
+            plan,
+            split,
+            rank,
+            stop,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            pin_memory=device.type == "cuda",
+        )
+    )
 
 
-def build_loader(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
-                 split: Split, rank: int, stop: int, *, num_workers: int = 0, prefetch_factor: int = 2,
-                 pin_memory: bool = False) -> DataLoader:
+def build_loader(
+    dataset: Dataset,
+    collate: Callable[[list[Any]], Any] | None,
+    plan: GlobalBatchPlan,
+    split: Split,
+    rank: int,
+    stop: int,
+    *,
+    num_workers: int = 0,
+    prefetch_factor: int = 2,
+    pin_memory: bool = False,
+) -> DataLoader:
     """A DataLoader over this rank's micro-batches from ``plan.next_step`` to optimizer step ``stop``
     (a :func:`plain_tensors` dataset is fetched a micro-batch at a time: :class:`TensorBatches`)."""
     sampler = PlanSampler(plan, split, rank, plan.next_step, stop)
     if plain_tensors(dataset, collate):
         dataset, collate = TensorBatches(dataset), collated
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate or default_collate,
-                      num_workers=num_workers, pin_memory=pin_memory,
-                      prefetch_factor=prefetch_factor if num_workers > 0 else None,
-                      worker_init_fn=ignore_stop_signals if num_workers > 0 else None)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate or default_collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
+    )
 
 
 @dataclass
@@ -257,14 +300,34 @@ class PlanSource:
     DataLoader, or :class:`TensorRows` for an in-memory ``TensorDataset``) for training on ``device``: each
     micro-batch is moved there (floating tensors cast to ``float_dtype`` when given) as it is served."""
 
-    def __init__(self, dataset: Dataset, collate: Callable[[list[Any]], Any] | None, plan: GlobalBatchPlan,
-                 split: Split, rank: int, stop: int, *, device: torch.device | None = None, num_workers: int = 0,
-                 prefetch_factor: int = 2, float_dtype: torch.dtype | None = None) -> None:
-        self.dataset, self.collate, self.plan, self.split, self.rank, self.stop = \
-            dataset, collate, plan, split, rank, stop
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate: Callable[[list[Any]], Any] | None,
+        plan: GlobalBatchPlan,
+        split: Split,
+        rank: int,
+        stop: int,
+        *,
+        device: torch.device | None = None,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        float_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.dataset, self.collate, self.plan, self.split, self.rank, self.stop = (
+            dataset,
+            collate,
+            plan,
+            split,
+            rank,
+            stop,
+        )
         self.float_dtype = float_dtype
-        self.loader_options: dict[str, Any] = {"device": device if device is not None else torch.device("cpu"),
-                               "num_workers": num_workers, "prefetch_factor": prefetch_factor}
+        self.loader_options: dict[str, Any] = {
+            "device": device if device is not None else torch.device("cpu"),
+            "num_workers": num_workers,
+            "prefetch_factor": prefetch_factor,
+        }
         """The keyword arguments this source was made with (a copy of it is ``PlanSource(..., **loader_options)``)."""
         self._batches: Iterator[Any] | None = None
         self._at = -1  # the step the DataLoader iterator is positioned at
@@ -280,10 +343,13 @@ class PlanSource:
     def window(self) -> WindowBatches:
         step = self.plan.next_step
         if self._batches is None or self._at != step:  # first window, or the position moved (resume)
-            self._batches = micro_batches(self.dataset, self.collate, self.plan, self.split, self.rank, self.stop,
-                                          **self.loader_options)
+            self._batches = micro_batches(
+                self.dataset, self.collate, self.plan, self.split, self.rank, self.stop, **self.loader_options
+            )
             self._at = step
-        epoch, size, sizes = self.plan.rank_sizes(step, self.split, self.rank)  # no tensors: the pieces are cut
+        epoch, size, sizes = self.plan.rank_sizes(
+            step, self.split, self.rank
+        )  # no tensors: the pieces are cut
         batches = self._batches  # by the sampler (a DataLoader) or the in-process fetch (TensorRows)
         device, float_dtype = self.loader_options["device"], self.float_dtype
 
@@ -308,7 +374,9 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None 
     """Move every tensor of ``batch`` (tensors, mappings, sequences, dataclasses, nested) to ``device``;
     floating tensors also to ``float_dtype`` when given (``precision=fp64``). Other values pass through."""
     if isinstance(batch, torch.Tensor):
-        moved = batch if batch.device == device else batch.to(device, non_blocking=True)  # no call for no move
+        moved = (
+            batch if batch.device == device else batch.to(device, non_blocking=True)
+        )  # no call for no move
         return moved.to(float_dtype) if float_dtype is not None and moved.is_floating_point() else moved
     # Sequences before the abstract-class check of Mapping (the in-process fetch's batch is a list).
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
@@ -318,8 +386,14 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None 
     if isinstance(batch, Mapping):
         return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device, float_dtype)
-                                             for f in dataclasses.fields(batch) if f.init})
+        return dataclasses.replace(
+            batch,
+            **{
+                f.name: to_device(getattr(batch, f.name), device, float_dtype)
+                for f in dataclasses.fields(batch)
+                if f.init
+            },
+        )
     return batch
 
 

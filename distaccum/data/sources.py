@@ -31,21 +31,51 @@ class DataOptions:
 
     def plan(self, dataset: Dataset, global_batch: int) -> GlobalBatchPlan:
         """The global-batch plan over a map-style ``dataset`` (ValueError when no window would run)."""
-        return GlobalBatchPlan(len(dataset), global_batch, seed=self.seed,  # type: ignore[arg-type]
-                               shuffle=self.shuffle, drop_last=self.drop_last)
+        return GlobalBatchPlan(
+            len(dataset),  # type: ignore[arg-type]  # map-style: it has a length
+            global_batch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+        )
 
 
-def build_source(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, split: Split, rank: int,
-                 max_steps: int, options: DataOptions, *, device: torch.device | None = None,
-                 float_dtype: torch.dtype | None = None) -> WindowSource:
+def build_source(
+    dataset: Dataset,
+    collate: Callable[[list[Any]], Any] | None,
+    split: Split,
+    rank: int,
+    max_steps: int,
+    options: DataOptions,
+    *,
+    device: torch.device | None = None,
+    float_dtype: torch.dtype | None = None,
+) -> WindowSource:
     """This rank's windows for training on ``device`` (default the CPU; floating tensors cast to ``float_dtype`` when
     given): a stream (no length) is cut into windows in order; a map-style dataset is walked by the global-batch
     plan (through a DataLoader, pinned on CUDA, or an in-memory ``TensorDataset`` cut directly:
     :class:`~distaccum.data.pipeline.TensorRows`)."""
     if is_stream(dataset):
-        return StreamSource(dataset, collate, split, rank, drop_last=options.drop_last,  # type: ignore[arg-type]
-                            num_workers=options.num_workers, prefetch_factor=options.prefetch_factor,
-                            device=device, float_dtype=float_dtype)
-    return PlanSource(dataset, collate, options.plan(dataset, split.global_batch), split, rank, max_steps,
-                      device=device, num_workers=options.num_workers, prefetch_factor=options.prefetch_factor,
-                      float_dtype=float_dtype)
+        return StreamSource(
+            dataset,
+            collate,
+            split,
+            rank,
+            drop_last=options.drop_last,
+            num_workers=options.num_workers,
+            prefetch_factor=options.prefetch_factor,
+            device=device,
+            float_dtype=float_dtype,
+        )
+    return PlanSource(
+        dataset,
+        collate,
+        options.plan(dataset, split.global_batch),
+        split,
+        rank,
+        max_steps,
+        device=device,
+        num_workers=options.num_workers,
+        prefetch_factor=options.prefetch_factor,
+        float_dtype=float_dtype,
+    )

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
@@ -41,7 +41,7 @@ from distaccum.data.global_batch import Window
 from distaccum.data.pipeline import MicroBatch, WindowBatches, ignore_stop_signals, to_device
 
 
-def is_stream(dataset: Any) -> bool:
+def is_stream(dataset: Any) -> TypeGuard[IterableDataset]:
     """A dataset served by :class:`StreamSource` (an ``IterableDataset``) rather than the plan."""
     return isinstance(dataset, IterableDataset)
 
@@ -63,8 +63,17 @@ def _identity(sample: Any) -> Any:
 class StreamWindows:
     """The global stream in windows of ``global_batch`` samples, epoch after epoch, from ``(epoch, index)``."""
 
-    def __init__(self, dataset: IterableDataset, global_batch: int, *, drop_last: bool = False,
-                 num_workers: int = 0, prefetch_factor: int = 2, epoch: int = 0, index: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        global_batch: int,
+        *,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        epoch: int = 0,
+        index: int = 0,
+    ) -> None:
         self.dataset, self.global_batch, self.drop_last = dataset, global_batch, drop_last
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.epoch, self.index = epoch, index
@@ -75,8 +84,16 @@ class StreamWindows:
             set_epoch(epoch)
         if not self.num_workers:
             return iter(self.dataset)
-        return iter(DataLoader(self.dataset, batch_size=None, collate_fn=_identity, num_workers=self.num_workers,
-                               prefetch_factor=self.prefetch_factor, worker_init_fn=ignore_stop_signals))
+        return iter(
+            DataLoader(
+                self.dataset,
+                batch_size=None,
+                collate_fn=_identity,
+                num_workers=self.num_workers,
+                prefetch_factor=self.prefetch_factor,
+                worker_init_fn=ignore_stop_signals,
+            )
+        )
 
     def __iter__(self) -> Iterator[StreamWindow]:
         epoch, index = self.epoch, self.index
@@ -94,9 +111,14 @@ class StreamWindows:
                 if not full:
                     break
             if not served and not skipped:
-                raise ValueError(f"the stream {type(self.dataset).__name__} yields no window in epoch {epoch}"
-                                 + (f" (fewer than global_batch={self.global_batch} samples with data.drop_last=true)"
-                                    if self.drop_last else " (it is empty)"))
+                raise ValueError(
+                    f"the stream {type(self.dataset).__name__} yields no window in epoch {epoch}"
+                    + (
+                        f" (fewer than global_batch={self.global_batch} samples with data.drop_last=true)"
+                        if self.drop_last
+                        else " (it is empty)"
+                    )
+                )
             epoch, index = epoch + 1, 0
 
 
@@ -104,12 +126,26 @@ class StreamSource:
     """A :class:`~distaccum.data.pipeline.WindowSource` over an ``IterableDataset``: this rank's pieces of
     each window of the global stream, collated one micro-batch at a time as the loop asks."""
 
-    def __init__(self, dataset: IterableDataset, collate: Callable[[list[Any]], Any] | None, split: Split,
-                 rank: int, *, drop_last: bool = False, num_workers: int = 0, prefetch_factor: int = 2,
-                 device: torch.device | None = None, float_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        collate: Callable[[list[Any]], Any] | None,
+        split: Split,
+        rank: int,
+        *,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        device: torch.device | None = None,
+        float_dtype: torch.dtype | None = None,
+    ) -> None:
         self.dataset, self.collate, self.split, self.rank = dataset, collate or default_collate, split, rank
         self.device, self.float_dtype = device if device is not None else torch.device("cpu"), float_dtype
-        self.options = {"drop_last": drop_last, "num_workers": num_workers, "prefetch_factor": prefetch_factor}
+        self.options: dict[str, Any] = {
+            "drop_last": drop_last,
+            "num_workers": num_workers,
+            "prefetch_factor": prefetch_factor,
+        }
         self.next_step = 0
         self.epoch = 0
         self.index = 0
@@ -119,8 +155,11 @@ class StreamSource:
 
     def window(self) -> WindowBatches:
         if self._windows is None:
-            self._windows = iter(StreamWindows(self.dataset, self.split.global_batch, epoch=self.epoch,
-                                               index=self.index, **self.options))  # type: ignore[arg-type]
+            self._windows = iter(
+                StreamWindows(
+                    self.dataset, self.split.global_batch, epoch=self.epoch, index=self.index, **self.options
+                )
+            )
         if self._current is None:  # a window not yet stepped is served again (a retried step)
             self._current = next(self._windows)
         current = self._current
@@ -145,19 +184,43 @@ class StreamSource:
         self._current = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_step": self.next_step, "epoch": self.epoch, "index": self.index,
-                "global_batch": self.split.global_batch, "stream": type(self.dataset).__name__}
+        return {
+            "next_step": self.next_step,
+            "epoch": self.epoch,
+            "index": self.index,
+            "global_batch": self.split.global_batch,
+            "stream": type(self.dataset).__name__,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("global_batch") != self.split.global_batch or "index" not in state:
-            raise ValueError(f"cannot resume: the checkpoint's data position ({state}) is not a stream position "
-                             f"with global_batch={self.split.global_batch}")
-        self.next_step, self.epoch, self.index = int(state["next_step"]), int(state["epoch"]), int(state["index"])
+            raise ValueError(
+                f"cannot resume: the checkpoint's data position ({state}) is not a stream position "
+                f"with global_batch={self.split.global_batch}"
+            )
+        self.next_step, self.epoch, self.index = (
+            int(state["next_step"]),
+            int(state["epoch"]),
+            int(state["index"]),
+        )
         self._windows, self._current = None, None
 
 
-def stream_windows(dataset: IterableDataset, global_batch: int, *, drop_last: bool = False,
-                   num_workers: int = 0, prefetch_factor: int = 2) -> Iterator[StreamWindow]:
+def stream_windows(
+    dataset: IterableDataset,
+    global_batch: int,
+    *,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    prefetch_factor: int = 2,
+) -> Iterator[StreamWindow]:
     """The global windows from the start (what the single-process reference trains on)."""
-    return iter(StreamWindows(dataset, global_batch, drop_last=drop_last, num_workers=num_workers,
-                              prefetch_factor=prefetch_factor))
+    return iter(
+        StreamWindows(
+            dataset,
+            global_batch,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+        )
+    )

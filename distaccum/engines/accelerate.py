@@ -42,8 +42,10 @@ class AccelerateEngine(ReplicatedEngine):
         """On CPU Accelerate would silently train fp16 in fp32."""
         super().check(spec)
         if spec.precision.name == "fp16" and spec.device.type == "cpu":
-            raise ValueError("engine=accelerate precision=fp16 needs a GPU (on CPU Accelerate trains in "
-                             "fp32 without saying so); use bf16 or fp32 on CPU")
+            raise ValueError(
+                "engine=accelerate precision=fp16 needs a GPU (on CPU Accelerate trains in "
+                "fp32 without saying so); use bf16 or fp32 on CPU"
+            )
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
         super().__init__(spec, ledger)
@@ -58,16 +60,22 @@ class AccelerateEngine(ReplicatedEngine):
         from accelerate import Accelerator
         from accelerate.utils import GradientAccumulationPlugin
 
-        plugin = GradientAccumulationPlugin(num_steps=self.accum_steps,
-                                            sync_each_batch=self.spec.sync == "every_micro",
-                                            sync_with_dataloader=False)  # we bring our own batches
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu",
-                                       mixed_precision=MIXED_PRECISION[self.precision.name],
-                                       gradient_accumulation_plugin=plugin)
+        plugin = GradientAccumulationPlugin(
+            num_steps=self.accum_steps,
+            sync_each_batch=self.spec.sync == "every_micro",
+            sync_with_dataloader=False,
+        )  # we bring our own batches
+        self.accelerator = Accelerator(
+            cpu=self.device.type == "cpu",
+            mixed_precision=MIXED_PRECISION[self.precision.name],
+            gradient_accumulation_plugin=plugin,
+        )
         if self.accelerator.num_processes != dist.get_world_size():
-            raise RuntimeError(f"Accelerate sees {self.accelerator.num_processes} process(es) but the process "
-                               f"group has {dist.get_world_size()}: start workers with torchrun-style "
-                               "variables (RANK, WORLD_SIZE, LOCAL_RANK), as distaccum's launcher does")
+            raise RuntimeError(
+                f"Accelerate sees {self.accelerator.num_processes} process(es) but the process "
+                f"group has {dist.get_world_size()}: start workers with torchrun-style "
+                "variables (RANK, WORLD_SIZE, LOCAL_RANK), as distaccum's launcher does"
+            )
         self.raw = model.to(dtype=self.precision.param_dtype)
         optimizer = make_optimizer(list(self.raw.parameters()))
         prepared, self.prepared_optimizer = self.accelerator.prepare(self.raw, optimizer)
@@ -86,8 +94,10 @@ class AccelerateEngine(ReplicatedEngine):
         with self.accelerator.accumulate(self.module):
             will_reduce = self.accelerator.sync_gradients or self.spec.sync == "every_micro"
             if will_reduce != enabled:
-                raise RuntimeError(f"Accelerate's accumulate() would {'' if will_reduce else 'not '}sync "
-                                   f"this micro-batch but the loop says sync={enabled}: the counters drifted")
+                raise RuntimeError(
+                    f"Accelerate's accumulate() would {'' if will_reduce else 'not '}sync "
+                    f"this micro-batch but the loop says sync={enabled}: the counters drifted"
+                )
             yield
 
     def forward_context(self) -> ContextManager[object]:
@@ -99,8 +109,10 @@ class AccelerateEngine(ReplicatedEngine):
 
     def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
         if not self.accelerator.sync_gradients:
-            raise RuntimeError("Accelerate's accumulate() has not reached its boundary at the loop's "
-                               "optimizer step: its optimizer.step() would silently do nothing")
+            raise RuntimeError(
+                "Accelerate's accumulate() has not reached its boundary at the loop's "
+                "optimizer step: its optimizer.step() would silently do nothing"
+            )
         # The torch optimizer and Accelerate's GradScaler directly: the same unscale -> normalize
         # -> clip -> step as DDP (Accelerate's prepared optimizer would only add its own checks).
         return super().step(max_norm, grad_scale)

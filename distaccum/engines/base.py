@@ -210,20 +210,29 @@ class EngineBase:
 
         Here: what the capabilities above refuse. Engines that refuse more call this first."""
         if spec.replicas > 1 and not cls.hybrid_sharding:
-            raise ValueError(f"engine.replicas={spec.replicas} asks for hybrid sharding (HSDP), which engine="
-                             f"{cls.name} does not do: it keeps one whole replica per rank. Use engine=fsdp for "
-                             "HSDP, or engine.replicas=auto")
+            raise ValueError(
+                f"engine.replicas={spec.replicas} asks for hybrid sharding (HSDP), which engine="
+                f"{cls.name} does not do: it keeps one whole replica per rank. Use engine=fsdp for "
+                "HSDP, or engine.replicas=auto"
+            )
         if spec.sync == "replica_boundary" and spec.replicas <= 1:
-            why = ("this engine keeps a whole replica on every rank: there is no reduction inside a replica to "
-                   "run per micro-batch" if not cls.hybrid_sharding else
-                   f"with engine.replicas={spec.replicas} the mesh is flat (one replica over all ranks): there is "
-                   "no cross-replica all-reduce to defer")
-            raise ValueError(f"accum.sync=replica_boundary with engine={cls.name} has no meaning: {why}. It is a "
-                             "mode of FSDP2 hybrid sharding (engine=fsdp engine.replicas=R, R > 1); use "
-                             "accum.sync=boundary or every_micro here")
+            why = (
+                "this engine keeps a whole replica on every rank: there is no reduction inside a replica to "
+                "run per micro-batch"
+                if not cls.hybrid_sharding
+                else f"with engine.replicas={spec.replicas} the mesh is flat (one replica over all ranks): there is "
+                "no cross-replica all-reduce to defer"
+            )
+            raise ValueError(
+                f"accum.sync=replica_boundary with engine={cls.name} has no meaning: {why}. It is a "
+                "mode of FSDP2 hybrid sharding (engine=fsdp engine.replicas=R, R > 1); use "
+                "accum.sync=boundary or every_micro here"
+            )
         if spec.reduce_dtype not in cls.reduce_dtypes:
-            raise ValueError(f"accum.reduce_dtype={spec.reduce_dtype} is not supported by engine={cls.name} (it "
-                             f"reduces gradients in: {', '.join(cls.reduce_dtypes)}); use accum.reduce_dtype=fp32")
+            raise ValueError(
+                f"accum.reduce_dtype={spec.reduce_dtype} is not supported by engine={cls.name} (it "
+                f"reduces gradients in: {', '.join(cls.reduce_dtypes)}); use accum.reduce_dtype=fp32"
+            )
 
     def layout(self) -> list[list[int]] | None:
         """HSDP: the ranks of each replica (its shard group), replica by replica; None for other layouts."""
@@ -251,7 +260,9 @@ class GradNorms:
         if not grads:
             return 0.0, None
         if hasattr(grads[0], "full_tensor"):
-            total: Any = torch.nn.utils.get_total_norm(grads, foreach=True)  # a DTensor: one all-reduce makes it full
+            total: Any = torch.nn.utils.get_total_norm(
+                grads, foreach=True
+            )  # a DTensor: one all-reduce makes it full
             return float(total.full_tensor()), None
         out = self._out
         if out is None or out.numel() != len(grads) or out.device != grads[0].device:
@@ -303,9 +314,16 @@ def grads_of(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def step_plain(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], max_norm: float | None,
-               grad_scale: float, scaler: torch.amp.GradScaler | None, *, grads_to_none: bool = True,
-               norms: GradNorms | None = None) -> StepResult:
+def step_plain(
+    optimizer: torch.optim.Optimizer,
+    named: list[tuple[str, nn.Parameter]],
+    max_norm: float | None,
+    grad_scale: float,
+    scaler: torch.amp.GradScaler | None,
+    *,
+    grads_to_none: bool = True,
+    norms: GradNorms | None = None,
+) -> StepResult:
     """Normalize, clip and step the gradients of ``named`` parameters (whole, or DTensor shards for FSDP2).
 
     The reduced gradient G is multiplied by ``grad_scale`` (the window's 1/(c N)) and, with ``max_norm``, by torch's

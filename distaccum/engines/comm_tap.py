@@ -56,8 +56,15 @@ REDUCTIONS: dict[str, tuple[int, str]] = {
 }
 """Reducing collectives of torch.distributed -> (positional index, keyword) of the tensor reduced."""
 
-GROUP_POSITION = {"all_reduce": 2, "all_reduce_coalesced": 2, "reduce": 3, "reduce_scatter": 3,
-                  "reduce_scatter_single": 3, "reduce_scatter_tensor": 3, "_reduce_scatter_base": 3}
+GROUP_POSITION = {
+    "all_reduce": 2,
+    "all_reduce_coalesced": 2,
+    "reduce": 3,
+    "reduce_scatter": 3,
+    "reduce_scatter_single": 3,
+    "reduce_scatter_tensor": 3,
+    "_reduce_scatter_base": 3,
+}
 """Reducing collective -> positional index of its ``group`` argument."""
 
 GATHERS: dict[str, tuple[int, str]] = {
@@ -72,8 +79,9 @@ _state = threading.local()
 _active = False
 
 
-def reduced_input(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  table: dict[str, tuple[int, str]] = REDUCTIONS) -> torch.Tensor:
+def reduced_input(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], table: dict[str, tuple[int, str]] = REDUCTIONS
+) -> torch.Tensor:
     """The tensor a reduction reduces (a gather: gathers into, with ``table=GATHERS``); a list of
     tensors becomes one meta tensor of their total size."""
     position, keyword = table[name]
@@ -91,8 +99,9 @@ def group_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[position] if len(args) > position else kwargs.get("group")
 
 
-def _counting(name: str, original: Callable[..., Any], ledger: CommLedger,
-              replicate_group: str | None = None) -> Callable[..., Any]:
+def _counting(
+    name: str, original: Callable[..., Any], ledger: CommLedger, replicate_group: str | None = None
+) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
             return original(*args, **kwargs)
@@ -118,8 +127,9 @@ def _counting(name: str, original: Callable[..., Any], ledger: CommLedger,
     return wrapper
 
 
-def _gathering(name: str, original: Callable[..., Any], ledger: CommLedger,
-               replicate_group: str | None = None) -> Callable[..., Any]:
+def _gathering(
+    name: str, original: Callable[..., Any], ledger: CommLedger, replicate_group: str | None = None
+) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
             return original(*args, **kwargs)
@@ -136,8 +146,9 @@ def _gathering(name: str, original: Callable[..., Any], ledger: CommLedger,
 
 
 @contextmanager
-def tap_gradient_reductions(ledger: CommLedger, *, gathers: bool = False,
-                            replicate_group: str | None = None) -> Iterator[None]:
+def tap_gradient_reductions(
+    ledger: CommLedger, *, gathers: bool = False, replicate_group: str | None = None
+) -> Iterator[None]:
     """Report every reducing collective issued inside the block to ``ledger`` (and, with
     ``gathers``, count every all-gather as a parameter gather). A reduction on the process group named
     ``replicate_group`` (HSDP's cross-replica group) is reported as a cross-replica collective.
@@ -160,8 +171,9 @@ def tap_parameter_gathers(ledger: CommLedger) -> Iterator[None]:
 
 
 @contextmanager
-def _patched(wrappers: dict[str, Callable[..., Any]], ledger: CommLedger,
-             replicate_group: str | None = None) -> Iterator[None]:
+def _patched(
+    wrappers: dict[str, Callable[..., Any]], ledger: CommLedger, replicate_group: str | None = None
+) -> Iterator[None]:
     global _active
     if _active:
         raise RuntimeError("the collective tap is already active (it is not re-entrant)")

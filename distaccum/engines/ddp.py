@@ -72,7 +72,9 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     return future.then(done)
 
 
-def compressed_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def compressed_allreduce_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """:func:`allreduce_hook` with the bucket all-reduced in ``state.dtype`` (bf16/fp16): half the bytes.
 
     The bucket is cast (the one rounding of this rank's accumulated gradient), all-reduced in the low dtype and
@@ -120,7 +122,9 @@ class ReplicatedEngine(EngineBase):
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
         super().__init__(spec, ledger)
-        self.comm_hook: CommHook = allreduce_hook if spec.compressed_dtype is None else compressed_allreduce_hook
+        self.comm_hook: CommHook = (
+            allreduce_hook if spec.compressed_dtype is None else compressed_allreduce_hook
+        )
         """The gradient comm hook :meth:`register_hook` installs: DDP takes exactly one, so anything that wants to
         see the reduction (the ledger, the noise scale, a test's fault) goes through it."""
         self.world = dist.get_world_size()
@@ -131,8 +135,13 @@ class ReplicatedEngine(EngineBase):
 
     def register_hook(self, ddp: DDP) -> None:
         """Install :attr:`comm_hook` on ``ddp``, reporting to the ledger (and the noise scale)."""
-        self.hook_state = HookState(self.ledger, ddp.process_group, mean=self.averages, squares=self.grad_squares,
-                                    dtype=self.spec.compressed_dtype)
+        self.hook_state = HookState(
+            self.ledger,
+            ddp.process_group,
+            mean=self.averages,
+            squares=self.grad_squares,
+            dtype=self.spec.compressed_dtype,
+        )
         ddp.register_comm_hook(self.hook_state, self.comm_hook)
 
     def _raw(self) -> nn.Module:
@@ -147,8 +156,15 @@ class ReplicatedEngine(EngineBase):
         return self._named_parameters
 
     def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
-        return step_plain(self.optimizer, self._named(), max_norm, grad_scale, self.scaler,
-                          grads_to_none=self.grads_to_none, norms=self._norms if self.spec.measure_norm else None)
+        return step_plain(
+            self.optimizer,
+            self._named(),
+            max_norm,
+            grad_scale,
+            self.scaler,
+            grads_to_none=self.grads_to_none,
+            norms=self._norms if self.spec.measure_norm else None,
+        )
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._raw().named_parameters():
@@ -161,7 +177,9 @@ class ReplicatedEngine(EngineBase):
         return self._raw()
 
     def save_state(self, directory: Path) -> dict[str, Any]:
-        dcp_save(directory, self._raw(), self.optimizer)  # replicated: written once, loadable on any world size
+        dcp_save(
+            directory, self._raw(), self.optimizer
+        )  # replicated: written once, loadable on any world size
         return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
@@ -175,7 +193,9 @@ class DDPEngine(ReplicatedEngine):
 
     name = "ddp"
     supports_gns = True
-    reentrant_checkpointing_safe = False  # "Expected to mark a variable ready only once" (see activation_checkpointing)
+    reentrant_checkpointing_safe = (
+        False  # "Expected to mark a variable ready only once" (see activation_checkpointing)
+    )
     grads_to_none = False  # gradients are views into DDP's buckets: zeroed in place (see wrap)
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
@@ -194,8 +214,12 @@ class DDPEngine(ReplicatedEngine):
         # next window's no_sync backwards would allocate a second, separate set of gradients that
         # lives until the boundary copies it into the buckets -- one more copy of the parameters'
         # size at every K > 1, none at K = 1 (tests/test_engines_unit.py).
-        ddp = DDP(self.raw, device_ids=device_ids, bucket_cap_mb=self.spec.engine.bucket_cap_mb,
-                  gradient_as_bucket_view=True)
+        ddp = DDP(
+            self.raw,
+            device_ids=device_ids,
+            bucket_cap_mb=self.spec.engine.bucket_cap_mb,
+            gradient_as_bucket_view=True,
+        )
         self.register_hook(ddp)
         self.module = ddp
         self.optimizer = make_optimizer(list(self.raw.parameters()))

@@ -61,8 +61,11 @@ def use_extensions_dir(path: str, rank: int) -> Path:
     os.environ["TORCH_EXTENSIONS_DIR"] = str(resolved)
     if rank == 0:
         cached = resolved.is_dir() and any(resolved.iterdir())
-        state = ("reusing the ops cached there" if cached
-                 else "first use: compiling them there (a minute or more, once)")
+        state = (
+            "reusing the ops cached there"
+            if cached
+            else "first use: compiling them there (a minute or more, once)"
+        )
         print(f"distaccum: DeepSpeed C++ ops cache (engine.extensions_dir): {resolved} — {state}", flush=True)
     return resolved
 
@@ -100,7 +103,9 @@ class DeepSpeedEngine(EngineBase):
         """Combinations DeepSpeed cannot run, and conflicts with the user's DeepSpeed JSON."""
         super().check(spec)
         check(spec)
-        if spec.precision.name == "fp16" and spec.device.type == "cpu":  # pragma: no cover - check() refuses fp16
+        if (
+            spec.precision.name == "fp16" and spec.device.type == "cpu"
+        ):  # pragma: no cover - check() refuses fp16
             raise ValueError("engine=deepspeed precision=fp16 needs a GPU")
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
@@ -120,20 +125,24 @@ class DeepSpeedEngine(EngineBase):
         # DeepSpeed picks its accelerator by probing (CUDA if present); ours is trainer.device.
         os.environ["DS_ACCELERATOR"] = "cuda" if self.device.type == "cuda" else "cpu"
         # DeepSpeed 0.19 still calls the deprecated torch names; say it once here, not per rank and op.
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+        )
         import deepspeed
 
         model = model.to(device=self.device, dtype=self.precision.param_dtype)
         optimizer = make_optimizer(list(model.parameters()))
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=build(self.spec),
-                                               dist_init_required=False)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=build(self.spec), dist_init_required=False
+        )
         # Our LR scheduler wraps this torch optimizer; DeepSpeed's ZeRO/bf16 wrappers step it
         # (over their fp32 partitions) and read its param_groups' lr, so the schedule applies.
         stepped = engine.optimizer
         if stepped is not optimizer and getattr(stepped, "optimizer", None) is not optimizer:
-            raise RuntimeError(f"DeepSpeed steps {type(stepped).__name__}, not the optimizer we passed; "
-                               "the learning-rate schedule would not reach it")
+            raise RuntimeError(
+                f"DeepSpeed steps {type(stepped).__name__}, not the optimizer we passed; "
+                "the learning-rate schedule would not reach it"
+            )
         if self.spec.compile_mode:  # DeepSpeed's own path: it compiles the module it runs
             engine.compile(compile_kwargs=compile_options(self.spec.compile_mode))
         self.engine = engine
@@ -146,9 +155,12 @@ class DeepSpeedEngine(EngineBase):
         if self.coalescing and not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
             self.coalescing = False  # DeepSpeed raises NotImplementedError for this optimizer wrapper
             if dist.get_rank() == 0:
-                print(f"distaccum: DeepSpeed cannot coalesce the window's reductions with "
-                      f"{type(engine.optimizer).__name__} (ZeRO-{self.stage}, {self.precision.name}); it reduces "
-                      "on DeepSpeed's own schedule", flush=True)
+                print(
+                    f"distaccum: DeepSpeed cannot coalesce the window's reductions with "
+                    f"{type(engine.optimizer).__name__} (ZeRO-{self.stage}, {self.precision.name}); it reduces "
+                    "on DeepSpeed's own schedule",
+                    flush=True,
+                )
         return engine
 
     @contextlib.contextmanager
@@ -157,8 +169,10 @@ class DeepSpeedEngine(EngineBase):
         self._micro += 1
         boundary = self._micro % self.accum_steps == 0
         if self.spec.sync == "boundary" and enabled != boundary:
-            raise RuntimeError(f"micro-batch {self._micro} of a {self.accum_steps}-step window: the loop says "
-                               f"sync={enabled}, DeepSpeed's boundary would be {boundary}")
+            raise RuntimeError(
+                f"micro-batch {self._micro} of a {self.accum_steps}-step window: the loop says "
+                f"sync={enabled}, DeepSpeed's boundary would be {boundary}"
+            )
         self.engine.set_gradient_accumulation_boundary(boundary)
         if self.coalescing and first:
             self._block = self.engine.coalesce_grad_reduction()
@@ -182,7 +196,9 @@ class DeepSpeedEngine(EngineBase):
             self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
-        assert (max_norm or 0.0) == self.engine.gradient_clipping(), "clipping comes from the generated config"
+        assert (max_norm or 0.0) == self.engine.gradient_clipping(), (
+            "clipping comes from the generated config"
+        )
         wrapper = self.engine.optimizer
         if wrapper is self.optimizer:
             # ZeRO-0 fp32: whole gradients on the parameters, reduced at the boundary.
@@ -211,8 +227,10 @@ class DeepSpeedEngine(EngineBase):
                     wrapper.override_loss_scale(1.0)  # the next window's backward is not scaled
         norm = self.engine.get_global_grad_norm()
         if norm is None:
-            raise RuntimeError("DeepSpeed reported no gradient norm "
-                               "(zero_optimization.compute_grad_norm off in the user config?)")
+            raise RuntimeError(
+                "DeepSpeed reported no gradient norm "
+                "(zero_optimization.compute_grad_norm off in the user config?)"
+            )
         return StepResult(float(norm), bool(self.engine.was_step_applied()))
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -232,8 +250,10 @@ class DeepSpeedEngine(EngineBase):
         module = self.engine.module
         gathered = {name: t.to("cpu", copy=True) for name, t in self.full_parameters()}
         names = {id(param): name for name, param in module.named_parameters()}
-        return {key: gathered[names[id(value)]] if id(value) in names else value.detach().to("cpu", copy=True)
-                for key, value in module.state_dict(keep_vars=True).items()}
+        return {
+            key: gathered[names[id(value)]] if id(value) in names else value.detach().to("cpu", copy=True)
+            for key, value in module.state_dict(keep_vars=True).items()
+        }
 
     def unwrapped(self) -> nn.Module:
         return self.engine.module
@@ -245,12 +265,15 @@ class DeepSpeedEngine(EngineBase):
 
     def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
         if extra.get("world_size") not in (None, dist.get_world_size()):
-            raise ValueError(f"a DeepSpeed ZeRO checkpoint written by {extra['world_size']} ranks cannot be loaded by "
-                             f"{dist.get_world_size()}: DeepSpeed partitions optimizer state per rank")
+            raise ValueError(
+                f"a DeepSpeed ZeRO checkpoint written by {extra['world_size']} ranks cannot be loaded by "
+                f"{dist.get_world_size()}: DeepSpeed partitions optimizer state per rank"
+            )
         # DeepSpeed unpickles its own files (its loader): distaccum checked them against the
         # checkpoint's manifest (sizes and sha256) before this point.
-        path, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}")
 

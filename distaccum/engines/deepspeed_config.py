@@ -43,8 +43,10 @@ def generate(spec: EngineSpec) -> tuple[dict[str, Any], dict[str, str]]:
     sources = {
         "train_micro_batch_size_per_gpu": f"accum.micro_batch={split.micro_batch}",
         "gradient_accumulation_steps": f"accum.steps={split.accum_steps} (resolved split)",
-        "train_batch_size": (f"the global batch {split.global_batch} = micro_batch {split.micro_batch} x "
-                             f"{split.accum_steps} steps x {split.world_size} ranks"),
+        "train_batch_size": (
+            f"the global batch {split.global_batch} = micro_batch {split.micro_batch} x "
+            f"{split.accum_steps} steps x {split.world_size} ranks"
+        ),
         "gradient_clipping": f"optim.clip_norm={spec.clip_norm}",
         "zero_optimization.stage": f"engine.zero_stage={stage}",
         "fp16.enabled": f"precision={precision}",
@@ -58,8 +60,12 @@ def generate(spec: EngineSpec) -> tuple[dict[str, Any], dict[str, str]]:
     return config, sources
 
 
-def merge(ours: dict[str, Any], user: dict[str, Any], sources: dict[str, str],
-          origin: str = "the user DeepSpeed config") -> dict[str, Any]:
+def merge(
+    ours: dict[str, Any],
+    user: dict[str, Any],
+    sources: dict[str, str],
+    origin: str = "the user DeepSpeed config",
+) -> dict[str, Any]:
     """``ours`` plus every key of ``user`` we do not set; raises ValueError on any conflict."""
     for key, why in FORBIDDEN.items():
         if key in user:
@@ -67,9 +73,11 @@ def merge(ours: dict[str, Any], user: dict[str, Any], sources: dict[str, str],
     conflicts: list[str] = []
     merged = _merge(ours, user, "", sources, conflicts)
     if conflicts:
-        raise ValueError(f"{origin} conflicts with the configuration distaccum generates: "
-                         + "; ".join(conflicts)
-                         + ". Change the distaccum setting, or remove the key from the file.")
+        raise ValueError(
+            f"{origin} conflicts with the configuration distaccum generates: "
+            + "; ".join(conflicts)
+            + ". Change the distaccum setting, or remove the key from the file."
+        )
     return merged
 
 
@@ -82,8 +90,9 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _merge(ours: dict[str, Any], user: dict[str, Any], prefix: str, sources: dict[str, str],
-           conflicts: list[str]) -> dict[str, Any]:
+def _merge(
+    ours: dict[str, Any], user: dict[str, Any], prefix: str, sources: dict[str, str], conflicts: list[str]
+) -> dict[str, Any]:
     out = dict(ours)
     for key, value in user.items():
         path = f"{prefix}{key}"
@@ -92,8 +101,10 @@ def _merge(ours: dict[str, Any], user: dict[str, Any], prefix: str, sources: dic
         elif isinstance(ours[key], dict) and isinstance(value, dict):
             out[key] = _merge(ours[key], value, f"{path}.", sources, conflicts)
         elif isinstance(ours[key], dict) or isinstance(value, dict) or not _same(ours[key], value):
-            conflicts.append(f"{path}={json.dumps(value)} in the file, but {json.dumps(ours[key])} from "
-                             f"{sources.get(path, 'distaccum')}")
+            conflicts.append(
+                f"{path}={json.dumps(value)} in the file, but {json.dumps(ours[key])} from "
+                f"{sources.get(path, 'distaccum')}"
+            )
     return out
 
 
@@ -107,7 +118,9 @@ def load_user_config(path: str) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise ValueError(f"engine.deepspeed_config={path!r} is not valid JSON: {err}") from err
     if not isinstance(data, dict):
-        raise ValueError(f"engine.deepspeed_config={path!r} must hold a JSON object, got {type(data).__name__}")
+        raise ValueError(
+            f"engine.deepspeed_config={path!r} must hold a JSON object, got {type(data).__name__}"
+        )
     return data
 
 
@@ -131,25 +144,37 @@ def check(spec: EngineSpec) -> None:
             f"accum.sync=every_micro with engine=deepspeed engine.zero_stage={stage}: ZeRO-0/1 reduce only "
             "at the accumulation boundary (declaring every micro-batch a boundary makes ZeRO-1/2 drop "
             "accumulated gradients); use accum.sync=boundary, or zero_stage 2/3, which reduce on every "
-            "micro-batch by design")
+            "micro-batch by design"
+        )
     if precision == "fp64":
         # ZeRO 1-3 would train, but their master weights are always fp32 (DeepSpeed 0.19
         # ZeROOptimizer._configure_master_weights): every update rounds through fp32, ~1e-7 off.
-        why = "DeepSpeed refuses fp64 gradients" if stage == 0 else (
-            "its ZeRO optimizer keeps fp32 master weights, so every update would round through fp32 "
-            "(~1e-7 relative) while the run claims fp64")
-        raise ValueError(f"precision=fp64 with engine=deepspeed engine.zero_stage={stage} is unsupported: {why}. "
-                         "Use engine=ddp, fsdp or accelerate for fp64, or precision=fp32 with DeepSpeed")
+        why = (
+            "DeepSpeed refuses fp64 gradients"
+            if stage == 0
+            else (
+                "its ZeRO optimizer keeps fp32 master weights, so every update would round through fp32 "
+                "(~1e-7 relative) while the run claims fp64"
+            )
+        )
+        raise ValueError(
+            f"precision=fp64 with engine=deepspeed engine.zero_stage={stage} is unsupported: {why}. "
+            "Use engine=ddp, fsdp or accelerate for fp64, or precision=fp32 with DeepSpeed"
+        )
     if precision == "bf16" and stage == 0:
         # Found by tests/test_ground_truth.py: the weights moved before the first window.
-        raise ValueError("precision=bf16 with engine=deepspeed engine.zero_stage=0 is unsupported: DeepSpeed runs it "
-                         "with its FP16_UnfusedOptimizer, which steps the optimizer once on zero gradients when it is "
-                         "created (weight decay, AdamW's step count and SGD's momentum move before training starts) "
-                         "and has no loss scale for distaccum's normalization to act through. Use "
-                         "engine.zero_stage=1..3 with bf16, or precision=fp32 with ZeRO-0")
+        raise ValueError(
+            "precision=bf16 with engine=deepspeed engine.zero_stage=0 is unsupported: DeepSpeed runs it "
+            "with its FP16_UnfusedOptimizer, which steps the optimizer once on zero gradients when it is "
+            "created (weight decay, AdamW's step count and SGD's momentum move before training starts) "
+            "and has no loss scale for distaccum's normalization to act through. Use "
+            "engine.zero_stage=1..3 with bf16, or precision=fp32 with ZeRO-0"
+        )
     if precision == "fp16":
-        raise ValueError("engine=deepspeed precision=fp16 is not supported by distaccum: DeepSpeed's dynamic "
-                         "loss scaler would be replaced by the window normalization (see docs/engines.md); "
-                         "use precision=bf16, which needs no loss scaling")
+        raise ValueError(
+            "engine=deepspeed precision=fp16 is not supported by distaccum: DeepSpeed's dynamic "
+            "loss scaler would be replaced by the window normalization (see docs/engines.md); "
+            "use precision=bf16, which needs no loss scaling"
+        )
     if spec.engine.deepspeed_config:
         build(spec)

@@ -87,8 +87,9 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)]
 
 
-def mixed_precision(precision: Precision, reduce_fp32: bool, compressed: torch.dtype | None = None
-                    ) -> MixedPrecisionPolicy:
+def mixed_precision(
+    precision: Precision, reduce_fp32: bool, compressed: torch.dtype | None = None
+) -> MixedPrecisionPolicy:
     """bf16: parameters all-gathered in bf16; gradients reduced in fp32 unless ``reduce_fp32`` is off.
     ``compressed`` (``accum.reduce_dtype``), when set, is the dtype every gradient reduction runs in."""
     low = precision.autocast_dtype
@@ -120,13 +121,17 @@ class FSDPEngine(EngineBase):
         """fp16 needs a sharded GradScaler, which distaccum does not drive; replicas must divide the world."""
         super().check(spec)
         if spec.precision.loss_scaling:
-            raise ValueError("precision=fp16 with engine=fsdp is unsupported (GradScaler needs the sharded "
-                             "scaler); use bf16 or fp32")
+            raise ValueError(
+                "precision=fp16 with engine=fsdp is unsupported (GradScaler needs the sharded "
+                "scaler); use bf16 or fp32"
+            )
         world = spec.split.world_size
         if world % spec.replicas:
             divisors = [r for r in range(1, world + 1) if world % r == 0]
-            raise ValueError(f"engine.replicas={spec.replicas} does not divide the world of {world} ranks: HSDP "
-                             f"needs {world} = replicas x shards. Replicas that do: {divisors}")
+            raise ValueError(
+                f"engine.replicas={spec.replicas} does not divide the world of {world} ranks: HSDP "
+                f"needs {world} = replicas x shards. Replicas that do: {divisors}"
+            )
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
         super().__init__(spec, ledger)
@@ -142,7 +147,9 @@ class FSDPEngine(EngineBase):
         mesh = self.mesh = hsdp_mesh(self.device.type, dist.get_world_size(), self.spec.replicas)
         if self.spec.replicas > 1:
             self._replicate_group = mesh.get_group("replicate").group_name
-        policy = mixed_precision(self.precision, self.spec.engine.fsdp_reduce_fp32, self.spec.compressed_dtype)
+        policy = mixed_precision(
+            self.precision, self.spec.engine.fsdp_reduce_fp32, self.spec.compressed_dtype
+        )
         keep = self.spec.engine.fsdp_unsharded_window
         for unit in shard_units(model):
             if self.spec.compile_mode:  # per block, before sharding: FSDP's hooks run between compiled blocks
@@ -195,16 +202,25 @@ class FSDPEngine(EngineBase):
     def backward(self, loss: torch.Tensor) -> None:
         # Reduce-scatters run inside backward (post-backward hooks, waited for by the root's final
         # callback), so the tap sees exactly the gradient collectives of this micro-batch.
-        with tap_gradient_reductions(self.ledger, gathers=True,  # + re-gathers for the backward
-                                     replicate_group=self._replicate_group):
+        with tap_gradient_reductions(
+            self.ledger,
+            gathers=True,  # + re-gathers for the backward
+            replicate_group=self._replicate_group,
+        ):
             loss.backward()
 
     def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
         assert self.module is not None
         # Sharded DTensor gradients: per-shard norms and one all-reduce for the total (not a gradient
         # reduction, and outside the tap); the multiply acts on the local shards. The norm decides the skip.
-        return step_plain(self.optimizer, list(self.module.named_parameters()), max_norm, grad_scale, None,
-                          norms=self._norms)
+        return step_plain(
+            self.optimizer,
+            list(self.module.named_parameters()),
+            max_norm,
+            grad_scale,
+            None,
+            norms=self._norms,
+        )
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.module is not None

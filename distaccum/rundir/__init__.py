@@ -1,20 +1,20 @@
 """The run directory: the one module that names its files and reads them back.
 
-    run_dir/
-      config.json          the resolved configuration (rank 0, at start)
-      launch_config.json   what the local launcher handed its workers
-      metrics.jsonl        one record per optimizer step, plus eval lines (rank 0, flushed as written)
-      summary.json         the run summary (at the end)
-      status.json          ok | failed | invalid_config, written by the CLI
-      checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.rundir.checkpoint)
-      ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.cluster.liveness)
-      checksums.jsonl      per-step parameter checksums (verify.record)
-      divergence.json      the cross-rank tripwire's (or the fingerprint's) report, when it fired
-      warnings.jsonl       the runtime checks' warnings (identical data or random numbers on every rank)
-      console.log          a verify sub-run's console output
-      final/               the trained model: model.safetensors, run_config.json (+ HF layout)
-      plan.json, plan.md   `distaccum plan`: measured costs, predictions, recommendation (+ trials/)
-      sweep.sh             `distaccum plan --sweep`: the multirun command measuring every split
+run_dir/
+  config.json          the resolved configuration (rank 0, at start)
+  launch_config.json   what the local launcher handed its workers
+  metrics.jsonl        one record per optimizer step, plus eval lines (rank 0, flushed as written)
+  summary.json         the run summary (at the end)
+  status.json          ok | failed | invalid_config, written by the CLI
+  checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.rundir.checkpoint)
+  ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.cluster.liveness)
+  checksums.jsonl      per-step parameter checksums (verify.record)
+  divergence.json      the cross-rank tripwire's (or the fingerprint's) report, when it fired
+  warnings.jsonl       the runtime checks' warnings (identical data or random numbers on every rank)
+  console.log          a verify sub-run's console output
+  final/               the trained model: model.safetensors, run_config.json (+ HF layout)
+  plan.json, plan.md   `distaccum plan`: measured costs, predictions, recommendation (+ trials/)
+  sweep.sh             `distaccum plan --sweep`: the multirun command measuring every split
 """
 
 from __future__ import annotations
@@ -106,8 +106,10 @@ def truncate_metrics(run_dir: Path, steps: int) -> list[Record]:
     path = Path(run_dir) / METRICS
     records = [r for r in read_metrics(run_dir) if int(r["step"]) <= steps]
     evals = [r for r in read_evals(run_dir) if int(r["step"]) <= steps]
-    lines = sorted([(int(r["step"]), 0, r) for r in records] + [(int(r["step"]), 1, r) for r in evals],
-                   key=lambda line: line[:2])
+    lines = sorted(
+        [(int(r["step"]), 0, r) for r in records] + [(int(r["step"]), 1, r) for r in evals],
+        key=lambda line: line[:2],
+    )
     if path.is_file():
         path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for _, _, r in lines), encoding="utf-8")
     return records

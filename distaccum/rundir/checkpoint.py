@@ -109,15 +109,20 @@ def problems(path: Path) -> list[str]:
     if found:
         return found
     digests = file_digests(path)
-    return [f"{path}: {name} does not match its sha256 in the manifest"
-            for name, want in manifest["files"].items() if digests.get(name, {}).get("sha256") != want["sha256"]]
+    return [
+        f"{path}: {name} does not match its sha256 in the manifest"
+        for name, want in manifest["files"].items()
+        if digests.get(name, {}).get("sha256") != want["sha256"]
+    ]
 
 
 def candidates(root: Path) -> list[Path]:
     """Checkpoint directories under ``root``, newest step first (unfinished ``.tmp`` ones excluded)."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")]
+    found = [
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")
+    ]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
@@ -166,9 +171,12 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 def fingerprint_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """One line per fingerprint field that differs between a checkpoint and the configuration now."""
-    return [f"{key}: {json.dumps(saved.get(key), sort_keys=True, default=str)} in the checkpoint, "
-            f"{json.dumps(now.get(key), sort_keys=True, default=str)} now"
-            for key in sorted(set(saved) | set(now)) if saved.get(key) != now.get(key)]
+    return [
+        f"{key}: {json.dumps(saved.get(key), sort_keys=True, default=str)} in the checkpoint, "
+        f"{json.dumps(now.get(key), sort_keys=True, default=str)} now"
+        for key in sorted(set(saved) | set(now))
+        if saved.get(key) != now.get(key)
+    ]
 
 
 def describe_skipped(skipped: Iterable[str]) -> str:
@@ -184,6 +192,7 @@ def warn_skipped(found: Found) -> None:
 
 
 # --- what a resume must not silently change --------------------------------------------------------
+
 
 def _digest(value: Any, h: Any) -> None:
     if isinstance(value, torch.Tensor):
@@ -226,6 +235,7 @@ def model_signature(model: nn.Module) -> str:
 
 # --- writing and reading (collective) -------------------------------------------------------------
 
+
 class CheckpointWriter:
     """Writes the files of a checkpoint that distaccum itself writes (the engines write their own state).
 
@@ -241,8 +251,14 @@ class CheckpointWriter:
         torch.save(value, path)
 
 
-def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any],
-         writer: CheckpointWriter | None = None) -> Path:
+def save(
+    state: TrainState,
+    run_dir: Path,
+    *,
+    keep: int,
+    manifest: dict[str, Any],
+    writer: CheckpointWriter | None = None,
+) -> Path:
     """Write a checkpoint of ``state`` after its last step; every rank calls it. Raises
     :class:`CheckpointError` (on every rank) when any rank failed to write: the previous checkpoint
     is untouched and the partial one removed."""
@@ -265,10 +281,15 @@ def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any
             rng["cuda"] = torch.cuda.get_rng_state()
         writer.save_tensors(rng, tmp / RNG_DIR / f"rank-{rank:05d}.pt")
         if rank == 0:
-            trainer_state = {"steps_done": len(state.records), "next_step": step,
-                             "scheduler": state.scheduler.state_dict(), "source": state.source.state_dict(),
-                             "engine": extra, "nonfinite_streak": state.nonfinite_streak,
-                             "world_size": dist.get_world_size()}
+            trainer_state = {
+                "steps_done": len(state.records),
+                "next_step": step,
+                "scheduler": state.scheduler.state_dict(),
+                "source": state.source.state_dict(),
+                "engine": extra,
+                "nonfinite_streak": state.nonfinite_streak,
+                "world_size": dist.get_world_size(),
+            }
             writer.write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
     except Exception as err:  # noqa: BLE001 - every rank must learn that one rank failed
         error = f"{type(err).__name__}: {err}"
@@ -287,9 +308,11 @@ def save(state: TrainState, run_dir: Path, *, keep: int, manifest: dict[str, Any
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = candidates(root)
-        raise CheckpointError(f"writing the checkpoint after step {step} failed"
-                              + (f" on this rank ({error})" if error else " on another rank")
-                              + f"; the previous checkpoint is intact ({previous[0] if previous else 'none'})")
+        raise CheckpointError(
+            f"writing the checkpoint after step {step} failed"
+            + (f" on this rank ({error})" if error else " on another rank")
+            + f"; the previous checkpoint is intact ({previous[0] if previous else 'none'})"
+        )
     return final
 
 
@@ -315,8 +338,17 @@ class Checkpointer:
     seconds passed by rank 0's clock (the loop makes every rank agree through the window's all-reduce),
     and always when the run stops on request. Keeps the newest ``keep``."""
 
-    def __init__(self, run_dir: Path, *, keep: int, every: int, every_s: float, manifest: dict[str, Any],
-                 rank: int, writer: CheckpointWriter | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        keep: int,
+        every: int,
+        every_s: float,
+        manifest: dict[str, Any],
+        rank: int,
+        writer: CheckpointWriter | None = None,
+    ) -> None:
         self.run_dir, self.keep, self.every, self.every_s = run_dir, keep, every, every_s
         self.manifest, self.rank = manifest, rank
         self.writer = writer or CheckpointWriter()

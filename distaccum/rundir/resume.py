@@ -43,15 +43,21 @@ def check_resumable(run_dir: Path, fingerprint: dict[str, Any]) -> Path | None:
     found = latest_valid(root)
     if found.path is None:
         if found.skipped:
-            raise ResumeError(f"{root} holds checkpoints but none is valid: " + " | ".join(found.skipped)
-                              + f"; {FRESH_START}")
+            raise ResumeError(
+                f"{root} holds checkpoints but none is valid: "
+                + " | ".join(found.skipped)
+                + f"; {FRESH_START}"
+            )
         return None
     warn_skipped(found)
     saved = read_manifest(found.path).get("fingerprint", {})
     differences = fingerprint_differences(saved, fingerprint)
     if differences:
-        raise ResumeError(f"cannot resume {found.path}: the configuration changed in ways that break the run: "
-                          + "; ".join(differences) + f". To train with the new settings, {FRESH_START}")
+        raise ResumeError(
+            f"cannot resume {found.path}: the configuration changed in ways that break the run: "
+            + "; ".join(differences)
+            + f". To train with the new settings, {FRESH_START}"
+        )
     return found.path
 
 
@@ -85,8 +91,11 @@ def resume(state: TrainState, run_dir: Path, fingerprint: dict[str, Any], *, att
     if rank == 0:
         truncate_metrics(run_dir, done)
         lost = max(reached - done, 0)
-        print(f"distaccum: resumed from {path} after optimizer step {done}"
-              + (f"; {lost} step(s) finished after it are recomputed" if lost else ""), flush=True)
+        print(
+            f"distaccum: resumed from {path} after optimizer step {done}"
+            + (f"; {lost} step(s) finished after it are recomputed" if lost else ""),
+            flush=True,
+        )
         if attempt > 0:
             report = previous_attempt(run_dir, attempt) or ["no rank left a record of the failure"]
             print(f"distaccum: elastic restart {attempt}: " + "; ".join(report), file=sys.stderr, flush=True)

@@ -46,8 +46,10 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 """``torch.save`` state dicts that :func:`load_weights` reads (with ``weights_only=True``)."""
-ACCEPTED = ("a .safetensors file, a run's final/ directory (model.safetensors), or a PyTorch state dict "
-            "saved with torch.save (.pt, .pth, .bin; flat, or under a 'state_dict' or 'model' key)")
+ACCEPTED = (
+    "a .safetensors file, a run's final/ directory (model.safetensors), or a PyTorch state dict "
+    "saved with torch.save (.pt, .pth, .bin; flat, or under a 'state_dict' or 'model' key)"
+)
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -60,20 +62,26 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             loaded = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as err:  # a pickle with code in it, a truncated file, not a torch file at all
-            raise ValueError(f"weights file {file} is not a PyTorch state dict torch.load can read with "
-                             f"weights_only=True ({type(err).__name__}: {str(err).splitlines()[0]}); "
-                             f"expected {ACCEPTED}") from err
+            raise ValueError(
+                f"weights file {file} is not a PyTorch state dict torch.load can read with "
+                f"weights_only=True ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                f"expected {ACCEPTED}"
+            ) from err
         for key in ("state_dict", "model"):
             if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
                 loaded = loaded[key]
         if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-            raise ValueError(f"weights file {file} holds a {type(loaded).__name__}, not a state dict of tensors; "
-                             f"expected {ACCEPTED}")
+            raise ValueError(
+                f"weights file {file} holds a {type(loaded).__name__}, not a state dict of tensors; "
+                f"expected {ACCEPTED}"
+            )
         return dict(loaded)
     try:
         return load_file(str(file))
     except (SafetensorError, OSError) as err:
-        raise ValueError(f"weights file {file} is not a safetensors file ({err}); expected {ACCEPTED}") from err
+        raise ValueError(
+            f"weights file {file} is not a safetensors file ({err}); expected {ACCEPTED}"
+        ) from err
 
 
 def load_into(model: nn.Module, path: str | Path) -> None:
@@ -94,7 +102,9 @@ def save_final(engine: Engine, run_dir: Path, run_config: dict[str, Any], tokeni
         final.mkdir(parents=True, exist_ok=True)
         module = engine.unwrapped()
         if is_hf_pretrained(module):
-            cast(Any, module).save_pretrained(str(final), state_dict=dict(state))  # it removes tied names in place
+            cast(Any, module).save_pretrained(
+                str(final), state_dict=dict(state)
+            )  # it removes tied names in place
             if (final / FINAL_WEIGHTS).is_file():
                 # save_pretrained drops tied duplicates (GPT-2's lm_head.weight); rewrite the file with
                 # every state-dict name so it loads strictly into the plain model (init_from, verify).

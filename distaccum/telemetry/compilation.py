@@ -20,7 +20,9 @@ from torch._dynamo.callback import CallbackTrigger, callback_handler, on_compile
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 _lock = threading.Lock()
-_events: list[tuple[str, float, str, CallbackTrigger]] = []  # (start | end, perf_counter, compile_id, trigger)
+_events: list[
+    tuple[str, float, str, CallbackTrigger]
+] = []  # (start | end, perf_counter, compile_id, trigger)
 
 
 def _start(args: Any) -> None:
@@ -74,7 +76,7 @@ class CompileWatch:
         step = int(record["step"])
         with _lock:
             upto, breaks = self._ends.pop(step) if step in self._ends else (len(_events), graph_breaks())
-            new, self._seen = _events[self._seen:upto], upto
+            new, self._seen = _events[self._seen : upto], upto
         starts: dict[tuple[str, CallbackTrigger], float] = {}
         seconds, recompiled = 0.0, []
         for kind, at, compile_id, trigger in new:
@@ -87,13 +89,25 @@ class CompileWatch:
         if recompiled and step > self.warmup and self.rank == 0:
             reasons = {str(m.compile_id): m.recompile_reason for m in get_compilation_metrics()}
             why = "; ".join(f"{i}: {reasons.get(i) or 'reason not recorded'}" for i in recompiled)
-            hint = (" A tensor dimension changed: at index 0 usually the micro-batch size (a partial last window: a "
-                    "global batch that divides the dataset has none), elsewhere e.g. the sequence length (pad to fixed "
-                    "lengths: distaccum.datasets.pad_collate's pad_to). Once a dimension is dynamic it does not "
-                    "recompile again." if "size mismatch" in why else
-                    " A dimension of size 1 (a one-sample micro-batch of a partial last window): torch compiles "
-                    "size 1 apart. data.drop_last=true, or a global batch that divides the dataset, has none."
-                    if "0/1 specialization" in why else "")
-            print(f"distaccum: torch.compile recompiled {len(recompiled)} graph(s) at step {step}, after warm-up "
-                  f"(each recompile costs compile time again): {why}.{hint}", file=sys.stderr, flush=True)
-        return {"compile_s": seconds, "recompiles": len(recompiled), "graph_breaks": breaks - self._breaks_before}
+            hint = (
+                " A tensor dimension changed: at index 0 usually the micro-batch size (a partial last window: a "
+                "global batch that divides the dataset has none), elsewhere e.g. the sequence length (pad to fixed "
+                "lengths: distaccum.datasets.pad_collate's pad_to). Once a dimension is dynamic it does not "
+                "recompile again."
+                if "size mismatch" in why
+                else " A dimension of size 1 (a one-sample micro-batch of a partial last window): torch compiles "
+                "size 1 apart. data.drop_last=true, or a global batch that divides the dataset, has none."
+                if "0/1 specialization" in why
+                else ""
+            )
+            print(
+                f"distaccum: torch.compile recompiled {len(recompiled)} graph(s) at step {step}, after warm-up "
+                f"(each recompile costs compile time again): {why}.{hint}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return {
+            "compile_s": seconds,
+            "recompiles": len(recompiled),
+            "graph_breaks": breaks - self._breaks_before,
+        }

@@ -72,13 +72,18 @@ class GradSquares:
         return local.to(device), reduced.to(device)
 
 
-def window_terms(squares: GradSquares, local_items: float, c: float, d: float,
-                 device: torch.device) -> list[torch.Tensor]:
+def window_terms(
+    squares: GradSquares, local_items: float, c: float, d: float, device: torch.device
+) -> list[torch.Tensor]:
     """This rank's three numbers for the noise-scale all-reduce: |G_r|^2, 1/n_r and |L|^2 (identical
     on every rank; :func:`estimate` divides the sum by W). Their sums feed :func:`estimate`."""
     local_sq, reduced_sq = squares.take(device)
     n = max(local_items, 1.0)
-    return [local_sq / (c * d * n) ** 2, torch.tensor(1.0 / n, dtype=torch.float64, device=device), reduced_sq / c**2]
+    return [
+        local_sq / (c * d * n) ** 2,
+        torch.tensor(1.0 / n, dtype=torch.float64, device=device),
+        reduced_sq / c**2,
+    ]
 
 
 def estimate(sums: list[float], n_total: float, world: int) -> tuple[float, float]:
@@ -93,15 +98,16 @@ def estimate(sums: list[float], n_total: float, world: int) -> tuple[float, floa
     return big_sq - trace * inv_big, trace
 
 
-def record_fields(grad_sq: float, trace: float, previous: dict[str, Any] | None, decay: float) -> dict[str, float]:
+def record_fields(
+    grad_sq: float, trace: float, previous: dict[str, Any] | None, decay: float
+) -> dict[str, float]:
     """The step's ``gns*`` record fields. The smoothing state rides in the records (``gns_grad_sq_ema``,
     ``gns_trace_ema``), so a resumed run, whose records are restored, continues the same averages.
     An undefined step (all of a partial window's items on one rank) leaves the averages as they were.
     Bias-correcting the two averages (as Adam does) would divide both by the same factor: their
     ratio needs none."""
     prev = previous or {}
-    fields = {"gns_grad_sq": grad_sq, "gns_trace": trace,
-              "gns": trace / grad_sq if grad_sq else math.nan}
+    fields = {"gns_grad_sq": grad_sq, "gns_trace": trace, "gns": trace / grad_sq if grad_sq else math.nan}
     for key, value in (("gns_grad_sq_ema", grad_sq), ("gns_trace_ema", trace)):
         before = prev.get(key, 0.0)
         fields[key] = decay * before + (1.0 - decay) * value if math.isfinite(value) else before
@@ -117,13 +123,23 @@ class GnsMonitor:
     all-reduce, of three numbers, combines them over the ranks; the record gets the raw estimate and
     its smoothed ratio (the averages ride in the records, so a resumed run continues them)."""
 
-    def __init__(self, squares: GradSquares, decay: float, world_size: int, rank: int, device: torch.device) -> None:
-        self.squares, self.decay, self.world, self.rank, self.device = squares, decay, world_size, rank, device
+    def __init__(
+        self, squares: GradSquares, decay: float, world_size: int, rank: int, device: torch.device
+    ) -> None:
+        self.squares, self.decay, self.world, self.rank, self.device = (
+            squares,
+            decay,
+            world_size,
+            rank,
+            device,
+        )
         self._sums: dict[int, torch.Tensor] = {}
         """Per step until its record is made (a step late under the loop's lagged records)."""
 
     def after_step(self, step: int, window: Any, c: float, d: float) -> None:
-        terms = window_terms(self.squares, window.rank_sums[self.rank][1], c, d, self.device)  # this rank's items
+        terms = window_terms(
+            self.squares, window.rank_sums[self.rank][1], c, d, self.device
+        )  # this rank's items
         sums = torch.stack(terms)
         dist.all_reduce(sums)
         self._sums[step] = sums

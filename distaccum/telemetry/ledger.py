@@ -232,8 +232,9 @@ class CommLedger:
             end = self.clock.stamp()
         return partial(self._stats_once, collectives, gather_calls, gather_bytes, start, end)
 
-    def _stats_once(self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp,
-                    end: Stamp) -> CommStats:
+    def _stats_once(
+        self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp, end: Stamp
+    ) -> CommStats:
         """:meth:`_stats`, then the collectives' stamps go back to the clock (called once per step). The step's
         start and end are the caller's to hand back (the step timer's); one the ledger took itself, without a
         timer, is simply dropped."""
@@ -242,17 +243,21 @@ class CommLedger:
             self.clock.release([s for c in collectives for s in (c.start, c.end) if s is not None])
         return stats
 
-    def _stats(self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp,
-               end: Stamp) -> CommStats:
+    def _stats(
+        self, collectives: list[_Collective], gather_calls: int, gather_bytes: int, start: Stamp, end: Stamp
+    ) -> CommStats:
         inner = [c for c in collectives if not c.replicate]
         across = [c for c in collectives if c.replicate]
-        stats = CommStats(comm_calls=len(inner),
-                          comm_bytes=sum(c.nbytes for c in inner),
-                          comm_rounds=len({c.micro for c in inner}),
-                          gather_calls=gather_calls, gather_bytes=gather_bytes,
-                          comm_calls_replicate=len(across),
-                          comm_bytes_replicate=sum(c.nbytes for c in across),
-                          comm_rounds_replicate=len({c.micro for c in across}))
+        stats = CommStats(
+            comm_calls=len(inner),
+            comm_bytes=sum(c.nbytes for c in inner),
+            comm_rounds=len({c.micro for c in inner}),
+            gather_calls=gather_calls,
+            gather_bytes=gather_bytes,
+            comm_calls_replicate=len(across),
+            comm_bytes_replicate=sum(c.nbytes for c in across),
+            comm_rounds_replicate=len({c.micro for c in across}),
+        )
         if not self.enabled or not collectives:
             return stats
 

@@ -40,7 +40,7 @@ def _read_status(key: bytes) -> int | None:
     at = status.find(key)
     if at < 0:
         return None
-    return int(status[at + len(key):status.index(b"\n", at)].split()[0]) * 1024
+    return int(status[at + len(key) : status.index(b"\n", at)].split()[0]) * 1024
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -129,9 +129,17 @@ def load_run(path: Path, label: str | None = None) -> Run:
     if overrides_file.is_file():
         loaded = yaml.safe_load(overrides_file.read_text(encoding="utf-8"))
         overrides = [str(o) for o in loaded or []]
-    return Run(path=path, label=label or path.name, status=status, error=error,
-               records=read_metrics(path), summary=summary,
-               config=read_json(path / CONFIG), overrides=overrides, evals=read_evals(path))
+    return Run(
+        path=path,
+        label=label or path.name,
+        status=status,
+        error=error,
+        records=read_metrics(path),
+        summary=summary,
+        config=read_json(path / CONFIG),
+        overrides=overrides,
+        evals=read_evals(path),
+    )
 
 
 def sweep_jobs(path: Path) -> list[Path]:
@@ -152,8 +160,10 @@ def discover(paths: list[Path]) -> list[Run]:
             continue
         jobs = sweep_jobs(path) if path.is_dir() else []
         if not jobs:
-            raise ValueError(f"{path}: not a run directory (no {', '.join(RUN_FILES)}) "
-                             "and not a sweep directory holding any")
+            raise ValueError(
+                f"{path}: not a run directory (no {', '.join(RUN_FILES)}) "
+                "and not a sweep directory holding any"
+            )
         prefix = f"{path.name}/" if len(paths) > 1 else ""
         runs.extend(load_run(job, f"{prefix}{job.name}") for job in jobs)
     for run, varied in zip(runs, varied_overrides(runs), strict=True):
@@ -170,8 +180,10 @@ def varied_overrides(runs: list[Run]) -> list[list[str]]:
     """Per run, the Hydra overrides not shared by every run (``run_dir=`` and ``hydra.`` left out):
     what tells the runs of a sweep, or runs compared side by side, apart."""
     common = set.intersection(*(set(r.overrides) for r in runs)) if runs else set()
-    return [[o for o in r.overrides if o not in common and not o.lstrip("+~").startswith(("run_dir=", "hydra."))]
-            for r in runs]
+    return [
+        [o for o in r.overrides if o not in common and not o.lstrip("+~").startswith(("run_dir=", "hydra."))]
+        for r in runs
+    ]
 
 
 # ---------------------------------------------------------------- table
@@ -240,7 +252,11 @@ def table_row(run: Run) -> Row:
 
 def gns_series(run: Run) -> dict[int, tuple[float, float]]:
     """step -> (raw, smoothed) gradient noise scale, for runs trained with ``log.gns=true``."""
-    return {int(r["step"]): (float(r["gns"]), float(r["gns_smoothed"])) for r in run.records if "gns_smoothed" in r}
+    return {
+        int(r["step"]): (float(r["gns"]), float(r["gns_smoothed"]))
+        for r in run.records
+        if "gns_smoothed" in r
+    }
 
 
 def render_gns(runs: list[Run]) -> list[str]:
@@ -249,15 +265,23 @@ def render_gns(runs: list[Run]) -> list[str]:
     measured = [(r, series) for r, series in measured if series]
     if not measured:
         return []
-    lines = ["", "## Gradient noise scale", "",
-             "B_simple = tr(Sigma) / |G|^2 in loss items (McCandlish et al. 2018), smoothed "
-             "(`gns_smoothed`, ratio of moving averages). Well below the items per step: a smaller global batch "
-             "would do nearly as much per sample; well above it: larger batches still pay off.", "",
-             "| run | items per step | gns_smoothed (last) | ratio |", "|---|---|---|---|"]
+    lines = [
+        "",
+        "## Gradient noise scale",
+        "",
+        "B_simple = tr(Sigma) / |G|^2 in loss items (McCandlish et al. 2018), smoothed "
+        "(`gns_smoothed`, ratio of moving averages). Well below the items per step: a smaller global batch "
+        "would do nearly as much per sample; well above it: larger batches still pay off.",
+        "",
+        "| run | items per step | gns_smoothed (last) | ratio |",
+        "|---|---|---|---|",
+    ]
     for run, series in measured:
         items = median(float(r.get("items", 0)) for r in run.records)
         last = series[max(series)][1]
-        lines.append(f"| `{run.label}` | {items:.0f} | {_num(last, '.1f')} | {_num(last / items if items else math.nan, '.2f')} |")
+        lines.append(
+            f"| `{run.label}` | {items:.0f} | {_num(last, '.1f')} | {_num(last / items if items else math.nan, '.2f')} |"
+        )
     return lines
 
 
@@ -287,8 +311,9 @@ def _max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float:
     return max((rel_diff(a[s], b[s]) for s in common), default=0.0)
 
 
-def compare_curves(cand: dict[int, float], ref: dict[int, float], rtol: float,
-                   atol: float) -> tuple[float, int | None, int]:
+def compare_curves(
+    cand: dict[int, float], ref: dict[int, float], rtol: float, atol: float
+) -> tuple[float, int | None, int]:
     """(max relative difference, first step out of tolerance or None, steps compared)."""
     common = sorted(cand.keys() & ref.keys())
     first_bad = next((s for s in common if abs(cand[s] - ref[s]) > atol + rtol * abs(ref[s])), None)
@@ -328,8 +353,11 @@ def build_rows(runs: list[Run], agreements: list[Agreement]) -> list[Row]:
             row.agreement = "reference"
         elif run.label in by_label:
             a = by_label[run.label]
-            row.agreement = (f"ok ({a.max_rel_diff:.1e})" if a.ok
-                             else f"DISAGREES at step {a.first_bad_step} ({a.max_rel_diff:.1e})")
+            row.agreement = (
+                f"ok ({a.max_rel_diff:.1e})"
+                if a.ok
+                else f"DISAGREES at step {a.first_bad_step} ({a.max_rel_diff:.1e})"
+            )
         rows.append(row)
     return rows
 
@@ -341,30 +369,65 @@ def _num(value: float, fmt: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
 
-COLUMNS = ("run", "status", "overrides", "split (mb x K x W = G)", "engine", "sync", "loss norm", "steps",
-           "effective lr", "samples/s", "compute s", "exposed comm s", "comm in flight s", "comm share",
-           "reduced/step", "across replicas/step", "peak mem", "final loss", "eval loss (ppl)", "loss curve")
+COLUMNS = (
+    "run",
+    "status",
+    "overrides",
+    "split (mb x K x W = G)",
+    "engine",
+    "sync",
+    "loss norm",
+    "steps",
+    "effective lr",
+    "samples/s",
+    "compute s",
+    "exposed comm s",
+    "comm in flight s",
+    "comm share",
+    "reduced/step",
+    "across replicas/step",
+    "peak mem",
+    "final loss",
+    "eval loss (ppl)",
+    "loss curve",
+)
 
 
 def _cells(row: Row) -> list[str]:
     valid = row.steps > 0
     return [
-        f"`{row.label}`", row.status, f"`{row.varied}`" if row.varied else "", row.split, row.engine,
-        row.sync, row.loss_norm, str(row.steps), _num(row.effective_lr, ".4g"),
-        _num(row.samples_per_s, ".1f"), _num(row.compute_s, ".4f"), _num(row.comm_exposed_s, ".4f"),
-        _num(row.comm_s, ".4f"), _num(row.comm_share, ".1%"),
+        f"`{row.label}`",
+        row.status,
+        f"`{row.varied}`" if row.varied else "",
+        row.split,
+        row.engine,
+        row.sync,
+        row.loss_norm,
+        str(row.steps),
+        _num(row.effective_lr, ".4g"),
+        _num(row.samples_per_s, ".1f"),
+        _num(row.compute_s, ".4f"),
+        _num(row.comm_exposed_s, ".4f"),
+        _num(row.comm_s, ".4f"),
+        _num(row.comm_share, ".1%"),
         f"{human_bytes(row.comm_bytes)} / {row.comm_calls:.0f} calls"
-        if valid and not math.isnan(row.comm_bytes + row.comm_calls) else "-",
+        if valid and not math.isnan(row.comm_bytes + row.comm_calls)
+        else "-",
         f"{human_bytes(row.comm_bytes_replicate)} / {row.comm_calls_replicate:.0f} calls"
-        if valid and row.comm_calls_replicate > 0 else "-",
-        human_bytes(row.peak_mem_bytes) if valid else "-", _num(row.final_loss, ".5f"),
-        "-" if math.isnan(row.eval_loss) else f"{row.eval_loss:.4f} ({math.exp(min(row.eval_loss, 700)):.2f})",
+        if valid and row.comm_calls_replicate > 0
+        else "-",
+        human_bytes(row.peak_mem_bytes) if valid else "-",
+        _num(row.final_loss, ".5f"),
+        "-"
+        if math.isnan(row.eval_loss)
+        else f"{row.eval_loss:.4f} ({math.exp(min(row.eval_loss, 700)):.2f})",
         row.agreement,
     ]
 
 
-def render_markdown(rows: list[Row], agreements: list[Agreement], runs: list[Run], rtol: float,
-                    atol: float) -> str:
+def render_markdown(
+    rows: list[Row], agreements: list[Agreement], runs: list[Run], rtol: float, atol: float
+) -> str:
     """``report.md``: the table, the agreement verdict, and why each invalid or failed run is so."""
     lines = ["# distaccum report", ""]
     counts: dict[str, int] = {}
@@ -373,24 +436,36 @@ def render_markdown(rows: list[Row], agreements: list[Agreement], runs: list[Run
     lines += [f"{len(rows)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())), ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
-    lines += ["", "Times are medians per optimizer step after warm-up, on rank 0. *exposed comm*: time "
-              "the step waited on gradient communication; *comm in flight*: time any gradient "
-              "collective was running, hidden or not; *comm share* = exposed / (compute + exposed). "
-              "*reduced/step*: gradient collectives (for HSDP: the reduce-scatters inside each replica); "
-              "*across replicas/step*: HSDP's all-reduces between replicas (the slow link across nodes).",
-              "", f"## Loss-curve agreement (rtol {rtol:g}, atol {atol:g})", ""]
+    lines += [
+        "",
+        "Times are medians per optimizer step after warm-up, on rank 0. *exposed comm*: time "
+        "the step waited on gradient communication; *comm in flight*: time any gradient "
+        "collective was running, hidden or not; *comm share* = exposed / (compute + exposed). "
+        "*reduced/step*: gradient collectives (for HSDP: the reduce-scatters inside each replica); "
+        "*across replicas/step*: HSDP's all-reduces between replicas (the slow link across nodes).",
+        "",
+        f"## Loss-curve agreement (rtol {rtol:g}, atol {atol:g})",
+        "",
+    ]
     bad = [a for a in agreements if not a.ok]
     if not agreements:
-        lines.append("No two comparable runs (same model, data, optimizer, precision, seed and "
-                     "effective batch): nothing to compare.")
+        lines.append(
+            "No two comparable runs (same model, data, optimizer, precision, seed and "
+            "effective batch): nothing to compare."
+        )
     elif not bad:
         worst = max(a.max_rel_diff for a in agreements)
-        lines.append(f"All {len(agreements) + len({a.reference for a in agreements})} comparable runs "
-                     f"agree (largest relative loss difference {worst:.2e}).")
+        lines.append(
+            f"All {len(agreements) + len({a.reference for a in agreements})} comparable runs "
+            f"agree (largest relative loss difference {worst:.2e})."
+        )
     else:
         lines.append(f"**{len(bad)} run(s) disagree with their reference:**")
-        lines += [f"- `{a.label}` vs `{a.reference}`: first out of tolerance at step {a.first_bad_step}, "
-                  f"max relative difference {a.max_rel_diff:.2e}" for a in bad]
+        lines += [
+            f"- `{a.label}` vs `{a.reference}`: first out of tolerance at step {a.first_bad_step}, "
+            f"max relative difference {a.max_rel_diff:.2e}"
+            for a in bad
+        ]
     lines += render_gns(runs)
     problems = [r for r in runs if r.status not in ("ok",)]
     if problems:
@@ -402,9 +477,15 @@ def render_markdown(rows: list[Row], agreements: list[Agreement], runs: list[Run
 # ---------------------------------------------------------------- figure
 
 
-def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements: list[Agreement],
-                path: Path, rtol: float, eval_curves: dict[str, dict[int, float]] | None = None,
-                gns: dict[str, dict[int, tuple[float, float]]] | None = None) -> None:
+def plot_report(
+    rows: list[Row],
+    curves: dict[str, dict[int, float]],
+    agreements: list[Agreement],
+    path: Path,
+    rtol: float,
+    eval_curves: dict[str, dict[int, float]] | None = None,
+    gns: dict[str, dict[int, tuple[float, float]]] | None = None,
+) -> None:
     """``report.png``: per run, the median step split into compute / exposed comm / data / optimizer
     (left); the loss curves overlaid, disagreeing runs dashed, held-out eval losses as crosses
     (middle); each compared run's relative loss difference to its reference, against ``rtol`` (right);
@@ -423,9 +504,12 @@ def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements
     bars, losses, diffs = axes[:3]
     labels = [f"{r.label} {r.split}" if r.split != "-" else r.label for r in shown]
     left = [0.0] * len(shown)
-    parts = (("compute_s", "compute (fwd+bwd)", "tab:blue"),
-             ("comm_exposed_s", "exposed communication", "tab:red"),
-             ("data_s", "data", "tab:gray"), ("optim_s", "optimizer", "tab:green"))
+    parts = (
+        ("compute_s", "compute (fwd+bwd)", "tab:blue"),
+        ("comm_exposed_s", "exposed communication", "tab:red"),
+        ("data_s", "data", "tab:gray"),
+        ("optim_s", "optimizer", "tab:green"),
+    )
     for key, name, color in parts:
         widths = [0.0 if math.isnan(getattr(r, key)) else getattr(r, key) for r in shown]
         bars.barh(labels, widths, left=left, label=name, color=color)
@@ -437,24 +521,34 @@ def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements
     bars.set_xlim(0, 1.2 * max(left, default=0.0) or 1.0)  # room for the share labels
     bars.set_xlabel("median seconds per optimizer step")
     skipped = [f"{r.label} ({r.status})" for r in rows if r.steps == 0]
-    bars.set_title("median step: compute vs exposed communication"
-                   + ("\nnot run: " + ", ".join(skipped) if skipped else ""), fontsize=10)
+    bars.set_title(
+        "median step: compute vs exposed communication"
+        + ("\nnot run: " + ", ".join(skipped) if skipped else ""),
+        fontsize=10,
+    )
     bars.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8)
     for label, curve in curves.items():
         if not curve:
             continue
         steps = sorted(curve)
         bad = label in flagged
-        losses.plot(steps, [curve[s] for s in steps], linestyle="--" if bad else "-", marker=".",
-                    label=label + (" (disagrees)" if bad else ""), alpha=0.85)
+        losses.plot(
+            steps,
+            [curve[s] for s in steps],
+            linestyle="--" if bad else "-",
+            marker=".",
+            label=label + (" (disagrees)" if bad else ""),
+            alpha=0.85,
+        )
     for label, curve in (eval_curves or {}).items():
         if curve:
             steps = sorted(curve)
             losses.plot(steps, [curve[s] for s in steps], linestyle=":", marker="x", label=f"{label} eval")
     losses.set_xlabel("optimizer step")
     losses.set_ylabel("loss")
-    losses.set_title("loss curves (x: held-out eval)" if any((eval_curves or {}).values()) else "loss curves",
-                     fontsize=10)
+    losses.set_title(
+        "loss curves (x: held-out eval)" if any((eval_curves or {}).values()) else "loss curves", fontsize=10
+    )
     losses.xaxis.set_major_locator(MaxNLocator(integer=True))
     if curves or eval_curves:
         losses.legend(fontsize=8)
@@ -463,8 +557,9 @@ def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements
         steps = sorted(cand.keys() & ref.keys())
         # identical losses have no place on a log axis: draw them at 1e-17 (below fp64 resolution)
         values = [max(rel_diff(cand[s], ref[s]), 1e-17) for s in steps]
-        diffs.plot(steps, values, linestyle="-" if a.ok else "--", marker=".",
-                   label=f"{a.label} vs {a.reference}")
+        diffs.plot(
+            steps, values, linestyle="-" if a.ok else "--", marker=".", label=f"{a.label} vs {a.reference}"
+        )
     diffs.axhline(rtol, color="black", linewidth=1, linestyle=":", label=f"rtol {rtol:g}")
     diffs.set_yscale("log")
     diffs.set_xlabel("optimizer step")
@@ -477,8 +572,14 @@ def plot_report(rows: list[Row], curves: dict[str, dict[int, float]], agreements
         for label, series in noise.items():
             steps = sorted(series)
             line = ax.plot(steps, [series[s][1] for s in steps], label=f"{label} (smoothed)")[0]
-            ax.plot(steps, [series[s][0] for s in steps], linestyle="none", marker=".", alpha=0.3,
-                    color=line.get_color())
+            ax.plot(
+                steps,
+                [series[s][0] for s in steps],
+                linestyle="none",
+                marker=".",
+                alpha=0.3,
+                color=line.get_color(),
+            )
         ax.set_yscale("symlog")  # raw per-step estimates can be negative
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("B_simple (loss items)")

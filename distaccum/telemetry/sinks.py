@@ -74,8 +74,9 @@ class ConsoleSink:
     files, CI), each with loss, lr, samples/s, bytes reduced, comm share, elapsed time and ETA.
     Quiet mode prints only the summary."""
 
-    def __init__(self, total_steps: int, *, quiet: bool = False, stream: IO[str] | None = None,
-                 first_step: int = 1) -> None:
+    def __init__(
+        self, total_steps: int, *, quiet: bool = False, stream: IO[str] | None = None, first_step: int = 1
+    ) -> None:
         self.total = total_steps
         self.quiet = quiet
         self.stream = stream or sys.stdout
@@ -85,25 +86,38 @@ class ConsoleSink:
         if not quiet and self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=first_step - 1, file=self.stream, unit="step",
-                            dynamic_ncols=True, leave=True)
+            self.bar = tqdm(
+                total=total_steps,
+                initial=first_step - 1,
+                file=self.stream,
+                unit="step",
+                dynamic_ncols=True,
+                leave=True,
+            )
 
     def _fields(self, record: Record) -> str:
         busy = record.get("compute_s", 0.0) + record.get("comm_exposed_s", 0.0)
         share = record.get("comm_exposed_s", 0.0) / busy if busy > 0 else 0.0
         calls, across = record.get("comm_calls", 0), record.get("comm_calls_replicate", 0)
-        replicas = (f" + {human_bytes(record.get('comm_bytes_replicate', 0))} across replicas in {across}"
-                    if across else "")
-        return (f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record.get('samples_per_s', 0):.1f} samples/s "
-                f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}"
-                f"{replicas} comm {share:.0%}" + _compiled(record) + (" SKIPPED" if record.get("skipped") else ""))
+        replicas = (
+            f" + {human_bytes(record.get('comm_bytes_replicate', 0))} across replicas in {across}"
+            if across
+            else ""
+        )
+        return (
+            f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record.get('samples_per_s', 0):.1f} samples/s "
+            f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}"
+            f"{replicas} comm {share:.0%}" + _compiled(record) + (" SKIPPED" if record.get("skipped") else "")
+        )
 
     def log(self, record: Record) -> None:
         if self.quiet:
             return
         if "eval_loss" in record:  # an evaluation line (distaccum.evaluate), not a step
-            line = (f"eval after step {record['step']}: loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f} "
-                    f"on {record['eval_items']} items of {record['eval_samples']} samples ({record['eval_s']:.1f} s)")
+            line = (
+                f"eval after step {record['step']}: loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f} "
+                f"on {record['eval_items']} items of {record['eval_samples']} samples ({record['eval_s']:.1f} s)"
+            )
             if self.bar is not None:
                 self.bar.write(line, file=self.stream)
             else:
@@ -117,21 +131,31 @@ class ConsoleSink:
         elapsed = time.monotonic() - self.started
         done = step - self.first_step + 1
         eta = elapsed / done * (self.total - step) if done > 0 else 0.0
-        print(f"step {step:>{len(str(self.total))}}/{self.total} {self._fields(record)} "
-              f"elapsed {clock(elapsed)} eta {clock(eta)}", file=self.stream, flush=True)
+        print(
+            f"step {step:>{len(str(self.total))}}/{self.total} {self._fields(record)} "
+            f"elapsed {clock(elapsed)} eta {clock(eta)}",
+            file=self.stream,
+            flush=True,
+        )
 
     def close(self, summary: Record) -> None:
         if self.bar is not None:
             self.bar.close()
         loss = summary.get("final_loss", math.nan)
-        print(f"done: {summary['steps']} optimizer steps in {clock(time.monotonic() - self.started)}, final loss "
-              f"{loss:.4f}, {summary['samples_per_s']:.1f} samples/s, {summary['engine']} world {summary['world_size']} "
-              f"split {summary['micro_batch']}x{summary['accum_steps']}x{summary['world_size']}"
-              f"={summary['global_batch']}", file=self.stream)
+        print(
+            f"done: {summary['steps']} optimizer steps in {clock(time.monotonic() - self.started)}, final loss "
+            f"{loss:.4f}, {summary['samples_per_s']:.1f} samples/s, {summary['engine']} world {summary['world_size']} "
+            f"split {summary['micro_batch']}x{summary['accum_steps']}x{summary['world_size']}"
+            f"={summary['global_batch']}",
+            file=self.stream,
+        )
         if "compile_s" in summary:
-            print(f"torch.compile: {summary['compile_s']:.1f} s compiling (inside the steps' times), "
-                  f"{summary['recompiles']} recompiles after warm-up, {summary['graph_breaks']} graph breaks; "
-                  f"median step {summary['median_time_s'] * 1e3:.1f} ms after warm-up", file=self.stream)
+            print(
+                f"torch.compile: {summary['compile_s']:.1f} s compiling (inside the steps' times), "
+                f"{summary['recompiles']} recompiles after warm-up, {summary['graph_breaks']} graph breaks; "
+                f"median step {summary['median_time_s'] * 1e3:.1f} ms after warm-up",
+                file=self.stream,
+            )
         print(f"records: {summary['run_dir']}/metrics.jsonl, summary.json", file=self.stream)
         if summary.get("final_model"):
             print(f"trained model: {summary['final_model']}/ (model.safetensors)", file=self.stream)
@@ -159,19 +183,33 @@ class MultiSink:
             sink.close(summary)
 
 
-def build_sinks(console: str, total_steps: int, run_dir: Path, rank: int, *,
-                wandb_config: dict[str, Any] | None = None, wandb_mode: str = "offline",
-                wandb_project: str = "distaccum", append: bool = False, first_step: int = 1) -> Sink:
+def build_sinks(
+    console: str,
+    total_steps: int,
+    run_dir: Path,
+    rank: int,
+    *,
+    wandb_config: dict[str, Any] | None = None,
+    wandb_mode: str = "offline",
+    wandb_project: str = "distaccum",
+    append: bool = False,
+    first_step: int = 1,
+) -> Sink:
     """Rank 0 gets console + JSONL (+ wandb when ``wandb_config`` is given and ``wandb_mode`` is not
     ``disabled``); other ranks a NullSink."""
     if rank != 0:
         return NullSink()
     quiet = console == "quiet"
-    sinks: list[Sink] = [JsonlSink(run_dir, append=append),
-                         ConsoleSink(total_steps, quiet=quiet, first_step=first_step)]
+    sinks: list[Sink] = [
+        JsonlSink(run_dir, append=append),
+        ConsoleSink(total_steps, quiet=quiet, first_step=first_step),
+    ]
     if wandb_config is not None and wandb_mode != "disabled":
         from distaccum.telemetry.wandb_sink import WandbSink  # imported lazily: wandb is optional
 
-        sinks.append(WandbSink(run_dir, wandb_config, mode=wandb_mode, project=wandb_project,
-                               quiet=quiet, resume=append))
+        sinks.append(
+            WandbSink(
+                run_dir, wandb_config, mode=wandb_mode, project=wandb_project, quiet=quiet, resume=append
+            )
+        )
     return MultiSink(sinks)

@@ -12,8 +12,15 @@ from distaccum.engines.base import Engine
 from distaccum.rundir import Record
 
 
-def summarize(header: Record, records: list[Record], engine: Engine, run_dir: Path, *, warmup_steps: int,
-              lr_scale: float) -> Record:
+def summarize(
+    header: Record,
+    records: list[Record],
+    engine: Engine,
+    run_dir: Path,
+    *,
+    warmup_steps: int,
+    lr_scale: float,
+) -> Record:
     """The run summary: ``header`` (what ran: :meth:`distaccum.resolve.ResolvedRun.summary_header`), medians
     of the records after ``warmup_steps``, the effective learning rate (the optimizer's own initial lr times
     ``lr_scale``) and fp64 checksums of every final parameter (collective)."""
@@ -40,9 +47,20 @@ def summarize(header: Record, records: list[Record], engine: Engine, run_dir: Pa
         "param_l2": float(param_sq.sqrt()),
         "run_dir": str(run_dir),
     }
-    for key in ("time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "optim_s",
-                "comm_calls", "comm_bytes", "comm_rounds", "comm_calls_replicate", "comm_bytes_replicate",
-                "comm_rounds_replicate"):
+    for key in (
+        "time_s",
+        "data_s",
+        "compute_s",
+        "comm_s",
+        "comm_exposed_s",
+        "optim_s",
+        "comm_calls",
+        "comm_bytes",
+        "comm_rounds",
+        "comm_calls_replicate",
+        "comm_bytes_replicate",
+        "comm_rounds_replicate",
+    ):
         summary[f"median_{key}"] = med(key)
     summary["peak_mem_bytes"] = max((r["peak_mem_bytes"] for r in records), default=0)
     if any("compile_s" in r for r in records):  # trainer.compile: compile time apart from the step medians
@@ -52,4 +70,3 @@ def summarize(header: Record, records: list[Record], engine: Engine, run_dir: Pa
     busy = summary["median_compute_s"] + summary["median_comm_exposed_s"]
     summary["comm_share"] = summary["median_comm_exposed_s"] / busy if busy > 0 else 0.0
     return summary
-

@@ -96,7 +96,9 @@ class PendingTimes:
             comm=comm,
             peak_mem_bytes=self.peak_mem_bytes,
         )
-        clock.release([*marks.values(), *(s for pair in self.micro_data for s in pair), end])  # read: reusable
+        clock.release(
+            [*marks.values(), *(s for pair in self.micro_data for s in pair), end]
+        )  # read: reusable
         return times
 
 
@@ -162,8 +164,14 @@ class StepTimer:
         end = self.clock.stamp()
         if sync:
             self.clock.sync()
-        return PendingTimes(self.clock, self._marks, self._micro_data, end,  # start_step makes new ones
-                            self.ledger.close_step(end), peak_memory_bytes(self.device))
+        return PendingTimes(
+            self.clock,
+            self._marks,
+            self._micro_data,
+            end,  # start_step makes new ones
+            self.ledger.close_step(end),
+            peak_memory_bytes(self.device),
+        )
 
     def gather(self, values: list[float]) -> torch.Tensor:
         """All-gather host floats from every rank: a float64 CPU tensor of shape (world, len(values))."""
@@ -201,8 +209,9 @@ class RankStats:
     def after_step(self, step: int, window: object, c: float, d: float) -> None:
         pass
 
-    def fields(self, record: dict[str, object], times: StepTimes, records: list[dict[str, object]]
-               ) -> dict[str, object]:
+    def fields(
+        self, record: dict[str, object], times: StepTimes, records: list[dict[str, object]]
+    ) -> dict[str, object]:
         if not self.every or int(record["step"]) % self.every:  # type: ignore[call-overload]
             return {}
         compute = self.timer.gather([times.compute_s])[:, 0]

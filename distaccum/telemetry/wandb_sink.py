@@ -43,11 +43,16 @@ def api_key_available(environ: Mapping[str, str] = os.environ) -> bool:
         return False
 
 
-def resolve_mode(asked: str, environ: Mapping[str, str] = os.environ) -> Literal["online", "offline", "disabled"]:
+def resolve_mode(
+    asked: str, environ: Mapping[str, str] = os.environ
+) -> Literal["online", "offline", "disabled"]:
     """The mode to run wandb in: ``online`` needs a key, otherwise offline (with a warning)."""
     if asked == "online" and not api_key_available(environ):
-        warnings.warn("log.wandb_mode=online but no WANDB_API_KEY (or netrc entry) is set: "
-                      "logging offline instead; upload later with `wandb sync`", stacklevel=2)
+        warnings.warn(
+            "log.wandb_mode=online but no WANDB_API_KEY (or netrc entry) is set: "
+            "logging offline instead; upload later with `wandb sync`",
+            stacklevel=2,
+        )
         return "offline"
     return cast(Literal["online", "offline", "disabled"], asked)  # LogConfig validated the choice
 
@@ -56,8 +61,16 @@ class WandbSink:
     """One wandb run per training run: ``wandb.log(record, step=step)`` per optimizer step, the run
     summary into ``run.summary``, ``finish()`` at close."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], *, mode: str = "offline",
-                 project: str = "distaccum", quiet: bool = False, resume: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        *,
+        mode: str = "offline",
+        project: str = "distaccum",
+        quiet: bool = False,
+        resume: bool = False,
+    ) -> None:
         run_dir = Path(run_dir).resolve()
         # wandb reads its directories from the environment only; this is rank 0's worker process,
         # so nothing else sees the change.
@@ -77,9 +90,16 @@ class WandbSink:
             x_disable_stats=offline,  # no system-metrics sampler (nor its cloud metadata probes) offline
             x_disable_machine_info=offline,
         )
-        self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, id=run_id,
-                              resume="allow" if resume else None, name=run_dir.name,
-                              config=config, settings=settings)
+        self.run = wandb.init(
+            project=project,
+            dir=str(run_dir),
+            mode=mode,
+            id=run_id,
+            resume="allow" if resume else None,
+            name=run_dir.name,
+            config=config,
+            settings=settings,
+        )
         id_file.write_text(self.run.id + "\n")
 
     def log(self, record: Record) -> None:

@@ -61,12 +61,14 @@ class NanLoss:
             self.source = WatchedSource(obj)
             return self.source
         if point == "loss":
+
             def loss(model: Any, batch: Any) -> Any:
                 summed, n_items = obj(model, batch)
                 window = self.source.current if self.source is not None else None
                 if window is not None and window.step + 1 in self.steps and rank() == self.rank:
                     summed = summed * float("nan")
                 return summed, n_items
+
             return loss
         return obj
 

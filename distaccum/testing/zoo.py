@@ -36,6 +36,7 @@ class MeanPerMicroBatch:
         def mean_loss(model: Any, batch: Any) -> Any:
             summed, n_items = obj(model, batch)
             return summed / torch.as_tensor(n_items, dtype=summed.dtype).clamp(min=1), 1
+
         return mean_loss
 
 
@@ -51,6 +52,7 @@ class PerSampleMean:
         def per_sample(model: Any, batch: Any) -> Any:
             summed, _ = obj(model, batch)
             return summed, batch_size(batch)
+
         return per_sample
 
 
@@ -102,8 +104,13 @@ class StaticGraphEngine(Proxy):
         engine = self.inner
         engine.raw = model.to(device=engine.device, dtype=engine.precision.param_dtype)
         device_ids = [engine.device.index] if engine.device.type == "cuda" else None
-        ddp = DDP(engine.raw, device_ids=device_ids, bucket_cap_mb=engine.spec.engine.bucket_cap_mb,
-                  gradient_as_bucket_view=True, static_graph=True)
+        ddp = DDP(
+            engine.raw,
+            device_ids=device_ids,
+            bucket_cap_mb=engine.spec.engine.bucket_cap_mb,
+            gradient_as_bucket_view=True,
+            static_graph=True,
+        )
         engine.register_hook(ddp)
         engine.module = ddp
         engine.optimizer = make_optimizer(list(engine.raw.parameters()))
@@ -137,7 +144,9 @@ class DeepSpeedScaleWrtGas:
         if point != "engine":
             return obj
         if not isinstance(obj, DeepSpeedEngine):
-            raise ValueError(f"DeepSpeedScaleWrtGas wraps DeepSpeed's backward; engine {obj.name!r} is not DeepSpeed")
+            raise ValueError(
+                f"DeepSpeedScaleWrtGas wraps DeepSpeed's backward; engine {obj.name!r} is not DeepSpeed"
+            )
         return DefaultScaledBackward(obj)
 
 
@@ -258,6 +267,7 @@ class SharedDropoutSeed:
             torch.manual_seed(self.seed + self.calls)
             self.calls += 1
             return obj(model, batch)
+
         return reseeded
 
 
@@ -270,5 +280,13 @@ class SameSamples:
             return obj
         if not isinstance(obj, PlanSource):
             raise ValueError("SameSamples rebuilds a map-style dataset's PlanSource; this run reads a stream")
-        return PlanSource(obj.dataset, obj.collate, obj.plan, obj.split, 0, obj.stop, **obj.loader_options,
-                          float_dtype=obj.float_dtype)
+        return PlanSource(
+            obj.dataset,
+            obj.collate,
+            obj.plan,
+            obj.split,
+            0,
+            obj.stop,
+            **obj.loader_options,
+            float_dtype=obj.float_dtype,
+        )

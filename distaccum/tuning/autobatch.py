@@ -89,11 +89,15 @@ class AutoChoice:
 
     def describe(self) -> str:
         """One console line."""
-        tried = ", ".join(f"{p.micro_batch}: {'OOM' if p.oom else human_bytes(p.peak_bytes)}"
-                          f"{'' if p.fits else ' (over)'}" for p in self.probes)
-        return (f"accum.micro_batch=auto -> {self.micro_batch} (accum steps {self.accum_steps}): trial peak "
-                f"{human_bytes(self.peak_bytes)} of a {human_bytes(self.budget_bytes)} budget per rank "
-                f"({self.memory}); measured micro-batches {tried}")
+        tried = ", ".join(
+            f"{p.micro_batch}: {'OOM' if p.oom else human_bytes(p.peak_bytes)}{'' if p.fits else ' (over)'}"
+            for p in self.probes
+        )
+        return (
+            f"accum.micro_batch=auto -> {self.micro_batch} (accum steps {self.accum_steps}): trial peak "
+            f"{human_bytes(self.peak_bytes)} of a {human_bytes(self.budget_bytes)} budget per rank "
+            f"({self.memory}); measured micro-batches {tried}"
+        )
 
 
 def micro_batch_sizes(global_batch: int, world_size: int) -> list[int]:
@@ -174,16 +178,29 @@ class LocalSteps:
         return StepResult(0.0, True)
 
 
-def trial_batches(dataset: Any, collate: Callable[[list[Any]], Any], plan: GlobalBatchPlan, split: Split,
-                  rank: int, count: int) -> list[Any]:
+def trial_batches(
+    dataset: Any,
+    collate: Callable[[list[Any]], Any],
+    plan: GlobalBatchPlan,
+    split: Split,
+    rank: int,
+    count: int,
+) -> list[Any]:
     """This rank's first ``count`` collated micro-batches of the plan's first window under ``split``
     (the samples training starts with)."""
     pieces = plan.window(0).rank_micro_batches(split, rank)[:count]
     return [collate([dataset[int(i)] for i in piece]) for piece in pieces if len(piece)]
 
 
-def trial_window(steps: Steps, model: nn.Module, loss_fn: LossFn, batches: Sequence[Any], device: torch.device,
-                 float_dtype: torch.dtype | None = None, max_norm: float | None = None) -> tuple[int, bool]:
+def trial_window(
+    steps: Steps,
+    model: nn.Module,
+    loss_fn: LossFn,
+    batches: Sequence[Any],
+    device: torch.device,
+    float_dtype: torch.dtype | None = None,
+    max_norm: float | None = None,
+) -> tuple[int, bool]:
     """Run one window of ``batches`` (all but the last accumulated locally, the last with the gradient
     reduction and the optimizer step); returns (peak bytes on this rank, ran out of memory on some rank).
 
@@ -222,7 +239,9 @@ def trial_window(steps: Steps, model: nn.Module, loss_fn: LossFn, batches: Seque
     return peak, oom
 
 
-def search(sizes: Sequence[int], measure: Callable[[int], Measurement], budget: int) -> tuple[int | None, list[Measurement]]:
+def search(
+    sizes: Sequence[int], measure: Callable[[int], Measurement], budget: int
+) -> tuple[int | None, list[Measurement]]:
     """The largest size in ``sizes`` (ascending) that fits, and every probe measured on the way.
 
     None when even the smallest does not fit. ``measure(m)`` must give the same verdict on every
@@ -269,7 +288,8 @@ def budget_too_small(need: int | None, budget: int, device: torch.device) -> Con
         f"accum.memory_budget={human_bytes(budget)} is below what one sample needs: a training step with "
         f"micro_batch=1 peaks at {what} per rank ({memory_kind(device)}: model, gradients, optimizer state and "
         f"one sample's activations{', the Python process included' if device.type == 'cpu' else ''}). "
-        f"Raise accum.memory_budget, leave it unset to use {default}, or use a smaller model or shorter samples")
+        f"Raise accum.memory_budget, leave it unset to use {default}, or use a smaller model or shorter samples"
+    )
 
 
 def one_sample_peak(run: ResolvedRun, parts: Components, model: nn.Module) -> int | None:
@@ -309,9 +329,18 @@ class TrialMeasure:
         model = trial.model.build(parts)
         wrapped = engine.wrap(model, trial.optimizer(parts))
         try:
-            batches = trial_batches(parts.dataset, parts.collate or default_collate, self.plan, split, self.rank, count)
-            return trial_window(engine, wrapped, parts.loss, batches, self.device, trial.loop.float_dtype,
-                                trial.loop.clip_norm)
+            batches = trial_batches(
+                parts.dataset, parts.collate or default_collate, self.plan, split, self.rank, count
+            )
+            return trial_window(
+                engine,
+                wrapped,
+                parts.loss,
+                batches,
+                self.device,
+                trial.loop.float_dtype,
+                trial.loop.clip_norm,
+            )
         finally:
             engine.teardown()
             del wrapped, model, engine
@@ -336,8 +365,14 @@ def auto_micro_batch(run: ResolvedRun, parts: Components, budget: int) -> AutoCh
     if best is None:
         raise budget_too_small(None if probes[0].oom else probes[0].peak_bytes, measure.budget, run.device)
     chosen = next(p for p in probes if p.micro_batch == best)
-    choice = AutoChoice(best, measure.global_batch // world // best, chosen.peak_bytes, measure.budget,
-                        memory_kind(run.device), probes)
+    choice = AutoChoice(
+        best,
+        measure.global_batch // world // best,
+        chosen.peak_bytes,
+        measure.budget,
+        memory_kind(run.device),
+        probes,
+    )
     if dist.get_rank() == 0:
         print(f"distaccum: {choice.describe()}", flush=True)
     return choice

@@ -54,9 +54,11 @@ class Link:
 
     def __post_init__(self) -> None:
         if not (self.alpha_s >= 0 and self.beta_bytes_per_s > 0 and self.gamma_s_per_byte >= 0):
-            raise ValueError(f"a link needs alpha_s >= 0, beta_bytes_per_s > 0 and gamma_s_per_byte >= 0, got "
-                             f"alpha_s={self.alpha_s}, beta_bytes_per_s={self.beta_bytes_per_s}, "
-                             f"gamma_s_per_byte={self.gamma_s_per_byte}")
+            raise ValueError(
+                f"a link needs alpha_s >= 0, beta_bytes_per_s > 0 and gamma_s_per_byte >= 0, got "
+                f"alpha_s={self.alpha_s}, beta_bytes_per_s={self.beta_bytes_per_s}, "
+                f"gamma_s_per_byte={self.gamma_s_per_byte}"
+            )
 
     def shared(self, streams: int) -> Link:
         """This link carrying ``streams`` streams at once: each gets 1/streams of the bandwidth."""
@@ -108,7 +110,9 @@ def binomial_all_reduce(n_bytes: float, p: int, link: Link) -> float:
     """A binomial-tree reduce then broadcast: the latency-optimal all-reduce for short messages."""
     _check("all_reduce", n_bytes, p)
     steps = math.ceil(math.log2(p)) if p > 1 else 0
-    return 2 * steps * (link.alpha_s + n_bytes / link.beta_bytes_per_s) + steps * n_bytes * link.gamma_s_per_byte
+    return (
+        2 * steps * (link.alpha_s + n_bytes / link.beta_bytes_per_s) + steps * n_bytes * link.gamma_s_per_byte
+    )
 
 
 def one_level(op: str, n_bytes: float, p: int, link: Link) -> list[tuple[str, float]]:
@@ -135,8 +139,10 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"a topology needs nodes >= 1 and gpus_per_node >= 1, got nodes={self.nodes}, "
-                             f"gpus_per_node={self.gpus_per_node}")
+            raise ValueError(
+                f"a topology needs nodes >= 1 and gpus_per_node >= 1, got nodes={self.nodes}, "
+                f"gpus_per_node={self.gpus_per_node}"
+            )
 
     @property
     def world(self) -> int:
@@ -174,12 +180,16 @@ def hsdp_groups(topo: Topology, replicas: int) -> tuple[Group, Group]:
         raise ValueError(f"replicas={replicas} must divide the world of {topo.nodes} x {g} = {world} ranks")
     shard = world // replicas
     if shard <= g and g % shard == 0:  # shard groups inside a node, replicas across every node
-        return (Group(nodes=1, per_node=shard, concurrent=g // shard),
-                Group(nodes=topo.nodes, per_node=g // shard, concurrent=shard))
+        return (
+            Group(nodes=1, per_node=shard, concurrent=g // shard),
+            Group(nodes=topo.nodes, per_node=g // shard, concurrent=shard),
+        )
     if shard % g == 0:  # shard groups of whole nodes, one rank per node in a replicate group
         return Group(nodes=shard // g, per_node=g), Group(nodes=replicas, per_node=1, concurrent=g)
-    raise ValueError(f"replicas={replicas} gives shard groups of {shard} ranks, which straddle nodes of {g} GPUs "
-                     f"unevenly: the shard group size must divide {g} or be a multiple of it")
+    raise ValueError(
+        f"replicas={replicas} gives shard groups of {shard} ranks, which straddle nodes of {g} GPUs "
+        f"unevenly: the shard group size must divide {g} or be a multiple of it"
+    )
 
 
 @dataclass(frozen=True)
@@ -204,13 +214,20 @@ def collective(op: str, n_bytes: float, group: Group, topo: Topology) -> Estimat
     steps, per_step_bytes, reduced = ring_terms(op, n_bytes, group.size)
     step_bytes, step_reduced = per_step_bytes / steps, reduced / steps
     links = [net] + ([topo.intra] if q > 1 else [])
-    step = max(link.alpha_s + step_bytes / link.beta_bytes_per_s + step_reduced * link.gamma_s_per_byte
-               for link in links)
+    step = max(
+        link.alpha_s + step_bytes / link.beta_bytes_per_s + step_reduced * link.gamma_s_per_byte
+        for link in links
+    )
     found = [("flat ring", steps * step)]
     if q > 1:  # hierarchical: inside the node on n, across nodes on n/q by q streams per group at once
-        across = min(one_level(op, n_bytes / q, m, topo.inter.shared(group.concurrent * q)), key=lambda f: f[1])
-        inside = {"all_reduce": ("reduce_scatter", "all_gather"), "reduce_scatter": ("reduce_scatter",),
-                  "all_gather": ("all_gather",)}[op]
+        across = min(
+            one_level(op, n_bytes / q, m, topo.inter.shared(group.concurrent * q)), key=lambda f: f[1]
+        )
+        inside = {
+            "all_reduce": ("reduce_scatter", "all_gather"),
+            "reduce_scatter": ("reduce_scatter",),
+            "all_gather": ("all_gather",),
+        }[op]
         seconds = across[1] + sum(ring(o, n_bytes, q, topo.intra) for o in inside)
         found.append((f"hierarchical (ring in node, {across[0]} across nodes)", seconds))
     else:
@@ -247,18 +264,26 @@ def fit_link(samples: Sequence[Sample], cores: int) -> Link:
     at 0 and the rest refitted). Reduce-scatter samples separate γ from β; all-gather samples alone cannot."""
     if not samples:
         raise ValueError("fit_link needs samples")
-    rows = [[term * max(1.0, s.p / cores) / s.seconds for term in ring_terms(s.op, s.n_bytes, s.p)] for s in samples]
+    rows = [
+        [term * max(1.0, s.p / cores) / s.seconds for term in ring_terms(s.op, s.n_bytes, s.p)]
+        for s in samples
+    ]
     free = [i for i in range(3) if any(row[i] for row in rows)]  # all-gathers alone: no reduction term
     while True:
-        values = dict(zip(free, _least_squares([[row[i] for i in free] for row in rows], [1.0] * len(rows)),
-                          strict=True))
+        values = dict(
+            zip(
+                free, _least_squares([[row[i] for i in free] for row in rows], [1.0] * len(rows)), strict=True
+            )
+        )
         negative = [i for i in free if i != 1 and values[i] < 0]
         if not negative:
             break
         free.remove(min(negative, key=lambda i: values[i]))
     if values.get(1, 0.0) <= 0:
         raise ValueError("the samples give no positive bandwidth: their times do not grow with size")
-    return Link(alpha_s=values.get(0, 0.0), beta_bytes_per_s=1.0 / values[1], gamma_s_per_byte=values.get(2, 0.0))
+    return Link(
+        alpha_s=values.get(0, 0.0), beta_bytes_per_s=1.0 / values[1], gamma_s_per_byte=values.get(2, 0.0)
+    )
 
 
 def _least_squares(a: list[list[float]], y: list[float]) -> list[float]:
@@ -267,7 +292,10 @@ def _least_squares(a: list[list[float]], y: list[float]) -> list[float]:
     k = len(a[0])
     norms = [math.sqrt(sum(r[j] ** 2 for r in a)) or 1.0 for j in range(k)]
     a = [[r[j] / norms[j] for j in range(k)] for r in a]
-    m = [[sum(r[i] * r[j] for r in a) for j in range(k)] + [sum(r[i] * v for r, v in zip(a, y, strict=True))] for i in range(k)]
+    m = [
+        [sum(r[i] * r[j] for r in a) for j in range(k)] + [sum(r[i] * v for r, v in zip(a, y, strict=True))]
+        for i in range(k)
+    ]
     for col in range(k):  # Gauss-Jordan with partial pivoting
         pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-12:

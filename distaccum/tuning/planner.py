@@ -127,8 +127,15 @@ class SplitPlan:
         """Inverse of :meth:`as_dict`."""
         preds = [Prediction(**{**p, "split": Split(**p["split"])}) for p in data["predictions"]]
         rec = data.get("recommended")
-        return cls(data["global_batch"], data["world_size"], data["budget_bytes"], data["memory"], preds,
-                   [SizeCost(**c) for c in data.get("costs", [])], Split(**rec) if rec else None)
+        return cls(
+            data["global_batch"],
+            data["world_size"],
+            data["budget_bytes"],
+            data["memory"],
+            preds,
+            [SizeCost(**c) for c in data.get("costs", [])],
+            Split(**rec) if rec else None,
+        )
 
 
 def steady_steps(records: Sequence[Record], warmup: int = 1) -> list[Record]:
@@ -158,22 +165,37 @@ def size_cost(records: Sequence[Record], micro_batch: int, trial_accum: int, war
     def med(fn: Callable[[Record], float]) -> float:
         return median(fn(r) for r in steady)
 
-    return SizeCost(micro_batch, trial_accum, len(steady), base_s=typical_step_s(records, warmup),
-                    micro_s=med(lambda r: non_boundary_micro_s(r, trial_accum)),
-                    compute_s=med(lambda r: r["compute_s"] / trial_accum),
-                    boundary_s=med(lambda r: r["comm_exposed_s"]), optim_s=med(lambda r: r["optim_s"]))
+    return SizeCost(
+        micro_batch,
+        trial_accum,
+        len(steady),
+        base_s=typical_step_s(records, warmup),
+        micro_s=med(lambda r: non_boundary_micro_s(r, trial_accum)),
+        compute_s=med(lambda r: r["compute_s"] / trial_accum),
+        boundary_s=med(lambda r: r["comm_exposed_s"]),
+        optim_s=med(lambda r: r["optim_s"]),
+    )
 
 
-def predict(global_batch: int, world_size: int, costs: Sequence[SizeCost], probes: Sequence[Measurement]) -> list[Prediction]:
+def predict(
+    global_batch: int, world_size: int, costs: Sequence[SizeCost], probes: Sequence[Measurement]
+) -> list[Prediction]:
     """One prediction per valid split (ascending micro-batch)."""
     by_size = {c.micro_batch: c for c in costs}
     by_probe = {p.micro_batch: p for p in probes}
     rows = []
     for split in valid_splits(global_batch, world_size):
         cost, probe = by_size.get(split.micro_batch), by_probe[split.micro_batch]
-        rows.append(Prediction(split, cost.step_s(split.accum_steps) if cost else None,
-                               cost.comm_share(split.accum_steps) if cost else None,
-                               probe.peak_bytes, probe.measured, probe.fits))
+        rows.append(
+            Prediction(
+                split,
+                cost.step_s(split.accum_steps) if cost else None,
+                cost.comm_share(split.accum_steps) if cost else None,
+                probe.peak_bytes,
+                probe.measured,
+                probe.fits,
+            )
+        )
     return rows
 
 
@@ -187,17 +209,44 @@ class SizeTrial:
     """Timing trial of one micro-batch size: a Trainer at split (m, K_t) in its own run directory,
     run a few steps at a time (so trials of several sizes can interleave)."""
 
-    def __init__(self, cfg: RunConfig, parts: Components, micro_batch: int, trial_accum: int, max_steps: int,
-                 run_dir: Path) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        parts: Components,
+        micro_batch: int,
+        trial_accum: int,
+        max_steps: int,
+        run_dir: Path,
+    ) -> None:
         self.micro_batch, self.trial_accum = micro_batch, trial_accum
-        trial_cfg = with_overrides(cfg, {
-            "accum.micro_batch": micro_batch, "accum.steps": trial_accum, "accum.global_batch": None,
-            "trainer.max_steps": max_steps, "trainer.resume": False, "trainer.save_final": False,
-            "trainer.check_every": 0, "log.console": "quiet", "log.wandb": False, "log.ledger": True,
-            "log.gns": False, "log.warmup_steps": 1, "run_dir": str(run_dir)})
-        self.trainer = Trainer(trial_cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss,
-                               collate=parts.collate, optimizer=parts.optimizer, check_components=False,
-                               names=parts.names)
+        trial_cfg = with_overrides(
+            cfg,
+            {
+                "accum.micro_batch": micro_batch,
+                "accum.steps": trial_accum,
+                "accum.global_batch": None,
+                "trainer.max_steps": max_steps,
+                "trainer.resume": False,
+                "trainer.save_final": False,
+                "trainer.check_every": 0,
+                "log.console": "quiet",
+                "log.wandb": False,
+                "log.ledger": True,
+                "log.gns": False,
+                "log.warmup_steps": 1,
+                "run_dir": str(run_dir),
+            },
+        )
+        self.trainer = Trainer(
+            trial_cfg,
+            model=parts.model,
+            dataset=parts.dataset,
+            loss=parts.loss,
+            collate=parts.collate,
+            optimizer=parts.optimizer,
+            check_components=False,
+            names=parts.names,
+        )
         self.records: list[Record] = []
         self.console = io.StringIO()
         """The trial's console output (its sinks print the run summary): kept off the plan's table."""
@@ -225,7 +274,9 @@ def interleave(runners: Sequence[Callable[[int], None]], rounds: int, steps: int
             runners[(i + r) % len(runners)](steps)
 
 
-def probe_sizes(sizes: Sequence[int], measure: Callable[[int], Measurement], budget: int) -> list[Measurement]:
+def probe_sizes(
+    sizes: Sequence[int], measure: Callable[[int], Measurement], budget: int
+) -> list[Measurement]:
     """Measure each size in ascending order; stop measuring at the first that does not fit, or when
     the peak extrapolated linearly from the last two sizes exceeds ``budget`` (the rest are marked
     with that extrapolation, or the failed size's peak, and do not fit)."""
@@ -251,18 +302,39 @@ class SplitPlanner:
     construction probes the memory of every size and creates the timing trials of those that fit;
     :attr:`runners` are the trials' ``run(steps)``; :meth:`finish` closes them and predicts. Collective."""
 
-    def __init__(self, cfg: RunConfig, parts: Components, device: torch.device, local_world_size: int,
-                 run_dir: Path, *, max_steps: int, trial_accum: int = TRIAL_ACCUM) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        parts: Components,
+        device: torch.device,
+        local_world_size: int,
+        run_dir: Path,
+        *,
+        max_steps: int,
+        trial_accum: int = TRIAL_ACCUM,
+    ) -> None:
         world = dist.get_world_size()
         check_split(cfg.accum, world)
         self.device, self.world = device, world
         self.global_batch = cfg.global_batch(world)
         budget = cfg.accum.budget_bytes() or default_budget(device, local_world_size)
         self.measure = TrialMeasure(resolve(cfg, world, device, rank=dist.get_rank()), parts, budget)
-        self.probes = probe_sizes(micro_batch_sizes(self.global_batch, world), self.measure, self.measure.budget)
+        self.probes = probe_sizes(
+            micro_batch_sizes(self.global_batch, world), self.measure, self.measure.budget
+        )
         per_rank = self.global_batch // world
-        self.trials = [SizeTrial(cfg, parts, p.micro_batch, min(per_rank // p.micro_batch, trial_accum), max_steps,
-                                 run_dir / "trials" / f"m{p.micro_batch}") for p in self.probes if p.fits]
+        self.trials = [
+            SizeTrial(
+                cfg,
+                parts,
+                p.micro_batch,
+                min(per_rank // p.micro_batch, trial_accum),
+                max_steps,
+                run_dir / "trials" / f"m{p.micro_batch}",
+            )
+            for p in self.probes
+            if p.fits
+        ]
 
     @property
     def runners(self) -> list[Callable[[int], None]]:
@@ -275,18 +347,35 @@ class SplitPlanner:
             trial.close()
         costs = [t.cost() for t in self.trials]
         predictions = predict(self.global_batch, self.world, costs, self.probes)
-        return SplitPlan(self.global_batch, self.world, self.measure.budget, memory_kind(self.device), predictions, costs,
-                    recommend(predictions))
+        return SplitPlan(
+            self.global_batch,
+            self.world,
+            self.measure.budget,
+            memory_kind(self.device),
+            predictions,
+            costs,
+            recommend(predictions),
+        )
 
 
-def plan_splits(cfg: RunConfig, parts: Components, device: torch.device, local_world_size: int, run_dir: Path, *,
-                rounds: int = 5, steps: int = 2, trial_accum: int = TRIAL_ACCUM,
-                interleaved: bool | None = None) -> SplitPlan:
+def plan_splits(
+    cfg: RunConfig,
+    parts: Components,
+    device: torch.device,
+    local_world_size: int,
+    run_dir: Path,
+    *,
+    rounds: int = 5,
+    steps: int = 2,
+    trial_accum: int = TRIAL_ACCUM,
+    interleaved: bool | None = None,
+) -> SplitPlan:
     """Measure and predict every split of ``cfg``'s global batch on the current process group
     (collective): one warm-up step per size, then ``rounds`` x ``steps`` timed steps, interleaved
     (default on CPU) or one size after another. Trial run directories go under ``run_dir/trials``."""
-    planner = SplitPlanner(cfg, parts, device, local_world_size, run_dir, max_steps=1 + rounds * steps,
-                           trial_accum=trial_accum)
+    planner = SplitPlanner(
+        cfg, parts, device, local_world_size, run_dir, max_steps=1 + rounds * steps, trial_accum=trial_accum
+    )
     if interleaved if interleaved is not None else device.type == "cpu":
         interleave(planner.runners, 1, 1)  # warm-up step of every size
         interleave(planner.runners, rounds, steps)
@@ -302,12 +391,18 @@ def _ms(seconds: float | None) -> str:
 
 def render_table(plan: SplitPlan) -> str:
     """The plan as a markdown table plus the recommendation line."""
-    lines = ["| split | micro-batch | K | predicted step | predicted comm share | predicted peak memory | fits |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| split | micro-batch | K | predicted step | predicted comm share | predicted peak memory | fits |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for p in plan.predictions:
         mark = " <- recommended" if plan.recommended == p.split else ""
-        peak = human_bytes(p.peak_bytes) if p.peak_measured else f"~{human_bytes(p.peak_bytes)} (extrapolated)"
+        peak = (
+            human_bytes(p.peak_bytes) if p.peak_measured else f"~{human_bytes(p.peak_bytes)} (extrapolated)"
+        )
         share = "-" if p.comm_share is None else f"{p.comm_share:.0%}"
-        lines.append(f"| {p.split.label()} | {p.split.micro_batch} | {p.split.accum_steps} | {_ms(p.step_s)} | "
-                     f"{share} | {peak} | {'yes' if p.fits else 'no'}{mark} |")
+        lines.append(
+            f"| {p.split.label()} | {p.split.micro_batch} | {p.split.accum_steps} | {_ms(p.step_s)} | "
+            f"{share} | {peak} | {'yes' if p.fits else 'no'}{mark} |"
+        )
     return "\n".join(lines)

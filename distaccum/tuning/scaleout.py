@@ -61,14 +61,20 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.params < 1 or self.accum_steps < 1 or self.units < 1:
-            raise ValueError(f"params, accum_steps and units must be >= 1, got params={self.params}, "
-                             f"accum_steps={self.accum_steps}, units={self.units}")
+            raise ValueError(
+                f"params, accum_steps and units must be >= 1, got params={self.params}, "
+                f"accum_steps={self.accum_steps}, units={self.units}"
+            )
         if min(self.compute_s, self.data_s, self.optim_s) < 0 or not 0 <= self.backward_fraction <= 1:
-            raise ValueError(f"times must be >= 0 and backward_fraction in [0, 1], got compute_s={self.compute_s}, "
-                             f"data_s={self.data_s}, optim_s={self.optim_s}, backward_fraction={self.backward_fraction}")
+            raise ValueError(
+                f"times must be >= 0 and backward_fraction in [0, 1], got compute_s={self.compute_s}, "
+                f"data_s={self.data_s}, optim_s={self.optim_s}, backward_fraction={self.backward_fraction}"
+            )
         if min(self.grad_bytes, self.param_bytes, self.compressed_bytes) <= 0:
-            raise ValueError(f"bytes per parameter must be > 0, got grad_bytes={self.grad_bytes}, "
-                             f"param_bytes={self.param_bytes}, compressed_bytes={self.compressed_bytes}")
+            raise ValueError(
+                f"bytes per parameter must be > 0, got grad_bytes={self.grad_bytes}, "
+                f"param_bytes={self.param_bytes}, compressed_bytes={self.compressed_bytes}"
+            )
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,9 @@ class Comm:
 
 
 def _gathers(group: str) -> tuple[Comm, Comm]:
-    return Comm("forward", True, "all_gather", group, "param"), Comm("backward", True, "all_gather", group, "param")
+    return Comm("forward", True, "all_gather", group, "param"), Comm(
+        "backward", True, "all_gather", group, "param"
+    )
 
 
 @dataclass(frozen=True)
@@ -109,20 +117,57 @@ MODES: tuple[Mode, ...] = (
     Mode("ddp.boundary.bf16", (Comm("backward", False, AR, "world", "compressed"),), "none"),
     Mode("fsdp.boundary", (*_gathers("world"), Comm("backward", False, RS, "world", "grad")), "world"),
     Mode("fsdp.every_micro", (*_gathers("world"), Comm("backward", True, RS, "world", "grad")), "world"),
-    Mode("hsdp.boundary", (*_gathers("shard"), Comm("backward", False, RS, "shard", "grad"),
-                           Comm("backward", False, AR, "replicate", "grad")), "shard"),
-    Mode("hsdp.replica_boundary", (*_gathers("shard"), Comm("backward", True, RS, "shard", "grad"),
-                                   Comm("backward", False, AR, "replicate", "grad")), "shard"),
-    Mode("hsdp.replica_boundary.bf16", (*_gathers("shard"), Comm("backward", True, RS, "shard", "grad"),
-                                        Comm("backward", False, AR, "replicate", "compressed")), "shard"),
-    Mode("hsdp.every_micro", (*_gathers("shard"), Comm("backward", True, RS, "shard", "grad"),
-                              Comm("backward", True, AR, "replicate", "grad")), "shard"),
-    Mode("zero1.boundary", (Comm("backward", False, RS, "world", "grad"),
-                            Comm("after_step", False, AG, "world", "param")), "world"),
-    Mode("zero2.boundary", (Comm("backward", False, RS, "world", "grad"),
-                            Comm("after_step", False, AG, "world", "param")), "world"),
-    Mode("zero2.every_micro", (Comm("backward", True, RS, "world", "grad"),
-                               Comm("after_step", False, AG, "world", "param")), "world"),
+    Mode(
+        "hsdp.boundary",
+        (
+            *_gathers("shard"),
+            Comm("backward", False, RS, "shard", "grad"),
+            Comm("backward", False, AR, "replicate", "grad"),
+        ),
+        "shard",
+    ),
+    Mode(
+        "hsdp.replica_boundary",
+        (
+            *_gathers("shard"),
+            Comm("backward", True, RS, "shard", "grad"),
+            Comm("backward", False, AR, "replicate", "grad"),
+        ),
+        "shard",
+    ),
+    Mode(
+        "hsdp.replica_boundary.bf16",
+        (
+            *_gathers("shard"),
+            Comm("backward", True, RS, "shard", "grad"),
+            Comm("backward", False, AR, "replicate", "compressed"),
+        ),
+        "shard",
+    ),
+    Mode(
+        "hsdp.every_micro",
+        (
+            *_gathers("shard"),
+            Comm("backward", True, RS, "shard", "grad"),
+            Comm("backward", True, AR, "replicate", "grad"),
+        ),
+        "shard",
+    ),
+    Mode(
+        "zero1.boundary",
+        (Comm("backward", False, RS, "world", "grad"), Comm("after_step", False, AG, "world", "param")),
+        "world",
+    ),
+    Mode(
+        "zero2.boundary",
+        (Comm("backward", False, RS, "world", "grad"), Comm("after_step", False, AG, "world", "param")),
+        "world",
+    ),
+    Mode(
+        "zero2.every_micro",
+        (Comm("backward", True, RS, "world", "grad"), Comm("after_step", False, AG, "world", "param")),
+        "world",
+    ),
     Mode("zero3.boundary", (*_gathers("world"), Comm("backward", False, RS, "world", "grad")), "world"),
     Mode("zero3.every_micro", (*_gathers("world"), Comm("backward", True, RS, "world", "grad")), "world"),
 )
@@ -205,15 +250,22 @@ def predict_mode(mode: Mode, work: Workload, cluster: Cluster) -> ModePrediction
 
     def seconds(phase: str, boundary: bool) -> float:
         """Communication of ``phase`` on one micro-batch: an inner one, or the boundary (the last)."""
-        return sum(p.estimate.seconds for p in priced if p.comm.phase == phase and (p.comm.every_micro or boundary))
+        return sum(
+            p.estimate.seconds for p in priced if p.comm.phase == phase and (p.comm.every_micro or boundary)
+        )
 
-    forward_w, backward_w = (1 - work.backward_fraction) * work.compute_s, work.backward_fraction * work.compute_s
+    forward_w, backward_w = (
+        (1 - work.backward_fraction) * work.compute_s,
+        work.backward_fraction * work.compute_s,
+    )
     exposed = after = seconds("after_step", True)
     total = after
     for boundary, count in ((False, k - 1), (True, 1)):
         fwd, bwd = seconds("forward", boundary), seconds("backward", boundary)
         total += count * (fwd + bwd)
-        exposed += count * (hidden_behind(fwd, forward_w, work.units) + hidden_behind(bwd, backward_w, work.units))
+        exposed += count * (
+            hidden_behind(fwd, forward_w, work.units) + hidden_behind(bwd, backward_w, work.units)
+        )
     shard = {"none": 1, "world": groups["world"].size, "shard": groups["shard"].size}[mode.shards]
     step = k * (work.compute_s + work.data_s) + exposed + work.optim_s / shard
     busy = k * work.compute_s + exposed
@@ -221,7 +273,9 @@ def predict_mode(mode: Mode, work: Workload, cluster: Cluster) -> ModePrediction
     for p in priced:
         key = f"{p.comm.op}@{p.comm.group}"
         calls[key] = calls.get(key, 0) + (k if p.comm.every_micro else 1)
-    return ModePrediction(mode, calls, total, exposed, step, exposed / busy if busy > 0 else 0.0, tuple(priced))
+    return ModePrediction(
+        mode, calls, total, exposed, step, exposed / busy if busy > 0 else 0.0, tuple(priced)
+    )
 
 
 def predict_modes(modes: Sequence[Mode], work: Workload, cluster: Cluster) -> list[ModePrediction]:
@@ -245,10 +299,16 @@ def render(rows: Sequence[ModePrediction], work: Workload, cluster: Cluster, mic
     Every row says it is a prediction."""
     topo = cluster.topology
     groups = cluster.groups()
-    sizes = ", ".join(f"{name} {g.size} ranks ({g.nodes} node{'s' if g.nodes > 1 else ''} x {g.per_node})"
-                      for name, g in groups.items())
-    batch = f"micro-batch {micro_batch} x K={work.accum_steps} x {topo.world} ranks = global batch " \
-            f"{micro_batch * work.accum_steps * topo.world}" if micro_batch else f"K={work.accum_steps}"
+    sizes = ", ".join(
+        f"{name} {g.size} ranks ({g.nodes} node{'s' if g.nodes > 1 else ''} x {g.per_node})"
+        for name, g in groups.items()
+    )
+    batch = (
+        f"micro-batch {micro_batch} x K={work.accum_steps} x {topo.world} ranks = global batch "
+        f"{micro_batch * work.accum_steps * topo.world}"
+        if micro_batch
+        else f"K={work.accum_steps}"
+    )
     lines = [
         f"PREDICTION for {topo.nodes} nodes x {topo.gpus_per_node} GPUs = {topo.world} ranks: not a measurement. "
         "Every row below is the α–β model of docs/planning.md applied to the compute time stated here.",
@@ -259,7 +319,8 @@ def render(rows: Sequence[ModePrediction], work: Workload, cluster: Cluster, mic
         f"model: {work.params:,} parameters; reductions {work.grad_bytes:g} B/param, gathers {work.param_bytes:g} "
         f"B/param, compressed reductions {work.compressed_bytes:g} B/param",
         f"compute per micro-batch: {_t(work.compute_s)} ({work.compute_basis}); data {_t(work.data_s)}; optimizer step "
-        + (f"{_t(work.optim_s)} over all parameters" if work.optim_s else "not included (--optim-ms)") + f"; {batch}",
+        + (f"{_t(work.optim_s)} over all parameters" if work.optim_s else "not included (--optim-ms)")
+        + f"; {batch}",
         f"overlap: forward gathers behind {1 - work.backward_fraction:.0%} of the compute, backward collectives "
         f"behind {work.backward_fraction:.0%}, in {work.units} units (the first gather and the last reduction of a "
         "pass stay exposed)",
@@ -268,19 +329,30 @@ def render(rows: Sequence[ModePrediction], work: Workload, cluster: Cluster, mic
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        calls = ", ".join(f"{n} {OP_SHORT[key.split('@')[0]]} {key.split('@')[1]}" for key, n in r.calls.items())
-        lines.append(f"| {r.mode.key} | {calls} | {_t(r.comm_s)} | {_t(r.overlapped_s)} | "
-                     f"{_t(r.exposed_s)} | {_t(r.step_s)} | {r.comm_share:.0%} | predicted |")
-    lines += ["", "comm share = exposed / (K x compute + exposed); AR all-reduce, RS reduce-scatter, AG all-gather",
-              "", "| collective | group | bytes per rank | modelled algorithm | time | |", "|---|---|---|---|---|---|"]
+        calls = ", ".join(
+            f"{n} {OP_SHORT[key.split('@')[0]]} {key.split('@')[1]}" for key, n in r.calls.items()
+        )
+        lines.append(
+            f"| {r.mode.key} | {calls} | {_t(r.comm_s)} | {_t(r.overlapped_s)} | "
+            f"{_t(r.exposed_s)} | {_t(r.step_s)} | {r.comm_share:.0%} | predicted |"
+        )
+    lines += [
+        "",
+        "comm share = exposed / (K x compute + exposed); AR all-reduce, RS reduce-scatter, AG all-gather",
+        "",
+        "| collective | group | bytes per rank | modelled algorithm | time | |",
+        "|---|---|---|---|---|---|",
+    ]
     seen = set()
     for r in rows:
         for p in r.priced:
             key = (p.comm.op, p.comm.group, p.n_bytes)
             if key not in seen:
                 seen.add(key)
-                lines.append(f"| {p.comm.op} | {p.comm.group} ({p.group.size}) | {human_bytes(int(p.n_bytes))} | "
-                             f"{p.estimate.algorithm} | {_t(p.estimate.seconds)} | predicted |")
+                lines.append(
+                    f"| {p.comm.op} | {p.comm.group} ({p.group.size}) | {human_bytes(int(p.n_bytes))} | "
+                    f"{p.estimate.algorithm} | {_t(p.estimate.seconds)} | predicted |"
+                )
     return "\n".join(lines)
 
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"verify": "distaccum.verify.runner", "VerifyResult": "distaccum.verify.runner",
-            "VerifyRow": "distaccum.verify.runner"}
+_EXPORTS = {
+    "verify": "distaccum.verify.runner",
+    "VerifyResult": "distaccum.verify.runner",
+    "VerifyRow": "distaccum.verify.runner",
+}
 __all__ = list(_EXPORTS)
 
 

@@ -36,16 +36,13 @@ from distaccum.cluster.local import LaunchPlan, launch
 from distaccum.config import RunConfig, from_mapping, to_mapping
 from distaccum.rundir import CONSOLE_LOG, SEED, read_json, read_metrics, read_warnings, write_json
 from distaccum.split import Split
+from distaccum.verify.console import EXIT_FAIL, EXIT_OK, output_to, timed_run
 from distaccum.verify.runner import (
-    EXIT_FAIL,
-    EXIT_OK,
     VerifyJob,
     VerifyResult,
     candidate_config,
     config_job,
-    output_to,
     run_verify,
-    timed_run,
 )
 from distaccum.verify.tripwire import read_divergence
 
@@ -56,20 +53,31 @@ STEPS = 3
 """Optimizer steps per run: 40 samples in windows of 16, so step 3 is a partial window of 8."""
 
 GPT_LOSS = {"_target_": "distaccum.losses.token_cross_entropy", "_partial_": True}
-GPT: dict[str, Any] = {"model": {"_target_": "distaccum.models.TinyGPT", "width": 32, "depth": 1, "heads": 4, "max_len": 32},
-       "data": {"dataset": {"_target_": "distaccum.datasets.CorpusSequences", "num_samples": 40, "seq_min": 4,
-                            "seq_max": 24},
-                "collate": {"_target_": "distaccum.datasets.pad_collate", "_partial_": True}},
-       "loss": GPT_LOSS}
+GPT: dict[str, Any] = {
+    "model": {"_target_": "distaccum.models.TinyGPT", "width": 32, "depth": 1, "heads": 4, "max_len": 32},
+    "data": {
+        "dataset": {
+            "_target_": "distaccum.datasets.CorpusSequences",
+            "num_samples": 40,
+            "seq_min": 4,
+            "seq_max": 24,
+        },
+        "collate": {"_target_": "distaccum.datasets.pad_collate", "_partial_": True},
+    },
+    "loss": GPT_LOSS,
+}
 CONFIGS: dict[str, dict[str, Any]] = {
     # tiny_gpt: variable-length sequences (micro-batches hold different numbers of loss items), fp32.
     "gpt": GPT,
     "gpt_fp16": {**GPT, "precision": "fp16"},
     "gpt_dropout": {**GPT, "model": {**GPT["model"], "dropout": 0.1}},
-    "convnet_bn": {"model": {"_target_": "distaccum.models.ConvNetBN", "width": 8, "depth": 2, "classes": 4},
-                   "data": {"dataset": {"_target_": "distaccum.datasets.SyntheticImages", "num_samples": 40,
-                                        "classes": 4}},
-                   "loss": {"_target_": "distaccum.losses.sample_cross_entropy", "_partial_": True}},
+    "convnet_bn": {
+        "model": {"_target_": "distaccum.models.ConvNetBN", "width": 8, "depth": 2, "classes": 4},
+        "data": {
+            "dataset": {"_target_": "distaccum.datasets.SyntheticImages", "num_samples": 40, "classes": 4}
+        },
+        "loss": {"_target_": "distaccum.losses.sample_cross_entropy", "_partial_": True},
+    },
 }
 """The configurations bugs run on (each has one reference run); engine and faults come per bug."""
 
@@ -100,60 +108,142 @@ class Bug:
 
 
 BUGS: tuple[Bug, ...] = (
-    Bug("loss_div_k", "loss/K with variable-length items",
+    Bug(
+        "loss_div_k",
+        "loss/K with variable-length items",
         "each micro-batch's loss is its mean over its own items, the window the mean of the K x W micro-batch means",
-        "gpt", (fault("MeanPerMicroBatch"),), "loss_normalization"),
-    Bug("mean_per_micro_batch", "the mean-per-micro-batch normalisation",
+        "gpt",
+        (fault("MeanPerMicroBatch"),),
+        "loss_normalization",
+    ),
+    Bug(
+        "mean_per_micro_batch",
+        "the mean-per-micro-batch normalisation",
         "each micro-batch's summed loss divided by its samples (a per-sample mean), the window by K x W",
-        "gpt", (fault("PerSampleMean"),), "loss_normalization"),
-    Bug("no_sync_wrong_micro", "no_sync on the wrong micro-batch",
+        "gpt",
+        (fault("PerSampleMean"),),
+        "loss_normalization",
+    ),
+    Bug(
+        "no_sync_wrong_micro",
+        "no_sync on the wrong micro-batch",
         "the window's reduction runs with micro-batch K-1, not K: the last micro-batch's gradient is never reduced",
-        "gpt", (fault("NoSyncOffByOne"),), "rank_divergence",
-        note="one missing reduction; one extra reduction is harmless under DDP's averaging hook"),
-    Bug("skipped_reduction", "a rank that skips the reduction",
+        "gpt",
+        (fault("NoSyncOffByOne"),),
+        "rank_divergence",
+        note="one missing reduction; one extra reduction is harmless under DDP's averaging hook",
+    ),
+    Bug(
+        "skipped_reduction",
+        "a rank that skips the reduction",
         "rank 1 takes part in the all-reduce but keeps its own local gradient",
-        "gpt", (fault("SkipReduction", "faults", rank=1),), "rank_divergence"),
-    Bug("static_graph_no_sync", "static_graph=True with no_sync",
+        "gpt",
+        (fault("SkipReduction", "faults", rank=1),),
+        "rank_divergence",
+    ),
+    Bug(
+        "static_graph_no_sync",
+        "static_graph=True with no_sync",
         "a real DDP(static_graph=True) driven by the loop's no_sync accumulation (pytorch#187732)",
-        "gpt", (fault("StaticGraph"),), "known_error",
+        "gpt",
+        (fault("StaticGraph"),),
+        "known_error",
         note="torch 2.13 still has the bug: it asserts on the first no_sync backward (the silent half follows "
-             "only once that assert is fixed)"),
-    Bug("deepspeed_double_scaling", "loss scaled twice (DeepSpeed)",
+        "only once that assert is fixed)",
+    ),
+    Bug(
+        "deepspeed_double_scaling",
+        "loss scaled twice (DeepSpeed)",
         "engine.backward(loss) with DeepSpeed's default scale_wrt_gas=True: the loss divided by K once more",
-        "gpt", (fault("DeepSpeedScaleWrtGas"),), "gradient_scale", {"name": "deepspeed", "zero_stage": 1}),
-    Bug("partial_window_by_k", "partial window scaled by K",
+        "gpt",
+        (fault("DeepSpeedScaleWrtGas"),),
+        "gradient_scale",
+        {"name": "deepspeed", "zero_stage": 1},
+    ),
+    Bug(
+        "partial_window_by_k",
+        "partial window scaled by K",
         "the partial last window (8 of 16 samples) normalised as if it held the full window's items",
-        "gpt", (fault("NominalPartialCount", "faults"),), "partial_window"),
-    Bug("scheduler_per_micro", "scheduler stepped per micro-batch",
+        "gpt",
+        (fault("NominalPartialCount", "faults"),),
+        "partial_window",
+    ),
+    Bug(
+        "scheduler_per_micro",
+        "scheduler stepped per micro-batch",
         "the learning-rate schedule stepped K times per optimizer step",
-        "gpt", (fault("SchedulerPerMicroBatch", times=SPLIT.accum_steps),), "lr_schedule"),
-    Bug("clip_per_micro", "clipping per micro-batch",
+        "gpt",
+        (fault("SchedulerPerMicroBatch", times=SPLIT.accum_steps),),
+        "lr_schedule",
+    ),
+    Bug(
+        "clip_per_micro",
+        "clipping per micro-batch",
         "clip_grad_norm_(1.0) after every micro-batch's backward, on the partial accumulation",
-        "gpt", (fault("ClipPerMicroBatch", max_norm=1.0),), "clipping"),
-    Bug("gradscaler_per_micro", "GradScaler updated per micro-batch",
+        "gpt",
+        (fault("ClipPerMicroBatch", max_norm=1.0),),
+        "clipping",
+    ),
+    Bug(
+        "gradscaler_per_micro",
+        "GradScaler updated per micro-batch",
         "scaler.update() after every micro-batch's backward (fp16, DDP on CPU: torch's GradScaler and autocast)",
-        "gpt_fp16", (fault("ScalerUpdatePerMicroBatch"),), "known_error",
-        note="GradScaler refuses update() without unscale_()/step() since the last one: the bug fails loudly"),
-    Bug("grads_not_zeroed", "gradients not zeroed between windows",
+        "gpt_fp16",
+        (fault("ScalerUpdatePerMicroBatch"),),
+        "known_error",
+        note="GradScaler refuses update() without unscale_()/step() since the last one: the bug fails loudly",
+    ),
+    Bug(
+        "grads_not_zeroed",
+        "gradients not zeroed between windows",
         "the optimizer's zero_grad never runs: each window starts from the previous step's gradient",
-        "gpt", (fault("GradientsNotZeroed"),), "stale_gradients"),
-    Bug("grads_wiped_mid_window", "gradients wiped mid-window",
+        "gpt",
+        (fault("GradientsNotZeroed"),),
+        "stale_gradients",
+    ),
+    Bug(
+        "grads_wiped_mid_window",
+        "gradients wiped mid-window",
         "zero_grad() before micro-batch 3 of 4 (a re-initialisation, NeMo Automodel #3530)",
-        "gpt", (fault("GradientsWipedMidWindow", before=3),), "lost_gradients"),
-    Bug("batchnorm_per_micro", "BatchNorm statistics per micro-batch",
+        "gpt",
+        (fault("GradientsWipedMidWindow", before=3),),
+        "lost_gradients",
+    ),
+    Bug(
+        "batchnorm_per_micro",
+        "BatchNorm statistics per micro-batch",
         "model convnet_bn (BatchNorm) accumulated over 4 micro-batches of 2: statistics of 2 samples, not 16",
-        "convnet_bn", (), "batch_statistics"),
-    Bug("dropout_rng_shared", "dropout RNG shared across ranks",
+        "convnet_bn",
+        (),
+        "batch_statistics",
+    ),
+    Bug(
+        "dropout_rng_shared",
+        "dropout RNG shared across ranks",
         "every rank re-seeds with the same seed before each micro-batch: the same dropout masks on every rank",
-        "gpt_dropout", (fault("SharedDropoutSeed"),), "shared_rng"),
-    Bug("same_samples", "every rank reading the same samples",
+        "gpt_dropout",
+        (fault("SharedDropoutSeed"),),
+        "shared_rng",
+    ),
+    Bug(
+        "same_samples",
+        "every rank reading the same samples",
         "every rank's source serves rank 0's micro-batches (a sampler that ignores the rank)",
-        "gpt", (fault("SameSamples"),), "shared_data"),
+        "gpt",
+        (fault("SameSamples"),),
+        "shared_data",
+    ),
     Bug("control", "control: no bug", "the base configuration as it is", "gpt", control=True),
-    Bug("control_dropout", "control: dropout, ranks seeded apart",
+    Bug(
+        "control_dropout",
+        "control: dropout, ranks seeded apart",
         "dropout 0.1 without a bug: verify fails (the split changes the masks), no runtime check may fire",
-        "gpt_dropout", (), "randomness", control=True,
-        note="verify cannot tell shared from independent masks; only the runtime check can"),
+        "gpt_dropout",
+        (),
+        "randomness",
+        control=True,
+        note="verify cannot tell shared from independent masks; only the runtime check can",
+    ),
 )
 """The zoo: every bug the issue lists, then the controls."""
 
@@ -161,15 +251,29 @@ BUGS: tuple[Bug, ...] = (
 def run_config(bug: Bug, run_dir: Path, seed: Path | None) -> RunConfig:
     """The bug's configuration: its base, its engine, its faults wrapped around the loss, the zoo's split."""
     base = CONFIGS[bug.config]
-    loss = {"_target_": "distaccum.testing.Inject", "component": base["loss"], "faults": list(bug.faults)} \
-        if bug.faults else base["loss"]
-    return from_mapping({**base, "loss": loss, "engine": bug.engine, "run_dir": str(run_dir),
-                         "accum": {"micro_batch": SPLIT.micro_batch, "steps": SPLIT.accum_steps},
-                         "trainer": {"nproc": SPLIT.world_size, "max_steps": STEPS, "device": "cpu",
-                                     "init_from": str(seed) if seed else None,
-                                     # a bug that desynchronized the ranks' collectives fails, not hangs
-                                     "collective_timeout_s": 120.0},
-                         "log": {"console": "quiet"}})
+    loss = (
+        {"_target_": "distaccum.testing.Inject", "component": base["loss"], "faults": list(bug.faults)}
+        if bug.faults
+        else base["loss"]
+    )
+    return from_mapping(
+        {
+            **base,
+            "loss": loss,
+            "engine": bug.engine,
+            "run_dir": str(run_dir),
+            "accum": {"micro_batch": SPLIT.micro_batch, "steps": SPLIT.accum_steps},
+            "trainer": {
+                "nproc": SPLIT.world_size,
+                "max_steps": STEPS,
+                "device": "cpu",
+                "init_from": str(seed) if seed else None,
+                # a bug that desynchronized the ranks' collectives fails, not hangs
+                "collective_timeout_s": 120.0,
+            },
+            "log": {"console": "quiet"},
+        }
+    )
 
 
 @dataclass
@@ -202,11 +306,21 @@ def runtime_findings(run_dir: Path, exit_code: int) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     divergence = read_divergence(run_dir)
     if divergence:
-        found.append({"check": str(divergence.get("check", "tripwire")), "step": divergence.get("step"),
-                      "message": str(divergence.get("message"))})
+        found.append(
+            {
+                "check": str(divergence.get("check", "tripwire")),
+                "step": divergence.get("step"),
+                "message": str(divergence.get("message")),
+            }
+        )
     for warning in read_warnings(run_dir):
-        found.append({"check": f"warning:{warning.get('check')}", "step": warning.get("step"),
-                      "message": str(warning.get("message"))})
+        found.append(
+            {
+                "check": f"warning:{warning.get('check')}",
+                "step": warning.get("step"),
+                "message": str(warning.get("message")),
+            }
+        )
     records = read_metrics(run_dir)
     nonfinite = [r["step"] for r in records if r.get("nonfinite")]
     if nonfinite:
@@ -217,13 +331,23 @@ def runtime_findings(run_dir: Path, exit_code: int) -> list[dict[str, Any]]:
         found.append({"check": kind, "step": 0, "message": message.strip()})
     if exit_code and not divergence:
         errors = [line for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b", line)]
-        found.append({"check": "run_failed", "step": len(records) + 1,
-                      "message": errors[-1] if errors else f"exit {exit_code}"})
+        found.append(
+            {
+                "check": "run_failed",
+                "step": len(records) + 1,
+                "message": errors[-1] if errors else f"exit {exit_code}",
+            }
+        )
     return found
 
 
-CHECK_NAMES = {"fingerprint": "reduction fingerprint", "tripwire": "tripwire", "nonfinite": "non-finite policy",
-               "warning:same_samples": "same-samples check", "warning:same_rng": "same-seed check"}
+CHECK_NAMES = {
+    "fingerprint": "reduction fingerprint",
+    "tripwire": "tripwire",
+    "nonfinite": "non-finite policy",
+    "warning:same_samples": "same-samples check",
+    "warning:same_rng": "same-seed check",
+}
 
 
 def describe(finding: dict[str, Any]) -> str:
@@ -263,8 +387,23 @@ def row_of(bug: Bug, result: VerifyResult, seconds: float) -> Row:
     if vrow is None:
         caught_by = ["the reference run failed: nothing was compared"]
     correct = diagnosis == bug.expected and (not bug.control or not runtime)
-    return Row(bug.name, bug.title, bug.what, bug.expected, bug.control, caught, caught_by, step, diagnosis, message, correct,
-               verify, runtime, bug.note, round(seconds, 1))
+    return Row(
+        bug.name,
+        bug.title,
+        bug.what,
+        bug.expected,
+        bug.control,
+        caught,
+        caught_by,
+        step,
+        diagnosis,
+        message,
+        correct,
+        verify,
+        runtime,
+        bug.note,
+        round(seconds, 1),
+    )
 
 
 ZOO_LOG = "zoo-worker.log"
@@ -296,8 +435,15 @@ def zoo_worker(plan_file: Path) -> None:
         with output_to(run_dir / ZOO_LOG, append=True):
             try:
                 parts = instantiate_components(cfg)
-                Trainer(cfg, model=parts.model, dataset=parts.dataset, loss=parts.loss, collate=parts.collate,
-                        names=parts.names, check_components=False).fit()
+                Trainer(
+                    cfg,
+                    model=parts.model,
+                    dataset=parts.dataset,
+                    loss=parts.loss,
+                    collate=parts.collate,
+                    names=parts.names,
+                    check_components=False,
+                ).fit()
             except Exception:  # noqa: BLE001 - the bug's failure is this run's result, reported like a worker's
                 traceback.print_exc()
                 code = EXIT_FAIL
@@ -306,7 +452,9 @@ def zoo_worker(plan_file: Path) -> None:
         codes: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(codes, code)  # every rank finished this run before the next starts
         if dist.get_rank() == 0:
-            write_json(run_dir / ZOO_STATUS, {"exit_code": max(codes), "seconds": time.perf_counter() - started})
+            write_json(
+                run_dir / ZOO_STATUS, {"exit_code": max(codes), "seconds": time.perf_counter() - started}
+            )
 
 
 def run_candidates(root: Path, configs: list[RunConfig]) -> int:
@@ -314,8 +462,14 @@ def run_candidates(root: Path, configs: list[RunConfig]) -> int:
     not the tiny runs, dominates the zoo's time. Returns the launch's exit code."""
     plan = root / "zoo-plan.json"
     plan.write_text(json.dumps([to_mapping(c) for c in configs], indent=2) + "\n")
-    launch_plan = LaunchPlan(nnodes=1, nproc=SPLIT.world_size, rdzv_endpoint="127.0.0.1:0", rdzv_id="bugzoo",
-                             max_restarts=0, run_dir=str(root))
+    launch_plan = LaunchPlan(
+        nnodes=1,
+        nproc=SPLIT.world_size,
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_id="bugzoo",
+        max_restarts=0,
+        run_dir=str(root),
+    )
     with output_to(root / ZOO_LOG, append=True):
         return launch(launch_plan, ["-m", "distaccum", "_bugzoo_worker", str(plan)])
 
@@ -342,7 +496,9 @@ def run_zoo(root: Path, bugs: Sequence[Bug] = BUGS, *, echo: Callable[[str], Non
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 job = config_job(run_config(Bug("reference", "", "", bug.config), ref_root, None), [SPLIT])
-            ran = timed_run(functools.partial(job.reference, ref_root / "reference"), ref_root / "reference" / CONSOLE_LOG)
+            ran = timed_run(
+                functools.partial(job.reference, ref_root / "reference"), ref_root / "reference" / CONSOLE_LOG
+            )
             testing.uninstall()
             references[bug.config] = (ref_root, ran)
             echo(f"  reference {bug.config}: exit {ran[0]} ({ran[1]:.1f} s)")
@@ -358,11 +514,19 @@ def run_zoo(root: Path, bugs: Sequence[Bug] = BUGS, *, echo: Callable[[str], Non
                 job = config_job(cfg, [SPLIT])  # pre-flight checks it here, before anything is launched
         finally:
             testing.uninstall()  # its components installed its faults in this process: not ours to keep
-        jobs.append((bug, replace(job, reference_ran=ran, candidate=lambda split, d: already_ran(d)), bug_dir,
-                     ref_root / SEED))
+        jobs.append(
+            (
+                bug,
+                replace(job, reference_ran=ran, candidate=lambda split, d: already_ran(d)),
+                bug_dir,
+                ref_root / SEED,
+            )
+        )
     started = time.perf_counter()
-    code = run_candidates(root, [candidate_config(job.cfg, SPLIT, bug_dir / SPLIT.label(), seed)
-                                 for _, job, bug_dir, seed in jobs])
+    code = run_candidates(
+        root,
+        [candidate_config(job.cfg, SPLIT, bug_dir / SPLIT.label(), seed) for _, job, bug_dir, seed in jobs],
+    )
     echo(f"  {len(jobs)} candidate runs in one launch (exit {code}, {time.perf_counter() - started:.0f} s)")
     rows: list[Row] = []
     for bug, job, bug_dir, _ in jobs:
@@ -371,8 +535,10 @@ def run_zoo(root: Path, bugs: Sequence[Bug] = BUGS, *, echo: Callable[[str], Non
         seconds = float(read_json(bug_dir / SPLIT.label() / ZOO_STATUS).get("seconds", 0.0))
         rows.append(row_of(bug, result, seconds))
         row = rows[-1]
-        echo(f"  {bug.name}: {'caught' if row.caught else 'NOT caught'} by {'; '.join(row.caught_by) or '-'}; "
-             f"diagnosis {row.diagnosis} ({'right' if row.diagnosis_correct else 'WRONG'}) ({row.seconds:.1f} s)")
+        echo(
+            f"  {bug.name}: {'caught' if row.caught else 'NOT caught'} by {'; '.join(row.caught_by) or '-'}; "
+            f"diagnosis {row.diagnosis} ({'right' if row.diagnosis_correct else 'WRONG'}) ({row.seconds:.1f} s)"
+        )
     (root / ZOO_FILE).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     return rows
 
@@ -385,11 +551,15 @@ def render(rows: Sequence[Row]) -> str:
         if r.control:
             right = f"{'yes' if r.diagnosis_correct else 'NO'} (control: {r.expected or 'verify passes'})"
         caught = "yes" if r.caught else ("no" if r.control else "**no**")
-        lines.append(f"| {r.title} | {caught} | {'; '.join(r.caught_by) or '-'} | "
-                     f"{r.step if r.step is not None else '-'} | {r.diagnosis or '-'} | {right} |")
+        lines.append(
+            f"| {r.title} | {caught} | {'; '.join(r.caught_by) or '-'} | "
+            f"{r.step if r.step is not None else '-'} | {r.diagnosis or '-'} | {right} |"
+        )
     bugs = [r for r in rows if not r.control]
     lines.append("")
-    lines.append(f"{sum(r.caught for r in bugs)}/{len(bugs)} bugs caught, {sum(r.diagnosis_correct for r in bugs)}"
-                 f"/{len(bugs)} diagnosed as their cause; controls: "
-                 + ", ".join(f"{r.bug} {'clean' if r.diagnosis_correct else 'FIRED'}" for r in rows if r.control))
+    lines.append(
+        f"{sum(r.caught for r in bugs)}/{len(bugs)} bugs caught, {sum(r.diagnosis_correct for r in bugs)}"
+        f"/{len(bugs)} diagnosed as their cause; controls: "
+        + ", ".join(f"{r.bug} {'clean' if r.diagnosis_correct else 'FIRED'}" for r in rows if r.control)
+    )
     return "\n".join(lines)

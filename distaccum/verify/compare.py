@@ -72,7 +72,7 @@ DEFAULT_TOLERANCES: dict[str, Tolerances] = {
 }
 
 
-UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 """Unit roundoff u = 2^-p of the reduced dtypes, p their significand bits with the implicit one (bf16: 8,
 fp16: 11): rounding x to the dtype gives x (1 + d) with |d| <= u."""
 
@@ -87,8 +87,15 @@ def reduction_roundings(sync: str, world_size: int, accum_steps: int) -> int:
     return world_size if sync == "boundary" else world_size * accum_steps
 
 
-def with_reduction(tol: Tolerances, reduce_dtype: str, roundings: int, *, lr: float, steps: int,
-                   adam_betas: tuple[float, float] | None) -> Tolerances:
+def with_reduction(
+    tol: Tolerances,
+    reduce_dtype: str,
+    roundings: int,
+    *,
+    lr: float,
+    steps: int,
+    adam_betas: tuple[float, float] | None,
+) -> Tolerances:
     """``tol`` widened for gradients reduced in ``reduce_dtype`` (``accum.reduce_dtype``), derived:
 
     - The reduced gradient is the exact one with a relative error of at most e = n u per element to first
@@ -111,10 +118,14 @@ def with_reduction(tol: Tolerances, reduce_dtype: str, roundings: int, *, lr: fl
     e = roundings * UNIT_ROUNDOFF[reduce_dtype]
     steps_tol = Tolerance(rtol=tol.steps.rtol + e, atol=tol.steps.atol)
     if adam_betas is None:
-        return Tolerances(steps=steps_tol, params=Tolerance(rtol=tol.params.rtol + 2 * e, atol=tol.params.atol))
+        return Tolerances(
+            steps=steps_tol, params=Tolerance(rtol=tol.params.rtol + 2 * e, atol=tol.params.atol)
+        )
     b1, b2 = adam_betas
     k = max(1.0, (1 - b1) / math.sqrt(1 - b2))
-    return Tolerances(steps=steps_tol, params=Tolerance(rtol=tol.params.rtol, atol=tol.params.atol + 2 * k * lr * steps))
+    return Tolerances(
+        steps=steps_tol, params=Tolerance(rtol=tol.params.rtol, atol=tol.params.atol + 2 * k * lr * steps)
+    )
 
 
 def tolerance_for(precision: str, verify: VerifyConfig) -> Tolerances:
@@ -122,13 +133,16 @@ def tolerance_for(precision: str, verify: VerifyConfig) -> Tolerances:
     base = DEFAULT_TOLERANCES[precision]
 
     def override(tol: Tolerance) -> Tolerance:
-        return Tolerance(rtol=tol.rtol if verify.rtol is None else verify.rtol,
-                         atol=tol.atol if verify.atol is None else verify.atol)
+        return Tolerance(
+            rtol=tol.rtol if verify.rtol is None else verify.rtol,
+            atol=tol.atol if verify.atol is None else verify.atol,
+        )
 
     return Tolerances(steps=override(base.steps), params=override(base.params))
 
 
 # --- files written by the runs ---------------------------------------------------------------------
+
 
 @dataclass
 class RunData:
@@ -154,11 +168,19 @@ class RunData:
         checksums = {row["step"]: row["params"] for row in read_jsonl(run_dir / CHECKSUMS)}
         log = run_dir / CONSOLE_LOG
         console = "\n".join(log.read_text(errors="replace").splitlines()[-200:]) if log.is_file() else ""
-        return cls(run_dir, read_metrics(run_dir), checksums, params, read_divergence(run_dir),
-                   read_warnings(run_dir), console)
+        return cls(
+            run_dir,
+            read_metrics(run_dir),
+            checksums,
+            params,
+            read_divergence(run_dir),
+            read_warnings(run_dir),
+            console,
+        )
 
 
 # --- comparison -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Divergence:
@@ -200,8 +222,9 @@ def _scalar_gap(a: float, b: float, tol: Tolerance) -> tuple[float, bool]:
     return diff, diff > tol.bound(abs(b))
 
 
-def checksum_gaps(ref: dict[str, list[float]], cand: dict[str, list[float]],
-                  tol: Tolerance) -> list[tuple[float, str, bool]]:
+def checksum_gaps(
+    ref: dict[str, list[float]], cand: dict[str, list[float]], tol: Tolerance
+) -> list[tuple[float, str, bool]]:
     """Per parameter: (gap / allowed, name, proven over tolerance), largest gap first.
 
     From (sum, sum of squares) alone, |Δsum|/n and |‖c‖-‖r‖|/√n are lower bounds of max|c - r|,
@@ -223,8 +246,9 @@ def checksum_gaps(ref: dict[str, list[float]], cand: dict[str, list[float]],
     return sorted(out, key=lambda t: -t[0])
 
 
-def compare_params(ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor],
-                   tol: Tolerance) -> tuple[float, float, str | None, list[str]]:
+def compare_params(
+    ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor], tol: Tolerance
+) -> tuple[float, float, str | None, list[str]]:
     """(max abs diff, max rel diff, worst parameter by rel diff, parameters over tolerance in order)."""
     max_abs, max_rel, worst, over = 0.0, 0.0, None, []
     for name, r in ref.items():
@@ -262,8 +286,11 @@ def compare(ref: RunData, cand: RunData, tol: Tolerances) -> Report:
         max_loss, max_gn = max(max_loss, loss_diff), max(max_gn, gn_diff)
         if first is not None:
             continue
-        gaps = checksum_gaps(ref.checksums.get(step, {}), cand.checksums.get(step, {}), tol.params) \
-            if step in ref.checksums and step in cand.checksums else []
+        gaps = (
+            checksum_gaps(ref.checksums.get(step, {}), cand.checksums.get(step, {}), tol.params)
+            if step in ref.checksums and step in cand.checksums
+            else []
+        )
         furthest = gaps[0][1] if gaps and gaps[0][0] > 0 else None
         if loss_over:
             first = Divergence(step, "loss", furthest, r["loss"], c["loss"], loss_diff)
@@ -287,8 +314,10 @@ def compare(ref: RunData, cand: RunData, tol: Tolerances) -> Report:
         first = Divergence(len(cand.records) + 1, "missing", None)
     notes += [f"runtime warning at step {w.get('step')}: {w.get('message')}" for w in cand.warnings]
     if not complete:
-        notes.append(f"candidate finished {len(cand.records)} of {len(ref.records)} steps"
-                     + ("" if cand.params is not None else " and wrote no final parameters"))
+        notes.append(
+            f"candidate finished {len(cand.records)} of {len(ref.records)} steps"
+            + ("" if cand.params is not None else " and wrote no final parameters")
+        )
     if steps == 0:
         max_loss = max_gn = math.nan
     passed = complete and first is None and cand.divergence is None
@@ -297,8 +326,9 @@ def compare(ref: RunData, cand: RunData, tol: Tolerances) -> Report:
 
 def reproducible(first: RunData, second: RunData) -> bool:
     """True when two runs of the same configuration agree bit for bit (losses, norms, parameters)."""
-    if [(r["loss"], r["grad_norm"]) for r in first.records] != \
-            [(r["loss"], r["grad_norm"]) for r in second.records]:
+    if [(r["loss"], r["grad_norm"]) for r in first.records] != [
+        (r["loss"], r["grad_norm"]) for r in second.records
+    ]:
         return False
     if first.params is None or second.params is None or first.params.keys() != second.params.keys():
         return False

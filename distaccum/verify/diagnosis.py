@@ -18,19 +18,36 @@ from distaccum.config import Split
 from distaccum.models import batch_stat_layers, random_layers
 from distaccum.verify.compare import Report
 
-CAUSES = ("rank_divergence", "known_error", "shared_data", "shared_rng", "batch_statistics", "loss_normalization",
-          "lr_schedule", "stale_gradients", "lost_gradients", "clipping", "gradient_scale", "partial_window",
-          "randomness", "nondeterminism", "run_failed", "unexplained")
+CAUSES = (
+    "rank_divergence",
+    "known_error",
+    "shared_data",
+    "shared_rng",
+    "batch_statistics",
+    "loss_normalization",
+    "lr_schedule",
+    "stale_gradients",
+    "lost_gradients",
+    "clipping",
+    "gradient_scale",
+    "partial_window",
+    "randomness",
+    "nondeterminism",
+    "run_failed",
+    "unexplained",
+)
 
 KNOWN_ERRORS = {
     "expect_autograd_hooks_ INTERNAL ASSERT FAILED": (
         "DistributedDataParallel(static_graph=True) with no_sync(): torch (2.13 included) fails the first backward "
         "under no_sync with this internal assert (pytorch/pytorch#187732). Past the assert, the same bug silently "
         "stops DDP's all-reduce from the second window on — the reduction fingerprint stops such a run at its "
-        "first unreduced step. Do not combine static_graph=True with no_sync gradient accumulation."),
+        "first unreduced step. Do not combine static_graph=True with no_sync gradient accumulation."
+    ),
     "No inf checks were recorded prior to update": (
         "GradScaler.update() ran with no unscale_()/step() since the previous update: the scaler is updated per "
-        "micro-batch. Update it once per optimizer step, after step() (distaccum's engines do)."),
+        "micro-batch. Update it once per optimizer step, after step() (distaccum's engines do)."
+    ),
 }
 """Error signatures in a failed run's console, and what they mean."""
 
@@ -89,8 +106,13 @@ def _close(a: Any, b: Any, rtol: float) -> bool:
     return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= rtol * abs(b) + 1e-12
 
 
-def step_facts(report: Report, ref: list[dict[str, Any]], cand: list[dict[str, Any]],
-               rtol: float, split: Split | None = None) -> StepFacts:
+def step_facts(
+    report: Report,
+    ref: list[dict[str, Any]],
+    cand: list[dict[str, Any]],
+    rtol: float,
+    split: Split | None = None,
+) -> StepFacts:
     """Read :class:`StepFacts` off the two runs' per-step records (``split``: the candidate's)."""
     ratio = None
     if ref and cand and ref[0].get("grad_norm") and _close(cand[0]["loss"], ref[0]["loss"], rtol):
@@ -102,16 +124,25 @@ def step_facts(report: Report, ref: list[dict[str, Any]], cand: list[dict[str, A
         c, r = cand[first.step - 1], ref[first.step - 1]
         if c.get("partial_window"):
             partial = first.step
-        elif _close(c["loss"], r["loss"], rtol) and not _close(c["grad_norm"], r["grad_norm"], rtol) \
-                and _close(c["lr"], r["lr"], 1e-9):
+        elif (
+            _close(c["loss"], r["loss"], rtol)
+            and not _close(c["grad_norm"], r["grad_norm"], rtol)
+            and _close(c["lr"], r["lr"], 1e-9)
+        ):
             stale = first.step
     items = None
     if ref and cand and cand[0].get("items") != ref[0].get("items"):
         samples = int(ref[0].get("samples", 0))
         pieces = min(samples, split.accum_steps * split.world_size) if split else 0
         items = (float(cand[0]["items"]), float(ref[0]["items"]), samples, pieces)
-    lr = next(((int(r["step"]), c["lr"], r["lr"]) for r, c in zip(ref, cand, strict=False)
-               if not _close(c.get("lr"), r.get("lr"), 1e-9)), None)
+    lr = next(
+        (
+            (int(r["step"]), c["lr"], r["lr"])
+            for r, c in zip(ref, cand, strict=False)
+            if not _close(c.get("lr"), r.get("lr"), 1e-9)
+        ),
+        None,
+    )
     return StepFacts(ratio, partial, items, lr, stale)
 
 
@@ -129,8 +160,10 @@ def unequal_items(records: list[dict[str, Any]]) -> str | None:
     for record in records:
         low, high = record.get("micro_items_min"), record.get("micro_items_max")
         if low is not None and high is not None and low != high:
-            return (f"at step {record['step']} the {record.get('micro_steps', '?')} micro-batches per rank hold "
-                    f"{low} to {high} loss items")
+            return (
+                f"at step {record['step']} the {record.get('micro_steps', '?')} micro-batches per rank hold "
+                f"{low} to {high} loss items"
+            )
     return None
 
 
@@ -139,10 +172,12 @@ def rule_rank_divergence(report: Report) -> Finding | None:
     d = report.first_divergence
     if d is None or d.quantity != "ranks":
         return None
-    return Finding("rank_divergence",
-                   f"ranks diverged at optimizer step {d.step} at parameter {d.parameter!r} (the reduction "
-                   "fingerprint or the cross-rank checksum tripwire): gradients were not reduced identically on every rank — a skipped "
-                   "or misplaced reduction (no_sync on the boundary), or rank-dependent code.")
+    return Finding(
+        "rank_divergence",
+        f"ranks diverged at optimizer step {d.step} at parameter {d.parameter!r} (the reduction "
+        "fingerprint or the cross-rank checksum tripwire): gradients were not reduced identically on every rank — a skipped "
+        "or misplaced reduction (no_sync on the boundary), or rank-dependent code.",
+    )
 
 
 def rule_known_error(steps: StepFacts) -> Finding | None:
@@ -161,22 +196,31 @@ def rule_runtime_warnings(steps: StepFacts) -> list[Finding]:
 
 def rule_item_count(facts: RunFacts, steps: StepFacts) -> Finding | None:
     """The candidate normalised step 1 by a different number of loss items than the reference counts."""
-    if steps.items is None or facts.loss_norm == "mean_per_micro" or \
-            any(check == "same_samples" for check, _ in steps.warnings):
+    if (
+        steps.items is None
+        or facts.loss_norm == "mean_per_micro"
+        or any(check == "same_samples" for check, _ in steps.warnings)
+    ):
         return None
     cand, ref, samples, pieces = steps.items
     if cand == pieces:
-        what = (f"one item per micro-batch ({pieces} micro-batches): each micro-batch's loss is a mean over its own "
-                "items and the window averages the micro-batch means (loss/K), so items of small micro-batches "
-                "weigh more")
+        what = (
+            f"one item per micro-batch ({pieces} micro-batches): each micro-batch's loss is a mean over its own "
+            "items and the window averages the micro-batch means (loss/K), so items of small micro-batches "
+            "weigh more"
+        )
     elif cand == samples:
-        what = (f"one item per sample ({samples} samples): the loss is a mean over samples, not over the "
-                f"{ref:.0f} loss items (tokens) the samples hold")
+        what = (
+            f"one item per sample ({samples} samples): the loss is a mean over samples, not over the "
+            f"{ref:.0f} loss items (tokens) the samples hold"
+        )
     else:
         what = f"{cand:.0f} items where the reference counts {ref:.0f}"
-    return Finding("loss_normalization",
-                   f"step 1 is normalised by the wrong number of loss items: {what}. Return the SUM of the loss "
-                   "and the number of loss items it covers; distaccum divides by the window's global count.")
+    return Finding(
+        "loss_normalization",
+        f"step 1 is normalised by the wrong number of loss items: {what}. Return the SUM of the loss "
+        "and the number of loss items it covers; distaccum divides by the window's global count.",
+    )
 
 
 def rule_lr_schedule(steps: StepFacts) -> Finding | None:
@@ -184,10 +228,12 @@ def rule_lr_schedule(steps: StepFacts) -> Finding | None:
     if steps.lr is None:
         return None
     step, cand, ref = steps.lr
-    return Finding("lr_schedule",
-                   f"the learning rate of step {step} is {cand:.6g}, the reference's schedule gives {ref:.6g}: the "
-                   "schedule advanced more (or less) than once per optimizer step, e.g. stepped per micro-batch. "
-                   "Step it once per optimizer step (a skipped step must not advance it).")
+    return Finding(
+        "lr_schedule",
+        f"the learning rate of step {step} is {cand:.6g}, the reference's schedule gives {ref:.6g}: the "
+        "schedule advanced more (or less) than once per optimizer step, e.g. stepped per micro-batch. "
+        "Step it once per optimizer step (a skipped step must not advance it).",
+    )
 
 
 def rule_stale_gradients(steps: StepFacts) -> Finding | None:
@@ -195,17 +241,25 @@ def rule_stale_gradients(steps: StepFacts) -> Finding | None:
     if steps.stale_step is None:
         return None
     s = steps.stale_step
-    return Finding("stale_gradients",
-                   f"every step before {s} matches and step {s}'s loss and learning rate match too (same weights, "
-                   f"same samples), but its gradient differs: something of an earlier window leaked into step {s}'s "
-                   "gradient — gradients not zeroed after the optimizer step.")
+    return Finding(
+        "stale_gradients",
+        f"every step before {s} matches and step {s}'s loss and learning rate match too (same weights, "
+        f"same samples), but its gradient differs: something of an earlier window leaked into step {s}'s "
+        "gradient — gradients not zeroed after the optimizer step.",
+    )
 
 
 def rule_replay(steps: StepFacts) -> list[Finding]:
     """Known wrong combinations of step 1's micro-batch gradients that reproduce the candidate's norm."""
-    return [Finding(cause, f"step 1 replayed from the seed weights, micro-batch by micro-batch: the candidate's "
-                           f"gradient norm is exactly what you get when {message} (combined correctly, it is the "
-                           "reference's)") for cause, message in steps.replayed]
+    return [
+        Finding(
+            cause,
+            f"step 1 replayed from the seed weights, micro-batch by micro-batch: the candidate's "
+            f"gradient norm is exactly what you get when {message} (combined correctly, it is the "
+            "reference's)",
+        )
+        for cause, message in steps.replayed
+    ]
 
 
 def rule_batch_statistics(facts: RunFacts, split: Split) -> Finding | None:
@@ -213,21 +267,25 @@ def rule_batch_statistics(facts: RunFacts, split: Split) -> Finding | None:
     if not facts.batch_stat_layers or split.accum_steps * split.world_size == 1:
         return None
     names = ", ".join(facts.batch_stat_layers)
-    return Finding("batch_statistics",
-                   f"batch-statistics layers ({names}) normalize over each micro-batch of "
-                   f"{split.micro_batch} samples on each rank, the reference over all {split.global_batch}: "
-                   "the forward pass itself depends on the split. Use GroupNorm/LayerNorm, or accept "
-                   "the difference (SyncBatchNorm fixes ranks, not accumulation).")
+    return Finding(
+        "batch_statistics",
+        f"batch-statistics layers ({names}) normalize over each micro-batch of "
+        f"{split.micro_batch} samples on each rank, the reference over all {split.global_batch}: "
+        "the forward pass itself depends on the split. Use GroupNorm/LayerNorm, or accept "
+        "the difference (SyncBatchNorm fixes ranks, not accumulation).",
+    )
 
 
 def rule_loss_normalization(facts: RunFacts, unequal: str | None) -> Finding | None:
     """mean_per_micro weights micro-batches equally although they hold different item counts."""
     if facts.loss_norm != "mean_per_micro" or unequal is None:
         return None
-    return Finding("loss_normalization",
-                   f"accum.loss_norm=mean_per_micro averages each micro-batch and divides by K x world, "
-                   f"but {unequal}: items in small micro-batches are over-weighted. "
-                   "Use accum.loss_norm=global_count (sum over the window / global item count).")
+    return Finding(
+        "loss_normalization",
+        f"accum.loss_norm=mean_per_micro averages each micro-batch and divides by K x world, "
+        f"but {unequal}: items in small micro-batches are over-weighted. "
+        "Use accum.loss_norm=global_count (sum over the window / global item count).",
+    )
 
 
 def simple_fraction(ratio: float, rtol: float, largest: int = 64) -> tuple[int, int] | None:
@@ -242,76 +300,113 @@ def simple_fraction(ratio: float, rtol: float, largest: int = 64) -> tuple[int, 
 def rule_gradient_scale(facts: RunFacts, steps: StepFacts, rtol: float = 1e-4) -> Finding | None:
     """Same loss, same weights, same samples at step 1 — and a gradient off by a constant factor: a small
     fraction (K, the world size, 1/K, 2, ...). Any other ratio is not a normalisation constant."""
-    if steps.first_step_ratio is None or facts.loss_norm == "mean_per_micro" or facts.batch_stat_layers \
-            or facts.random_layers or steps.replayed or simple_fraction(steps.first_step_ratio, rtol) is None:
+    if (
+        steps.first_step_ratio is None
+        or facts.loss_norm == "mean_per_micro"
+        or facts.batch_stat_layers
+        or facts.random_layers
+        or steps.replayed
+        or simple_fraction(steps.first_step_ratio, rtol) is None
+    ):
         return None
-    return Finding("gradient_scale",
-                   f"at step 1 the loss matches the reference but the gradient is {steps.first_step_ratio:.6g}x "
-                   "the reference's: the gradient is normalized by a wrong constant (the loss divided twice, by "
-                   "K or by the world size, or an engine's own averaging not undone). It does not depend on the "
-                   "split, so every split shows it.")
+    return Finding(
+        "gradient_scale",
+        f"at step 1 the loss matches the reference but the gradient is {steps.first_step_ratio:.6g}x "
+        "the reference's: the gradient is normalized by a wrong constant (the loss divided twice, by "
+        "K or by the world size, or an engine's own averaging not undone). It does not depend on the "
+        "split, so every split shows it.",
+    )
 
 
 def rule_partial_window(steps: StepFacts) -> Finding | None:
     """Every full window matches; the first mismatch is a partial (remainder) window."""
     if steps.partial_step is None:
         return None
-    return Finding("partial_window",
-                   f"every step before {steps.partial_step} matches and step {steps.partial_step} is a partial window: "
-                   "it is normalized as if it were full (scaled by K or by the nominal batch) instead of by the "
-                   "items it holds. Keep data.drop_last=false only with a count-based normalization.")
+    return Finding(
+        "partial_window",
+        f"every step before {steps.partial_step} matches and step {steps.partial_step} is a partial window: "
+        "it is normalized as if it were full (scaled by K or by the nominal batch) instead of by the "
+        "items it holds. Keep data.drop_last=false only with a count-based normalization.",
+    )
 
 
 def rule_randomness(facts: RunFacts, split: Split) -> Finding | None:
     """Dropout masks are drawn per micro-batch and per rank, so they depend on the split."""
     if not facts.random_layers or split.accum_steps * split.world_size == 1:
         return None
-    return Finding("randomness",
-                   f"random layers ({', '.join(facts.random_layers)}) draw their masks per micro-batch and "
-                   "per rank, so a different split sees different masks. Verify with model.dropout=0.")
+    return Finding(
+        "randomness",
+        f"random layers ({', '.join(facts.random_layers)}) draw their masks per micro-batch and "
+        "per rank, so a different split sees different masks. Verify with model.dropout=0.",
+    )
 
 
 def rule_nondeterminism(facts: RunFacts) -> Finding | None:
     """Two reference runs of the same configuration differed."""
     if facts.reference_reproducible is not False:
         return None
-    return Finding("nondeterminism",
-                   "the reference run is not reproducible (two identical runs differed): non-deterministic "
-                   "kernels (e.g. atomics in CUDA scatter/embedding backward). Set "
-                   "torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG, or widen the "
-                   "tolerance to the run-to-run spread.")
+    return Finding(
+        "nondeterminism",
+        "the reference run is not reproducible (two identical runs differed): non-deterministic "
+        "kernels (e.g. atomics in CUDA scatter/embedding backward). Set "
+        "torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG, or widen the "
+        "tolerance to the run-to-run spread.",
+    )
 
 
-def diagnose(report: Report, facts: RunFacts, split: Split, unequal: str | None,
-             exit_code: int = 0, steps: StepFacts | None = None, rtol: float = 1e-4) -> list[Finding]:
+def diagnose(
+    report: Report,
+    facts: RunFacts,
+    split: Split,
+    unequal: str | None,
+    exit_code: int = 0,
+    steps: StepFacts | None = None,
+    rtol: float = 1e-4,
+) -> list[Finding]:
     """Every finding that explains a failed ``report`` (empty when it passed)."""
     if report.passed:
         return []
     steps = steps or StepFacts()
     tripwire = rule_rank_divergence(report)
     known = rule_known_error(steps) if exit_code else None
-    findings = [f for f in (
-        tripwire,
-        known,
-        *rule_runtime_warnings(steps),
-        rule_batch_statistics(facts, split),
-        rule_loss_normalization(facts, unequal),
-        rule_item_count(facts, steps),
-        rule_lr_schedule(steps),
-        rule_stale_gradients(steps),
-        *rule_replay(steps),
-        rule_gradient_scale(facts, steps, rtol),
-        rule_partial_window(steps),
-        rule_randomness(facts, split),
-        rule_nondeterminism(facts),
-    ) if f is not None]
-    findings = [f for i, f in enumerate(findings) if f.cause not in {g.cause for g in findings[:i]}]  # first per cause
+    findings = [
+        f
+        for f in (
+            tripwire,
+            known,
+            *rule_runtime_warnings(steps),
+            rule_batch_statistics(facts, split),
+            rule_loss_normalization(facts, unequal),
+            rule_item_count(facts, steps),
+            rule_lr_schedule(steps),
+            rule_stale_gradients(steps),
+            *rule_replay(steps),
+            rule_gradient_scale(facts, steps, rtol),
+            rule_partial_window(steps),
+            rule_randomness(facts, split),
+            rule_nondeterminism(facts),
+        )
+        if f is not None
+    ]
+    findings = [
+        f for i, f in enumerate(findings) if f.cause not in {g.cause for g in findings[:i]}
+    ]  # first per cause
     if exit_code and tripwire is None and known is None:  # a crash comes first: nothing after it was compared
-        findings.insert(0, Finding("run_failed", f"the candidate run failed (exit {exit_code}); its "
-                                                 "output is in console.log in its run directory."))
+        findings.insert(
+            0,
+            Finding(
+                "run_failed",
+                f"the candidate run failed (exit {exit_code}); its "
+                "output is in console.log in its run directory.",
+            ),
+        )
     if findings:
         return findings
-    return [Finding("unexplained",
-                    f"no known cause found (max_rel_diff {report.max_rel_diff:.3g}). If the difference is "
-                    "small it may be rounding amplified by the optimizer: rerun with precision=fp64 (a bug "
-                    "keeps its size, rounding shrinks to ~1e-12) or verify.reference_dtype=fp64.")]
+    return [
+        Finding(
+            "unexplained",
+            f"no known cause found (max_rel_diff {report.max_rel_diff:.3g}). If the difference is "
+            "small it may be rounding amplified by the optimizer: rerun with precision=fp64 (a bug "
+            "keeps its size, rounding shrinks to ~1e-12) or verify.reference_dtype=fp64.",
+        )
+    ]

@@ -52,7 +52,9 @@ def rng_hash(device: torch.device) -> float:
     exact float. The seed, not the state: ranks seeded alike draw the same stream, but consume different
     amounts of it (dropout on sequences of different lengths), so their states part while their masks
     overlap."""
-    return _seed_hash((torch.initial_seed(), *((torch.cuda.initial_seed(),) if device.type == "cuda" else ())))
+    return _seed_hash(
+        (torch.initial_seed(), *((torch.cuda.initial_seed(),) if device.type == "cuda" else ()))
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,7 +94,13 @@ class Fingerprint:
     calls it at every step."""
 
     def __init__(self, engine: Any, run_dir: Path, rank: int, world_size: int, device: torch.device) -> None:
-        self.engine, self.run_dir, self.rank, self.world, self.device = engine, run_dir, rank, world_size, device
+        self.engine, self.run_dir, self.rank, self.world, self.device = (
+            engine,
+            run_dir,
+            rank,
+            world_size,
+            device,
+        )
         self.gradients = bool(getattr(engine, "replicated_gradients", False))
         self.warned: set[str] = set()
         self._pending: tuple[int, Carry] | None = None
@@ -137,20 +145,26 @@ class Fingerprint:
         if self.gradients and not all_same([row[1:] for row in rows]):
             self._fail(step, rows)
         if all_same([row[:1] for row in rows]):
-            self._warn(step, "same_rng",
-                       f"every rank's random-number generator was last seeded with the same seed (optimizer step "
-                       f"{step}): the ranks draw the same random numbers (the same dropout masks on different "
-                       "samples). Something re-seeded every rank alike; seed each rank differently (distaccum's "
-                       "Trainer does: trainer.seed + a rank offset)")
+            self._warn(
+                step,
+                "same_rng",
+                f"every rank's random-number generator was last seeded with the same seed (optimizer step "
+                f"{step}): the ranks draw the same random numbers (the same dropout masks on different "
+                "samples). Something re-seeded every rank alike; seed each rank differently (distaccum's "
+                "Trainer does: trainer.seed + a rank offset)",
+            )
 
     def _check_data(self, step: int, window: WindowResult) -> None:
         data = [list(pair) for pair in window.rank_sums]
         if data[0][1] > 0 and all(math.isfinite(x) for x in data[0]) and all_same(data):
-            self._warn(step, "same_samples",
-                       f"every rank trained on identical data at optimizer step {step} (the same loss sum "
-                       f"{data[0][0]:.9g} over the same {data[0][1]:.0f} loss items on all {self.world} ranks): the "
-                       "ranks are probably reading the same samples (a sampler or dataset that ignores the rank), "
-                       "so the effective batch is 1/world of what it should be")
+            self._warn(
+                step,
+                "same_samples",
+                f"every rank trained on identical data at optimizer step {step} (the same loss sum "
+                f"{data[0][0]:.9g} over the same {data[0][1]:.0f} loss items on all {self.world} ranks): the "
+                "ranks are probably reading the same samples (a sampler or dataset that ignores the rank), "
+                "so the effective batch is 1/world of what it should be",
+            )
 
     def _warn(self, step: int, check: str, message: str) -> None:
         if check in self.warned:
@@ -167,17 +181,29 @@ class Fingerprint:
         base = rows[agree[0]][1:]
         differ = [i for i in range(len(base)) if any(not same(rows[r][1 + i], base[i]) for r in odd)]
         names = [name for name, p in self.engine.unwrapped().named_parameters() if p.requires_grad]
-        parameter = (names[differ[0]] if len(names) == len(base) else f"gradient tensor #{differ[0]}") if differ \
+        parameter = (
+            (names[differ[0]] if len(names) == len(base) else f"gradient tensor #{differ[0]}")
+            if differ
             else "(none)"
-        message = (f"ranks disagree on the reduced gradient at optimizer step {step}: rank(s) {', '.join(map(str, odd))} "
-                   f"differ from rank(s) {', '.join(map(str, agree))} (reduction fingerprint); first differing "
-                   f"parameter {parameter!r} ({len(differ)} of {len(base)} gradients differ). The gradients were "
-                   "not reduced identically on every rank (a rank skipped or missed the reduction, no_sync on the "
-                   "wrong micro-batch, a comm hook that keeps local values, DDP static_graph with no_sync). The "
-                   "run stopped when the comparison was read: one step later, or at once before a checkpoint or at the "
-                   "end of the run.")
+        )
+        message = (
+            f"ranks disagree on the reduced gradient at optimizer step {step}: rank(s) {', '.join(map(str, odd))} "
+            f"differ from rank(s) {', '.join(map(str, agree))} (reduction fingerprint); first differing "
+            f"parameter {parameter!r} ({len(differ)} of {len(base)} gradients differ). The gradients were "
+            "not reduced identically on every rank (a rank skipped or missed the reduction, no_sync on the "
+            "wrong micro-batch, a comm hook that keeps local values, DDP static_graph with no_sync). The "
+            "run stopped when the comparison was read: one step later, or at once before a checkpoint or at the "
+            "end of the run."
+        )
         if self.rank == 0:
-            report = {"step": step, "parameter": parameter, "rank": odd[0], "ranks": odd,
-                      "differing_parameters": len(differ), "check": "fingerprint", "message": message}
+            report = {
+                "step": step,
+                "parameter": parameter,
+                "rank": odd[0],
+                "ranks": odd,
+                "differing_parameters": len(differ),
+                "check": "fingerprint",
+                "message": message,
+            }
             (self.run_dir / DIVERGENCE).write_text(json.dumps(report, indent=2) + "\n")
         raise RankDivergenceError(message, step=step, parameter=parameter, rank=odd[0])

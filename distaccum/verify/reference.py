@@ -50,23 +50,36 @@ from distaccum.telemetry.sinks import JsonlSink
 from distaccum.verify.tripwire import append_checksums, parameter_checksums
 
 
-def window_samples(cfg: RunConfig, parts: Components, global_batch: int) -> Iterator[tuple[int, list[Any], bool]]:
+def window_samples(
+    cfg: RunConfig, parts: Components, global_batch: int
+) -> Iterator[tuple[int, list[Any], bool]]:
     """(epoch, samples, partial) of each optimizer step's window, as a run's source serves them: from the
     global-batch plan (map-style) or read off the stream in order (:mod:`distaccum.data.stream`)."""
     if is_stream(parts.dataset):
-        for window in stream_windows(parts.dataset, global_batch, drop_last=cfg.data.drop_last,  # type: ignore[arg-type]
-                                     num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor):
+        for window in stream_windows(
+            parts.dataset,
+            global_batch,
+            drop_last=cfg.data.drop_last,
+            num_workers=cfg.data.num_workers,
+            prefetch_factor=cfg.data.prefetch_factor,
+        ):
             yield window.epoch, window.samples, len(window.samples) < global_batch
         return
-    plan = GlobalBatchPlan(len(parts.dataset), global_batch, seed=cfg.trainer.seed,  # type: ignore[arg-type]
-                           shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+    plan = GlobalBatchPlan(
+        len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
+        global_batch,
+        seed=cfg.trainer.seed,
+        shuffle=cfg.data.shuffle,
+        drop_last=cfg.data.drop_last,
+    )
     for step in count():
         planned = plan.window(step)
         yield planned.epoch, [parts.dataset[int(i)] for i in planned.indices], planned.partial
 
 
-def run_reference(cfg: RunConfig, parts: Components, run_dir: Path, *, global_batch: int,
-                  seed_out: Path | None = None) -> Record:
+def run_reference(
+    cfg: RunConfig, parts: Components, run_dir: Path, *, global_batch: int, seed_out: Path | None = None
+) -> Record:
     """Train ``cfg.trainer.max_steps`` plain steps of ``global_batch`` samples; returns the summary.
 
     The model is built exactly as a training run builds it (seed, precision, ``init_from``);
@@ -110,20 +123,39 @@ def run_reference(cfg: RunConfig, parts: Components, run_dir: Path, *, global_ba
         optimizer.zero_grad(set_to_none=True)
         names_, numels, values = parameter_checksums(model.named_parameters())
         append_checksums(run_dir, step + 1, names_, numels, values)
-        record: Record = {"step": step + 1, "epoch": epoch, "loss": float(loss_sum.detach()) / items, "lr": lr,
-                          "samples": len(samples), "items": round(items), "micro_steps": 1,
-                          "partial_window": partial, "grad_norm": norm, "skipped": not applied}
+        record: Record = {
+            "step": step + 1,
+            "epoch": epoch,
+            "loss": float(loss_sum.detach()) / items,
+            "lr": lr,
+            "samples": len(samples),
+            "items": round(items),
+            "micro_steps": 1,
+            "partial_window": partial,
+            "grad_norm": norm,
+            "skipped": not applied,
+        }
         records.append(record)
         sink.log(record)
     final = run_dir / FINAL_DIR
     save_weights(model.state_dict(), final / FINAL_WEIGHTS)
     write_json(final / FINAL_CONFIG, {**to_mapping(cfg), "components": names})
     flat = torch.cat([p.detach().double().flatten().cpu() for p in model.parameters()])
-    summary: Record = {"reference": "plain PyTorch, one process, one forward/backward per window",
-                       "model": names["model"], "precision": cfg.precision, "world_size": 1,
-                       "micro_batch": global_batch, "accum_steps": 1, "global_batch": global_batch,
-                       "steps": len(records), "final_loss": records[-1]["loss"] if records else math.nan,
-                       "param_sum": float(flat.sum()), "param_l2": float(flat.norm()),
-                       "run_dir": str(run_dir), "final_model": str(final), **facts}
+    summary: Record = {
+        "reference": "plain PyTorch, one process, one forward/backward per window",
+        "model": names["model"],
+        "precision": cfg.precision,
+        "world_size": 1,
+        "micro_batch": global_batch,
+        "accum_steps": 1,
+        "global_batch": global_batch,
+        "steps": len(records),
+        "final_loss": records[-1]["loss"] if records else math.nan,
+        "param_sum": float(flat.sum()),
+        "param_l2": float(flat.norm()),
+        "run_dir": str(run_dir),
+        "final_model": str(final),
+        **facts,
+    }
     sink.close(summary)  # also writes summary.json
     return summary

@@ -58,14 +58,27 @@ class MicroGradients:
         return sum(sum(row) for row in self.items)
 
 
-def micro_gradients(parts: Components, split: Split, seed: int, weights: Path, model_name: str, *,
-                    shuffle: bool, drop_last: bool) -> MicroGradients | None:
+def micro_gradients(
+    parts: Components,
+    split: Split,
+    seed: int,
+    weights: Path,
+    model_name: str,
+    *,
+    shuffle: bool,
+    drop_last: bool,
+) -> MicroGradients | None:
     """Every (rank, micro-batch) gradient of step 1 from the seed weights (the plan of ``trainer.seed``,
     ``data.shuffle``, ``data.drop_last``), or None when the model draws random numbers or the data is a stream."""
     if is_stream(parts.dataset):
         return None
-    plan = GlobalBatchPlan(len(parts.dataset), split.global_batch, seed=seed,  # type: ignore[arg-type]
-                           shuffle=shuffle, drop_last=drop_last)
+    plan = GlobalBatchPlan(
+        len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
+        split.global_batch,
+        seed=seed,
+        shuffle=shuffle,
+        drop_last=drop_last,
+    )
     model = build_model(parts.model, seed, Precision.of("fp64"), str(weights), model_name)
     if random_layers(model):
         return None
@@ -87,11 +100,18 @@ def micro_gradients(parts: Components, split: Split, seed: int, weights: Path, m
                 samples[-1].append(0)
                 continue
             model.zero_grad(set_to_none=True)
-            batch = to_device(collate([parts.dataset[int(i)] for i in piece]), torch.device("cpu"), torch.float64)
+            batch = to_device(
+                collate([parts.dataset[int(i)] for i in piece]), torch.device("cpu"), torch.float64
+            )
             summed, n_items = parts.loss(model, batch)
             summed.backward()
-            grads[-1].append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                        for p in params]).detach().clone())
+            grads[-1].append(
+                torch.cat(
+                    [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                )
+                .detach()
+                .clone()
+            )
             items[-1].append(float(n_items))
             samples[-1].append(len(piece))
     return MicroGradients(grads, items, samples)
@@ -116,21 +136,45 @@ def combinations(m: MicroGradients, split: Split, clip_norm: float | None) -> li
     def total(select: Callable[[int, int], float]) -> torch.Tensor:
         return sum(select(r, k) * m.grads[r][k] for r in range(world) for k in range(k_steps))  # type: ignore[return-value]
 
-    out = [Replayed("correct", "correct", "every micro-batch gradient summed, divided by the global item count",
-                    float(total(lambda r, k: 1.0 / n).norm()))]
-    out.append(Replayed("mean_per_micro", "loss_normalization",
-                        f"each micro-batch is normalised by its own item count and the window by its "
-                        f"{k_steps * world} micro-batches (loss/K, the per-micro-batch mean)",
-                        float(total(lambda r, k: 1.0 / (max(m.items[r][k], 1.0) * k_steps * world)
-                                    if m.samples[r][k] else 0.0).norm())))
-    out.append(Replayed("per_rank_count", "loss_normalization",
-                        "each rank is normalised by its own item count, then the ranks averaged",
-                        float(total(lambda r, k: 1.0 / (max(sum(m.items[r]), 1.0) * world)).norm())))
+    out = [
+        Replayed(
+            "correct",
+            "correct",
+            "every micro-batch gradient summed, divided by the global item count",
+            float(total(lambda r, k: 1.0 / n).norm()),
+        )
+    ]
+    out.append(
+        Replayed(
+            "mean_per_micro",
+            "loss_normalization",
+            f"each micro-batch is normalised by its own item count and the window by its "
+            f"{k_steps * world} micro-batches (loss/K, the per-micro-batch mean)",
+            float(
+                total(
+                    lambda r, k: 1.0 / (max(m.items[r][k], 1.0) * k_steps * world) if m.samples[r][k] else 0.0
+                ).norm()
+            ),
+        )
+    )
+    out.append(
+        Replayed(
+            "per_rank_count",
+            "loss_normalization",
+            "each rank is normalised by its own item count, then the ranks averaged",
+            float(total(lambda r, k: 1.0 / (max(sum(m.items[r]), 1.0) * world)).norm()),
+        )
+    )
     for start in range(1, k_steps):
-        out.append(Replayed(f"lost_before_{start + 1}", "lost_gradients",
-                            f"the accumulated gradients are wiped before micro-batch {start + 1} of {k_steps}: "
-                            f"only micro-batches {start + 1}..{k_steps} reach the step",
-                            float(total(functools.partial(_from, start, 1.0 / n)).norm())))
+        out.append(
+            Replayed(
+                f"lost_before_{start + 1}",
+                "lost_gradients",
+                f"the accumulated gradients are wiped before micro-batch {start + 1} of {k_steps}: "
+                f"only micro-batches {start + 1}..{k_steps} reach the step",
+                float(total(functools.partial(_from, start, 1.0 / n)).norm()),
+            )
+        )
     if clip_norm is not None and flat:
         c = power_of_two_scale(0.0, split.global_batch)
         # What each rank's .grad holds per unit of summed-loss gradient: c (DDP's and Accelerate's grad_divisor undoes
@@ -142,9 +186,15 @@ def combinations(m: MicroGradients, split: Split, clip_norm: float | None) -> li
                 acc = _clip(acc + c * m.grads[r][k], clip_norm)
             ranks.append(acc + c * m.grads[r][k_steps - 1])
         reduced = torch.stack(ranks).sum(dim=0)
-        message = (f"clip_grad_norm_(max_norm={clip_norm:g}) is applied after every micro-batch's backward, to the "
-                   "partial accumulation, instead of once to the window's reduced gradient")
+        message = (
+            f"clip_grad_norm_(max_norm={clip_norm:g}) is applied after every micro-batch's backward, to the "
+            "partial accumulation, instead of once to the window's reduced gradient"
+        )
         # The last clip sees the reduced gradient; the step measures the norm after it.
-        out.append(Replayed("clip_per_micro", "clipping", message, float(_clip(reduced, clip_norm).norm()) / (c * n)))
+        out.append(
+            Replayed("clip_per_micro", "clipping", message, float(_clip(reduced, clip_norm).norm()) / (c * n))
+        )
     correct = out[0].grad_norm
-    return [out[0]] + [h for h in out[1:] if not math.isclose(h.grad_norm, correct, rel_tol=1e-9, abs_tol=0.0)]
+    return [out[0]] + [
+        h for h in out[1:] if not math.isclose(h.grad_norm, correct, rel_tol=1e-9, abs_tol=0.0)
+    ]

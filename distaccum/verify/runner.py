@@ -22,11 +22,8 @@ import functools
 import json
 import math
 import os
-import sys
 import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +51,7 @@ from distaccum.verify.compare import (
     tolerance_for,
     with_reduction,
 )
+from distaccum.verify.console import EXIT_FAIL, EXIT_OK, log_tail, timed_run
 from distaccum.verify.diagnosis import (
     Finding,
     RunFacts,
@@ -67,10 +65,8 @@ from distaccum.verify.reference import run_reference
 from distaccum.verify.replay import Replayed, combinations, micro_gradients
 
 VERIFY_FILE = "verify.json"
-EXIT_OK, EXIT_FAIL = 0, 1
-
-
 # --- which runs to launch (pure) ------------------------------------------------------------------
+
 
 def candidate_splits(cfg: RunConfig) -> list[Split]:
     """The configured split, plus with ``verify.splits=auto`` other splits of the same global batch.
@@ -90,8 +86,9 @@ def candidate_splits(cfg: RunConfig) -> list[Split]:
             options = sorted(valid_splits(configured.global_batch, world), key=lambda s: -s.accum_steps)
             options = [s for s in options if s.accum_steps * s.world_size > 1 and s != configured]
             # most accumulation, least, then inwards
-            lanes.append([options[i // 2] if i % 2 == 0 else options[-1 - i // 2]
-                          for i in range(len(options))])
+            lanes.append(
+                [options[i // 2] if i % 2 == 0 else options[-1 - i // 2] for i in range(len(options))]
+            )
         while any(lanes) and len(chosen) < cfg.verify.max_candidates:
             for lane in lanes:
                 if lane and len(chosen) < cfg.verify.max_candidates:
@@ -106,8 +103,9 @@ def parse_split(label: str) -> Split:
         if min(world, micro, accum) < 1 or label != Split(micro, accum, world).label():
             raise ValueError(label)
     except ValueError:
-        raise ValueError(f"split {label!r} is not of the form w<world>-m<micro_batch>-k<accum_steps>, "
-                         "e.g. w2-m4-k4") from None
+        raise ValueError(
+            f"split {label!r} is not of the form w<world>-m<micro_batch>-k<accum_steps>, e.g. w2-m4-k4"
+        ) from None
     return Split(micro, accum, world)
 
 
@@ -115,8 +113,15 @@ def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) 
     return replace(
         cfg,
         accum=replace(cfg.accum, micro_batch=split.micro_batch, steps=split.accum_steps, global_batch=None),
-        trainer=replace(cfg.trainer, nproc=split.world_size, nnodes=1, check_every=1,
-                        init_from=str(seed) if seed else None, max_restarts=0, resume=False),
+        trainer=replace(
+            cfg.trainer,
+            nproc=split.world_size,
+            nnodes=1,
+            check_every=1,
+            init_from=str(seed) if seed else None,
+            max_restarts=0,
+            resume=False,
+        ),
         log=replace(cfg.log, console="quiet", wandb=False, grad_norm=True),  # compared every step
         verify=replace(cfg.verify, record=True),
         run_dir=str(run_dir),
@@ -143,6 +148,7 @@ def write_seed_checkpoint(recipe: ModelRecipe, parts: Components, path: Path) ->
 
 # --- running ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Launched:
     """One finished run: its split, exit code, wall time and what it wrote."""
@@ -156,9 +162,15 @@ class Launched:
     def describe(self) -> dict[str, Any]:
         """Its row of ``verify.json`` (without the comparison)."""
         s = self.split
-        return {"engine": self.engine, "world_size": s.world_size, "micro_batch": s.micro_batch,
-                "accum_steps": s.accum_steps, "run_dir": str(self.data.run_dir), "exit_code": self.exit_code,
-                "seconds": round(self.seconds, 2)}
+        return {
+            "engine": self.engine,
+            "world_size": s.world_size,
+            "micro_batch": s.micro_batch,
+            "accum_steps": s.accum_steps,
+            "run_dir": str(self.data.run_dir),
+            "exit_code": self.exit_code,
+            "seconds": round(self.seconds, 2),
+        }
 
 
 @dataclass
@@ -213,50 +225,6 @@ class VerifyResult:
         return self.summary
 
 
-@contextmanager
-def output_to(path: Path, *, append: bool = False) -> Iterator[None]:
-    """This process's (and its children's) stdout/stderr into ``path`` for the block; ``append`` adds to the file
-    (every rank of a launch into one) instead of starting it afresh."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
-
-
-@contextmanager
-def console_to(path: Path) -> Iterator[None]:
-    """Send this process's (and its children's) stdout/stderr to ``path``: the table stays readable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    env_before = dict(os.environ)
-    # Verify runs are tiny: one intra-op thread per worker. Two threads on a loaded 2-core machine
-    # made the world-1 reference 3-10x slower (spinning OpenMP workers); a user's setting wins.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        with output_to(path):
-            yield
-    finally:
-        os.environ.clear()
-        os.environ.update(env_before)
-
-
-def log_tail(run_dir: Path, lines: int = 15) -> str:
-    """The last lines of a run's ``console.log``, indented."""
-    path = run_dir / CONSOLE_LOG
-    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    return "\n".join("    | " + line for line in text[-lines:])
-
-
 def _num(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2e}"
 
@@ -283,15 +251,19 @@ def where(report: Report) -> str:
 
 def render_table(rows: Sequence[VerifyRow]) -> str:
     """The candidates as a table, then every failure explained."""
-    head = (f"  {'split':<12}{'engine':<11}{'world':>5}{'micro':>6}{'accum':>6}  {'max_abs':>8}{'max_rel':>9}"
-            f"{'loss_diff':>10}  {'first divergence':<30}{'result':<7}{'time':>6}")
+    head = (
+        f"  {'split':<12}{'engine':<11}{'world':>5}{'micro':>6}{'accum':>6}  {'max_abs':>8}{'max_rel':>9}"
+        f"{'loss_diff':>10}  {'first divergence':<30}{'result':<7}{'time':>6}"
+    )
     lines = ["", head, "  " + "-" * (len(head) - 2)]
     for row in rows:
         s, report = row.run.split, row.report
-        lines.append(f"  {s.label():<12}{row.run.engine:<11}{s.world_size:>5}{s.micro_batch:>6}"
-                     f"{s.accum_steps:>6}  {_num(report.max_abs_diff):>8}{_num(report.max_rel_diff):>9}"
-                     f"{_num(report.max_loss_diff):>10}  {where(report)[:29]:<30}"
-                     f"{'PASS' if report.passed else 'FAIL':<7}{row.run.seconds:>5.1f}s")
+        lines.append(
+            f"  {s.label():<12}{row.run.engine:<11}{s.world_size:>5}{s.micro_batch:>6}"
+            f"{s.accum_steps:>6}  {_num(report.max_abs_diff):>8}{_num(report.max_rel_diff):>9}"
+            f"{_num(report.max_loss_diff):>10}  {where(report)[:29]:<30}"
+            f"{'PASS' if report.passed else 'FAIL':<7}{row.run.seconds:>5.1f}s"
+        )
     for row in rows:
         report = row.report
         if report.passed:
@@ -299,24 +271,16 @@ def render_table(rows: Sequence[VerifyRow]) -> str:
         lines += ["", f"  {row.run.split.label()} FAILED: {where(report)}"]
         d = report.first_divergence
         if d is not None and d.reference is not None:
-            lines.append(f"    reference {d.reference:.9g}, candidate {d.candidate:.9g}, |diff| {d.abs_diff:.3g}")
+            lines.append(
+                f"    reference {d.reference:.9g}, candidate {d.candidate:.9g}, |diff| {d.abs_diff:.3g}"
+            )
         lines += [f"    note: {note}" for note in report.notes]
         lines += [f"    diagnosis [{f.cause}]: {f.message}" for f in row.findings]
         if row.run.exit_code and d and d.quantity != "ranks":
-            lines.append(f"    last lines of {row.run.data.run_dir}/{CONSOLE_LOG}:\n{log_tail(row.run.data.run_dir)}")
+            lines.append(
+                f"    last lines of {row.run.data.run_dir}/{CONSOLE_LOG}:\n{log_tail(row.run.data.run_dir)}"
+            )
     return "\n".join(lines)
-
-
-def timed_run(run: Callable[[], int], log: Path) -> tuple[int, float]:
-    """Run ``run`` with its console output in ``log``; (exit code, seconds). An exception is exit 1."""
-    start = time.perf_counter()
-    with console_to(log):
-        try:
-            code = run()
-        except Exception:  # noqa: BLE001 - an in-process reference that raised is a failed run
-            traceback.print_exc()
-            code = EXIT_FAIL
-    return code, time.perf_counter() - start
 
 
 def candidate_sync(cfg: RunConfig, world_size: int) -> str:
@@ -330,7 +294,9 @@ def describe_engine(cfg: RunConfig) -> str:
     replicas = cfg.engine.replicas
     if replicas == "auto" or int(replicas) <= 1:
         return cfg.engine.name
-    return f"{cfg.engine.name} (HSDP, {replicas} replicas, accum.sync={candidate_sync(cfg, cfg.trainer.nproc)})"
+    return (
+        f"{cfg.engine.name} (HSDP, {replicas} replicas, accum.sync={candidate_sync(cfg, cfg.trainer.nproc)})"
+    )
 
 
 def verify_tolerance(cfg: RunConfig, splits: Sequence[Split]) -> tuple[Tolerances, str]:
@@ -340,15 +306,24 @@ def verify_tolerance(cfg: RunConfig, splits: Sequence[Split]) -> tuple[Tolerance
     tol = tolerance_for(cfg.precision, cfg.verify)
     if cfg.accum.reduce_dtype == "fp32" or cfg.verify.rtol is not None or cfg.verify.atol is not None:
         return tol, ""
-    n = max(reduction_roundings(candidate_sync(cfg, s.world_size), s.world_size, s.accum_steps) for s in splits)
+    n = max(
+        reduction_roundings(candidate_sync(cfg, s.world_size), s.world_size, s.accum_steps) for s in splits
+    )
     lr = cfg.optim.lr * cfg.optim.lr_scale(cfg.global_batch(cfg.trainer.nproc))
     adam = cfg.optim.betas if cfg.optim.name == "adamw" else None
-    widened = with_reduction(tol, cfg.accum.reduce_dtype, n, lr=lr, steps=cfg.trainer.max_steps, adam_betas=adam)
+    widened = with_reduction(
+        tol, cfg.accum.reduce_dtype, n, lr=lr, steps=cfg.trainer.max_steps, adam_betas=adam
+    )
     e = n * UNIT_ROUNDOFF[cfg.accum.reduce_dtype]
-    return widened, (f", gradients reduced in {cfg.accum.reduce_dtype}: + e = {n} roundings x "
-                     f"{UNIT_ROUNDOFF[cfg.accum.reduce_dtype]:.3g} = {e:.3g} relative on grad_norm and loss, "
-                     + ("+ 2 k lr T on parameters (AdamW moves an element at most k lr per step)" if adam
-                        else "+ 2 e relative on parameters"))
+    return widened, (
+        f", gradients reduced in {cfg.accum.reduce_dtype}: + e = {n} roundings x "
+        f"{UNIT_ROUNDOFF[cfg.accum.reduce_dtype]:.3g} = {e:.3g} relative on grad_norm and loss, "
+        + (
+            "+ 2 k lr T on parameters (AdamW moves an element at most k lr per step)"
+            if adam
+            else "+ 2 e relative on parameters"
+        )
+    )
 
 
 def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = print) -> VerifyResult:
@@ -359,29 +334,44 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
     tol, reduced = verify_tolerance(cfg, job.splits)
     global_batch = cfg.split(cfg.trainer.nproc).global_batch
     ref_precision = "fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision
-    echo(f"distaccum verify: {job.what}, {describe_engine(cfg)}, {cfg.precision}, global batch {global_batch}, "
-         f"{cfg.trainer.max_steps} optimizer steps, {len(job.splits)} candidate split(s)")
-    echo(f"  reference: plain PyTorch in one process, the whole window ({global_batch} samples) in one "
-         f"forward/backward, {ref_precision}, the same seed checkpoint, samples, optimizer and schedule")
-    echo(f"  tolerance ({cfg.precision}{reduced}): loss, grad_norm at every step: |cand - ref| <= {tol.steps}; "
-         f"final parameters: {tol.params}")
+    echo(
+        f"distaccum verify: {job.what}, {describe_engine(cfg)}, {cfg.precision}, global batch {global_batch}, "
+        f"{cfg.trainer.max_steps} optimizer steps, {len(job.splits)} candidate split(s)"
+    )
+    echo(
+        f"  reference: plain PyTorch in one process, the whole window ({global_batch} samples) in one "
+        f"forward/backward, {ref_precision}, the same seed checkpoint, samples, optimizer and schedule"
+    )
+    echo(
+        f"  tolerance ({cfg.precision}{reduced}): loss, grad_norm at every step: |cand - ref| <= {tol.steps}; "
+        f"final parameters: {tol.params}"
+    )
     started = time.perf_counter()
     ref_dir = root / "reference"
     code, seconds = job.reference_ran or timed_run(lambda: job.reference(ref_dir), ref_dir / CONSOLE_LOG)
     ref = Launched(Split(global_batch, 1, 1), "plain", code, seconds, RunData.load(ref_dir))
     echo(f"  reference: {len(ref.data.records)} steps ({seconds:.1f} s)")
     summary: dict[str, Any] = {
-        "passed": False, "model": job.what, "precision": cfg.precision,
-        "reference_dtype": cfg.verify.reference_dtype, "global_batch": global_batch,
+        "passed": False,
+        "model": job.what,
+        "precision": cfg.precision,
+        "reference_dtype": cfg.verify.reference_dtype,
+        "global_batch": global_batch,
         "steps": cfg.trainer.max_steps,
-        "tolerance": {"steps": asdict(tol.steps), "params": asdict(tol.params),
-                      "criterion": "max|cand - ref| <= atol + rtol * max|ref|, per scalar or tensor"},
+        "tolerance": {
+            "steps": asdict(tol.steps),
+            "params": asdict(tol.params),
+            "criterion": "max|cand - ref| <= atol + rtol * max|ref|, per scalar or tensor",
+        },
         "reference": {**ref.describe(), "precision": ref_precision},
-        "reference_reproducible": None, "candidates": [],
+        "reference_reproducible": None,
+        "candidates": [],
     }
     if code or len(ref.data.records) < cfg.trainer.max_steps or ref.data.params is None:
-        echo(f"distaccum verify: the reference run failed (exit {code}); last lines of "
-             f"{ref_dir}/{CONSOLE_LOG}:\n{log_tail(ref_dir)}")
+        echo(
+            f"distaccum verify: the reference run failed (exit {code}); last lines of "
+            f"{ref_dir}/{CONSOLE_LOG}:\n{log_tail(ref_dir)}"
+        )
         (root / VERIFY_FILE).write_text(json.dumps(_finite(summary), indent=2) + "\n")
         return VerifyResult(False, [], summary, root)
 
@@ -411,18 +401,25 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         bound = tol.steps.bound(abs(reference))
         if abs(combos[0].grad_norm - reference) > bound:
             return ()
-        return tuple((h.cause, h.message) for h in combos[1:]
-                     if abs(h.grad_norm - cand) <= bound < abs(h.grad_norm - reference))
+        return tuple(
+            (h.cause, h.message)
+            for h in combos[1:]
+            if abs(h.grad_norm - cand) <= bound < abs(h.grad_norm - reference)
+        )
 
     def explain(run: Launched, report: Report) -> list[Finding]:
         if report.passed:
             return []
         steps = step_facts(report, ref.data.records, run.data.records, tol.steps.rtol, run.split)
-        steps = replace(steps, warnings=tuple((str(w.get("check")), str(w.get("message"))) for w in run.data.warnings),
-                        console=run.data.console if run.exit_code else "")
+        steps = replace(
+            steps,
+            warnings=tuple((str(w.get("check")), str(w.get("message"))) for w in run.data.warnings),
+            console=run.data.console if run.exit_code else "",
+        )
         steps = replace(steps, replayed=replayed(run, steps))
-        return diagnose(report, facts, run.split, unequal_items(run.data.records), run.exit_code, steps,
-                        tol.steps.rtol)
+        return diagnose(
+            report, facts, run.split, unequal_items(run.data.records), run.exit_code, steps, tol.steps.rtol
+        )
 
     if any([f.cause for f in explain(run, report)] == ["unexplained"] for run, report in runs):
         # Only then pay for a second reference run: is the reference itself reproducible?
@@ -435,19 +432,28 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
 
     rows = [VerifyRow(run, report, explain(run, report)) for run, report in runs]
     for row in rows:
-        summary["candidates"].append({"split": row.run.split.label(), **row.run.describe(), **row.report.to_dict(),
-                                      "diagnosis": [f.to_dict() for f in row.findings]})
+        summary["candidates"].append(
+            {
+                "split": row.run.split.label(),
+                **row.run.describe(),
+                **row.report.to_dict(),
+                "diagnosis": [f.to_dict() for f in row.findings],
+            }
+        )
     summary["passed"] = all(row.passed for row in rows)
     summary["seconds"] = round(time.perf_counter() - started, 2)
     echo(render_table(rows))
     (root / VERIFY_FILE).write_text(json.dumps(_finite(summary), indent=2) + "\n")
     verdict = "PASSED" if summary["passed"] else "FAILED"
-    echo(f"\nverify {verdict}: {sum(row.passed for row in rows)}/{len(rows)} split(s) match the single-process "
-         f"reference ({summary['seconds']:.0f} s) -> {root / VERIFY_FILE}")
+    echo(
+        f"\nverify {verdict}: {sum(row.passed for row in rows)}/{len(rows)} split(s) match the single-process "
+        f"reference ({summary['seconds']:.0f} s) -> {root / VERIFY_FILE}"
+    )
     return VerifyResult(summary["passed"], rows, summary, root)
 
 
 # --- a config -----------------------------------------------------------------------------------------
+
 
 def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
     """Verify ``cfg``: components instantiated (and pre-flight checked) here, reference in-process,
@@ -466,8 +472,9 @@ def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
         threads = torch.get_num_threads()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or threads))
         try:
-            run_reference(reference_config(cfg, run_dir, seed), checked.components, run_dir,
-                          global_batch=global_batch)
+            run_reference(
+                reference_config(cfg, run_dir, seed), checked.components, run_dir, global_batch=global_batch
+            )
         finally:
             torch.set_num_threads(threads)
         return EXIT_OK
@@ -480,17 +487,35 @@ def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
         return launch_local(cand, config_file)
 
     def replay(split: Split) -> list[Replayed] | None:
-        grads = micro_gradients(checked.components, split, cfg.trainer.seed, seed,
-                                checked.components.describe()["model"], shuffle=cfg.data.shuffle,
-                                drop_last=cfg.data.drop_last)
+        grads = micro_gradients(
+            checked.components,
+            split,
+            cfg.trainer.seed,
+            seed,
+            checked.components.describe()["model"],
+            shuffle=cfg.data.shuffle,
+            drop_last=cfg.data.drop_last,
+        )
         return combinations(grads, split, cfg.optim.clip_norm) if grads is not None else None
 
-    return VerifyJob(cfg, splits, reference, candidate, lambda: model_facts(checked.model, cfg.accum.loss_norm),
-                     checked.components.describe()["model"], replay=replay)
+    return VerifyJob(
+        cfg,
+        splits,
+        reference,
+        candidate,
+        lambda: model_facts(checked.model, cfg.accum.loss_norm),
+        checked.components.describe()["model"],
+        replay=replay,
+    )
 
 
-def verify(config: RunConfig | Mapping[str, Any], *, splits: Sequence[Split | str] | None = None,
-           run_dir: str | Path | None = None, echo: Callable[[str], None] = print) -> VerifyResult:
+def verify(
+    config: RunConfig | Mapping[str, Any],
+    *,
+    splits: Sequence[Split | str] | None = None,
+    run_dir: str | Path | None = None,
+    echo: Callable[[str], None] = print,
+) -> VerifyResult:
     """Verify a configuration against plain PyTorch: the single-process reference in this process, each
     candidate split on worker processes started by the launcher, as ``distaccum verify`` does.
 
@@ -506,12 +531,18 @@ def verify(config: RunConfig | Mapping[str, Any], *, splits: Sequence[Split | st
     if run_dir is not None:
         cfg = replace(cfg, run_dir=str(run_dir))
     try:
-        chosen = [s if isinstance(s, Split) else parse_split(s) for s in splits] if splits else candidate_splits(cfg)
+        chosen = (
+            [s if isinstance(s, Split) else parse_split(s) for s in splits]
+            if splits
+            else candidate_splits(cfg)
+        )
         global_batch = cfg.global_batch(cfg.trainer.nproc)
         for split in chosen:
             if split.global_batch != global_batch:
-                raise ValueError(f"split {split.label()} holds {split.global_batch} samples per step; the "
-                                 f"configuration's global batch is {global_batch}")
+                raise ValueError(
+                    f"split {split.label()} holds {split.global_batch} samples per step; the "
+                    f"configuration's global batch is {global_batch}"
+                )
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return run_verify(config_job(cfg, chosen), Path(cfg.run_dir), echo=echo)

@@ -23,9 +23,10 @@ from distaccum.config import ConfigError, from_mapping, with_overrides
 from distaccum.rundir import CONFIG, CONSOLE_LOG, SEED, read_json
 from distaccum.split import Split
 from distaccum.telemetry.sinks import Record
+from distaccum.verify.console import log_tail, timed_run
 from distaccum.verify.diagnosis import RunFacts
 from distaccum.verify.reference import run_reference
-from distaccum.verify.runner import VerifyJob, candidate_splits, log_tail, timed_run
+from distaccum.verify.runner import VerifyJob, candidate_splits
 
 REQUEST = "verify_request.json"
 """The role file a run directory of ``verify --script`` gets."""
@@ -33,13 +34,24 @@ REQUEST = "verify_request.json"
 
 def role_overrides(request: dict[str, Any]) -> dict[str, Any]:
     """What a role changes in the script's configuration."""
-    overrides: dict[str, Any] = {"run_dir": request["run_dir"], "verify.record": True, "trainer.check_every": 1,
-                                 "log.console": "quiet", "log.wandb": False, "trainer.resume": False}
+    overrides: dict[str, Any] = {
+        "run_dir": request["run_dir"],
+        "verify.record": True,
+        "trainer.check_every": 1,
+        "log.console": "quiet",
+        "log.wandb": False,
+        "trainer.resume": False,
+    }
     if request.get("init_from"):
         overrides["trainer.init_from"] = request["init_from"]
     if request["mode"] == "candidate":
-        overrides.update({"accum.micro_batch": request["micro_batch"], "accum.steps": request["accum_steps"],
-                          "accum.global_batch": None})
+        overrides.update(
+            {
+                "accum.micro_batch": request["micro_batch"],
+                "accum.steps": request["accum_steps"],
+                "accum.global_batch": None,
+            }
+        )
     return overrides
 
 
@@ -57,9 +69,13 @@ def verifying_trainer(request: dict[str, Any]) -> type[trainer_module.Trainer]:
             if request["mode"] != "reference":
                 return super().fit()
             cfg = self.cfg  # one process: no group, no engine
-            return run_reference(cfg, self.components, Path(cfg.run_dir),
-                                 global_batch=cfg.global_batch(int(request["world_size"])),
-                                 seed_out=Path(request["seed_out"]) if request.get("seed_out") else None)
+            return run_reference(
+                cfg,
+                self.components,
+                Path(cfg.run_dir),
+                global_batch=cfg.global_batch(int(request["world_size"])),
+                seed_out=Path(request["seed_out"]) if request.get("seed_out") else None,
+            )
 
     return VerifyingTrainer
 
@@ -95,8 +111,13 @@ def script_job(script: Path, args: list[str], nproc: int, root: Path, auto: bool
         return subprocess.run([sys.executable, *entry(request)], check=False).returncode
 
     def candidate(split: Split, run_dir: Path) -> int:
-        request = _request(run_dir, mode="candidate", init_from=str(seed), micro_batch=split.micro_batch,
-                           accum_steps=split.accum_steps)
+        request = _request(
+            run_dir,
+            mode="candidate",
+            init_from=str(seed),
+            micro_batch=split.micro_batch,
+            accum_steps=split.accum_steps,
+        )
         plan = LaunchPlan(1, split.world_size, "127.0.0.1:0", "distaccum-verify", 0, str(run_dir))
         return launch(plan, entry(request))
 
@@ -104,14 +125,32 @@ def script_job(script: Path, args: list[str], nproc: int, root: Path, auto: bool
     code, seconds = timed_run(lambda: reference(ref_dir), ref_dir / CONSOLE_LOG)
     resolved = read_json(ref_dir / CONFIG)
     if code or not resolved:
-        raise ConfigError(f"the script {script} failed as the verify reference (exit {code}); last lines of "
-                          f"{ref_dir}/{CONSOLE_LOG}:\n{log_tail(ref_dir)}")
+        raise ConfigError(
+            f"the script {script} failed as the verify reference (exit {code}); last lines of "
+            f"{ref_dir}/{CONSOLE_LOG}:\n{log_tail(ref_dir)}"
+        )
     resolved.pop("components", None)
-    cfg = with_overrides(from_mapping(resolved), {"trainer.nproc": nproc, "trainer.nnodes": 1,
-                                                  "verify.splits": "auto" if auto else "config",
-                                                  "run_dir": str(root)})
+    cfg = with_overrides(
+        from_mapping(resolved),
+        {
+            "trainer.nproc": nproc,
+            "trainer.nnodes": 1,
+            "verify.splits": "auto" if auto else "config",
+            "run_dir": str(root),
+        },
+    )
     summary = read_json(ref_dir / "summary.json")
-    facts = RunFacts(tuple(summary.get("batch_stat_layers", ())), tuple(summary.get("random_layers", ())),
-                     cfg.accum.loss_norm)
-    return VerifyJob(cfg, candidate_splits(cfg), reference, candidate, lambda: facts,
-                     str(summary.get("model", script)), reference_ran=(code, seconds))
+    facts = RunFacts(
+        tuple(summary.get("batch_stat_layers", ())),
+        tuple(summary.get("random_layers", ())),
+        cfg.accum.loss_norm,
+    )
+    return VerifyJob(
+        cfg,
+        candidate_splits(cfg),
+        reference,
+        candidate,
+        lambda: facts,
+        str(summary.get("model", script)),
+        reference_ran=(code, seconds),
+    )

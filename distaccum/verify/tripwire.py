@@ -51,7 +51,9 @@ def _rebuild_divergence(message: str, step: int, parameter: str, rank: int) -> R
     return RankDivergenceError(message, step=step, parameter=parameter, rank=rank)
 
 
-def parameter_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[int], torch.Tensor]:
+def parameter_checksums(
+    named: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[list[str], list[int], torch.Tensor]:
     """Names, element counts and a [P, 2] fp64 tensor of (sum, sum of squares) per full parameter.
 
     The tensor stays on the parameters' device; the caller moves it once (no per-parameter sync).
@@ -69,8 +71,9 @@ def parameter_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list
     return names, numels, torch.stack([r.to(rows[0].device) for r in rows])
 
 
-def check_consistency(engine: Engine, step: int, run_dir: Path | None = None, *,
-                      record: bool = False) -> None:
+def check_consistency(
+    engine: Engine, step: int, run_dir: Path | None = None, *, record: bool = False
+) -> None:
     """Raise :class:`RankDivergenceError` naming the step and parameter if ranks disagree.
 
     With ``run_dir``, rank 0 also writes ``divergence.json`` there before raising, and with
@@ -91,7 +94,9 @@ def check_consistency(engine: Engine, step: int, run_dir: Path | None = None, *,
         append_checksums(run_dir, step, names, numels, local)
 
 
-def append_checksums(run_dir: Path, step: int, names: list[str], numels: list[int], values: torch.Tensor) -> None:
+def append_checksums(
+    run_dir: Path, step: int, names: list[str], numels: list[int], values: torch.Tensor
+) -> None:
     """Append one step's checksums to ``checksums.jsonl`` (the format ``distaccum verify`` reads)."""
     rows = values.cpu().tolist()
     row = {"step": step, "params": {n: [s, q, c] for n, (s, q), c in zip(names, rows, numels, strict=True)}}
@@ -99,8 +104,9 @@ def append_checksums(run_dir: Path, step: int, names: list[str], numels: list[in
         f.write(json.dumps(row) + "\n")
 
 
-def _compare_ranks(names: list[str], gathered: list[torch.Tensor], step: int,
-                   report_dir: Path | None) -> None:
+def _compare_ranks(
+    names: list[str], gathered: list[torch.Tensor], step: int, report_dir: Path | None
+) -> None:
     reference = gathered[0]
     for rank, other in enumerate(gathered[1:], start=1):
         # Reduced gradients are bitwise identical on every rank, so parameters must be too.
@@ -114,8 +120,13 @@ def _compare_ranks(names: list[str], gathered: list[torch.Tensor], step: int,
                 "identically on every rank (misplaced no_sync, a skipped reduction, or rank-dependent code)."
             )
             if report_dir is not None:
-                report = {"step": step, "parameter": names[i], "rank": rank,
-                          "differing_parameters": len(bad), "message": message}
+                report = {
+                    "step": step,
+                    "parameter": names[i],
+                    "rank": rank,
+                    "differing_parameters": len(bad),
+                    "message": message,
+                }
                 (report_dir / DIVERGENCE).write_text(json.dumps(report, indent=2) + "\n")
             raise RankDivergenceError(message, step=step, parameter=names[i], rank=rank)
 
@@ -133,8 +144,9 @@ class Tripwire:
     reduction checks handed in as ``first`` (the fingerprint, whose comparison is otherwise read a step later)
     are judged for this step just before it: a broken reduction is reported as such, at its own step."""
 
-    def __init__(self, engine: Engine, every: int, run_dir: Path, *, record: bool,
-                 first: Sequence[PendingCheck] = ()) -> None:
+    def __init__(
+        self, engine: Engine, every: int, run_dir: Path, *, record: bool, first: Sequence[PendingCheck] = ()
+    ) -> None:
         self.engine, self.every, self.run_dir, self.record = engine, every, run_dir, record
         self.first = list(first)
 
@@ -144,5 +156,7 @@ class Tripwire:
                 check.flush()
             check_consistency(self.engine, step, self.run_dir, record=self.record)
 
-    def fields(self, record: dict[str, object], times: object, records: list[dict[str, object]]) -> dict[str, object]:
+    def fields(
+        self, record: dict[str, object], times: object, records: list[dict[str, object]]
+    ) -> dict[str, object]:
         return {}
