@@ -13,7 +13,13 @@ does of its own around those. Operators are counted, not timed, so the numbers a
 Both loops run the same steady-state step, without the periodic work of either (distaccum's tripwire and straggler
 view run every ``trainer.check_every`` / ``log.rank_stats_every`` steps, 10 by default; the profiled step is step 4).
 
-    python -m benchmarks.host_ops            # K = 1 and 16, 2 ranks: a table, and runs/host_ops/results.json
+With ``--device cuda`` (one rank per GPU on NCCL, the tensors pinned in host memory, the expert loop moving each
+micro-batch with ``.to(device, non_blocking=True)``) it also counts, in the same step, the kernel launches outside
+those ranges (``cudaLaunchKernel`` calls) and every host synchronization (``cuda*Synchronize``, blocking
+``cudaMemcpy``): what the host pays for on an accelerator, beside the operators.
+
+    python -m benchmarks.host_ops                   # K = 1 and 16, 2 gloo ranks: a table, runs/host_ops/results.json
+    python -m benchmarks.host_ops --device cuda     # the same on every GPU of this machine, launches and syncs too
 
 Each launch's rank 0 writes ``{"k": K, "distaccum": {"ops": n, "names": {...}}, "expert": {...}}``; the CLI's
 results.json holds them by K beside the code and environment (``python -m benchmarks.report --store`` keeps it in
@@ -26,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +53,11 @@ from distaccum.models import MLP
 MICRO, WIDTH, SAMPLES = 4, 32, 4096
 EXCLUDED = ("user", "autograd::engine", "Optimizer.", "ProfilerStep")
 """Ranges whose operators are not the loop's own: the user's forward and loss, the backward, the optimizer."""
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+"""CUDA runtime and driver calls that launch a kernel."""
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""CUDA runtime calls that make the host wait for the device (``cudaMemcpy`` is the blocking copy; the
+asynchronous one, ``cudaMemcpyAsync``, is not among them)."""
 
 
 def model() -> nn.Module:
@@ -53,9 +65,11 @@ def model() -> nn.Module:
     return MLP(in_dim=WIDTH, width=WIDTH, depth=3, out_dim=WIDTH)
 
 
-def data() -> tuple[torch.Tensor, torch.Tensor]:
+def data(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples in host memory (pinned for a GPU run, as an expert keeps data it copies every step)."""
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(SAMPLES, WIDTH, generator=gen), torch.randn(SAMPLES, WIDTH, generator=gen)
+    x, y = torch.randn(SAMPLES, WIDTH, generator=gen), torch.randn(SAMPLES, WIDTH, generator=gen)
+    return (x.pin_memory(), y.pin_memory()) if device.type == "cuda" else (x, y)
 
 
 def user_loss(module: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
@@ -65,42 +79,66 @@ def user_loss(module: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
         return F.mse_loss(module(x), y, reduction="sum"), len(x)
 
 
-def count(prof: Any) -> dict[str, Any]:
-    """Top-level ATen operators of the profiled thread outside the excluded ranges, by name."""
+def _excluded(event: Any) -> bool:
+    """Whether ``event`` runs inside an excluded range (the user's code, the backward, the optimizer)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(EXCLUDED):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _top_level(event: Any) -> bool:
+    """Whether no operator encloses ``event`` (the operators an operator calls are its own work)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(("aten::", "c10d::")):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def count(prof: Any, cuda: bool = False) -> dict[str, Any]:
+    """Top-level ATen operators of the profiled thread outside the excluded ranges, by name; on CUDA also its kernel
+    launches outside them and every host synchronization of the step."""
     events = list(prof.events())
     main = next(e.thread for e in events if e.name == "user")  # the profiler's id of the step's thread
     events = [e for e in events if e.thread == main]
-    names: collections.Counter[str] = collections.Counter()
-    for event in events:
-        if not event.name.startswith(("aten::", "c10d::")):
-            continue
-        parent, inside = event.cpu_parent, False
-        while parent is not None:
-            if parent.name.startswith(("aten::", "c10d::")) or parent.name.startswith(EXCLUDED):
-                inside = True
-                break
-            parent = parent.cpu_parent
-        if not inside:
-            names[event.name] += 1
-    return {"ops": sum(names.values()), "names": dict(sorted(names.items()))}
+    names: collections.Counter[str] = collections.Counter(
+        e.name
+        for e in events
+        if e.name.startswith(("aten::", "c10d::")) and _top_level(e) and not _excluded(e)
+    )
+    got: dict[str, Any] = {"ops": sum(names.values()), "names": dict(sorted(names.items()))}
+    if cuda:
+        got["launches"] = sum(1 for e in events if e.name in LAUNCHES and not _excluded(e))
+        got["syncs"] = sum(1 for e in events if e.name in SYNCS)
+    return got
 
 
-def profiled(step: Any, rank: int) -> dict[str, Any] | None:
+def profiled(step: Any, rank: int, device: torch.device) -> dict[str, Any] | None:
     """Run ``step`` once, profiled on rank 0."""
     if rank != 0:
         step()
         return None
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         step()
-    return count(prof)
+        if cuda:
+            torch.cuda.synchronize(
+                device
+            )  # the step's work done inside the profile (outside the counted ranges)
+    return count(prof, cuda)
 
 
-def expert(k: int, rank: int, world: int, warmup: int) -> dict[str, Any] | None:
+def expert(k: int, rank: int, world: int, warmup: int, device: torch.device) -> dict[str, Any] | None:
     """The hand-written loop an expert writes: DDP with bucket-view gradients, ``no_sync`` off the boundary, the
-    micro-batches sliced from the tensors, the summed loss divided by the global item count known up front (fixed
-    micro-batches), SGD, gradients zeroed in place."""
-    x, y = data()
-    ddp = DDP(model(), gradient_as_bucket_view=True)
+    micro-batches sliced from the tensors (moved to a GPU without waiting), the summed loss divided by the global
+    item count known up front (fixed micro-batches), SGD, gradients zeroed in place."""
+    x, y = data(device)
+    cuda = device.type == "cuda"
+    ddp = DDP(model().to(device), gradient_as_bucket_view=True, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     total = MICRO * k * world
     position = [0]
@@ -108,10 +146,9 @@ def expert(k: int, rank: int, world: int, warmup: int) -> dict[str, Any] | None:
     def step() -> None:
         for i in range(k):
             first = ((position[0] * k + i) * world + rank) * MICRO % SAMPLES
-            batch = (
-                x[first : first + MICRO],
-                y[first : first + MICRO],
-            )  # on the CPU: no move (on a GPU: .to(device))
+            batch = x[first : first + MICRO], y[first : first + MICRO]
+            if cuda:  # on the CPU the slices are the batch
+                batch = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
             with contextlib.nullcontext() if i == k - 1 else ddp.no_sync():
                 summed, _ = user_loss(ddp, batch)
                 (summed / total).backward()
@@ -121,16 +158,18 @@ def expert(k: int, rank: int, world: int, warmup: int) -> dict[str, Any] | None:
 
     for _ in range(warmup):
         step()
-    return profiled(step, rank)
+    return profiled(step, rank, device)
 
 
-def ours(k: int, rank: int, world: int, warmup: int, run_dir: str) -> dict[str, Any] | None:
+def ours(
+    k: int, rank: int, world: int, warmup: int, run_dir: str, device: torch.device
+) -> dict[str, Any] | None:
     """distaccum's Trainer with its defaults (engine ddp, the reduction fingerprint on, console quiet)."""
-    x, y = data()
+    x, y = data(device)
     trainer = distaccum.Trainer(
         {
             "accum": {"micro_batch": MICRO, "steps": k},
-            "trainer": {"max_steps": 1000},
+            "trainer": {"max_steps": 1000, "device": device.type},
             "log": {"console": "quiet"},
             "data": {"shuffle": False},
             "run_dir": run_dir,
@@ -141,22 +180,26 @@ def ours(k: int, rank: int, world: int, warmup: int, run_dir: str) -> dict[str, 
         optimizer=lambda params: torch.optim.SGD(params, lr=1e-3),
     )
     trainer.train_steps(warmup)
-    got = profiled(lambda: trainer.train_steps(1), rank)
+    got = profiled(lambda: trainer.train_steps(1), rank, device)
     trainer.state.engine.teardown()
     return got
 
 
-def worker(out: str, k: int) -> int:
+def worker(out: str, k: int, device_type: str = "cpu") -> int:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = [tmp if rank == 0 else ""]
         dist.broadcast_object_list(run_dir)
         result = {
             "k": k,
-            "expert": expert(k, rank, world, warmup=3),
-            "distaccum": ours(k, rank, world, 3, run_dir[0]),
+            "expert": expert(k, rank, world, 3, device),
+            "distaccum": ours(k, rank, world, 3, run_dir[0], device),
         }
         dist.barrier()
     if rank == 0:
@@ -167,25 +210,31 @@ def worker(out: str, k: int) -> int:
     return 0
 
 
-def measure(k: int, workdir: Path, timeout_s: float = 300) -> dict[str, Any]:
-    """Launch the two ranks at ``k`` and return rank 0's counts."""
-    out = workdir / f"host_ops_k{k}.json"
+def world_for(device: str) -> int:
+    """The ranks a launch runs: 2 gloo ranks on the CPU, one rank per GPU on CUDA."""
+    return torch.cuda.device_count() if device == "cuda" else 2
+
+
+def measure(k: int, workdir: Path, timeout_s: float = 300, device: str = "cpu") -> dict[str, Any]:
+    """Launch the ranks at ``k`` and return rank 0's counts."""
+    out = workdir / f"host_ops_{device}_k{k}.json"
+    log = workdir / f"host_ops_{device}_k{k}.log"
     run = launch(
-        "benchmarks.host_ops", ["--worker", str(out), str(k)], 2, workdir / f"host_ops_k{k}.log", timeout_s
+        "benchmarks.host_ops", ["--worker", str(out), str(k), device], world_for(device), log, timeout_s
     )
     if not run.ok:
         raise RuntimeError(f"host_ops at K = {k} failed: {run.tail}")
     return json.loads(out.read_text())
 
 
-def extra(counts: dict[int, dict[str, Any]]) -> tuple[float, float]:
-    """distaccum's own operators beyond the expert loop's, (per micro-batch, per step), from the counts at the
-    smallest and largest K: the difference grows by the per-micro-batch figure with each micro-batch; the rest is
-    per step."""
+def extra(counts: dict[int, dict[str, Any]], what: str = "ops") -> tuple[float, float]:
+    """distaccum's own operators (or ``what``: launches, syncs) beyond the expert loop's, (per micro-batch, per step),
+    from the counts at the smallest and largest K: the difference grows by the per-micro-batch figure with each
+    micro-batch; the rest is per step."""
     ks = sorted(counts)
     low, high = counts[ks[0]], counts[ks[-1]]
-    d1 = low["distaccum"]["ops"] - low["expert"]["ops"]
-    d2 = high["distaccum"]["ops"] - high["expert"]["ops"]
+    d1 = low["distaccum"][what] - low["expert"][what]
+    d2 = high["distaccum"][what] - high["expert"][what]
     per_micro = (d2 - d1) / (ks[-1] - ks[0])
     return per_micro, d1 - per_micro * ks[0]
 
@@ -209,6 +258,12 @@ def table(counts: dict[int, dict[str, Any]]) -> str:
         f"\ndistaccum's own work beyond the expert loop: {per_micro:+.0f} operators per micro-batch, "
         f"{per_step:+.0f} per step."
     )
+    if all("launches" in got["distaccum"] for got in counts.values()):
+        launches, syncs = extra(counts, "launches"), extra(counts, "syncs")
+        lines.append(
+            f"Kernel launches of its own: {launches[0]:+.0f} per micro-batch, {launches[1]:+.0f} per step; host "
+            f"synchronizations: {syncs[0]:+.0f} per micro-batch, {syncs[1]:+.0f} per step."
+        )
     return "\n".join(lines)
 
 
@@ -218,14 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--out", type=Path, default=Path("runs/host_ops"))
-    parser.add_argument("--worker", nargs=2, metavar=("OUT", "K"), help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--worker", nargs=3, metavar=("OUT", "K", "DEVICE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.worker[0], int(args.worker[1]))
+        return worker(args.worker[0], int(args.worker[1]), args.worker[2])
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = provenance(command.strip(), device="cpu", world_size=2)
-    counts = {k: measure(k, args.out.resolve()) for k in args.ks}
+    meta = provenance(command.strip(), device=args.device, world_size=world_for(args.device))
+    counts = {k: measure(k, args.out.resolve(), device=args.device) for k in args.ks}
     results = {
         "meta": meta,
         "settings": {"smoke": False, "ops_ks": args.ks},

@@ -13,12 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.host_ops import extra, measure, table
 
 pytestmark = pytest.mark.dist
 
 PER_MICRO, PER_STEP = 2, 10
+LAUNCHES_PER_STEP = 12
+"""On CUDA: the window's stack and concatenation, its all-gather, the norms' kernels and the one multiply."""
 
 
 @pytest.mark.timeout(400)
@@ -32,3 +35,19 @@ def test_distaccum_s_own_operators_per_step_stay_within_budget(tmp_path: Path) -
     assert (
         counts[16]["distaccum"]["names"].get("c10d::_allgather_base_") == 1
     )  # one window collective per step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+def test_on_cuda_its_own_launches_and_host_syncs_stay_within_budget(tmp_path: Path) -> None:
+    """The same counts on every GPU of the machine (NCCL), with the kernel launches outside the user's code, the
+    backward and the optimizer, and every host synchronization of the step: the window's rows read once and the
+    gradient norm once, none per micro-batch."""
+    counts = {k: measure(k, tmp_path, device="cuda") for k in (1, 16)}
+    print(table(counts))
+    per_micro, per_step = extra(counts)
+    assert per_micro <= PER_MICRO and per_step <= PER_STEP, table(counts)
+    launches, syncs = extra(counts, "launches"), extra(counts, "syncs")
+    assert launches[0] <= PER_MICRO and launches[1] <= LAUNCHES_PER_STEP, table(counts)
+    assert syncs[0] <= 0 and syncs[1] <= 2, table(counts)
