@@ -107,6 +107,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("ledger on / off", "distaccum", "distaccum_no_ledger"),
     ("fingerprint on / off", "distaccum", "distaccum_no_fingerprint"),
     ("checks on / off", "distaccum", "distaccum_no_checks"),
+    ("grad_norm on / off", "distaccum_grad_norm", "distaccum"),
     ("bf16 reduce: distaccum / hook", "distaccum_bf16_reduce", "ddp_bf16_hook"),
     ("records: synchronous / a step late", "distaccum_sync_records", "distaccum"),
 )

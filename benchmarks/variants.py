@@ -65,16 +65,12 @@ DISTACCUM: dict[str, Setup] = {
     # What each per-step switch costs: distaccum with it turned off (or on) against distaccum.
     "distaccum_no_ledger": Setup(overrides={"log.ledger": False}),
     "distaccum_no_fingerprint": Setup(overrides={"trainer.fingerprint": False}),
-    # Every per-step check and measurement off: the fingerprint, the gradient norm it and the record share, the
-    # ledger, the straggler view's gather. What is left is the accumulation itself.
+    # Every per-step check off: the fingerprint, the ledger, the straggler view's gather. What is left is the
+    # accumulation itself.
     "distaccum_no_checks": Setup(
-        overrides={
-            "trainer.fingerprint": False,
-            "log.grad_norm": False,
-            "log.ledger": False,
-            "log.rank_stats_every": 0,
-        }
+        overrides={"trainer.fingerprint": False, "log.ledger": False, "log.rank_stats_every": 0}
     ),
+    "distaccum_grad_norm": Setup(overrides={"log.grad_norm": True}),
     "distaccum_bf16_reduce": Setup(overrides={"accum.reduce_dtype": "bf16"}),
     "distaccum_sync_records": Setup(lag_records=False),  # on CUDA: what the lagged records save
     "distaccum_fsdp": Setup("fsdp"),
@@ -302,9 +298,9 @@ def distaccum_config(spec: Spec, run_dir: Path, setup: Setup | None = None) -> d
             "save_final": False,
         },  # after timing; irrelevant here
         "data": {"shuffle": False},  # the loops' in-order walk: the micro-batches are views of the tensors
-        # The ledger, the fingerprint and the recorded gradient norm stay on (defaults; the fingerprint compares the
-        # per-tensor norms the step measures): their cost together is distaccum / distaccum_no_checks.
-        "log": {"console": "quiet", "warmup_steps": spec.warmup},
+        # The ledger and the fingerprint stay on (defaults); the per-step gradient norm, which the loops do not
+        # compute and no clipping needs, is off (its cost: distaccum_grad_norm / distaccum).
+        "log": {"console": "quiet", "warmup_steps": spec.warmup, "grad_norm": False},
         "precision": spec.precision,  # what the hand-written loops compute in (fp32, or bf16 autocast)
         "run_dir": str(run_dir),
     }

@@ -376,10 +376,10 @@ class LogConfig:
     ledger: bool = True
     """Time compute vs communication per step (the comm/compute ledger)."""
     grad_norm: bool = True
-    """Record each step's global gradient norm (grad_norm; one read pass over the gradients, which clipping and
-    the reduction fingerprint need too). false: no such pass when nothing needs it (optim.clip_norm=null and
-    trainer.fingerprint=false or one rank): grad_norm is recorded as null and a step is skipped for a non-finite
-    loss only, not for a gradient that overflowed from a finite loss. distaccum verify always records it."""
+    """Record each step's global gradient norm (grad_norm; one read pass over the gradients, which clipping needs
+    too). false: no such pass when nothing clips (optim.clip_norm=null): grad_norm is recorded as null and a step is
+    skipped for a non-finite loss only, not for a gradient that overflowed from a finite loss. distaccum verify
+    always records it."""
     warmup_steps: int = 1
     """Steps excluded from summary medians (first-step compile/allocation noise)."""
     rank_stats_every: int = 10

@@ -27,9 +27,9 @@ checkpointer and the records.
 
 Host work per step, counted (``tests/test_host_ops.py``): beyond what the expert hand-written ``no_sync`` loop does,
 no operator per micro-batch (the loss's multiply replaces its division) and a few per step (the window's row and
-collective, the gradient norms, the one multiply). On CUDA the host waits for the device twice per step: for the
-window's rows after the last backward was queued, and for the gradient norm (none without a norm: no clipping,
-``log.grad_norm=false``, no fingerprint); fp16 adds GradScaler's three reads.
+collective, the gradient norm, the fingerprint's sample, the one multiply). On CUDA the host waits for the device
+twice per step: for the window's rows after the last backward was queued, and for the gradient norm (only the first
+without a norm: no clipping, ``log.grad_norm=false``); fp16 adds GradScaler's three reads.
 
 ``accum.loss_norm=mean_per_micro`` is the classic loss/K (each micro-batch's mean divided by K x W) and is wrong
 whenever micro-batches hold different numbers of items; it is kept only as a negative control that

@@ -153,10 +153,11 @@ def resolve(
         replicas=replicas,
         reduce_dtype=cfg.accum.reduce_dtype,
         compile_mode=cfg.trainer.compile_mode if cfg.trainer.compile else None,
-        measure_norm=(
-            cfg.log.grad_norm or cfg.optim.clip_norm is not None or cfg.trainer.fingerprint and world_size > 1
-        ),
-    )  # its per-tensor norms
+        measure_norm=cfg.log.grad_norm or cfg.optim.clip_norm is not None,
+        sample_grads=cfg.trainer.fingerprint
+        and world_size > 1
+        and engine_class(cfg.engine.name).replicated_gradients,
+    )
     check_engine(spec)
     loop = LoopSettings(
         split=split,

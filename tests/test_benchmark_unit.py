@@ -571,6 +571,7 @@ def test_the_distaccum_variant_changes_only_the_documented_settings(tmp_path: Pa
         "data.shuffle",
         "log.console",
         "log.warmup_steps",
+        "log.grad_norm",
     }
     assert (
         cfg["log"]["ledger"] is True

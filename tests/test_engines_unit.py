@@ -13,7 +13,7 @@ import torch.distributed as dist
 from distaccum.cluster.procgroup import collective_device
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
-from distaccum.engines.base import EngineSpec, GradNorms, Precision, step_plain
+from distaccum.engines.base import EngineSpec, GradNorms, GradSample, Precision, step_plain
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed_config import build, generate, merge
@@ -154,16 +154,19 @@ def test_the_step_normalizes_and_clips_in_one_multiply_and_reports_the_normalize
     for p in params:
         p.grad = torch.full(p.shape, 4.0, dtype=p.dtype)
     optimizer = torch.optim.SGD(params, lr=1.0)
+    sample = GradSample()
     result = step_plain(
-        optimizer, [("a", params[0]), ("b", params[1])], max_norm, 0.5, None, norms=GradNorms()
+        optimizer, [("a", params[0]), ("b", params[1])], max_norm, 0.5, None, norms=GradNorms(), sample=sample
     )
     norm = 2.0 * 7**0.5
     assert result.applied and result.grad_norm == pytest.approx(norm, rel=1e-12)
     coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm is not None else 1.0
     update = torch.cat([p.detach().flatten().double() for p in params])
     assert torch.allclose(update, torch.full((7,), -2.0 * coef, dtype=torch.float64), rtol=1e-6)
-    assert result.tensor_norms is not None and result.tensor_norms.tolist() == pytest.approx(
-        [4 * 3**0.5, 8.0]
+    # The fingerprint's sample is of the reduced gradient before the multiply: every element 4, each tensor shorter
+    # than a run (16) sampled as its first element repeated: 32 elements, weights 1..2.
+    assert result.grad_sample is not None and result.grad_sample.tolist() == pytest.approx(
+        [4.0 * 1.5 * 32, 16.0 * 32]
     )
 
 
@@ -175,7 +178,7 @@ def test_a_step_without_a_norm_skips_when_the_window_scale_is_not_finite(scale: 
     param.grad = torch.full((3,), 2.0)
     optimizer = torch.optim.SGD([param], lr=1.0)
     result = step_plain(optimizer, [("w", param)], None, scale, None)
-    assert result.applied is (scale == 1.0) and result.grad_norm is None and result.tensor_norms is None
+    assert result.applied is (scale == 1.0) and result.grad_norm is None and result.grad_sample is None
     assert param.detach().tolist() == ([-2.0] * 3 if scale == 1.0 else [0.0] * 3)
 
 

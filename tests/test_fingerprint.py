@@ -1,6 +1,6 @@
 """The per-step reduction fingerprint (distaccum/verify/fingerprint.py).
 
-- unit: the per-tensor norms name the first differing parameter, NaN-aware grouping of ranks, the seed hash,
+- unit: what the engine's sample sees, a mismatch names the step, ranks and parameter, NaN-aware grouping, the seed hash,
   which engines replicate their reduced gradient, world 1 does nothing, the row rides on the next window's
   collective and only a row no window carried is gathered;
 - dist: a real 2-rank ``distaccum train`` whose reduction goes wrong from step 3 on (``no_sync`` on the
@@ -22,7 +22,7 @@ import torch
 
 from conftest import inject, run_cli
 from distaccum.engines.accelerate import AccelerateEngine
-from distaccum.engines.base import StepResult
+from distaccum.engines.base import GradSample, StepResult, sample_views
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed import DeepSpeedEngine
 from distaccum.engines.fsdp import FSDPEngine
@@ -106,26 +106,90 @@ class Replicated:
 
 
 @pytest.mark.unit
-def test_the_next_window_carries_the_row_and_a_differing_norm_names_its_parameter(tmp_path: Path) -> None:
-    """The comparison needs no collective of its own: step 1's row (its seed hash, then each gradient tensor's
-    norm) is what the fingerprint hands the next window's collective (:meth:`Fingerprint.carry`), and it is judged
-    from that window's rows; rank 1's third tensor differs: the report names ``1.weight`` (the parameters in order:
-    0.weight, 0.bias, 1.weight, 1.bias) and step 1."""
-    check = Fingerprint(Replicated(), tmp_path, 0, 2, torch.device("cpu"))
+def test_the_sample_sees_every_tensor_and_their_order() -> None:
+    """The engine's sample of the reduced gradient (what the fingerprint carries): deterministic to the bit, it sees
+    a change in a tensor too small for the stride (its first run is always taken), and two tensors' gradients
+    swapped (the same values at other positions) change its weighted sum but not its sum of squares."""
+    torch.manual_seed(0)
+    grads = [torch.randn(1000, 100), torch.randn(3), torch.randn(1000, 100)]
+    base = GradSample().take(grads)
+    assert base is not None and GradSample().take([g.clone() for g in grads]).tolist() == base.tolist()
+    bias = [g.clone() for g in grads]
+    bias[1][0] += 1e-3
+    assert GradSample().take(bias).tolist() != base.tolist()
+    swapped = GradSample().take([grads[2], grads[1], grads[0]])
+    assert (
+        swapped is not None
+        and swapped[1] == pytest.approx(float(base[1]), rel=1e-12)
+        and swapped[0] != base[0]
+    )
+    assert sum(v.numel() for v in sample_views(grads)) < sum(g.numel() for g in grads) // 10  # a sample
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_the_sample_keeps_views_of_gradients_that_outlive_a_step_and_never_keeps_freed_ones(
+    set_to_none: bool,
+) -> None:
+    """Gradients zeroed in place (DDP's bucket views) are sampled through views made once; gradients set to None
+    each step (Accelerate's ``zero_grad``) must not be kept alive by the sample through the next backward (a second
+    copy of every gradient), and each step's sample is of that step's gradients either way."""
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(64, 32)
+    sampler, samples, freed = GradSample(), [], []
+    for step in range(4):
+        model.zero_grad(set_to_none=set_to_none)
+        model(torch.full((3, 64), float(step + 1))).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        samples.append(sampler.take(grads))
+        assert torch.equal(
+            samples[-1], GradSample().take(grads)
+        )  # this step's gradients, not a cached step's
+        last = [weakref.ref(g) for g in grads]
+        del grads
+        model.zero_grad(set_to_none=set_to_none)
+        gc.collect()
+        freed.append(all(r() is None for r in last))
+    assert freed == ([True] * 4 if set_to_none else [False] * 4)
+    assert (sampler._views is None) == set_to_none  # the same tensors every step: views made once, kept
+    assert len({tuple(s.tolist()) for s in samples}) == 4
+
+
+@pytest.mark.unit
+def test_the_next_window_carries_the_row_and_a_mismatch_names_the_step_ranks_and_parameter(
+    tmp_path: Path,
+) -> None:
+    """The comparison needs no collective of its own: step 1's row (its seed hash, then the gradient sample) is what
+    the fingerprint hands the next window's collective (:meth:`Fingerprint.carry`), and it is judged from that
+    window's rows; rank 1's sample differs at step 2: the run stops naming step 2, rank 1 and, from the one gather
+    of per-parameter checksums the diagnosis makes, the first parameter whose update differs (``1.weight``: the
+    parameters in order are 0.weight, 0.bias, 1.weight, 1.bias)."""
+    gathered: list[list[float]] = []
+
+    class Counted(Fingerprint):
+        def _gather(self, local: torch.Tensor) -> list[list[float]]:
+            gathered.append(local.tolist())
+            odd = list(gathered[-1])
+            odd[2 * 2] += 1.0  # parameter 2's sum differs on rank 1
+            return [gathered[-1], odd]
+
+    check = Counted(Replicated(), tmp_path, 0, 2, torch.device("cpu"))
     assert check.carry() is None  # nothing pending yet: nothing carried
-    norms = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
-    check.after_step(1, window([[], []]), StepResult(5.5, True, None, norms))
+    sample = torch.tensor([1.5, 2.5], dtype=torch.float64)
+    check.after_step(1, window([[], []]), StepResult(5.5, True, None, sample))
     carry = check.carry()
-    assert carry is not None and carry.tensor is norms and carry.floats == [rng_hash(torch.device("cpu"))]
-    row = [carry.floats[0], *norms.tolist()]
-    check.after_step(2, window([row, row]), StepResult(5.5, True, None, norms))  # step 1 agreed
+    assert carry is not None and carry.tensor is sample and carry.floats == [rng_hash(torch.device("cpu"))]
+    row = [carry.floats[0], 1.5, 2.5]
+    check.after_step(2, window([row, row]), StepResult(5.5, True, None, sample))  # step 1 agreed
     check.carry()
-    odd = [row[0], 1.0, 2.0, 3.5, 4.0]
+    assert gathered == []  # compared from the window's rows: no gather
     with pytest.raises(
         RankDivergenceError, match="disagree on the reduced gradient at optimizer step 2"
     ) as err:
-        check.after_step(3, window([row, odd]), StepResult(5.5, True, None, norms))
-    assert (err.value.parameter, err.value.rank) == ("1.weight", 1)
+        check.after_step(3, window([row, [row[0], 1.5, 2.75]]), StepResult(5.5, True, None, sample))
+    assert (err.value.parameter, err.value.rank) == ("1.weight", 1) and len(gathered) == 1
     report = json.loads((tmp_path / "divergence.json").read_text())
     assert (report["step"], report["ranks"], report["differing_parameters"]) == (2, [1], 1)
 

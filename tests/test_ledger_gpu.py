@@ -36,7 +36,7 @@ FLAGGED_SYNCS_PER_STEP = {"fp32": 2, "bf16": 2, "fp16": 5}
 """As documented in distaccum/loop.py: the host reads the window's rows once (after the last backward was queued:
 N and the votes) and the gradient norm once (the step is skipped when it is not finite); fp16 adds GradScaler's
 found-inf read and its two scale reads. The step's timings come from its events (not flagged). Without a norm (no
-clipping, ``log.grad_norm=false``, one rank: no fingerprint): the window's read only."""
+clipping, ``log.grad_norm=false``): the window's read only (the fingerprint's sample stays on the device)."""
 NO_NORM = {"optim": {"clip_norm": None}, "log": {"console": "quiet", "grad_norm": False}}
 
 
@@ -161,7 +161,8 @@ def test_steady_steps_allocate_no_device_block_and_create_no_timing_event(
     """Past warm-up a step reuses what earlier steps allocated: no new device memory segment (a ``cudaMalloc``:
     anything allocated on a stream from the pool, as DDP's comm-hook continuations run, would cache a block per pool
     stream) and no new CUDA event for the timings (read events are recorded again). 40 steps: more than the pool's
-    32 streams. DDP in bf16 without a norm, and with one (its per-tensor norms go into a buffer kept across steps)."""
+    32 streams. DDP in bf16 without a norm, and with one (its per-tensor norms go into a buffer kept across steps).
+    One rank: no fingerprint sample."""
     from torch.utils.data import TensorDataset
 
     from distaccum.models import MLP

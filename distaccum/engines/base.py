@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,9 @@ class EngineSpec:
     over ``world / replicas`` ranks."""
     reduce_dtype: str = "fp32"
     """fp32 (uncompressed: the gradients' own dtype) | bf16 | fp16: the dtype gradients are reduced in."""
+    sample_grads: bool = False
+    """Take :class:`GradSample` of the reduced gradient every step (the reduction fingerprint, ``trainer.fingerprint``
+    with more than one rank; engines whose ranks each hold the whole reduced gradient)."""
 
     @property
     def compressed_dtype(self) -> torch.dtype | None:
@@ -93,10 +97,10 @@ class StepResult:
     """False when the step was skipped (fp16 overflow or a non-finite gradient)."""
     nonfinite_param: str | None = None
     """On a skipped step: the first parameter whose (local) gradient is not finite, when known."""
-    tensor_norms: torch.Tensor | None = None
-    """Each gradient tensor's norm before the normalization (float64, on the device), where every rank holds the
-    whole reduced gradient and the norm was measured: bitwise the same on every rank after a correct reduction (the
-    reduction fingerprint compares them). Valid until the next step."""
+    grad_sample: torch.Tensor | None = None
+    """Where asked for (``EngineSpec.sample_grads``): :class:`GradSample`'s two numbers of the reduced gradient,
+    before the normalization (float64, on the device): bitwise the same on every rank after a correct reduction (the
+    reduction fingerprint compares them)."""
 
 
 class Engine(Protocol):
@@ -245,7 +249,7 @@ class EngineBase:
 
 
 class GradNorms:
-    """Each gradient tensor's norm, in a float64 buffer kept from step to step, and the global norm from them,
+    """The reduced gradient's global L2 norm, from each tensor's norm in a float64 buffer kept from step to step,
     read on the host once per step (the update depends on it being finite)."""
 
     def __init__(self) -> None:
@@ -254,16 +258,15 @@ class GradNorms:
         self._host_np: Any = None
         """A NumPy view of the norms on the host (of ``_out`` on the CPU, of a pinned copy on CUDA)."""
 
-    def measure(self, grads: list[torch.Tensor]) -> tuple[float, torch.Tensor | None]:
-        """(the global L2 norm, each tensor's norm) of ``grads``. Sharded (DTensor) gradients: per-shard norms and
-        one all-reduce for the total, and no per-tensor norms (each rank holds other shards)."""
+    def measure(self, grads: list[torch.Tensor]) -> float:
+        """The global L2 norm of ``grads``. Sharded (DTensor) gradients: per-shard norms and one all-reduce."""
         if not grads:
-            return 0.0, None
+            return 0.0
         if hasattr(grads[0], "full_tensor"):
             total: Any = torch.nn.utils.get_total_norm(
                 grads, foreach=True
-            )  # a DTensor: one all-reduce makes it full
-            return float(total.full_tensor()), None
+            )  # a DTensor: an all-reduce makes it full
+            return float(total.full_tensor())
         out = self._out
         if out is None or out.numel() != len(grads) or out.device != grads[0].device:
             out = self._out = torch.empty(len(grads), dtype=torch.float64, device=grads[0].device)
@@ -273,7 +276,73 @@ class GradNorms:
         if out.is_cuda:
             assert self._host is not None
             self._host.copy_(out)  # the read the step waits for
-        return math.sqrt(math.fsum(x * x for x in self._host_np.tolist())), out
+        return math.sqrt(math.fsum(x * x for x in self._host_np.tolist()))
+
+
+SAMPLE, RUN = 4096, 16
+""":class:`GradSample`'s size: about SAMPLE elements, in runs of RUN consecutive ones (64 bytes of fp32: a cache
+line)."""
+
+
+def sample_views(grads: list[torch.Tensor], sample: int = SAMPLE, run: int = RUN) -> list[torch.Tensor]:
+    """About ``sample`` elements of the gradients as (rows, ``run``) views: runs of ``run`` consecutive elements evenly
+    spaced through each gradient, the first run of every tensor included (a tensor shorter than a run: its first
+    element, repeated). Views of contiguous gradients stay valid while the gradients do."""
+    stride = max(run, sum(g.numel() for g in grads) * run // sample)
+    views = []
+    for g in grads:
+        flat = g.reshape(-1)
+        rows = flat.numel() // stride
+        if rows:
+            views.append(flat[: rows * stride].view(rows, stride)[:, :run])
+        elif flat.numel() >= run:
+            views.append(flat[:run].view(1, run))
+        else:
+            views.append(flat[:1].expand(1, run))
+    return views
+
+
+class GradSample:
+    """Two numbers of a fixed sample of the reduced gradient (:func:`sample_views`): its position-weighted sum and its
+    sum of squares, in float64 on the gradients' device. A reduced gradient is bitwise the same on every rank after a
+    correct all-reduce, so these are too; position weights make two tensors' gradients swapped between ranks show.
+    Two operations a step: the sample copied into the second row of a (2, n) buffer kept from step to step, whose
+    first row holds the weights, and one matrix-vector product of the buffer with that row. The views are made once
+    while the same gradient tensors come back (DDP's bucket views); gradients an engine frees each step get new views
+    each step, and none is kept alive through the next backward."""
+
+    def __init__(self) -> None:
+        self._seen: list[weakref.ref[torch.Tensor]] = []
+        self._views: list[torch.Tensor] | None = None
+        self._matrix: torch.Tensor | None = None
+        self._sample: torch.Tensor | None = None
+        """The matrix's second row, the sample (a view made once)."""
+        self._rows: torch.Tensor | None = None
+
+    def _views_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        same = len(self._seen) == len(grads) and all(r() is g for r, g in zip(self._seen, grads, strict=True))
+        if same and self._views is not None:
+            return self._views
+        views = sample_views(grads)
+        self._views = views if same and all(g.is_contiguous() for g in grads) else None  # seen twice: kept
+        self._seen = [weakref.ref(g) for g in grads]
+        return views
+
+    def take(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """[weighted sum, sum of squares] of the sample of ``grads`` (None without gradients)."""
+        if not grads:
+            return None
+        views = self._views_of(grads)
+        n = sum(v.numel() for v in views)
+        matrix = self._matrix
+        if matrix is None or matrix.shape[1] != n or matrix.device != grads[0].device:
+            matrix = self._matrix = torch.empty(2, n, dtype=torch.float64, device=grads[0].device)
+            matrix[0] = torch.linspace(1.0, 2.0, n, dtype=torch.float64, device=grads[0].device)
+            self._sample = matrix[1]
+            self._rows = self._sample.view(-1, RUN)
+        assert self._sample is not None and self._rows is not None  # made with the matrix
+        torch.cat(views, out=self._rows)  # widened to float64 exactly
+        return torch.mv(matrix, self._sample)
 
 
 def dcp_save(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -323,13 +392,15 @@ def step_plain(
     *,
     grads_to_none: bool = True,
     norms: GradNorms | None = None,
+    sample: GradSample | None = None,
 ) -> StepResult:
     """Normalize, clip and step the gradients of ``named`` parameters (whole, or DTensor shards for FSDP2).
 
     The reduced gradient G is multiplied by ``grad_scale`` (the window's 1/(c N)) and, with ``max_norm``, by torch's
     clip coefficient min(1, max_norm / (norm + 1e-6)) in the same multiply: one pass. The norm is the normalized
     gradient's, ``grad_scale`` times G's, measured before the multiply with ``norms`` (None: not measured; the step
-    is then skipped only for a non-finite ``grad_scale``, that is a non-finite loss). With fp16 the GradScaler
+    is then skipped only for a non-finite ``grad_scale``, that is a non-finite loss). ``sample`` takes the reduction
+    fingerprint's :class:`GradSample` of G before the multiply. With fp16 the GradScaler
     unscales first and skips the update on overflow (three host reads of its own). ``grads_to_none=False`` zeroes
     the gradients in place instead of dropping them: needed when they are views into DDP's buckets (see
     :meth:`distaccum.engines.ddp.DDPEngine.wrap`).
@@ -337,9 +408,8 @@ def step_plain(
     if scaler is not None:
         scaler.unscale_(optimizer)
     grads = grads_of(p for _, p in named)
-    norm, tensor_norms = norms.measure(grads) if norms is not None else (None, None)
-    if norm is not None:
-        norm *= grad_scale
+    taken = sample.take(grads) if sample is not None else None
+    norm = norms.measure(grads) * grad_scale if norms is not None else None
     finite = math.isfinite(grad_scale if norm is None else norm)
     coef = grad_scale
     if max_norm is not None and norm is not None and finite:
@@ -358,4 +428,4 @@ def step_plain(
         applied = False
     culprit = None if applied else first_nonfinite(named)
     optimizer.zero_grad(set_to_none=grads_to_none)
-    return StepResult(norm, applied, culprit, tensor_norms)
+    return StepResult(norm, applied, culprit, taken)

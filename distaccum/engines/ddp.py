@@ -25,6 +25,7 @@ from distaccum.engines.base import (
     EngineBase,
     EngineSpec,
     GradNorms,
+    GradSample,
     OptimizerFactory,
     StepResult,
     dcp_load,
@@ -132,6 +133,7 @@ class ReplicatedEngine(EngineBase):
         """The hook averages over the ranks (see the module docstring); the loop's ``grad_divisor`` undoes it."""
         self._named_parameters: list[tuple[str, nn.Parameter]] | None = None
         self._norms = GradNorms()
+        self._sample = GradSample()
 
     def register_hook(self, ddp: DDP) -> None:
         """Install :attr:`comm_hook` on ``ddp``, reporting to the ledger (and the noise scale)."""
@@ -164,6 +166,7 @@ class ReplicatedEngine(EngineBase):
             self.scaler,
             grads_to_none=self.grads_to_none,
             norms=self._norms if self.spec.measure_norm else None,
+            sample=self._sample if self.spec.sample_grads else None,
         )
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:

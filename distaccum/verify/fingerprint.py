@@ -1,17 +1,18 @@
-"""The per-step reduction fingerprint: after every boundary reduction the ranks compare each gradient tensor's
-norm, carried by the next window's collective.
+"""The per-step reduction fingerprint: after every boundary reduction the ranks compare a sample of the reduced
+gradient, carried by the next window's collective.
 
-After a correct all-reduce every rank holds the same bytes of the reduced gradient, so the same per-tensor norms,
-bit for bit. The step measures them anyway (the gradient norm it records and clips with,
-:class:`~distaccum.engines.base.GradNorms`), so the fingerprint costs no pass of its own: each rank's norms ride on
-the next window's collective (:class:`~distaccum.window.Carry`) and are compared one step later, when that window's
-totals are read. Any difference means the reduction went wrong: a rank skipped it, ``no_sync`` sat on the wrong
-micro-batch, DDP's ``static_graph`` stopped reducing, buckets were mismatched. The run then stops **one step later**,
-before that step's record, with :class:`~distaccum.verify.tripwire.RankDivergenceError` (exit 1), naming the step,
-the ranks that disagree and the first parameter whose gradient differs; rank 0 writes ``divergence.json`` as the
-tripwire does, so ``distaccum verify`` reports it the same way. Before a checkpoint, a tripwire check and at the run's
-end the pending comparison is gathered at once (one all-gather), so no checkpoint or final model is written after a
-diverged step.
+After a correct all-reduce every rank holds the same bytes of the reduced gradient. The engine's step takes two
+numbers of a fixed sample of it before normalizing (:class:`~distaccum.engines.base.GradSample`: about 4096 elements,
+the first of every tensor included; its position-weighted sum and its sum of squares: two operations a step), and
+each rank's pair rides on the next window's collective (:class:`~distaccum.window.Carry`), so they are compared one
+step later, when that window's totals are read, without a collective or a wait of their own. Any difference means
+the reduction went wrong: a rank skipped it, ``no_sync`` sat on the wrong micro-batch, DDP's ``static_graph``
+stopped reducing, buckets were mismatched. The run then stops **one step later**, before that step's record, with
+:class:`~distaccum.verify.tripwire.RankDivergenceError` (exit 1), naming the step, the ranks that disagree and the
+first parameter whose update differs (found by a second all-gather of per-parameter checksums, only then); rank 0
+writes ``divergence.json`` as the tripwire does, so ``distaccum verify`` reports it the same way. Before a
+checkpoint, a tripwire check and at the run's end the pending comparison is gathered at once (one all-gather), so no
+checkpoint or final model is written after a diverged step.
 
 Only engines whose reduced gradient is replicated on every rank have this part (``replicated_gradients``: DDP,
 Accelerate). FSDP2 and DeepSpeed ZeRO keep each reduced gradient shard exactly once: there is no second copy to
@@ -89,9 +90,9 @@ def groups(rows: list[list[float]]) -> list[list[int]]:
 
 class Fingerprint:
     """The check the loop hands each step to after the optimizer step: it keeps this rank's row (the seed hash and
-    the step's per-tensor gradient norms), hands it to the next window's collective (:meth:`carry`) and compares
-    every rank's once that window is read (:meth:`after_step`), or at once (:meth:`flush`). Collective: every rank
-    calls it at every step."""
+    the step's gradient sample), hands it to the next window's collective (:meth:`carry`) and compares every rank's
+    once that window is read (:meth:`after_step`), or at once (:meth:`flush`). Collective: every rank calls it at
+    every step."""
 
     def __init__(self, engine: Any, run_dir: Path, rank: int, world_size: int, device: torch.device) -> None:
         self.engine, self.run_dir, self.rank, self.world, self.device = (
@@ -124,8 +125,7 @@ class Fingerprint:
             self._judge(self._carried, window.carried)
             self._pending = self._carried = None
         self._check_data(step, window)
-        norms = result.tensor_norms if self.gradients else None
-        self._pending = (step, Carry([rng_hash(self.device)], norms))
+        self._pending = (step, Carry([rng_hash(self.device)], result.grad_sample if self.gradients else None))
 
     def flush(self) -> None:
         """Compare the pending row now, gathered with one all-gather of its own (before a checkpoint, a tripwire check
@@ -137,9 +137,14 @@ class Fingerprint:
         local = torch.tensor(carry.floats, dtype=torch.float64, device=collective_device())
         if carry.tensor is not None:
             local = torch.cat([local, carry.tensor.to(local.device)])
+        self._judge(step, self._gather(local))
+
+    def _gather(self, local: torch.Tensor) -> list[list[float]]:
+        """Every rank's ``local`` (one all-gather, collective) as rows on the host."""
+        local = local.to(collective_device(), torch.float64).contiguous()
         out = torch.empty(self.world * local.numel(), dtype=torch.float64, device=local.device)
         all_gather_flat(out, local)
-        self._judge(step, out.view(self.world, -1).tolist())
+        return out.view(self.world, -1).tolist()
 
     def _judge(self, step: int, rows: list[list[float]]) -> None:
         if self.gradients and not all_same([row[1:] for row in rows]):
@@ -178,18 +183,34 @@ class Fingerprint:
     def _fail(self, step: int, rows: list[list[float]]) -> None:
         by_gradient = groups([row[1:] for row in rows])
         agree, odd = by_gradient[0], sorted(r for g in by_gradient[1:] for r in g)
-        base = rows[agree[0]][1:]
-        differ = [i for i in range(len(base)) if any(not same(rows[r][1 + i], base[i]) for r in odd)]
-        names = [name for name, p in self.engine.unwrapped().named_parameters() if p.requires_grad]
-        parameter = (
-            (names[differ[0]] if len(names) == len(base) else f"gradient tensor #{differ[0]}")
-            if differ
-            else "(none)"
+        named = list(self.engine.unwrapped().named_parameters())
+        # Read after the step (the verdict waits for it): the gradients are gone, the parameters they moved
+        # differently are not. The first parameter whose update differs is the first whose gradient did.
+        local = (
+            torch.stack(
+                [
+                    torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+                    for _, p in named
+                ]
+            )
+            if named
+            else torch.zeros(0, 2, dtype=torch.float64)
         )
+        per_rank = [torch.tensor(r, dtype=torch.float64).view(-1, 2) for r in self._gather(local.flatten())]
+        base = per_rank[agree[0]]
+        differ = [
+            i
+            for i in range(len(named))
+            if any(
+                not all(same(a, b) for a, b in zip(per_rank[r][i].tolist(), base[i].tolist(), strict=True))
+                for r in odd
+            )
+        ]
+        parameter = named[differ[0]][0] if differ else "(a sampled element only)"
         message = (
             f"ranks disagree on the reduced gradient at optimizer step {step}: rank(s) {', '.join(map(str, odd))} "
             f"differ from rank(s) {', '.join(map(str, agree))} (reduction fingerprint); first differing "
-            f"parameter {parameter!r} ({len(differ)} of {len(base)} gradients differ). The gradients were "
+            f"parameter {parameter!r} ({len(differ)} of {len(named)} parameters differ). The gradients were "
             "not reduced identically on every rank (a rank skipped or missed the reduction, no_sync on the "
             "wrong micro-batch, a comm hook that keeps local values, DDP static_graph with no_sync). The "
             "run stopped when the comparison was read: one step later, or at once before a checkpoint or at the "
