@@ -139,6 +139,26 @@ class Trainer:
         self.auto_choice: AutoChoice | None = None
         """What ``accum.micro_batch=auto`` chose at :meth:`setup` (None for an explicit micro-batch)."""
 
+    @classmethod
+    def of(
+        cls, config: RunConfig | Mapping[str, Any] | None, components: Components, **options: Any
+    ) -> Trainer:
+        """A Trainer of ``components`` (e.g. what :func:`distaccum.preflight.instantiate_components` made of a
+        config's ``_target_`` nodes); ``options`` are the constructor's other keyword arguments."""
+        c = components
+        return cls(
+            config,
+            model=c.model,
+            dataset=c.dataset,
+            loss=c.loss,
+            collate=c.collate,
+            optimizer=c.optimizer,
+            names=c.names,
+            activation_checkpointing=c.activation_checkpointing,
+            eval_dataset=c.eval_dataset,
+            **options,
+        )
+
     @property
     def state(self) -> TrainState:
         """The wrapped model, engine, scheduler, plan and records (after :meth:`setup`)."""

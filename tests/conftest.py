@@ -108,6 +108,25 @@ def run_cli(
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
+def torchrun(
+    *args: str,
+    nproc: int = 2,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=NPROC ARGS...``, its output captured."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *args,
+    ]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def train(run_dir: Path, *overrides: str, timeout: float = 180, check: bool = True) -> Run:
     """Run ``distaccum train``; with ``check`` a failure shows the workers' output."""
     run = run_cli("train", run_dir, *overrides, timeout=timeout)
@@ -234,22 +253,7 @@ def launch_plan(script: Path, plan: list[dict[str, Any]], root: Path, timeout: f
     2-rank torch.distributed.run launch (one intra-op thread each, DeepSpeed's op from the checkout's
     cache); fail the test with the output when the launch fails. Returns the completed process."""
     (root / "plan.json").write_text(json.dumps(plan))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-            str(root / "plan.json"),
-        ],
-        cwd=root,
-        env=plan_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = torchrun(str(script), str(root / "plan.json"), cwd=root, env=plan_env(), timeout=timeout)
     if proc.returncode:
         pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import PlanRuns, plan_worker
+from conftest import PlanRuns, plan_worker, torchrun
 from distaccum.activation_checkpointing import (
     apply_activation_checkpointing,
     is_checkpointed,
@@ -174,15 +174,7 @@ def _worker_main(plan_file: str) -> None:
     def train(values: dict[str, Any]) -> None:
         cfg = from_mapping(values)
         parts = instantiate_components(cfg)
-        trainer = Trainer(
-            cfg,
-            model=parts.model,
-            dataset=parts.dataset,
-            loss=parts.loss,
-            collate=parts.collate,
-            names=parts.names,
-            activation_checkpointing=parts.activation_checkpointing,
-        )
+        trainer = Trainer.of(cfg, parts)
         forwards = count_training_forwards(trainer.setup().engine.unwrapped())
         trainer.fit()
         if dist.get_rank() == 0:
@@ -212,22 +204,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         sys.path.remove(str(FIXTURES))
     plan_file = root / "plan.json"
     plan_file.write_text(json.dumps(plan))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(Path(__file__)),
-            str(plan_file),
-        ],
-        cwd=root,
-        env=hf_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = torchrun(str(Path(__file__)), str(plan_file), cwd=root, env=hf_env(), timeout=900)
     if proc.returncode:
         pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return Runs(root, proc.stdout)

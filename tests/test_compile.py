@@ -66,14 +66,7 @@ def _worker_main(plan_file: str) -> None:
         torch._dynamo.reset()
         cfg = from_mapping(values)
         parts = instantiate_components(cfg)
-        Trainer(
-            cfg,
-            model=parts.model,
-            dataset=parts.dataset,
-            loss=parts.loss,
-            collate=parts.collate,
-            names=parts.names,
-        ).fit()
+        Trainer.of(cfg, parts).fit()
 
     plan_worker(plan_file, train)
 

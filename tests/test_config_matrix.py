@@ -26,7 +26,6 @@ import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -36,7 +35,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ENGINES, EXTENSIONS, fresh_accelerate_state
+from conftest import ENGINES, EXTENSIONS, fresh_accelerate_state, torchrun
 from distaccum.config import ConfigError, from_mapping
 from distaccum.preflight import instantiate_components, preflight
 
@@ -132,22 +131,7 @@ def trained(root: Path) -> str:
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={WORLD}",
-            str(Path(__file__)),
-            str(plan_file),
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = torchrun(str(Path(__file__)), str(plan_file), nproc=WORLD, cwd=root, env=env, timeout=900)
     if proc.returncode:
         pytest.fail(
             f"a matrix cell crashed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

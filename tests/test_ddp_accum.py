@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import Run, run_cli, train
+from conftest import Run, run_cli, torchrun, train
 from distaccum.models import MLP, TinyGPT
 
 pytestmark = pytest.mark.dist
@@ -138,25 +136,16 @@ def test_bad_config_exits_2_before_any_worker(tmp_path: Path, overrides: tuple, 
 
 def test_runs_in_place_under_torchrun(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "distaccum",
-            "train",
-            "model=mlp",
-            "trainer.max_steps=3",
-            "log.console=quiet",
-            f"run_dir={tmp_path / 'tr'}",
-        ],
+    proc = torchrun(
+        "-m",
+        "distaccum",
+        "train",
+        "model=mlp",
+        "trainer.max_steps=3",
+        "log.console=quiet",
+        f"run_dir={tmp_path / 'tr'}",
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -172,20 +161,12 @@ def test_the_window_s_one_all_gather_gives_every_rank_the_same_totals(tmp_path: 
     rank's carried row bit for bit), with counts as ints or tensors."""
     out = tmp_path / "read.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={world}",
-            str(Path(__file__).parent / "fixtures" / "window_ranks.py"),
-            str(out),
-        ],
+    proc = torchrun(
+        str(Path(__file__).parent / "fixtures" / "window_ranks.py"),
+        str(out),
+        nproc=world,
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
-from conftest import plan_worker
+from conftest import plan_worker, torchrun
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 from distaccum.preflight import instantiate_components
@@ -107,22 +107,7 @@ def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: 
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **OFFLINE)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(Path(__file__)),
-            str(plan_file),
-        ],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = torchrun(str(Path(__file__)), str(plan_file), nproc=nproc, cwd=workdir, env=env, timeout=timeout)
     if proc.returncode:
         pytest.fail(
             f"engine runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -169,16 +154,7 @@ def _worker_main(plan_file: str) -> None:
                 if torch.distributed.get_rank() == 0:
                     save_file({"outputs": out.contiguous()}, str(Path(cfg.run_dir) / "outputs.safetensors"))
 
-        return Trainer(
-            cfg,
-            model=parts.model,
-            dataset=parts.dataset,
-            loss=parts.loss,
-            collate=parts.collate,
-            stop=stop,
-            names=parts.names,
-            on_step=record_outputs,
-        )
+        return Trainer.of(cfg, parts, stop=stop, on_step=record_outputs)
 
     def train(values: dict[str, Any]) -> None:
         stop_after = values.pop("_stop_after", None)

@@ -9,14 +9,13 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, torchrun
 from distaccum.telemetry.gns import estimate, record_fields
 
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))
@@ -82,21 +81,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(REPO / "tests" / "fixtures" / "gns_task.py"),
-            str(run_dir),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = torchrun(str(REPO / "tests" / "fixtures" / "gns_task.py"), str(run_dir), env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return run_dir
 

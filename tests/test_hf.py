@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import requires
+from conftest import requires, torchrun
 from hf_corpus import OFFLINE, write_bpe_tokenizer, write_text_files
 
 pytestmark = pytest.mark.dist
@@ -234,23 +234,14 @@ def test_final_is_a_save_pretrained_directory_that_reproduces_the_logits(tmp_pat
     }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(REPO / "tests" / "fixtures" / "hf_final.py"),
-            str(tmp_path),
-            str(text_file),
-            str(tokenizer),
-            str(tmp_path / "cache"),
-        ],
+    proc = torchrun(
+        str(REPO / "tests" / "fixtures" / "hf_final.py"),
+        str(tmp_path),
+        str(text_file),
+        str(tokenizer),
+        str(tmp_path / "cache"),
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

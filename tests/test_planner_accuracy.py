@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.serial]  # predicted against measured step times
 
@@ -31,20 +29,11 @@ def test_predicted_step_times_match_the_real_splits(tmp_path: Path) -> None:
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     out = tmp_path / "plan_vs_real.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(REPO / "tests" / "fixtures" / "plan_vs_real.py"),
-            str(out),
-            str(tmp_path / "runs"),
-        ],
+    proc = torchrun(
+        str(REPO / "tests" / "fixtures" / "plan_vs_real.py"),
+        str(out),
+        str(tmp_path / "runs"),
         env=env,
-        capture_output=True,
-        text=True,
         timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

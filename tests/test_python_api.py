@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, torchrun
 from distaccum.rundir.weights import load_weights
 
 pytestmark = pytest.mark.dist
@@ -34,23 +34,8 @@ def clean_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     root = tmp_path_factory.mktemp("api")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(SCRIPT),
-            *ARGS,
-            "--run-dir",
-            str(root / "torchrun"),
-        ],
-        cwd=root,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
+    proc = torchrun(
+        str(SCRIPT), *ARGS, "--run-dir", str(root / "torchrun"), cwd=root, env=clean_env(), timeout=180
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     verify = subprocess.run(

@@ -33,18 +33,7 @@ def train_rank(cfg: RunConfig, *, check_components: bool) -> Record:
     from distaccum.trainer import Trainer
 
     parts = instantiate_components(cfg)
-    return Trainer(
-        cfg,
-        model=parts.model,
-        dataset=parts.dataset,
-        loss=parts.loss,
-        collate=parts.collate,
-        stop=stop_flag(),
-        check_components=check_components,
-        names=parts.names,
-        activation_checkpointing=parts.activation_checkpointing,
-        eval_dataset=parts.eval_dataset,
-    ).fit()
+    return Trainer.of(cfg, parts, stop=stop_flag(), check_components=check_components).fit()
 
 
 def worker_exit(run: Callable[[], Any]) -> NoReturn:

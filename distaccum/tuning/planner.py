@@ -237,16 +237,7 @@ class SizeTrial:
                 "run_dir": str(run_dir),
             },
         )
-        self.trainer = Trainer(
-            trial_cfg,
-            model=parts.model,
-            dataset=parts.dataset,
-            loss=parts.loss,
-            collate=parts.collate,
-            optimizer=parts.optimizer,
-            check_components=False,
-            names=parts.names,
-        )
+        self.trainer = Trainer.of(trial_cfg, parts, check_components=False)
         self.records: list[Record] = []
         self.console = io.StringIO()
         """The trial's console output (its sinks print the run summary): kept off the plan's table."""

@@ -435,15 +435,7 @@ def zoo_worker(plan_file: Path) -> None:
         with output_to(run_dir / ZOO_LOG, append=True):
             try:
                 parts = instantiate_components(cfg)
-                Trainer(
-                    cfg,
-                    model=parts.model,
-                    dataset=parts.dataset,
-                    loss=parts.loss,
-                    collate=parts.collate,
-                    names=parts.names,
-                    check_components=False,
-                ).fit()
+                Trainer.of(cfg, parts, check_components=False).fit()
             except Exception:  # noqa: BLE001 - the bug's failure is this run's result, reported like a worker's
                 traceback.print_exc()
                 code = EXIT_FAIL
