@@ -54,9 +54,9 @@ class Case:
     about: str
     shape: ModelShape
     micro_batch: int
-    ks: tuple[int, ...]
+    ks: tuple[int, ...] = (1, 4, 16)
     """K values of the timing table."""
-    sweep_ks: tuple[int, ...]
+    sweep_ks: tuple[int, ...] = (1, 16)
     """K values of the memory sweep (fresh processes each): the smallest and the largest."""
 
 
@@ -184,16 +184,12 @@ FULL_CASES = (
         about="27.3M-parameter MLP, micro-batch 4: the gradient all-reduce rivals the compute",
         shape=ModelShape(in_dim=1024, width=2048, depth=7, out_dim=16),
         micro_batch=4,
-        ks=(1, 4, 16),
-        sweep_ks=(1, 16),
     ),
     Case(
         name="0.9M_micro256",
         about="0.9M-parameter MLP, micro-batch 256: compute dominates",
         shape=ModelShape(in_dim=768, width=512, depth=3, out_dim=16),
         micro_batch=256,
-        ks=(1, 4, 16),
-        sweep_ks=(1, 16),
     ),
 )
 """What ``make bench`` measures (CPU)."""
@@ -204,8 +200,6 @@ GPU_CASES = (
         "where the two cases above are bound by kernel launches",
         shape=ModelShape(in_dim=1024, width=8192, depth=4, out_dim=16),
         micro_batch=1024,
-        ks=(1, 4, 16),
-        sweep_ks=(1, 16),
     ),
 )
 """Too large for a CPU run: measured when named with ``--cases`` (``benchmarks/gpu_check.sh``)."""

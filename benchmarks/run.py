@@ -98,13 +98,8 @@ def run_timing(
                 precision=precision,
             )
             out, work = scratch / f"timing-{case.name}-k{k}.json", scratch / f"timing-{case.name}-k{k}"
-            result = launch(
-                "benchmarks.workers",
-                ["timing", spec.to_json(), str(out), str(work)],
-                world,
-                work / "output.log",
-                timeout,
-            )
+            argv = ["timing", spec.to_json(), str(out), str(work)]
+            result = launch("benchmarks.workers", argv, world, work / "output.log", timeout)
             if out.exists():  # rank 0 wrote it after every rank finished measuring
                 row = summarize_launch(json.loads(out.read_text()))
             else:
@@ -150,14 +145,8 @@ def run_memory(
                 spec = launch_spec(case, k, steps=3, variants=(variant,), device=device, precision=precision)
                 name = f"memory-{case.name}-k{k}-{variant}"
                 out, work = scratch / f"{name}.json", scratch / name
-                result = launch(
-                    "benchmarks.workers",
-                    ["memory", spec.to_json(), str(out), str(work)],
-                    world,
-                    work / "output.log",
-                    timeout,
-                    env=env,
-                )
+                argv = ["memory", spec.to_json(), str(out), str(work)]
+                result = launch("benchmarks.workers", argv, world, work / "output.log", timeout, env=env)
                 row: dict[str, Any] = {
                     "case": case.name,
                     "k": k,

@@ -130,16 +130,16 @@ class _TextOptions:
 
     def __init__(
         self,
-        files: Sequence[str] | str | None,
+        files: Sequence[str] | str | None = None,
         *,
-        text_field: str,
-        sample_by: str,
-        tokenizer: str | None,
-        packing: bool,
-        block_size: int,
-        eval_fraction: float,
-        eval_files: Sequence[str] | str | None,
-        cache_dir: str,
+        text_field: str = "text",
+        sample_by: str = "paragraph",
+        tokenizer: str | None = None,
+        packing: bool = True,
+        block_size: int = 64,
+        eval_fraction: float = 0.0,
+        eval_files: Sequence[str] | str | None = None,
+        cache_dir: str = ".cache/distaccum",
     ) -> None:
         if sample_by not in SAMPLE_BY:
             raise ValueError(f"data.dataset.sample_by={sample_by!r} is not one of {', '.join(SAMPLE_BY)}")
@@ -209,32 +209,11 @@ def _sample(ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class TextFiles(Dataset):
-    """Local text/JSONL files as a map-style dataset of token samples (see the module docstring)."""
+    """Local text/JSONL files as a map-style dataset of token samples (see the module docstring);
+    ``options`` are :class:`_TextOptions`'s (text_field, tokenizer, packing, block_size, ...)."""
 
-    def __init__(
-        self,
-        files: Sequence[str] | str | None = None,
-        *,
-        text_field: str = "text",
-        sample_by: str = "paragraph",
-        tokenizer: str | None = None,
-        packing: bool = True,
-        block_size: int = 64,
-        eval_fraction: float = 0.0,
-        eval_files: Sequence[str] | str | None = None,
-        cache_dir: str = ".cache/distaccum",
-    ) -> None:
-        self.options = _TextOptions(
-            files,
-            text_field=text_field,
-            sample_by=sample_by,
-            tokenizer=tokenizer,
-            packing=packing,
-            block_size=block_size,
-            eval_fraction=eval_fraction,
-            eval_files=eval_files,
-            cache_dir=cache_dir,
-        )
+    def __init__(self, files: Sequence[str] | str | None = None, **options: Any) -> None:
+        self.options = _TextOptions(files, **options)
         self.tokenizer = self.options.tokenizer
         self.rows = self._tokenized(self.options.files)
         every = torch.arange(len(self.rows))
@@ -242,11 +221,12 @@ class TextFiles(Dataset):
         self.index, self._held = every[~held], every[held]
         if not len(self.index):
             raise ValueError(self._empty_message())
-        if not packing:
+        if not self.options.packing:
             truncated = int(sum(self.rows["truncated"]))
             if truncated:
                 warnings.warn(
-                    f"{truncated} of {len(self.rows)} samples were longer than block_size={block_size} "
+                    f"{truncated} of {len(self.rows)} samples were longer than "
+                    f"block_size={self.options.block_size} "
                     "tokens and were truncated to it: raise data.dataset.block_size (up to the model's "
                     "positions) or set data.dataset.packing=true to train on every token",
                     stacklevel=2,
@@ -340,37 +320,17 @@ class TextFiles(Dataset):
 
 class TextStream(IterableDataset):
     """The samples of :class:`TextFiles`, in the same order, streamed from the files (``datasets``
-    streaming): no cache, no length. Every iteration starts from the first file."""
+    streaming): no cache, no length. Every iteration starts from the first file. ``options`` are
+    :class:`_TextOptions`'s; ``chunk``: records tokenized per batch."""
 
-    def __init__(
-        self,
-        files: Sequence[str] | str | None = None,
-        *,
-        text_field: str = "text",
-        sample_by: str = "paragraph",
-        tokenizer: str | None = None,
-        packing: bool = True,
-        block_size: int = 64,
-        eval_fraction: float = 0.0,
-        eval_files: Sequence[str] | str | None = None,
-        cache_dir: str = ".cache/distaccum",
-        chunk: int = 256,
-    ) -> None:
-        self.kwargs: dict[str, Any] = {
-            "text_field": text_field,
-            "sample_by": sample_by,
-            "tokenizer": tokenizer,
-            "packing": packing,
-            "block_size": block_size,
-            "eval_fraction": eval_fraction,
-            "eval_files": eval_files,
-            "cache_dir": cache_dir,
-        }
+    def __init__(self, files: Sequence[str] | str | None = None, *, chunk: int = 256, **options: Any) -> None:
+        self.kwargs: dict[str, Any] = options
         self.files_arg = files
-        self.options = _TextOptions(files, **self.kwargs)
+        self.options = _TextOptions(files, **options)
         self.tokenizer = self.options.tokenizer
         self.chunk = chunk
         first = next(self._records(), None)  # fail here, not in a worker, on a wrong text_field
+        text_field = self.options.text_field
         if first is not None and text_field not in first:
             raise ValueError(
                 f"data.dataset.text_field={text_field!r} is not a field of the first record of "

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from distaccum.config import EngineConfig
+    from distaccum.engines.base import EngineSpec
+    from distaccum.split import Split
 
 pytest_plugins = [
     "slurm_fixtures",  # the `slurm_cluster` fixture (real local Slurm)
@@ -138,6 +145,30 @@ def train(run_dir: Path, *overrides: str, timeout: float = 180, check: bool = Tr
     return run
 
 
+def line_count(path: Path) -> int:
+    """Lines of ``path`` (0 while it does not exist): records a run has written to ``metrics.jsonl``."""
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def sigterm_at_step(
+    cmd: list[str], run_dir: Path, step: int, env: dict[str, str], timeout: float
+) -> tuple[int, str]:
+    """Start ``cmd`` (a ``distaccum train`` of ``run_dir``) in ``run_dir``'s parent, send it SIGTERM (what
+    srun and torchrun deliver on preemption) once ``step`` records are written (or ``timeout`` s passed, or
+    it ended), wait up to ``timeout`` s for it to end; its exit code and stderr."""
+    proc = subprocess.Popen(
+        cmd, cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + timeout
+    while (
+        line_count(run_dir / "metrics.jsonl") < step and time.monotonic() < deadline and proc.poll() is None
+    ):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
 @contextmanager
 def one_rank_group(device: str) -> Iterator[None]:
     """A one-rank process group in this process for in-process ``Trainer`` tests: gloo on CPU, NCCL on
@@ -181,6 +212,32 @@ def cpu_group() -> Iterator[None]:
     """:func:`one_rank_group` on gloo for a whole test module (reusing a group that already exists)."""
     with one_rank_group("cpu"):
         yield
+
+
+def engine_spec(
+    engine: EngineConfig,
+    split: Split,
+    *,
+    precision: str = "fp32",
+    sync: str = "boundary",
+    clip_norm: float | None = None,
+    **extra: Any,
+) -> EngineSpec:
+    """The :class:`~distaccum.engines.base.EngineSpec` of ``engine`` (an ``EngineConfig``) at ``split`` on the
+    CPU, for single-process engine tests; ``extra``: its optional fields (``reduce_dtype``, ...)."""
+    import torch
+
+    from distaccum.engines.base import EngineSpec, Precision
+
+    return EngineSpec(
+        engine=engine,
+        precision=Precision.of(precision),
+        split=split,
+        sync=sync,
+        clip_norm=clip_norm,
+        device=torch.device("cpu"),
+        **extra,
+    )
 
 
 def fresh_accelerate_state() -> None:

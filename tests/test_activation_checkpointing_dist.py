@@ -391,17 +391,9 @@ def test_bad_values_exit_2_before_workers_start(tmp_path: Path, case: str) -> No
 
 def test_the_trade_off_benchmark_runs(tmp_path: Path) -> None:
     """``python -m benchmarks.checkpointing --smoke``: the table in docs/companions.md, CI-sized."""
+    smoke = [sys.executable, "-m", "benchmarks.checkpointing", "--smoke", "--rounds", "1"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.checkpointing",
-            "--smoke",
-            "--rounds",
-            "1",
-            "--out",
-            str(tmp_path),
-        ],
+        [*smoke, "--out", str(tmp_path)],
         cwd=REPO,
         env=hf_env(),
         capture_output=True,

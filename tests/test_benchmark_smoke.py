@@ -273,19 +273,9 @@ def test_the_gpu_check_script_runs_every_stage_and_refuses_without_cuda(tmp_path
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_mode_times_with_cuda_events_and_reads_the_allocator_s_peak(tmp_path: Path) -> None:
+    smoke = [sys.executable, "-m", "benchmarks.run", "--smoke", "--device", "cuda"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.run",
-            "--smoke",
-            "--device",
-            "cuda",
-            "--sweep",
-            "ddp_no_sync,distaccum",
-            "--out",
-            str(tmp_path),
-        ],
+        [*smoke, "--sweep", "ddp_no_sync,distaccum", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -45,14 +45,17 @@ MODEL = [
     "log.console=quiet",
     f"engine.extensions_dir={EXTENSIONS}",
 ]
-RUNS: dict[str, list[str]] = {
-    "eager": ["engine=ddp"],
-    "ddp": ["engine=ddp", "trainer.compile=true"],
-    "fsdp": ["engine=fsdp", "trainer.compile=true"],
-    "accelerate": ["engine=accelerate", "trainer.compile=true"],
-    "zero2": ["engine=deepspeed", "engine.zero_stage=2", "trainer.compile=true"],
+ENGINES: dict[str, list[str]] = {
+    "ddp": ["engine=ddp"],
+    "fsdp": ["engine=fsdp"],
+    "accelerate": ["engine=accelerate"],
+    "zero2": ["engine=deepspeed", "engine.zero_stage=2"],
 }
-COMPILED = [name for name in RUNS if name != "eager"]
+"""The engines run compiled, each against the same eager DDP run."""
+RUNS: dict[str, list[str]] = {"eager": ["engine=ddp"]} | {
+    name: [*engine, "trainer.compile=true"] for name, engine in ENGINES.items()
+}
+COMPILED = list(ENGINES)
 
 
 def _worker_main(plan_file: str) -> None:
@@ -92,11 +95,8 @@ RECOMPILES = {"ddp": [0, 0, 0], "accelerate": [0, 0, 0], "zero2": [0, 0, 0], "fs
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_runs_compile_in_the_first_window_only(runs: Runs, name: str) -> None:
     records = runs.records(name)
-    assert [r["partial_window"] for r in records] == [
-        False,
-        False,
-        True,
-    ]  # 80 = 32 + 32 + 16: smaller micro-batches
+    # 80 = 32 + 32 + 16: the last window is partial, its micro-batches smaller
+    assert [r["partial_window"] for r in records] == [False, False, True]
     assert records[0]["compile_s"] > 0 and records[0]["time_s"] >= records[0]["compile_s"]
     assert [r["recompiles"] for r in records] == RECOMPILES[name], records
     assert [r["compile_s"] for r in records[1:]] == [0.0, 0.0]
@@ -123,21 +123,11 @@ def test_no_recompile_was_reported(runs: Runs) -> None:
     assert "torch.compile recompiled" not in runs.output
 
 
-@pytest.mark.parametrize("precision", ["fp64", "fp32"])
-def test_verify_passes_compiled_runs(tmp_path: Path, precision: str) -> None:
-    run = run_cli(
-        "verify",
-        tmp_path / "v",
-        "model=mlp",
-        "model.width=32",
-        "data.dataset.num_samples=40",
-        "accum.micro_batch=4",
-        "accum.steps=2",
-        "trainer.max_steps=3",
-        "trainer.compile=true",
-        f"precision={precision}",
-        timeout=280,
-    )
+def check_verify_passes_compiled(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    """``distaccum verify`` of a compiled MLP run passes and the candidate really compiled; its report."""
+    accum = ("data.dataset.num_samples=40", "accum.micro_batch=4", "accum.steps=2", "trainer.max_steps=3")
+    compiled = ("model=mlp", "model.width=32", *accum, "trainer.compile=true", *overrides)
+    run = run_cli("verify", run_dir, *compiled, timeout=280)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((run.run_dir / "verify.json").read_text())
     assert result["passed"]
@@ -146,6 +136,12 @@ def test_verify_passes_compiled_runs(tmp_path: Path, precision: str) -> None:
         json.loads(line) for line in (Path(cand["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
     assert records[0]["compile_s"] > 0 and all(r["recompiles"] == 0 for r in records)  # it really compiled
+    return cand
+
+
+@pytest.mark.parametrize("precision", ["fp64", "fp32"])
+def test_verify_passes_compiled_runs(tmp_path: Path, precision: str) -> None:
+    cand = check_verify_passes_compiled(tmp_path / "v", f"precision={precision}")
     if precision == "fp64":
         assert cand["max_rel_diff"] <= 1e-9
 

@@ -136,18 +136,8 @@ def test_bad_config_exits_2_before_any_worker(tmp_path: Path, overrides: tuple, 
 
 def test_runs_in_place_under_torchrun(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = torchrun(
-        "-m",
-        "distaccum",
-        "train",
-        "model=mlp",
-        "trainer.max_steps=3",
-        "log.console=quiet",
-        f"run_dir={tmp_path / 'tr'}",
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-    )
+    train = ("train", "model=mlp", "trainer.max_steps=3", "log.console=quiet", f"run_dir={tmp_path / 'tr'}")
+    proc = torchrun("-m", "distaccum", *train, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = Run(0, proc.stdout, proc.stderr, tmp_path / "tr")
     assert len(run.records) == 3 and run.summary["world_size"] == 2
@@ -161,14 +151,8 @@ def test_the_window_s_one_all_gather_gives_every_rank_the_same_totals(tmp_path: 
     rank's carried row bit for bit), with counts as ints or tensors."""
     out = tmp_path / "read.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = torchrun(
-        str(Path(__file__).parent / "fixtures" / "window_ranks.py"),
-        str(out),
-        nproc=world,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-    )
+    script = Path(__file__).parent / "fixtures" / "window_ranks.py"
+    proc = torchrun(str(script), str(out), nproc=world, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads(out.read_text())
     assert got["world"] == world and got["differ"] == []

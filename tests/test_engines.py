@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
-from conftest import plan_worker, torchrun
+from conftest import plan_worker, run_cli, torchrun
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 from distaccum.preflight import instantiate_components
@@ -377,22 +377,8 @@ def test_conflicting_deepspeed_config_fails_before_training(tmp_path: Path) -> N
         json.dumps({"gradient_accumulation_steps": 8, "zero_optimization": {"overlap_comm": False}})
     )
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distaccum",
-            "train",
-            "engine=deepspeed",
-            f"engine.deepspeed_config={user}",
-            "accum.steps=4",
-            "log.console=quiet",
-            f"run_dir={run_dir}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = run_cli(
+        "train", run_dir, "engine=deepspeed", f"engine.deepspeed_config={user}", "accum.steps=4", timeout=60
     )
     assert proc.returncode == 2, proc.stderr
     assert "gradient_accumulation_steps=8 in the file, but 4 from accum.steps=4" in proc.stderr

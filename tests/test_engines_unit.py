@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import engine_spec
 from distaccum.cluster.procgroup import collective_device
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
-from distaccum.engines.base import EngineSpec, GradNorms, GradSample, Precision, step_plain
+from distaccum.engines.base import EngineSpec, GradNorms, GradSample, step_plain
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed_config import build, generate, merge
@@ -34,13 +35,8 @@ def ds_cfg(
     sync: str = "boundary",
     **engine: object,
 ) -> EngineSpec:
-    return EngineSpec(
-        engine=EngineConfig(name="deepspeed", **engine),
-        precision=Precision.of(precision),
-        split=split,
-        sync=sync,
-        clip_norm=clip_norm,
-        device=torch.device("cpu"),
+    return engine_spec(
+        EngineConfig(name="deepspeed", **engine), split, precision=precision, sync=sync, clip_norm=clip_norm
     )
 
 
@@ -121,13 +117,8 @@ def test_config_validation_reads_the_user_file(tmp_path: Path) -> None:
 def test_engines_refuse_what_they_cannot_run(
     engine: str, precision: str, stage: int, sync: str, fragment: str
 ) -> None:
-    spec = EngineSpec(
-        engine=EngineConfig(name=engine, zero_stage=stage),
-        precision=Precision.of(precision),
-        split=Split(2, 2, 2),
-        sync=sync,
-        clip_norm=None,
-        device=torch.device("cpu"),
+    spec = engine_spec(
+        EngineConfig(name=engine, zero_stage=stage), Split(2, 2, 2), precision=precision, sync=sync
     )
     with pytest.raises(ValueError, match=fragment):
         check_engine(spec)
@@ -263,14 +254,7 @@ def _ddp_window_grad_pointers(grads_to_none: bool | None) -> tuple[list[int], li
     window's boundary backward (bucket views once DDP has rebuilt its buckets) and after the third
     window's first, ``no_sync``, backward. ``grads_to_none=None`` steps through the engine itself."""
     torch.manual_seed(0)
-    spec = EngineSpec(
-        engine=EngineConfig(name="ddp"),
-        precision=Precision.of("fp32"),
-        split=Split(2, 3, 1),
-        sync="boundary",
-        clip_norm=None,
-        device=torch.device("cpu"),
-    )
+    spec = engine_spec(EngineConfig(name="ddp"), Split(2, 3, 1))
     engine = DDPEngine(spec, CommLedger())
     module = engine.wrap(MLP(in_dim=8, width=16, depth=2, out_dim=4), lambda p: torch.optim.SGD(p, lr=0.1))
     params = list(engine.unwrapped().parameters())
@@ -317,14 +301,7 @@ def test_the_ddp_step_walks_the_module_tree_once_per_run(
 ) -> None:
     """The step's parameter list is made at the first step and reused (a walk of the module tree per step cost
     0.45 ms on a GPT-2-shaped model); the steps after it still update every parameter."""
-    spec = EngineSpec(
-        engine=EngineConfig(name="ddp"),
-        precision=Precision.of("fp32"),
-        split=Split(2, 1, 1),
-        sync="boundary",
-        clip_norm=1.0,
-        device=torch.device("cpu"),
-    )
+    spec = engine_spec(EngineConfig(name="ddp"), Split(2, 1, 1), clip_norm=1.0)
     engine = DDPEngine(spec, CommLedger())
     torch.manual_seed(0)
     module = engine.wrap(MLP(in_dim=8, width=16, depth=2, out_dim=4), lambda p: torch.optim.SGD(p, lr=0.1))

@@ -67,6 +67,18 @@ def run(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.Comp
     )
 
 
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """:func:`run` in the background, its output captured: for a test that signals its ranks."""
+    return subprocess.Popen(
+        command(run_dir, *overrides),
+        cwd=run_dir.parent,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -110,14 +122,7 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path: Pat
     assert run(straight, *overrides).returncode == 0
 
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command(run_dir, *overrides, "trainer.max_restarts=1", "trainer.shutdown_grace_s=5"),
-        cwd=tmp_path,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start(run_dir, *overrides, "trainer.max_restarts=1", "trainer.shutdown_grace_s=5")
     victim = rank_pid(run_dir, 1)
     wait_for_step(run_dir, N // 3, proc)
     os.kill(victim, signal.SIGKILL)  # mid-window: the next window is already under way
@@ -147,20 +152,13 @@ def test_resuming_on_another_world_size_continues_the_same_run(tmp_path: Path) -
 @pytest.mark.serial  # asserts how long the run takes to end
 def test_a_stopped_rank_fails_the_run_in_time_and_is_named(tmp_path: Path) -> None:
     run_dir = tmp_path / "stopped"
-    proc = subprocess.Popen(
-        command(run_dir, "trainer.max_steps=100000", "trainer.collective_timeout_s=10"),
-        cwd=tmp_path,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start(run_dir, "trainer.max_steps=100000", "trainer.collective_timeout_s=10")
     victim = rank_pid(run_dir, 1)
     wait_for_step(run_dir, 5, proc)
     os.kill(victim, signal.SIGSTOP)
-    start = time.monotonic()
+    stopped_at = time.monotonic()
     _, err = proc.communicate(timeout=120)
-    took = time.monotonic() - start
+    took = time.monotonic() - stopped_at
     assert proc.returncode == 1
     assert took < 10 + 30, f"the run took {took:.0f} s to end after SIGSTOP"
     assert f"rank 1 (pid {victim}) is stopped (SIGSTOP" in err, err[-3000:]

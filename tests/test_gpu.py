@@ -5,19 +5,19 @@ trains, passes ``verify``; the CPU tests are ``tests/test_compile.py``).
 
 Skipped without a GPU. Checks that need two ranks skip — saying so — with fewer than two GPUs
 instead of quietly running on one. The bodies are the CPU tests' (``tests/test_ddp_accum.py``,
-``tests/test_loop.py``) with ``trainer.device=cuda``.
+``tests/test_loop.py``, ``tests/test_compile.py``) with ``trainer.device=cuda``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from test_compile import check_verify_passes_compiled
 from test_loop import check_fp16_overflow_skip, check_tensor_rows_train_as_the_dataloader
 
-from conftest import fresh_accelerate_state, one_rank_group, run_cli, train
+from conftest import fresh_accelerate_state, one_rank_group, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -82,7 +82,7 @@ def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_o
 
     from distaccum.config import Split
     from distaccum.data.global_batch import GlobalBatchPlan
-    from distaccum.data.pipeline import micro_batches
+    from distaccum.data.pipeline import PlanSampler, micro_batches
 
     cuda, split = torch.device("cuda", 0), Split(2, 2, 2)
     host = torch.arange(60.0).reshape(30, 2)
@@ -90,7 +90,9 @@ def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_o
     def first_rows(tensor: torch.Tensor, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 1's first micro-batch of window 0, and the sample indices the plan gives it."""
         plan = GlobalBatchPlan(30, 8, seed=0, shuffle=shuffle)
-        [rows] = next(micro_batches(TensorDataset(tensor), None, plan, split, 1, 2, device=cuda))
+        [rows] = next(
+            micro_batches(TensorDataset(tensor), None, PlanSampler(plan, split, 1, 0, 2), device=cuda)
+        )
         return rows, plan.window(0).rank_micro_batches(split, 1)[0]
 
     pinned = host.pin_memory()
@@ -130,9 +132,8 @@ def test_compiled_on_cuda_compiles_in_the_first_window_and_equals_eager(tmp_path
     records = compiled.records
     assert [r["partial_window"] for r in records] == [False, False, True]
     assert records[0]["compile_s"] > 0 and [r["compile_s"] for r in records[1:]] == [0.0, 0.0]
-    assert [r["recompiles"] for r in records] == [0, 0, 0], (
-        records
-    )  # no_sync toggling, new lengths, partial window
+    # 0 recompiles for no_sync toggling, new lengths or the partial window
+    assert [r["recompiles"] for r in records] == [0, 0, 0], records
     assert compiled.summary["recompiles"] == 0
     for a, b in zip(eager.records, records, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
@@ -141,26 +142,4 @@ def test_compiled_on_cuda_compiles_in_the_first_window_and_equals_eager(tmp_path
 
 
 def test_verify_passes_a_compiled_run_on_cuda(tmp_path: Path) -> None:
-    run = run_cli(
-        "verify",
-        tmp_path / "v",
-        "model=mlp",
-        "model.width=32",
-        "data.dataset.num_samples=40",
-        "accum.micro_batch=4",
-        "accum.steps=2",
-        "trainer.max_steps=3",
-        "trainer.compile=true",
-        "trainer.nproc=1",
-        "trainer.device=cuda",
-        "precision=fp32",
-        timeout=280,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads((run.run_dir / "verify.json").read_text())
-    assert result["passed"]
-    records = [
-        json.loads(line)
-        for line in (Path(result["candidates"][0]["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert records[0]["compile_s"] > 0 and all(r["recompiles"] == 0 for r in records)  # it really compiled
+    check_verify_passes_compiled(tmp_path / "v", "trainer.nproc=1", "trainer.device=cuda", "precision=fp32")

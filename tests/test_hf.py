@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import requires, torchrun
+from conftest import line_count, requires, sigterm_at_step, torchrun
 from hf_corpus import OFFLINE, write_bpe_tokenizer, write_text_files
 
 pytestmark = pytest.mark.dist
@@ -69,15 +67,9 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
 def test_ddp_verify_passes_on_three_splits_and_eval_loss_does_not_depend_on_the_split(
     tmp_path: Path, text: tuple[str, ...]
 ) -> None:
+    run = (*text, *PADDED, "data.dataset.eval_fraction=0.1", "trainer.max_steps=4")
     proc, result = verify(
-        tmp_path / "v",
-        *text,
-        *PADDED,
-        "data.dataset.eval_fraction=0.1",
-        "trainer.max_steps=4",
-        "verify.splits=auto",
-        "verify.max_candidates=3",
-        "eval.at_start=true",
+        tmp_path / "v", *run, "verify.splits=auto", "verify.max_candidates=3", "eval.at_start=true"
     )
     assert proc.returncode == 0 and result["passed"], proc.stdout[-3000:] + proc.stderr[-3000:]
     cands = result["candidates"]
@@ -141,22 +133,12 @@ def test_the_2024_transformers_bug_fails_verify_with_loss_normalization(
 ) -> None:
     # The model's own mean loss (labels= path), divided per micro-batch by K x world: what the
     # Transformers Trainer did before its fix. Variable-length samples make it visible.
-    proc, result = verify(
-        tmp_path / "bug",
-        *text,
-        *PADDED,
-        "loss=hf_model",
-        "accum.loss_norm=mean_per_micro",
-        "trainer.max_steps=3",
-    )
+    bug = ("loss=hf_model", "accum.loss_norm=mean_per_micro")
+    proc, result = verify(tmp_path / "bug", *text, *PADDED, *bug, "trainer.max_steps=3")
     assert proc.returncode == 1 and not result["passed"], proc.stdout[-3000:] + proc.stderr[-3000:]
     causes = [d["cause"] for d in result["candidates"][0]["diagnosis"]]
     assert "loss_normalization" in causes, result["candidates"][0]["diagnosis"]
     # (The plain mean returned as it is never gets that far: the probe refuses it, see BAD below.)
-
-
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
 def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_identical(
@@ -179,16 +161,9 @@ def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_identical(
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | OFFLINE
     run_dir = tmp_path / "stopped"
     cmd = [sys.executable, "-m", "distaccum", "train", *args, f"run_dir={run_dir}"]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 240
-    while _lines(run_dir / "metrics.jsonl") < 3 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 3, err[-3000:]
-    done = _lines(run_dir / "metrics.jsonl")
+    returncode, err = sigterm_at_step(cmd, run_dir, 3, env, timeout=240)
+    assert returncode == 3, err[-3000:]
+    done = line_count(run_dir / "metrics.jsonl")
     assert 3 <= done < 24, "the run ended before the signal arrived: raise trainer.max_steps"
     resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

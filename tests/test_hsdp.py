@@ -19,13 +19,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_faults import command, env, rank_pid, run, steps, summary, wait_for_step
+from test_faults import rank_pid, run, start, steps, summary, wait_for_step
 
 from conftest import Run, requires, run_cli
 from distaccum.rundir.weights import load_weights
@@ -184,15 +183,8 @@ def test_hsdp_checkpoints_restart_a_killed_rank_and_move_to_another_world_size(t
     assert done.returncode == 0, done.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command(
-            killed, *MLP, f"trainer.max_steps={N}", "trainer.max_restarts=1", "trainer.shutdown_grace_s=5"
-        ),
-        cwd=tmp_path,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start(
+        killed, *MLP, f"trainer.max_steps={N}", "trainer.max_restarts=1", "trainer.shutdown_grace_s=5"
     )
     victim = rank_pid(killed, 1)
     wait_for_step(killed, N // 3 + 1, proc)

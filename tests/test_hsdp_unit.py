@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import engine_spec
 from distaccum.cluster.topology import (
     DistEnv,
     describe_placement,
@@ -178,15 +179,7 @@ def _ddp_step(reduce_dtype: str) -> tuple[int, list[torch.Tensor], list[torch.Te
     """One K=2 window through the DDP engine on one rank: the bytes reduced, the reduced gradients, and the
     gradients a plain backward gives."""
     torch.manual_seed(0)
-    spec = EngineSpec(
-        engine=EngineConfig(name="ddp"),
-        precision=Precision.of("fp32"),
-        split=Split(2, 2, 1),
-        sync="boundary",
-        clip_norm=None,
-        device=CPU,
-        reduce_dtype=reduce_dtype,
-    )
+    spec = engine_spec(EngineConfig(name="ddp"), Split(2, 2, 1), reduce_dtype=reduce_dtype)
     ledger = CommLedger(enabled=False)
     engine = DDPEngine(spec, ledger)
     model = MLP(in_dim=8, width=16, depth=2, out_dim=4)
@@ -230,15 +223,7 @@ def test_fsdp_policy_reduces_in_the_compressed_dtype() -> None:
 
 
 def test_deepspeed_gets_its_communication_data_type() -> None:
-    spec = EngineSpec(
-        engine=EngineConfig(name="deepspeed"),
-        precision=Precision.of("fp32"),
-        split=Split(2, 2, 2),
-        sync="boundary",
-        clip_norm=None,
-        device=CPU,
-        reduce_dtype="bf16",
-    )
+    spec = engine_spec(EngineConfig(name="deepspeed"), Split(2, 2, 2), reduce_dtype="bf16")
     config, sources = generate(spec)
     assert config["communication_data_type"] == "bf16"
     assert sources["communication_data_type"] == "accum.reduce_dtype=bf16"

@@ -178,7 +178,9 @@ def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_
     dataset = TensorDataset(torch.randn(30, 5, generator=gen), torch.randint(0, 9, (30,), generator=gen))
     plan = GlobalBatchPlan(len(dataset), 8, seed=0)
     split = Split(2, 2, 2)
-    loader = build_loader(dataset, None, plan, split, rank=1, stop=5, num_workers=workers)
+    loader = build_loader(
+        dataset, None, PlanSampler(plan, split, rank=1, start=0, stop=5), num_workers=workers
+    )
     assert isinstance(
         loader.dataset, TensorBatches
     )  # one index_select per tensor, not 2 __getitem__ + a stack
@@ -194,7 +196,7 @@ def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_
             for a, b in zip(batch, want, strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b)
     assert (
-        type(build_loader(dataset, pad_collate, plan, split, 0, 1).dataset) is TensorDataset
+        type(build_loader(dataset, pad_collate, PlanSampler(plan, split, 0, 0, 1)).dataset) is TensorDataset
     )  # a collate: as given
 
 
@@ -210,9 +212,10 @@ def test_tensor_rows_hand_out_the_batches_the_dataloader_makes(shuffle: bool) ->
     for rank in (0, 1):
         plan = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=shuffle)
         plan.next_step = 1  # from a resume position: the partial window (30 = 3 x 8 + 6) and the next epoch
-        fast = micro_batches(dataset, None, plan, split, rank, 6, device=torch.device("cpu"))
+        sampler = PlanSampler(plan, split, rank, plan.next_step, 6)
+        fast = micro_batches(dataset, None, sampler, device=torch.device("cpu"))
         assert inspect.isgenerator(fast)  # TensorRows: no DataLoader iterator
-        loader = build_loader(dataset, None, plan, split, rank, 6)
+        loader = build_loader(dataset, None, sampler)
         got, want = list(fast), list(loader)
         assert len(got) == len(want) == 5 * split.accum_steps
         for a, b in zip(got, want, strict=True):
@@ -230,10 +233,12 @@ def test_tensor_rows_in_order_are_views_and_a_write_into_one_stops_at_the_next_m
     split = Split(2, 2, 2)
     plan = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=False)
     for device in ("cpu", "meta"):  # meta stands in for an accelerator
-        rows = next(micro_batches(dataset, None, plan, split, 1, 4, device=torch.device(device)))
+        rows = next(
+            micro_batches(dataset, None, PlanSampler(plan, split, 1, 0, 4), device=torch.device(device))
+        )
         assert all(r._base is t for r, t in zip(rows, dataset.tensors, strict=True))
         assert torch.equal(rows[0], dataset.tensors[0][2:4])  # rank 1's first piece of window 0: samples 2, 3
-    read = list(micro_batches(dataset, None, plan, split, 0, 4, device=torch.device("cpu")))
+    read = list(micro_batches(dataset, None, PlanSampler(plan, split, 0, 0, 4), device=torch.device("cpu")))
     assert len(read) == 8 and all(r[0]._base is dataset.tensors[0] for r in read)  # reading is free
     writes = {
         "mul_": lambda b: b[0].mul_(0.0),
@@ -243,14 +248,16 @@ def test_tensor_rows_in_order_are_views_and_a_write_into_one_stops_at_the_next_m
     }
     for name, write in writes.items():
         fresh = _tensor_dataset()
-        batches = micro_batches(fresh, None, plan, split, 0, 4, device=torch.device("cpu"))
+        batches = micro_batches(fresh, None, PlanSampler(plan, split, 0, 0, 4), device=torch.device("cpu"))
         next(batches)
         write(next(batches))  # the second micro-batch: rows 4, 5
         with pytest.raises(DatasetWrittenError, match="rows 4..5 were a micro-batch in training"):
             next(batches)
         assert not torch.equal(fresh.tensors[0], _tensor_dataset().tensors[0]) or name == "setitem", name
     shuffled = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=True)
-    for batch in micro_batches(dataset, None, shuffled, split, 0, 4, device=torch.device("cpu")):
+    for batch in micro_batches(
+        dataset, None, PlanSampler(shuffled, split, 0, 0, 4), device=torch.device("cpu")
+    ):
         batch[0].mul_(0.0)  # gathered: the dataset never sees it
     assert torch.equal(dataset.tensors[0], _tensor_dataset().tensors[0])
 
@@ -265,7 +272,7 @@ def test_tensor_rows_of_an_inference_mode_dataset_are_copies_a_backward_can_save
     layer = torch.nn.Linear(5, 2)
     plan, split = GlobalBatchPlan(30, 8, seed=0, shuffle=False), Split(2, 2, 2)
     for x, y in micro_batches(
-        TensorDataset(features, labels), None, plan, split, 0, 4, device=torch.device("cpu")
+        TensorDataset(features, labels), None, PlanSampler(plan, split, 0, 0, 4), device=torch.device("cpu")
     ):
         assert not x.is_inference() and x._base is None and y._base is labels
         torch.nn.functional.mse_loss(layer(x), y).backward()  # saved for backward: no error
@@ -273,20 +280,16 @@ def test_tensor_rows_of_an_inference_mode_dataset_are_copies_a_backward_can_save
 
 
 def test_a_tensor_dataset_with_a_collate_workers_or_a_subclass_goes_through_the_dataloader() -> None:
-    dataset, plan, split, cpu = (
-        _tensor_dataset(),
-        GlobalBatchPlan(30, 8, seed=0),
-        Split(2, 2, 2),
-        torch.device("cpu"),
-    )
+    dataset, cpu = _tensor_dataset(), torch.device("cpu")
+    window = PlanSampler(GlobalBatchPlan(30, 8, seed=0), Split(2, 2, 2), rank=0, start=0, stop=1)
 
     class Rows(TensorDataset):
         pass
 
     for it in (
-        micro_batches(dataset, pad_collate, plan, split, 0, 1, device=cpu),
-        micro_batches(dataset, None, plan, split, 0, 1, device=cpu, num_workers=1),
-        micro_batches(Rows(*dataset.tensors), None, plan, split, 0, 1, device=cpu),
+        micro_batches(dataset, pad_collate, window, device=cpu),
+        micro_batches(dataset, None, window, device=cpu, num_workers=1),
+        micro_batches(Rows(*dataset.tensors), None, window, device=cpu),
     ):
         assert not inspect.isgenerator(it)  # a DataLoader's iterator
         del it  # the worker exits
@@ -297,7 +300,9 @@ def test_loader_collates_the_plan_through_dataloader_workers(workers: int) -> No
     dataset = CorpusSequences(num_samples=40, seq_min=3, seq_max=9, seed=1)
     plan = GlobalBatchPlan(len(dataset), 8, seed=0)
     split = Split(2, 2, 2)
-    loader = build_loader(dataset, pad_collate, plan, split, rank=0, stop=3, num_workers=workers)
+    loader = build_loader(
+        dataset, pad_collate, PlanSampler(plan, split, rank=0, start=0, stop=3), num_workers=workers
+    )
     got = list(loader)
     assert len(got) == 3 * split.accum_steps
     for step in range(3):

@@ -19,28 +19,10 @@ pytestmark = pytest.mark.dist
 
 def test_plan_run_and_sweep(tmp_path: Path) -> None:
     plan_dir = tmp_path / "plan"
-    run = run_cli(
-        "plan",
-        plan_dir,
-        "model=mlp",
-        "accum.global_batch=8",
-        "trainer.max_steps=3",
-        "--sweep",
-        "--run",
-        "--rounds",
-        "2",
-        "--steps",
-        "1",
-        "--nodes",
-        "2",
-        "--gpus-per-node",
-        "2",
-        "--inter-node-gbps",
-        "10",
-        "--intra-node-gbps",
-        "100",
-        timeout=400,
-    )
+    measure = ("--sweep", "--run", "--rounds", "2", "--steps", "1")
+    cluster = ("--nodes", "2", "--gpus-per-node", "2", "--inter-node-gbps", "10", "--intra-node-gbps", "100")
+    config = ("model=mlp", "accum.global_batch=8", "trainer.max_steps=3")
+    run = run_cli("plan", plan_dir, *config, *measure, *cluster, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     plan = json.loads((plan_dir / "plan.json").read_text())
     rows = {(p["split"]["micro_batch"], p["split"]["accum_steps"]): p for p in plan["predictions"]}

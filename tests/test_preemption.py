@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import train
+from conftest import line_count, sigterm_at_step, train
 
 pytestmark = pytest.mark.dist
 
@@ -28,25 +26,14 @@ ARGS = (
 )
 
 
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
 def test_sigterm_checkpoints_at_a_window_boundary_and_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "stopped"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [sys.executable, "-m", "distaccum", "train", *ARGS, f"run_dir={run_dir}"]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 120
-    while _lines(run_dir / "metrics.jsonl") < 5 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # what srun/torchrun deliver on preemption
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 3, err[-3000:]
+    returncode, err = sigterm_at_step(cmd, run_dir, 5, env, timeout=120)
+    assert returncode == 3, err[-3000:]
     assert "rerun the same command to resume" in err
-    done = _lines(run_dir / "metrics.jsonl")
+    done = line_count(run_dir / "metrics.jsonl")
     checkpoint = run_dir / "checkpoints" / f"step-{done:08d}"
     assert (checkpoint / "manifest.json").is_file()
     assert 5 <= done < 400, "the run ended before the signal: raise trainer.max_steps"

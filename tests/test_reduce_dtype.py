@@ -75,19 +75,10 @@ def test_bf16_reduction_halves_the_bytes_and_stays_within_the_derived_tolerance(
 def test_a_wrong_reduction_under_bf16_still_fails_verify(tmp_path: Path) -> None:
     # Every reduced gradient 5% too large: far above bf16's rounding (e = 2 x 2^-8 = 0.8%), so the widened
     # tolerance must still catch it at step 1.
-    run = run_cli(
-        "verify",
-        tmp_path / "verify",
-        *inject("distaccum.losses.mse", fault("GradScale", factor=1.05)),
-        "model=mlp",
-        "engine=ddp",
-        "accum.reduce_dtype=bf16",
-        "trainer.nproc=2",
-        "accum.micro_batch=2",
-        "accum.steps=2",
-        "trainer.max_steps=2",
-        timeout=240,
-    )
+    too_large = inject("distaccum.losses.mse", fault("GradScale", factor=1.05))
+    bf16 = ("model=mlp", "engine=ddp", "accum.reduce_dtype=bf16", "trainer.nproc=2")
+    split = ("accum.micro_batch=2", "accum.steps=2", "trainer.max_steps=2")
+    run = run_cli("verify", tmp_path / "verify", *too_large, *bf16, *split, timeout=240)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "verify" / "verify.json").read_text())
     first = result["candidates"][0]["first_divergence"]

@@ -27,18 +27,9 @@ COMMON = ("trainer.max_steps=4", "accum.global_batch=16", "trainer.nproc=2")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hydra multirun over micro-batch sizes (one of them invalid)."""
     run_dir = tmp_path_factory.mktemp("report") / "sweep"
+    multirun = [sys.executable, "-m", "distaccum", "train", "--multirun", "accum.micro_batch=2,3,8", *COMMON]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distaccum",
-            "train",
-            "--multirun",
-            "accum.micro_batch=2,3,8",
-            *COMMON,
-            "log.console=quiet",
-            f"run_dir={run_dir}",
-        ],
+        [*multirun, "log.console=quiet", f"run_dir={run_dir}"],
         cwd=run_dir.parent,
         capture_output=True,
         text=True,
@@ -120,17 +111,9 @@ def test_report_exit_codes(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert report_main([str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
     # the console script, end to end: runs given one by one, output elsewhere
+    report = [sys.executable, "-m", "distaccum", "report"]
     ok = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distaccum",
-            "report",
-            str(sweep / "0"),
-            str(sweep / "2"),
-            "--out",
-            str(tmp_path),
-        ],
+        [*report, str(sweep / "0"), str(sweep / "2"), "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,

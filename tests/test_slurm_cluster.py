@@ -19,9 +19,19 @@ pytestmark = pytest.mark.slurm
 # test file running beside it. Run alone it cost the other pytest worker ~100 s of idling.
 
 
-def _sbatch(cluster: SlurmCluster, script: Path, body: str) -> str:
-    script.write_text("#!/bin/bash\n" + body)
+def _sbatch(cluster: SlurmCluster, tmp_path: Path, name: str, *lines: str) -> str:
+    """Submit ``tmp_path/NAME.sbatch`` (``lines``, its output to ``tmp_path/NAME-JOBID.out``); the job id."""
+    script = tmp_path / f"{name}.sbatch"
+    script.write_text("\n".join(["#!/bin/bash", f"#SBATCH --output={tmp_path}/{name}-%j.out", *lines, ""]))
     return cluster.run("sbatch", "--parsable", str(script)).stdout.strip().split(";")[0]
+
+
+def _distaccum(
+    cluster: SlurmCluster, cwd: Path, *args: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``python -m distaccum ARGS`` in ``cwd``, with the cluster's commands and configuration."""
+    argv = [sys.executable, "-m", "distaccum", *args]
+    return subprocess.run(argv, cwd=cwd, env=cluster.env, capture_output=True, text=True, timeout=timeout)
 
 
 def _sacct_state(cluster: SlurmCluster, job_id: str, timeout_s: float = 20) -> str:
@@ -38,16 +48,8 @@ def _sacct_state(cluster: SlurmCluster, job_id: str, timeout_s: float = 20) -> s
 
 
 def test_two_task_job_runs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    job_id = _sbatch(
-        slurm_cluster,
-        tmp_path / "smoke.sbatch",
-        f"""\
-#SBATCH --job-name=smoke
-#SBATCH --ntasks=2
-#SBATCH --output={tmp_path}/smoke-%j.out
-srun -n2 bash -c 'echo "task $SLURM_PROCID of $SLURM_NTASKS"'
-""",
-    )
+    srun = """srun -n2 bash -c 'echo "task $SLURM_PROCID of $SLURM_NTASKS"'"""
+    job_id = _sbatch(slurm_cluster, tmp_path, "smoke", "#SBATCH --job-name=smoke", "#SBATCH --ntasks=2", srun)
     state = wait_job(job_id, timeout_s=60, env=slurm_cluster.env)
     out = (tmp_path / f"smoke-{job_id}.out").read_text()
     assert state == "COMPLETED", f"{state}\n{out}\n{slurm_cluster.logs()}"
@@ -60,14 +62,7 @@ srun -n2 bash -c 'echo "task $SLURM_PROCID of $SLURM_NTASKS"'
 
 def test_failed_job_is_visible_to_sacct(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     # submitit decides that a job without a result file is finished from sacct's state alone.
-    job_id = _sbatch(
-        slurm_cluster,
-        tmp_path / "fail.sbatch",
-        f"""\
-#SBATCH --output={tmp_path}/fail-%j.out
-srun -n1 bash -c 'exit 3'
-""",
-    )
+    job_id = _sbatch(slurm_cluster, tmp_path, "fail", "srun -n1 bash -c 'exit 3'")
     assert wait_job(job_id, timeout_s=60, env=slurm_cluster.env) == "FAILED"
     assert _sacct_state(slurm_cluster, job_id) == "FAILED"
 
@@ -80,24 +75,8 @@ def test_parse_nodelist_agrees_with_scontrol(slurm_cluster: SlurmCluster, nodeli
 
 def test_distaccum_submit_trains(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distaccum",
-            "submit",
-            "trainer.nproc=2",
-            "model=mlp",
-            "trainer.max_steps=3",
-            f"run_dir={run_dir}",
-            "log.console=quiet",
-        ],
-        cwd=REPO,
-        env=slurm_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    submit = ("submit", "trainer.nproc=2", "model=mlp", "trainer.max_steps=3", f"run_dir={run_dir}")
+    proc = _distaccum(slurm_cluster, REPO, *submit, "log.console=quiet", timeout=120)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().splitlines()[-1]
     state = wait_job(job_id, timeout_s=240, pending_timeout_s=60, env=slurm_cluster.env)
@@ -115,29 +94,11 @@ def test_distaccum_submit_trains(slurm_cluster: SlurmCluster, tmp_path: Path) ->
 def test_submitit_sweep_over_splits_then_one_report(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """Hydra's submitit_slurm launcher runs each split as a Slurm job; one report compares them."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distaccum",
-            "train",
-            "--multirun",
-            "hydra/launcher=submitit_slurm",
-            "hydra.launcher.timeout_min=10",
-            "hydra.launcher.cpus_per_task=2",
-            "model=mlp",
-            "accum.micro_batch=2,4,8",
-            "accum.global_batch=16",
-            "trainer.max_steps=3",
-            "log.console=quiet",
-            f"run_dir={sweep}",
-        ],
-        cwd=tmp_path,
-        env=slurm_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    launcher = "hydra/launcher=submitit_slurm"
+    limits = ("hydra.launcher.timeout_min=10", "hydra.launcher.cpus_per_task=2")
+    splits = ("model=mlp", "accum.micro_batch=2,4,8", "accum.global_batch=16", "trainer.max_steps=3")
+    multirun = ("train", "--multirun", launcher, *limits, *splits, "log.console=quiet", f"run_dir={sweep}")
+    proc = _distaccum(slurm_cluster, tmp_path, *multirun, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:] + slurm_cluster.logs()
     for job in ("0", "1", "2"):
         assert json.loads((sweep / job / "status.json").read_text())["status"] == "ok"
@@ -162,27 +123,9 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(
     resume at the exact next sample — no partial window lost, none repeated."""
     run_dir = tmp_path / "preempted"
     steps = 2000
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distaccum",
-            "submit",
-            "model=mlp",
-            "model.width=16",
-            "accum.micro_batch=2",
-            "accum.steps=2",
-            f"trainer.max_steps={steps}",
-            "trainer.check_every=0",
-            "log.console=quiet",
-            f"run_dir={run_dir}",
-        ],
-        cwd=REPO,
-        env=slurm_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    model = ("model=mlp", "model.width=16", "accum.micro_batch=2", "accum.steps=2")
+    submit = ("submit", *model, f"trainer.max_steps={steps}", "trainer.check_every=0", "log.console=quiet")
+    proc = _distaccum(slurm_cluster, REPO, *submit, f"run_dir={run_dir}", timeout=120)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().splitlines()[-1]
     metrics = run_dir / "metrics.jsonl"
@@ -225,22 +168,9 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(
 def test_srun_tasks_run_as_ranks_in_place(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """`srun -n 2 distaccum train`: each task is one rank (SLURM_PROCID/NTASKS), no launcher."""
     run_dir = tmp_path / "srun"
-    proc = slurm_cluster.run(
-        "srun",
-        "-n",
-        "2",
-        "--cpus-per-task=1",
-        sys.executable,
-        "-m",
-        "distaccum",
-        "train",
-        "model=mlp",
-        "trainer.max_steps=3",
-        "log.console=quiet",
-        f"run_dir={run_dir}",
-        check=False,
-        timeout=180,
-    )
+    srun = ("srun", "-n", "2", "--cpus-per-task=1", sys.executable, "-m", "distaccum")
+    train = ("train", "model=mlp", "trainer.max_steps=3", "log.console=quiet", f"run_dir={run_dir}")
+    proc = slurm_cluster.run(*srun, *train, check=False, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
@@ -251,15 +181,7 @@ def test_a_job_that_does_not_start_fails_fast_with_the_reason(
 ) -> None:
     # Pending for a reason the test controls (a start time an hour away), instead of a real one
     # (not enough CPUs) that would depend on the machine.
-    job_id = _sbatch(
-        slurm_cluster,
-        tmp_path / "later.sbatch",
-        f"""\
-#SBATCH --output={tmp_path}/later-%j.out
-#SBATCH --begin=now+3600
-true
-""",
-    )
+    job_id = _sbatch(slurm_cluster, tmp_path, "later", "#SBATCH --begin=now+3600", "true")
     start = time.monotonic()
     with pytest.raises(SlurmError, match="still pending after .* reason 'BeginTime'"):
         wait_job(job_id, timeout_s=60, pending_timeout_s=2, env=slurm_cluster.env)

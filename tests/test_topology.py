@@ -12,37 +12,19 @@ pytestmark = pytest.mark.unit
 
 
 def test_torchrun_variables() -> None:
-    env = DistEnv.from_environ(
-        {
-            "RANK": "3",
-            "WORLD_SIZE": "4",
-            "LOCAL_RANK": "1",
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "10.0.0.1",
-            "MASTER_PORT": "1234",
-            "TORCHELASTIC_RESTART_COUNT": "1",
-        }
-    )
+    ranks = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    master = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+    env = DistEnv.from_environ({**ranks, **master, "TORCHELASTIC_RESTART_COUNT": "1"})
     assert (env.rank, env.world_size, env.local_rank, env.node_rank) == (3, 4, 1, 1)
-    assert (env.master_addr, env.master_port, env.source, env.restart_count) == (
-        "10.0.0.1",
-        1234,
-        "torchrun",
-        1,
-    )
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
+    assert (env.source, env.restart_count) == ("torchrun", 1)
     assert env.init_env()["WORLD_SIZE"] == "4"
 
 
 def test_srun_variables_pick_first_node_as_master() -> None:
+    tasks = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
     env = DistEnv.from_environ(
-        {
-            "SLURM_STEP_ID": "0",
-            "SLURM_PROCID": "5",
-            "SLURM_NTASKS": "8",
-            "SLURM_LOCALID": "1",
-            "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
-            "SLURM_JOB_NODELIST": "gpu[07-08]",
-        }
+        {**tasks, "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]"}
     )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
     assert env.master_addr == "gpu07" and env.source == "slurm" and env.node_rank == 1

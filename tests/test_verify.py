@@ -109,13 +109,8 @@ def batchnorm(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def desync(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return verify(
-        tmp_path_factory,
-        "desync",
-        "model=tiny_gpt",
-        "trainer.max_steps=3",
-        *inject("distaccum.losses.token_cross_entropy", fault("SkipReduction", rank=1)),
-    )
+    skip = inject("distaccum.losses.token_cross_entropy", fault("SkipReduction", rank=1))
+    return verify(tmp_path_factory, "desync", "model=tiny_gpt", "trainer.max_steps=3", *skip)
 
 
 @pytest.fixture(scope="module")
@@ -126,34 +121,18 @@ def dropout(tmp_path_factory: pytest.TempPathFactory) -> Run:
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # Every split alike: the gradient is 2x what it should be (a loss divided once too few times).
-    return verify(
-        tmp_path_factory,
-        "scaled",
-        "model=mlp",
-        "precision=fp64",
-        "optim.name=sgd",
-        "trainer.max_steps=3",
-        "verify.splits=auto",
-        "verify.max_candidates=2",
-        *inject("distaccum.losses.mse", fault("GradScale", factor=2.0)),
-    )
+    run = ("model=mlp", "precision=fp64", "optim.name=sgd", "trainer.max_steps=3")
+    double = inject("distaccum.losses.mse", fault("GradScale", factor=2.0))
+    return verify(tmp_path_factory, "scaled", *run, "verify.splits=auto", "verify.max_candidates=2", *double)
 
 
 @pytest.fixture(scope="module")
 def nominal(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # 40 samples in windows of 16: step 3 is a partial window of 8, normalized as if it held 16.
-    return verify(
-        tmp_path_factory,
-        "nominal",
-        "model=tiny_gpt",
-        "model.width=32",
-        "precision=fp64",
-        "data.dataset.num_samples=40",
-        "accum.global_batch=16",
-        "accum.micro_batch=2",
-        "trainer.max_steps=4",
-        *inject("distaccum.losses.token_cross_entropy", fault("NominalPartialCount")),
-    )
+    model = ("model=tiny_gpt", "model.width=32", "precision=fp64")
+    window = ("data.dataset.num_samples=40", "accum.global_batch=16", "accum.micro_batch=2")
+    as_if_full = inject("distaccum.losses.token_cross_entropy", fault("NominalPartialCount"))
+    return verify(tmp_path_factory, "nominal", *model, *window, "trainer.max_steps=4", *as_if_full)
 
 
 def failed_candidate(run: Run) -> dict[str, Any]:

@@ -178,9 +178,8 @@ class TensorRows:
         )
 
     def _gather(self, t: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-        index = piece.to(
-            t.device, non_blocking=True
-        )  # a dataset on the GPU: no wait for the copy of the index
+        # A dataset on the GPU: no wait for the copy of the index.
+        index = piece.to(t.device, non_blocking=True)
         if self.pin_memory and t.device.type == "cpu":
             out = torch.empty((len(piece), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
             return torch.index_select(t, 0, index, out=out)
@@ -190,50 +189,35 @@ class TensorRows:
 def micro_batches(
     dataset: Dataset,
     collate: Callable[[list[Any]], Any] | None,
-    plan: GlobalBatchPlan,
-    split: Split,
-    rank: int,
-    stop: int,
+    sampler: PlanSampler,
     *,
     device: torch.device,
     num_workers: int = 0,
     prefetch_factor: int = 2,
 ) -> Iterator[Any]:
-    """This rank's collated micro-batches from ``plan.next_step`` to optimizer step ``stop``, for training on
-    ``device``: a :func:`plain_tensors` dataset without workers through :class:`TensorRows`, anything else through
-    :func:`build_loader`'s DataLoader (pinned on CUDA)."""
+    """The collated micro-batches ``sampler`` walks, for training on ``device``: a :func:`plain_tensors` dataset
+    without workers through :class:`TensorRows`, anything else through :func:`build_loader`'s DataLoader (pinned
+    on CUDA)."""
     if plain_tensors(dataset, collate) and num_workers == 0:
-        return iter(TensorRows(dataset, PlanSampler(plan, split, rank, plan.next_step, stop), device=device))
-    return iter(
-        build_loader(
-            dataset,
-            collate,
-            plan,
-            split,
-            rank,
-            stop,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
-            pin_memory=device.type == "cuda",
-        )
+        return iter(TensorRows(dataset, sampler, device=device))
+    pin = device.type == "cuda"
+    loader = build_loader(
+        dataset, collate, sampler, num_workers=num_workers, prefetch_factor=prefetch_factor, pin_memory=pin
     )
+    return iter(loader)
 
 
 def build_loader(
     dataset: Dataset,
     collate: Callable[[list[Any]], Any] | None,
-    plan: GlobalBatchPlan,
-    split: Split,
-    rank: int,
-    stop: int,
+    sampler: PlanSampler,
     *,
     num_workers: int = 0,
     prefetch_factor: int = 2,
     pin_memory: bool = False,
 ) -> DataLoader:
-    """A DataLoader over this rank's micro-batches from ``plan.next_step`` to optimizer step ``stop``
-    (a :func:`plain_tensors` dataset is fetched a micro-batch at a time: :class:`TensorBatches`)."""
-    sampler = PlanSampler(plan, split, rank, plan.next_step, stop)
+    """A DataLoader over the micro-batches ``sampler`` walks (a :func:`plain_tensors` dataset is fetched a
+    micro-batch at a time: :class:`TensorBatches`)."""
     if plain_tensors(dataset, collate):
         dataset, collate = TensorBatches(dataset), collated
     return DataLoader(
@@ -314,14 +298,8 @@ class PlanSource:
         prefetch_factor: int = 2,
         float_dtype: torch.dtype | None = None,
     ) -> None:
-        self.dataset, self.collate, self.plan, self.split, self.rank, self.stop = (
-            dataset,
-            collate,
-            plan,
-            split,
-            rank,
-            stop,
-        )
+        self.dataset, self.collate, self.plan = dataset, collate, plan
+        self.split, self.rank, self.stop = split, rank, stop
         self.float_dtype = float_dtype
         self.loader_options: dict[str, Any] = {
             "device": device if device is not None else torch.device("cpu"),
@@ -343,9 +321,8 @@ class PlanSource:
     def window(self) -> WindowBatches:
         step = self.plan.next_step
         if self._batches is None or self._at != step:  # first window, or the position moved (resume)
-            self._batches = micro_batches(
-                self.dataset, self.collate, self.plan, self.split, self.rank, self.stop, **self.loader_options
-            )
+            sampler = PlanSampler(self.plan, self.split, self.rank, step, self.stop)
+            self._batches = micro_batches(self.dataset, self.collate, sampler, **self.loader_options)
             self._at = step
         epoch, size, sizes = self.plan.rank_sizes(
             step, self.split, self.rank

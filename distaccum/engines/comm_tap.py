@@ -99,50 +99,52 @@ def group_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[position] if len(args) > position else kwargs.get("group")
 
 
-def _counting(
-    name: str, original: Callable[..., Any], ledger: CommLedger, replicate_group: str | None = None
-) -> Callable[..., Any]:
+def _outermost(original: Callable[..., Any], call: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` wrapped to run ``call`` instead, except inside another wrapped collective."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
             return original(*args, **kwargs)
-        tensor = reduced_input(name, args, kwargs)
-        group = group_of(name, args, kwargs)
-        replicate = replicate_group is not None and getattr(group, "group_name", None) == replicate_group
         _state.inside = True
         try:
-            if not kwargs.get("async_op", False):
-                with ledger.blocking(tensor, replicate=replicate):
-                    return original(*args, **kwargs)
-            token = ledger.launched(tensor, replicate=replicate)
-            work = original(*args, **kwargs)
-            if work is None:  # this rank is not in the group: nothing was sent
-                ledger.completed(token)
-            else:
-                work.get_future().then(lambda _: ledger.completed(token))
-            return work
+            return call(*args, **kwargs)
         finally:
             _state.inside = False
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+def _counting(
+    name: str, original: Callable[..., Any], ledger: CommLedger, replicate_group: str | None = None
+) -> Callable[..., Any]:
+    def count(*args: Any, **kwargs: Any) -> Any:
+        tensor = reduced_input(name, args, kwargs)
+        group = group_of(name, args, kwargs)
+        replicate = replicate_group is not None and getattr(group, "group_name", None) == replicate_group
+        if not kwargs.get("async_op", False):
+            with ledger.blocking(tensor, replicate=replicate):
+                return original(*args, **kwargs)
+        token = ledger.launched(tensor, replicate=replicate)
+        work = original(*args, **kwargs)
+        if work is None:  # this rank is not in the group: nothing was sent
+            ledger.completed(token)
+        else:
+            work.get_future().then(lambda _: ledger.completed(token))
+        return work
+
+    return _outermost(original, count)
 
 
 def _gathering(
     name: str, original: Callable[..., Any], ledger: CommLedger, replicate_group: str | None = None
 ) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_state, "inside", False):  # an alias calling the real op: counted by the caller
-            return original(*args, **kwargs)
+    def count(*args: Any, **kwargs: Any) -> Any:
         tensor = reduced_input(name, args, kwargs, GATHERS)
         ledger.gathered(tensor.numel() * tensor.element_size())
-        _state.inside = True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _state.inside = False
+        return original(*args, **kwargs)
 
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    return wrapper
+    return _outermost(original, count)
 
 
 @contextmanager

@@ -199,7 +199,7 @@ class DDPEngine(ReplicatedEngine):
     reentrant_checkpointing_safe = (
         False  # "Expected to mark a variable ready only once" (see activation_checkpointing)
     )
-    grads_to_none = False  # gradients are views into DDP's buckets: zeroed in place (see wrap)
+    grads_to_none = False  # gradients are views into DDP's buckets: zeroed in place (see ddp_arguments)
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
         self.grad_squares = GradSquares() if spec.gns else None
@@ -211,23 +211,29 @@ class DDPEngine(ReplicatedEngine):
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         self.raw = model.to(device=self.device, dtype=self.precision.param_dtype)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # gradient_as_bucket_view: gradients live in DDP's buckets (no copy in or out of them). They
-        # stay there only if the step zeroes them in place (grads_to_none=False): set to None, the
-        # next window's no_sync backwards would allocate a second, separate set of gradients that
-        # lives until the boundary copies it into the buckets -- one more copy of the parameters'
-        # size at every K > 1, none at K = 1 (tests/test_engines_unit.py).
-        ddp = DDP(
-            self.raw,
-            device_ids=device_ids,
-            bucket_cap_mb=self.spec.engine.bucket_cap_mb,
-            gradient_as_bucket_view=True,
-        )
-        self.register_hook(ddp)
-        self.module = ddp
-        self.optimizer = make_optimizer(list(self.raw.parameters()))
+        ddp = self.adopt(DDP(self.raw, **self.ddp_arguments()), make_optimizer)
         # Compiled: the loop calls the compiled DDP; no_sync stays on the DDP module itself (engines.compile).
         return compiled(ddp, self.spec.compile_mode) if self.spec.compile_mode else ddp
+
+    def ddp_arguments(self) -> dict[str, Any]:
+        """The ``DistributedDataParallel`` arguments besides the module."""
+        return {
+            "device_ids": [self.device.index] if self.device.type == "cuda" else None,
+            "bucket_cap_mb": self.spec.engine.bucket_cap_mb,
+            # Gradients live in DDP's buckets (no copy in or out of them). They stay there only if the
+            # step zeroes them in place (grads_to_none=False): set to None, the next window's no_sync
+            # backwards would allocate a second, separate set of gradients that lives until the boundary
+            # copies it into the buckets -- one more copy of the parameters' size at every K > 1, none at
+            # K = 1 (tests/test_engines_unit.py).
+            "gradient_as_bucket_view": True,
+        }
+
+    def adopt(self, ddp: DDP, make_optimizer: OptimizerFactory) -> DDP:
+        """Make ``ddp`` (a DDP module around ``self.raw``) this engine's: the counting comm hook, the optimizer."""
+        self.register_hook(ddp)
+        self.module = ddp
+        self.optimizer = make_optimizer(list(self._raw().parameters()))
+        return ddp
 
     def sync(self, enabled: bool) -> ContextManager[object]:
         assert isinstance(self.module, DDP)

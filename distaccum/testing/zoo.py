@@ -103,18 +103,7 @@ class StaticGraphEngine(Proxy):
         # What DDPEngine.wrap does, with static_graph=True: a real DDP, the engine's own comm hook.
         engine = self.inner
         engine.raw = model.to(device=engine.device, dtype=engine.precision.param_dtype)
-        device_ids = [engine.device.index] if engine.device.type == "cuda" else None
-        ddp = DDP(
-            engine.raw,
-            device_ids=device_ids,
-            bucket_cap_mb=engine.spec.engine.bucket_cap_mb,
-            gradient_as_bucket_view=True,
-            static_graph=True,
-        )
-        engine.register_hook(ddp)
-        engine.module = ddp
-        engine.optimizer = make_optimizer(list(engine.raw.parameters()))
-        return ddp
+        return engine.adopt(DDP(engine.raw, **engine.ddp_arguments(), static_graph=True), make_optimizer)
 
 
 class StaticGraph:

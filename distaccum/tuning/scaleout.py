@@ -93,8 +93,9 @@ class Comm:
 
 
 def _gathers(group: str) -> tuple[Comm, Comm]:
-    return Comm("forward", True, "all_gather", group, "param"), Comm(
-        "backward", True, "all_gather", group, "param"
+    return (
+        Comm("forward", True, "all_gather", group, "param"),
+        Comm("backward", True, "all_gather", group, "param"),
     )
 
 
@@ -111,63 +112,35 @@ class Mode:
 
 
 AR, RS, AG = "all_reduce", "reduce_scatter", "all_gather"
+
+
+def _hsdp(rs_every: bool, ar_every: bool, ar_payload: str = "grad") -> tuple[Comm, ...]:
+    """HSDP: gathers and a reduce-scatter inside the replica, then an all-reduce across replicas."""
+    return (
+        *_gathers("shard"),
+        Comm("backward", rs_every, RS, "shard", "grad"),
+        Comm("backward", ar_every, AR, "replicate", ar_payload),
+    )
+
+
+def _zero(rs_every: bool) -> tuple[Comm, Comm]:
+    """ZeRO-1/2: a gradient reduce-scatter, then the all-gather of the updated parameter shards."""
+    return Comm("backward", rs_every, RS, "world", "grad"), Comm("after_step", False, AG, "world", "param")
+
+
 MODES: tuple[Mode, ...] = (
     Mode("ddp.boundary", (Comm("backward", False, AR, "world", "grad"),), "none"),
     Mode("ddp.every_micro", (Comm("backward", True, AR, "world", "grad"),), "none"),
     Mode("ddp.boundary.bf16", (Comm("backward", False, AR, "world", "compressed"),), "none"),
     Mode("fsdp.boundary", (*_gathers("world"), Comm("backward", False, RS, "world", "grad")), "world"),
     Mode("fsdp.every_micro", (*_gathers("world"), Comm("backward", True, RS, "world", "grad")), "world"),
-    Mode(
-        "hsdp.boundary",
-        (
-            *_gathers("shard"),
-            Comm("backward", False, RS, "shard", "grad"),
-            Comm("backward", False, AR, "replicate", "grad"),
-        ),
-        "shard",
-    ),
-    Mode(
-        "hsdp.replica_boundary",
-        (
-            *_gathers("shard"),
-            Comm("backward", True, RS, "shard", "grad"),
-            Comm("backward", False, AR, "replicate", "grad"),
-        ),
-        "shard",
-    ),
-    Mode(
-        "hsdp.replica_boundary.bf16",
-        (
-            *_gathers("shard"),
-            Comm("backward", True, RS, "shard", "grad"),
-            Comm("backward", False, AR, "replicate", "compressed"),
-        ),
-        "shard",
-    ),
-    Mode(
-        "hsdp.every_micro",
-        (
-            *_gathers("shard"),
-            Comm("backward", True, RS, "shard", "grad"),
-            Comm("backward", True, AR, "replicate", "grad"),
-        ),
-        "shard",
-    ),
-    Mode(
-        "zero1.boundary",
-        (Comm("backward", False, RS, "world", "grad"), Comm("after_step", False, AG, "world", "param")),
-        "world",
-    ),
-    Mode(
-        "zero2.boundary",
-        (Comm("backward", False, RS, "world", "grad"), Comm("after_step", False, AG, "world", "param")),
-        "world",
-    ),
-    Mode(
-        "zero2.every_micro",
-        (Comm("backward", True, RS, "world", "grad"), Comm("after_step", False, AG, "world", "param")),
-        "world",
-    ),
+    Mode("hsdp.boundary", _hsdp(False, False), "shard"),
+    Mode("hsdp.replica_boundary", _hsdp(True, False), "shard"),
+    Mode("hsdp.replica_boundary.bf16", _hsdp(True, False, "compressed"), "shard"),
+    Mode("hsdp.every_micro", _hsdp(True, True), "shard"),
+    Mode("zero1.boundary", _zero(False), "world"),
+    Mode("zero2.boundary", _zero(False), "world"),
+    Mode("zero2.every_micro", _zero(True), "world"),
     Mode("zero3.boundary", (*_gathers("world"), Comm("backward", False, RS, "world", "grad")), "world"),
     Mode("zero3.every_micro", (*_gathers("world"), Comm("backward", True, RS, "world", "grad")), "world"),
 )
