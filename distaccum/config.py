@@ -37,6 +37,7 @@ AUTO = "auto"
 """``accum.micro_batch=auto``: the Trainer picks the largest micro-batch that fits the memory budget."""
 LR_SCALINGS = ("none", "linear", "sqrt")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+SCHEDULE_ON_RESUME = ("keep", "stretch")
 
 Node = dict[str, Any]
 """A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
@@ -312,8 +313,14 @@ class TrainerConfig:
     names (e.g. a seed checkpoint): a .safetensors file, a run's final/ directory, or a PyTorch state dict
     saved with torch.save (.pt, .pth, .bin; read with weights_only=True; flat or under 'state_dict'/'model')."""
     resume: bool = True
-    """Resume from the newest valid checkpoint in run_dir/checkpoints when there is one (its config
-    fingerprint must match); false deletes the run directory's checkpoints and starts afresh."""
+    """Resume from the newest valid checkpoint in run_dir/checkpoints when there is one; false deletes the
+    run directory's checkpoints and starts afresh. Every setting that differs from the checkpoint's record is
+    allowed (and listed), must be chosen (trainer.schedule_on_resume) or is refused (exit 2):
+    docs/failures.md#resuming."""
+    schedule_on_resume: str | None = None
+    """A resume that changes trainer.max_steps under a decaying schedule (cosine, linear) moves its horizon and
+    is refused unless this says how: keep (the original schedule; past its horizon the lr stays at its final value)
+    | stretch (decay from the lr reached at the resumed step to the final value at the new max_steps)."""
     checkpoint_every: int = 100
     """Checkpoint after every N-th optimizer step (0: only when stopped and at the end). A stop
     request (SIGTERM/SIGUSR1) always checkpoints after the window in progress."""
@@ -350,6 +357,8 @@ class TrainerConfig:
             _positive("trainer", name, getattr(self, name))
         _choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("trainer", "compile_mode", self.compile_mode, COMPILE_MODES)
+        if self.schedule_on_resume is not None:
+            _choice("trainer", "schedule_on_resume", self.schedule_on_resume, SCHEDULE_ON_RESUME)
         if self.check_every < 0 or self.max_restarts < 0 or self.checkpoint_every < 0:
             raise ValueError(
                 "trainer.check_every, trainer.max_restarts and trainer.checkpoint_every must be >= 0"

@@ -8,7 +8,7 @@ factor of the step, so records' ``lr`` is the learning rate actually applied.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -38,24 +38,78 @@ def describe_lr(cfg: OptimConfig, global_batch: int, base_lr: float) -> str:
     )
 
 
+class LrSchedule:
+    """The multiplier of ``optim.lr`` at 0-based optimizer step ``s``: ``lr_scale`` x linear warmup, then the decay.
+
+    A fresh run has one segment: the decay runs from 1 after warmup to ``min_lr_ratio`` at its horizon,
+    ``trainer.max_steps``. A resume that moves the horizon of a decaying schedule must say how
+    (``trainer.schedule_on_resume``): ``keep`` leaves the segments as they are (past the old horizon the
+    multiplier stays at its final value); ``stretch`` appends a segment that decays from the multiplier
+    reached at the resumed step to ``min_lr_ratio`` at the new horizon, so the learning rate never jumps.
+    The attributes are plain JSON values: LambdaLR saves a callable object's ``__dict__`` in its state dict,
+    so a checkpoint carries the schedule the run actually followed and a later resume keeps it.
+    """
+
+    def __init__(self, cfg: OptimConfig, total_steps: int, scale: float = 1.0) -> None:
+        self.kind = cfg.schedule
+        self.warmup = cfg.warmup_steps
+        self.floor = cfg.min_lr_ratio
+        self.scale = scale
+        self.segments: list[list[float]] = [[0, total_steps, 1.0]]
+        """``[first step, horizon, multiplier at the first decaying step]``, in order."""
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> LrSchedule:
+        """The schedule a scheduler's state dict saved (its ``lr_lambdas[0]``)."""
+        schedule = cls.__new__(cls)
+        schedule.__dict__.update(state)
+        return schedule
+
+    @property
+    def horizon(self) -> int:
+        """The step count at which the multiplier reaches its final value."""
+        return int(self.segments[-1][1])
+
+    def factor(self, step: int) -> float:
+        """The warmup/decay multiplier (without ``scale``) at 0-based optimizer step ``step``."""
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        if self.kind == "constant":
+            return 1.0
+        first, horizon, top = next(s for s in reversed(self.segments) if s[0] <= step)
+        begin = max(int(first), self.warmup)
+        progress = min((step - begin) / max(int(horizon) - begin - 1, 1), 1.0)
+        shape = 1.0 - progress if self.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.floor + (top - self.floor) * shape
+
+    def __call__(self, step: int) -> float:
+        return self.scale * self.factor(step)
+
+    def stretch(self, step: int, horizon: int) -> None:
+        """From optimizer step ``step`` on, decay from the multiplier reached there to the final value at
+        ``horizon`` (a resume with ``trainer.schedule_on_resume=stretch``)."""
+        if step <= self.warmup:  # the decay has not begun: it simply spans the new horizon
+            self.segments = [[0, horizon, 1.0]]
+        else:
+            self.segments.append([step, horizon, self.factor(step)])
+
+
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Multiplier of ``cfg.lr`` for 0-based optimizer step ``step``: linear warmup, then decay."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.schedule == "constant":
-        return 1.0
-    span = max(total_steps - cfg.warmup_steps - 1, 1)
-    progress = min((step - cfg.warmup_steps) / span, 1.0)
-    floor = cfg.min_lr_ratio
-    if cfg.schedule == "linear":
-        return 1.0 - (1.0 - floor) * progress
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    """Multiplier of ``cfg.lr`` for 0-based optimizer step ``step`` of a fresh run: linear warmup, then decay."""
+    return LrSchedule(cfg, total_steps).factor(step)
 
 
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *, global_batch: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR of ``lr_scale x`` :func:`lr_factor` for an effective batch of ``global_batch``
-    samples; the loop calls ``step()`` once per optimizer step."""
-    scale = cfg.lr_scale(global_batch)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: scale * lr_factor(s, cfg, total_steps))
+    """A LambdaLR of :class:`LrSchedule` (``lr_scale x`` warmup/decay) for an effective batch of
+    ``global_batch`` samples; the loop calls ``step()`` once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, LrSchedule(cfg, total_steps, cfg.lr_scale(global_batch))
+    )
+
+
+def schedule_of(scheduler: Any) -> LrSchedule | None:
+    """The :class:`LrSchedule` driving ``scheduler`` (None for a user's own scheduler)."""
+    lambdas = getattr(scheduler, "lr_lambdas", None) or [None]
+    return lambdas[0] if isinstance(lambdas[0], LrSchedule) else None

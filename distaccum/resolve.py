@@ -23,6 +23,7 @@ takes the whole :class:`~distaccum.config.RunConfig`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from torch.utils.data import Dataset, default_collate
 from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
 from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
-from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split
+from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split, to_mapping
 from distaccum.data.sources import DataOptions
 from distaccum.data.stream import is_stream
 from distaccum.engines import check_engine, engine_class
@@ -255,26 +256,30 @@ def prepare(
 def fingerprint(
     cfg: RunConfig, world_size: int, names: Mapping[str, str], dataset: Any, model: nn.Module
 ) -> dict[str, Any]:
-    """The fields a checkpoint must agree with to be resumed: the model's architecture, data, loss,
-    global batch, seed, precision, optimizer and the engine's sharding. ``max_steps``, logging, the
-    learning rate, the micro-batch (at a fixed global batch) and the world size (except for engines
-    whose checkpoints do not reshard) may change."""
+    """The run's record that a checkpoint keeps and a resume is compared with
+    (:mod:`distaccum.rundir.changes` classifies every difference): each configuration setting as
+    ``section.field`` (the model's node as ``model.node``), and what the configuration alone does not
+    show — the model's architecture (``model``), the components' names, the data's signature, the global
+    batch and, for engines whose checkpoints do not reshard, the world size. JSON values, as a checkpoint
+    reads them back."""
     engine = engine_class(cfg.engine.name)
-    out: dict[str, Any] = {
-        "model": model_signature(model),
-        "loss": cfg.loss or names.get("loss"),
-        "data.dataset": cfg.data.dataset or names.get("dataset"),
-        "data.collate": cfg.data.collate or names.get("collate"),
-        "data.shuffle": cfg.data.shuffle,
-        "data.drop_last": cfg.data.drop_last,
-        "data.signature": data_signature(dataset),
-        "global_batch": cfg.global_batch(world_size),
-        "trainer.seed": cfg.trainer.seed,
-        "precision": cfg.precision,
-        "optim.name": cfg.optim.name,
-        "engine.name": cfg.engine.name,
-        **engine.fingerprint(cfg.engine),
-    }
+    out: dict[str, Any] = {}
+    for key, value in to_mapping(cfg).items():
+        if isinstance(value, dict) and key not in ("model", "loss"):
+            out.update({f"{key}.{field}": v for field, v in value.items()})
+        else:
+            out["model.node" if key == "model" else key] = value
+    out.update(
+        {
+            "model": model_signature(model),
+            "loss": cfg.loss or names.get("loss"),
+            "data.dataset": cfg.data.dataset or names.get("dataset"),
+            "data.collate": cfg.data.collate or names.get("collate"),
+            "data.signature": data_signature(dataset),
+            "global_batch": cfg.global_batch(world_size),
+            **engine.fingerprint(cfg.engine),
+        }
+    )
     if not engine.reshardable_checkpoints:
         out["world_size"] = world_size
-    return out
+    return json.loads(json.dumps(out, default=str))

@@ -394,7 +394,17 @@ class Trainer:
         state = TrainState(
             wrapped, engine, scheduler, timer.watch(source)
         )  # the timer times what the source serves
-        done = resume(state, run_dir, prepared.fingerprint, attempt=attempt) if cfg.trainer.resume else 0
+        done = (
+            resume(
+                state,
+                run_dir,
+                prepared.fingerprint,
+                attempt=attempt,
+                schedule_on_resume=cfg.trainer.schedule_on_resume,
+            )
+            if cfg.trainer.resume
+            else 0
+        )
         liveness = Liveness(run_dir, rank, attempt)
         liveness.beat(done)
         checkpointer = Checkpointer(

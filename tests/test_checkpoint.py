@@ -1,10 +1,12 @@
 """Checkpoints in-process on a one-rank gloo group: periodic and atomic, verified before use, corrupt
-ones skipped, incompatible ones refused with the differing fields, failed writes leave the previous
-one intact, and non-finite steps are skipped together and stop the run after too many."""
+ones skipped, what a resume changes classified (allowed and reported, explicit for a decaying schedule's
+horizon, refused with the key, both values and what to do), failed writes leave the previous one intact,
+and non-finite steps are skipped together and stop the run after too many."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +14,13 @@ import pytest
 import torch
 
 from distaccum import losses
+from distaccum.config import RunConfig
 from distaccum.datasets import SyntheticRegression
 from distaccum.loop import NonFiniteError
 from distaccum.models import MLP
+from distaccum.optim import LrSchedule
+from distaccum.resolve import fingerprint
+from distaccum.rundir.changes import ALLOWED, ALLOWED_KEYS, EXPLICIT, HORIZON, REFUSED, REFUSED_KEYS, classify
 from distaccum.rundir.checkpoint import CheckpointError, candidates, checkpoint_root, latest_valid, problems
 from distaccum.rundir.resume import ResumeError
 from distaccum.testing import injected
@@ -66,7 +72,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
     found = latest_valid(root)
     assert found.path == root / "step-00000004"
     assert "has" in found.skipped[0] and "bytes, the manifest says" in found.skipped[0]
-    resumed = trainer(tmp_path, trainer={"max_steps": 8})
+    resumed = trainer(tmp_path, trainer={"max_steps": 8, "schedule_on_resume": "stretch"})
     with pytest.warns(UserWarning, match="skipped unusable checkpoint"):
         state = resumed.setup()
     assert state.source.next_step == 4 and len(state.records) == 4
@@ -105,6 +111,10 @@ def test_resume_is_bit_identical_and_allows_harmless_changes(tmp_path: Path) -> 
         ({"accum": {"micro_batch": 4, "steps": 2}}, "global_batch: 4 in the checkpoint, 8 now"),
         ({"trainer": {"seed": 1}}, "trainer.seed: 0 in the checkpoint, 1 now"),
         ({"optim": {"name": "sgd"}}, "optim.name"),
+        ({"optim": {"lr": 1e-3}}, "optim.lr: 0.003 in the checkpoint, 0.001 now"),
+        ({"accum": {"loss_norm": "mean_per_micro"}}, 'accum.loss_norm: "global_count" in the checkpoint'),
+        ({"data": {"shuffle": False}}, "data.shuffle: true in the checkpoint, false now"),
+        ({"precision": "fp32"}, 'precision: "fp64" in the checkpoint, "fp32" now'),
     ],
 )
 def test_a_change_that_breaks_the_run_is_refused_naming_the_field(
@@ -114,6 +124,107 @@ def test_a_change_that_breaks_the_run_is_refused_naming_the_field(
     with pytest.raises(ResumeError) as err:
         trainer(tmp_path, **change).setup()
     assert field in str(err.value) and "trainer.resume=false" in str(err.value)
+
+
+def test_every_setting_has_a_class() -> None:
+    """A setting added to RunConfig without a class here would be refused as unknown on every resume."""
+    record = fingerprint(RunConfig(), 2, {}, SyntheticRegression(8), MLP(4, 4, 1, 1))
+    unclassified = [
+        key
+        for key in record
+        if key != HORIZON
+        and not any(
+            key == k or (k.endswith(".") and key.startswith(k)) for k in {**ALLOWED_KEYS, **REFUSED_KEYS}
+        )
+    ]
+    assert unclassified == []
+    assert {c.kind for c in classify(record, {**record, "optim.lr": 1.0, "log.console": "quiet"})} == {
+        REFUSED,
+        ALLOWED,
+    }
+    assert classify(record, {**record, "invented.key": 1}) == []  # recorded on one side only: not compared
+    assert [c.kind for c in classify({**record, "invented.key": 0}, {**record, "invented.key": 1})] == [
+        REFUSED
+    ]
+
+
+def test_allowed_changes_resume_and_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trainer(tmp_path).fit()
+    more = trainer(
+        tmp_path,
+        trainer={"max_steps": 6, "checkpoint_every": 3, "check_every": 2},
+        accum={"micro_batch": 1, "steps": 4},  # the same global batch of 4
+        log={"console": "bar"},
+    )
+    more.setup()
+    out = capsys.readouterr().out
+    assert "5 setting(s) changed since the checkpoint after optimizer step 6:" in out
+    for line in (
+        "allowed  accum.micro_batch: 2 -> 1 (the global batch is unchanged",
+        "allowed  accum.steps: 2 -> 4",
+        "allowed  trainer.checkpoint_every: 2 -> 3",
+        'allowed  log.console: "quiet" -> "bar"',
+    ):
+        assert line in out
+
+
+def _lrs(run: Trainer) -> list[float]:
+    return [r["lr"] for r in run.state.records]
+
+
+def test_a_longer_run_under_a_decaying_schedule_must_say_how_to_continue(tmp_path: Path) -> None:
+    """The trap: max_steps 6 -> 12 under cosine silently re-stretched the schedule, raising the lr again."""
+    first = trainer(tmp_path, trainer={"checkpoint_every": 3})
+    first.fit()
+    floor = 3e-3 * 0.1  # optim.lr x optim.min_lr_ratio
+    assert _lrs(first)[-1] == pytest.approx(floor)
+    with pytest.raises(ResumeError) as err:
+        trainer(tmp_path, trainer={"max_steps": 12}).setup()
+    message = str(err.value)
+    assert "trainer.max_steps changed (6 in the checkpoint, 12 now) under the cosine schedule" in message
+    assert "trainer.schedule_on_resume=keep continues the original schedule" in message
+    assert "trainer.schedule_on_resume=stretch re-stretches it from here" in message
+    assert f"final {floor:.2e} at step 6" in message and "move the learning rate back up (" in message
+
+    kept = trainer(tmp_path, trainer={"max_steps": 12, "schedule_on_resume": "keep"})
+    kept.fit()
+    assert _lrs(kept)[:6] == _lrs(first)
+    assert _lrs(kept)[6:] == pytest.approx([floor] * 6, rel=1e-12)
+    again = trainer(tmp_path, trainer={"max_steps": 14}, optim={})  # the kept schedule travels on
+    with pytest.raises(ResumeError, match="12 in the checkpoint, 14 now"):
+        again.setup()
+    longer = trainer(tmp_path, trainer={"max_steps": 14, "schedule_on_resume": "stretch"})
+    longer.fit()
+    assert _lrs(longer)[12:] == pytest.approx([floor] * 2, rel=1e-12)  # stretched from the floor: flat
+
+
+def test_stretch_decays_from_where_the_run_stopped(tmp_path: Path) -> None:
+    first = trainer(tmp_path, trainer={"checkpoint_every": 3})
+    first.fit()
+    shutil.rmtree(checkpoint_root(tmp_path) / "step-00000006")  # resume from step 3, mid-decay
+    stretched = trainer(tmp_path, trainer={"max_steps": 12, "schedule_on_resume": "stretch"})
+    stretched.fit()
+    lrs = _lrs(stretched)
+    assert lrs[:3] == _lrs(first)[:3]
+    assert lrs[3] == pytest.approx(_lrs(first)[3], rel=1e-12)  # continuous: no jump at the resume
+    assert all(b <= a for a, b in zip(lrs[3:], lrs[4:], strict=False))
+    assert lrs[-1] == pytest.approx(3e-4, rel=1e-12) and lrs[-2] > lrs[-1]
+    schedule = LrSchedule.from_state(
+        json.loads((checkpoint_root(tmp_path) / "step-00000012" / "trainer_state.json").read_text())[
+            "scheduler"
+        ]["lr_lambdas"][0]
+    )
+    assert schedule.segments[-1][:2] == [3, 12] and schedule.horizon == 12
+
+
+def test_max_steps_under_a_constant_schedule_is_allowed(tmp_path: Path) -> None:
+    trainer(tmp_path, optim={"schedule": "constant"}).fit()
+    changes = classify({HORIZON: 6, "optim.schedule": "constant"}, {HORIZON: 8, "optim.schedule": "constant"})
+    assert [c.kind for c in changes] == [ALLOWED]
+    assert [c.kind for c in classify({HORIZON: 6}, {HORIZON: 8, "optim.schedule": "linear"})] == [EXPLICIT]
+    run = trainer(tmp_path, trainer={"max_steps": 8}, optim={"schedule": "constant"})
+    run.fit()
+    assert len(run.state.records) == 8
 
 
 def test_resume_false_starts_afresh(tmp_path: Path) -> None:

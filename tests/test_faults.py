@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, fault, inject
+from conftest import REPO, fault, inject, train
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
@@ -203,6 +203,27 @@ def test_incompatible_and_corrupt_checkpoints_exit_2_before_workers_start(tmp_pa
         shutil.rmtree(path / "model")
     broken = run(run_dir, "trainer.max_steps=8")
     assert broken.returncode == 2 and "none is valid" in broken.stderr and "is missing" in broken.stderr
+
+
+def test_a_longer_cosine_run_is_refused_until_told_how_to_continue_its_schedule(tmp_path: Path) -> None:
+    """The trap: max_steps 6 -> 12 under the default cosine schedule used to resume silently, re-stretching the
+    schedule so the learning rate climbed back up. Now: exit 2 before any worker starts, then `keep` as chosen."""
+    run_dir = tmp_path / "R"
+    first = [
+        r["lr"]
+        for r in train(run_dir, "model=mlp", "trainer.max_steps=6", "trainer.checkpoint_every=3").records
+    ]
+    longer = train(run_dir, "model=mlp", "trainer.max_steps=12", check=False)
+    assert longer.returncode == 2 and "equivalent to `" not in longer.stdout, longer.stderr[-3000:]
+    assert (
+        "trainer.max_steps changed (6 in the checkpoint, 12 now) under the cosine schedule" in longer.stderr
+    )
+    assert "trainer.schedule_on_resume=keep" in longer.stderr and "Traceback" not in longer.stderr
+    assert len(longer.records) == 6  # nothing ran
+    kept = train(run_dir, "model=mlp", "trainer.max_steps=12", "trainer.schedule_on_resume=keep")
+    assert "explicit trainer.max_steps: 6 -> 12" in kept.stdout and "schedule_on_resume=keep)" in kept.stdout
+    lrs = [r["lr"] for r in kept.records]
+    assert lrs[:6] == first and lrs[6:] == [first[5]] * 6  # at its final value
 
 
 def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(tmp_path: Path) -> None:

@@ -169,16 +169,6 @@ def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
-def fingerprint_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """One line per fingerprint field that differs between a checkpoint and the configuration now."""
-    return [
-        f"{key}: {json.dumps(saved.get(key), sort_keys=True, default=str)} in the checkpoint, "
-        f"{json.dumps(now.get(key), sort_keys=True, default=str)} now"
-        for key in sorted(set(saved) | set(now))
-        if saved.get(key) != now.get(key)
-    ]
-
-
 def describe_skipped(skipped: Iterable[str]) -> str:
     """A warning for checkpoints a resume could not use."""
     lines = list(skipped)

@@ -1,8 +1,9 @@
-"""Resuming a run: find the newest valid checkpoint, check it fits the configuration, restore it.
+"""Resuming a run: find the newest valid checkpoint, classify what the configuration changed since, restore it.
 
 Used by the Trainer on every rank (collective) and, before any worker starts, by the CLI's
-pre-flight (:func:`check_resumable`, single process), so an incompatible or corrupt checkpoint is
-an exit-2 message rather than a traceback from every worker.
+pre-flight (:func:`check_resumable`, single process), so an incompatible or corrupt checkpoint, or a
+change a resume may not make (:mod:`distaccum.rundir.changes`), is an exit-2 message rather than a
+traceback from every worker. The changes a resume accepts are printed once, by rank 0, when it resumes.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch.distributed as dist
 
 from distaccum.cluster.liveness import previous_attempt
 from distaccum.loop import TrainState
+from distaccum.optim import LrSchedule, schedule_of
 from distaccum.rundir import RANKS, read_metrics, truncate_metrics
+from distaccum.rundir.changes import EXPLICIT, HORIZON, REFUSED, Change, classify, of_kind, refusal, report
 from distaccum.rundir.checkpoint import (
     checkpoint_root,
-    fingerprint_differences,
     latest_valid,
     read_manifest,
+    read_trainer_state,
     restore,
     warn_skipped,
 )
@@ -33,11 +36,22 @@ class ResumeError(ValueError):
     """The run directory holds checkpoints this configuration cannot resume."""
 
 
-def check_resumable(run_dir: Path, fingerprint: dict[str, Any]) -> Path | None:
-    """The checkpoint a resume of ``run_dir`` would use, after checking it fits ``fingerprint``.
+def check_resumable(
+    run_dir: Path, fingerprint: dict[str, Any], schedule_on_resume: str | None = None
+) -> Path | None:
+    """The checkpoint a resume of ``run_dir`` would use, after checking the configuration's record
+    ``fingerprint`` against the checkpoint's (:func:`resumable`)."""
+    return resumable(run_dir, fingerprint, schedule_on_resume)[0]
 
-    Raises :class:`ResumeError` naming every differing field, or the paths when checkpoints exist
-    but none is valid. Newer corrupt checkpoints are skipped with a warning.
+
+def resumable(
+    run_dir: Path, fingerprint: dict[str, Any], schedule_on_resume: str | None = None
+) -> tuple[Path | None, list[Change]]:
+    """The checkpoint a resume of ``run_dir`` would use and the settings that changed since it was written.
+
+    Raises :class:`ResumeError` with one paragraph per refused change (:mod:`distaccum.rundir.changes`),
+    for a moved horizon of a decaying schedule without ``trainer.schedule_on_resume``, or naming the paths
+    when checkpoints exist but none is valid. Newer corrupt checkpoints are skipped with a warning.
     """
     root = checkpoint_root(run_dir)
     found = latest_valid(root)
@@ -48,17 +62,52 @@ def check_resumable(run_dir: Path, fingerprint: dict[str, Any]) -> Path | None:
                 + " | ".join(found.skipped)
                 + f"; {FRESH_START}"
             )
-        return None
+        return None, []
     warn_skipped(found)
     saved = read_manifest(found.path).get("fingerprint", {})
-    differences = fingerprint_differences(saved, fingerprint)
-    if differences:
-        raise ResumeError(
-            f"cannot resume {found.path}: the configuration changed in ways that break the run: "
-            + "; ".join(differences)
-            + f". To train with the new settings, {FRESH_START}"
+    changes = classify(saved, fingerprint)
+    problems = [refusal(change, fresh_start=FRESH_START) for change in of_kind(changes, REFUSED)]
+    if of_kind(changes, EXPLICIT) and schedule_on_resume is None:
+        problems.append(horizon_choice(found.path, saved, fingerprint))
+    if problems:
+        raise ResumeError(f"cannot resume {found.path}:\n" + "\n".join(problems))
+    return found.path, changes
+
+
+def horizon_choice(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """The paragraph for a resume that moves a decaying schedule's horizon without saying how."""
+    old, new = int(saved[HORIZON]), int(now[HORIZON])
+    trainer_state = read_trainer_state(path)
+    done = int(trainer_state["steps_done"])
+    scheduler = trainer_state.get("scheduler", {})
+    kept = (
+        LrSchedule.from_state(scheduler["lr_lambdas"][0]) if scheduler.get("lr_lambdas", [None])[0] else None
+    )
+    lr = float(saved["optim.lr"])  # the schedule the checkpoint followed
+    if kept is None:  # a checkpoint from before the schedule was saved: the one its configuration describes
+        return (
+            f"{HORIZON} changed ({old} in the checkpoint, {new} now) under the {now['optim.schedule']} schedule, "
+            f"whose decay ends at {HORIZON}: say how to continue with trainer.schedule_on_resume=keep or "
+            "trainer.schedule_on_resume=stretch (see docs/failures.md#resuming)."
         )
-    return found.path
+    stretched = LrSchedule.from_state(dict(scheduler["lr_lambdas"][0]))
+    stretched.segments = [list(s) for s in stretched.segments]
+    stretched.stretch(done, new)
+    naive = LrSchedule.from_state({**scheduler["lr_lambdas"][0], "segments": [[0, new, 1.0]]})
+    jump = max(range(done, new), key=naive, default=done)
+    floor = f"{lr * kept.scale * kept.floor:.2e}"
+    if done < kept.horizon:
+        keep = f"down to its final {floor} at step {kept.horizon}, then at it to step {new}"
+    else:
+        keep = f"at its final {floor} to step {new}"
+    return (
+        f"{HORIZON} changed ({old} in the checkpoint, {new} now) under the {now['optim.schedule']} schedule, which "
+        f"decays the learning rate to its final {floor} at step {kept.horizon}; the checkpoint is after step {done}. "
+        f"Re-stretching the whole schedule over {new} steps would silently move the learning rate back up "
+        f"({lr * naive(jump):.2e} at step {jump + 1}), so say how to continue: trainer.schedule_on_resume=keep "
+        f"continues the original schedule ({keep}); trainer.schedule_on_resume=stretch re-stretches it from here "
+        f"(from {lr * kept(done):.2e} at step {done + 1} down to {floor} at step {new})."
+    )
 
 
 def fresh_start(run_dir: Path) -> None:
@@ -67,16 +116,25 @@ def fresh_start(run_dir: Path) -> None:
     shutil.rmtree(Path(run_dir) / RANKS, ignore_errors=True)
 
 
-def resume(state: TrainState, run_dir: Path, fingerprint: dict[str, Any], *, attempt: int) -> int:
+def resume(
+    state: TrainState,
+    run_dir: Path,
+    fingerprint: dict[str, Any],
+    *,
+    attempt: int,
+    schedule_on_resume: str | None = None,
+) -> int:
     """Restore the newest valid checkpoint of ``run_dir`` into ``state`` (collective); returns the
     optimizer steps it holds (0: none, start from the beginning). Rank 0 checks and chooses; every
-    rank loads the same one."""
+    rank loads the same one and applies the same schedule choice."""
     rank = dist.get_rank()
-    choice: list[Any] = [None, None]
+    changes: list[Change] = []
+    choice: list[Any] = [None, None, None]  # path, error, the horizon a decaying schedule had
     if rank == 0:
         try:
-            path = check_resumable(run_dir, fingerprint)
+            path, changes = resumable(run_dir, fingerprint, schedule_on_resume)
             choice[0] = str(path) if path else None
+            choice[2] = next((c.saved for c in of_kind(changes, EXPLICIT)), None)
         except ResumeError as err:
             choice[1] = str(err)
     dist.broadcast_object_list(choice, src=0)
@@ -88,6 +146,12 @@ def resume(state: TrainState, run_dir: Path, fingerprint: dict[str, Any], *, att
     reached = max((int(r["step"]) for r in read_metrics(run_dir)), default=0) if rank == 0 else 0
     trainer_state = restore(state, path)
     done = int(trainer_state["steps_done"])
+    schedule = schedule_of(state.scheduler)
+    if choice[2] is not None and schedule is not None:  # the horizon moved: keep or stretch, as chosen
+        if not trainer_state["scheduler"].get("lr_lambdas", [None])[0]:  # saved before schedules were kept
+            schedule.segments = [[0, int(choice[2]), 1.0]]
+        if schedule_on_resume == "stretch":
+            schedule.stretch(done, int(fingerprint[HORIZON]))
     if rank == 0:
         truncate_metrics(run_dir, done)
         lost = max(reached - done, 0)
@@ -96,9 +160,13 @@ def resume(state: TrainState, run_dir: Path, fingerprint: dict[str, Any], *, att
             + (f"; {lost} step(s) finished after it are recomputed" if lost else ""),
             flush=True,
         )
+        if changes:
+            print(report(changes, done, schedule_on_resume), flush=True)
         if attempt > 0:
-            report = previous_attempt(run_dir, attempt) or ["no rank left a record of the failure"]
-            print(f"distaccum: elastic restart {attempt}: " + "; ".join(report), file=sys.stderr, flush=True)
+            failures = previous_attempt(run_dir, attempt) or ["no rank left a record of the failure"]
+            print(
+                f"distaccum: elastic restart {attempt}: " + "; ".join(failures), file=sys.stderr, flush=True
+            )
     dist.barrier()  # metrics.jsonl is truncated before any rank reads it
     state.records = [r for r in read_metrics(run_dir) if int(r["step"]) <= done]
     return done
