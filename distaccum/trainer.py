@@ -47,7 +47,6 @@ from distaccum.rundir import CONFIG, write_json
 from distaccum.rundir.checkpoint import Checkpointer, CheckpointWriter
 from distaccum.rundir.resume import fresh_start, resume
 from distaccum.rundir.weights import save_final
-from distaccum.telemetry.compilation import CompileWatch
 from distaccum.telemetry.gns import GnsMonitor
 from distaccum.telemetry.ledger import CommLedger
 from distaccum.telemetry.sinks import NullSink, Record, Sink, build_sinks
@@ -431,6 +430,8 @@ class Trainer:
         if cfg.log.gns:
             monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world, rank, device))
         if cfg.trainer.compile:
+            from distaccum.telemetry.compilation import CompileWatch  # imports dynamo: ~2 s, only when compiling
+
             monitors.append(CompileWatch(rank, warmup_steps=max(done, 0) + 1))
         lag = records_lag(device, self.on_step is not None, self.lag_records)
         every = cfg.eval.every

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -258,3 +260,14 @@ def test_faults_enter_only_through_the_testing_seam_in_the_trainer() -> None:
     assert re.search(r"\b(debug|fault)", config, re.IGNORECASE) is None, (
         "a test-only switch in the public config"
     )
+
+
+def test_the_launching_process_does_not_import_dynamo() -> None:
+    """Every `distaccum train` runs the pre-flight and the launcher in a parent process before the workers start;
+    importing torch._dynamo there (a module-level import of the compile watch did) cost about 2 s per command."""
+    code = (
+        "import sys, distaccum.cli.train, distaccum.preflight, distaccum.trainer, distaccum.cluster.local; "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "False"
