@@ -4,7 +4,9 @@ collective tap (on a one-rank gloo group), and which modules FSDP shards."""
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +18,17 @@ from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
 from distaccum.engines.base import EngineSpec, GradNorms, GradSample, step_plain
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
-from distaccum.engines.ddp import DDPEngine
+from distaccum.engines.ddp import (
+    CommHook,
+    DDPEngine,
+    HookState,
+    allreduce_hook,
+    compressed_allreduce_hook,
+)
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
 from distaccum.models import MLP, TinyGPT
+from distaccum.telemetry.gns import GradSquares
 from distaccum.telemetry.ledger import CommLedger
 
 pytestmark = pytest.mark.unit
@@ -320,3 +329,43 @@ def test_the_ddp_step_walks_the_module_tree_once_per_run(
     assert len(walks) == 1
     monkeypatch.undo()
     assert all(not torch.equal(a, b.detach()) for a, b in zip(before, raw.parameters(), strict=True))
+
+
+class _PendingGroup:
+    """Stands for a process group whose all-reduce has not finished: ``pending`` completes when the test says."""
+
+    def __init__(self, pending: torch.futures.Future[list[torch.Tensor]]) -> None:
+        self.work = SimpleNamespace(get_future=lambda: pending)
+
+    def size(self) -> int:
+        return 2
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> SimpleNamespace:
+        return self.work
+
+
+@pytest.mark.parametrize("hook, dtype", [(allreduce_hook, None), (compressed_allreduce_hook, torch.bfloat16)])
+def test_a_pending_comm_hook_callback_holds_no_reference_to_the_process_group(
+    hook: CommHook, dtype: torch.dtype | None
+) -> None:
+    """gloo runs a bucket's callback on its worker thread and releases it there. A callback holding the group
+    could hold its last reference (a DDP engine is a reference cycle, freed by the collector; the module's group
+    fixture destroys the default group), and the group's destructor then joins the thread it runs on: a test
+    worker aborted with "Resource deadlock avoided". Here the all-reduce stays pending while everything else drops
+    the group: it must be gone before the callback runs."""
+    pending: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    group = _PendingGroup(pending)
+    alive = weakref.ref(group)
+    ledger, squares = CommLedger(), GradSquares()
+    ledger.start_step()
+    ledger.start_micro()
+    buffer = torch.full((4,), 3.0)
+    state = HookState(ledger, group, mean=True, squares=squares, dtype=dtype)
+    reduced = hook(state, SimpleNamespace(buffer=lambda: buffer))  # type: ignore[arg-type]  # a bucket's one method
+    del state, group
+    assert alive() is None, "the bucket's pending callback holds the process group"
+    pending.set_result([torch.full((4,), 5.0, dtype=dtype or torch.float32)])  # the callback runs here
+    assert reduced.wait().tolist() == [5.0] * 4
+    assert buffer.tolist() == ([5.0] * 4 if dtype else [1.5] * 4)  # copied back; or sent as the mean's share
+    assert squares.reduced is not None and squares.reduced.item() == 100.0  # 4 elements of 5, squared
+    assert ledger.end_step().comm_calls == 1

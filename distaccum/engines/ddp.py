@@ -44,7 +44,8 @@ class HookState:
     ledger: CommLedger
     group: Any
     """The DDP module's process group, asked for each bucket's all-reduce itself (``ProcessGroup.allreduce``:
-    ``dist.all_reduce`` checks its arguments in Python first, on every call)."""
+    ``dist.all_reduce`` checks its arguments in Python first, on every call). No future callback may hold it
+    (see :func:`allreduce_hook`)."""
     mean: bool = False
     """Average over the ranks (``accum.sync=every_micro``, see the module docstring) instead of summing."""
     squares: GradSquares | None = None
@@ -60,14 +61,20 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
         state.squares.add_local(buffer)
     if state.mean:
         buffer.div_(state.group.size())
-    token = state.ledger.launched(buffer)
+    # ``done`` captures the ledger and the squares, never ``state``: gloo runs the callback on its worker thread and
+    # releases it there, possibly after the engine and the group were dropped everywhere else (a DDP engine is
+    # a reference cycle, freed by the collector; destroy_process_group drops the default group). Holding
+    # ``state.group``, it could own the group's last reference, and the group's destructor would join the very
+    # thread it runs on: "Resource deadlock avoided", an abort of the whole process.
+    ledger, squares = state.ledger, state.squares
+    token = ledger.launched(buffer)
     future = state.group.allreduce([buffer]).get_future()
 
     def done(fut: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
-        state.ledger.completed(token)
+        ledger.completed(token)
         reduced = fut.value()[0]
-        if state.squares is not None:
-            state.squares.add_reduced(reduced)
+        if squares is not None:
+            squares.add_reduced(reduced)
         return reduced
 
     return future.then(done)
@@ -89,14 +96,15 @@ def compressed_allreduce_hook(
         state.squares.add_local(buffer)
     assert state.dtype is not None
     compressed = (buffer.div_(state.group.size()) if state.mean else buffer).to(state.dtype)
-    token = state.ledger.launched(compressed)
+    ledger, squares = state.ledger, state.squares  # never ``state`` in the callback: see allreduce_hook
+    token = ledger.launched(compressed)
     future = state.group.allreduce([compressed]).get_future()
 
     def done(fut: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
-        state.ledger.completed(token)
+        ledger.completed(token)
         buffer.copy_(fut.value()[0])
-        if state.squares is not None:
-            state.squares.add_reduced(buffer)
+        if squares is not None:
+            squares.add_reduced(buffer)
         return buffer
 
     return future.then(done)
