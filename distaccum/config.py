@@ -302,12 +302,12 @@ class TrainerConfig:
     """Cross-rank consistency tripwire every N optimizer steps (0 disables). One check costs ~3-6%
     of a step on CPU/gloo (measured, see docs/verification.md), so every 10 steps costs <= 0.6%."""
     fingerprint: bool = True
-    """After every boundary reduction, before the step, compare a fingerprint of the reduced gradient
-    (engines that replicate it: ddp, accelerate), of each rank's data and of its random seed across
-    ranks: 5 numbers per rank carried by the next window's item-count all-reduce and compared a step later
-    (no collective of its own, no rank waits for it): a gradient difference stops the run at the next step,
-    or before a checkpoint (exit 1, naming the step and the ranks); identical data or random numbers on every
-    rank are warned about. Off only to save the gradient sample per step; world size 1 skips it."""
+    """After every boundary reduction compare across ranks a sample of the reduced gradient (ddp, accelerate) or
+    check that the reduced shards' weighted sum equals the ranks' local gradients' (fsdp, HSDP, deepspeed ZeRO:
+    distaccum/engines/checksum.py), each rank's data and random seed: numbers carried by the next window's all-gather
+    and compared a step later (no collective of its own): a wrong reduction stops the run at the next step or before
+    a checkpoint (exit 1, naming the step and the ranks); identical data or random numbers on every rank are warned
+    about. Off only to save the gradient sample per step; world size 1 skips it."""
     init_from: str | None = None
     """Initial weights, loaded after the model is built, before wrapping, under the plain model's parameter
     names (e.g. a seed checkpoint): a .safetensors file, a run's final/ directory, or a PyTorch state dict

@@ -155,9 +155,7 @@ def resolve(
         reduce_dtype=cfg.accum.reduce_dtype,
         compile_mode=cfg.trainer.compile_mode if cfg.trainer.compile else None,
         measure_norm=cfg.log.grad_norm or cfg.optim.clip_norm is not None,
-        sample_grads=cfg.trainer.fingerprint
-        and world_size > 1
-        and engine_class(cfg.engine.name).replicated_gradients,
+        sample_grads=cfg.trainer.fingerprint and world_size > 1,
     )
     check_engine(spec)
     loop = LoopSettings(

@@ -54,6 +54,7 @@ from distaccum.telemetry.summary import summarize
 from distaccum.telemetry.timing import RankStats, StepTimer
 from distaccum.tuning.autobatch import AutoChoice, auto_micro_batch, default_budget
 from distaccum.verify.fingerprint import Fingerprint
+from distaccum.verify.reduction_count import ReductionCount
 from distaccum.verify.tripwire import Tripwire
 from distaccum.window import WindowTotals
 
@@ -418,6 +419,7 @@ class Trainer:
         checkpointer.last_step = done
         fingerprint = Fingerprint(engine, run_dir, rank, world, device) if cfg.trainer.fingerprint else None
         monitors: list[StepMonitor] = [
+            ReductionCount(engine, run_dir, rank, world),  # first: it only counts, and warns before a stop
             Tripwire(
                 engine,
                 cfg.trainer.check_every,
@@ -430,7 +432,8 @@ class Trainer:
         if cfg.log.gns:
             monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world, rank, device))
         if cfg.trainer.compile:
-            from distaccum.telemetry.compilation import CompileWatch  # imports dynamo: ~2 s, only when compiling
+            # imports dynamo (about 2 s): only when compiling, never in the launching process
+            from distaccum.telemetry.compilation import CompileWatch
 
             monitors.append(CompileWatch(rank, warmup_steps=max(done, 0) + 1))
         lag = records_lag(device, self.on_step is not None, self.lag_records)

@@ -73,8 +73,9 @@ class EngineSpec:
     reduce_dtype: str = "fp32"
     """fp32 (uncompressed: the gradients' own dtype) | bf16 | fp16: the dtype gradients are reduced in."""
     sample_grads: bool = False
-    """Take :class:`GradSample` of the reduced gradient every step (the reduction fingerprint, ``trainer.fingerprint``
-    with more than one rank; engines whose ranks each hold the whole reduced gradient)."""
+    """Check the reduction every step (the reduction fingerprint, ``trainer.fingerprint`` with more than one rank):
+    engines whose ranks each hold the whole reduced gradient take :class:`GradSample` of it, sharded engines their
+    :class:`~distaccum.engines.checksum.ReductionChecksum`."""
 
     @property
     def compressed_dtype(self) -> torch.dtype | None:
@@ -101,6 +102,9 @@ class StepResult:
     """Where asked for (``EngineSpec.sample_grads``): :class:`GradSample`'s two numbers of the reduced gradient,
     before the normalization (float64, on the device): bitwise the same on every rank after a correct reduction (the
     reduction fingerprint compares them)."""
+    grad_sums: torch.Tensor | None = None
+    """Sharded engines, where asked for: the reduction checksum's [a, m, b] of this rank
+    (:class:`~distaccum.engines.checksum.ReductionChecksum`; float64, on the device)."""
 
 
 class Engine(Protocol):
@@ -171,6 +175,11 @@ class Engine(Protocol):
 
     def layout(self) -> list[list[int]] | None:
         """HSDP: the ranks of each replica (its shard group), replica by replica; None for other layouts."""
+        ...
+
+    def reduction_rounds(self) -> tuple[int, int] | None:
+        """The micro-batches of a window that reduce gradients (in-replica, cross-replica); None: no promise
+        (:meth:`EngineBase.reduction_rounds`)."""
         ...
 
 
@@ -246,6 +255,17 @@ class EngineBase:
     def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
         """Engine settings a checkpoint must agree with to be resumed (beyond the engine's name)."""
         return {}
+
+    def reduction_rounds(self) -> tuple[int, int] | None:
+        """The micro-batches of a window that reduce gradients, as ``accum.sync`` promises them: (in-replica,
+        cross-replica). ``boundary``: 1 (and 1 across HSDP replicas); ``every_micro``: K (K); ``replica_boundary``:
+        K inside the replica, 1 across; a replica of one rank reduces nothing inside it. The ledger's count must equal
+        it every step (:class:`~distaccum.verify.reduction_count.ReductionCount`); None: this engine keeps no such
+        promise."""
+        k, sync, replicas = self.spec.split.accum_steps, self.spec.sync, self.spec.replicas
+        across = (k if sync == "every_micro" else 1) if replicas > 1 else 0
+        inner = 0 if self.spec.split.world_size == replicas else (1 if sync == "boundary" else k)
+        return inner, across
 
 
 class GradNorms:

@@ -36,14 +36,22 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ContextManager, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distaccum.config import EngineConfig
-from distaccum.engines.base import EngineBase, EngineSpec, OptimizerFactory, StepResult, grads_of
+from distaccum.engines.base import (
+    REDUCE_DTYPES,
+    EngineBase,
+    EngineSpec,
+    OptimizerFactory,
+    StepResult,
+    grads_of,
+)
+from distaccum.engines.checksum import ReductionChecksum, tolerance
 from distaccum.engines.comm_tap import tap_gradient_reductions
 from distaccum.engines.compile import compile_options
 from distaccum.engines.deepspeed_config import build, check
@@ -86,6 +94,47 @@ DEEPSPEED_TAG = "zero"
 """The tag (sub-directory) of DeepSpeed's checkpoint inside distaccum's checkpoint directory."""
 
 
+def owned_positions(param: nn.Parameter, stage: int, rank: int) -> tuple[int, int]:
+    """The flat positions [lo, hi) of ``param`` whose reduced gradient this rank's ZeRO partition holds.
+
+    ZeRO-0 reduces whole gradients: every rank holds all of them. DeepSpeed 0.19 internals
+    (tests/test_reduction_checksum.py fails if they move): ZeRO-3 splits every parameter
+    into W pieces of ``ds_tensor.ds_numel`` elements, rank r's the r-th; ZeRO-1/2 split the flat concatenation of a
+    parameter group, and ``param._hp_mapping.lp_fragment_address`` (None: no piece here) is where this rank's piece
+    of ``param`` starts and how long it is (what DeepSpeed's own ``safe_get_full_grad`` reads)."""
+    zero: Any = param  # DeepSpeed's attributes on the parameter
+    if stage == 0:
+        return 0, param.numel()
+    if stage == 3:
+        piece, numel = int(zero.ds_tensor.ds_numel), int(zero.ds_numel)
+        return min(rank * piece, numel), min((rank + 1) * piece, numel)
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return 0, 0
+    address = mapping.lp_fragment_address
+    return int(address.start), int(address.start + address.numel)
+
+
+def reduced_partition(param: nn.Parameter, stage: int) -> torch.Tensor | None:
+    """This rank's piece of ``param``'s reduced gradient (the positions :func:`owned_positions` names), flat; None
+    when it holds none. ZeRO-3: DeepSpeed's public ``safe_get_local_grad``; ZeRO-1/2: the gradient fragment that
+    DeepSpeed's ``get_full_hp_grad`` reads, without its all-reduce; ZeRO-0: the parameter's reduced ``.grad``."""
+    if stage == 0:
+        return param.grad
+    if stage == 3:
+        from deepspeed.utils import safe_get_local_grad
+
+        return safe_get_local_grad(param)
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    fragment = mapping.get_lp_grad_fragment(cast(Any, param)._index_in_param_group).reshape(-1)
+    address = mapping.lp_fragment_address
+    if fragment.numel() == param.numel() != address.numel:  # a whole-parameter buffer (bf16)
+        fragment = fragment.narrow(0, address.start, address.numel)
+    return fragment
+
+
 class DeepSpeedEngine(EngineBase):
     """``deepspeed.initialize`` with our torch optimizer and a config generated from ours."""
 
@@ -119,6 +168,11 @@ class DeepSpeedEngine(EngineBase):
         self.coalescing = False
         self.unscaled_wrapper = False
         self._block: Any = None  # the open coalesce_grad_reduction() context of the current window
+        self.checksum: ReductionChecksum | None = None
+        """The reduction checksum (``EngineSpec.sample_grads``)."""
+        self.checksum_tolerance = 0.0
+        self.checksum_replicas: list[list[int]] = []
+        """The groups of ranks that each hold the whole reduced gradient between them."""
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         use_extensions_dir(self.spec.engine.extensions_dir, dist.get_rank())
@@ -161,11 +215,42 @@ class DeepSpeedEngine(EngineBase):
                     "on DeepSpeed's own schedule",
                     flush=True,
                 )
+        if self.spec.sample_grads:
+            self._watch(list(engine.module.parameters()))
         return engine
+
+    def _watch(self, params: list[nn.Parameter]) -> None:
+        """Set up the reduction checksum (:mod:`distaccum.engines.checksum`) over ``params``: hooks on the parameters
+        (autograd's leaves: every micro-batch's local gradient, before DeepSpeed's own hooks bucket and reduce it)
+        and the flat positions of each parameter this rank's partition holds (:func:`owned_positions`)."""
+        world = dist.get_world_size()
+        dtype = params[0].dtype
+        self.checksum = ReductionChecksum(
+            [cast(Any, p).ds_numel if self.stage == 3 else p.numel() for p in params],
+            [owned_positions(p, self.stage, dist.get_rank()) for p in params],
+            self.accum_steps,
+            self.device,
+            dtype,
+            torch.float32 if self.stage == 3 else dtype,  # safe_get_local_grad hands out fp32
+        )
+        self.checksum.watch(params)
+        # ZeRO-0 all-reduces: every rank holds the whole reduced gradient, a replica of its own.
+        self.checksum_replicas = [[r] for r in range(world)] if self.stage == 0 else [list(range(world))]
+        self.checksum_tolerance = tolerance(
+            self.accum_steps, world, [dtype, REDUCE_DTYPES[self.spec.reduce_dtype] or dtype]
+        )
+
+    def reduction_rounds(self) -> tuple[int, int] | None:
+        # As accum.sync says (measured on gloo: ZeRO-0 and the coalesced ZeRO-1-3 window 1 round, ZeRO-2/3
+        # every_micro K), except where the window cannot be coalesced: DeepSpeed's own schedule, no promise.
+        fallback = self.spec.sync == "boundary" and self.stage >= 1 and not self.coalescing
+        return None if fallback else super().reduction_rounds()
 
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:
         first = self._micro % self.accum_steps == 0
+        if self.checksum is not None:
+            self.checksum.micro = self._micro % self.accum_steps
         self._micro += 1
         boundary = self._micro % self.accum_steps == 0
         if self.spec.sync == "boundary" and enabled != boundary:
@@ -196,9 +281,22 @@ class DeepSpeedEngine(EngineBase):
             self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
-        assert (max_norm or 0.0) == self.engine.gradient_clipping(), (
-            "clipping comes from the generated config"
-        )
+        if (max_norm or 0.0) != self.engine.gradient_clipping():  # DeepSpeed #8068: its default is 1.0
+            raise RuntimeError(
+                f"DeepSpeed's gradient_clipping is {self.engine.gradient_clipping()} but optim.clip_norm="
+                f"{max_norm}: the config distaccum generates sets gradient_clipping (0.0 without clipping), so "
+                "something dropped or replaced it on the way to deepspeed.initialize, and DeepSpeed's default "
+                "(1.0 since DeepSpeed #8068) would clip a run that never asked for it"
+            )
+        sums = None
+        if self.checksum is not None:  # the reduced side, before the step divides it (a mean: x W)
+            shards = [reduced_partition(p, self.stage) for p in self.engine.module.parameters()]
+            sums = self.checksum.take(shards, float(dist.get_world_size()))
+        result = self._step(grad_scale)
+        return StepResult(result.grad_norm, result.applied, grad_sums=sums)
+
+    def _step(self, grad_scale: float) -> StepResult:
+        """Normalize (x ``grad_scale``), clip and step: DeepSpeed's own step, through its loss scale."""
         wrapper = self.engine.optimizer
         if wrapper is self.optimizer:
             # ZeRO-0 fp32: whole gradients on the parameters, reduced at the boundary.

@@ -44,6 +44,7 @@ always takes fresh unsharded gradients, so a sum is exact.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -67,6 +68,7 @@ from distaccum.engines.base import (
     dcp_save,
     step_plain,
 )
+from distaccum.engines.checksum import ReductionChecksum, tolerance
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.engines.compile import compile_in_place
 from distaccum.models import block_units
@@ -141,6 +143,11 @@ class FSDPEngine(EngineBase):
         self._replicate_group: str | None = None
         """Name of the cross-replica process group (HSDP), for the ledger's tap."""
         self._norms = GradNorms()
+        self.checksum: ReductionChecksum | None = None
+        """The reduction checksum (``EngineSpec.sample_grads``: the reduction fingerprint with more than one rank)."""
+        self.checksum_tolerance = 0.0
+        self.checksum_replicas: list[list[int]] = []
+        """The groups of ranks that each hold the whole reduced gradient between them (HSDP: the replicas)."""
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model = model.to(device=self.device, dtype=self.precision.param_dtype)
@@ -162,7 +169,61 @@ class FSDPEngine(EngineBase):
                 module.set_force_sum_reduction_for_comms(True)
         self.module = model
         self.optimizer = make_optimizer(list(model.parameters()))  # over the sharded DTensors
+        if self.spec.sample_grads:
+            self._watch(model, mesh, policy)
         return model
+
+    def _watch(self, model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
+        """Set up the reduction checksum (:mod:`distaccum.engines.checksum`): the positions each rank's shards hold,
+        and hooks on the unsharded parameters autograd accumulates the window's local gradients into.
+
+        FSDP2 internals relied on (tests/test_reduction_checksum.py fails if torch moves them): a parameter is
+        sharded on dim 0 in ``torch.chunk`` pieces over the shard mesh dimension (checked here against the local
+        shard's size), and each FSDP parameter's unsharded ``nn.Parameter`` is made at its first all-gather and
+        kept for the module's life (its storage freed and refilled in place), so hooks registered once see every
+        micro-batch. The public ``unshard()`` registers those parameters on the modules, where they are read."""
+        named = list(model.named_parameters())
+        shard_rank, shards = (
+            (mesh.get_local_rank(), mesh.size())
+            if mesh.ndim == 1
+            else (mesh.get_local_rank("shard"), mesh.size(1))
+        )
+        owned = []
+        for name, param in named:
+            assert isinstance(param, DTensor), f"{name}: fully_shard left a plain tensor"
+            rows = param.shape[0] if param.dim() else 1
+            per_row = param.numel() // max(rows, 1)
+            chunk = -(-rows // shards)
+            lo, hi = min(shard_rank * chunk, rows) * per_row, min((shard_rank + 1) * chunk, rows) * per_row
+            if param.to_local().numel() != hi - lo:
+                raise RuntimeError(
+                    f"FSDP2 no longer shards {name} on dim 0 in torch.chunk pieces ({param.to_local().numel()} local "
+                    f"elements, {hi - lo} expected): the reduction checksum cannot place its shards"
+                )
+            owned.append((lo, hi))
+        found: dict[str, nn.Parameter] = {}
+        for module in model.modules():  # one unit unsharded at a time: never the whole model in memory
+            if isinstance(module, FSDPModule):
+                module.unshard()  # registers this unit's unsharded parameters (a collective, once)
+                found.update((n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor))
+                module.reshard()
+        leaves = [found.get(name) for name, _ in named]
+        if any(p is None or p.shape != q.shape for p, (_, q) in zip(leaves, named, strict=True)):
+            raise RuntimeError("FSDP2's unshard() did not register whole unsharded parameters on the modules")
+        unsharded = policy.param_dtype or self.precision.param_dtype
+        self.checksum = ReductionChecksum(
+            [p.numel() for _, p in named],
+            owned,
+            self.spec.split.accum_steps,
+            self.device,
+            unsharded,
+            named[0][1].dtype,  # the sharded gradients keep the parameters' own dtype
+        )
+        self.checksum.watch(cast(list[nn.Parameter], leaves))
+        self.checksum_replicas = self.layout() or [list(range(dist.get_world_size()))]
+        self.checksum_tolerance = tolerance(
+            self.spec.split.accum_steps, dist.get_world_size(), [policy.reduce_dtype or unsharded]
+        )
 
     def _fsdp(self) -> FSDPModule:
         assert isinstance(self.module, FSDPModule)
@@ -175,6 +236,11 @@ class FSDPEngine(EngineBase):
 
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:
+        # The loop's windows always hold exactly K micro-batches: k is this one's place in its window.
+        k = self._micro % self.spec.split.accum_steps
+        self._micro += 1
+        if self.checksum is not None:
+            self.checksum.micro = k
         # The setters recurse into every unit; the collectives run in the post-backward hooks.
         if self.spec.sync == "replica_boundary":
             # Reduce-scatter inside the replica on every micro-batch, all-reduce across replicas only
@@ -186,12 +252,8 @@ class FSDPEngine(EngineBase):
         if self.spec.engine.fsdp_unsharded_window:
             # Reshard only after the window's last backward (the boundary); every_micro reduces on
             # every micro-batch but can still keep the parameters gathered in between.
-            self._fsdp().set_reshard_after_backward(self._micro_is_last())
+            self._fsdp().set_reshard_after_backward(k == self.spec.split.accum_steps - 1)
         yield
-
-    def _micro_is_last(self) -> bool:
-        self._micro += 1  # the loop's windows always hold exactly K micro-batches
-        return self._micro % self.spec.split.accum_steps == 0
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -213,14 +275,14 @@ class FSDPEngine(EngineBase):
         assert self.module is not None
         # Sharded DTensor gradients: per-shard norms and one all-reduce for the total (not a gradient
         # reduction, and outside the tap); the multiply acts on the local shards. The norm decides the skip.
-        return step_plain(
-            self.optimizer,
-            list(self.module.named_parameters()),
-            max_norm,
-            grad_scale,
-            None,
-            norms=self._norms,
-        )
+        named = list(self.module.named_parameters())
+        sums = None
+        if self.checksum is not None:  # the reduced side, before the multiply (a SUM: divisor 1)
+            sums = self.checksum.take(
+                [cast(DTensor, p.grad).to_local() if p.grad is not None else None for _, p in named]
+            )
+        result = step_plain(self.optimizer, named, max_norm, grad_scale, None, norms=self._norms)
+        return dataclasses.replace(result, grad_sums=sums)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.module is not None

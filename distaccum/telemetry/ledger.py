@@ -213,6 +213,16 @@ class CommLedger:
         finally:
             self.completed(token)
 
+    def rounds(self) -> tuple[int, int]:
+        """Micro-batches of the step so far in which a gradient collective was launched: (in-replica,
+        cross-replica). A count only (no time stamps, no waiting): what
+        :class:`~distaccum.verify.reduction_count.ReductionCount` compares with the engine's promise right after
+        the optimizer step."""
+        with self._lock:
+            inner = {c.micro for c in self._collectives if not c.replicate}
+            across = {c.micro for c in self._collectives if c.replicate}
+        return len(inner), len(across)
+
     def end_step(self, end: Stamp = None) -> CommStats:
         """Counters of the step that just ended. On CUDA call it after the clock's sync.
 

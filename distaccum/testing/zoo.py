@@ -2,7 +2,8 @@
 
 Each class is an ordinary :class:`~distaccum.testing.Fault` (``wrap(point, obj)``), ``_target_``-constructible
 so :class:`~distaccum.testing.Inject` installs it in the workers a launcher starts. Together with the
-faults of :mod:`distaccum.testing.faults` (``SkipReduction``, ``NominalPartialCount``) they are what
+faults of :mod:`distaccum.testing.faults` (``SkipReduction``, ``NominalPartialCount``) and the misplaced syncs of
+:mod:`distaccum.testing.nosync` they are what
 ``distaccum bugzoo`` (:mod:`distaccum.verify.bugzoo`) injects; each docstring says what a real loop that
 has the bug does, and the wrapper does exactly that to the real engine, loss, scheduler or source.
 """
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distaccum.data.pipeline import PlanSource, batch_size
@@ -137,6 +139,78 @@ class DeepSpeedScaleWrtGas:
                 f"DeepSpeedScaleWrtGas wraps DeepSpeed's backward; engine {obj.name!r} is not DeepSpeed"
             )
         return DefaultScaledBackward(obj)
+
+
+class ClippingDropped(Proxy):
+    def wrap(self, model: Any, make_optimizer: Any) -> Any:
+        import deepspeed
+
+        real = deepspeed.initialize
+
+        def initialize(*args: Any, config: dict[str, Any], **kwargs: Any) -> Any:
+            dropped = {key: value for key, value in config.items() if key != "gradient_clipping"}
+            return real(*args, config=dropped, **kwargs)  # DeepSpeed's default applies: 1.0 since #8068
+
+        deepspeed.initialize = initialize
+        try:
+            return self.inner.wrap(model, make_optimizer)
+        finally:
+            deepspeed.initialize = real
+
+
+class DeepSpeedDefaultClipping:
+    """The run reaches DeepSpeed without ``gradient_clipping`` (a config writer that omits keys it considers
+    default, gpt-neox #1432): the real ``deepspeed.initialize`` gets the generated config less that key, so
+    DeepSpeed's default applies, 1.0 since DeepSpeed #8068, and clips a run whose ``optim.clip_norm`` is null.
+    Engine ``deepspeed`` only."""
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        if point != "engine":
+            return obj
+        if not isinstance(obj, DeepSpeedEngine):
+            raise ValueError(
+                f"DeepSpeedDefaultClipping wraps deepspeed.initialize; engine {obj.name!r} is not DeepSpeed"
+            )
+        return ClippingDropped(obj)
+
+
+class TransformedPartitions(Proxy):
+    def __init__(self, inner: Any, max_norm: float) -> None:
+        super().__init__(inner)
+        object.__setattr__(self, "max_norm", max_norm)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+        self.inner.backward(loss)  # ZeRO-3, every_micro: this micro-batch is reduced into the partitions
+        params = [p for p in self.inner.engine.module.parameters() if p.requires_grad]
+        local = [safe_get_local_grad(p) for p in params]  # this rank's partition of the accumulation so far
+        squares = torch.stack([g.double().square().sum() for g in local]).sum()
+        dist.all_reduce(squares)  # the partitions tile the gradient: its squared norm is their sum over ranks
+        coef = min(1.0, self.max_norm / (float(squares.sqrt()) + 1e-6))
+        for p, g in zip(params, local, strict=True):
+            safe_set_local_grad(p, g * coef)
+
+
+class TransformPerMicroBatch:
+    """An optimizer transform in ZeRO-3's per-micro-batch reduce path (DeepSpeed #8443: Muon's Newton-Schulz ran
+    where each micro-batch's gradient is reduced into the partitions, so K = 4 transformed partial gradients). The
+    transform here is the one every run has, the clip to ``max_norm`` (``optim.clip_norm``): after each micro-batch's
+    reduction the accumulated partitions are clipped (DeepSpeed's public ``safe_get_local_grad`` /
+    ``safe_set_local_grad``, the global norm from every rank's partition), instead of once at the step. Engine
+    ``deepspeed`` with ``zero_stage=3`` and ``accum.sync=every_micro`` (DeepSpeed's own schedule)."""
+
+    def __init__(self, max_norm: float = 1.0) -> None:
+        self.max_norm = max_norm
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        if point != "engine":
+            return obj
+        if not isinstance(obj, DeepSpeedEngine) or obj.stage != 3 or obj.spec.sync != "every_micro":
+            raise ValueError(
+                "TransformPerMicroBatch needs engine=deepspeed engine.zero_stage=3 accum.sync=every_micro"
+            )
+        return TransformedPartitions(obj, self.max_norm)
 
 
 class RepeatedStep(Proxy):

@@ -12,7 +12,8 @@ with the same configuration share one reference run.
 Each bug declares the cause it must be diagnosed as (:data:`distaccum.verify.diagnosis.CAUSES`); a row
 says whether it was caught, by what and at which step, the diagnosis given (verify's first finding, which
 reads the runtime checks' reports too) and whether it is the declared one. Control rows (no bug) must not
-be caught. :func:`run_zoo` returns the rows; :func:`render` draws the table; ``bugzoo.json`` holds both.
+be caught. :func:`run_zoo` returns the rows; :func:`render` draws the table; ``bugzoo.json`` holds both
+(:mod:`distaccum.verify.zoo_rows`: the bug and row types, the judging, the table).
 """
 
 from __future__ import annotations
@@ -20,31 +21,26 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import shutil
 import sys
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from distaccum import testing
 from distaccum.cluster.local import LaunchPlan, launch
 from distaccum.config import RunConfig, from_mapping, to_mapping
-from distaccum.rundir import CONSOLE_LOG, SEED, read_json, read_metrics, read_warnings, write_json
+from distaccum.rundir import CONSOLE_LOG, SEED, read_json, write_json
 from distaccum.split import Split
 from distaccum.verify.console import EXIT_FAIL, EXIT_OK, output_to, timed_run
-from distaccum.verify.runner import (
-    VerifyJob,
-    VerifyResult,
-    candidate_config,
-    config_job,
-    run_verify,
-)
-from distaccum.verify.tripwire import read_divergence
+from distaccum.verify.runner import VerifyJob, candidate_config, config_job, run_verify
+from distaccum.verify.zoo_rows import Bug, Row, fault, render, row_of
+
+__all__ = ["BUGS", "CONFIGS", "Bug", "Row", "fault", "render", "row_of", "run_zoo", "zoo_worker"]
 
 ZOO_FILE = "bugzoo.json"
 SPLIT = Split(2, 4, 2)
@@ -71,6 +67,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gpt": GPT,
     "gpt_fp16": {**GPT, "precision": "fp16"},
     "gpt_dropout": {**GPT, "model": {**GPT["model"], "dropout": 0.1}},
+    "gpt_unclipped": {**GPT, "optim": {"clip_norm": None}},
+    "gpt_every_micro": {**GPT, "accum": {"sync": "every_micro"}},
     "convnet_bn": {
         "model": {"_target_": "distaccum.models.ConvNetBN", "width": 8, "depth": 2, "classes": 4},
         "data": {
@@ -80,31 +78,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 """The configurations bugs run on (each has one reference run); engine and faults come per bug."""
-
-
-def fault(name: str, module: str = "zoo", **kwargs: Any) -> dict[str, Any]:
-    """A fault's ``_target_`` node (:mod:`distaccum.testing.zoo` or ``faults``)."""
-    return {"_target_": f"distaccum.testing.{module}.{name}", **kwargs}
-
-
-@dataclass(frozen=True)
-class Bug:
-    """One known accumulation bug (or a control without one) and how it is injected."""
-
-    name: str
-    title: str
-    """As the bug is known."""
-    what: str
-    """What the injected fault does to the run."""
-    config: str
-    """Key of :data:`CONFIGS`."""
-    faults: tuple[dict[str, Any], ...] = ()
-    expected: str | None = None
-    """The cause it must be diagnosed as (a control: verify's expected cause, None when verify must pass)."""
-    engine: dict[str, Any] = field(default_factory=lambda: {"name": "ddp"})
-    note: str = ""
-    control: bool = False
-    """No bug: no runtime check may fire and verify must say ``expected``."""
 
 
 BUGS: tuple[Bug, ...] = (
@@ -233,6 +206,86 @@ BUGS: tuple[Bug, ...] = (
         (fault("SameSamples"),),
         "shared_data",
     ),
+    Bug(
+        "no_sync_backward_only",
+        "no_sync around the backward only",
+        "the engine's no_sync entered around each backward, not the forward (LoongForge #163): DDP arms its "
+        "reducer in the forward, so every micro-batch all-reduces",
+        "gpt",
+        (fault("NoSyncAroundBackward", "nosync"),),
+        "reduction_count",
+    ),
+    Bug(
+        "fsdp2_no_sync_noop",
+        "a no_sync helper that does nothing under FSDP2",
+        "a no_sync helper that only knows DDP (cosmos-framework #161): under FSDP2 every micro-batch reduce-scatters",
+        "gpt",
+        (fault("DDPOnlyNoSync", "nosync"),),
+        "reduction_count",
+        {"name": "fsdp"},
+        note="the gradient stays right (FSDP2 sums fresh reduce-scatters): only the cost, K reductions, shows",
+    ),
+    Bug(
+        "nested_ddp",
+        "nested DDP wrappers",
+        "the first block in its own DDP, left out of the engine's (torchrec #4121): the outer no_sync does not "
+        "reach it, so it all-reduces every micro-batch",
+        "gpt",
+        (fault("NestedDDP", "nosync"),),
+        "reduction_count",
+        note="the inner DDP uses the engine's counting comm hook (torch's built-in C++ all-reduce is not counted)",
+    ),
+    Bug(
+        "sync_first_micro",
+        "sync on the first micro-batch, not the last",
+        "batch_idx % accum_grad == 0 as the sync condition (FunASR #3472): micro-batch 1 reduces, micro-batch K "
+        "stays in no_sync",
+        "gpt",
+        (fault("FirstMicroSync", "nosync"),),
+        "rank_divergence",
+    ),
+    Bug(
+        "zero3_transform_per_micro",
+        "an optimizer transform per micro-batch (ZeRO-3)",
+        "the clip to optim.clip_norm run on the accumulated partitions after every micro-batch's reduction "
+        "(ZeRO-3, accum.sync=every_micro), where DeepSpeed #8443 ran Muon's Newton-Schulz, not once at the step",
+        "gpt_every_micro",
+        (fault("TransformPerMicroBatch", max_norm=1.0),),
+        "clipping",
+        {"name": "deepspeed", "zero_stage": 3},
+        note="verify's replay names the clip from step 1's record; ZeRO-3's reduction checksum, where it runs, stops "
+        "the run at step 1 before that record (the reduced partitions are not what the local gradients add up to)",
+    ),
+    Bug(
+        "deepspeed_default_clipping",
+        "DeepSpeed's gradient_clipping default (1.0)",
+        "optim.clip_norm=null; the real deepspeed.initialize gets the generated config without gradient_clipping, "
+        "so DeepSpeed's default since #8068, 1.0, applies",
+        "gpt_unclipped",
+        (fault("DeepSpeedDefaultClipping"),),
+        "known_error",
+        {"name": "deepspeed", "zero_stage": 1},
+    ),
+    Bug(
+        "fsdp2_skipped_reduction",
+        "a skipped reduction (FSDP2)",
+        "a no_sync helper that never re-enables sync: the window's last micro-batch runs with "
+        "set_requires_gradient_sync(False) too, so no reduce-scatter runs and the optimizer steps without gradients",
+        "gpt",
+        (fault("SkippedBoundarySync", "reduction"),),
+        "rank_divergence",
+        {"name": "fsdp"},
+        note="every rank skips alike, so no two ranks disagree: the sharded reduction checksum catches it",
+    ),
+    Bug(
+        "zero3_skipped_reduction",
+        "a skipped reduction (ZeRO-3)",
+        "ZeRO-3's gradient reduce-scatter runs but every rank keeps its own unreduced partition",
+        "gpt",
+        (fault("CorruptReduction", "reduction", mode="skip"),),
+        "rank_divergence",
+        {"name": "deepspeed", "zero_stage": 3},
+    ),
     Bug("control", "control: no bug", "the base configuration as it is", "gpt", control=True),
     Bug(
         "control_dropout",
@@ -262,7 +315,7 @@ def run_config(bug: Bug, run_dir: Path, seed: Path | None) -> RunConfig:
             "loss": loss,
             "engine": bug.engine,
             "run_dir": str(run_dir),
-            "accum": {"micro_batch": SPLIT.micro_batch, "steps": SPLIT.accum_steps},
+            "accum": {**base.get("accum", {}), "micro_batch": SPLIT.micro_batch, "steps": SPLIT.accum_steps},
             "trainer": {
                 "nproc": SPLIT.world_size,
                 "max_steps": STEPS,
@@ -273,136 +326,6 @@ def run_config(bug: Bug, run_dir: Path, seed: Path | None) -> RunConfig:
             },
             "log": {"console": "quiet"},
         }
-    )
-
-
-@dataclass
-class Row:
-    """What the zoo found for one bug (a line of ``bugzoo.json``)."""
-
-    bug: str
-    title: str
-    what: str
-    expected: str | None
-    control: bool
-    caught: bool
-    caught_by: list[str]
-    step: int | None
-    diagnosis: str | None
-    diagnosis_message: str
-    diagnosis_correct: bool
-    verify: dict[str, Any]
-    runtime: list[dict[str, Any]]
-    note: str = ""
-    seconds: float = 0.0
-
-
-WARNING_LINE = re.compile(r"distaccum/\S+\.py:\d+: (\w*Warning): (.*)")
-
-
-def runtime_findings(run_dir: Path, exit_code: int) -> list[dict[str, Any]]:
-    """What the candidate's own runtime checks reported: the fingerprint or tripwire (``divergence.json``),
-    the runtime warnings, the non-finite policy, distaccum's Python warnings, and a crash."""
-    found: list[dict[str, Any]] = []
-    divergence = read_divergence(run_dir)
-    if divergence:
-        found.append(
-            {
-                "check": str(divergence.get("check", "tripwire")),
-                "step": divergence.get("step"),
-                "message": str(divergence.get("message")),
-            }
-        )
-    for warning in read_warnings(run_dir):
-        found.append(
-            {
-                "check": f"warning:{warning.get('check')}",
-                "step": warning.get("step"),
-                "message": str(warning.get("message")),
-            }
-        )
-    records = read_metrics(run_dir)
-    nonfinite = [r["step"] for r in records if r.get("nonfinite")]
-    if nonfinite:
-        found.append({"check": "nonfinite", "step": nonfinite[0], "message": f"non-finite steps {nonfinite}"})
-    log = run_dir / CONSOLE_LOG
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    for kind, message in dict.fromkeys(WARNING_LINE.findall(text)):
-        found.append({"check": kind, "step": 0, "message": message.strip()})
-    if exit_code and not divergence:
-        errors = [line for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b", line)]
-        found.append(
-            {
-                "check": "run_failed",
-                "step": len(records) + 1,
-                "message": errors[-1] if errors else f"exit {exit_code}",
-            }
-        )
-    return found
-
-
-CHECK_NAMES = {
-    "fingerprint": "reduction fingerprint",
-    "tripwire": "tripwire",
-    "nonfinite": "non-finite policy",
-    "warning:same_samples": "same-samples check",
-    "warning:same_rng": "same-seed check",
-}
-
-
-def describe(finding: dict[str, Any]) -> str:
-    """A runtime finding in a few words: which check, at which step."""
-    check, step = str(finding["check"]), finding["step"]
-    message = str(finding["message"])
-    if check == "run_failed":
-        return f"the run failed at step {step} ({short(message.split(' at ')[0], 64)})"
-    if check in CHECK_NAMES:
-        return f"{CHECK_NAMES[check]}, step {step}"
-    return f"{check} at start ({short(message, 48)})"
-
-
-def short(text: str, limit: int) -> str:
-    """``text`` cut at a word boundary to about ``limit`` characters."""
-    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
-
-
-def row_of(bug: Bug, result: VerifyResult, seconds: float) -> Row:
-    """Judge one bug's verify result and runtime reports."""
-    [vrow] = result.rows or [None]  # type: ignore[list-item]
-    runtime = runtime_findings(vrow.run.data.run_dir, vrow.run.exit_code) if vrow else []
-    caught_by = [f"runtime: {describe(r)}" for r in runtime]
-    step = min((int(r["step"]) for r in runtime if r["step"]), default=None)
-    verify: dict[str, Any] = {"passed": bool(vrow and vrow.passed)}
-    diagnosis, message = None, ""
-    if vrow is not None and not vrow.passed:
-        d = vrow.report.first_divergence
-        if d is not None:
-            verify.update(step=d.step, quantity=d.quantity, parameter=d.parameter)
-            caught_by.append(f"verify: step {d.step} {d.quantity}")
-            step = d.step if step is None else min(step, d.step)
-        verify["causes"] = [f.cause for f in vrow.findings]
-        if vrow.findings:
-            diagnosis, message = vrow.findings[0].cause, vrow.findings[0].message
-    caught = bool(caught_by) if vrow is not None else False
-    if vrow is None:
-        caught_by = ["the reference run failed: nothing was compared"]
-    correct = diagnosis == bug.expected and (not bug.control or not runtime)
-    return Row(
-        bug.name,
-        bug.title,
-        bug.what,
-        bug.expected,
-        bug.control,
-        caught,
-        caught_by,
-        step,
-        diagnosis,
-        message,
-        correct,
-        verify,
-        runtime,
-        bug.note,
-        round(seconds, 1),
     )
 
 
@@ -533,25 +456,3 @@ def run_zoo(root: Path, bugs: Sequence[Bug] = BUGS, *, echo: Callable[[str], Non
         )
     (root / ZOO_FILE).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     return rows
-
-
-def render(rows: Sequence[Row]) -> str:
-    """The zoo as a Markdown table (the console and the README show it)."""
-    lines = ["| bug | caught | caught by | step | diagnosis | right |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        right = "yes" if r.diagnosis_correct else "no"
-        if r.control:
-            right = f"{'yes' if r.diagnosis_correct else 'NO'} (control: {r.expected or 'verify passes'})"
-        caught = "yes" if r.caught else ("no" if r.control else "**no**")
-        lines.append(
-            f"| {r.title} | {caught} | {'; '.join(r.caught_by) or '-'} | "
-            f"{r.step if r.step is not None else '-'} | {r.diagnosis or '-'} | {right} |"
-        )
-    bugs = [r for r in rows if not r.control]
-    lines.append("")
-    lines.append(
-        f"{sum(r.caught for r in bugs)}/{len(bugs)} bugs caught, {sum(r.diagnosis_correct for r in bugs)}"
-        f"/{len(bugs)} diagnosed as their cause; controls: "
-        + ", ".join(f"{r.bug} {'clean' if r.diagnosis_correct else 'FIRED'}" for r in rows if r.control)
-    )
-    return "\n".join(lines)

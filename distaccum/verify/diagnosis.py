@@ -23,6 +23,7 @@ CAUSES = (
     "known_error",
     "shared_data",
     "shared_rng",
+    "reduction_count",
     "batch_statistics",
     "loss_normalization",
     "lr_schedule",
@@ -47,6 +48,11 @@ KNOWN_ERRORS = {
     "No inf checks were recorded prior to update": (
         "GradScaler.update() ran with no unscale_()/step() since the previous update: the scaler is updated per "
         "micro-batch. Update it once per optimizer step, after step() (distaccum's engines do)."
+    ),
+    "DeepSpeed's gradient_clipping is": (
+        "DeepSpeed's clipping is not the run's optim.clip_norm: the config reached deepspeed.initialize without "
+        "distaccum's gradient_clipping (0.0 when clip_norm is null), so DeepSpeed's default applied, 1.0 since "
+        "DeepSpeed #8068, and would clip a run that never asked for it. Always pass gradient_clipping explicitly."
     ),
 }
 """Error signatures in a failed run's console, and what they mean."""
@@ -189,9 +195,16 @@ def rule_known_error(steps: StepFacts) -> Finding | None:
 
 
 def rule_runtime_warnings(steps: StepFacts) -> list[Finding]:
-    """The fingerprint saw identical data or identical random numbers on every rank."""
-    causes = {"same_samples": "shared_data", "same_rng": "shared_rng"}
+    """The fingerprint saw identical data or identical random numbers on every rank; the reduction count saw more
+    (or fewer) reducing micro-batches than ``accum.sync`` promises."""
+    causes = {"same_samples": "shared_data", "same_rng": "shared_rng", "reduction_count": "reduction_count"}
     return [Finding(causes[check], message) for check, message in steps.warnings if check in causes]
+
+
+def rule_reduction_count(steps: StepFacts) -> list[Finding]:
+    """The reduction count's warning alone: what a run whose weights agree with the reference can still be wrong in
+    (its cost: K reductions where one was promised)."""
+    return [f for f in rule_runtime_warnings(steps) if f.cause == "reduction_count"]
 
 
 def rule_item_count(facts: RunFacts, steps: StepFacts) -> Finding | None:
@@ -363,10 +376,11 @@ def diagnose(
     steps: StepFacts | None = None,
     rtol: float = 1e-4,
 ) -> list[Finding]:
-    """Every finding that explains a failed ``report`` (empty when it passed)."""
-    if report.passed:
-        return []
+    """Every finding that explains a failed ``report``; when it passed, only the reduction count's (a run can match
+    the reference and still reduce K times a step), else nothing."""
     steps = steps or StepFacts()
+    if report.passed:
+        return rule_reduction_count(steps)
     tripwire = rule_rank_divergence(report)
     known = rule_known_error(steps) if exit_code else None
     findings = [

@@ -14,9 +14,13 @@ writes ``divergence.json`` as the tripwire does, so ``distaccum verify`` reports
 checkpoint, a tripwire check and at the run's end the pending comparison is gathered at once (one all-gather), so no
 checkpoint or final model is written after a diverged step.
 
-Only engines whose reduced gradient is replicated on every rank have this part (``replicated_gradients``: DDP,
-Accelerate). FSDP2 and DeepSpeed ZeRO keep each reduced gradient shard exactly once: there is no second copy to
-compare; the periodic tripwire compares the parameters they replicate.
+Engines whose reduced gradient is replicated on every rank (``replicated_gradients``: DDP, Accelerate) send that
+sample. Sharded engines (FSDP2, HSDP, DeepSpeed ZeRO 1-3) keep each reduced element once per replica, so there is
+no second copy to compare (ZeRO-0, which all-reduces, takes the same path, each rank a replica); they send their :class:`~distaccum.engines.checksum.ReductionChecksum` instead: a weighted
+sum of the rank's local gradient before the reduction, its magnitude, and the same weighted sum of the reduced shard
+it holds. Summed over the ranks, the local side must equal each replica's reduced side up to the engine's rounding
+bound (``checksum_tolerance``; the invariant and the bound are in :mod:`distaccum.engines.checksum`); a skipped,
+doubled or mis-scaled reduction stops the run the same way, one step later, with ``divergence.json``.
 
 Two warnings come from the same rows (stderr and ``warnings.jsonl``, rank 0, once per kind):
 
@@ -43,6 +47,7 @@ import torch
 
 from distaccum.cluster.procgroup import all_gather_flat, collective_device
 from distaccum.engines.base import StepResult
+from distaccum.engines.checksum import agree
 from distaccum.rundir import DIVERGENCE, WARNINGS
 from distaccum.verify.tripwire import RankDivergenceError
 from distaccum.window import Carry, WindowResult
@@ -103,6 +108,7 @@ class Fingerprint:
             device,
         )
         self.gradients = bool(getattr(engine, "replicated_gradients", False))
+        """Compare the replicated gradient's sample (else: check the sharded engine's reduction checksum)."""
         self.warned: set[str] = set()
         self._pending: tuple[int, Carry] | None = None
         """(step, this rank's row) taken after a step and not compared yet."""
@@ -125,7 +131,8 @@ class Fingerprint:
             self._judge(self._carried, window.carried)
             self._pending = self._carried = None
         self._check_data(step, window)
-        self._pending = (step, Carry([rng_hash(self.device)], result.grad_sample if self.gradients else None))
+        sample = result.grad_sample if self.gradients else result.grad_sums
+        self._pending = (step, Carry([rng_hash(self.device)], sample))
 
     def flush(self) -> None:
         """Compare the pending row now, gathered with one all-gather of its own (before a checkpoint, a tripwire check
@@ -149,6 +156,8 @@ class Fingerprint:
     def _judge(self, step: int, rows: list[list[float]]) -> None:
         if self.gradients and not all_same([row[1:] for row in rows]):
             self._fail(step, rows)
+        if not self.gradients and all(len(row) == 4 for row in rows):
+            self._check_sums(step, [row[1:] for row in rows])
         if all_same([row[:1] for row in rows]):
             self._warn(
                 step,
@@ -179,6 +188,42 @@ class Fingerprint:
             print(f"distaccum: warning: {message}", file=sys.stderr, flush=True)
             with open(self.run_dir / WARNINGS, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, "check": check, "message": message}) + "\n")
+
+    def _check_sums(self, step: int, sums: list[list[float]]) -> None:
+        """The sharded invariant: every replica's reduced checksum equals the ranks' local one, up to the bound."""
+        replicas = self.engine.checksum_replicas
+        tol = float(self.engine.checksum_tolerance)
+        ok, ratios = agree(sums, replicas, tol)
+        if ok:
+            return
+        a, m = math.fsum(r[0] for r in sums), math.fsum(r[1] for r in sums)
+        bad = [
+            i for i, group in enumerate(replicas) if abs(math.fsum(sums[r][2] for r in group) - a) > tol * m
+        ]
+        ranks = replicas[bad[0]]
+        where = f" of replica {bad[0]} (ranks {', '.join(map(str, ranks))})" if len(replicas) > 1 else ""
+        message = (
+            f"the gradient reduction went wrong at optimizer step {step}: the reduced gradient{where} is "
+            f"{ratios[bad[0]]:.6g} x what the ranks' local gradients add up to (reduction checksum: local "
+            f"{a:.9g}, reduced {a * ratios[bad[0]]:.9g}, allowed difference {tol * m:.3g}). 0 means the reduction "
+            "was skipped, 2 that it ran twice; another number, that it was scaled wrongly or some rank's part is "
+            "missing or extra (a no_sync that never re-enables sync, a reduction skipped or repeated, a wrong "
+            "divide factor). The run stopped when the comparison was read: one step later, or at once before a "
+            "checkpoint or at the end of the run."
+        )
+        parameter = "(reduction checksum)"
+        if self.rank == 0:
+            report = {
+                "step": step,
+                "parameter": parameter,
+                "rank": ranks[0],
+                "ranks": ranks,
+                "ratio": ratios[bad[0]],
+                "check": "fingerprint",
+                "message": message,
+            }
+            (self.run_dir / DIVERGENCE).write_text(json.dumps(report, indent=2) + "\n")
+        raise RankDivergenceError(message, step=step, parameter=parameter, rank=ranks[0])
 
     def _fail(self, step: int, rows: list[list[float]]) -> None:
         by_gradient = groups([row[1:] for row in rows])

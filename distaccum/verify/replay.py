@@ -127,8 +127,11 @@ def _from(start: int, weight: float, r: int, k: int) -> float:
     return weight if k >= start else 0.0
 
 
-def combinations(m: MicroGradients, split: Split, clip_norm: float | None) -> list[Replayed]:
-    """The correct combination first, then every known wrong one (only those that differ from it)."""
+def combinations(
+    m: MicroGradients, split: Split, clip_norm: float | None, every_micro: bool = False
+) -> list[Replayed]:
+    """The correct combination first, then every known wrong one (only those that differ from it).
+    ``every_micro``: the candidate reduces every micro-batch (``accum.sync=every_micro``)."""
     world, k_steps = split.world_size, split.accum_steps
     n = m.total_items
     flat = [g for row in m.grads for g in row]
@@ -176,25 +179,43 @@ def combinations(m: MicroGradients, split: Split, clip_norm: float | None) -> li
             )
         )
     if clip_norm is not None and flat:
-        c = power_of_two_scale(0.0, split.global_batch)
-        # What each rank's .grad holds per unit of summed-loss gradient: c (DDP's and Accelerate's grad_divisor undoes
-        # what their backward divides by); the boundary reduction sums the ranks' accumulations.
-        ranks: list[torch.Tensor] = []
-        for r in range(world):
-            acc = torch.zeros_like(flat[0])
-            for k in range(k_steps - 1):
-                acc = _clip(acc + c * m.grads[r][k], clip_norm)
-            ranks.append(acc + c * m.grads[r][k_steps - 1])
-        reduced = torch.stack(ranks).sum(dim=0)
-        message = (
-            f"clip_grad_norm_(max_norm={clip_norm:g}) is applied after every micro-batch's backward, to the "
-            "partial accumulation, instead of once to the window's reduced gradient"
-        )
-        # The last clip sees the reduced gradient; the step measures the norm after it.
-        out.append(
-            Replayed("clip_per_micro", "clipping", message, float(_clip(reduced, clip_norm).norm()) / (c * n))
-        )
+        out.append(clip_per_micro(m, split, clip_norm, every_micro))
     correct = out[0].grad_norm
     return [out[0]] + [
         h for h in out[1:] if not math.isclose(h.grad_norm, correct, rel_tol=1e-9, abs_tol=0.0)
     ]
+
+
+def clip_per_micro(m: MicroGradients, split: Split, clip_norm: float, every_micro: bool) -> Replayed:
+    """The clip run after every micro-batch instead of once at the step: on each rank's partial local accumulation
+    (DDP's and Accelerate's ``no_sync`` window), or with ``every_micro`` on the reduced accumulation, where each
+    micro-batch is reduced as it comes (a step transform in a per-micro-batch reduce path: ZeRO-3 ran Muon's there,
+    DeepSpeed #8443). Either way the last clip sees the reduced gradient and the step measures the norm after it."""
+    world, k_steps, n = split.world_size, split.accum_steps, m.total_items
+    # What each rank's .grad (or partition) holds per unit of summed-loss gradient: c (the engines' grad_divisor
+    # undoes what their backward or reduction divides by); a reduction sums the ranks' accumulations.
+    c = power_of_two_scale(0.0, split.global_batch)
+    if every_micro:
+        acc = torch.zeros_like(m.grads[0][0])
+        for k in range(k_steps):
+            acc = _clip(acc + c * torch.stack([m.grads[r][k] for r in range(world)]).sum(dim=0), clip_norm)
+        where = "the reduced accumulation after every micro-batch's reduction (a step transform in a per-micro-batch "
+        where += "reduce path, as ZeRO-3 ran Muon's in DeepSpeed #8443)"
+        return Replayed(
+            "clip_per_micro",
+            "clipping",
+            f"the clip to {clip_norm:g} runs on {where} instead of once on the window's gradient",
+            float(acc.norm()) / (c * n),
+        )
+    ranks: list[torch.Tensor] = []
+    for r in range(world):
+        acc = torch.zeros_like(m.grads[r][0])
+        for k in range(k_steps - 1):
+            acc = _clip(acc + c * m.grads[r][k], clip_norm)
+        ranks.append(acc + c * m.grads[r][k_steps - 1])
+    reduced = _clip(torch.stack(ranks).sum(dim=0), clip_norm)
+    message = (
+        f"clip_grad_norm_(max_norm={clip_norm:g}) is applied after every micro-batch's backward, to the "
+        "partial accumulation, instead of once to the window's reduced gradient"
+    )
+    return Replayed("clip_per_micro", "clipping", message, float(reduced.norm()) / (c * n))

@@ -267,6 +267,7 @@ def render_table(rows: Sequence[VerifyRow]) -> str:
     for row in rows:
         report = row.report
         if report.passed:
+            lines += [f"  {row.run.split.label()} passed, but [{f.cause}]: {f.message}" for f in row.findings]
             continue
         lines += ["", f"  {row.run.split.label()} FAILED: {where(report)}"]
         d = report.first_divergence
@@ -408,14 +409,11 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         )
 
     def explain(run: Launched, report: Report) -> list[Finding]:
-        if report.passed:
-            return []
+        warned = tuple((str(w.get("check")), str(w.get("message"))) for w in run.data.warnings)
+        if report.passed:  # only the runtime warnings can tell (the reduction count)
+            return diagnose(report, facts, run.split, None, steps=StepFacts(warnings=warned))
         steps = step_facts(report, ref.data.records, run.data.records, tol.steps.rtol, run.split)
-        steps = replace(
-            steps,
-            warnings=tuple((str(w.get("check")), str(w.get("message"))) for w in run.data.warnings),
-            console=run.data.console if run.exit_code else "",
-        )
+        steps = replace(steps, warnings=warned, console=run.data.console if run.exit_code else "")
         steps = replace(steps, replayed=replayed(run, steps))
         return diagnose(
             report, facts, run.split, unequal_items(run.data.records), run.exit_code, steps, tol.steps.rtol
@@ -496,7 +494,8 @@ def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
             shuffle=cfg.data.shuffle,
             drop_last=cfg.data.drop_last,
         )
-        return combinations(grads, split, cfg.optim.clip_norm) if grads is not None else None
+        every_micro = candidate_sync(cfg, split.world_size) == "every_micro"
+        return combinations(grads, split, cfg.optim.clip_norm, every_micro) if grads is not None else None
 
     return VerifyJob(
         cfg,
