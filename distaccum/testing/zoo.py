@@ -11,7 +11,7 @@ has the bug does, and the wrapper does exactly that to the real engine, loss, sc
 # No ``from __future__ import annotations``: DDP inspects a comm hook's real annotations (faults.py).
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -126,19 +126,24 @@ class DefaultScaledBackward(Proxy):
             self.inner.engine.backward(loss)  # DeepSpeed's default scale_wrt_gas=True: loss / K again
 
 
+def on_deepspeed(point: str, obj: Any, wrapper: Callable[[Any], Any], what: str) -> Any:
+    """``wrapper(obj)`` for the engine, which must be DeepSpeed (a fault of DeepSpeed's own code paths)."""
+    if point != "engine":
+        return obj
+    if not isinstance(obj, DeepSpeedEngine):
+        raise ValueError(f"{what}; engine {obj.name!r} is not DeepSpeed")
+    return wrapper(obj)
+
+
 class DeepSpeedScaleWrtGas:
     """The loss scaled twice on DeepSpeed: ``engine.backward(loss)`` with DeepSpeed's default
     ``scale_wrt_gas=True`` divides by ``gradient_accumulation_steps`` on top of the loop's own normalisation
     (distaccum passes ``scale_wrt_gas=False``). Engine ``deepspeed`` only."""
 
     def wrap(self, point: str, obj: Any) -> Any:
-        if point != "engine":
-            return obj
-        if not isinstance(obj, DeepSpeedEngine):
-            raise ValueError(
-                f"DeepSpeedScaleWrtGas wraps DeepSpeed's backward; engine {obj.name!r} is not DeepSpeed"
-            )
-        return DefaultScaledBackward(obj)
+        return on_deepspeed(
+            point, obj, DefaultScaledBackward, "DeepSpeedScaleWrtGas wraps DeepSpeed's backward"
+        )
 
 
 class ClippingDropped(Proxy):
@@ -165,13 +170,9 @@ class DeepSpeedDefaultClipping:
     Engine ``deepspeed`` only."""
 
     def wrap(self, point: str, obj: Any) -> Any:
-        if point != "engine":
-            return obj
-        if not isinstance(obj, DeepSpeedEngine):
-            raise ValueError(
-                f"DeepSpeedDefaultClipping wraps deepspeed.initialize; engine {obj.name!r} is not DeepSpeed"
-            )
-        return ClippingDropped(obj)
+        return on_deepspeed(
+            point, obj, ClippingDropped, "DeepSpeedDefaultClipping wraps deepspeed.initialize"
+        )
 
 
 class TransformedPartitions(Proxy):

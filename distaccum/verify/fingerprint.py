@@ -211,19 +211,7 @@ class Fingerprint:
             "divide factor). The run stopped when the comparison was read: one step later, or at once before a "
             "checkpoint or at the end of the run."
         )
-        parameter = "(reduction checksum)"
-        if self.rank == 0:
-            report = {
-                "step": step,
-                "parameter": parameter,
-                "rank": ranks[0],
-                "ranks": ranks,
-                "ratio": ratios[bad[0]],
-                "check": "fingerprint",
-                "message": message,
-            }
-            (self.run_dir / DIVERGENCE).write_text(json.dumps(report, indent=2) + "\n")
-        raise RankDivergenceError(message, step=step, parameter=parameter, rank=ranks[0])
+        self._stop(step, "(reduction checksum)", ranks, message, ratio=ratios[bad[0]])
 
     def _fail(self, step: int, rows: list[list[float]]) -> None:
         by_gradient = groups([row[1:] for row in rows])
@@ -261,15 +249,12 @@ class Fingerprint:
             "run stopped when the comparison was read: one step later, or at once before a checkpoint or at the "
             "end of the run."
         )
+        self._stop(step, parameter, odd, message, differing_parameters=len(differ))
+
+    def _stop(self, step: int, parameter: str, ranks: list[int], message: str, **extra: Any) -> None:
+        """Write the divergence report (rank 0) and stop the run naming the step, the parameter and the ranks."""
         if self.rank == 0:
-            report = {
-                "step": step,
-                "parameter": parameter,
-                "rank": odd[0],
-                "ranks": odd,
-                "differing_parameters": len(differ),
-                "check": "fingerprint",
-                "message": message,
-            }
+            report = {"step": step, "parameter": parameter, "rank": ranks[0], "ranks": ranks, **extra}
+            report.update(check="fingerprint", message=message)
             (self.run_dir / DIVERGENCE).write_text(json.dumps(report, indent=2) + "\n")
-        raise RankDivergenceError(message, step=step, parameter=parameter, rank=odd[0])
+        raise RankDivergenceError(message, step=step, parameter=parameter, rank=ranks[0])
