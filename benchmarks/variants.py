@@ -76,12 +76,18 @@ DISTACCUM: dict[str, Setup] = {
     "distaccum_fsdp": Setup("fsdp"),
     "distaccum_fsdp_every_micro": Setup("fsdp", {"accum.sync": "every_micro"}),
     "distaccum_fsdp_unsharded": Setup("fsdp", {"engine.fsdp_unsharded_window": True}),
+    "distaccum_fsdp_unchecked": Setup(
+        "fsdp", {"trainer.fingerprint": False}
+    ),  # prices the reduction checksum
     "distaccum_zero1": Setup("deepspeed", {"engine.zero_stage": 1, **_DS}),
     "distaccum_zero2": Setup("deepspeed", {"engine.zero_stage": 2, **_DS}),
     "distaccum_zero2_every_micro": Setup(
         "deepspeed", {"engine.zero_stage": 2, "accum.sync": "every_micro", **_DS}
     ),
     "distaccum_zero3": Setup("deepspeed", {"engine.zero_stage": 3, **_DS}),
+    "distaccum_zero3_unchecked": Setup(
+        "deepspeed", {"engine.zero_stage": 3, "trainer.fingerprint": False, **_DS}
+    ),
     "distaccum_zero3_every_micro": Setup(
         "deepspeed", {"engine.zero_stage": 3, "accum.sync": "every_micro", **_DS}
     ),
