@@ -260,6 +260,6 @@ def test_fsdp2_still_keeps_the_unsharded_parameters_the_hooks_watch() -> None:
                 sums = engine.step(None, 1.0).grad_sums
                 assert sums is not None
                 a, m, b = sums.tolist()
-                assert m > 0 and abs(a - b) <= engine.checksum_tolerance * m, (a, m, b)
+                assert m > 0 and abs(a - b) <= engine.checksum.tolerance * m, (a, m, b)
         finally:
             engine.teardown()

@@ -85,6 +85,10 @@ class ReductionChecksum:
         dtype: torch.dtype,
         reduced_dtype: torch.dtype = torch.float32,
     ) -> None:
+        self.replicas: list[list[int]] = []
+        """The ranks of each replica (set by the engine): each must hold the reduced gradient once."""
+        self.tolerance = 0.0
+        """The rounding bound, as a fraction of the summed magnitudes m (set by the engine: :func:`tolerance`)."""
         drawn = sample_positions(numels)
         starts = [0]
         for positions, _ in drawn:

@@ -170,8 +170,6 @@ class DeepSpeedEngine(EngineBase):
         self._block: Any = None  # the open coalesce_grad_reduction() context of the current window
         self.checksum: ReductionChecksum | None = None
         """The reduction checksum (``EngineSpec.sample_grads``)."""
-        self.checksum_tolerance = 0.0
-        self.checksum_replicas: list[list[int]] = []
         """The groups of ranks that each hold the whole reduced gradient between them."""
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
@@ -235,8 +233,8 @@ class DeepSpeedEngine(EngineBase):
         )
         self.checksum.watch(params)
         # ZeRO-0 all-reduces: every rank holds the whole reduced gradient, a replica of its own.
-        self.checksum_replicas = [[r] for r in range(world)] if self.stage == 0 else [list(range(world))]
-        self.checksum_tolerance = tolerance(
+        self.checksum.replicas = [[r] for r in range(world)] if self.stage == 0 else [list(range(world))]
+        self.checksum.tolerance = tolerance(
             self.accum_steps, world, [dtype, REDUCE_DTYPES[self.spec.reduce_dtype] or dtype]
         )
 

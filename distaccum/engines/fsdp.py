@@ -145,8 +145,6 @@ class FSDPEngine(EngineBase):
         self._norms = GradNorms()
         self.checksum: ReductionChecksum | None = None
         """The reduction checksum (``EngineSpec.sample_grads``: the reduction fingerprint with more than one rank)."""
-        self.checksum_tolerance = 0.0
-        self.checksum_replicas: list[list[int]] = []
         """The groups of ranks that each hold the whole reduced gradient between them (HSDP: the replicas)."""
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
@@ -220,8 +218,8 @@ class FSDPEngine(EngineBase):
             named[0][1].dtype,  # the sharded gradients keep the parameters' own dtype
         )
         self.checksum.watch(cast(list[nn.Parameter], leaves))
-        self.checksum_replicas = self.layout() or [list(range(dist.get_world_size()))]
-        self.checksum_tolerance = tolerance(
+        self.checksum.replicas = self.layout() or [list(range(dist.get_world_size()))]
+        self.checksum.tolerance = tolerance(
             self.spec.split.accum_steps, dist.get_world_size(), [policy.reduce_dtype or unsharded]
         )
 

@@ -90,9 +90,6 @@ def horizon_choice(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> st
             f"whose decay ends at {HORIZON}: say how to continue with trainer.schedule_on_resume=keep or "
             "trainer.schedule_on_resume=stretch (see docs/failures.md#resuming)."
         )
-    stretched = LrSchedule.from_state(dict(scheduler["lr_lambdas"][0]))
-    stretched.segments = [list(s) for s in stretched.segments]
-    stretched.stretch(done, new)
     naive = LrSchedule.from_state({**scheduler["lr_lambdas"][0], "segments": [[0, new, 1.0]]})
     jump = max(range(done, new), key=naive, default=done)
     floor = f"{lr * kept.scale * kept.floor:.2e}"

@@ -19,7 +19,7 @@ sample. Sharded engines (FSDP2, HSDP, DeepSpeed ZeRO 1-3) keep each reduced elem
 no second copy to compare (ZeRO-0, which all-reduces, takes the same path, each rank a replica); they send their :class:`~distaccum.engines.checksum.ReductionChecksum` instead: a weighted
 sum of the rank's local gradient before the reduction, its magnitude, and the same weighted sum of the reduced shard
 it holds. Summed over the ranks, the local side must equal each replica's reduced side up to the engine's rounding
-bound (``checksum_tolerance``; the invariant and the bound are in :mod:`distaccum.engines.checksum`); a skipped,
+bound (``ReductionChecksum.tolerance``; the invariant and the bound are in :mod:`distaccum.engines.checksum`); a skipped,
 doubled or mis-scaled reduction stops the run the same way, one step later, with ``divergence.json``.
 
 Two warnings come from the same rows (stderr and ``warnings.jsonl``, rank 0, once per kind):
@@ -191,8 +191,7 @@ class Fingerprint:
 
     def _check_sums(self, step: int, sums: list[list[float]]) -> None:
         """The sharded invariant: every replica's reduced checksum equals the ranks' local one, up to the bound."""
-        replicas = self.engine.checksum_replicas
-        tol = float(self.engine.checksum_tolerance)
+        replicas, tol = self.engine.checksum.replicas, self.engine.checksum.tolerance
         ok, ratios = agree(sums, replicas, tol)
         if ok:
             return
