@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-# Split and its helpers live in a leaf module of their own; importing them from here keeps working.
+from distaccum.outer.config import OuterConfig  # leaf modules of their own, like Split and its helpers
 from distaccum.split import (  # noqa: F401
     Split,
     check_split,
@@ -105,9 +105,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _choice("engine", "name", self.name, ENGINES)
-        if self.replicas != AUTO and (
-            isinstance(self.replicas, str) or isinstance(self.replicas, bool) or self.replicas < 1
-        ):
+        if self.replicas != AUTO and (isinstance(self.replicas, (str, bool)) or self.replicas < 1):
             raise ValueError(f"engine.replicas must be a positive integer or 'auto', got {self.replicas!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"engine.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
@@ -500,6 +498,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
     precision: str = "fp32"
     """fp32 | bf16 (autocast) | fp16 (autocast + GradScaler) | fp64."""
     run_dir: str = "runs/default"

@@ -73,6 +73,8 @@ class TrainState:
     """The previous window's global item count (sets the power-of-two c; 0: none yet)."""
     nonfinite_streak: int = 0
     """Consecutive steps skipped for non-finite values (checkpointed)."""
+    outer: Any = None
+    """An outer-synced run's :class:`~distaccum.outer.sync.OuterSync` (checkpointed with the rest); None."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,17 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer steps had a non-finite loss or gradient."""
 
 
+class OuterStep(Protocol):
+    """The outer step of an outer-synced run (:class:`~distaccum.outer.sync.OuterSync`): after every optimizer step,
+    a merge across the islands at its sync steps, where the islands' votes are agreed (between syncs each island's
+    window collective stays inside it, so its votes are its own)."""
+
+    def after_step(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]: ...
+
+    @property
+    def last(self) -> Any: ...
+
+
 class StepMonitor(Protocol):
     """Observes each optimizer step; owns its own cadence. ``after_step`` runs before the step's timing
     ends (it may issue collectives: every rank calls it); ``fields`` adds record fields afterwards."""
@@ -239,6 +252,8 @@ class LoopParts:
     """Hand step n's record to the sinks and ``on_step`` once step n+1 is queued (:class:`StepEnd`)."""
     flush_after: Callable[[int], bool] | None = None
     """Steps whose record must be handed over before the next step starts, under ``lag`` (an evaluation's)."""
+    outer: OuterStep | None = None
+    """An outer-synced run's outer step (``outer.method``), run right after each optimizer step."""
 
     def flushes(self, step: int) -> bool:
         """Whether step ``step``'s record must be published before the next step starts (an evaluation's)."""
@@ -266,11 +281,13 @@ class StepEnd:
     step: Step
     times: PendingTimes
     nonfinite: bool
+    extra: Record = field(default_factory=dict)
+    """Fields known when the step ended (the outer sync's)."""
 
     def publish(self, state: TrainState, parts: LoopParts, split: Split) -> None:
         """Resolve the step's timings (waiting for its own events only), then record, log and call ``on_step``."""
         times = self.times.resolve()
-        record = step_record(self.step, split, times, self.nonfinite)
+        record = {**step_record(self.step, split, times, self.nonfinite), **self.extra}
         for monitor in parts.monitors:
             record.update(monitor.fields(record, times, state.records))
         state.records.append(record)
@@ -320,18 +337,21 @@ def train(
         parts.timer.start_step()
         done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
         step, totals = done.number, done.totals
+        stopping, due = totals.stop_votes > 0, totals.checkpoint_votes > 0
+        extra: Record = {}
+        if parts.outer is not None:  # islands: the votes count where every island meets, at its syncs
+            stopping, due = parts.outer.after_step(step, totals.items, stopping, due)
+            extra = parts.outer.last.record()
         if parts.fingerprint is not None:  # the previous step's comparison came with this window
             parts.fingerprint.after_step(step, totals, done.result)
         for monitor in parts.monitors:
             monitor.after_step(step, totals, done.c, done.d)
         times = parts.timer.finish_step(sync=not parts.lag)
-        ended = StepEnd(done, times, parts.nonfinite.observe(state, totals, done.result))
+        ended = StepEnd(done, times, parts.nonfinite.observe(state, totals, done.result), extra)
         if lagged is not None:  # the previous step's record, whose events step n's queued work follows
             lagged.publish(state, parts, settings.split)
-        stopping, checkpointer = totals.stop_votes > 0, parts.checkpointer
-        saves = checkpointer is not None and checkpointer.saves_after(
-            step, due=totals.checkpoint_votes > 0, stopping=stopping
-        )
+        checkpointer = parts.checkpointer
+        saves = checkpointer is not None and checkpointer.saves_after(step, due=due, stopping=stopping)
         at_once = saves or stopping or step >= end or parts.nonfinite.exhausted(state) or parts.flushes(step)
         lagged = ended if parts.lag and not at_once else None
         if lagged is None:

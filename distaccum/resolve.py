@@ -46,6 +46,7 @@ from distaccum.evaluate import eval_dataset
 from distaccum.loop import LoopSettings
 from distaccum.models import batch_stat_layers
 from distaccum.optim import build_optimizer
+from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
 from distaccum.probe import probe
 from distaccum.rundir.checkpoint import data_signature, model_signature
 from distaccum.split import Split
@@ -70,6 +71,8 @@ class ResolvedRun:
     model: ModelRecipe
     optim: OptimConfig
     run_dir: Path
+    outer_replicas: int = 0
+    """Islands of an outer-synced run (``outer.method`` other than none); 0: none."""
 
     @property
     def global_batch(self) -> int:
@@ -142,6 +145,8 @@ def resolve(
     replicas = resolve_replicas(
         cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, world_size, nodes
     )
+    islands = outer_islands(cfg, world_size, nodes)
+    replicas = 1 if islands else replicas  # outer-synced: the islands are the replicas (no HSDP inside one)
     sync = resolve_sync(cfg.accum.sync, replicas)
     spec = EngineSpec(
         engine=cfg.engine,
@@ -155,7 +160,7 @@ def resolve(
         reduce_dtype=cfg.accum.reduce_dtype,
         compile_mode=cfg.trainer.compile_mode if cfg.trainer.compile else None,
         measure_norm=cfg.log.grad_norm or cfg.optim.clip_norm is not None,
-        sample_grads=cfg.trainer.fingerprint and world_size > 1,
+        sample_grads=cfg.trainer.fingerprint and world_size // max(islands, 1) > 1,
     )
     check_engine(spec)
     loop = LoopSettings(
@@ -188,7 +193,34 @@ def resolve(
         model=ModelRecipe(cfg.trainer.seed, precision, cfg.trainer.init_from),
         optim=cfg.optim,
         run_dir=Path(cfg.run_dir),
+        outer_replicas=islands,
     )
+
+
+OUTER_ENGINES = ("ddp", "fsdp")
+
+
+def outer_islands(cfg: RunConfig, world_size: int, nodes: int) -> int:
+    """The islands of an outer-synced run (0 when ``outer.method=none``); ValueError for what it cannot run."""
+    outer = cfg.outer
+    if not outer.enabled:
+        return 0
+    replicas = resolve_outer_replicas(outer.replicas, world_size, nodes)
+    IslandLayout.of(world_size, 0, replicas)  # ValueError when it does not divide
+    if cfg.engine.name not in OUTER_ENGINES:
+        raise ValueError(
+            f"outer.method={outer.method} runs each island's step on engine=ddp or engine=fsdp; engine="
+            f"{cfg.engine.name} is not supported inside an island yet (DeepSpeed and Accelerate reduce over the "
+            "whole world)"
+        )
+    if cfg.engine.replicas not in ("auto", 1):
+        raise ValueError(
+            f"outer.method={outer.method} with engine.replicas={cfg.engine.replicas}: HSDP inside an island is not "
+            "supported; the islands are the replicas (outer.replicas)"
+        )
+    if cfg.log.gns:
+        raise ValueError(f"log.gns=true is not supported with outer.method={outer.method}")
+    return replicas
 
 
 def resolve_sync(sync: str, replicas: int) -> str:

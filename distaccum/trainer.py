@@ -19,6 +19,8 @@ and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -42,6 +44,9 @@ from distaccum.evaluate import EvalResult, evaluate
 from distaccum.loop import LoopParts, NonFinitePolicy, StepMonitor, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.optim import build_scheduler, describe_lr
+from distaccum.outer.config import OuterConfig
+from distaccum.outer.islands import IslandLayout, Islands
+from distaccum.outer.sync import OuterSync
 from distaccum.resolve import Prepared, ResolvedRun, prepare, resolve
 from distaccum.rundir import CONFIG, write_json
 from distaccum.rundir.checkpoint import Checkpointer, CheckpointWriter
@@ -276,16 +281,17 @@ class Trainer:
         if run.prepared.eval_set is None:
             return None
         state, resolved = run.state, run.resolved
-        result = evaluate(
-            state.model,
-            run.prepared.eval_set,
-            run.prepared.collate,
-            self.components.loss,
-            micro_batch=self.cfg.eval.micro_batch or resolved.split.micro_batch,
-            device=resolved.device,
-            float_dtype=resolved.loop.float_dtype,
-            forward_context=state.engine.forward_context,
-        )
+        with state.outer.global_view() if state.outer is not None else contextlib.nullcontext():
+            result = evaluate(
+                state.model,
+                run.prepared.eval_set,
+                run.prepared.collate,
+                self.components.loss,
+                micro_batch=self.cfg.eval.micro_batch or resolved.split.micro_batch,
+                device=resolved.device,
+                float_dtype=resolved.loop.float_dtype,
+                forward_context=state.engine.forward_context,
+            )
         run.last_eval = (len(state.records), result)
         self._sink().log(result.record(len(state.records)))
         return result
@@ -363,8 +369,22 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed + 1_000_003 * (rank + 1))
 
         ledger = CommLedger(enabled=cfg.log.ledger)
-        engine = testing.intercept("engine", make_engine(resolved.engine, ledger))
+        islands = self._islands(resolved, cfg.outer, device)
+        spec = resolved.engine if islands is None else dataclasses.replace(resolved.engine, islands=islands)
+        engine = testing.intercept("engine", make_engine(spec, ledger))
         wrapped = engine.wrap(prepared.model, resolved.optimizer(self.components))  # engines own parameters
+        outer = (
+            None
+            if islands is None
+            else testing.intercept(
+                "outer",
+                OuterSync(
+                    cfg.outer, islands, engine.unwrapped(), engine.replicated_gradients, cfg.trainer.max_steps
+                ),
+            )
+        )
+        group = islands.inner_group if islands is not None else None  # every per-step collective's ranks
+        world = islands.layout.size if islands is not None else world
         placement = self._placement(engine, rank, rank // local_world_size if node is None else node)
         scheduler = testing.intercept(
             "scheduler",
@@ -390,9 +410,9 @@ class Trainer:
                 float_dtype=resolved.loop.float_dtype,
             ),
         )
-        timer = StepTimer(device, ledger)
+        timer = StepTimer(device, ledger, islands.host_group() if islands is not None else None)
         state = TrainState(
-            wrapped, engine, scheduler, timer.watch(source)
+            wrapped, engine, scheduler, timer.watch(source), outer=outer
         )  # the timer times what the source serves
         done = (
             resume(
@@ -417,7 +437,12 @@ class Trainer:
             writer=testing.intercept("checkpoint_writer", CheckpointWriter()),
         )
         checkpointer.last_step = done
-        fingerprint = Fingerprint(engine, run_dir, rank, world, device) if cfg.trainer.fingerprint else None
+        island_rank = islands.layout.inner_rank if islands is not None else rank
+        fingerprint = (
+            Fingerprint(engine, run_dir, island_rank, world, device, group)
+            if cfg.trainer.fingerprint
+            else None
+        )
         monitors: list[StepMonitor] = [
             ReductionCount(engine, run_dir, rank, world),  # first: it only counts, and warns before a stop
             Tripwire(
@@ -426,6 +451,7 @@ class Trainer:
                 run_dir,
                 record=cfg.verify.record,
                 first=[fingerprint] if fingerprint is not None else [],
+                group=group,
             ),
             RankStats(timer, cfg.log.rank_stats_every),
         ]
@@ -442,7 +468,7 @@ class Trainer:
             timer=timer,
             sink=NullSink(),  # the real sinks open on the first train_steps
             nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
-            totals=WindowTotals(device),
+            totals=WindowTotals(device, group),
             checkpointer=checkpointer,
             monitors=monitors,
             fingerprint=fingerprint,
@@ -450,6 +476,7 @@ class Trainer:
             on_step=self._after_step,
             lag=lag,
             flush_after=(lambda step: step % every == 0) if every else None,
+            outer=outer,
         )
         return _Run(
             resolved,
@@ -462,6 +489,25 @@ class Trainer:
             liveness,
             placement=placement,
         )
+
+    @staticmethod
+    def _islands(resolved: ResolvedRun, outer: OuterConfig, device: torch.device) -> Islands | None:
+        """An outer-synced run's islands and their groups (collective), shown once by rank 0; None otherwise."""
+        if not resolved.outer_replicas:
+            return None
+        layout = IslandLayout.of(resolved.world_size, resolved.rank, resolved.outer_replicas)
+        islands = Islands.build(layout, device)
+        if resolved.rank == 0:
+            print(
+                f"distaccum: {layout.replicas} island(s) of {layout.size} rank(s), merged every "
+                f"{outer.every} optimizer steps ({outer.describe()}): "
+                + "; ".join(
+                    f"replica {i}: ranks {', '.join(map(str, layout.ranks(i)))}"
+                    for i in range(layout.replicas)
+                ),
+                flush=True,
+            )
+        return islands
 
     @staticmethod
     def _placement(engine: Engine, rank: int, node: int) -> dict[str, Any] | None:

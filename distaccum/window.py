@@ -72,9 +72,11 @@ class WindowTotals:
     begins the next window. The buffers the row and the gathered rows pass through are kept from window to window.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, group: Any = None) -> None:
         self.device = device
-        self.world = dist.get_world_size()
+        self.group = group
+        """The group whose ranks share the window (None: the world; an outer-synced run's island)."""
+        self.world = dist.get_world_size(group)
         self._cuda = device.type == "cuda"
         self._host: torch.Tensor | None = None
         """The row's host numbers (pinned on CUDA), written through a NumPy view: no operator per number."""
@@ -144,7 +146,7 @@ class WindowTotals:
                 else self._gathered
             )
             self._rows_np = self._rows_host.numpy()
-        self._work = _all_gather(self._gathered, row, async_op=True)
+        self._work = _all_gather(self._gathered, row, async_op=True, group=self.group)
 
     def _on_device(self, n: torch.Tensor | float) -> torch.Tensor:
         if not isinstance(n, torch.Tensor):

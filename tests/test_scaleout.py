@@ -11,12 +11,15 @@ import shlex
 import pytest
 
 from conftest import REPO
-from distaccum.cli.plan import plan_main
+from distaccum.cli.plan import measured_cluster, parse_args, plan_main
+from distaccum.split import Split
 from distaccum.tuning.collectives import Link, Topology
+from distaccum.tuning.planner import SizeCost, SplitPlan
 from distaccum.tuning.scaleout import (
     MODES,
     Cluster,
     Workload,
+    cluster_accum_steps,
     hidden_behind,
     predict_mode,
     predict_modes,
@@ -186,3 +189,66 @@ def test_bad_cluster_flags_are_bad_input(
 ) -> None:
     assert plan_main([*flags, "model=mlp"]) == 2
     assert message in capsys.readouterr().err
+
+
+ISSUE_47_COMMAND = (
+    "distaccum plan --nodes 4 --gpus-per-node 8 --compute-ms 120 --params 8e9 accum.global_batch=1024 "
+    "accum.micro_batch=4"
+)
+LINKS = ["--inter-node-gbps", "400", "--intra-node-gbps", "3600"]
+
+
+def test_the_configured_global_batch_sets_k_on_the_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 47: the prediction said K=4 (accum.steps) and global batch 512; K is 1024 / (4 x 32) = 8."""
+    assert plan_main([*shlex.split(ISSUE_47_COMMAND)[2:], *LINKS]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 4 x K=8 x 32 ranks = global batch 1024" in out and "K=4" not in out
+    # --accum-steps still sets K, and the line says the configured global batch is not the one predicted
+    assert plan_main([*shlex.split(ISSUE_47_COMMAND)[2:], *LINKS, "--accum-steps", "2"]) == 0
+    assert (
+        "micro-batch 4 x K=2 x 32 ranks = global batch 256 (not the configured accum.global_batch=1024"
+        in capsys.readouterr().out
+    )
+
+
+def test_a_global_batch_that_does_not_split_on_the_cluster_is_bad_input(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    command = ISSUE_47_COMMAND.replace("global_batch=1024", "global_batch=1000")
+    assert plan_main([*shlex.split(command)[2:], *LINKS]) == 2
+    err = capsys.readouterr().err
+    assert "accum.global_batch=1000 has no split on the cluster's 32 ranks at micro-batch 4" in err
+    assert "992 or 1024" in err and "--accum-steps K" in err
+
+
+def test_cluster_accum_steps() -> None:
+    assert cluster_accum_steps(4, 32, global_batch=1024, steps=4) == 8
+    assert cluster_accum_steps(4, 32, global_batch=None, steps=4) == 4  # no global batch: per-rank K kept
+    assert cluster_accum_steps(4, 32, global_batch=1024, steps=4, given_steps=3) == 3
+    assert cluster_accum_steps(None, 32, global_batch=1024, steps=4, given_steps=3) == 3
+    with pytest.raises(ValueError, match="micro-batches that split it on 32 ranks: 1, 2, 4, 8, 16, 32"):
+        cluster_accum_steps(64, 32, global_batch=1024, steps=4)
+    with pytest.raises(ValueError, match="micro_batch=auto"):
+        cluster_accum_steps(None, 32, global_batch=1024, steps=4)
+
+
+def test_the_measured_path_takes_k_from_the_global_batch_too() -> None:
+    cost = SizeCost(4, 4, 2, base_s=0.5, micro_s=0.12, compute_s=0.1, boundary_s=0.0, optim_s=0.0)
+    plan = SplitPlan(32, 2, 1, "cpu peak rss", [], [cost], Split(4, 4, 2))  # K=4 on the 2 ranks measured here
+    args, _ = parse_args(["--nodes", "4", "--gpus-per-node", "8", *LINKS, "--params", "1e6"])
+    assert "micro-batch 4 x K=8 x 32 ranks = global batch 1024" in measured_cluster(
+        args, plan, "ddp", 10**6, 1024
+    )
+    assert "micro-batch 4 x K=4 x 32 ranks = global batch 512" in measured_cluster(
+        args, plan, "ddp", 10**6, None
+    )
+    assert measured_cluster(args, plan, "ddp", 10**6, 1000).startswith(
+        "no prediction for the cluster: accum.global_batch=1000 has no split"
+    )
+
+
+def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "distaccum.tuning.scaleout" in text and "--replica-link-gbps" in text
+    assert not re.search(r":(mod|class|func|meth|attr|data):`", text) and "``" not in text

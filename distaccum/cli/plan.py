@@ -9,6 +9,8 @@ split that fits, for ``distaccum report``. Exit codes: 0 ok, 1 a worker failed, 
 ``--nodes N --gpus-per-node G --inter-node-gbps B --intra-node-gbps B`` adds a prediction for that
 cluster: every engine and sync mode, from the measured compute of a micro-batch (or ``--compute-ms``,
 given: then nothing is measured) and the α–β model of the collectives (:mod:`distaccum.tuning.scaleout`).
+``--replica-link-gbps B`` or ``--outer-every H`` adds the outer sync of replicas joined by that link (DiLoCo,
+LocalSGD): the smallest H that hides it behind the replicas' steps (:mod:`distaccum.tuning.outer_plan`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -30,7 +33,18 @@ from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import PLAN, PLAN_TABLE, SWEEP_SCRIPT, read_json
 from distaccum.tuning.collectives import Link, Topology, gbps
-from distaccum.tuning.scaleout import MODE_KEYS, Cluster, Workload, predict_modes, render, select_modes
+from distaccum.tuning.outer_plan import OUTER_BYTES, OuterSync, render_outer
+from distaccum.tuning.scaleout import (
+    MODE_KEYS,
+    Cluster,
+    Workload,
+    cluster_accum_steps,
+    describe_split,
+    duration,
+    predict_modes,
+    render,
+    select_modes,
+)
 
 if TYPE_CHECKING:
     from distaccum.tuning.planner import SplitPlan
@@ -43,7 +57,9 @@ SPLIT_KEYS = ("accum.micro_batch", "accum.steps", "accum.global_batch", "run_dir
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The plan's own flags, and the config overrides (everything else)."""
     parser = argparse.ArgumentParser(
-        prog="distaccum plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="distaccum plan",
+        description=plain_text(__doc__ or ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--run", action="store_true", help="then train the recommended split")
     parser.add_argument(
@@ -67,6 +83,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="time one size after another (default on CUDA) instead of interleaving rounds",
     )
     add_cluster_flags(parser)
+    add_outer_flags(parser)
     args, overrides = parser.parse_known_args(argv)
     for value, name in (
         (args.rounds, "--rounds"),
@@ -78,6 +95,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     given = [f"--{k.replace('_', '-')}" for k in CLUSTER_ONLY if getattr(args, k) is not None]
     if args.nodes is None and given:
         parser.error(f"{', '.join(given)} describe a cluster: give --nodes too")
+    outer_given = [f"--{k.replace('_', '-')}" for k in OUTER_ONLY if getattr(args, k) is not None]
+    if outer_given and not outer_wanted(args):
+        parser.error(
+            f"{', '.join(outer_given)} describe an outer sync: give --replica-link-gbps or --outer-every too"
+        )
     if args.compute_ms is not None and (args.run or args.sweep):
         parser.error(
             "--compute-ms predicts without measuring this machine: it does not combine with --run or --sweep"
@@ -85,6 +107,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
+OUTER_ONLY = ("outer_fragments", "outer_replicas", "replica_link_latency_ms", "outer_reduce_dtype")
+"""Flags that only mean something with ``--replica-link-gbps`` or ``--outer-every`` (the outer sync)."""
 CLUSTER_ONLY = (
     "gpus_per_node",
     "inter_node_gbps",
@@ -95,8 +119,19 @@ CLUSTER_ONLY = (
     "params",
     "accum_steps",
     "modes",
+    "outer_every",
+    "replica_link_gbps",
+    *OUTER_ONLY,
 )
 """Flags that only mean something with ``--nodes``."""
+DEFAULT_REPLICA_LATENCY_MS = 10.0
+"""α of a stated link between replicas: a link between sites (a WAN's one-way latency is 1-50 ms)."""
+ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`~?([^`]+)`")
+
+
+def plain_text(doc: str) -> str:
+    """``doc`` for a terminal: reStructuredText roles (:mod:`a.b`) and inline literals (``x``) as plain text."""
+    return ROLE.sub(r"\1", doc).replace("``", "")
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +170,12 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         help="optimizer step over all parameters, ms (default: measured, or 0 with --compute-ms)",
     )
     add("--params", type=float, help="parameters of the model (default: count the configured model's)")
-    add("--accum-steps", type=int, help="K on the cluster (default: the measured split's, or accum.steps)")
+    add(
+        "--accum-steps",
+        type=int,
+        help="K on the cluster (default: accum.global_batch / (micro-batch x the cluster's ranks); without a "
+        "global batch, the measured split's K, or accum.steps)",
+    )
     add(
         "--grad-bytes",
         type=float,
@@ -170,28 +210,117 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     add("--modes", help="comma-separated engine modes to predict (default all): " + ", ".join(MODE_KEYS))
 
 
-def cluster_of(args: argparse.Namespace) -> Cluster:
-    """The target cluster of ``--nodes ...`` (ValueError naming the missing or wrong flag)."""
+def add_outer_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a prediction for an outer sync (DiLoCo, LocalSGD) across replicas joined by a slow link."""
+    group = parser.add_argument_group("an outer sync across replicas over a slow link (DiLoCo, LocalSGD)")
+    add = group.add_argument
+    add(
+        "--outer-every",
+        type=int,
+        help="H, optimizer steps between two syncs of a fragment (outer.every): its row is marked "
+        "(default: the rows of H = 1, 10, 50, 100, 500 and the smallest hidden H)",
+    )
+    add(
+        "--outer-fragments",
+        type=int,
+        help="F, fragments synced at staggered offsets (outer.fragments; default 1)",
+    )
+    add("--outer-replicas", type=int, help="R, model replicas (outer.replicas; default: one per node)")
+    add(
+        "--replica-link-gbps",
+        type=float,
+        help="one replica's link to the others, Gbit/s each way (default: its share of the nodes' "
+        "network, --inter-node-gbps x nodes / R)",
+    )
+    add(
+        "--replica-link-latency-ms",
+        type=float,
+        help=f"α of that link, ms per message (default {DEFAULT_REPLICA_LATENCY_MS:g} with --replica-link-gbps, "
+        "else --inter-node-latency-us)",
+    )
+    add(
+        "--outer-reduce-dtype",
+        choices=tuple(OUTER_BYTES),
+        help="the dtype the outer sync moves (outer.reduce_dtype; default fp32)",
+    )
+
+
+def outer_wanted(args: argparse.Namespace) -> bool:
+    """Whether the outer sync is predicted: ``--replica-link-gbps`` or ``--outer-every`` given."""
+    return args.replica_link_gbps is not None or args.outer_every is not None
+
+
+def missing_links(args: argparse.Namespace) -> str | None:
+    """What the table of engines and sync modes lacks: the missing link flag, or None."""
     gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
     if args.nodes > 1 and args.inter_node_gbps is None:
-        raise ValueError(f"--nodes {args.nodes} needs --inter-node-gbps (the network bandwidth of one node)")
+        return f"--nodes {args.nodes} needs --inter-node-gbps (the network bandwidth of one node)"
     if gpus > 1 and args.intra_node_gbps is None:
-        raise ValueError(
-            f"--gpus-per-node {gpus} needs --intra-node-gbps (one GPU's bandwidth inside its node)"
-        )
+        return f"--gpus-per-node {gpus} needs --intra-node-gbps (one GPU's bandwidth inside its node)"
+    return None
+
+
+def cluster_of(args: argparse.Namespace, *, need_links: bool = True) -> Cluster:
+    """The target cluster of ``--nodes ...`` (ValueError naming the missing or wrong flag; a missing link
+    only with ``need_links``)."""
+    missing = missing_links(args)
+    if need_links and missing:
+        raise ValueError(missing)
 
     def link(latency_us: float, gbit: float | None) -> Link:  # None: a level the cluster does not have
         return Link(alpha_s=latency_us * 1e-6, beta_bytes_per_s=gbps(gbit if gbit is not None else 1.0))
 
     topo = Topology(
         nodes=args.nodes,
-        gpus_per_node=gpus,
+        gpus_per_node=8 if args.gpus_per_node is None else args.gpus_per_node,
         intra=link(args.intra_node_latency_us, args.intra_node_gbps),
         inter=link(args.inter_node_latency_us, args.inter_node_gbps),
     )
     cluster = Cluster(topology=topo, replicas=args.nodes if args.replicas is None else args.replicas)
     cluster.groups()  # checks the HSDP layout
     return cluster
+
+
+def outer_of(args: argparse.Namespace, work: Workload) -> tuple[OuterSync, str]:
+    """The outer sync of the ``--outer-*`` and ``--replica-link-*`` flags on the ``--nodes`` cluster, with
+    where its link comes from (ValueError naming the wrong or missing flag)."""
+    topo = cluster_of(args, need_links=False).topology
+    replicas = args.nodes if args.outer_replicas is None else args.outer_replicas
+    if replicas < 1 or topo.world % replicas:
+        raise ValueError(
+            f"--outer-replicas {replicas} must divide the world of {topo.nodes} x {topo.gpus_per_node} = "
+            f"{topo.world} ranks"
+        )
+    latency_ms = args.replica_link_latency_ms
+    if args.replica_link_gbps is not None:
+        gbit, basis = args.replica_link_gbps, "--replica-link-gbps"
+        latency_ms = DEFAULT_REPLICA_LATENCY_MS if latency_ms is None else latency_ms
+    elif args.inter_node_gbps is not None:
+        gbit = args.inter_node_gbps * args.nodes / replicas
+        basis = (
+            f"its share of the nodes' network: --inter-node-gbps x {args.nodes} nodes / {replicas} replicas"
+        )
+        latency_ms = args.inter_node_latency_us / 1e3 if latency_ms is None else latency_ms
+    else:
+        raise ValueError(
+            "--outer-every needs --replica-link-gbps (or --inter-node-gbps): the link between replicas"
+        )
+    if not (gbit > 0 and latency_ms >= 0):
+        raise ValueError(
+            f"--replica-link-gbps must be > 0 and --replica-link-latency-ms >= 0, got {gbit:g} and {latency_ms:g}"
+        )
+    sync = OuterSync(
+        params=work.params,
+        replicas=replicas,
+        link=Link(alpha_s=latency_ms / 1e3, beta_bytes_per_s=gbps(gbit)),
+        step_s=work.accum_steps * (work.compute_s + work.data_s),
+        bytes_per_param=OUTER_BYTES[args.outer_reduce_dtype or "fp32"],
+        fragments=1 if args.outer_fragments is None else args.outer_fragments,
+        sync_bytes_per_param=work.grad_bytes,
+    )
+    if args.outer_every is not None:
+        sync.check_every(args.outer_every)
+    return sync, basis
 
 
 def cluster_workload(
@@ -208,7 +337,7 @@ def cluster_workload(
         params=params,
         compute_s=compute_s,
         compute_basis=basis,
-        accum_steps=accum_steps if args.accum_steps is None else args.accum_steps,
+        accum_steps=accum_steps,
         data_s=data_s,
         optim_s=args.optim_ms / 1e3 if args.optim_ms is not None else optim_s,
         grad_bytes=args.grad_bytes,
@@ -221,20 +350,41 @@ def cluster_workload(
 
 def check_cluster_flags(args: argparse.Namespace) -> None:
     """Every cluster flag, before anything is composed or measured (ValueError: bad input)."""
-    cluster_of(args)
+    cluster_of(args, need_links=not outer_wanted(args))
     select_modes(args.modes.split(",") if args.modes else None)
-    cluster_workload(args, 1, 0.0, "", 1)  # the workload flags' ranges
+    work = cluster_workload(args, 1, 0.0, "", 1 if args.accum_steps is None else args.accum_steps)
     if args.compute_ms is not None and args.compute_ms < 0 or args.params is not None and args.params < 1:
         raise ValueError(
             f"--compute-ms must be >= 0 and --params >= 1, got {args.compute_ms} and {args.params}"
         )
+    if outer_wanted(args):
+        outer_of(args, work)
 
 
-def predict_cluster(args: argparse.Namespace, work: Workload, micro_batch: int | None) -> str:
-    """The cluster prediction as text."""
-    cluster = cluster_of(args)
-    modes = select_modes(args.modes.split(",") if args.modes else None)
-    return render(predict_modes(modes, work, cluster), work, cluster, micro_batch)
+def predict_cluster(
+    args: argparse.Namespace, work: Workload, micro_batch: int | None, global_batch: int | None
+) -> str:
+    """The cluster prediction as text: the table of every engine and sync mode (when its links are given)
+    and the outer sync (when asked for). ``global_batch``: the configured one, named if the split's differs."""
+    parts = []
+    missing = missing_links(args)
+    if missing is None:
+        cluster = cluster_of(args)
+        modes = select_modes(args.modes.split(",") if args.modes else None)
+        parts.append(render(predict_modes(modes, work, cluster), work, cluster, micro_batch, global_batch))
+    else:
+        parts.append(f"no table of engines and sync modes: {missing}")
+    if outer_wanted(args):
+        sync, link_basis = outer_of(args, work)
+        world = cluster_of(args, need_links=False).topology.world
+        step_basis = (
+            f"{describe_split(micro_batch, work.accum_steps, world, global_batch)}; K x (compute "
+            f"{duration(work.compute_s)} + data {duration(work.data_s)}); its own collectives assumed hidden on "
+            "its fast links, the optimizer step not counted: a longer step hides more, so the real smallest H is at "
+            "most the one below"
+        )
+        parts.append(render_outer(sync, args.outer_every, step_basis=step_basis, link_basis=link_basis))
+    return "\n\n".join(parts)
 
 
 def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -248,14 +398,21 @@ def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
             else sum(p.numel() for p in preflight(cfg, write=False).model.parameters())
         )
         micro = cfg.accum.micro_batch if isinstance(cfg.accum.micro_batch, int) else None
+        accum_steps = cluster_accum_steps(
+            micro,
+            cluster_of(args, need_links=False).topology.world,
+            global_batch=cfg.accum.global_batch,
+            steps=cfg.accum.steps,
+            given_steps=args.accum_steps,
+        )
         work = cluster_workload(
             args,
             params,
             args.compute_ms / 1e3,
             "given with --compute-ms: an assumption, not measured here",
-            cfg.accum.steps,
+            accum_steps,
         )
-        print(predict_cluster(args, work, micro), flush=True)
+        print(predict_cluster(args, work, micro, cfg.accum.global_batch), flush=True)
     except (ConfigError, ValueError) as err:
         print(f"distaccum plan: {err}", file=sys.stderr)
         return EXIT_CONFIG
@@ -356,7 +513,7 @@ def plan_main(argv: list[str]) -> int:
     )
     if args.nodes is not None:
         params = int(args.params or sum(p.numel() for p in checked.model.parameters()))
-        lines += ["", measured_cluster(args, plan, cfg.engine.name, params)]
+        lines += ["", measured_cluster(args, plan, cfg.engine.name, params, cfg.accum.global_batch)]
     text = "\n".join(lines)
     (run_dir / PLAN_TABLE).write_text(text + "\n", encoding="utf-8")
     print(text, flush=True)
@@ -383,9 +540,12 @@ def plan_main(argv: list[str]) -> int:
     return EXIT_OK if rec is not None or not args.run else EXIT_FAIL
 
 
-def measured_cluster(args: argparse.Namespace, plan: SplitPlan, engine: str, params: int) -> str:
+def measured_cluster(
+    args: argparse.Namespace, plan: SplitPlan, engine: str, params: int, global_batch: int | None
+) -> str:
     """The cluster prediction from the recommended split's measured coefficients: its compute per
-    micro-batch, data and optimizer times, and its K unless ``--accum-steps`` is given."""
+    micro-batch, data and optimizer times; K from the configured ``global_batch`` on the cluster's ranks
+    (the measured split's K when none is configured) unless ``--accum-steps`` is given."""
     rec = plan.recommended
     if rec is None:
         return "no split fits the memory budget: nothing measured to predict the cluster from (give --compute-ms)"
@@ -397,10 +557,21 @@ def measured_cluster(args: argparse.Namespace, plan: SplitPlan, engine: str, par
     data_s = max(
         cost.micro_s - cost.compute_s, 0.0
     )  # medians of two quantities: the difference can dip below 0
+    world = cluster_of(args, need_links=False).topology.world
+    try:
+        accum_steps = cluster_accum_steps(
+            cost.micro_batch,
+            world,
+            global_batch=global_batch,
+            steps=rec.accum_steps,
+            given_steps=args.accum_steps,
+        )
+    except ValueError as err:
+        return f"no prediction for the cluster: {err}"
     work = cluster_workload(
-        args, params, cost.compute_s, basis, rec.accum_steps, data_s=data_s, optim_s=cost.optim_s
+        args, params, cost.compute_s, basis, accum_steps, data_s=data_s, optim_s=cost.optim_s
     )
-    return predict_cluster(args, work, cost.micro_batch)
+    return predict_cluster(args, work, cost.micro_batch, global_batch)
 
 
 def plan_worker(config_file: str) -> NoReturn:

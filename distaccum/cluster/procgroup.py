@@ -64,12 +64,15 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_flat(out: torch.Tensor, local: torch.Tensor, *, async_op: bool = False) -> Any:
+def all_gather_flat(
+    out: torch.Tensor, local: torch.Tensor, *, async_op: bool = False, group: Any = None
+) -> Any:
     """Every rank's ``local`` into ``out`` (group size x ``local.numel()``, in rank order): one all-gather on the
     default group, asked of the group object itself (``ProcessGroup.allgather``, into views of ``out``): the
     ``torch.distributed`` function in front of it checks its arguments in Python first, on every call, and the
-    window's totals gather every step. Returns the work when ``async_op``."""
-    world = dist.group.WORLD
+    window's totals gather every step. Returns the work when ``async_op``. ``group``: another group than the
+    default one (an outer-synced run's island)."""
+    world = group if group is not None else dist.group.WORLD
     assert world is not None, "no process group"
     work = world.allgather([list(out.view(world.size(), -1).unbind(0))], [local])
     if async_op:

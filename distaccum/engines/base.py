@@ -77,6 +77,25 @@ class EngineSpec:
     engines whose ranks each hold the whole reduced gradient take :class:`GradSample` of it, sharded engines their
     :class:`~distaccum.engines.checksum.ReductionChecksum`."""
 
+    islands: Any = None
+    """An outer-synced run (``outer.method``): its :class:`~distaccum.outer.islands.Islands`. The engine's world is
+    then this rank's island (its process group, its mesh), never the whole run; None: the whole world."""
+
+    @property
+    def group(self) -> Any:
+        """The process group the engine reduces over: the island's (outer-synced runs), else None (the world)."""
+        return self.islands.inner_group if self.islands is not None else None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the engine spans: the island's (outer-synced runs), else the whole world."""
+        return self.islands.layout.size if self.islands is not None else self.split.world_size
+
+    def state_dir(self, directory: Path) -> Path:
+        """Where this rank's engine state goes in a checkpoint: ``directory``, or its island's sub-directory (the
+        islands' parameters and inner optimizers differ between syncs)."""
+        return directory if self.islands is None else directory / f"replica-{self.islands.layout.index}"
+
     @property
     def compressed_dtype(self) -> torch.dtype | None:
         """The reduced dtype gradients travel in, or None when the reduction is uncompressed."""
@@ -264,7 +283,7 @@ class EngineBase:
         promise."""
         k, sync, replicas = self.spec.split.accum_steps, self.spec.sync, self.spec.replicas
         across = (k if sync == "every_micro" else 1) if replicas > 1 else 0
-        inner = 0 if self.spec.split.world_size == replicas else (1 if sync == "boundary" else k)
+        inner = 0 if self.spec.world_size == replicas else (1 if sync == "boundary" else k)
         return inner, across
 
 
@@ -365,25 +384,30 @@ class GradSample:
         return torch.mv(matrix, self._sample)
 
 
-def dcp_save(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def dcp_save(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None) -> None:
     """Model and optimizer state with ``torch.distributed.checkpoint``: every rank writes its shards
-    (FSDP2) or the replicated tensors once (DDP), under the unwrapped model's names. Collective."""
+    (FSDP2) or the replicated tensors once (DDP), under the unwrapped model's names. Collective over ``group``
+    (None: the world; an outer-synced run's island, each island into its own directory)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
+    dcp.save(
+        {"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory), process_group=group
+    )
 
 
-def dcp_load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def dcp_load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None) -> None:
     """Load what :func:`dcp_save` wrote into ``model`` and ``optimizer``, resharding to this world
     size. ``get_state_dict`` first materializes an empty optimizer's state (DCP loads into a template
-    of the same structure). Reads with ``weights_only=True``. Collective."""
+    of the same structure). Reads with ``weights_only=True``. Collective over ``group``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))  # loads in place
+    dcp.load(
+        {"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory), process_group=group
+    )  # loads in place
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 

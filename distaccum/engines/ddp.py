@@ -136,7 +136,7 @@ class ReplicatedEngine(EngineBase):
         )
         """The gradient comm hook :meth:`register_hook` installs: DDP takes exactly one, so anything that wants to
         see the reduction (the ledger, the noise scale, a test's fault) goes through it."""
-        self.world = dist.get_world_size()
+        self.world = spec.world_size
         self.averages = spec.sync == "every_micro"
         """The hook averages over the ranks (see the module docstring); the loop's ``grad_divisor`` undoes it."""
         self._named_parameters: list[tuple[str, nn.Parameter]] | None = None
@@ -188,13 +188,12 @@ class ReplicatedEngine(EngineBase):
         return self._raw()
 
     def save_state(self, directory: Path) -> dict[str, Any]:
-        dcp_save(
-            directory, self._raw(), self.optimizer
-        )  # replicated: written once, loadable on any world size
+        # replicated: written once (per island), loadable on any world size
+        dcp_save(self.spec.state_dir(directory), self._raw(), self.optimizer, self.spec.group)
         return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
-        dcp_load(directory, self._raw(), self.optimizer)
+        dcp_load(self.spec.state_dir(directory), self._raw(), self.optimizer, self.spec.group)
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
 
@@ -234,6 +233,7 @@ class DDPEngine(ReplicatedEngine):
             # copies it into the buckets -- one more copy of the parameters' size at every K > 1, none at
             # K = 1 (tests/test_engines_unit.py).
             "gradient_as_bucket_view": True,
+            "process_group": self.spec.group,  # the island's, in an outer-synced run (None: the world)
         }
 
     def adopt(self, ddp: DDP, make_optimizer: OptimizerFactory) -> DDP:

@@ -149,7 +149,11 @@ class FSDPEngine(EngineBase):
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model = model.to(device=self.device, dtype=self.precision.param_dtype)
-        mesh = self.mesh = hsdp_mesh(self.device.type, dist.get_world_size(), self.spec.replicas)
+        mesh = self.mesh = (
+            self.spec.islands.inner_mesh  # an outer-synced run: sharded over its island only
+            if self.spec.islands is not None
+            else hsdp_mesh(self.device.type, dist.get_world_size(), self.spec.replicas)
+        )
         if self.spec.replicas > 1:
             self._replicate_group = mesh.get_group("replicate").group_name
         policy = mixed_precision(
@@ -218,9 +222,9 @@ class FSDPEngine(EngineBase):
             named[0][1].dtype,  # the sharded gradients keep the parameters' own dtype
         )
         self.checksum.watch(cast(list[nn.Parameter], leaves))
-        self.checksum.replicas = self.layout() or [list(range(dist.get_world_size()))]
+        self.checksum.replicas = self.layout() or [list(range(self.spec.world_size))]
         self.checksum.tolerance = tolerance(
-            self.spec.split.accum_steps, dist.get_world_size(), [policy.reduce_dtype or unsharded]
+            self.spec.split.accum_steps, self.spec.world_size, [policy.reduce_dtype or unsharded]
         )
 
     def _fsdp(self) -> FSDPModule:
@@ -303,12 +307,14 @@ class FSDPEngine(EngineBase):
 
     def save_state(self, directory: Path) -> dict[str, Any]:
         assert self.module is not None
-        dcp_save(directory, self.module, self.optimizer)  # each rank writes its own shards: no gather
+        # each rank writes its own shards: no gather
+        dcp_save(self.spec.state_dir(directory), self.module, self.optimizer, self.spec.group)
         return {}
 
     def load_state(self, directory: Path, extra: dict[str, Any]) -> None:
         assert self.module is not None
-        dcp_load(directory, self.module, self.optimizer)  # reshards onto this world size
+        # reshards onto this world size
+        dcp_load(self.spec.state_dir(directory), self.module, self.optimizer, self.spec.group)
 
     def teardown(self) -> None:
         # Drop the sharded module and optimizer before the barrier and destroy_process_group; the

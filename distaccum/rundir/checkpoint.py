@@ -44,6 +44,8 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "model"
 RNG_DIR = "rng"
+OUTER_DIR = "outer"
+"""An outer-synced run's outer state (:class:`~distaccum.outer.sync.OuterSync`), one file per rank."""
 FORMAT = 1
 
 
@@ -265,6 +267,10 @@ def save(
             tmp.mkdir(parents=True)
         dist.barrier()
         extra = state.engine.save_state(tmp / MODEL_DIR)
+        if (
+            state.outer is not None
+        ):  # theta_g, the outer optimizer, the island's item counts: every rank's own
+            state.outer.save(tmp / OUTER_DIR, rank)
         (tmp / RNG_DIR).mkdir(exist_ok=True)
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -311,6 +317,8 @@ def restore(state: TrainState, path: Path) -> dict[str, Any]:
     come back only on the world size that wrote them."""
     trainer_state = read_trainer_state(path)
     state.engine.load_state(path / MODEL_DIR, trainer_state.get("engine", {}))
+    if state.outer is not None:
+        state.outer.load(path / OUTER_DIR, dist.get_rank())
     state.scheduler.load_state_dict(trainer_state["scheduler"])
     state.source.load_state_dict(trainer_state["source"])
     state.nonfinite_streak = int(trainer_state.get("nonfinite_streak", 0))

@@ -106,12 +106,14 @@ class StepTimer:
     """Marks the phases of each optimizer step; created once per run, on every rank (collective on
     CUDA: it creates the host-side gloo group)."""
 
-    def __init__(self, device: torch.device, ledger: CommLedger) -> None:
+    def __init__(self, device: torch.device, ledger: CommLedger, group: Any = None) -> None:
+        """``group``: the ranks whose timings are gathered (None: the world; an outer-synced run's island, which
+        on CUDA must be a gloo group)."""
         self.device = device
         self.ledger = ledger
         self.clock: Clock = CudaClock(device) if device.type == "cuda" else HostClock()
         ledger.clock = self.clock  # engines' comm hooks stamp on the same clock as the phases
-        self._group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        self._group = group if group is not None or device.type != "cuda" else dist.new_group(backend="gloo")
         self._marks: dict[str, Stamp] = {}
         self._micro_start: Stamp | None = None
         self._micro_data: list[tuple[Stamp, Stamp]] = []

@@ -24,6 +24,7 @@ POINTS = {
     "source": "this rank's window source (its micro-batches)",
     "scheduler": "the learning-rate scheduler",
     "checkpoint_writer": "the writer of distaccum's own checkpoint files",
+    "outer": "an outer-synced run's outer step (its reduce across the islands)",
 }
 """The objects a run passes through the seam, and what each is."""
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from distaccum.split import nearest_valid_global_batches, valid_splits
 from distaccum.tuning.collectives import Estimate, Group, Topology, collective, hsdp_groups, world_group
 from distaccum.units import human_bytes
 
@@ -211,6 +212,64 @@ class Cluster:
         return {"world": world_group(self.topology), "shard": shard, "replicate": replicate}
 
 
+def cluster_accum_steps(
+    micro_batch: int | None,
+    world: int,
+    *,
+    global_batch: int | None,
+    steps: int,
+    given_steps: int | None = None,
+) -> int:
+    """K predicted on a cluster of ``world`` ranks: ``given_steps`` (``--accum-steps``) when given, else the
+    configured ``global_batch`` / (``micro_batch`` x ``world``), else ``steps`` (no global batch configured:
+    each rank's micro-batches per step are kept). ValueError when the global batch does not split over the
+    cluster's ranks at this micro-batch, or the micro-batch is unknown (``auto``) and K not given."""
+    if min(micro_batch or 1, world, steps) < 1 or given_steps is not None and given_steps < 1:
+        raise ValueError(
+            f"micro_batch, world, steps and --accum-steps must be >= 1, got micro_batch={micro_batch}, "
+            f"world={world}, steps={steps}, --accum-steps {given_steps}"
+        )
+    if given_steps is not None:
+        return given_steps
+    if micro_batch is None:
+        raise ValueError(
+            "accum.micro_batch=auto: the cluster prediction needs the micro-batch "
+            "(give accum.micro_batch=M, or --accum-steps K)"
+        )
+    if global_batch is None:
+        return steps
+    per_step = micro_batch * world
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    fits = [s.micro_batch for s in valid_splits(global_batch, world)]
+    hint = (
+        f"micro-batches that split it on {world} ranks: {', '.join(map(str, fits))}"
+        if fits
+        else f"a multiple of {world} splits on {world} ranks: "
+        + " or ".join(map(str, nearest_valid_global_batches(global_batch, world)))
+    )
+    raise ValueError(
+        f"accum.global_batch={global_batch} has no split on the cluster's {world} ranks at micro-batch "
+        f"{micro_batch}: {micro_batch} x {world} ranks = {per_step} samples per micro-step, and "
+        f"{global_batch} / {per_step} = {global_batch / per_step:g} accumulation steps is not a whole number; "
+        f"{hint} (or give --accum-steps K to predict micro-batch {micro_batch} x K x {world} ranks)"
+    )
+
+
+def describe_split(micro_batch: int | None, accum_steps: int, world: int, global_batch: int | None) -> str:
+    """``micro-batch 4 x K=8 x 32 ranks = global batch 1024``, naming the configured ``global_batch`` when
+    the split's differs (``--accum-steps`` given)."""
+    if not micro_batch:
+        return f"K={accum_steps}"
+    text = (
+        f"micro-batch {micro_batch} x K={accum_steps} x {world} ranks = global batch "
+        f"{micro_batch * accum_steps * world}"
+    )
+    if global_batch is not None and global_batch != micro_batch * accum_steps * world:
+        text += f" (not the configured accum.global_batch={global_batch}: --accum-steps sets K)"
+    return text
+
+
 def predict_mode(mode: Mode, work: Workload, cluster: Cluster) -> ModePrediction:
     """Step time and communication share of ``mode`` (see the module docstring for the model)."""
     groups = cluster.groups()
@@ -256,7 +315,8 @@ def predict_modes(modes: Sequence[Mode], work: Workload, cluster: Cluster) -> li
     return [predict_mode(m, work, cluster) for m in modes]
 
 
-def _t(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``0``, ``850 µs``, ``12.5 ms`` or ``3.84 s``."""
     if seconds == 0:
         return "0"
     if seconds < 1e-3:
@@ -267,32 +327,34 @@ def _t(seconds: float) -> str:
 OP_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
 
 
-def render(rows: Sequence[ModePrediction], work: Workload, cluster: Cluster, micro_batch: int | None) -> str:
+def render(
+    rows: Sequence[ModePrediction],
+    work: Workload,
+    cluster: Cluster,
+    micro_batch: int | None,
+    global_batch: int | None = None,
+) -> str:
     """The prediction as text: what it assumes, a row per mode, each collective's modelled time.
-    Every row says it is a prediction."""
+    Every row says it is a prediction; ``global_batch`` (the configured one) is named when the split's
+    differs."""
     topo = cluster.topology
     groups = cluster.groups()
     sizes = ", ".join(
         f"{name} {g.size} ranks ({g.nodes} node{'s' if g.nodes > 1 else ''} x {g.per_node})"
         for name, g in groups.items()
     )
-    batch = (
-        f"micro-batch {micro_batch} x K={work.accum_steps} x {topo.world} ranks = global batch "
-        f"{micro_batch * work.accum_steps * topo.world}"
-        if micro_batch
-        else f"K={work.accum_steps}"
-    )
+    batch = describe_split(micro_batch, work.accum_steps, topo.world, global_batch)
     lines = [
         f"PREDICTION for {topo.nodes} nodes x {topo.gpus_per_node} GPUs = {topo.world} ranks: not a measurement. "
         "Every row below is the α–β model of docs/planning.md applied to the compute time stated here.",
-        f"links: inside a node {_rate(topo.intra.beta_bytes_per_s)} per GPU, α {topo.intra.alpha_s * 1e6:g} µs; "
-        f"between nodes {_rate(topo.inter.beta_bytes_per_s)} per node (shared by its GPUs), "
+        f"links: inside a node {rate(topo.intra.beta_bytes_per_s)} per GPU, α {topo.intra.alpha_s * 1e6:g} µs; "
+        f"between nodes {rate(topo.inter.beta_bytes_per_s)} per node (shared by its GPUs), "
         f"α {topo.inter.alpha_s * 1e6:g} µs",
         f"groups: {sizes}; HSDP replicas {cluster.replicas}",
         f"model: {work.params:,} parameters; reductions {work.grad_bytes:g} B/param, gathers {work.param_bytes:g} "
         f"B/param, compressed reductions {work.compressed_bytes:g} B/param",
-        f"compute per micro-batch: {_t(work.compute_s)} ({work.compute_basis}); data {_t(work.data_s)}; optimizer step "
-        + (f"{_t(work.optim_s)} over all parameters" if work.optim_s else "not included (--optim-ms)")
+        f"compute per micro-batch: {duration(work.compute_s)} ({work.compute_basis}); data {duration(work.data_s)}; optimizer step "
+        + (f"{duration(work.optim_s)} over all parameters" if work.optim_s else "not included (--optim-ms)")
         + f"; {batch}",
         f"overlap: forward gathers behind {1 - work.backward_fraction:.0%} of the compute, backward collectives "
         f"behind {work.backward_fraction:.0%}, in {work.units} units (the first gather and the last reduction of a "
@@ -306,8 +368,8 @@ def render(rows: Sequence[ModePrediction], work: Workload, cluster: Cluster, mic
             f"{n} {OP_SHORT[key.split('@')[0]]} {key.split('@')[1]}" for key, n in r.calls.items()
         )
         lines.append(
-            f"| {r.mode.key} | {calls} | {_t(r.comm_s)} | {_t(r.overlapped_s)} | "
-            f"{_t(r.exposed_s)} | {_t(r.step_s)} | {r.comm_share:.0%} | predicted |"
+            f"| {r.mode.key} | {calls} | {duration(r.comm_s)} | {duration(r.overlapped_s)} | "
+            f"{duration(r.exposed_s)} | {duration(r.step_s)} | {r.comm_share:.0%} | predicted |"
         )
     lines += [
         "",
@@ -324,10 +386,11 @@ def render(rows: Sequence[ModePrediction], work: Workload, cluster: Cluster, mic
                 seen.add(key)
                 lines.append(
                     f"| {p.comm.op} | {p.comm.group} ({p.group.size}) | {human_bytes(int(p.n_bytes))} | "
-                    f"{p.estimate.algorithm} | {_t(p.estimate.seconds)} | predicted |"
+                    f"{p.estimate.algorithm} | {duration(p.estimate.seconds)} | predicted |"
                 )
     return "\n".join(lines)
 
 
-def _rate(bytes_per_s: float) -> str:
+def rate(bytes_per_s: float) -> str:
+    """``100 Gbit/s (12.5 GB/s)``."""
     return f"{bytes_per_s * 8 / 1e9:g} Gbit/s ({bytes_per_s / 1e9:g} GB/s)"

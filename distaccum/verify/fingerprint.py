@@ -99,7 +99,9 @@ class Fingerprint:
     once that window is read (:meth:`after_step`), or at once (:meth:`flush`). Collective: every rank calls it at
     every step."""
 
-    def __init__(self, engine: Any, run_dir: Path, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self, engine: Any, run_dir: Path, rank: int, world_size: int, device: torch.device, group: Any = None
+    ) -> None:
         self.engine, self.run_dir, self.rank, self.world, self.device = (
             engine,
             run_dir,
@@ -107,6 +109,8 @@ class Fingerprint:
             world_size,
             device,
         )
+        self.group = group
+        """The group the ranks it compares share (None: the world; an outer-synced run's island)."""
         self.gradients = bool(getattr(engine, "replicated_gradients", False))
         """Compare the replicated gradient's sample (else: check the sharded engine's reduction checksum)."""
         self.warned: set[str] = set()
@@ -150,7 +154,7 @@ class Fingerprint:
         """Every rank's ``local`` (one all-gather, collective) as rows on the host."""
         local = local.to(collective_device(), torch.float64).contiguous()
         out = torch.empty(self.world * local.numel(), dtype=torch.float64, device=local.device)
-        all_gather_flat(out, local)
+        all_gather_flat(out, local, group=self.group)
         return out.view(self.world, -1).tolist()
 
     def _judge(self, step: int, rows: list[list[float]]) -> None:

@@ -35,6 +35,7 @@ from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping, valid_splits
 from distaccum.engines import engine_class
+from distaccum.outer.simulate import run_outer_reference
 from distaccum.preflight import preflight
 from distaccum.resolve import resolve_sync
 from distaccum.rundir import CONSOLE_LOG, LAUNCH_CONFIG, SEED
@@ -77,7 +78,7 @@ def candidate_splits(cfg: RunConfig) -> list[Split]:
     """
     configured = cfg.split(cfg.trainer.nproc)
     chosen = [configured]
-    if cfg.verify.splits == "auto":
+    if cfg.verify.splits == "auto" and not cfg.outer.enabled:  # outer-synced: the islands depend on the split
         lanes: list[list[Split]] = []
         replicas = cfg.engine.replicas if cfg.engine.replicas != "auto" else 1
         for world in range(cfg.trainer.nproc, 0, -1):
@@ -340,7 +341,11 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         f"{cfg.trainer.max_steps} optimizer steps, {len(job.splits)} candidate split(s)"
     )
     echo(
-        f"  reference: plain PyTorch in one process, the whole window ({global_batch} samples) in one "
+        f"  reference: {cfg.outer.method} simulated in one process, each island's samples of a step in one "
+        f"forward/backward, replica after replica, then the merge, {ref_precision}, the same seed checkpoint, "
+        "samples, optimizers and schedule"
+        if cfg.outer.enabled
+        else f"  reference: plain PyTorch in one process, the whole window ({global_batch} samples) in one "
         f"forward/backward, {ref_precision}, the same seed checkpoint, samples, optimizer and schedule"
     )
     echo(
@@ -470,9 +475,17 @@ def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
         threads = torch.get_num_threads()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or threads))
         try:
-            run_reference(
-                reference_config(cfg, run_dir, seed), checked.components, run_dir, global_batch=global_batch
-            )
+            if cfg.outer.enabled:  # the simulator of the islands, on the split they are cut from
+                run_outer_reference(
+                    reference_config(cfg, run_dir, seed), checked.components, run_dir, split=splits[0]
+                )
+            else:
+                run_reference(
+                    reference_config(cfg, run_dir, seed),
+                    checked.components,
+                    run_dir,
+                    global_batch=global_batch,
+                )
         finally:
             torch.set_num_threads(threads)
         return EXIT_OK
@@ -485,6 +498,8 @@ def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
         return launch_local(cand, config_file)
 
     def replay(split: Split) -> list[Replayed] | None:
+        if cfg.outer.enabled:  # the replays know one reduction per step, not the islands' merges
+            return None
         grads = micro_gradients(
             checked.components,
             split,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -72,25 +72,27 @@ def parameter_checksums(
 
 
 def check_consistency(
-    engine: Engine, step: int, run_dir: Path | None = None, *, record: bool = False
+    engine: Engine, step: int, run_dir: Path | None = None, *, record: bool = False, group: Any = None
 ) -> None:
     """Raise :class:`RankDivergenceError` naming the step and parameter if ranks disagree.
 
     With ``run_dir``, rank 0 also writes ``divergence.json`` there before raising, and with
     ``record`` appends this step's checksums to ``checksums.jsonl`` (used by ``distaccum verify``).
-    Collective: every rank must call it at the same step.
+    Collective: every rank of ``group`` (None: the world; an outer-synced run's island, whose parameters differ
+    from the other islands' between syncs) must call it at the same step.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1 and not record:
         return
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
     names, numels, local = parameter_checksums(engine.full_parameters())
     if world > 1:
         local = local.to(collective_device())
         gathered = [torch.zeros_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local)
+        dist.all_gather(gathered, local, group=group)
         _compare_ranks(names, [g.cpu() for g in gathered], step, run_dir if rank == 0 else None)
-    if record and rank == 0 and run_dir is not None:
+    world_rank = dist.get_rank() if dist.is_initialized() else 0  # island 0's first rank records
+    if record and world_rank == 0 and run_dir is not None:
         append_checksums(run_dir, step, names, numels, local)
 
 
@@ -145,16 +147,25 @@ class Tripwire:
     are judged for this step just before it: a broken reduction is reported as such, at its own step."""
 
     def __init__(
-        self, engine: Engine, every: int, run_dir: Path, *, record: bool, first: Sequence[PendingCheck] = ()
+        self,
+        engine: Engine,
+        every: int,
+        run_dir: Path,
+        *,
+        record: bool,
+        first: Sequence[PendingCheck] = (),
+        group: Any = None,
     ) -> None:
         self.engine, self.every, self.run_dir, self.record = engine, every, run_dir, record
         self.first = list(first)
+        self.group = group
+        """The ranks compared (None: the world; an outer-synced run's island)."""
 
     def after_step(self, step: int, window: object, c: float, d: float) -> None:
         if self.every and (step - 1) % self.every == 0:
             for check in self.first:
                 check.flush()
-            check_consistency(self.engine, step, self.run_dir, record=self.record)
+            check_consistency(self.engine, step, self.run_dir, record=self.record, group=self.group)
 
     def fields(
         self, record: dict[str, object], times: object, records: list[dict[str, object]]

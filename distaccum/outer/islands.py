@@ -1,0 +1,104 @@
+"""Which ranks form each model replica (island) of an outer-synced run, and the two groups that follow from it.
+
+Island i holds the ``size`` consecutive ranks i*size .. (i+1)*size-1: a multi-node launch numbers ranks node by
+node, so with one island per node every island's inner group stays inside its node and only the outer sync
+crosses the slow link. The device mesh is ``(replicas, size)`` named ``("replica", "inner")``: the ``inner``
+dimension is the island (the engine's whole world: DDP's process group, FSDP2's mesh, the window's collective),
+the ``replica`` dimension joins the ranks of equal inner index across islands (the outer sync's group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class IslandLayout:
+    """The pure layout: ``replicas`` islands of ``size`` ranks each; this rank's place in it."""
+
+    replicas: int
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, world: int, rank: int, replicas: int) -> IslandLayout:
+        """The layout of ``world`` ranks in ``replicas`` islands; ValueError when it does not divide."""
+        if replicas < 1 or world % replicas:
+            raise ValueError(
+                f"outer.replicas={replicas} must divide the world of {world} ranks (each island holds "
+                f"world/replicas ranks)"
+            )
+        return cls(replicas, world // replicas, rank)
+
+    @property
+    def index(self) -> int:
+        """This rank's island."""
+        return self.rank // self.size
+
+    @property
+    def inner_rank(self) -> int:
+        """This rank's rank inside its island."""
+        return self.rank % self.size
+
+    def ranks(self, island: int) -> list[int]:
+        """The global ranks of ``island``."""
+        return list(range(island * self.size, (island + 1) * self.size))
+
+    def peers(self, inner_rank: int) -> list[int]:
+        """The global ranks of inner index ``inner_rank`` in every island (one outer-sync group)."""
+        return [i * self.size + inner_rank for i in range(self.replicas)]
+
+
+def resolve_outer_replicas(value: int | str, world: int, nodes: int) -> int:
+    """``outer.replicas`` as a number: auto is one island per node on a multi-node launch, else one per rank."""
+    if value == "auto":
+        return nodes if nodes > 1 else world
+    return int(value)
+
+
+@dataclass
+class Islands:
+    """The layout with its process groups (built collectively by every rank, once, before the engine)."""
+
+    layout: IslandLayout
+    mesh: Any
+    """The ``(replicas, size)`` DeviceMesh named ``("replica", "inner")``."""
+
+    @classmethod
+    def build(cls, layout: IslandLayout, device: torch.device) -> Islands:
+        """Create the mesh and its groups (collective: every rank calls it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device.type, (layout.replicas, layout.size), mesh_dim_names=("replica", "inner")
+        )
+        return cls(layout, mesh)
+
+    @property
+    def inner_mesh(self) -> Any:
+        """The island's 1-D mesh (FSDP2 shards over it)."""
+        return self.mesh["inner"]
+
+    @property
+    def inner_group(self) -> Any:
+        """The island's process group: every collective of an optimizer step runs on it."""
+        return self.mesh.get_group("inner")
+
+    def host_group(self) -> Any:
+        """The island's group for host (CPU) tensors: the inner group on CPU; on CUDA a gloo group of the island's
+        ranks (collective: every rank creates every island's)."""
+        if self.mesh.device_type != "cuda":
+            return self.inner_group
+        import torch.distributed as dist
+
+        islands = [self.layout.ranks(i) for i in range(self.layout.replicas)]
+        mine, _ = dist.new_subgroups_by_enumeration(islands, backend="gloo")
+        return mine
+
+    @property
+    def outer_group(self) -> Any:
+        """The group of this rank's peers in the other islands (the outer sync)."""
+        return self.mesh.get_group("replica")

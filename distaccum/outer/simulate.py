@@ -1,0 +1,217 @@
+"""The single-process simulator ``distaccum verify`` compares outer-synced runs with: R replicas one after another.
+
+It shares with the run only the user's model factory, dataset, collate, loss and optimizer factory (and the
+learning-rate schedule), like :mod:`distaccum.verify.reference`, and none of :mod:`distaccum.outer.sync`: no
+process group, no flat buffers, no fragment bookkeeping beyond the schedule's arithmetic, no torch SGD for the outer
+step. Each optimizer step t, for each replica i in turn, it takes the samples island i's ranks read at step t (the
+global-batch plan cut for the run's split, ranks i*S .. i*S+S-1) in ONE forward/backward of
+
+    sum(loss over those samples' items) / (their item count)
+
+clips, and steps replica i's own optimizer and schedule. After the steps at which fragment p syncs it merges p
+parameter by parameter, with the weights written out:
+
+    w_i = n_i / sum_j n_j   (n_i: replica i's items since p's last sync; 1/R for weighting=equal)
+    local_sgd: theta_g = sum_i w_i theta_i
+    diloco:    d = sum_i w_i (theta_g - theta_i);  b = mu b + d;  theta_g -= lr (d + mu b if nesterov else b)
+
+and every replica continues from theta_g. It records replica 0's loss and gradient norm every step and replica 0's
+parameter checksums after every step (after the merge at a sync step), which is what rank 0 of the run records,
+and saves replica 0's final model (every replica holds theta_g after the closing sync).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distaccum.components import Components, build_model
+from distaccum.config import RunConfig, to_mapping
+from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.pipeline import to_device
+from distaccum.data.stream import is_stream
+from distaccum.engines.base import Precision
+from distaccum.optim import build_optimizer, build_scheduler
+from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
+from distaccum.rundir import (
+    CHECKSUMS,
+    CONFIG,
+    FINAL_CONFIG,
+    FINAL_DIR,
+    FINAL_WEIGHTS,
+    METRICS,
+    Record,
+    write_json,
+)
+from distaccum.rundir.weights import save_weights
+from distaccum.split import Split
+from distaccum.telemetry.sinks import JsonlSink
+from distaccum.verify.tripwire import append_checksums, parameter_checksums
+
+
+def island_indices(
+    plan: GlobalBatchPlan, step: int, split: Split, layout: IslandLayout, island: int
+) -> list[int]:
+    """The sample indices island ``island``'s ranks read at 0-based ``step`` (all their micro-batches)."""
+    window = plan.window(step)
+    return [
+        int(i)
+        for rank in layout.ranks(island)
+        for piece in window.rank_micro_batches(split, rank)
+        for i in piece.tolist()
+    ]
+
+
+def run_outer_reference(
+    cfg: RunConfig, parts: Components, run_dir: Path, *, split: Split, seed_out: Path | None = None
+) -> Record:
+    """Simulate ``cfg``'s outer-synced run on ``split`` in this process; returns the summary (module docstring)."""
+    if is_stream(parts.dataset):
+        raise ValueError(
+            "verify of outer.method runs needs a map-style dataset (a stream has no global-batch plan)"
+        )
+    outer = cfg.outer
+    layout = IslandLayout.of(split.world_size, 0, resolve_outer_replicas(outer.replicas, split.world_size, 1))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (METRICS, CHECKSUMS):
+        (run_dir / stale).unlink(missing_ok=True)
+    names = parts.describe()
+    write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": names})
+    precision = Precision.of(cfg.precision)
+    device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
+    first = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, names["model"])
+    if seed_out is not None:
+        save_weights(first.state_dict(), seed_out)
+    torch.manual_seed(cfg.trainer.seed + 1_000_003)
+    models = [copy.deepcopy(first).to(device) for _ in range(layout.replicas)]
+    params = [[p for p in m.parameters()] for m in models]
+    optimizers = [parts.optimizer(ps) if parts.optimizer else build_optimizer(ps, cfg.optim) for ps in params]
+    schedulers = [
+        build_scheduler(opt, cfg.optim, cfg.trainer.max_steps, global_batch=split.global_batch)
+        for opt in optimizers
+    ]
+    theta_g = [p.detach().clone() for p in params[0]]
+    momentum: list[torch.Tensor | None] = [None] * len(theta_g)
+    fragments = fragment_of(
+        [p.numel() for p in params[0]], outer.fragments
+    )  # the same consecutive cut as the run (arithmetic only)
+    counts = [[0.0] * outer.fragments for _ in range(layout.replicas)]
+    plan = GlobalBatchPlan(
+        len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
+        split.global_batch,
+        seed=cfg.trainer.seed,
+        shuffle=cfg.data.shuffle,
+        drop_last=cfg.data.drop_last,
+    )
+    collate = parts.collate or torch.utils.data.default_collate
+    float_dtype = torch.float64 if precision.param_dtype == torch.float64 else None
+    sink = JsonlSink(run_dir)
+    records: list[Record] = []
+    for model in models:
+        model.train()
+    for step in range(cfg.trainer.max_steps):
+        rows = []
+        for i, model in enumerate(models):
+            samples = [parts.dataset[j] for j in island_indices(plan, step, split, layout, i)]
+            batch = to_device(collate(samples), device, float_dtype)
+            with precision.autocast(device):
+                loss_sum, n_items = parts.loss(model, batch)
+            items = float(n_items)
+            (loss_sum / items).backward()
+            lr = schedulers[i].get_last_lr()[0]
+            norm = float(torch.nn.utils.clip_grad_norm_(params[i], cfg.optim.clip_norm or math.inf))
+            if math.isfinite(norm):
+                optimizers[i].step()
+                schedulers[i].step()
+            optimizers[i].zero_grad(set_to_none=True)
+            for p in range(outer.fragments):
+                counts[i][p] += items
+            rows.append((float(loss_sum.detach()) / items, norm, lr, items, len(samples)))
+        for p in outer.syncing(step + 1, cfg.trainer.max_steps):
+            merge(
+                outer, fragments[p], params, theta_g, momentum, [counts[i][p] for i in range(layout.replicas)]
+            )
+            for i in range(layout.replicas):
+                counts[i][p] = 0.0
+        names_, numels, values = parameter_checksums(models[0].named_parameters())
+        append_checksums(run_dir, step + 1, names_, numels, values)
+        loss, norm, lr, items, samples_n = rows[0]
+        record: Record = {
+            "step": step + 1,
+            "loss": loss,
+            "lr": lr,
+            "samples": samples_n,
+            "items": round(items),
+            "micro_steps": 1,
+            "grad_norm": norm,
+            "skipped": not math.isfinite(norm),
+            "replica_losses": [r[0] for r in rows],
+        }
+        records.append(record)
+        sink.log(record)
+    final = run_dir / FINAL_DIR
+    save_weights(models[0].state_dict(), final / FINAL_WEIGHTS)
+    write_json(final / FINAL_CONFIG, {**to_mapping(cfg), "components": names})
+    summary: Record = {
+        "reference": f"{layout.replicas} replicas simulated one after another in one process, each step one "
+        "forward/backward per replica, then the outer merge",
+        "model": names["model"],
+        "precision": cfg.precision,
+        "world_size": 1,
+        "replicas": layout.replicas,
+        "outer": to_mapping(cfg)["outer"],
+        "global_batch": split.global_batch,
+        "steps": len(records),
+        "final_loss": records[-1]["loss"] if records else math.nan,
+        "run_dir": str(run_dir),
+        "final_model": str(final),
+    }
+    sink.close(summary)
+    return summary
+
+
+def fragment_of(numels: list[int], fragments: int) -> list[list[int]]:
+    """The run's cut of the parameters into fragments (:func:`distaccum.outer.sync.split_fragments`: a schedule,
+    not arithmetic the simulator could check; one fragment is every parameter)."""
+    from distaccum.outer.sync import split_fragments
+
+    return split_fragments(numels, fragments)
+
+
+@torch.no_grad()
+def merge(
+    outer: Any,
+    fragment: list[int],
+    params: list[list[torch.Tensor]],
+    theta_g: list[torch.Tensor],
+    momentum: list[torch.Tensor | None],
+    counts: list[float],
+) -> None:
+    """Merge one fragment's parameters across the replicas (module docstring), written out per parameter."""
+    replicas = len(params)
+    total = math.fsum(counts)
+    weights = (
+        [1.0 / replicas] * replicas
+        if outer.weighting == "equal" or total <= 0
+        else [n / total for n in counts]
+    )
+    for k in fragment:
+        if outer.method == "local_sgd":
+            merged = sum(weights[i] * params[i][k].detach() for i in range(replicas))
+            theta_g[k] = torch.as_tensor(merged).clone()
+        else:
+            d = sum(weights[i] * (theta_g[k] - params[i][k].detach()) for i in range(replicas))
+            d = torch.as_tensor(d)
+            if outer.momentum:
+                b = d.clone() if momentum[k] is None else outer.momentum * momentum[k] + d
+                momentum[k] = b
+                update = d + outer.momentum * b if outer.nesterov else b
+            else:
+                update = d
+            theta_g[k] = theta_g[k] - outer.lr * update
+        for i in range(replicas):
+            params[i][k].copy_(theta_g[k])
