@@ -310,6 +310,8 @@ def fingerprint(
             **engine.fingerprint(cfg.engine),
         }
     )
-    if not engine.reshardable_checkpoints:
+    if (
+        not engine.reshardable_checkpoints or cfg.outer.enabled
+    ):  # outer-synced: per-island state, one file per rank
         out["world_size"] = world_size
     return json.loads(json.dumps(out, default=str))

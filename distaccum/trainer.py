@@ -322,6 +322,8 @@ class Trainer:
             summary["placement"] = run.placement
         if run.last_eval is not None:
             summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
+        if state.outer is not None:
+            summary["outer"] = state.outer.summary(state.records)
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
             config = {**to_mapping(cfg), "components": run.prepared.names}
             tokenizer = getattr(self.components.dataset, "tokenizer", None)

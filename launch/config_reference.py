@@ -25,12 +25,13 @@ SECTIONS = {
     "log": config.LogConfig,
     "verify": config.VerifyConfig,
     "slurm": config.SlurmConfig,
+    "outer": config.OuterConfig,
 }
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under each field of dataclass ``cls`` in config.py."""
-    tree = ast.parse(Path(config.__file__).read_text())
+    """Docstrings written under each field of dataclass ``cls`` in its module (config.py, or a leaf it imports)."""
+    tree = ast.parse(Path(str(sys.modules[cls.__module__].__file__)).read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     docs: dict[str, str] = {}
     body = node.body

@@ -2,7 +2,7 @@
 
 - SIGKILL of one rank mid-run with ``trainer.max_restarts=1``: torch elastic restarts the group, it
   resumes from the last periodic checkpoint, every step is in metrics.jsonl exactly once, and the final
-  parameters are bit-identical to an uninterrupted run (DDP, FSDP2 via DCP, DeepSpeed ZeRO-2).
+  parameters are bit-identical to an uninterrupted run (DDP, FSDP2 via DCP, DeepSpeed ZeRO-2, DiLoCo islands).
 - A world-2 run resumed on world 1 at the same global batch ends where an uninterrupted world-2 run does.
 - A SIGSTOPped rank ends the run within ``collective_timeout_s`` (+ the launcher's grace), named.
 - A NaN on one rank is skipped by every rank; persistent NaN stops the run with a diagnosis.
@@ -111,6 +111,9 @@ ENGINES = {
     "ddp": ("engine=ddp",),
     "fsdp": ("engine=fsdp",),
     "zero2": ("engine=deepspeed", "engine.zero_stage=2"),
+    # Outer-synced (issue 47): 2 islands of 1 rank, 2 fragments; the kill lands between two fragments' syncs, so
+    # the checkpoint must hold the global parameters, the outer momentum and each island's unsynced item counts.
+    "diloco": ("engine=ddp", "outer.method=diloco", "outer.every=4", "outer.fragments=2", "outer.replicas=2"),
 }
 N = 36  # 9 checkpoints; the kill lands at one of them (N // 3), two thirds of the run still to go
 
@@ -243,3 +246,15 @@ def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(tmp_
     # The same loss node (a resume must not change it); it stops before step 20's checkpoint.
     resumed = run(run_dir, "trainer.max_steps=15", *inject(LOSS, fault("FullDisk", step=20)))
     assert resumed.returncode == 0 and "after optimizer step 10" in resumed.stdout, resumed.stderr[-3000:]
+
+
+def test_an_outer_synced_checkpoint_refuses_another_island_count(tmp_path: Path) -> None:
+    """Each island's inner state and every rank's outer state are per rank: a resume on another world (and so
+    another island count) is refused before any worker starts, naming both settings."""
+    run_dir = tmp_path / "islands"
+    outer = ("outer.method=diloco", "outer.every=2", "trainer.max_steps=4", "trainer.checkpoint_every=2")
+    assert run(run_dir, *outer).returncode == 0
+    again = run(run_dir, *outer, "trainer.max_steps=6", "trainer.nproc=1", "outer.replicas=1")
+    assert again.returncode == 2, again.stderr[-3000:]
+    message = again.stdout + again.stderr
+    assert "world_size" in message and "outer.replicas" in message and "islands" in message

@@ -146,6 +146,8 @@ class OuterSync:
             if cfg.method == "diloco"
             else []
         )
+        self.model_bytes = sum(int(p.numel()) * p.element_size() for p in module.parameters())
+        """The whole model's parameters in bytes (what a synchronous step's gradient all-reduce carries)."""
         self.items = [0.0] * len(self.fragments)
         """This island's loss items since each fragment's last sync (its merge weight)."""
         self.last = SyncStats([])
@@ -249,6 +251,26 @@ class OuterSync:
                 f"{rows[bad[0]]} vs {rows[0]}, inner rank {self.layout.inner_rank}). The islands did not merge the "
                 "same numbers: a rank-dependent outer step, or a corrupted exchange. Stopped before training on."
             )
+
+    def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """``summary.json``'s ``outer`` section from this rank's records: what crossed between the islands against
+        a synchronous run of the same steps (a gradient all-reduce of the whole model across the islands every
+        step), per island: every rank of an island sends its slice (DDP) or shard (FSDP2), so the island sends its
+        ranks' bytes times their number."""
+        island_bytes = sum(int(r.get("comm_bytes_outer", 0)) for r in records) * self.layout.size
+        items = sum(float(r.get("items", 0)) for r in records)
+        synchronous = len(records) * self.model_bytes
+        return {
+            "method": self.cfg.method,
+            "replicas": self.layout.replicas,
+            "every": self.cfg.every,
+            "fragments": self.cfg.fragments,
+            "syncs": sum(int(r.get("outer_synced", 0)) for r in records),
+            "bytes_across_per_island": island_bytes,
+            "bytes_across_per_item": island_bytes / items if items else math.nan,
+            "synchronous_bytes_per_island": synchronous,
+            "reduction_factor": synchronous / island_bytes if island_bytes else math.inf,
+        }
 
     # --- around the step ----------------------------------------------------------------------------------
 

@@ -76,7 +76,10 @@ ALLOWED_KEYS: dict[str, str] = {
 
 REFUSED_KEYS: dict[str, str] = {
     "global_batch": "the samples per optimizer step",
-    "world_size": "how this engine's checkpoint is partitioned (one piece per rank)",
+    "world_size": "how the checkpoint is partitioned (one piece per rank: DeepSpeed's optimizer state, or an "
+    "outer-synced run's islands and their outer state)",
+    "outer.": "how the islands merge (method, period, fragments, outer optimizer) and which state each island "
+    "holds in the checkpoint",
     "optim.": "the optimizer, its learning rate, schedule and clipping",
     "model": "the model's architecture and parameters",
     "model.node": "the model's architecture and parameters",
