@@ -387,7 +387,7 @@ class Trainer:
         )
         group = islands.inner_group if islands is not None else None  # every per-step collective's ranks
         world = islands.layout.size if islands is not None else world
-        placement = self._placement(engine, rank, rank // local_world_size if node is None else node)
+        placement = self._placement(engine, rank, rank // local_world_size if node is None else node, islands)
         scheduler = testing.intercept(
             "scheduler",
             build_scheduler(
@@ -512,23 +512,26 @@ class Trainer:
         return islands
 
     @staticmethod
-    def _placement(engine: Engine, rank: int, node: int) -> dict[str, Any] | None:
-        """HSDP: every rank's node beside the replica groups (collective), shown once by rank 0."""
-        groups = engine.layout()
+    def _placement(engine: Engine, rank: int, node: int, islands: Islands | None) -> dict[str, Any] | None:
+        """HSDP's replicas or an outer-synced run's islands: every rank's node beside the groups (collective),
+        shown once by rank 0."""
+        layout = islands.layout if islands is not None else None
+        groups = engine.layout() if layout is None else [layout.ranks(i) for i in range(layout.replicas)]
         if groups is None:
             return None
         placement = gather_placement(groups, node)
+        what = (
+            f"HSDP, {len(groups)} replicas x {len(groups[0])} shards (each replica's shard group)"
+            if layout is None
+            else f"{len(groups)} islands of {len(groups[0])} rank(s) (each island's own reductions)"
+        )
         if rank == 0:
-            print(
-                f"distaccum: HSDP, {len(groups)} replicas x {len(groups[0])} shards (each replica's shard group):\n"
-                + describe_placement(groups, placement["nodes"]),
-                flush=True,
-            )
+            print(f"distaccum: {what}:\n" + describe_placement(groups, placement["nodes"]), flush=True)
             for i in split_replicas(groups, placement["nodes"]):
                 print(
-                    f"distaccum: warning: replica {i}'s shard group spans nodes: its reduce-scatters (every "
-                    "micro-batch with accum.sync=replica_boundary) cross the slow link; make engine.replicas a "
-                    "multiple of the node count",
+                    f"distaccum: warning: replica {i}'s group spans nodes: its reductions (every optimizer step, "
+                    "every micro-batch with accum.sync=replica_boundary) cross the slow link; make "
+                    f"{'engine' if layout is None else 'outer'}.replicas a multiple of the node count",
                     flush=True,
                 )
         return placement

@@ -583,9 +583,9 @@ def test_the_distaccum_variant_changes_only_the_documented_settings(tmp_path: Pa
 def test_the_harness_patches_nothing_of_the_library_and_stays_small() -> None:
     """benchmarks/ builds its variants from configs and Trainer arguments: no assignment to an attribute of anything
     imported from distaccum, no private name imported from it, no setattr or monkeypatching; and the folder holds
-    at most 12 files."""
+    at most 13 files."""
     files = [p for p in (ROOT / "benchmarks").iterdir() if p.name != "__pycache__"]
-    assert len(files) <= 12, sorted(p.name for p in files)
+    assert len(files) <= 13, sorted(p.name for p in files)
     for path in (p for p in files if p.suffix == ".py"):
         tree = ast.parse(path.read_text())
         library = {

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import REPO
-from distaccum.verify.bugzoo import BUGS, Row, render
+from distaccum.verify.bugzoo import BUGS, CONFIGS, Row, render
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -120,6 +120,26 @@ def test_the_2025_26_bugs_are_caught_at_their_first_bad_step_and_diagnosed(zoo: 
         assert checksum[0]["step"] == 1 and "reduction checksum" in checksum[0]["message"]
     else:  # the run completes: verify's replay names the clip after every micro-batch's reduction
         assert zero3["verify"]["quantity"] == "grad_norm" and zero3["diagnosis"] == "clipping"
+
+
+OUTER_BUGS = {
+    "outer_sign_flipped": "DiLoCo pseudo-gradient with the wrong sign",
+    "outer_sum_as_mean": "the islands' SUM used as their mean (DiLoCo)",
+}
+"""The outer-sync bugs peers shipped (torchft #233 / torchtitan #1507, torchft #286): name -> title."""
+
+
+def test_the_outer_sync_bugs_are_caught_by_verify_at_the_first_outer_step_and_diagnosed(zoo: Zoo) -> None:
+    rows = {r["bug"]: r for r in zoo[1]}
+    first_sync = CONFIGS["gpt_diloco"]["outer"]["every"]  # H: one fragment, so its first sync is after step H
+    for name, title in OUTER_BUGS.items():
+        row = rows[name]
+        assert row["title"] == title and row["caught"] and row["step"] == first_sync, row
+        # every island is wrong alike: no runtime check can tell, the simulator can
+        assert not row["runtime"] and row["caught_by"] == [f"verify: step {first_sync} parameter"], row
+        assert row["diagnosis"] == name and row["diagnosis_correct"], row
+    assert "-1 times as far" in rows["outer_sign_flipped"]["diagnosis_message"]
+    assert "2 times as far" in rows["outer_sum_as_mean"]["diagnosis_message"]
 
 
 def test_the_controls_stay_clean(zoo: Zoo) -> None:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from distaccum.components import Components
-from distaccum.config import Split
+from distaccum.config import Split, from_mapping
 from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.datasets import SyntheticRegression
 from distaccum.losses import mse
@@ -25,9 +25,11 @@ from distaccum.verify.diagnosis import (
     StepFacts,
     diagnose,
     rule_gradient_scale,
+    rule_outer_merge,
     simple_fraction,
     step_facts,
 )
+from distaccum.verify.outer_merge import first_sync, merge_factor
 from distaccum.verify.replay import MicroGradients, combinations, micro_gradients
 
 pytestmark = pytest.mark.unit
@@ -186,3 +188,36 @@ def test_the_correct_replay_is_the_plain_whole_window_gradient(tmp_path: Path) -
     found = combinations(m, split, clip_norm=1.0)
     assert found[0].name == "correct" and found[0].grad_norm == pytest.approx(float(expected), rel=1e-12)
     assert {h.cause for h in found[1:]} <= set(CAUSES) and "clip_per_micro" in {h.name for h in found}
+
+
+def test_the_first_outer_steps_factor_names_a_flipped_sign_or_a_sum_used_as_the_mean() -> None:
+    seed = {"a": 1.0, "b": -2.0, "c": 0.5}
+    moved = {
+        "a": 0.3,
+        "b": -0.1,
+        "c": 0.02,
+    }  # the simulator's movement of each tensor's sum at the first sync
+
+    def sums(f: float, noise: float = 0.0) -> dict[str, list[float]]:
+        return {n: [seed[n] + f * d + noise, 1.0, 4] for n, d in moved.items()}
+
+    names = list(seed)
+    assert merge_factor(seed, sums(1.0), sums(-1.0, 1e-7), names) == pytest.approx(-1.0, rel=1e-5)
+    assert merge_factor(seed, sums(1.0), sums(2.0), names) == pytest.approx(2.0, rel=1e-12)
+    not_a_multiple = {**sums(2.0), "b": [seed["b"] - 0.5, 1.0, 4]}
+    assert merge_factor(seed, sums(1.0), not_a_multiple, names) is None
+    assert merge_factor(seed, sums(0.0), sums(1.0), names) is None  # the simulator did not move: no slope
+    facts = lambda f, islands=2: StepFacts(outer_merge=(2, f, islands))  # noqa: E731
+    assert rule_outer_merge(facts(-1.0000008)).cause == "outer_sign_flipped"  # type: ignore[union-attr]
+    assert rule_outer_merge(facts(2.0000014)).cause == "outer_sum_as_mean"  # type: ignore[union-attr]
+    assert rule_outer_merge(facts(4.0, islands=4)).cause == "outer_sum_as_mean"  # type: ignore[union-attr]
+    for f, islands in ((1.0000008, 2), (1.0, 1), (3.0, 2), (0.5, 2), (-0.9, 2)):
+        assert rule_outer_merge(facts(f, islands)) is None, (f, islands)
+    [first, *_] = diagnose(failed(2, "parameter"), RunFacts(), SPLIT, None, steps=facts(-1.0))
+    assert first.cause == "outer_sign_flipped" and {"outer_sign_flipped", "outer_sum_as_mean"} <= set(CAUSES)
+    # Only tensors whose fragment syncs for the first time count (fragment p first syncs after (p+1) H/P)
+    cfg = from_mapping(
+        {"outer": {"method": "diloco", "every": 2, "fragments": 2}, "trainer": {"max_steps": 5}}
+    )
+    checksums = {"a": [0.0, 0.0, 10], "b": [0.0, 0.0, 10], "c": [0.0, 0.0, 5]}
+    assert [first_sync(cfg, step, checksums) for step in range(1, 6)] == [["a"], ["b", "c"], [], [], []]

@@ -1,6 +1,6 @@
 """Two launcher processes on one machine (--nnodes=2, c10d rendezvous on 127.0.0.1) form one world: FSDP2 hybrid
 sharding with 2 ranks per "node" puts one replica on each node (engine.replicas=auto), each shard group within
-one node, as the launcher's plan said."""
+one node, as the launcher's plan said; an outer-synced run puts one island on each node (outer.replicas=auto)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from distaccum.cluster.local import free_ports
 pytestmark = pytest.mark.dist
 
 
-def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path: Path) -> None:
-    run_dir = tmp_path / "two-nodes"
+def two_nodes(run_dir: Path, *overrides: str) -> list[tuple[str, str]]:
+    """Two launchers of 2 ranks each on loopback forming one world of 4; their (stdout, stderr)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [
         sys.executable,
@@ -26,7 +26,7 @@ def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path:
         "distaccum",
         "train",
         "model=mlp",
-        "engine=fsdp",
+        *overrides,
         "trainer.nnodes=2",
         "trainer.nproc=2",
         f"trainer.rdzv_endpoint=127.0.0.1:{free_ports()[0]}",
@@ -38,13 +38,19 @@ def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path:
     ]
     nodes = [
         subprocess.Popen(
-            cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd, cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for _ in range(2)
     ]
     outputs = [node.communicate(timeout=240) for node in nodes]
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
+    return outputs
+
+
+def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path: Path) -> None:
+    run_dir = tmp_path / "two-nodes"
+    outputs = two_nodes(run_dir, "engine=fsdp")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["replicas"] == 2 and summary["sync"] == "replica_boundary"
     placement = summary["placement"]  # every rank's node as its launcher numbered it (GROUP_RANK)
@@ -59,3 +65,20 @@ def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path:
     assert all(
         r["comm_rounds"] == 2 and r["comm_rounds_replicate"] == 1 and r["samples"] == 32 for r in records
     )
+
+
+def test_two_nodes_make_one_island_each_for_an_outer_synced_run(tmp_path: Path) -> None:
+    """outer.replicas=auto on a 2-node launch: one island per node, so every step's reduction stays in a node and
+    only the outer sync crosses between them (issue 47.6), as the launcher's plan says."""
+    run_dir = tmp_path / "islands"
+    outputs = two_nodes(run_dir, "engine=ddp", "outer.method=diloco", "outer.every=1")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outer"]["replicas"] == 2 and summary["outer"]["syncs"] == 2
+    placement = summary["placement"]
+    assert placement["replicas"] == [[0, 1], [2, 3]] and sorted(placement["nodes"]) == [0, 0, 1, 1]
+    for group in placement["replicas"]:
+        assert len({placement["nodes"][rank] for rank in group}) == 1, placement  # an island is one node
+    printed = "".join(out for out, _ in outputs)
+    assert "island 0: ranks 0-1 on node 0" in printed and "island 1: ranks 2-3 on node 1" in printed
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["comm_calls_outer"] == 1 and r["comm_calls_replicate"] == 0 for r in records)

@@ -194,3 +194,22 @@ def test_submit_dry_run_shows_the_hsdp_mapping(tmp_path: Path, capsys: pytest.Ca
     header = capsys.readouterr().out.split("#SBATCH")[0]
     assert "HSDP: 2 replicas x 2 shards over 2 node(s) of 2 ranks" in header
     assert "replica 0: ranks 0-1 on node 0" in header and "replica 1: ranks 2-3 on node 1" in header
+
+
+def test_submit_dry_run_shows_one_island_per_node(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An outer-synced job (issue 47.6): outer.replicas=auto puts one island on each Slurm node, and the rendered
+    script says so; no HSDP inside an island, even with engine=fsdp."""
+    from distaccum.cli.submit import submit_main
+
+    overrides = [
+        "--dry-run",
+        "slurm.nodes=2",
+        "engine=fsdp",
+        "model=mlp",
+        "outer.method=diloco",
+        "outer.every=10",
+    ]
+    assert submit_main([*overrides, f"run_dir={tmp_path / 'run'}"]) == 0
+    header = capsys.readouterr().out.split("#SBATCH")[0]
+    assert "outer sync: 2 islands x 2 rank(s) over 2 node(s) of 2 ranks" in header and "HSDP" not in header
+    assert "island 0: ranks 0-1 on node 0" in header and "island 1: ranks 2-3 on node 1" in header

@@ -13,6 +13,7 @@ from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
 from distaccum.cluster.topology import placement_plan
 from distaccum.config import ConfigError, to_mapping
+from distaccum.outer.islands import island_plan
 from distaccum.preflight import preflight
 from distaccum.rundir import LAUNCH_CONFIG, STATUS, write_json
 
@@ -67,6 +68,8 @@ def train_task(dcfg: Any) -> int:
         flush=True,
     )
     for line in placement_plan(checked.run.engine.replicas, cfg.trainer.nnodes, cfg.trainer.nproc):
+        print(f"distaccum: {line}", flush=True)
+    for line in island_plan(checked.run.outer_replicas, cfg.trainer.nnodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
     code = launch_local(cfg, config_file)
     write_json(

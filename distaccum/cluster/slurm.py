@@ -25,6 +25,7 @@ from pathlib import Path
 from distaccum.cluster.topology import placement_plan, resolve_replicas
 from distaccum.config import RunConfig
 from distaccum.engines import engine_class
+from distaccum.outer.islands import island_plan, resolve_outer_replicas
 
 SCRIPT_NAME = "submit.sbatch"
 """File name of the rendered script inside ``run_dir``."""
@@ -116,10 +117,18 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
     replicas = resolve_replicas(
         cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, nproc * slurm.nodes, slurm.nodes
     )
+    islands = (
+        resolve_outer_replicas(cfg.outer.replicas, nproc * slurm.nodes, slurm.nodes)
+        if cfg.outer.enabled
+        else 0
+    )
+    if islands:
+        replicas = 1  # the islands are the replicas (no HSDP inside one)
     lines = [
         "#!/bin/bash",
         "# Rendered by distaccum.cluster.slurm.render_sbatch; submit with `distaccum submit` or sbatch.",
         *(f"# {line}" for line in placement_plan(replicas, slurm.nodes, nproc)),
+        *(f"# {line}" for line in island_plan(islands, slurm.nodes, nproc)),
         *_directives(cfg),
         "",
         "set -euo pipefail",

@@ -33,7 +33,7 @@ class OuterConfig:
     the launch spans several nodes, else one per rank."""
     fragments: int = 1
     """P: the parameters in P fragments (consecutive parameters of about equal size) synced at staggered offsets,
-    fragment p after steps (p+1) H/P, (p+1) H/P + H, ... (streaming DiLoCo); every must be a multiple of P."""
+    fragment p after steps floor((p+1) H/P), then every H steps (streaming DiLoCo); at most every."""
     lr: float = 0.7
     """Outer learning rate (diloco)."""
     momentum: float = 0.9
@@ -58,13 +58,13 @@ class OuterConfig:
             isinstance(self.replicas, (str, bool)) or not isinstance(self.replicas, int) or self.replicas < 1
         ):
             raise ValueError(f"outer.replicas must be a positive integer or 'auto', got {self.replicas!r}")
-        for name, value in (("every", self.every), ("fragments", self.fragments)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"outer.{name} must be a positive integer, got {value!r}")
-        if self.every % self.fragments:
+        for key, number in (("every", self.every), ("fragments", self.fragments)):
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise ValueError(f"outer.{key} must be a positive integer, got {number!r}")
+        if self.fragments > self.every:
             raise ValueError(
-                f"outer.every={self.every} is not a multiple of outer.fragments={self.fragments}: fragment p syncs "
-                f"after steps (p+1) x every/fragments (+ every), which must be whole steps"
+                f"outer.fragments={self.fragments} is more than outer.every={self.every}: each fragment syncs at a "
+                "step of its own within every H steps"
             )
         if self.lr <= 0:
             raise ValueError(f"outer.lr must be > 0, got {self.lr}")
@@ -91,12 +91,11 @@ class OuterConfig:
         return self.method != "none"
 
     def offsets(self) -> list[int]:
-        """Each fragment's first sync step: (p+1) H/P."""
-        period = self.every // self.fragments
-        return [(p + 1) * period for p in range(self.fragments)]
+        """Each fragment's first sync step: floor((p+1) H/P) (spread as evenly as whole steps allow)."""
+        return [(p + 1) * self.every // self.fragments for p in range(self.fragments)]
 
     def syncing(self, step: int, max_steps: int) -> list[int]:
-        """The fragments that sync after optimizer step ``step`` (1-based): fragment p when step = (p+1) H/P mod H;
+        """The fragments that sync after optimizer step ``step`` (1-based): fragment p when step = its offset mod H;
         every fragment after the last step (the closing sync: the trained model is the global one)."""
         if step >= max_steps:
             return list(range(self.fragments))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from distaccum.cluster.topology import describe_placement, split_replicas
+
 
 @dataclass(frozen=True)
 class IslandLayout:
@@ -57,6 +59,28 @@ def resolve_outer_replicas(value: int | str, world: int, nodes: int) -> int:
     if value == "auto":
         return nodes if nodes > 1 else world
     return int(value)
+
+
+def island_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
+    """What an outer-synced launch of ``nodes`` x ``per_node`` ranks in ``replicas`` islands will look like, for the
+    launchers to show (they number each node's ranks consecutively, so island i holds ranks i*S .. i*S+S-1)."""
+    world = nodes * per_node
+    if replicas < 1 or world % replicas:
+        return []
+    size = world // replicas
+    groups = [IslandLayout(replicas, size, 0).ranks(i) for i in range(replicas)]
+    node_of = [rank // per_node for rank in range(world)]
+    lines = [
+        f"outer sync: {replicas} islands x {size} rank(s) over {nodes} node(s) of {per_node} ranks (every optimizer "
+        "step reduces inside an island; only the outer sync crosses between islands):",
+        *describe_placement(groups, node_of).replace("replica ", "island ").splitlines(),
+    ]
+    if split_replicas(groups, node_of):
+        lines.append(
+            "warning: an island spans nodes, so its reduction of every optimizer step crosses the slow link; "
+            "choose outer.replicas as a multiple of the node count"
+        )
+    return lines
 
 
 @dataclass

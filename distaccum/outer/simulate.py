@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,7 @@ def run_outer_reference(
         save_weights(first.state_dict(), seed_out)
     torch.manual_seed(cfg.trainer.seed + 1_000_003)
     models = [copy.deepcopy(first).to(device) for _ in range(layout.replicas)]
-    params = [[p for p in m.parameters()] for m in models]
+    params = [list(m.parameters()) for m in models]
     optimizers = [parts.optimizer(ps) if parts.optimizer else build_optimizer(ps, cfg.optim) for ps in params]
     schedulers = [
         build_scheduler(opt, cfg.optim, cfg.trainer.max_steps, global_batch=split.global_batch)
@@ -186,7 +187,7 @@ def fragment_of(numels: list[int], fragments: int) -> list[list[int]]:
 def merge(
     outer: Any,
     fragment: list[int],
-    params: list[list[torch.Tensor]],
+    params: Sequence[Sequence[torch.Tensor]],
     theta_g: list[torch.Tensor],
     momentum: list[torch.Tensor | None],
     counts: list[float],

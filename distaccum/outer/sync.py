@@ -223,7 +223,9 @@ class OuterSync:
         return padded[: send.numel()]
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
-        """The one cross-island collective of a fragment's sync (counted)."""
+        """The one cross-island collective of a fragment's sync (counted; none with one island: the sum of one)."""
+        if self.layout.replicas == 1:
+            return
         dist.all_reduce(tensor, group=self.islands.outer_group)
         self.last.calls += 1
         self.last.bytes += tensor.numel() * tensor.element_size()

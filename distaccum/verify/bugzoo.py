@@ -69,6 +69,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gpt_dropout": {**GPT, "model": {**GPT["model"], "dropout": 0.1}},
     "gpt_unclipped": {**GPT, "optim": {"clip_norm": None}},
     "gpt_every_micro": {**GPT, "accum": {"sync": "every_micro"}},
+    # DiLoCo over 2 islands of 1 rank, the first outer step after step 2 (the closing one after step 3)
+    "gpt_diloco": {**GPT, "outer": {"method": "diloco", "every": 2, "replicas": 2}},
     "convnet_bn": {
         "model": {"_target_": "distaccum.models.ConvNetBN", "width": 8, "depth": 2, "classes": 4},
         "data": {
@@ -285,6 +287,25 @@ BUGS: tuple[Bug, ...] = (
         (fault("CorruptReduction", "reduction", mode="skip"),),
         "rank_divergence",
         {"name": "deepspeed", "zero_stage": 3},
+    ),
+    Bug(
+        "outer_sign_flipped",
+        "DiLoCo pseudo-gradient with the wrong sign",
+        "each island sends local - global instead of global - local (torchft #233, torchtitan #1507): the outer "
+        "step moves away from the islands' progress",
+        "gpt_diloco",
+        (fault("PseudoGradientSignFlipped", "outer"),),
+        "outer_sign_flipped",
+        note="every island flips alike, so the islands agree: only the simulator tells, at the first outer step",
+    ),
+    Bug(
+        "outer_sum_as_mean",
+        "the islands' SUM used as their mean (DiLoCo)",
+        "the all-reduced SUM of the 2 islands' pseudo-gradients used as their mean, never divided by the islands "
+        "(torchft #286): the outer step is 2x too large",
+        "gpt_diloco",
+        (fault("SumAsMean", "outer"),),
+        "outer_sum_as_mean",
     ),
     Bug("control", "control: no bug", "the base configuration as it is", "gpt", control=True),
     Bug(

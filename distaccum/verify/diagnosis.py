@@ -32,6 +32,8 @@ CAUSES = (
     "clipping",
     "gradient_scale",
     "partial_window",
+    "outer_sign_flipped",
+    "outer_sum_as_mean",
     "randomness",
     "nondeterminism",
     "run_failed",
@@ -106,6 +108,10 @@ class StepFacts:
     replayed: tuple[tuple[str, str], ...] = ()
     """(cause, message) of each known wrong combination of step 1's micro-batch gradients that reproduces
     the candidate's gradient norm while the correct one does not (:mod:`distaccum.verify.replay`)."""
+    outer_merge: tuple[int, float, int] | None = None
+    """(step, f, islands) of a diloco candidate that first parts from the simulator right after a fragment's first
+    outer sync: its outer step moved the parameters f times as far from the seed as the simulator's
+    (:mod:`distaccum.verify.outer_merge`)."""
 
 
 def _close(a: Any, b: Any, rtol: float) -> bool:
@@ -343,6 +349,36 @@ def rule_partial_window(steps: StepFacts) -> Finding | None:
     )
 
 
+OUTER_FACTOR_RTOL = 1e-2
+"""How close the first outer step's factor must be to -1 or to the number of islands to be named."""
+
+
+def rule_outer_merge(steps: StepFacts) -> Finding | None:
+    """The first outer step moved the parameters -1 or R (the islands) times as far as the simulator's: the
+    pseudo-gradient's sign flipped, or the islands' SUM used as their mean. Any other factor is not named."""
+    if steps.outer_merge is None:
+        return None
+    step, f, islands = steps.outer_merge
+    moved = (
+        f"at step {step}, the first outer sync (everything before the merge matches the simulator), the outer step "
+        f"moved the parameters {f:.4g} times as far from the seed checkpoint as the simulator's"
+    )
+    if abs(f + 1) <= OUTER_FACTOR_RTOL:
+        return Finding(
+            "outer_sign_flipped",
+            f"{moved}: the opposite way. The pseudo-gradient was taken as local - global; DiLoCo's is global - "
+            "local (theta_g - theta_i), which the outer SGD descends along (torchft #233). Flip the subtraction.",
+        )
+    if islands > 1 and abs(f - islands) <= OUTER_FACTOR_RTOL * islands:
+        return Finding(
+            "outer_sum_as_mean",
+            f"{moved}: the {islands} islands' all-reduced SUM of pseudo-gradients was used as their "
+            "mean (torchft #286). Divide the sum by the islands' total weight (R for a plain mean), or weight each "
+            "island by n_i / sum_j n_j before a SUM.",
+        )
+    return None
+
+
 def rule_randomness(facts: RunFacts, split: Split) -> Finding | None:
     """Dropout masks are drawn per micro-batch and per rank, so they depend on the split."""
     if not facts.random_layers or split.accum_steps * split.world_size == 1:
@@ -397,6 +433,7 @@ def diagnose(
             *rule_replay(steps),
             rule_gradient_scale(facts, steps, rtol),
             rule_partial_window(steps),
+            rule_outer_merge(steps),
             rule_randomness(facts, split),
             rule_nondeterminism(facts),
         )

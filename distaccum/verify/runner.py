@@ -62,6 +62,7 @@ from distaccum.verify.diagnosis import (
     step_facts,
     unequal_items,
 )
+from distaccum.verify.outer_merge import outer_merge_fact
 from distaccum.verify.reference import run_reference
 from distaccum.verify.replay import Replayed, combinations, micro_gradients
 
@@ -192,6 +193,8 @@ class VerifyJob:
     replay: Callable[[Split], list[Replayed] | None] | None = None
     """Step 1's micro-batch gradients combined the correct way and every known wrong way, for a split
     (:mod:`distaccum.verify.replay`); None: not available (a script, a stream, random layers)."""
+    seed: Path | None = None
+    """The seed checkpoint every run starts from (an outer-synced run's first outer step is measured from it)."""
 
 
 @dataclass
@@ -420,6 +423,11 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         steps = step_facts(report, ref.data.records, run.data.records, tol.steps.rtol, run.split)
         steps = replace(steps, warnings=warned, console=run.data.console if run.exit_code else "")
         steps = replace(steps, replayed=replayed(run, steps))
+        if job.seed is not None and cfg.outer.enabled:
+            merge = outer_merge_fact(
+                cfg, run.split.world_size, job.seed, report, ref.data.checksums, run.data.checksums
+            )
+            steps = replace(steps, outer_merge=merge)
         return diagnose(
             report, facts, run.split, unequal_items(run.data.records), run.exit_code, steps, tol.steps.rtol
         )
@@ -520,6 +528,7 @@ def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
         lambda: model_facts(checked.model, cfg.accum.loss_norm),
         checked.components.describe()["model"],
         replay=replay,
+        seed=seed,
     )
 
 

@@ -1,0 +1,92 @@
+"""How far a DiLoCo candidate's first outer step moved, against the simulator's: the merge's factor.
+
+At fragment p's first sync (after step s) the outer optimizer's momentum buffer is empty and theta_g is still the
+seed checkpoint's theta_0, so the outer SGD step is linear in the merged pseudo-gradient dbar (torch's SGD: the
+buffer starts as dbar; Nesterov steps along dbar + mu dbar):
+
+    theta_g(s) = theta_0 - lr (1 + mu) dbar        (without Nesterov: theta_0 - lr dbar)
+
+When every step before s matched the simulator, the islands' parameters before the merge, and with them dbar, are
+the simulator's. A candidate whose merge is off by a factor f (it applies f dbar) ends at theta_0 - lr (1 + mu) f
+dbar, and the per-tensor sums of ``checksums.jsonl`` are linear too:
+
+    sum_cand(s) - sum_0 = f (sum_ref(s) - sum_0)        for every tensor of the fragment
+
+so f is the least-squares slope over the fragment's tensors, kept only when it fits each of them. f = 1 is a
+correct merge, f = -1 a pseudo-gradient of the wrong sign, f = R (the islands) their SUM used as the mean
+(:func:`distaccum.verify.diagnosis.rule_outer_merge` names them).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from distaccum.config import RunConfig
+from distaccum.outer.islands import resolve_outer_replicas
+from distaccum.outer.sync import split_fragments
+from distaccum.rundir.weights import load_weights
+from distaccum.verify.compare import Report
+
+FIT = 1e-2
+"""The most the candidate's movement may leave unexplained by one slope (relative, as a norm over the tensors):
+rounding leaves ~1e-6 in fp32; a merge that is not a constant multiple of the simulator's leaves far more."""
+
+
+def seed_sums(path: Path) -> dict[str, float]:
+    """The fp64 sum of every tensor of the seed checkpoint at ``path``."""
+    return {name: float(t.to(torch.float64).sum()) for name, t in load_weights(path).items()}
+
+
+def first_sync(cfg: RunConfig, step: int, checksums: dict[str, list[float]]) -> list[str]:
+    """The parameters whose fragment syncs for the first time after ``step`` (empty: no fragment does). The
+    fragments are the run's cut of the parameters in ``checksums``' order (its element counts)."""
+    offsets = cfg.outer.offsets()
+    due = [p for p in cfg.outer.syncing(step, cfg.trainer.max_steps) if offsets[p] >= step]
+    if not due:
+        return []
+    names = list(checksums)
+    groups = split_fragments([int(v[2]) for v in checksums.values()], cfg.outer.fragments)
+    return [names[i] for p in due for i in groups[p]]
+
+
+def merge_factor(
+    seed: dict[str, float],
+    ref: dict[str, list[float]],
+    cand: dict[str, list[float]],
+    names: list[str],
+    fit: float = FIT,
+) -> float | None:
+    """f: the slope of the candidate's movement from the seed over the reference's, tensor by tensor (module
+    docstring), when one slope explains the candidate's movement to within ``fit``; None otherwise."""
+    pairs = [
+        (cand[n][0] - seed[n], ref[n][0] - seed[n]) for n in names if n in seed and n in ref and n in cand
+    ]
+    moved = math.fsum(r * r for _, r in pairs)
+    if not pairs or moved <= 0:
+        return None
+    f = math.fsum(c * r for c, r in pairs) / moved
+    left = math.fsum((c - f * r) ** 2 for c, r in pairs)
+    return f if left <= fit**2 * math.fsum(c * c for c, _ in pairs) else None
+
+
+def outer_merge_fact(
+    cfg: RunConfig,
+    world_size: int,
+    seed: Path,
+    report: Report,
+    ref: dict[int, dict[str, list[float]]],
+    cand: dict[int, dict[str, list[float]]],
+) -> tuple[int, float, int] | None:
+    """(step, f, islands) when a diloco candidate first parts from the simulator in its parameters right after a
+    fragment's first sync, every earlier step and that step's loss and gradient norm matching; None otherwise."""
+    d = report.first_divergence
+    if cfg.outer.method != "diloco" or d is None or d.quantity != "parameter":
+        return None
+    if d.step not in ref or d.step not in cand or not seed.is_file():
+        return None
+    names = first_sync(cfg, d.step, ref[d.step])
+    f = merge_factor(seed_sums(seed), ref[d.step], cand[d.step], names) if names else None
+    return None if f is None else (d.step, f, resolve_outer_replicas(cfg.outer.replicas, world_size, 1))
