@@ -11,17 +11,23 @@ import pytest
 
 from distaccum.cli.plan import plan_main
 from distaccum.tuning.collectives import Link
-from distaccum.tuning.outer_plan import OuterSync, outer_row, render_outer, shown_every, smallest_hidden_every
+from distaccum.tuning.outer_plan import (
+    OuterLinkPlan,
+    outer_row,
+    render_outer,
+    shown_every,
+    smallest_hidden_every,
+)
 
 pytestmark = pytest.mark.unit
 
 GB_PER_S = Link(alpha_s=0.0, beta_bytes_per_s=1e9)  # 1 GB/s, no latency: times are bytes / 1e9
 
 
-def sync(**kw: object) -> OuterSync:
+def sync(**kw: object) -> OuterLinkPlan:
     """1M fp32 parameters across 2 replicas at 1 GB/s, 1 ms steps, unless ``kw`` says otherwise."""
     base: dict[str, object] = {"params": 1_000_000, "replicas": 2, "link": GB_PER_S, "step_s": 1e-3}
-    return OuterSync(**{**base, **kw})  # type: ignore[arg-type]
+    return OuterLinkPlan(**{**base, **kw})  # type: ignore[arg-type]
 
 
 def test_one_sync_is_a_ring_all_reduce_of_one_fragment() -> None:
@@ -53,7 +59,7 @@ def test_rows_by_hand() -> None:
     assert outer_row(sync(replicas=1), 1).reduction is None
 
 
-def brute_force(s: OuterSync) -> int:
+def brute_force(s: OuterLinkPlan) -> int:
     return next(h for h in range(s.fragments, 10**6, s.fragments) if outer_row(s, h).hidden)
 
 

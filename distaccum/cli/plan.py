@@ -33,7 +33,7 @@ from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import PLAN, PLAN_TABLE, SWEEP_SCRIPT, read_json
 from distaccum.tuning.collectives import Link, Topology, gbps
-from distaccum.tuning.outer_plan import OUTER_BYTES, OuterSync, render_outer
+from distaccum.tuning.outer_plan import OUTER_BYTES, OuterLinkPlan, render_outer
 from distaccum.tuning.scaleout import (
     MODE_KEYS,
     Cluster,
@@ -281,7 +281,7 @@ def cluster_of(args: argparse.Namespace, *, need_links: bool = True) -> Cluster:
     return cluster
 
 
-def outer_of(args: argparse.Namespace, work: Workload) -> tuple[OuterSync, str]:
+def outer_of(args: argparse.Namespace, work: Workload) -> tuple[OuterLinkPlan, str]:
     """The outer sync of the ``--outer-*`` and ``--replica-link-*`` flags on the ``--nodes`` cluster, with
     where its link comes from (ValueError naming the wrong or missing flag)."""
     topo = cluster_of(args, need_links=False).topology
@@ -309,7 +309,7 @@ def outer_of(args: argparse.Namespace, work: Workload) -> tuple[OuterSync, str]:
         raise ValueError(
             f"--replica-link-gbps must be > 0 and --replica-link-latency-ms >= 0, got {gbit:g} and {latency_ms:g}"
         )
-    sync = OuterSync(
+    sync = OuterLinkPlan(
         params=work.params,
         replicas=replicas,
         link=Link(alpha_s=latency_ms / 1e3, beta_bytes_per_s=gbps(gbit)),

@@ -162,16 +162,24 @@ def placement_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
     world = nodes * per_node
     if replicas <= 1 or world % replicas:
         return []
-    groups = replica_groups(world, replicas)
-    node_of = [rank // per_node for rank in range(world)]
-    lines = [
+    return groups_plan(
+        replicas,
+        nodes,
+        per_node,
         f"HSDP: {replicas} replicas x {world // replicas} shards over {nodes} node(s) of {per_node} ranks "
         "(a shard group = one replica; the reduce-scatter stays inside it, the all-reduce crosses replicas):",
-        *describe_placement(groups, node_of).splitlines(),
-    ]
-    if split_replicas(groups, node_of):
-        lines.append(
-            "warning: a shard group spans nodes, so the per-micro-batch reduce-scatter crosses the slow "
-            "link; choose engine.replicas as a multiple of the node count"
-        )
-    return lines
+        "warning: a shard group spans nodes, so the per-micro-batch reduce-scatter crosses the slow "
+        "link; choose engine.replicas as a multiple of the node count",
+    )
+
+
+def groups_plan(
+    groups: int, nodes: int, per_node: int, header: str, warning: str, name: str = "replica"
+) -> list[str]:
+    """``header``, one line per group of consecutive ranks (``groups`` of them over ``nodes`` x ``per_node``) and
+    the nodes it runs on, and ``warning`` when a group spans nodes (:func:`placement_plan`, the islands' plan)."""
+    world = nodes * per_node
+    ranks = replica_groups(world, groups)
+    node_of = [rank // per_node for rank in range(world)]
+    lines = [header, *describe_placement(ranks, node_of).replace("replica ", f"{name} ").splitlines()]
+    return lines + ([warning] if split_replicas(ranks, node_of) else [])

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from distaccum.cluster.topology import describe_placement, split_replicas
+from distaccum.cluster.topology import groups_plan
 
 
 @dataclass(frozen=True)
@@ -67,20 +67,16 @@ def island_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
     world = nodes * per_node
     if replicas < 1 or world % replicas:
         return []
-    size = world // replicas
-    groups = [IslandLayout(replicas, size, 0).ranks(i) for i in range(replicas)]
-    node_of = [rank // per_node for rank in range(world)]
-    lines = [
-        f"outer sync: {replicas} islands x {size} rank(s) over {nodes} node(s) of {per_node} ranks (every optimizer "
-        "step reduces inside an island; only the outer sync crosses between islands):",
-        *describe_placement(groups, node_of).replace("replica ", "island ").splitlines(),
-    ]
-    if split_replicas(groups, node_of):
-        lines.append(
-            "warning: an island spans nodes, so its reduction of every optimizer step crosses the slow link; "
-            "choose outer.replicas as a multiple of the node count"
-        )
-    return lines
+    return groups_plan(
+        replicas,
+        nodes,
+        per_node,
+        f"outer sync: {replicas} islands x {world // replicas} rank(s) over {nodes} node(s) of {per_node} ranks "
+        "(every optimizer step reduces inside an island; only the outer sync crosses between islands):",
+        "warning: an island spans nodes, so its reduction of every optimizer step crosses the slow link; "
+        "choose outer.replicas as a multiple of the node count",
+        name="island",
+    )
 
 
 @dataclass

@@ -30,27 +30,24 @@ from typing import Any
 
 import torch
 
-from distaccum.components import Components, build_model
+from distaccum.components import Components
 from distaccum.config import RunConfig, to_mapping
 from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream
-from distaccum.engines.base import Precision
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
 from distaccum.rundir import (
-    CHECKSUMS,
-    CONFIG,
     FINAL_CONFIG,
     FINAL_DIR,
     FINAL_WEIGHTS,
-    METRICS,
     Record,
     write_json,
 )
 from distaccum.rundir.weights import save_weights
 from distaccum.split import Split
 from distaccum.telemetry.sinks import JsonlSink
+from distaccum.verify.reference import start_reference
 from distaccum.verify.tripwire import append_checksums, parameter_checksums
 
 
@@ -77,16 +74,7 @@ def run_outer_reference(
         )
     outer = cfg.outer
     layout = IslandLayout.of(split.world_size, 0, resolve_outer_replicas(outer.replicas, split.world_size, 1))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (METRICS, CHECKSUMS):
-        (run_dir / stale).unlink(missing_ok=True)
-    names = parts.describe()
-    write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": names})
-    precision = Precision.of(cfg.precision)
-    device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
-    first = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, names["model"])
-    if seed_out is not None:
-        save_weights(first.state_dict(), seed_out)
+    names, precision, device, first = start_reference(cfg, parts, run_dir, seed_out)
     torch.manual_seed(cfg.trainer.seed + 1_000_003)
     models = [copy.deepcopy(first).to(device) for _ in range(layout.replicas)]
     params = [list(m.parameters()) for m in models]

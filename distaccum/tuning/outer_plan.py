@@ -37,7 +37,7 @@ SHOWN_EVERY = (1, 10, 50, 100, 500)
 
 
 @dataclass(frozen=True, kw_only=True)
-class OuterSync:
+class OuterLinkPlan:
     """R replicas, the link joining them, and the work between two syncs."""
 
     params: int
@@ -115,7 +115,7 @@ class OuterRow:
         return self.exposed_per_step_s == 0
 
 
-def outer_row(sync: OuterSync, every: int) -> OuterRow:
+def outer_row(sync: OuterLinkPlan, every: int) -> OuterRow:
     """The outer sync every ``every`` steps (the formulas of the module docstring)."""
     sync.check_every(every)
     period = every // sync.fragments  # steps between two fragment syncs
@@ -132,7 +132,7 @@ def outer_row(sync: OuterSync, every: int) -> OuterRow:
     )
 
 
-def smallest_hidden_every(sync: OuterSync) -> int | None:
+def smallest_hidden_every(sync: OuterLinkPlan) -> int | None:
     """The smallest H, a multiple of F, whose sync hides behind its H/F steps; None when nothing hides it
     (steps of 0 seconds)."""
     t = sync.sync_s()
@@ -148,14 +148,14 @@ def smallest_hidden_every(sync: OuterSync) -> int | None:
     return period * sync.fragments
 
 
-def shown_every(sync: OuterSync, extra: Iterable[int | None] = ()) -> list[int]:
+def shown_every(sync: OuterLinkPlan, extra: Iterable[int | None] = ()) -> list[int]:
     """The H values of the table: :data:`SHOWN_EVERY` rounded up to multiples of F, and ``extra``."""
     f = sync.fragments
     values = {math.ceil(h / f) * f for h in SHOWN_EVERY} | {h for h in extra if h is not None}
     return sorted(values)
 
 
-def render_outer(sync: OuterSync, every: int | None, *, step_basis: str, link_basis: str) -> str:
+def render_outer(sync: OuterLinkPlan, every: int | None, *, step_basis: str, link_basis: str) -> str:
     """The outer-sync prediction as text: what it assumes, the smallest hidden H, a row per H (the table's,
     ``every`` and the smallest), and the synchronous run it replaces. Every row says it is a prediction."""
     smallest = smallest_hidden_every(sync)

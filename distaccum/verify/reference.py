@@ -77,14 +77,13 @@ def window_samples(
         yield planned.epoch, [parts.dataset[int(i)] for i in planned.indices], planned.partial
 
 
-def run_reference(
-    cfg: RunConfig, parts: Components, run_dir: Path, *, global_batch: int, seed_out: Path | None = None
-) -> Record:
-    """Train ``cfg.trainer.max_steps`` plain steps of ``global_batch`` samples; returns the summary.
-
-    The model is built exactly as a training run builds it (seed, precision, ``init_from``);
-    ``seed_out`` saves those initial weights first (the seed checkpoint other runs start from).
-    """
+def start_reference(
+    cfg: RunConfig, parts: Components, run_dir: Path, seed_out: Path | None
+) -> tuple[dict[str, str], Precision, torch.device, torch.nn.Module]:
+    """What every reference starts with: its run directory (no stale records, the config), its precision and device,
+    and the model built exactly as a training run builds it (seed, precision, ``init_from``), saved first to
+    ``seed_out`` when given (the seed checkpoint other runs start from). Returns (component names, precision, device,
+    the model on the CPU)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (METRICS, CHECKSUMS):
         (run_dir / stale).unlink(missing_ok=True)
@@ -95,6 +94,18 @@ def run_reference(
     model = build_model(parts.model, cfg.trainer.seed, precision, cfg.trainer.init_from, names["model"])
     if seed_out is not None:
         save_weights(model.state_dict(), seed_out)
+    return names, precision, device, model
+
+
+def run_reference(
+    cfg: RunConfig, parts: Components, run_dir: Path, *, global_batch: int, seed_out: Path | None = None
+) -> Record:
+    """Train ``cfg.trainer.max_steps`` plain steps of ``global_batch`` samples; returns the summary.
+
+    The model is built exactly as a training run builds it (seed, precision, ``init_from``);
+    ``seed_out`` saves those initial weights first (the seed checkpoint other runs start from).
+    """
+    names, precision, device, model = start_reference(cfg, parts, run_dir, seed_out)
     facts = {"batch_stat_layers": batch_stat_layers(model), "random_layers": random_layers(model)}
     torch.manual_seed(cfg.trainer.seed + 1_000_003)  # what rank 0 of a run draws from (dropout)
     model = model.to(device)
