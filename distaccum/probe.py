@@ -94,7 +94,7 @@ def probe(
 ) -> ProbeReport:
     """Run the component checks and the normalization probe on sample 0 (a stream's first sample);
     raise ValueError on failure. A dataset with ``check_model(model)`` checks that the model fits its
-    samples (distaccum.textdata: vocabulary, positions).
+    samples (distaccum.textdata: vocabulary, positions); with ``check_loss(loss)``, that the loss does (a shift).
 
     ``names`` maps 'model', 'dataset', 'collate', 'loss' to their ``_target_`` for messages. The
     model runs in eval mode without gradients, and the global RNG state is restored afterwards, so
@@ -121,6 +121,9 @@ def probe(
     check_fit = getattr(dataset, "check_model", None)
     if callable(check_fit):  # a dataset that knows what its samples need (vocabulary, positions)
         check_fit(model)
+    check_loss = getattr(dataset, "check_loss", None)
+    if callable(check_loss):  # ... and what its loss must do with them (shift the labels)
+        check_loss(loss)
     with torch.random.fork_rng(devices=[]):
         try:
             sample = next(iter(dataset), _EMPTY) if stream else dataset[0]

@@ -208,6 +208,21 @@ def _sample(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
+def check_shifting_loss(loss: Any) -> None:
+    """ValueError when ``loss`` is distaccum's token cross-entropy without ``shift``: these samples' labels equal
+    their inputs (the loss must shift them), so an unshifted loss trains the model to copy its input -- the loss
+    falls fast and means nothing. Other losses are the user's to know."""
+    from distaccum.losses import token_cross_entropy
+
+    if getattr(loss, "func", None) is token_cross_entropy and not getattr(loss, "keywords", {}).get("shift"):
+        raise ValueError(
+            "data=text_files samples carry labels equal to their inputs (the Hugging Face convention: the loss "
+            "shifts them), but the loss is distaccum.losses.token_cross_entropy without shift: the model would "
+            "learn to copy its input. Use loss=causal_ce (shift: true), e.g. `model=tiny_gpt data=text_files "
+            "loss=causal_ce`"
+        )
+
+
 class TextFiles(Dataset):
     """Local text/JSONL files as a map-style dataset of token samples (see the module docstring);
     ``options`` are :class:`_TextOptions`'s (text_field, tokenizer, packing, block_size, ...)."""
@@ -317,6 +332,10 @@ class TextFiles(Dataset):
         """See :meth:`_TextOptions.check_model` (called by the normalization probe)."""
         self.options.check_model(model)
 
+    def check_loss(self, loss: Any) -> None:
+        """See :func:`check_shifting_loss` (called by the normalization probe)."""
+        check_shifting_loss(loss)
+
 
 class TextStream(IterableDataset):
     """The samples of :class:`TextFiles`, in the same order, streamed from the files (``datasets``
@@ -382,6 +401,10 @@ class TextStream(IterableDataset):
     def check_model(self, model: nn.Module) -> None:
         """See :meth:`_TextOptions.check_model`."""
         self.options.check_model(model)
+
+    def check_loss(self, loss: Any) -> None:
+        """See :func:`check_shifting_loss`."""
+        check_shifting_loss(loss)
 
 
 def text_files(

@@ -61,7 +61,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     # From the repository root: DeepSpeed's compiled op is cached in .cache/torch_extensions there.
     run = subprocess.run(
-        [sys.executable, "-m", "distaccum", "bugzoo", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "distaccum", "bugzoo", f"run_dir={run_dir}"],
         cwd=REPO,
         env=env,
         capture_output=True,

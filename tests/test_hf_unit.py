@@ -342,3 +342,15 @@ def test_eval_dataset_node_is_instantiated_at_the_edge(corpus: tuple[list[Path],
     parts = instantiate_components(cfg)
     assert isinstance(parts.eval_dataset, TextFiles) and len(parts.eval_dataset) < len(parts.dataset)
     assert eval_dataset(cfg.eval, parts.dataset, parts.eval_dataset) is parts.eval_dataset
+
+
+def test_an_unshifted_token_loss_on_text_files_is_refused_before_training(
+    corpus: tuple[list[Path], str],
+) -> None:
+    """model=tiny_gpt data=text_files keeps tiny_gpt's token_ce (no shift): labels equal the inputs, so the model
+    would learn to copy them. The probe refuses it naming loss=causal_ce; the shifted loss passes."""
+    files, cache = corpus
+    ds = TextFiles([str(f) for f in files], cache_dir=cache, block_size=32)
+    with pytest.raises(ValueError, match="loss=causal_ce"):
+        probe(tiny(), ds, pad_collate, partial(token_cross_entropy, ignore_index=-100))
+    probe(tiny(), ds, pad_collate, partial(token_cross_entropy, ignore_index=-100, shift=True))

@@ -248,3 +248,15 @@ def test_resolve_islands() -> None:
     two = resolve(config(outer={"method": "local_sgd", "replicas": 2}), 4, cpu)
     assert two.outer_replicas == 2 and two.engine.replicas == 1  # the islands are the replicas
     assert resolve(from_mapping({"trainer": {"device": "cpu"}}), 2, cpu).outer_replicas == 0  # method=none
+
+
+def test_verify_refuses_a_compressed_outer_merge_before_running_anything(tmp_path: Any) -> None:
+    """No derived rounding bound for a bf16 merge: verify says so and names the uncompressed setting."""
+    from distaccum.config import ConfigError
+    from distaccum.verify import verify
+
+    config = {"model": {"_target_": "distaccum.models.MLP"}, "run_dir": str(tmp_path)}
+    config["outer"] = {"method": "diloco", "every": 2, "reduce_dtype": "bf16"}
+    with pytest.raises(ConfigError, match="outer.reduce_dtype=fp32"):
+        verify(config)
+    assert not any(tmp_path.iterdir())  # nothing ran

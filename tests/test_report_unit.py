@@ -228,7 +228,30 @@ def test_eval_lines_become_a_column_and_crosses_on_the_loss_panel(tmp_path: Path
     markdown = render_markdown(rows, [], [run], 1e-4, 1e-6)
     assert "| eval loss (ppl) |" in markdown and f"| 1.2000 ({math.exp(1.2):.2f}) |" in markdown
     requires("matplotlib")
-    from distaccum.telemetry.report import plot_report
+    from distaccum.telemetry.figure import plot_report
 
     plot_report(rows, {"r": run.losses}, [], tmp_path / "report.png", 1e-4, {"r": run.eval_losses})
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_one_run_has_nothing_to_compare_and_no_agreement_panel(tmp_path: Path) -> None:
+    runs = discover([write_run(tmp_path / "solo", [3.0, 2.0, 1.5])])
+    agreements = check_agreement(runs, 1e-4, 1e-6)
+    rows = build_rows(runs, agreements)
+    assert "One run: nothing to compare" in render_markdown(rows, agreements, runs, 1e-4, 1e-6)
+    requires("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from distaccum.telemetry.figure import report_figure
+
+    fig = report_figure(rows, {r.label: r.losses for r in runs}, agreements, 1e-4)
+    titles = [ax.get_title() for ax in fig.axes]
+    plt.close(fig)
+    assert len(titles) == 2 and not any("agreement" in t for t in titles), titles
+    two = discover([write_run(tmp_path / "a", [3.0, 2.0]), write_run(tmp_path / "b", [3.0, 2.0])])
+    agreements = check_agreement(two, 1e-4, 1e-6)
+    rows = build_rows(two, agreements)
+    assert "One run" not in render_markdown(rows, agreements, two, 1e-4, 1e-6)
+    fig = report_figure(rows, {r.label: r.losses for r in two}, agreements, 1e-4)
+    assert len(fig.axes) == 3 and fig.axes[2].get_title() == "loss agreement"
+    plt.close(fig)

@@ -30,7 +30,7 @@ commands:
                                                         every split of the global batch; recommend one
   report  RUN_DIR [RUN_DIR ...] [--out DIR]            tables and plots of finished runs and sweeps
   submit  [overrides] [--dry-run]                      render an sbatch script and submit it to Slurm
-  bugzoo  [--run-dir DIR] [--only NAME,...] [--list]   inject known accumulation bugs into real runs: what
+  bugzoo  [run_dir=DIR] [--only NAME,...] [--list]     inject known accumulation bugs into real runs: what
                                                         catches each one, and is the diagnosis right
 
 Overrides use Hydra's syntax: key=value (accum.micro_batch=8), group=option (model=mlp),

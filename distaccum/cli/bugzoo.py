@@ -1,7 +1,8 @@
-"""``distaccum bugzoo [--run-dir DIR] [--only NAME,...] [--list]``: inject every known accumulation bug into
+"""``distaccum bugzoo [run_dir=DIR] [--only NAME,...] [--list]``: inject every known accumulation bug into
 a real run, verify it and watch its runtime checks (:mod:`distaccum.verify.bugzoo`); print the table and
-write ``DIR/bugzoo.json``. Exit codes: 0 every bug caught and every control clean; 1 a bug not caught or
-a control that fired; 2 bad arguments."""
+write ``DIR/bugzoo.json``. ``run_dir=DIR`` is the override ``train``, ``verify``, ``plan`` and ``submit``
+take; ``--run-dir DIR`` means the same. Exit codes: 0 every bug caught and every control clean; 1 a bug not caught or a control
+that fired; 2 bad arguments."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import time
 from pathlib import Path
 
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
+from distaccum.cli.helptext import plain_text
+
+RUN_DIR_KEY = "run_dir"
+"""The one override the zoo takes: its runs' configurations are fixed by the bugs."""
 
 
 def bugzoo_worker(plan_file: str) -> None:
@@ -21,22 +26,43 @@ def bugzoo_worker(plan_file: str) -> None:
     worker_exit(lambda: zoo_worker(Path(plan_file)))
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The zoo's options from ``argv``: ``run_dir=DIR`` or ``--run-dir DIR``, ``--only``, ``--list``.
+
+    Exits through ``parser.error`` (status 2, the accepted forms named) on any other override."""
+    parser = argparse.ArgumentParser(prog="distaccum bugzoo", description=plain_text(__doc__ or ""))
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="run_dir=DIR",
+        help="where the runs and bugzoo.json go (default runs/bugzoo-<time>), as for `distaccum train`",
+    )
+    parser.add_argument("--run-dir", type=Path, default=None, metavar="DIR", help="the same as run_dir=DIR")
+    parser.add_argument(
+        "--only", default="", metavar="NAME,...", help="comma-separated bug names (default: all)"
+    )
+    parser.add_argument("--list", action="store_true", help="list the bugs and exit")
+    opts = parser.parse_args(argv)
+    for override in opts.overrides:
+        key, eq, value = override.partition("=")
+        if key != RUN_DIR_KEY or not eq or not value:
+            parser.error(
+                f"{override!r}: bugzoo takes run_dir=DIR (or --run-dir DIR), --only NAME,... and --list; "
+                "the configurations of its runs are fixed by the bugs"
+            )
+        if opts.run_dir is not None and opts.run_dir != Path(value):
+            parser.error(f"two run directories: {opts.run_dir} and {value}; give one")
+        opts.run_dir = Path(value)
+    return opts
+
+
 def bugzoo_main(argv: list[str]) -> int:
     """Run the zoo (or the bugs named with ``--only``) and print its table."""
     from distaccum.verify.bugzoo import BUGS, ZOO_FILE, render, run_zoo
 
-    parser = argparse.ArgumentParser(prog="distaccum bugzoo", description=__doc__)
-    parser.add_argument(
-        "--run-dir",
-        type=Path,
-        default=None,
-        help="where the runs and bugzoo.json go (default runs/bugzoo-<time>)",
-    )
-    parser.add_argument("--only", default="", help="comma-separated bug names (default: all)")
-    parser.add_argument("--list", action="store_true", help="list the bugs and exit")
     try:
-        opts = parser.parse_args(argv)
-    except SystemExit as exc:
+        opts = parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help (0) and on bad usage (2)
         return int(exc.code or 0) and EXIT_CONFIG
     if opts.list:
         for bug in BUGS:

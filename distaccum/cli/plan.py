@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
+from distaccum.cli.helptext import plain_text
 from distaccum.cli.worker import worker_exit
 from distaccum.cluster.topology import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
@@ -126,12 +126,6 @@ CLUSTER_ONLY = (
 """Flags that only mean something with ``--nodes``."""
 DEFAULT_REPLICA_LATENCY_MS = 10.0
 """α of a stated link between replicas: a link between sites (a WAN's one-way latency is 1-50 ms)."""
-ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`~?([^`]+)`")
-
-
-def plain_text(doc: str) -> str:
-    """``doc`` for a terminal: reStructuredText roles (:mod:`a.b`) and inline literals (``x``) as plain text."""
-    return ROLE.sub(r"\1", doc).replace("``", "")
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:

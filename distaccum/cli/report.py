@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
+from distaccum.cli.helptext import plain_text
+from distaccum.telemetry.figure import plot_report
 from distaccum.telemetry.report import (
     build_rows,
     check_agreement,
     discover,
     gns_series,
-    plot_report,
     render_markdown,
 )
 
@@ -28,7 +29,9 @@ EXIT_DISAGREE, EXIT_USAGE = EXIT_FAIL, EXIT_CONFIG
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The report command's arguments."""
     parser = argparse.ArgumentParser(
-        prog="distaccum report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="distaccum report",
+        description=plain_text(__doc__ or ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "runs",

@@ -560,6 +560,11 @@ def verify(
             else candidate_splits(cfg)
         )
         global_batch = cfg.global_batch(cfg.trainer.nproc)
+        if cfg.outer.enabled and cfg.outer.reduce_dtype != "fp32":
+            raise ValueError(
+                f"outer.reduce_dtype={cfg.outer.reduce_dtype} rounds every merge, and verify has no derived bound "
+                "for that rounding yet: verify the run with outer.reduce_dtype=fp32 (the same math uncompressed)"
+            )
         for split in chosen:
             if split.global_batch != global_batch:
                 raise ValueError(
