@@ -193,7 +193,9 @@ def one_rank_group(device: str) -> Iterator[None]:
         try:
             yield
         finally:
-            dist.destroy_process_group()
+            from distaccum.cluster.procgroup import destroy_world
+
+            destroy_world()  # DeepSpeed's cached groups too (see there)
 
 
 @pytest.fixture(autouse=True)

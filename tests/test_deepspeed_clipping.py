@@ -30,6 +30,20 @@ ENVIRON = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "DS_ACCELERATOR", "TORCH_EXTENSIO
 """What DeepSpeed reads (a launcher's variables) and the engine sets: put back after the module."""
 
 
+def test_a_second_world_in_the_same_process_runs_deepspeed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed keeps a clone of the world group; leaving a world through torch alone left it behind, and the next
+    world's first DeepSpeed engine in this process failed ("Group ... is not registered": the Python API run twice,
+    or in-process tests one after another). distaccum's teardown goes through deepspeed.comm once it ran.
+    Defined before the module's group fixture is first used: it makes its own worlds."""
+    for key in ENVIRON:  # put back after the test, whatever the engine sets
+        monkeypatch.delenv(key, raising=False)
+    for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(key, value)
+    for _ in range(2):
+        with one_rank_group("cpu"):
+            wrapped(None).teardown()
+
+
 @pytest.fixture(scope="module")
 def group() -> Iterator[None]:
     saved = {key: os.environ.get(key) for key in ENVIRON}

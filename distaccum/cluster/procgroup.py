@@ -8,6 +8,7 @@ case distaccum uses it and leaves it alone; a plain ``python script.py`` gets a 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -97,7 +98,19 @@ def shutdown(*, clean: bool = True) -> None:
         return
     if clean:
         dist.barrier()
-    dist.destroy_process_group()
+    destroy_world()
+
+
+def destroy_world() -> None:
+    """Destroy the default group and every group made from it. Once a DeepSpeed engine ran in this process, through
+    ``deepspeed.comm``, whose teardown also drops the groups DeepSpeed keeps (its clone of the world): destroyed
+    behind its back they outlive the group, and the next world's first DeepSpeed engine in this process fails
+    ("Group ... is not registered")."""
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
+    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+        deepspeed_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
