@@ -174,8 +174,9 @@ class OuterStep(Protocol):
 
     def after_step(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]: ...
 
-    @property
-    def last(self) -> Any: ...
+    def fields(self) -> Record:
+        """The last step's record fields (what crossed between the islands)."""
+        ...
 
 
 class StepMonitor(Protocol):
@@ -287,7 +288,8 @@ class StepEnd:
     def publish(self, state: TrainState, parts: LoopParts, split: Split) -> None:
         """Resolve the step's timings (waiting for its own events only), then record, log and call ``on_step``."""
         times = self.times.resolve()
-        record = {**step_record(self.step, split, times, self.nonfinite), **self.extra}
+        record = step_record(self.step, split, times, self.nonfinite)
+        record.update(self.extra)  # nothing unless the run is outer-synced
         for monitor in parts.monitors:
             record.update(monitor.fields(record, times, state.records))
         state.records.append(record)
@@ -341,7 +343,7 @@ def train(
         extra: Record = {}
         if parts.outer is not None:  # islands: the votes count where every island meets, at its syncs
             stopping, due = parts.outer.after_step(step, totals.items, stopping, due)
-            extra = parts.outer.last.record()
+            extra = parts.outer.fields()
         if parts.fingerprint is not None:  # the previous step's comparison came with this window
             parts.fingerprint.after_step(step, totals, done.result)
         for monitor in parts.monitors:

@@ -516,7 +516,7 @@ class Trainer:
         """HSDP's replicas or an outer-synced run's islands: every rank's node beside the groups (collective),
         shown once by rank 0."""
         layout = islands.layout if islands is not None else None
-        groups = engine.layout() if layout is None else [layout.ranks(i) for i in range(layout.replicas)]
+        groups = engine.layout() if layout is None else layout.groups()
         if groups is None:
             return None
         placement = gather_placement(groups, node)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from distaccum.cluster.topology import groups_plan
+from distaccum.cluster.topology import groups_plan, replica_groups
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,13 @@ class IslandLayout:
         """This rank's rank inside its island."""
         return self.rank % self.size
 
+    def groups(self) -> list[list[int]]:
+        """Every island's global ranks, island by island (the same rows as HSDP's replicas)."""
+        return replica_groups(self.replicas * self.size, self.replicas)
+
     def ranks(self, island: int) -> list[int]:
         """The global ranks of ``island``."""
-        return list(range(island * self.size, (island + 1) * self.size))
+        return self.groups()[island]
 
     def peers(self, inner_rank: int) -> list[int]:
         """The global ranks of inner index ``inner_rank`` in every island (one outer-sync group)."""
@@ -114,8 +118,7 @@ class Islands:
             return self.inner_group
         import torch.distributed as dist
 
-        islands = [self.layout.ranks(i) for i in range(self.layout.replicas)]
-        mine, _ = dist.new_subgroups_by_enumeration(islands, backend="gloo")
+        mine, _ = dist.new_subgroups_by_enumeration(self.layout.groups(), backend="gloo")
         return mine
 
     @property

@@ -37,6 +37,7 @@ from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
+from distaccum.outer.sync import split_fragments
 from distaccum.rundir import (
     FINAL_CONFIG,
     FINAL_DIR,
@@ -85,9 +86,7 @@ def run_outer_reference(
     ]
     theta_g = [p.detach().clone() for p in params[0]]
     momentum: list[torch.Tensor | None] = [None] * len(theta_g)
-    fragments = fragment_of(
-        [p.numel() for p in params[0]], outer.fragments
-    )  # the same consecutive cut as the run (arithmetic only)
+    fragments = split_fragments([p.numel() for p in params[0]], outer.fragments)  # the run's cut: a schedule
     counts = [[0.0] * outer.fragments for _ in range(layout.replicas)]
     plan = GlobalBatchPlan(
         len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
@@ -161,14 +160,6 @@ def run_outer_reference(
     }
     sink.close(summary)
     return summary
-
-
-def fragment_of(numels: list[int], fragments: int) -> list[list[int]]:
-    """The run's cut of the parameters into fragments (:func:`distaccum.outer.sync.split_fragments`: a schedule,
-    not arithmetic the simulator could check; one fragment is every parameter)."""
-    from distaccum.outer.sync import split_fragments
-
-    return split_fragments(numels, fragments)
 
 
 @torch.no_grad()

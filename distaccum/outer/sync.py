@@ -151,6 +151,12 @@ class OuterSync:
         self.items = [0.0] * len(self.fragments)
         """This island's loss items since each fragment's last sync (its merge weight)."""
         self.last = SyncStats([])
+        self.control_device = (
+            torch.device("cpu")
+            if not self.local or dist.get_backend(islands.outer_group) == "gloo"
+            else self.local[0].device
+        )
+        """Where the small all-gathers' float64 numbers live: the CPU on gloo, the parameters' device on NCCL."""
 
     # --- the step -------------------------------------------------------------------------------------------
 
@@ -171,6 +177,10 @@ class OuterSync:
         self._check(step, due)
         self.last.seconds = time.perf_counter() - started
         return any(row[-2] for row in rows), any(row[-1] for row in rows)
+
+    def fields(self) -> dict[str, Any]:
+        """The last step's record fields (:class:`SyncStats`)."""
+        return self.last.record()
 
     def weight(self, counts: list[float]) -> float:
         """This island's merge weight from every island's item count (module docstring)."""
@@ -232,13 +242,11 @@ class OuterSync:
 
     def _gather(self, values: list[float]) -> list[list[float]]:
         """Every island's ``values`` (one small all-gather across the islands), island by island."""
-        group = self.islands.outer_group
-        device = self.local[0].device if self.local else torch.device("cpu")
-        if dist.get_backend(group) == "gloo":
-            device = torch.device("cpu")
-        local = torch.tensor(values, dtype=torch.float64, device=device)
-        out = torch.empty(self.layout.replicas * local.numel(), dtype=torch.float64, device=device)
-        ALL_GATHER(out, local, group=group)
+        local = torch.tensor(values, dtype=torch.float64, device=self.control_device)
+        out = torch.empty(
+            self.layout.replicas * local.numel(), dtype=torch.float64, device=self.control_device
+        )
+        ALL_GATHER(out, local, group=self.islands.outer_group)
         return out.view(self.layout.replicas, -1).tolist()
 
     def _check(self, step: int, due: list[int]) -> None:
