@@ -15,7 +15,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from distaccum.outer.config import OuterConfig  # leaf modules of their own, like Split and its helpers
+from distaccum.cluster.config import (  # leaf modules of their own, like Split
+    KubeflowConfig,
+    RayConfig,
+    SlurmConfig,
+)
+from distaccum.outer.config import OuterConfig
 from distaccum.split import (  # noqa: F401
     Split,
     check_split,
@@ -435,52 +440,6 @@ class VerifyConfig:
 
 
 @dataclass(kw_only=True)
-class SlurmConfig:
-    """`distaccum submit`: what the rendered sbatch script asks for."""
-
-    nodes: int = 1
-    """Nodes (one torchrun per node)."""
-    gpus_per_node: int = 0
-    """GPUs per node; 0 means CPU workers (trainer.nproc per node)."""
-    cpus_per_task: int = 2
-    """CPUs for each node's torchrun task."""
-    partition: str | None = None
-    """--partition, when set."""
-    account: str | None = None
-    """--account, when set."""
-    time: str = "01:00:00"
-    """--time limit."""
-    job_name: str = "distaccum"
-    """--job-name."""
-    rdzv_port: int = 29500
-    """Port of the c10d rendezvous on the first node."""
-    extra: list[str] = field(default_factory=list)
-    """Extra #SBATCH directives, e.g. ['--qos=high', '--exclusive']."""
-    signal_seconds: int = 120
-    """Send USR1 this many seconds before the time limit so a partial window is checkpointed; 0: never."""
-
-    def __post_init__(self) -> None:
-        _positive("slurm", "nodes", self.nodes)
-        _positive("slurm", "cpus_per_task", self.cpus_per_task)
-        if self.gpus_per_node < 0:
-            raise ValueError(f"slurm.gpus_per_node must be >= 0, got {self.gpus_per_node}")
-        if not 0 <= self.signal_seconds <= 65535:
-            raise ValueError(f"slurm.signal_seconds must be in [0, 65535], got {self.signal_seconds}")
-        if not 1 <= self.rdzv_port <= 65535:
-            raise ValueError(f"slurm.rdzv_port must be in [1, 65535], got {self.rdzv_port}")
-        for name in ("job_name", "time", "partition", "account"):
-            value = getattr(self, name)
-            if value is not None and (not value or any(c.isspace() for c in value)):
-                raise ValueError(f"slurm.{name}={value!r} must be non-empty without whitespace")
-        self.extra = list(self.extra)
-        for directive in self.extra:
-            if not directive.startswith("-") or "\n" in directive:
-                raise ValueError(
-                    f"slurm.extra entry {directive!r} must be one sbatch option like '--qos=high'"
-                )
-
-
-@dataclass(kw_only=True)
 class RunConfig:
     """Everything one run needs. Built by :func:`from_mapping` (CLI) or directly (Python API)."""
 
@@ -498,6 +457,8 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    kubeflow: KubeflowConfig = field(default_factory=KubeflowConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     precision: str = "fp32"
     """fp32 | bf16 (autocast) | fp16 (autocast + GradScaler) | fp64."""

@@ -25,6 +25,8 @@ SECTIONS = {
     "log": config.LogConfig,
     "verify": config.VerifyConfig,
     "slurm": config.SlurmConfig,
+    "kubeflow": config.KubeflowConfig,
+    "ray": config.RayConfig,
     "outer": config.OuterConfig,
 }
 
