@@ -262,8 +262,8 @@ def plan_worker(plan_file: str, train_each: Any, after: Any = None) -> None:
 
     import torch
 
+    from distaccum.cluster.contracts import DistEnv
     from distaccum.cluster.procgroup import ensure_process_group, shutdown
-    from distaccum.cluster.topology import DistEnv
 
     code = 0
     try:

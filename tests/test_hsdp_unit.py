@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import engine_spec
+from distaccum.cluster.contracts import DistEnv
 from distaccum.cluster.topology import (
-    DistEnv,
     describe_placement,
     placement_plan,
     replica_groups,

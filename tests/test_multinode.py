@@ -82,3 +82,62 @@ def test_two_nodes_make_one_island_each_for_an_outer_synced_run(tmp_path: Path) 
     assert "island 0: ranks 0-1 on node 0" in printed and "island 1: ranks 2-3 on node 1" in printed
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["comm_calls_outer"] == 1 and r["comm_calls_replicate"] == 0 for r in records)
+
+
+def test_two_pods_given_kubeflows_pet_environment_train_as_one_launch(tmp_path: Path) -> None:
+    """Exactly the environment Kubeflow Trainer's torch runtime injects into each node's pod (PET_*: 2 nodes of 1
+    process, node ranks 0 and 1, the master on loopback), given to two `distaccum train` launchers: they meet, train
+    one world of 2 and match, bit for bit in fp64, a single launcher of 2 processes on the same global batch."""
+    common = [
+        "model=mlp",
+        "precision=fp64",
+        "accum.global_batch=32",
+        "accum.micro_batch=4",
+        "trainer.max_steps=3",
+        "log.console=quiet",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    pods_dir, single_dir = tmp_path / "pods", tmp_path / "single"
+    port = free_ports()[0]
+    pods = [
+        subprocess.Popen(
+            [sys.executable, "-m", "distaccum", "train", *common, f"run_dir={pods_dir}"],
+            cwd=tmp_path,
+            env={
+                **env,
+                "PET_NNODES": "2",
+                "PET_NPROC_PER_NODE": "1",
+                "PET_NODE_RANK": str(node),
+                "PET_MASTER_ADDR": "127.0.0.1",
+                "PET_MASTER_PORT": str(port),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    outputs = [pod.communicate(timeout=240) for pod in pods]
+    for pod, (_, err) in zip(pods, outputs, strict=True):
+        assert pod.returncode == 0, err[-3000:]
+    for node, (out, _) in enumerate(outputs):  # each pod's launcher read its own PET_*
+        assert f"node {node} of 2, 1 worker(s) here, rendezvous at 127.0.0.1:{port}" in out, out
+    single = subprocess.run(
+        [sys.executable, "-m", "distaccum", "train", *common, "trainer.nproc=2", f"run_dir={single_dir}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    def records(run_dir: Path) -> list[dict]:
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    pods_summary = json.loads((pods_dir / "summary.json").read_text())
+    assert (pods_summary["world_size"], pods_summary["accum_steps"]) == (2, 4)  # 4 x K=4 x 2 ranks = 32
+    assert [r["micro_steps"] for r in records(pods_dir)] == [4, 4, 4]
+    assert [r["loss"] for r in records(pods_dir)] == [r["loss"] for r in records(single_dir)]
+    single_summary = json.loads((single_dir / "summary.json").read_text())
+    assert pods_summary["param_sum"] == single_summary["param_sum"]

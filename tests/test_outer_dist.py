@@ -308,9 +308,9 @@ def _worker_main(plan_file: str) -> None:
     import torch.distributed as dist
 
     from distaccum import testing
+    from distaccum.cluster.contracts import DistEnv
     from distaccum.cluster.liveness import short_error
     from distaccum.cluster.procgroup import ensure_process_group, shutdown
-    from distaccum.cluster.topology import DistEnv
     from distaccum.preflight import instantiate_components
     from distaccum.trainer import Trainer
 

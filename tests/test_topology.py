@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from distaccum.cluster.topology import DistEnv, first_host, is_worker
+from distaccum.cluster.contracts import DistEnv, first_host, recognize
 
 pytestmark = pytest.mark.unit
 
@@ -31,8 +31,8 @@ def test_srun_variables_pick_first_node_as_master() -> None:
 
 
 def test_batch_script_and_plain_shell_are_not_workers() -> None:
-    assert not is_worker({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"})
-    assert not is_worker({})
+    assert not recognize({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}).is_worker
+    assert not recognize({}).is_worker
     assert DistEnv.from_environ({}).source == "single"
 
 

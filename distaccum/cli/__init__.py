@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from distaccum import __version__
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
-from distaccum.cluster.topology import is_worker
+from distaccum.cluster.contracts import ContractError, recognize
 
 USAGE = """\
 usage: distaccum <command> [options] [overrides]
@@ -133,7 +133,12 @@ def main(argv: list[str] | None = None) -> None:
 
         worker_from_file(rest[0])
     elif command == "train":
-        if is_worker(os.environ):
+        try:
+            contract = recognize(os.environ)
+        except ContractError as err:
+            print(f"distaccum: {err}", file=sys.stderr)
+            raise SystemExit(EXIT_CONFIG) from None
+        if contract.is_worker:
             from distaccum.cli.worker import worker_in_place
 
             worker_in_place(rest)

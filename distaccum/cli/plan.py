@@ -28,7 +28,7 @@ from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
 from distaccum.cli.helptext import plain_text
 from distaccum.cli.worker import worker_exit
-from distaccum.cluster.topology import DistEnv
+from distaccum.cluster.contracts import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import PLAN, PLAN_TABLE, SWEEP_SCRIPT, read_json

@@ -4,6 +4,7 @@ torchrun/srun, run as one rank). In a Hydra sweep every job is recorded, failure
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -11,8 +12,9 @@ from typing import Any
 
 from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
+from distaccum.cluster.contracts import node_launch
 from distaccum.cluster.topology import placement_plan
-from distaccum.config import ConfigError, to_mapping
+from distaccum.config import to_mapping, with_overrides
 from distaccum.outer.islands import island_plan
 from distaccum.preflight import preflight
 from distaccum.rundir import LAUNCH_CONFIG, STATUS, write_json
@@ -40,8 +42,12 @@ def train_task(dcfg: Any) -> int:
     multirun, job_dir = in_multirun()
     try:
         cfg = to_run_config(dcfg, run_dir=job_dir if multirun else None)
+        launch = node_launch(os.environ)  # a Kubeflow TrainJob's pod: the cluster sets the topology
+        if launch is not None:
+            print(f"distaccum: {launch.describe()}", flush=True)
+            cfg = with_overrides(cfg, launch.overrides())
         checked = preflight(cfg)
-    except ConfigError as err:
+    except ValueError as err:  # ConfigError, or a PET_* value the config refuses
         if not multirun:
             config_error(err)
         print(f"distaccum: skipping invalid sweep job {job_dir}: {err}", file=sys.stderr)

@@ -13,7 +13,7 @@ from typing import Any, Callable, NoReturn
 
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, EXIT_REQUEUE
-from distaccum.cluster.topology import DistEnv
+from distaccum.cluster.contracts import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import Record

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distaccum.cluster.topology import DistEnv
+from distaccum.cluster.contracts import DistEnv, recognize
 
 
 def pick_device(device: str, env: DistEnv) -> torch.device:
@@ -126,7 +126,7 @@ class Joined:
 def join(device: str, timeout_s: float) -> Joined:
     """Pick this rank's device from ``trainer.device`` and the launch environment (torchrun, srun or a
     plain process: this process's ``os.environ``) and join the process group unless one exists."""
-    env = DistEnv.from_environ(os.environ)
+    env = recognize(os.environ, group_initialized=dist.is_initialized()).env  # a half-set contract fails here
     picked = pick_device(device, env)
     created = ensure_process_group(env, picked, timedelta(seconds=timeout_s))
     return Joined(env, picked, created)

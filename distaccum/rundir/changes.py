@@ -57,6 +57,8 @@ ALLOWED_KEYS: dict[str, str] = {
             "trainer.shutdown_grace_s",
             "trainer.device",
             "slurm.",
+            "kubeflow.",
+            "ray.",
             "run_dir",
         ),
         _LAUNCH,

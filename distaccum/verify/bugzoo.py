@@ -365,8 +365,8 @@ def zoo_worker(plan_file: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from distaccum.cluster.contracts import DistEnv
     from distaccum.cluster.procgroup import ensure_process_group
-    from distaccum.cluster.topology import DistEnv
     from distaccum.preflight import instantiate_components
     from distaccum.trainer import Trainer
 
