@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= --durations=25
+PYTEST_ARGS ?= --durations=25 --junitxml=runs/junit.xml  # every test's time, for balancing the suite
 # Tests run on this many pytest-xdist workers, a whole test file per worker (module fixtures are
 # built once). Most tests wait on process start-up more than they compute, so 2 fill CI's 2 cores;
 # `serial` tests (timings) still run alone (tests/serial_lock.py). PYTEST_WORKERS=0: one process.

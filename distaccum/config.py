@@ -20,10 +20,12 @@ from distaccum.cluster.config import (  # leaf modules of their own, like Split
     RayConfig,
     SlurmConfig,
 )
+from distaccum.cluster.contracts import parse_nnodes
 from distaccum.outer.config import OuterConfig
 from distaccum.split import (  # noqa: F401
     Split,
     check_split,
+    check_worlds,
     nearest_valid_global_batches,
     no_split_message,
     resolve_split,
@@ -287,14 +289,19 @@ class TrainerConfig:
 
     nproc: int = 2
     """Worker processes per node (torchrun --nproc_per_node)."""
-    nnodes: int = 1
-    """Nodes taking part; > 1 needs rdzv_endpoint."""
+    nnodes: int | str = 1
+    """Nodes taking part (> 1 needs rdzv_endpoint): N, or MIN:MAX for an elastic launch (torchrun --nnodes=MIN:MAX)
+    that starts once MIN nodes have joined and, when nodes leave (up to max_restarts times) or join, continues from
+    its last checkpoint on the new world at the same global batch (needs accum.global_batch; docs/clusters.md)."""
     rdzv_endpoint: str = "127.0.0.1:29500"
     """host:port of the c10d rendezvous (the first node)."""
     rdzv_id: str = "distaccum"
     """Rendezvous id shared by all nodes of one job."""
     max_restarts: int = 0
     """Elastic restarts of the worker group after a failure."""
+    rdzv_last_call_s: int = 30
+    """Elastic launches: once MIN nodes have joined a rendezvous, the seconds it waits for more (up to MAX) before
+    it starts with those it has (torch elastic's last_call_timeout)."""
     max_steps: int = 20
     """Optimizer steps to run (not micro-batches)."""
     seed: int = 0
@@ -356,8 +363,10 @@ class TrainerConfig:
     """torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs."""
 
     def __post_init__(self) -> None:
-        for name in ("nproc", "nnodes", "max_steps"):
+        for name in ("nproc", "max_steps"):
             _positive("trainer", name, getattr(self, name))
+        low, high = parse_nnodes(self.nnodes)
+        self.nnodes = low if low == high else f"{low}:{high}"
         _choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("trainer", "compile_mode", self.compile_mode, COMPILE_MODES)
         if self.schedule_on_resume is not None:
@@ -370,6 +379,11 @@ class TrainerConfig:
             raise ValueError(f"trainer.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
         for name in ("keep_checkpoints", "max_nonfinite_steps", "collective_timeout_s", "shutdown_grace_s"):
             _positive("trainer", name, getattr(self, name))
+        _positive("trainer", "rdzv_last_call_s", self.rdzv_last_call_s)
+
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) nodes of the launch: equal for a fixed ``nnodes``, MIN < MAX for an elastic launch."""
+        return parse_nnodes(self.nnodes)
 
 
 @dataclass(kw_only=True)
@@ -469,8 +483,16 @@ class RunConfig:
         _choice("", "precision", self.precision, PRECISIONS)
         self.model = _node("model", self.model)
         self.loss = _node("loss", self.loss)
-        if self.trainer.nnodes > 1 and not self.trainer.rdzv_endpoint:
+        low, high = self.trainer.node_range()
+        if high > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
+        if low < high and self.accum.global_batch is None:
+            raise ValueError(
+                f"trainer.nnodes={self.trainer.nnodes} is elastic and needs accum.global_batch: a fixed "
+                f"accum.steps={self.accum.steps} would change the samples per optimizer step with the world size"
+            )
+        if low < high:  # the run may continue on any of these worlds: every one must split the global batch
+            check_worlds(self.accum, self.world_sizes(), f"trainer.nnodes={self.trainer.nnodes}")
         if self.log.gns and self.accum.sync not in ("boundary", "auto"):
             raise ValueError(
                 f"log.gns=true reads the gradients the comm hook reduces once per step: it needs "
@@ -478,8 +500,13 @@ class RunConfig:
             )
 
     def world_size(self) -> int:
-        """World size a local launch of this config produces."""
-        return self.trainer.nproc * self.trainer.nnodes
+        """World size a local launch of this config produces (an elastic launch: the largest, MAX nodes)."""
+        return self.trainer.nproc * self.trainer.node_range()[1]
+
+    def world_sizes(self) -> list[int]:
+        """Every world size a local launch may run on: nproc x n for n from MIN to MAX nodes."""
+        low, high = self.trainer.node_range()
+        return [self.trainer.nproc * n for n in range(low, high + 1)]
 
     def split(self, world_size: int | None = None) -> Split:
         """The resolved split for ``world_size`` (default: the launch's world size)."""

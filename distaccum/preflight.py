@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from distaccum.activation_checkpointing import parse_checkpointing
@@ -128,6 +129,21 @@ def instantiate_components(cfg: RunConfig) -> Components:
     )
 
 
+def check_elastic(cfg: RunConfig, device: torch.device) -> None:
+    """An elastic launch may continue on MIN..MAX-1 nodes too: the run must resolve on each of those worlds
+    (the global batch's split is checked when the config is built; here the engine's layout, e.g. HSDP replicas)."""
+    low, high = cfg.trainer.node_range()
+    for nodes in range(low, high):
+        world = cfg.trainer.nproc * nodes
+        try:
+            resolve(cfg, world, device, nodes=nodes)
+        except ValueError as err:
+            raise ConfigError(
+                f"trainer.nnodes={cfg.trainer.nnodes}: the run may continue on {nodes} node(s), a world of "
+                f"{world}, where it cannot run: {err}"
+            ) from err
+
+
 @dataclass
 class Checked:
     """What pre-flight built: the components (for verify's reference), the resolved run and a checked
@@ -159,12 +175,16 @@ def preflight(
     cfg: RunConfig, world_size: int | None = None, *, write: bool = True, nodes: int | None = None
 ) -> Checked:
     """Run every check; raise ConfigError (exit 2) naming the value and the fix. ``world_size`` and
-    ``nodes`` default to the local launch's (``trainer.nproc`` x ``trainer.nnodes``)."""
+    ``nodes`` default to the local launch's (``trainer.nproc`` x ``trainer.nnodes``; an elastic launch,
+    ``trainer.nnodes=MIN:MAX``: MAX nodes, and the run must resolve on every world it may continue on)."""
     world = world_size or cfg.world_size()
+    device = planned_device(cfg.trainer.device)
     try:
-        run = resolve(cfg, world, planned_device(cfg.trainer.device), nodes=nodes or cfg.trainer.nnodes)
+        run = resolve(cfg, world, device, nodes=nodes or cfg.trainer.node_range()[1])
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    if world_size is None:
+        check_elastic(cfg, device)
     if write:
         check_run_dir(cfg.run_dir)
     parts = instantiate_components(cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,6 +73,31 @@ def check_split(accum: Accumulation, world_size: int) -> None:
             raise ValueError(no_split_message(accum.global_batch, world_size))
         return
     resolve_split(accum, world_size)
+
+
+def check_worlds(accum: Accumulation, worlds: Sequence[int], where: str) -> None:
+    """Raise ValueError naming every world size in ``worlds`` (those an elastic launch, ``where``, may run on) on
+    which ``accum`` has no split, with the nearest global batches that split on all of them."""
+    bad = []
+    for world in worlds:
+        try:
+            check_split(accum, world)
+        except ValueError:
+            bad.append(world)
+    if bad:
+        micro = 1 if accum.auto else int(accum.micro_batch)
+        unit = math.lcm(*worlds) * micro
+        near = " or ".join(str(g) for g in nearest_valid_global_batches(accum.global_batch or 0, unit))
+        rule = (
+            "it must be a multiple of each"
+            if accum.auto
+            else f"accum.micro_batch={micro} x accumulation steps x world size must equal it on each"
+        )
+        raise ValueError(
+            f"{where} may run on world sizes {', '.join(map(str, worlds))}, and accum.global_batch="
+            f"{accum.global_batch} has no split on {', '.join(map(str, bad))} ({rule}); the nearest global "
+            f"batches that split on all of them are {near}"
+        )
 
 
 def resolve_split(accum: Accumulation, world_size: int) -> Split:

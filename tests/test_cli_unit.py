@@ -75,3 +75,33 @@ def test_help_has_no_restructuredtext_markup(argv: list[str], capsys: pytest.Cap
     text = capsys.readouterr().out
     assert text.startswith("usage: distaccum"), text[:200]
     assert not MARKUP.search(text), MARKUP.search(text)
+
+
+def test_verify_to_ray_is_taken_out_before_hydra_and_picks_rays_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`distaccum verify --to ray OVERRIDES`: Hydra gets the overrides alone; the task verifies with Ray's launcher
+    (the launch itself is tested on a real Ray in tests/test_ray.py)."""
+    import distaccum.verify.runner as runner
+    from distaccum.cli.verify import verify_main
+    from distaccum.cluster.local import launch_local
+    from distaccum.cluster.ray_train import launch_on_ray
+
+    launchers: list = []
+
+    class Passed:
+        exit_code = 0
+
+    monkeypatch.setattr(runner, "verify", lambda cfg, echo, launcher: launchers.append(launcher) or Passed())
+    seen: list[list[str]] = []
+
+    def run_hydra(task, args: list[str]) -> None:
+        seen.append(args)
+        from omegaconf import OmegaConf
+
+        task(OmegaConf.create({"model": {"_target_": "distaccum.models.MLP"}}))
+
+    assert verify_main(["--to", "ray", "model=mlp", "precision=fp64"], run_hydra) == 0
+    assert verify_main(["model=mlp"], run_hydra) == 0
+    assert seen == [["model=mlp", "precision=fp64"], ["model=mlp"]]
+    assert launchers == [launch_on_ray, launch_local]

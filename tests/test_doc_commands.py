@@ -30,6 +30,9 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 match = re.match(r"distaccum (train|verify|plan|submit)\b(.*)", line.split(" #")[0].strip())
                 if match:
                     args = [a for a in shlex.split(match.group(2)) if a not in DROP]
+                    if "--to" in args:  # submit's / verify's target (slurm, kubeflow, ray, local)
+                        at = args.index("--to")
+                        args = args[:at] + args[at + 2 :]
                     if match.group(1) == "plan":  # the plan's own flags parse; the rest are overrides
                         args = parse_args(args)[1]
                     if not any(a.startswith(SKIP_WHEN) for a in args):

@@ -78,6 +78,20 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
     ]
     single = from_mapping({"trainer": {"nproc": 2}})
     assert "--rdzv_endpoint=127.0.0.1:0" in torchrun_argv(launch_plan(single), ["examples/own_loop.py"])
+    elastic = from_mapping(
+        {
+            "trainer": {"nnodes": "1:2", "rdzv_endpoint": "node01:29500", "rdzv_last_call_s": 5},
+            "accum": {"global_batch": 16},
+        }
+    )
+    assert torchrun_argv(launch_plan(elastic), ["train.py"], python="python")[3:9] == [
+        "--nnodes=1:2",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=node01:29500",
+        "--rdzv_id=distaccum",
+        "--rdzv_conf=last_call_timeout=5",
+    ]
 
 
 def test_cpu_workers_tell_deepspeed_there_is_no_gpu_to_detect(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,12 +24,13 @@ step, the loss divided by the global item count of the step, verified against on
 commands:
   train   [overrides] [--config-dir DIR] [--multirun]  train on local workers (or as one rank under
                                                         torchrun / srun); the trained model is kept
-  verify  [overrides]                                  compare a run step by step with a single-process
+  verify  [overrides] [--to ray]                       compare a run step by step with a single-process
           --script FILE [--nproc N] [-- ARGS]          reference (a config, or your own Trainer script)
   plan    [overrides] [--run] [--sweep]                predict step time, comm share and peak memory of
                                                         every split of the global batch; recommend one
   report  RUN_DIR [RUN_DIR ...] [--out DIR]            tables and plots of finished runs and sweeps
-  submit  [overrides] [--dry-run]                      render an sbatch script and submit it to Slurm
+  submit  [--to slurm|kubeflow|ray] [overrides]        submit to Slurm (sbatch), Kubernetes (a Kubeflow TrainJob)
+          [--dry-run]                                  or Ray Train; --dry-run prints what would be submitted
   bugzoo  [run_dir=DIR] [--only NAME,...] [--list]     inject known accumulation bugs into real runs: what
                                                         catches each one, and is the diagnosis right
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "verify":
         from distaccum.cli.verify import verify_main
 
-        raise SystemExit(verify_main(rest, lambda task: _run_hydra(command, rest, task)))
+        raise SystemExit(verify_main(rest, lambda task, args: _run_hydra(command, args, task)))
     elif command == "plan":
         from distaccum.cli.plan import plan_main
 

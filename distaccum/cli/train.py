@@ -37,7 +37,7 @@ def config_error(err: Exception) -> None:
 
 def train_task(dcfg: Any) -> int:
     """One Hydra job: validate and pre-flight, then start the workers."""
-    from distaccum.cluster.local import launch_local, launch_plan, torchrun_argv, worker_args
+    from distaccum.cluster.local import elastic_plan, launch_local, launch_plan, torchrun_argv, worker_args
 
     multirun, job_dir = in_multirun()
     try:
@@ -62,8 +62,12 @@ def train_task(dcfg: Any) -> int:
         if cfg.accum.auto
         else f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps"
     )
+    worlds = cfg.world_sizes()
+    if len(worlds) > 1:  # elastic: K follows the world the run gets (elastic_plan lists them)
+        how = f"micro_batch {cfg.accum.micro_batch} x the accumulation steps of the world it gets"
+    ranks = f"x{split.world_size}" if len(worlds) == 1 else f"on {worlds[0]} to {worlds[-1]}"
     print(
-        f"distaccum: {names['model']} on {names['dataset']}, {cfg.engine.name} x{split.world_size} ranks, "
+        f"distaccum: {names['model']} on {names['dataset']}, {cfg.engine.name} {ranks} ranks, "
         f"{how} = {split.global_batch} samples per optimizer step, run_dir {cfg.run_dir}",
         flush=True,
     )
@@ -73,9 +77,12 @@ def train_task(dcfg: Any) -> int:
         + "`",
         flush=True,
     )
-    for line in placement_plan(checked.run.engine.replicas, cfg.trainer.nnodes, cfg.trainer.nproc):
+    nodes = cfg.trainer.node_range()[1]  # an elastic launch: its largest world (elastic_plan says the rest)
+    for line in placement_plan(checked.run.engine.replicas, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
-    for line in island_plan(checked.run.outer_replicas, cfg.trainer.nnodes, cfg.trainer.nproc):
+    for line in island_plan(checked.run.outer_replicas, nodes, cfg.trainer.nproc):
+        print(f"distaccum: {line}", flush=True)
+    for line in elastic_plan(cfg):
         print(f"distaccum: {line}", flush=True)
     code = launch_local(cfg, config_file)
     write_json(

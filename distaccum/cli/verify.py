@@ -16,12 +16,16 @@ from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
 
 
-def verify_task(dcfg: Any) -> int:
-    """The Hydra task behind ``distaccum verify``; exits 2 on bad input, 1 on a mismatch."""
+def verify_task(dcfg: Any, *, on_ray: bool = False) -> int:
+    """The Hydra task behind ``distaccum verify``; exits 2 on bad input, 1 on a mismatch. ``on_ray``: the candidates
+    run on Ray Train's workers (``--to ray``) instead of the local launcher."""
+    from distaccum.cluster.local import launch_local
+    from distaccum.cluster.ray_train import launch_on_ray
     from distaccum.verify.runner import verify
 
+    launcher = launch_on_ray if on_ray else launch_local
     try:
-        result = verify(to_run_config(dcfg), echo=lambda line: print(line, flush=True))
+        result = verify(to_run_config(dcfg), echo=lambda line: print(line, flush=True), launcher=launcher)
     except ValueError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
@@ -72,11 +76,15 @@ def script_main(argv: list[str]) -> int:
     return run_verify(job, root, echo=lambda line: print(line, flush=True)).exit_code
 
 
-def verify_main(argv: list[str], run_hydra: Callable[[Callable[[Any], int]], None]) -> int:
-    """``distaccum verify``: a script (``--script``) or a config (Hydra overrides)."""
+def verify_main(argv: list[str], run_hydra: Callable[[Callable[[Any], int], list[str]], None]) -> int:
+    """``distaccum verify``: a script (``--script``) or a config (Hydra overrides; ``--to ray`` runs the candidates
+    on Ray Train, ``--to local``, the default, on local workers)."""
     if any(a == "--script" or a.startswith("--script=") for a in argv):
         return script_main(argv)
-    run_hydra(verify_task)
+    to = argparse.ArgumentParser(add_help=False)
+    to.add_argument("--to", choices=("local", "ray"), default="local")
+    opts, rest = to.parse_known_args(argv)
+    run_hydra(lambda dcfg: verify_task(dcfg, on_ray=opts.to == "ray"), rest)
     return EXIT_OK
 
 

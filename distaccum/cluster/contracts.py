@@ -104,6 +104,22 @@ def is_srun_task(env: Mapping[str, str]) -> bool:
     return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
 
 
+def parse_nnodes(value: int | str) -> tuple[int, int]:
+    """``trainer.nnodes`` (or PET_NNODES) as (MIN, MAX) nodes: ``2`` or ``'2'`` -> (2, 2), ``'1:4'`` -> (1, 4) (an
+    elastic launch, torchrun's ``--nnodes=MIN:MAX``). ValueError unless it is N or MIN:MAX with 1 <= MIN <= MAX."""
+    text = str(value).strip() if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
+    match = re.fullmatch(r"(\d+)(?::(\d+))?", text)
+    if not match:
+        raise ValueError(
+            f"trainer.nnodes must be a number of nodes N or a range MIN:MAX (e.g. 1:4), got {value!r}"
+        )
+    low = int(match.group(1))
+    high = int(match.group(2) or low)
+    if low < 1 or high < low:
+        raise ValueError(f"trainer.nnodes={value}: need 1 <= MIN <= MAX nodes, got MIN={low}, MAX={high}")
+    return low, high
+
+
 def _first_count(tasks_per_node: str) -> int:
     """'2(x3),1' -> 2: Slurm's compressed tasks-per-node list, first node's count."""
     match = re.match(r"\s*(\d+)", tasks_per_node)

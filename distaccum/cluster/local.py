@@ -2,7 +2,10 @@
 
 ``distaccum train`` on a login node or laptop becomes ``trainer.nproc`` workers on this machine (and
 ``trainer.nnodes`` > 1 joins a c10d rendezvous at ``trainer.rdzv_endpoint``), with exactly the
-environment contract of ``torchrun``. Each worker runs ``python -m distaccum _worker CONFIG``;
+environment contract of ``torchrun``. ``trainer.nnodes=MIN:MAX`` is torchrun's elastic launch: the group
+restarts on the nodes it has when one is lost (up to ``trainer.max_restarts`` times) or joins, and the
+workers resume from the last checkpoint on the new world at the same global batch.
+Each worker runs ``python -m distaccum _worker CONFIG``;
 ``distaccum verify --script`` launches a user's own script the same way.
 """
 
@@ -17,17 +20,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distaccum.cluster.contracts import parse_nnodes
 from distaccum.cluster.stopping import EXIT_REQUEUE
 from distaccum.config import RunConfig
 
 WORKER_COMMAND = ["-m", "distaccum", "_worker"]
+KEEP_ALIVE_S = 5
+KEEP_ALIVE_MISSES = 3
+"""A node is dead to the rendezvous after this many missed keep-alives (torch's defaults, 5 s x 3)."""
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
     """Where and how many workers start (torchrun's arguments)."""
 
-    nnodes: int
+    nnodes: int | str
+    """N nodes, or 'MIN:MAX' for an elastic launch."""
     nproc: int
     rdzv_endpoint: str
     rdzv_id: str
@@ -36,6 +44,12 @@ class LaunchPlan:
     """Named in messages (where the checkpoint and the logs are)."""
     shutdown_grace_s: int = 30
     """Seconds workers get to exit after SIGTERM before they are killed."""
+    rdzv_last_call_s: int = 30
+    """Elastic launches: seconds a rendezvous with MIN nodes waits for more before it completes."""
+
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) nodes; MIN < MAX for an elastic launch."""
+        return parse_nnodes(self.nnodes)
 
 
 def free_ports(count: int = 1) -> list[int]:
@@ -53,7 +67,7 @@ def free_ports(count: int = 1) -> list[int]:
 
 def launch_plan(cfg: RunConfig) -> LaunchPlan:
     """Single node: a free local port (like ``torchrun --standalone``); multi-node: the configured one."""
-    endpoint = cfg.trainer.rdzv_endpoint if cfg.trainer.nnodes > 1 else "127.0.0.1:0"
+    endpoint = cfg.trainer.rdzv_endpoint if cfg.trainer.node_range()[1] > 1 else "127.0.0.1:0"
     return LaunchPlan(
         cfg.trainer.nnodes,
         cfg.trainer.nproc,
@@ -62,6 +76,7 @@ def launch_plan(cfg: RunConfig) -> LaunchPlan:
         cfg.trainer.max_restarts,
         cfg.run_dir,
         cfg.trainer.shutdown_grace_s,
+        cfg.trainer.rdzv_last_call_s,
     )
 
 
@@ -72,6 +87,7 @@ def worker_args(config_file: Path) -> list[str]:
 
 def torchrun_argv(plan: LaunchPlan, args: Sequence[str], *, python: str = sys.executable) -> list[str]:
     """The torchrun command equivalent to :func:`launch` (shown to users, used by tests)."""
+    low, high = plan.node_range()
     return [
         python,
         "-m",
@@ -81,9 +97,46 @@ def torchrun_argv(plan: LaunchPlan, args: Sequence[str], *, python: str = sys.ex
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint={plan.rdzv_endpoint}",
         f"--rdzv_id={plan.rdzv_id}",
+        *([f"--rdzv_conf=last_call_timeout={plan.rdzv_last_call_s}"] if low < high else []),
         f"--max_restarts={plan.max_restarts}",
         *args,
     ]
+
+
+def elastic_plan(cfg: RunConfig) -> list[str]:
+    """What an elastic launch (``trainer.nnodes=MIN:MAX``) may do, for the console; empty for a fixed one."""
+    low, high = cfg.trainer.node_range()
+    if low == high:
+        return []
+    worlds = cfg.world_sizes()
+    if cfg.accum.auto:
+        split = f"micro_batch auto, measured on each world, x the steps that follow = {cfg.global_batch()}"
+    else:
+        ks = ", ".join(f"K={cfg.split(w).accum_steps} on world {w}" for w in worlds)
+        split = f"micro_batch {cfg.accum.micro_batch} x {ks} = {cfg.global_batch()}"
+    every = cfg.trainer.checkpoint_every
+    lost = (
+        f"up to {every} optimizer step(s) redone"
+        if every
+        else "no periodic checkpoint: every step since the last redone"
+    )
+    restarts = cfg.trainer.max_restarts
+    lines = [
+        f"elastic: {low} to {high} nodes x {cfg.trainer.nproc} process(es): the world may be "
+        f"{', '.join(map(str, worlds[:-1]))} or {worlds[-1]} ranks; {split} samples per optimizer step on each",
+        f"elastic: a node lost mid-run (noticed within {KEEP_ALIVE_S * KEEP_ALIVE_MISSES} s, then "
+        f"trainer.rdzv_last_call_s={cfg.trainer.rdzv_last_call_s} s for others to join): the rest resume from the "
+        f"last checkpoint (trainer.checkpoint_every={every}: {lost}), at most trainer.max_restarts={restarts} "
+        "time(s); a node joining restarts the group from its checkpoint with it",
+        f"elastic: the node at trainer.rdzv_endpoint={cfg.trainer.rdzv_endpoint} hosts the rendezvous (on one "
+        "host: the launcher that started first): losing that node ends the run",
+    ]
+    if restarts == 0:
+        lines.append(
+            "elastic: trainer.max_restarts=0: a node lost mid-run ends the run (the range only lets it start "
+            "with fewer nodes and grow); set trainer.max_restarts>=1 to continue without it"
+        )
+    return lines
 
 
 def worker_environment(nproc: int) -> dict[str, str]:
@@ -144,14 +197,23 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
             file=sys.stderr,
         )
         grace = {}
+    low, high = plan.node_range()
+    # last_call_timeout: how long a rendezvous that has MIN nodes waits for up to MAX (only elastic ones wait).
+    rdzv = {
+        "timeout": 900,
+        "join_timeout": 900,
+        "last_call_timeout": plan.rdzv_last_call_s,
+        "keep_alive_interval": KEEP_ALIVE_S,
+        "keep_alive_max_attempt": KEEP_ALIVE_MISSES,
+    }
     config = LaunchConfig(
-        min_nodes=plan.nnodes,
-        max_nodes=plan.nnodes,
+        min_nodes=low,
+        max_nodes=high,
         nproc_per_node=plan.nproc,
         run_id=plan.rdzv_id,
         rdzv_backend="c10d",
         rdzv_endpoint=plan.rdzv_endpoint,
-        rdzv_configs={"timeout": 900, "join_timeout": 900},
+        rdzv_configs=rdzv,
         max_restarts=plan.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",

@@ -53,6 +53,7 @@ ALLOWED_KEYS: dict[str, str] = {
             "trainer.rdzv_endpoint",
             "trainer.rdzv_id",
             "trainer.max_restarts",
+            "trainer.rdzv_last_call_s",
             "trainer.collective_timeout_s",
             "trainer.shutdown_grace_s",
             "trainer.device",

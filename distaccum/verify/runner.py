@@ -67,6 +67,9 @@ from distaccum.verify.reference import run_reference
 from distaccum.verify.replay import Replayed, combinations, micro_gradients
 
 VERIFY_FILE = "verify.json"
+Launcher = Callable[[RunConfig, Path], int]
+"""Starts a candidate's workers on its config (also written to the given file) and waits: an exit code. The local
+launcher (:func:`~distaccum.cluster.local.launch_local`) by default; Ray Train's for ``distaccum verify --to ray``."""
 # --- which runs to launch (pure) ------------------------------------------------------------------
 
 
@@ -466,9 +469,9 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
 # --- a config -----------------------------------------------------------------------------------------
 
 
-def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
+def config_job(cfg: RunConfig, splits: list[Split], launcher: Launcher = launch_local) -> VerifyJob:
     """Verify ``cfg``: components instantiated (and pre-flight checked) here, reference in-process,
-    candidates through the real launcher."""
+    candidates through the real launcher (``launcher``)."""
     checked = preflight(cfg)
     root = Path(cfg.run_dir)
     seed = Path(cfg.trainer.init_from) if cfg.trainer.init_from else root / SEED
@@ -503,7 +506,7 @@ def config_job(cfg: RunConfig, splits: list[Split]) -> VerifyJob:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_file = run_dir / LAUNCH_CONFIG
         config_file.write_text(json.dumps(to_mapping(cand), indent=2) + "\n")
-        return launch_local(cand, config_file)
+        return launcher(cand, config_file)
 
     def replay(split: Split) -> list[Replayed] | None:
         if cfg.outer.enabled:  # the replays know one reduction per step, not the islands' merges
@@ -538,6 +541,7 @@ def verify(
     splits: Sequence[Split | str] | None = None,
     run_dir: str | Path | None = None,
     echo: Callable[[str], None] = print,
+    launcher: Launcher = launch_local,
 ) -> VerifyResult:
     """Verify a configuration against plain PyTorch: the single-process reference in this process, each
     candidate split on worker processes started by the launcher, as ``distaccum verify`` does.
@@ -548,7 +552,8 @@ def verify(
     micro-batch, accumulation steps) of the configured global batch; default: the configured split (with
     ``verify.splits=auto``, more). Raises :class:`~distaccum.config.ConfigError` (a ValueError) for bad input
     before anything runs; returns the :class:`VerifyResult` (``passed``, one row per split with its
-    report and diagnosis), also written to ``run_dir/verify.json``.
+    report and diagnosis), also written to ``run_dir/verify.json``. ``launcher`` starts each candidate's workers
+    (:data:`Launcher`; e.g. :func:`distaccum.cluster.ray_train.launch_on_ray` runs them on Ray Train).
     """
     cfg = config if isinstance(config, RunConfig) else from_mapping(config)
     if run_dir is not None:
@@ -573,4 +578,4 @@ def verify(
                 )
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return run_verify(config_job(cfg, chosen), Path(cfg.run_dir), echo=echo)
+    return run_verify(config_job(cfg, chosen, launcher), Path(cfg.run_dir), echo=echo)

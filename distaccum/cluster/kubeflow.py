@@ -1,0 +1,291 @@
+"""Kubeflow Trainer: render a TrainJob for a run (the torch runtime), apply it with kubectl.
+
+:func:`render_trainjob` is pure (config in, YAML out) and checked against golden files. It builds the TrainJob
+with the Kubeflow Trainer API's own models (the ``kubeflow`` extra), so a field that API does not have cannot be
+rendered. :func:`submit_trainjob` is the thin executor, the only code here that starts a process.
+
+The torch runtime starts ``kubeflow.nodes`` pods and gives each the PET_* variables it means for torchrun (nodes,
+processes per node, node rank, master address and port). The pod's command is ``distaccum train``, which reads
+them and becomes its node's launcher (:mod:`distaccum.cluster.contracts`). Each node's ranks are consecutive, as
+under Slurm, so the HSDP and island plans of :mod:`distaccum.cluster.slurm` hold here too.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import yaml
+
+from distaccum.cluster.topology import placement_plan, resolve_replicas
+from distaccum.config import RunConfig
+from distaccum.engines import engine_class
+from distaccum.outer.islands import island_plan, resolve_outer_replicas
+
+TRAINJOB_FILE = "trainjob.yaml"
+"""File name of the rendered TrainJob inside ``run_dir``."""
+API_GROUP = "trainer.kubeflow.org"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+RUNTIME_KIND = "ClusterTrainingRuntime"
+NODE = "node"
+"""The torch runtime's replicated job and its training container are both named ``node``."""
+PATCH_MANAGER = "distaccum"
+"""Owner of the TrainJob's runtime patch (the volume)."""
+VOLUME = "run-dir"
+WORKER_ENV = {"PYTHONUNBUFFERED": "1"}
+"""Set in every pod before kubeflow.env: the launcher's own lines reach ``kubectl logs`` as they are printed."""
+INSTALL_HINT = 'pip install "distaccum[kubeflow]"'
+
+
+class KubeflowError(RuntimeError):
+    """The Kubeflow Trainer API models or kubectl are missing, or kubectl failed; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class TrainJobSubmission:
+    """What :func:`submit_trainjob` did."""
+
+    manifest: str
+    """The rendered TrainJob (YAML)."""
+    path: Path | None
+    """Where it was written (``run_dir/trainjob.yaml``); None on a dry run."""
+    applied: str | None
+    """What ``kubectl apply`` answered (``trainjob.trainer.kubeflow.org/NAME created``); None on a dry run."""
+
+
+def procs_per_node(cfg: RunConfig) -> int:
+    """Workers each pod starts: its GPUs, or trainer.nproc CPU workers."""
+    return cfg.kubeflow.gpus_per_node if cfg.kubeflow.gpus_per_node > 0 else cfg.trainer.nproc
+
+
+def kubeflow_world_size(cfg: RunConfig) -> int:
+    """Ranks of the rendered TrainJob: nodes x procs per node (for the pre-flight)."""
+    return cfg.kubeflow.nodes * procs_per_node(cfg)
+
+
+def pod_run_dir(cfg: RunConfig) -> str:
+    """``run_dir`` as the pods see it: a relative one under ``kubeflow.mount_path``, an absolute one as it is.
+
+    Raises ValueError when it does not lie under ``mount_path`` (outside the volume nothing outlives a pod).
+    """
+    mount = cfg.kubeflow.mount_path
+    path = posixpath.normpath(posixpath.join(mount, cfg.run_dir)) if cfg.run_dir else ""
+    if not path or posixpath.commonpath([mount, path]) != mount:
+        raise ValueError(
+            f"run_dir={cfg.run_dir!r} cannot be used for Kubeflow: it must lie under kubeflow.mount_path={mount!r} "
+            "(give a relative run_dir, which is placed under it, or an absolute one below it)"
+        )
+    return path
+
+
+def train_command(cfg: RunConfig, overrides: Sequence[str]) -> list[str]:
+    """The pods' command: ``distaccum train <overrides> run_dir=<pod_run_dir(cfg)>`` as an argv list.
+
+    No shell runs it, so each override reaches Hydra as it was given. A ``run_dir=`` among ``overrides`` is
+    replaced; ``--config-dir`` is refused (a directory on this machine, which the pods do not see).
+    """
+    for arg in overrides:
+        if arg in ("--config-dir", "-cd") or arg.startswith("--config-dir="):
+            raise ValueError(
+                f"{arg}: the pods do not see this machine's directories; put your config groups in "
+                "kubeflow.image instead (or give their values as overrides)"
+            )
+    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] != "run_dir"]
+    return ["distaccum", "train", *kept, f"run_dir={pod_run_dir(cfg)}"]
+
+
+def _models() -> ModuleType:
+    """The Kubeflow Trainer API's models (the optional ``kubeflow`` extra)."""
+    try:
+        from kubeflow_trainer_api import models
+    except ImportError as err:
+        raise KubeflowError(
+            f"the Kubeflow Trainer API models are not installed (needed to render a TrainJob): {INSTALL_HINT}"
+        ) from err
+    return models
+
+
+def _env(cfg: RunConfig, m: ModuleType) -> list[Any]:
+    values = dict(WORKER_ENV)
+    for item in cfg.kubeflow.env:  # kubeflow.env wins over the defaults
+        name, _, value = item.partition("=")
+        values[name] = value
+    return [m.IoK8sApiCoreV1EnvVar(name=name, value=value) for name, value in values.items()]
+
+
+def _resources(cfg: RunConfig, m: ModuleType) -> Any:
+    kf = cfg.kubeflow
+    amounts = {"cpu": kf.cpus_per_node, "memory": kf.memory_per_node}
+    if kf.gpus_per_node > 0:
+        amounts["nvidia.com/gpu"] = str(kf.gpus_per_node)
+    # requests = limits: the pods get exactly what they ask for (Guaranteed QoS), no noisy neighbours.
+    quantities = {name: m.IoK8sApimachineryPkgApiResourceQuantity(value) for name, value in amounts.items()}
+    return m.IoK8sApiCoreV1ResourceRequirements(limits=quantities, requests=dict(quantities))
+
+
+def _volume_patch(cfg: RunConfig, m: ModuleType) -> Any:
+    """The runtime patch that mounts run_dir's volume on the node container of every pod."""
+    kf = cfg.kubeflow
+    if kf.volume_claim is not None:
+        source = {
+            "persistent_volume_claim": m.IoK8sApiCoreV1PersistentVolumeClaimVolumeSource(
+                claim_name=kf.volume_claim
+            )
+        }
+    else:
+        # Without a claim, a scratch directory on the pod's disk: distaccum's images (docker/) run as a non-root
+        # user, who could not create mount_path under '/' itself.
+        source = {"empty_dir": m.IoK8sApiCoreV1EmptyDirVolumeSource()}
+    pod = m.TrainerV1alpha1PodSpecPatch(
+        volumes=[m.IoK8sApiCoreV1Volume(name=VOLUME, **source)],
+        containers=[
+            m.TrainerV1alpha1ContainerPatch(
+                name=NODE, volume_mounts=[m.IoK8sApiCoreV1VolumeMount(name=VOLUME, mount_path=kf.mount_path)]
+            )
+        ],
+    )
+    job = m.TrainerV1alpha1JobTemplatePatch(
+        spec=m.TrainerV1alpha1JobSpecPatch(template=m.TrainerV1alpha1PodTemplatePatch(spec=pod))
+    )
+    jobset = m.TrainerV1alpha1JobSetSpecPatch(
+        replicated_jobs=[m.TrainerV1alpha1ReplicatedJobPatch(name=NODE, template=job)]
+    )
+    return m.TrainerV1alpha1RuntimePatch(
+        manager=PATCH_MANAGER,
+        training_runtime_spec=m.TrainerV1alpha1TrainingRuntimeSpecPatch(
+            template=m.TrainerV1alpha1JobSetTemplatePatch(spec=jobset)
+        ),
+    )
+
+
+def build_trainjob(cfg: RunConfig, overrides: Sequence[str]) -> Any:
+    """The TrainJob as the Kubeflow Trainer API's model (``TrainerV1alpha1TrainJob``); see :func:`render_trainjob`.
+
+    Raises :class:`KubeflowError` when the ``kubeflow`` extra is not installed.
+    """
+    m = _models()
+    kf = cfg.kubeflow
+    trainer = m.TrainerV1alpha1Trainer(
+        image=kf.image,
+        command=train_command(cfg, overrides),
+        env=_env(cfg, m),
+        num_nodes=kf.nodes,
+        num_proc_per_node=procs_per_node(cfg),
+        resources_per_node=_resources(cfg, m),
+    )
+    spec = m.TrainerV1alpha1TrainJobSpec(
+        runtime_ref=m.TrainerV1alpha1RuntimeRef(name=kf.runtime, kind=RUNTIME_KIND, api_group=API_GROUP),
+        trainer=trainer,
+        runtime_patches=[_volume_patch(cfg, m)],
+    )
+    return m.TrainerV1alpha1TrainJob(
+        api_version=API_VERSION,
+        kind="TrainJob",
+        metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(name=kf.name, namespace=kf.namespace),
+        spec=spec,
+    )
+
+
+def _split_line(cfg: RunConfig, per_node: int) -> str:
+    world = cfg.kubeflow.nodes * per_node
+    if cfg.accum.auto:
+        split = (
+            f"micro-batch auto (measured when training starts) x K = global batch {cfg.accum.global_batch}"
+        )
+    else:
+        s = cfg.split(world)  # ValueError, with the valid splits, when there is none on this world
+        split = (
+            f"micro-batch {s.micro_batch} x K={s.accum_steps} x world {world} = global batch {s.global_batch}"
+        )
+    return f"{cfg.kubeflow.nodes} node(s) x {per_node} proc(s) = world {world}; {split}"
+
+
+def _header(cfg: RunConfig, run_dir: str) -> list[str]:
+    kf, per_node = cfg.kubeflow, procs_per_node(cfg)
+    lines = []
+    if kf.volume_claim is None:
+        lines += [
+            f"WARNING: no kubeflow.volume_claim: run_dir {run_dir} lives on the pod's own disk (an emptyDir at",
+            f"{kf.mount_path}), so a restarted pod loses its checkpoints; set kubeflow.volume_claim to keep them.",
+        ]
+        if kf.nodes > 1:
+            lines.append(
+                f"With {kf.nodes} pods each rank's checkpoint shards land on its own pod's disk: no checkpoint is whole."
+            )
+    lines += [
+        "Rendered by distaccum.cluster.kubeflow.render_trainjob; submit with `distaccum submit --to kubeflow` "
+        "or `kubectl apply -f`.",
+        _split_line(cfg, per_node),
+        f"Each pod runs `distaccum train` as its node's launcher: it reads the {kf.runtime} runtime's PET_* "
+        f"and starts {per_node} worker(s).",
+    ]
+    if kf.volume_claim is not None:
+        shared = f" (ReadWriteMany: {kf.nodes} pods write to it)" if kf.nodes > 1 else ""
+        lines.append(
+            f"run_dir {run_dir} on PersistentVolumeClaim {kf.volume_claim} at {kf.mount_path}{shared}."
+        )
+    world = kf.nodes * per_node
+    replicas = resolve_replicas(
+        cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, world, kf.nodes
+    )
+    islands = resolve_outer_replicas(cfg.outer.replicas, world, kf.nodes) if cfg.outer.enabled else 0
+    if islands:
+        replicas = 1  # the islands are the replicas (no HSDP inside one)
+    lines += placement_plan(replicas, kf.nodes, per_node) + island_plan(islands, kf.nodes, per_node)
+    return [f"# {line}".rstrip() for line in lines]
+
+
+def render_trainjob(cfg: RunConfig, overrides: Sequence[str]) -> str:
+    """The Kubeflow Trainer TrainJob (YAML) that runs ``distaccum train <overrides>`` on ``kubeflow.nodes`` pods.
+
+    Pure and deterministic. ``overrides`` are the Hydra overrides the user gave; the pods' run_dir is
+    :func:`pod_run_dir`. A comment header says what runs (nodes x procs = world, the split, the HSDP or island
+    plan) and where run_dir lives. Raises ValueError for a run_dir outside ``kubeflow.mount_path``, a
+    ``--config-dir`` override or a split that does not exist on the job's world, and :class:`KubeflowError` when
+    the ``kubeflow`` extra is not installed.
+    """
+    doc = build_trainjob(cfg, overrides).to_dict()
+    # Read top-down: what runs (runtime, trainer) before the patch that mounts run_dir's volume.
+    first = {key: doc["spec"][key] for key in ("runtimeRef", "trainer") if key in doc["spec"]}
+    doc["spec"] = {**first, **doc["spec"]}
+    body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1 << 16)
+    return "\n".join(_header(cfg, pod_run_dir(cfg))) + "\n" + body
+
+
+def submit_trainjob(cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool) -> TrainJobSubmission:
+    """Render the TrainJob, write it to ``run_dir/trainjob.yaml`` and ``kubectl apply -f`` it.
+
+    ``run_dir`` is read on this machine here (where the file is kept); the pods use :func:`pod_run_dir`. With
+    ``dry_run`` nothing is written or run: the result only carries the YAML. Raises :class:`KubeflowError` when the
+    file cannot be written, when ``kubectl`` is not on PATH (the file is written; the message gives the command that
+    applies it) or when it refuses the job.
+    """
+    manifest = render_trainjob(cfg, overrides)
+    if dry_run:
+        return TrainJobSubmission(manifest=manifest, path=None, applied=None)
+    path = (Path(cfg.run_dir) / TRAINJOB_FILE).resolve()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(manifest)
+    except OSError as err:  # e.g. an absolute run_dir meant for the pods, not creatable here
+        raise KubeflowError(
+            f"cannot write {path} on this machine ({err}); --dry-run prints the TrainJob"
+        ) from err
+    apply = ["kubectl", "apply", "-f", str(path)]
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise KubeflowError(
+            f"kubectl not found on PATH; wrote {path}: apply it where kubectl reaches the cluster with "
+            f"`{shlex.join(apply)}`"
+        )
+    proc = subprocess.run([kubectl, *apply[1:]], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise KubeflowError(f"`{shlex.join(apply)}` failed (exit {proc.returncode}): {proc.stderr.strip()}")
+    return TrainJobSubmission(manifest=manifest, path=path, applied=proc.stdout.strip())
