@@ -66,6 +66,8 @@ def test_ray_or_a_users_group_is_used_as_it_is() -> None:
     contract = recognize({**TORCHRUN, "NODE_RANK": "0"}, group_initialized=True)
     assert contract.kind == "initialized_group" and contract.is_worker and contract.env.local_rank == 1
     assert recognize({}, group_initialized=True).kind == "initialized_group"
+    # a one-process group a script made itself, LOCAL_RANK set for DeepSpeed: the group decides, nothing is half set
+    assert recognize({"LOCAL_RANK": "0"}, group_initialized=True).env.world_size == 1
 
 
 def test_nothing_set_is_one_process() -> None:

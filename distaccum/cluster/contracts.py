@@ -243,14 +243,16 @@ def node_launch(env: Mapping[str, str]) -> NodeLaunch | None:
 def recognize(env: Mapping[str, str], *, group_initialized: bool = False) -> Contract:
     """Which launch contract ``env`` (``os.environ`` or a test's dict) describes; ``group_initialized``: a process
     group exists already in this process (``torch.distributed.is_initialized()``)."""
+    if group_initialized:
+        # The group exists (Ray Train, a user's script): it decides the ranks, and whatever launch variables are left
+        # in the environment (DeepSpeed wants LOCAL_RANK even for one process) are not a contract to check.
+        return Contract("initialized_group", DistEnv.from_environ(env))
     _missing(env, TORCHRUN_VARS, ("RANK", "WORLD_SIZE"), "torchrun")
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
         _missing(env, ("SLURM_PROCID",), ("SLURM_NTASKS",), "srun task")
     dist_env = DistEnv.from_environ(env)
     if dist_env.source != "single" and not 0 <= dist_env.rank < dist_env.world_size:
         raise ContractError(f"rank {dist_env.rank} is outside a world of {dist_env.world_size}")
-    if group_initialized:
-        return Contract("initialized_group", dist_env)
     if dist_env.source == "torchrun":
         if dist_env.world_size > 1:
             _missing(env, ("RANK",), ("MASTER_ADDR", "MASTER_PORT"), "torchrun")
