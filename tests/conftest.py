@@ -145,6 +145,19 @@ def train(run_dir: Path, *overrides: str, timeout: float = 180, check: bool = Tr
     return run
 
 
+def check_golden(path: Path, text: str) -> None:
+    """``text`` equals the golden file ``path`` as it was before the test ran. With DISTACCUM_UPDATE_GOLDEN=1 a
+    difference rewrites the file and still fails (review the diff, then rerun), so a test can never pass by
+    comparing a rendering with itself."""
+    golden = path.read_text() if path.exists() else None
+    if os.environ.get("DISTACCUM_UPDATE_GOLDEN") == "1" and text != golden:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+        pytest.fail(f"{path} rewritten: review `git diff {path}`, then rerun without DISTACCUM_UPDATE_GOLDEN")
+    assert golden is not None, f"{path} missing; run with DISTACCUM_UPDATE_GOLDEN=1 to create it"
+    assert text == golden, f"{path} differs; if intended, regenerate with DISTACCUM_UPDATE_GOLDEN=1"
+
+
 def line_count(path: Path) -> int:
     """Lines of ``path`` (0 while it does not exist): records a run has written to ``metrics.jsonl``."""
     return len(path.read_text().splitlines()) if path.is_file() else 0

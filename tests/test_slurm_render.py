@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from conftest import check_golden
 from distaccum.cluster.slurm import SlurmError, parse_nodelist, render_sbatch, submit
 from distaccum.config import from_mapping
 
@@ -72,18 +73,7 @@ def _render(name: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_render_matches_golden(name: str) -> None:
-    """Compared with the golden file as it was before this test ran: the update mode rewrites the file
-    but still fails on a difference (review the diff, then rerun), so it can never pass by comparing
-    the rendering with itself."""
-    path = GOLDEN / f"{name}.sbatch"
-    text = _render(name)
-    golden = path.read_text() if path.exists() else None
-    if os.environ.get("DISTACCUM_UPDATE_GOLDEN") == "1" and text != golden:
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-        pytest.fail(f"{path} rewritten: review `git diff {path}`, then rerun without DISTACCUM_UPDATE_GOLDEN")
-    assert golden is not None, f"{path} missing; run with DISTACCUM_UPDATE_GOLDEN=1 to create it"
-    assert text == golden, f"{path} differs; if intended, regenerate with DISTACCUM_UPDATE_GOLDEN=1"
+    check_golden(GOLDEN / f"{name}.sbatch", _render(name))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
