@@ -167,7 +167,8 @@ class NodeLaunch:
         """The ``trainer.*`` values this launch decides (they replace the config's): the cluster, not the config,
         says how many nodes and processes there are. With the c10d rendezvous the node rank is not needed (the
         order of joining decides it), so it is only reported."""
-        nnodes: object = int(self.nnodes) if ":" not in self.nnodes else self.nnodes
+        low, high = parse_nnodes(self.nnodes)
+        nnodes: object = low if low == high else self.nnodes
         return {
             "trainer.nnodes": nnodes,
             "trainer.nproc": self.nproc,
@@ -222,8 +223,10 @@ def node_launch(env: Mapping[str, str]) -> NodeLaunch | None:
     if "PET_NNODES" not in env:
         return None
     nnodes = env["PET_NNODES"].strip()
-    if not re.fullmatch(r"\d+(:\d+)?", nnodes):
-        raise ContractError(f"PET_NNODES={nnodes!r} is neither N nor MIN:MAX")
+    try:
+        _, most = parse_nnodes(nnodes)
+    except ValueError:
+        raise ContractError(f"PET_NNODES={nnodes!r} is neither N nor MIN:MAX") from None
     launch = NodeLaunch(
         nnodes,
         _int(env, "PET_NPROC_PER_NODE"),
@@ -231,7 +234,6 @@ def node_launch(env: Mapping[str, str]) -> NodeLaunch | None:
         env["PET_MASTER_ADDR"],
         _int(env, "PET_MASTER_PORT"),
     )
-    most = int(nnodes.split(":")[-1])
     if not 0 <= launch.node_rank < most or launch.nproc < 1:
         raise ContractError(
             f"PET_NODE_RANK={launch.node_rank} with PET_NNODES={nnodes} and PET_NPROC_PER_NODE={launch.nproc}: "

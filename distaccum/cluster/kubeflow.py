@@ -24,10 +24,8 @@ from typing import Any
 
 import yaml
 
-from distaccum.cluster.topology import placement_plan, resolve_replicas
+from distaccum.cluster.slurm import layout_plan
 from distaccum.config import RunConfig
-from distaccum.engines import engine_class
-from distaccum.outer.islands import island_plan, resolve_outer_replicas
 
 TRAINJOB_FILE = "trainjob.yaml"
 """File name of the rendered TrainJob inside ``run_dir``."""
@@ -231,14 +229,7 @@ def _header(cfg: RunConfig, run_dir: str) -> list[str]:
         lines.append(
             f"run_dir {run_dir} on PersistentVolumeClaim {kf.volume_claim} at {kf.mount_path}{shared}."
         )
-    world = kf.nodes * per_node
-    replicas = resolve_replicas(
-        cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, world, kf.nodes
-    )
-    islands = resolve_outer_replicas(cfg.outer.replicas, world, kf.nodes) if cfg.outer.enabled else 0
-    if islands:
-        replicas = 1  # the islands are the replicas (no HSDP inside one)
-    lines += placement_plan(replicas, kf.nodes, per_node) + island_plan(islands, kf.nodes, per_node)
+    lines += layout_plan(cfg, kf.nodes, per_node)
     return [f"# {line}".rstrip() for line in lines]
 
 

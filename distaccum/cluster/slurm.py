@@ -87,6 +87,19 @@ def job_world_size(cfg: RunConfig) -> int:
     return cfg.slurm.nodes * per_node
 
 
+def layout_plan(cfg: RunConfig, nodes: int, per_node: int) -> list[str]:
+    """The HSDP replicas or outer-sync islands of a job of ``nodes`` x ``per_node`` ranks, one consecutive block of
+    ranks per node (one torchrun per node, as here and in a Kubeflow TrainJob): the lines a rendered job shows."""
+    world = nodes * per_node
+    replicas = resolve_replicas(
+        cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, world, nodes
+    )
+    islands = resolve_outer_replicas(cfg.outer.replicas, world, nodes) if cfg.outer.enabled else 0
+    if islands:
+        replicas = 1  # the islands are the replicas (no HSDP inside one)
+    return placement_plan(replicas, nodes, per_node) + island_plan(islands, nodes, per_node)
+
+
 def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python") -> str:
     """The sbatch script that runs ``distaccum train <overrides> run_dir=<cfg.run_dir>`` on Slurm.
 
@@ -114,21 +127,10 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
         f"--signals_to_handle={AGENT_SIGNALS}",
         "-m distaccum train " + " ".join(shlex.quote(arg) for arg in train_args),
     ]
-    replicas = resolve_replicas(
-        cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, nproc * slurm.nodes, slurm.nodes
-    )
-    islands = (
-        resolve_outer_replicas(cfg.outer.replicas, nproc * slurm.nodes, slurm.nodes)
-        if cfg.outer.enabled
-        else 0
-    )
-    if islands:
-        replicas = 1  # the islands are the replicas (no HSDP inside one)
     lines = [
         "#!/bin/bash",
         "# Rendered by distaccum.cluster.slurm.render_sbatch; submit with `distaccum submit` or sbatch.",
-        *(f"# {line}" for line in placement_plan(replicas, slurm.nodes, nproc)),
-        *(f"# {line}" for line in island_plan(islands, slurm.nodes, nproc)),
+        *(f"# {line}" for line in layout_plan(cfg, slurm.nodes, nproc)),
         *_directives(cfg),
         "",
         "set -euo pipefail",
