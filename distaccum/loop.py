@@ -99,14 +99,16 @@ def power_of_two_scale(n_prev: float, global_batch: int) -> float:
     return 2.0 ** -round(math.log2(max(reference, 1.0)))
 
 
-def loss_multiplier(settings: LoopSettings, c: float, d: float, weight: float, n_items: Any) -> Any:
+def loss_multiplier(
+    settings: LoopSettings, split: Split, c: float, d: float, weight: float, n_items: Any
+) -> Any:
     """What a micro-batch's summed loss is multiplied by before its backward: c d times its weight (0 for a stand-in
     sample). The classic loss/K (``accum.loss_norm=mean_per_micro``, the negative control) divides by the
-    micro-batch's own item count and K x W too."""
+    micro-batch's own item count and the step's K x W too."""
     if settings.loss_norm == "global_count":
         return c * d * weight
     n = n_items.clamp(min=1.0) if isinstance(n_items, torch.Tensor) else max(float(n_items), 1.0)
-    return c * d * weight / (n * settings.split.accum_steps * settings.split.world_size)
+    return c * d * weight / (n * split.accum_steps * split.world_size)
 
 
 @dataclass(frozen=True)
@@ -137,8 +139,9 @@ def train_step(
     """One optimizer step, the step math: fetch this rank's window, K micro-steps accumulating gradients locally, the
     window's one collective (N) launched before the last backward, then one reduction, x 1/(c N), clip, step.
     ``votes()`` gives what rides on the collective (stop and checkpoint votes, a check's row). Collective."""
-    engine, split = state.engine, settings.split
+    engine = state.engine
     window = state.source.window()  # 1. fetch: this rank's K micro-batches, on the device
+    split = window.split  # K of this step (a batch schedule changes it between steps, never inside one)
     c, d = power_of_two_scale(state.n_prev, split.global_batch), engine.grad_divisor
     totals.start()
     for k, micro in enumerate(window.micro):  # 2. K micro-steps
@@ -149,7 +152,7 @@ def train_step(
             weight = totals.add(summed, n_items, micro.samples)
             if last:  # N's collective, before the last backward: the backward overlaps it
                 totals.reduce(**votes())
-            engine.backward(summed * loss_multiplier(settings, c, d, weight, n_items))  # S_rk c d
+            engine.backward(summed * loss_multiplier(settings, split, c, d, weight, n_items))  # S_rk c d
         del micro, summed  # one micro-batch's inputs alive at a time
     lr = float(state.scheduler.get_last_lr()[0])
     window_totals = totals.read()  # 3. the one reduction is done; N over every rank
@@ -285,10 +288,10 @@ class StepEnd:
     extra: Record = field(default_factory=dict)
     """Fields known when the step ended (the outer sync's)."""
 
-    def publish(self, state: TrainState, parts: LoopParts, split: Split) -> None:
+    def publish(self, state: TrainState, parts: LoopParts) -> None:
         """Resolve the step's timings (waiting for its own events only), then record, log and call ``on_step``."""
         times = self.times.resolve()
-        record = step_record(self.step, split, times, self.nonfinite)
+        record = step_record(self.step, times, self.nonfinite)
         record.update(self.extra)  # nothing unless the run is outer-synced
         for monitor in parts.monitors:
             record.update(monitor.fields(record, times, state.records))
@@ -298,9 +301,10 @@ class StepEnd:
             parts.on_step(state, record)
 
 
-def step_record(step: Step, split: Split, times: StepTimes, nonfinite: bool) -> Record:
+def step_record(step: Step, times: StepTimes, nonfinite: bool) -> Record:
     """The step's ``metrics.jsonl`` line (identical on every rank but the timings)."""
     window, totals, result, n = step.window, step.totals, step.result, step.totals.items
+    timed = times.as_record()  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
     return {
         "step": step.number,
         "epoch": window.epoch,
@@ -308,12 +312,15 @@ def step_record(step: Step, split: Split, times: StepTimes, nonfinite: bool) -> 
         "lr": step.lr,
         "samples": window.samples,
         "items": round(n),
-        "micro_steps": split.accum_steps,
+        "global_batch": window.split.global_batch,
+        "micro_steps": window.split.accum_steps,
         "partial_window": window.partial,
         "grad_norm": result.grad_norm,
         "skipped": not result.applied,
         "nonfinite": nonfinite,
-        **times.as_record(),  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
+        **timed,
+        "comm_bytes_per_sample": (timed.get("comm_bytes", 0) + timed.get("comm_bytes_replicate", 0))
+        / max(window.samples, 1),
         "micro_items_min": round(totals.items_min),
         "micro_items_max": round(totals.items_max),
         "samples_per_s": window.samples / times.time_s,
@@ -351,13 +358,13 @@ def train(
         times = parts.timer.finish_step(sync=not parts.lag)
         ended = StepEnd(done, times, parts.nonfinite.observe(state, totals, done.result), extra)
         if lagged is not None:  # the previous step's record, whose events step n's queued work follows
-            lagged.publish(state, parts, settings.split)
+            lagged.publish(state, parts)
         checkpointer = parts.checkpointer
         saves = checkpointer is not None and checkpointer.saves_after(step, due=due, stopping=stopping)
         at_once = saves or stopping or step >= end or parts.nonfinite.exhausted(state) or parts.flushes(step)
         lagged = ended if parts.lag and not at_once else None
         if lagged is None:
-            ended.publish(state, parts, settings.split)
+            ended.publish(state, parts)
         parts.nonfinite.enforce(state, step, totals, done.result)
         if (saves or stopping or step >= settings.max_steps) and parts.fingerprint is not None:
             parts.fingerprint.flush()  # nothing unjudged is saved or left behind

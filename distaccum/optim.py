@@ -50,19 +50,24 @@ class LrSchedule:
     so a checkpoint carries the schedule the run actually followed and a later resume keeps it.
     """
 
-    def __init__(self, cfg: OptimConfig, total_steps: int, scale: float = 1.0) -> None:
+    def __init__(self, cfg: OptimConfig, total_steps: int, scale: float | list[list[float]] = 1.0) -> None:
         self.kind = cfg.schedule
         self.warmup = cfg.warmup_steps
         self.floor = cfg.min_lr_ratio
-        self.scale = scale
+        self.scales: list[list[float]] = scale if isinstance(scale, list) else [[0, scale]]
+        """``[first step, lr_scale]``, in order: a batch schedule's phases each scale the lr by their global
+        batch (``optim.lr_scaling``); one phase otherwise."""
         self.segments: list[list[float]] = [[0, total_steps, 1.0]]
         """``[first step, horizon, multiplier at the first decaying step]``, in order."""
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> LrSchedule:
-        """The schedule a scheduler's state dict saved (its ``lr_lambdas[0]``)."""
+        """The schedule a scheduler's state dict saved (its ``lr_lambdas[0]``; before batch schedules, one
+        ``scale``)."""
         schedule = cls.__new__(cls)
         schedule.__dict__.update(state)
+        if "scale" in state:
+            schedule.scales = [[0, schedule.__dict__.pop("scale")]]
         return schedule
 
     @property
@@ -82,8 +87,12 @@ class LrSchedule:
         shape = 1.0 - progress if self.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.floor + (top - self.floor) * shape
 
+    def scale(self, step: int) -> float:
+        """``lr_scale`` of the global batch of 0-based step ``step``."""
+        return next(s for first, s in reversed(self.scales) if first <= step)
+
     def __call__(self, step: int) -> float:
-        return self.scale * self.factor(step)
+        return self.scale(step) * self.factor(step)
 
     def stretch(self, step: int, horizon: int) -> None:
         """From optimizer step ``step`` on, decay from the multiplier reached there to the final value at
@@ -100,13 +109,35 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *, global_batch: int
+    optimizer: torch.optim.Optimizer,
+    cfg: OptimConfig,
+    total_steps: int,
+    *,
+    global_batch: int,
+    batches: list[list[int]] | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR of :class:`LrSchedule` (``lr_scale x`` warmup/decay) for an effective batch of
-    ``global_batch`` samples; the loop calls ``step()`` once per optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, LrSchedule(cfg, total_steps, cfg.lr_scale(global_batch))
-    )
+    ``global_batch`` samples, or per phase ``[first step, global batch]`` of ``batches`` (a batch schedule); the
+    loop calls ``step()`` once per optimizer step."""
+    phases = batches if batches is not None else [[0, global_batch]]
+    scales = [[first, cfg.lr_scale(batch)] for first, batch in phases]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, LrSchedule(cfg, total_steps, scales))
+
+
+def rescale(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, first: int, global_batch: int, cfg: OptimConfig
+) -> None:
+    """From 0-based step ``first`` on the lr follows ``global_batch`` (``optim.lr_scaling``; the adaptive batch's
+    change). The scheduler already computed the lr of step ``first`` (its ``step()`` ran): it is recomputed."""
+    schedule = schedule_of(scheduler)
+    if schedule is None:
+        return
+    schedule.scales.append([first, cfg.lr_scale(global_batch)])
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base * schedule(scheduler.last_epoch)
+    scheduler._last_lr = [
+        group["lr"] for group in scheduler.optimizer.param_groups
+    ]  # what get_last_lr() reads
 
 
 def schedule_of(scheduler: Any) -> LrSchedule | None:

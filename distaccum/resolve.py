@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
+from distaccum.batching.schedule import BatchSchedule
 from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split, to_mapping
@@ -179,6 +180,7 @@ def resolve(
         drop_last=cfg.data.drop_last,
         num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor,
+        schedule=batch_schedule(cfg, split, islands),
     )
     return ResolvedRun(
         world_size=world_size,
@@ -195,6 +197,37 @@ def resolve(
         run_dir=Path(cfg.run_dir),
         outer_replicas=islands,
     )
+
+
+SCHEDULE_ENGINES = ("ddp", "fsdp")
+
+
+def batch_schedule(cfg: RunConfig, split: Split, islands: int = 0) -> BatchSchedule | None:
+    """The global batch per step of ``accum.ramp`` / ``accum.adaptive`` on ``split``'s world (None: constant);
+    ValueError for a phase without a split or what cannot follow a schedule."""
+    accum = cfg.accum
+    if not (accum.ramp.enabled or accum.adaptive.enabled):
+        return None
+    what = "accum.ramp" if accum.ramp.enabled else "accum.adaptive"
+    if cfg.engine.name not in SCHEDULE_ENGINES:
+        raise ValueError(
+            f"{what} changes K between optimizer steps; engine={cfg.engine.name} fixes its accumulation steps when "
+            f"it is built (DeepSpeed's gradient_accumulation_steps, Accelerate's accumulation plugin): use "
+            f"engine=ddp or engine=fsdp"
+        )
+    if islands:
+        raise ValueError(f"{what} is not supported with outer.method={cfg.outer.method}")
+    assert accum.global_batch is not None  # AccumConfig checks
+    if accum.adaptive.enabled:
+        if not cfg.log.gns:
+            raise ValueError(
+                "accum.adaptive.enabled=true follows the gradient noise scale log.gns measures: set log.gns=true"
+            )
+        schedule = BatchSchedule.constant(accum.global_batch)
+    else:
+        schedule = BatchSchedule.of(accum.ramp, accum.global_batch)
+    schedule.check([split.world_size], None if cfg.accum.auto else split.micro_batch)
+    return schedule
 
 
 OUTER_ENGINES = ("ddp", "fsdp")

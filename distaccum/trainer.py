@@ -31,6 +31,8 @@ from torch.utils.data import Dataset
 
 from distaccum import testing
 from distaccum.activation_checkpointing import Checkpointing, parse_checkpointing
+from distaccum.batching.adaptive import AdaptiveBatch
+from distaccum.batching.schedule import describe_schedule
 from distaccum.cluster.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.cluster.procgroup import gather_placement, join, shutdown
 from distaccum.cluster.stopping import StopFlag, StopRequested
@@ -43,7 +45,7 @@ from distaccum.engines.base import Engine, OptimizerFactory
 from distaccum.evaluate import EvalResult, evaluate
 from distaccum.loop import LoopParts, NonFinitePolicy, StepMonitor, TrainState, train
 from distaccum.losses import LossFn
-from distaccum.optim import build_scheduler, describe_lr
+from distaccum.optim import build_scheduler, describe_lr, rescale
 from distaccum.outer.config import OuterConfig
 from distaccum.outer.islands import IslandLayout, Islands
 from distaccum.outer.sync import OuterSync
@@ -269,6 +271,7 @@ class Trainer:
                 first_step=run.resumed_at + 1,
                 wandb_mode=cfg.log.wandb_mode,
                 wandb_project=cfg.log.wandb_project,
+                show_batch=run.resolved.data.schedule is not None,
             )
         return run.sink
 
@@ -324,6 +327,10 @@ class Trainer:
             summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
         if state.outer is not None:
             summary["outer"] = state.outer.summary(state.records)
+        if (
+            resolved.data.schedule is not None
+        ):  # as accum.ramp.points: what a verify of this run's batches takes
+            summary["batch_phases"] = [[first + 1, batch] for first, batch in resolved.data.schedule.phases]
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
             config = {**to_mapping(cfg), "components": run.prepared.names}
             tokenizer = getattr(self.components.dataset, "tokenizer", None)
@@ -388,13 +395,20 @@ class Trainer:
         group = islands.inner_group if islands is not None else None  # every per-step collective's ranks
         world = islands.layout.size if islands is not None else world
         placement = self._placement(engine, rank, rank // local_world_size if node is None else node, islands)
+        schedule = resolved.data.schedule  # the global batch per step, when it is not one constant
         scheduler = testing.intercept(
             "scheduler",
             build_scheduler(
-                engine.optimizer, cfg.optim, cfg.trainer.max_steps, global_batch=resolved.global_batch
+                engine.optimizer,
+                cfg.optim,
+                cfg.trainer.max_steps,
+                global_batch=resolved.global_batch,
+                batches=[list(p) for p in schedule.phases] if schedule is not None else None,
             ),
         )
-        if cfg.optim.lr_scaling != "none" and rank == 0:
+        if schedule is not None and rank == 0:
+            print(describe_schedule(schedule, cfg, resolved.split), flush=True)
+        elif cfg.optim.lr_scaling != "none" and rank == 0:
             print(
                 f"distaccum: {describe_lr(cfg.optim, resolved.global_batch, float(scheduler.base_lrs[0]))}",
                 flush=True,
@@ -458,7 +472,34 @@ class Trainer:
             RankStats(timer, cfg.log.rank_stats_every),
         ]
         if cfg.log.gns:
-            monitors.append(GnsMonitor(engine.grad_squares, cfg.log.gns_ema, world, rank, device))
+            adaptive = cfg.accum.adaptive.enabled  # decides on the step's estimate before the next step
+            gns = GnsMonitor(
+                engine.grad_squares,
+                cfg.log.gns_ema,
+                world,
+                rank,
+                device,
+                eager_after=state.records if adaptive else None,
+            )
+            monitors.append(gns)
+            if adaptive and schedule is not None:
+                plan = resolved.data.plan(self.components.dataset, resolved.global_batch)
+                split = resolved.split
+                monitors.append(
+                    AdaptiveBatch(
+                        cfg.accum.adaptive,
+                        schedule,
+                        gns,
+                        lambda step: plan.rank_sizes(step, split, 0)[1],
+                        lambda first, batch: rescale(scheduler, first, batch, cfg.optim),
+                        unit=split.micro_batch * split.world_size,
+                        global_batch=resolved.global_batch,
+                        rank=rank,
+                        world_size=world,
+                        device=device,
+                        group=group,
+                    )
+                )
         if cfg.trainer.compile:
             # imports dynamo (about 2 s): only when compiling, never in the launching process
             from distaccum.telemetry.compilation import CompileWatch

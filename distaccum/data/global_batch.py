@@ -8,9 +8,11 @@ fixed slices of that set. It depends only on (num_samples, global_batch, seed, s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from distaccum.batching.schedule import BatchSchedule, phase_split
 from distaccum.config import Split
 
 
@@ -45,18 +47,29 @@ class Window:
 class GlobalBatchPlan:
     """Deterministic, epoch-aware walk over the dataset in windows of ``global_batch`` samples.
 
-    Depends only on (num_samples, global_batch, seed, shuffle, drop_last), never on the split, so
-    every split of the same global batch sees the same samples at the same optimizer step.
+    Depends only on (num_samples, global_batch or its schedule, seed, shuffle, drop_last), never on the split, so
+    every split of the same global batch sees the same samples at the same optimizer step. With a ``schedule``
+    (:class:`~distaccum.batching.schedule.BatchSchedule`: a ramp, the adaptive batch) step s takes the next G_s
+    samples of the same epoch order: the stream of samples is the unramped run's, only cut into windows of other
+    sizes (an epoch ends where its samples do; with ``drop_last`` a window that would cross the end is dropped).
     """
 
     def __init__(
-        self, num_samples: int, global_batch: int, *, seed: int, shuffle: bool = True, drop_last: bool = False
+        self,
+        num_samples: int,
+        global_batch: int,
+        *,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        schedule: BatchSchedule | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty: there is nothing to train on")
-        if global_batch > num_samples and drop_last:
+        largest = max(global_batch, schedule.largest if schedule is not None else 0)
+        if largest > num_samples and drop_last:
             raise ValueError(
-                f"the global batch ({global_batch} samples) is larger than the dataset "
+                f"the global batch ({largest} samples) is larger than the dataset "
                 f"({num_samples} samples) with data.drop_last=true: no window would ever run. "
                 "Lower accum.global_batch (or micro_batch x steps x world) or set data.drop_last=false"
             )
@@ -65,6 +78,10 @@ class GlobalBatchPlan:
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.schedule = schedule
+        """The batch schedule (a ramp, the adaptive rule's phases so far); None: ``global_batch`` every step."""
+        self._walk = (0, 0, 0)
+        """(step, epoch, first position) of the last step :meth:`_place` walked to (a scheduled plan)."""
         self.next_step = 0
         """Position: the 0-based optimizer step the plan hands out next (resume state)."""
         self._epoch_order: tuple[int, torch.Tensor] | None = None
@@ -89,12 +106,39 @@ class GlobalBatchPlan:
         self._epoch_order = (epoch, order)
         return order
 
+    def batch(self, step: int) -> int:
+        """The global batch of 0-based optimizer step ``step``."""
+        return self.global_batch if self.schedule is None else self.schedule.global_batch(step)
+
+    def _place(self, step: int) -> tuple[int, int, int]:
+        """(epoch, the window's first position in the epoch's order, its global batch) of ``step``. A constant batch
+        by arithmetic; a schedule by walking the windows from the last step asked (from 0 when asked backwards)."""
+        if self.schedule is None:
+            epoch, k = divmod(step, self.windows_per_epoch)
+            return epoch, k * self.global_batch, self.global_batch
+        at, epoch, start = self._walk if self._walk[0] <= step else (0, 0, 0)
+        batch = self.schedule.global_batch(at)
+        while True:
+            if start >= self.num_samples or (self.drop_last and start + batch > self.num_samples):
+                epoch, start = epoch + 1, 0  # this epoch's samples are spent (or the rest is dropped)
+            if at == step:
+                break
+            start, at = start + batch, at + 1
+            batch = self.schedule.global_batch(at)
+        self._walk = (at, epoch, start)
+        return epoch, start, batch
+
     def window(self, step: int) -> Window:
         """The window of 0-based optimizer step ``step`` (pure: does not move the position)."""
-        epoch, k = divmod(step, self.windows_per_epoch)
+        epoch, start, batch = self._place(step)
         order = self._order(epoch)
-        indices = order[k * self.global_batch : (k + 1) * self.global_batch]
-        return Window(step, epoch, indices, self.global_batch)
+        return Window(step, epoch, order[start : start + batch], batch)
+
+    def split_at(self, step: int, split: Split) -> Split:
+        """The split of ``step``: ``split`` itself, or under a schedule its phase's (K follows the global batch)."""
+        if self.schedule is None:
+            return split
+        return phase_split(self.schedule.global_batch(step), split.micro_batch, split.world_size)
 
     def rank_pieces(self, step: int, split: Split, rank: int) -> tuple[Window, list[torch.Tensor]]:
         """:meth:`window` of ``step`` and its :meth:`Window.rank_micro_batches` for ``rank``, kept for the last 4
@@ -103,7 +147,7 @@ class GlobalBatchPlan:
         found = self._pieces.get(key)
         if found is None:
             window = self.window(step)
-            found = self._pieces[key] = (window, window.rank_micro_batches(split, rank))
+            found = self._pieces[key] = (window, window.rank_micro_batches(self.split_at(step, split), rank))
             if len(self._pieces) > 4:
                 del self._pieces[next(iter(self._pieces))]  # the oldest
         return found
@@ -112,9 +156,9 @@ class GlobalBatchPlan:
         """(epoch, the window's first position in the epoch's order, its samples, and ``tensor_split``'s piece size q
         and remainder r: its first r of ``accum_steps x world`` pieces get q + 1 samples, the others q), by
         arithmetic alone: the window's size does not depend on the order."""
-        epoch, k = divmod(step, self.windows_per_epoch)
-        start = k * self.global_batch
-        size = min(self.global_batch, self.num_samples - start)
+        epoch, start, batch = self._place(step)
+        size = min(batch, self.num_samples - start)
+        split = self.split_at(step, split)
         return (epoch, start, size, *divmod(size, split.accum_steps * split.world_size))
 
     def rank_sizes(self, step: int, split: Split, rank: int) -> tuple[int, int, list[int]]:
@@ -122,6 +166,7 @@ class GlobalBatchPlan:
         empty piece (its stand-in trains with weight 0). What the loop needs of a window without cutting one
         (:meth:`rank_pieces` makes tensors: tens of microseconds per step here)."""
         epoch, _, size, q, r = self._cut(step, split)
+        split = self.split_at(step, split)
         world = split.world_size
         return epoch, size, [q + (1 if m * world + rank < r else 0) for m in range(split.accum_steps)]
 
@@ -135,6 +180,7 @@ class GlobalBatchPlan:
                 "rank_ranges needs an in-order plan (shuffle=False): a shuffled window is no range"
             )
         _, start, _, q, r = self._cut(step, split)
+        split = self.split_at(step, split)
         out = []
         for m in range(split.accum_steps):
             j = m * split.world_size + rank
@@ -142,20 +188,32 @@ class GlobalBatchPlan:
             out.append((start + j * q + min(j, r), n) if n else (start, 1))
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        """Position and identity, enough to resume at the exact next sample."""
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        """Position and identity, enough to resume at the exact next sample (and a schedule's phases so far)."""
+        state: dict[str, Any] = {
             "next_step": self.next_step,
             "global_batch": self.global_batch,
             "seed": self.seed,
             "num_samples": self.num_samples,
         }
+        if self.schedule is not None:
+            state["schedule"] = self.schedule.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume; refuses a state from a plan with a different global batch, seed or dataset."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume; refuses a state from a plan with a different global batch, seed or dataset. A schedule takes the
+        checkpoint's phases (the adaptive rule's decisions; a ramp's are the same ones, the config is compared
+        before any worker starts)."""
         for key in ("global_batch", "seed", "num_samples"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"cannot resume: plan {key}={state[key]} in the checkpoint, {getattr(self, key)} now"
                 )
+        if ("schedule" in state) != (self.schedule is not None):
+            raise ValueError(
+                "cannot resume: the checkpoint's run and this one differ in having a batch schedule"
+            )
+        if self.schedule is not None:
+            self.schedule.load_state_dict(state["schedule"])
+            self._walk = (0, 0, 0)
         self.next_step = int(state["next_step"])

@@ -37,7 +37,7 @@ class PlanSampler(Sampler[list[int]]):
         self.plan, self.split, self.rank, self.start, self.stop = plan, split, rank, start, stop
 
     def __len__(self) -> int:
-        return max(self.stop - self.start, 0) * self.split.accum_steps
+        return sum(self.plan.split_at(step, self.split).accum_steps for step in range(self.start, self.stop))
 
     def __iter__(self) -> Iterator[list[int]]:
         return (piece.tolist() for piece in self.pieces())
@@ -254,6 +254,8 @@ class WindowBatches:
     """Fewer samples than the global batch (the last window of an epoch)."""
     micro: Iterator[MicroBatch]
     """This rank's K micro-batches, collated and moved to the device one at a time as the loop asks for them."""
+    split: Split
+    """The step's split: K micro-batches of this size on every rank (a batch schedule changes it between steps)."""
 
 
 class WindowSource(Protocol):
@@ -309,6 +311,7 @@ class PlanSource:
         """The keyword arguments this source was made with (a copy of it is ``PlanSource(..., **loader_options)``)."""
         self._batches: Iterator[Any] | None = None
         self._at = -1  # the step the DataLoader iterator is positioned at
+        self._version = 0  # the batch schedule's version the iterator was cut for
 
     @property
     def next_step(self) -> int:
@@ -320,7 +323,10 @@ class PlanSource:
 
     def window(self) -> WindowBatches:
         step = self.plan.next_step
-        if self._batches is None or self._at != step:  # first window, or the position moved (resume)
+        version = self.plan.schedule.version if self.plan.schedule is not None else 0
+        if self._batches is None or self._at != step or self._version != version:
+            # first window, the position moved (resume), or the adaptive batch changed what was prefetched
+            self._version = version
             sampler = PlanSampler(self.plan, self.split, self.rank, step, self.stop)
             self._batches = micro_batches(self.dataset, self.collate, sampler, **self.loader_options)
             self._at = step
@@ -334,7 +340,8 @@ class PlanSource:
             for n in sizes:
                 yield MicroBatch(to_device(next(batches), device, float_dtype), n)
 
-        return WindowBatches(step, epoch, size, size < self.plan.global_batch, micro())
+        split = self.plan.split_at(step, self.split)
+        return WindowBatches(step, epoch, size, size < self.plan.batch(step), micro(), split)
 
     def advance(self) -> None:
         self.plan.next_step += 1

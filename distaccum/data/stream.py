@@ -175,7 +175,7 @@ class StreamSource:
                 batch = collate([current.samples[i] for i in chosen])
                 yield MicroBatch(to_device(batch, device, float_dtype), len(piece))
 
-        return WindowBatches(self.next_step, current.epoch, count, layout.partial, micro())
+        return WindowBatches(self.next_step, current.epoch, count, layout.partial, micro(), self.split)
 
     def advance(self) -> None:
         assert self._current is not None, "advance() before window()"

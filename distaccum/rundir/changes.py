@@ -79,6 +79,9 @@ ALLOWED_KEYS: dict[str, str] = {
 
 REFUSED_KEYS: dict[str, str] = {
     "global_batch": "the samples per optimizer step",
+    **dict.fromkeys(
+        ("accum.ramp", "accum.adaptive"), "the samples of every optimizer step (the batch schedule)"
+    ),
     "world_size": "how the checkpoint is partitioned (one piece per rank: DeepSpeed's optimizer state, or an "
     "outer-synced run's islands and their outer state)",
     "outer.": "how the islands merge (method, period, fragments, outer optimizer) and which state each island "

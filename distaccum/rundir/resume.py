@@ -92,7 +92,7 @@ def horizon_choice(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> st
         )
     naive = LrSchedule.from_state({**scheduler["lr_lambdas"][0], "segments": [[0, new, 1.0]]})
     jump = max(range(done, new), key=naive, default=done)
-    floor = f"{lr * kept.scale * kept.floor:.2e}"
+    floor = f"{lr * kept.scale(new) * kept.floor:.2e}"
     if done < kept.horizon:
         keep = f"down to its final {floor} at step {kept.horizon}, then at it to step {new}"
     else:

@@ -124,7 +124,14 @@ class GnsMonitor:
     its smoothed ratio (the averages ride in the records, so a resumed run continues them)."""
 
     def __init__(
-        self, squares: GradSquares, decay: float, world_size: int, rank: int, device: torch.device
+        self,
+        squares: GradSquares,
+        decay: float,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        *,
+        eager_after: list[dict[str, Any]] | None = None,
     ) -> None:
         self.squares, self.decay, self.world, self.rank, self.device = (
             squares,
@@ -135,6 +142,11 @@ class GnsMonitor:
         )
         self._sums: dict[int, torch.Tensor] = {}
         """Per step until its record is made (a step late under the loop's lagged records)."""
+        self.eager = eager_after is not None
+        """Compute each step's fields as it ends (:meth:`latest`: the adaptive batch decides on them before the next
+        step), at the cost of reading three numbers per step on the host; records continue ``eager_after``'s last."""
+        self._fields: dict[int, dict[str, Any]] = {}
+        self._last: dict[str, Any] | None = eager_after[-1] if eager_after else None
 
     def after_step(self, step: int, window: Any, c: float, d: float) -> None:
         terms = window_terms(
@@ -142,9 +154,19 @@ class GnsMonitor:
         )  # this rank's items
         sums = torch.stack(terms)
         dist.all_reduce(sums)
-        self._sums[step] = sums
+        if not self.eager:
+            self._sums[step] = sums
+            return
+        grad_sq, trace = estimate(sums.tolist(), window.items, self.world)  # the host reads the three numbers
+        self._last = self._fields[step] = record_fields(grad_sq, trace, self._last, self.decay)
+
+    def latest(self, step: int) -> dict[str, Any]:
+        """Step ``step``'s fields, as soon as it ended (eager only)."""
+        return self._fields[step]
 
     def fields(self, record: dict[str, Any], times: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.eager:
+            return self._fields.pop(int(record["step"]))
         sums = self._sums.pop(int(record["step"]))  # after_step of this step came first
         grad_sq, trace = estimate(sums.tolist(), float(record["items"]), self.world)
         return record_fields(grad_sq, trace, records[-1] if records else None, self.decay)

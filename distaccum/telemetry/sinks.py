@@ -75,9 +75,19 @@ class ConsoleSink:
     Quiet mode prints only the summary."""
 
     def __init__(
-        self, total_steps: int, *, quiet: bool = False, stream: IO[str] | None = None, first_step: int = 1
+        self,
+        total_steps: int,
+        *,
+        quiet: bool = False,
+        stream: IO[str] | None = None,
+        first_step: int = 1,
+        show_batch: bool = False,
     ) -> None:
         self.total = total_steps
+        self.show_batch = show_batch
+        """A batch schedule's run: each line shows the global batch, K and the bytes reduced per sample, and a
+        change of the global batch gets a line of its own."""
+        self._batch: tuple[int, int] | None = None
         self.quiet = quiet
         self.stream = stream or sys.stdout
         self.first_step = first_step
@@ -104,8 +114,14 @@ class ConsoleSink:
             if across
             else ""
         )
+        batch = (
+            f"batch {record['global_batch']} K={record['micro_steps']} "
+            f"{human_bytes(record.get('comm_bytes_per_sample', 0))}/sample "
+            if self.show_batch and "global_batch" in record
+            else ""
+        )
         return (
-            f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record.get('samples_per_s', 0):.1f} samples/s "
+            f"loss {record['loss']:.4f} lr {record['lr']:.2e} {batch}{record.get('samples_per_s', 0):.1f} samples/s "
             f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}"
             f"{replicas} comm {share:.0%}" + _compiled(record) + (" SKIPPED" if record.get("skipped") else "")
         )
@@ -124,6 +140,7 @@ class ConsoleSink:
                 print(line, file=self.stream, flush=True)
             return
         step = int(record["step"])
+        self._say_batch(record)
         if self.bar is not None:
             self.bar.set_postfix_str(self._fields(record), refresh=False)
             self.bar.update(step - self.bar.n)
@@ -137,6 +154,36 @@ class ConsoleSink:
             file=self.stream,
             flush=True,
         )
+
+    def _say_batch(self, record: Record) -> None:
+        """A line when the global batch changes (a ramp's phase, the adaptive rule's decision), and the adaptive
+        rule's reading at each decision."""
+        if not self.show_batch or "global_batch" not in record:
+            return
+        step, lines = int(record["step"]), []
+        now = (int(record["global_batch"]), int(record["micro_steps"]))
+        if self._batch is not None and now != self._batch:
+            lines.append(
+                f"global batch {self._batch[0]} -> {now[0]} from step {step} (K {self._batch[1]} -> {now[1]}, "
+                f"micro-batch and ranks unchanged; lr {record['lr']:.3e})"
+            )
+        self._batch = now
+        if "adaptive_next_batch" in record:
+            target = record["adaptive_target"]
+            lines.append(
+                f"adaptive batch after step {step}: noise scale {record['adaptive_noise_scale']:.4g} items, target "
+                + (
+                    f"{target:.1f} samples"
+                    if math.isfinite(target)
+                    else "none (the estimate is negative or undefined)"
+                )
+                + f" -> next global batch {record['adaptive_next_batch']}"
+            )
+        for line in lines:
+            if self.bar is not None:
+                self.bar.write(line, file=self.stream)
+            else:
+                print(line, file=self.stream, flush=True)
 
     def close(self, summary: Record) -> None:
         if self.bar is not None:
@@ -194,6 +241,7 @@ def build_sinks(
     wandb_project: str = "distaccum",
     append: bool = False,
     first_step: int = 1,
+    show_batch: bool = False,
 ) -> Sink:
     """Rank 0 gets console + JSONL (+ wandb when ``wandb_config`` is given and ``wandb_mode`` is not
     ``disabled``); other ranks a NullSink."""
@@ -202,7 +250,7 @@ def build_sinks(
     quiet = console == "quiet"
     sinks: list[Sink] = [
         JsonlSink(run_dir, append=append),
-        ConsoleSink(total_steps, quiet=quiet, first_step=first_step),
+        ConsoleSink(total_steps, quiet=quiet, first_step=first_step, show_batch=show_batch),
     ]
     if wandb_config is not None and wandb_mode != "disabled":
         from distaccum.telemetry.wandb_sink import WandbSink  # imported lazily: wandb is optional

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from distaccum.batching.schedule import BatchSchedule
 from distaccum.components import Components, build_model
 from distaccum.config import RunConfig, to_mapping
 from distaccum.data.global_batch import GlobalBatchPlan
@@ -71,10 +72,16 @@ def window_samples(
         seed=cfg.trainer.seed,
         shuffle=cfg.data.shuffle,
         drop_last=cfg.data.drop_last,
+        schedule=ramp_of(cfg, global_batch),
     )
     for step in count():
         planned = plan.window(step)
         yield planned.epoch, [parts.dataset[int(i)] for i in planned.indices], planned.partial
+
+
+def ramp_of(cfg: RunConfig, global_batch: int) -> BatchSchedule | None:
+    """``accum.ramp``'s global batch per step (None: constant): each step's window is taken whole all the same."""
+    return BatchSchedule.of(cfg.accum.ramp, global_batch) if cfg.accum.ramp.enabled else None
 
 
 def start_reference(
@@ -111,7 +118,11 @@ def run_reference(
     model = model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = parts.optimizer(params) if parts.optimizer else build_optimizer(params, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps, global_batch=global_batch)
+    ramp = ramp_of(cfg, global_batch)
+    batches = [list(p) for p in ramp.phases] if ramp is not None else None
+    scheduler = build_scheduler(
+        optimizer, cfg.optim, cfg.trainer.max_steps, global_batch=global_batch, batches=batches
+    )
     collate = parts.collate or torch.utils.data.default_collate
     float_dtype = torch.float64 if precision.param_dtype == torch.float64 else None
     sink = JsonlSink(run_dir)
@@ -141,6 +152,7 @@ def run_reference(
             "lr": lr,
             "samples": len(samples),
             "items": round(items),
+            "global_batch": ramp.global_batch(step) if ramp is not None else global_batch,
             "micro_steps": 1,
             "partial_window": partial,
             "grad_norm": norm,

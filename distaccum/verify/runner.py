@@ -117,7 +117,14 @@ def parse_split(label: str) -> Split:
 def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) -> RunConfig:
     return replace(
         cfg,
-        accum=replace(cfg.accum, micro_batch=split.micro_batch, steps=split.accum_steps, global_batch=None),
+        accum=replace(
+            cfg.accum,
+            micro_batch=split.micro_batch,
+            steps=split.accum_steps,
+            global_batch=split.global_batch
+            if cfg.accum.ramp.enabled
+            else None,  # a ramp ends at the global batch
+        ),
         trainer=replace(
             cfg.trainer,
             nproc=split.world_size,
@@ -569,6 +576,12 @@ def verify(
             raise ValueError(
                 f"outer.reduce_dtype={cfg.outer.reduce_dtype} rounds every merge, and verify has no derived bound "
                 "for that rounding yet: verify the run with outer.reduce_dtype=fp32 (the same math uncompressed)"
+            )
+        if cfg.accum.adaptive.enabled:
+            raise ValueError(
+                "accum.adaptive chooses its global batches as it runs, so the reference cannot know them in advance: "
+                "verify the batches an adaptive run chose as a ramp (its summary.json's batch_phases, as "
+                "accum.ramp.points=[[step,global_batch],...]), with accum.adaptive.enabled=false"
             )
         for split in chosen:
             if split.global_batch != global_batch:

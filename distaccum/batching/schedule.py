@@ -1,0 +1,206 @@
+"""The global batch per optimizer step: constant, a ramp, or what the adaptive rule chose so far.
+
+A :class:`BatchSchedule` is a list of phases ``(first step, global batch)`` (0-based steps): step s takes the
+batch of the last phase starting at or before it. The data plan (:class:`~distaccum.data.global_batch.
+GlobalBatchPlan`) cuts each step's window of that many samples from the same sample stream an unramped run
+reads, so a ramp never skips or repeats a sample. The split of a step keeps the configured micro-batch and
+changes K, the accumulated micro-batches: K = G / (micro_batch x world). Only when K alone cannot reach G (G /
+world is no multiple of the micro-batch) the micro-batch drops to the largest divisor of G / world below it, and
+the start of the run says so.
+
+The learning rate follows ``optim.lr_scaling`` per phase (:func:`lr_scales`): lr x f(G_s / optim.base_batch);
+with ``optim.lr_scaling=none`` it stays as configured.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from distaccum.batching.config import RampConfig
+from distaccum.config import RunConfig
+from distaccum.split import Split
+
+
+def phase_split(global_batch: int, micro_batch: int, world_size: int) -> Split:
+    """The split of a phase: K = G / (micro_batch x world), or, when G / world is no multiple of ``micro_batch``, the
+    largest micro-batch below it that divides G / world. Raises ValueError when G is no multiple of the world."""
+    if global_batch % world_size:
+        raise ValueError(
+            f"a global batch of {global_batch} samples has no split on {world_size} ranks: every phase of the "
+            f"batch schedule must be a multiple of the world size"
+        )
+    per_rank = global_batch // world_size
+    micro = next(m for m in range(min(micro_batch, per_rank), 0, -1) if per_rank % m == 0)
+    return Split(micro, per_rank // micro, world_size)
+
+
+def megatron_phases(start: int, increment: int, samples: int, final: int) -> list[tuple[int, int]]:
+    """Megatron-LM's ``--rampup-batch-size START INCR SAMPLES`` as phases: before a step that follows ``consumed``
+    samples the batch is ``start + increment x floor(consumed / (samples / n))`` (n = (final - start) / increment
+    increments), ``final`` once it is reached."""
+    if final <= start or (final - start) % increment:
+        raise ValueError(
+            f"accum.ramp: accum.global_batch={final} must exceed accum.ramp.start={start} by a multiple of "
+            f"accum.ramp.increment={increment}"
+        )
+    per_increment = samples / ((final - start) // increment)
+    phases, consumed, step, batch = [(0, start)], 0, 0, start
+    while batch < final:
+        consumed += batch
+        step += 1
+        now = min(start + increment * int(consumed / per_increment), final)
+        if now != batch:
+            phases.append((step, now))
+            batch = now
+    return phases
+
+
+class BatchSchedule:
+    """The global batch of every optimizer step: phases ``(first 0-based step, global batch)``, the first at step 0.
+
+    ``version`` counts appended phases (the adaptive rule's changes), so a data source can tell that the windows it
+    prefetched were cut for another batch."""
+
+    def __init__(self, phases: Sequence[tuple[int, int]]) -> None:
+        if not phases or phases[0][0] != 0:
+            raise ValueError(f"a batch schedule starts at step 0, got {list(phases)!r}")
+        self.phases: list[tuple[int, int]] = []
+        self.version = 0
+        for first, batch in phases:
+            self._add(int(first), int(batch))
+
+    def _add(self, first: int, batch: int) -> None:
+        if batch <= 0:
+            raise ValueError(f"a global batch must be positive, got {batch}")
+        if self.phases and first <= self.phases[-1][0]:
+            raise ValueError(f"phase at step {first} does not follow the one at step {self.phases[-1][0]}")
+        if self.phases and batch == self.phases[-1][1]:
+            return  # no change
+        self.phases.append((first, batch))
+
+    @classmethod
+    def constant(cls, global_batch: int) -> BatchSchedule:
+        return cls([(0, global_batch)])
+
+    @classmethod
+    def of(cls, ramp: RampConfig, global_batch: int) -> BatchSchedule:
+        """The schedule ``accum.ramp`` describes, ending at ``global_batch`` (constant without a ramp)."""
+        if ramp.points is not None:
+            if ramp.points[-1][1] != global_batch:
+                raise ValueError(
+                    f"accum.ramp.points end at a global batch of {ramp.points[-1][1]}, accum.global_batch is "
+                    f"{global_batch}: the ramp ends at accum.global_batch"
+                )
+            return cls([(step - 1, batch) for step, batch in ramp.points])
+        if ramp.start is not None:
+            assert ramp.increment is not None and ramp.samples is not None  # RampConfig checks
+            return cls(megatron_phases(ramp.start, ramp.increment, ramp.samples, global_batch))
+        return cls.constant(global_batch)
+
+    @property
+    def varies(self) -> bool:
+        """Whether the global batch changes at all (so far)."""
+        return len(self.phases) > 1
+
+    @property
+    def largest(self) -> int:
+        return max(batch for _, batch in self.phases)
+
+    def global_batch(self, step: int) -> int:
+        """The global batch of 0-based optimizer step ``step``."""
+        if len(self.phases) == 1:
+            return self.phases[0][1]
+        return self.phases[bisect.bisect_right(self.phases, (step, float("inf"))) - 1][1]
+
+    def change(self, first: int, batch: int) -> bool:
+        """From 0-based step ``first`` on, ``batch`` samples per step (the adaptive rule); whether it changed."""
+        before = len(self.phases)
+        self._add(first, batch)
+        changed = len(self.phases) != before
+        self.version += changed
+        return changed
+
+    def check(self, world_sizes: Sequence[int], micro_batch: int | None) -> None:
+        """Raise ValueError naming the phases that have no split on one of ``world_sizes``."""
+        for world in world_sizes:
+            bad = [f"{batch} (from step {first + 1})" for first, batch in self.phases if batch % world]
+            if bad:
+                raise ValueError(
+                    f"the global batch schedule has no split on {world} ranks: {', '.join(bad)} "
+                    f"{'is' if len(bad) == 1 else 'are'} no multiple of {world}; every phase must be a multiple of "
+                    "the world size"
+                )
+            if micro_batch is not None:
+                for _, batch in self.phases:
+                    phase_split(batch, micro_batch, world)
+
+    def describe(self, micro_batch: int, world_size: int, max_steps: int) -> list[str]:
+        """One line per phase up to ``max_steps``: steps, global batch, its split (a lowered micro-batch said)."""
+        lines = []
+        for i, (first, batch) in enumerate(self.phases):
+            if first >= max_steps:
+                break
+            last = min(self.phases[i + 1][0] if i + 1 < len(self.phases) else max_steps, max_steps)
+            split = phase_split(batch, micro_batch, world_size)
+            lowered = (
+                f" (micro-batch lowered from {micro_batch}: {batch // world_size} samples per rank is no "
+                f"multiple of it)"
+                if split.micro_batch != micro_batch
+                else ""
+            )
+            lines.append(
+                f"steps {first + 1}-{last}: global batch {batch} = micro-batch {split.micro_batch} x K={split.accum_steps}"
+                f" x {world_size} ranks{lowered}"
+            )
+        return lines
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"phases": [list(p) for p in self.phases]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt the phases a checkpoint recorded (an adaptive run's decisions so far)."""
+        phases = [(int(a), int(b)) for a, b in state["phases"]]
+        if phases != self.phases:
+            self.phases = phases
+            self.version += 1
+
+
+def lr_scales(schedule: BatchSchedule, scale: Callable[[int], float]) -> list[list[float]]:
+    """``[[first step, lr multiplier], ...]`` of each phase (``optim.lr_scaling`` applied to its global batch)."""
+    return [[first, scale(batch)] for first, batch in schedule.phases]
+
+
+def describe_schedule(schedule: BatchSchedule, cfg: RunConfig, split: Split) -> str:
+    """What rank 0 prints at the start of a scheduled run: each phase's split, and what the learning rate does."""
+    optim, world = cfg.optim, split.world_size
+    if cfg.accum.adaptive.enabled:
+        a = cfg.accum.adaptive
+        unit = split.micro_batch * world
+        lo = a.min_batch if a.min_batch is not None else unit
+        hi = a.max_batch if a.max_batch is not None else 8 * schedule.phases[0][1]
+        head = (
+            f"distaccum: adaptive global batch (accum.adaptive): starts at {schedule.phases[0][1]}; after every "
+            f"{a.every} steps from step {a.warmup} the smoothed noise scale (gns_smoothed, in samples) chooses the next "
+            f"one, a multiple of micro-batch x world = {unit} (a whole K) within [{lo}, {hi}], at most x{a.max_factor:g} "
+            "per change"
+        )
+        lines = [head] + [
+            "  " + line for line in schedule.describe(split.micro_batch, world, cfg.trainer.max_steps)
+        ]
+    else:
+        lines = ["distaccum: global batch ramp (accum.ramp), K follows it at optimizer-step boundaries:"] + [
+            "  " + line for line in schedule.describe(split.micro_batch, world, cfg.trainer.max_steps)
+        ]
+    if optim.lr_scaling == "none":
+        lines.append(
+            f"  lr stays as configured at every global batch: {optim.lr:.4g} (optim.lr_scaling=none)"
+        )
+    else:
+        shown = ", ".join(f"{optim.lr * optim.lr_scale(b):.4g} at {b}" for _, b in schedule.phases[:6])
+        lines.append(
+            f"  lr follows optim.lr_scaling={optim.lr_scaling} (optim.base_batch {optim.base_batch}): {shown}"
+            + (", ..." if len(schedule.phases) > 6 else "")
+        )
+    return "\n".join(lines)
