@@ -473,13 +473,16 @@ class Trainer:
         ]
         if cfg.log.gns:
             adaptive = cfg.accum.adaptive.enabled  # decides on the step's estimate before the next step
-            gns = GnsMonitor(
-                engine.grad_squares,
-                cfg.log.gns_ema,
-                world,
-                rank,
-                device,
-                eager_after=state.records if adaptive else None,
+            gns = testing.intercept(
+                "gns",
+                GnsMonitor(
+                    engine.grad_squares,
+                    cfg.log.gns_ema,
+                    world,
+                    rank,
+                    device,
+                    eager_after=state.records if adaptive else None,
+                ),
             )
             monitors.append(gns)
             if adaptive and schedule is not None:
@@ -494,6 +497,7 @@ class Trainer:
                         lambda first, batch: rescale(scheduler, first, batch, cfg.optim),
                         unit=split.micro_batch * split.world_size,
                         global_batch=resolved.global_batch,
+                        max_steps=cfg.trainer.max_steps,
                         rank=rank,
                         world_size=world,
                         device=device,

@@ -361,11 +361,18 @@ def test_a_pending_comm_hook_callback_holds_no_reference_to_the_process_group(
     ledger.start_micro()
     buffer = torch.full((4,), 3.0)
     state = HookState(ledger, group, mean=True, squares=squares, dtype=dtype)
-    reduced = hook(state, SimpleNamespace(buffer=lambda: buffer))  # type: ignore[arg-type]  # a bucket's one method
+    bucket = (
+        SimpleNamespace(  # what the hook reads of a GradBucket: one parameter, its gradient the whole buffer
+            buffer=lambda: buffer,
+            parameters=lambda: [torch.nn.Parameter(torch.zeros(4))],
+            gradients=lambda: [buffer],
+        )
+    )
+    reduced = hook(state, bucket)  # type: ignore[arg-type]
     del state, group
     assert alive() is None, "the bucket's pending callback holds the process group"
     pending.set_result([torch.full((4,), 5.0, dtype=dtype or torch.float32)])  # the callback runs here
     assert reduced.wait().tolist() == [5.0] * 4
     assert buffer.tolist() == ([5.0] * 4 if dtype else [1.5] * 4)  # copied back; or sent as the mean's share
-    assert squares.reduced is not None and squares.reduced.item() == 100.0  # 4 elements of 5, squared
+    assert squares.take(torch.device("cpu"))[1].item() == 100.0  # 4 elements of 5, squared
     assert ledger.end_step().comm_calls == 1

@@ -99,6 +99,7 @@ class AdaptiveBatch:
         *,
         unit: int,
         global_batch: int,
+        max_steps: int,
         rank: int,
         world_size: int,
         device: torch.device,
@@ -109,11 +110,12 @@ class AdaptiveBatch:
         """The samples of a 0-based step's window (the data plan's: a last window may be partial)."""
         self.unit, (self.lo, self.hi) = unit, bounds(cfg, unit, global_batch)
         self.rank, self.world, self.device, self.group = rank, world_size, device, group
+        self.max_steps = max_steps
         self._decided: dict[int, Decision] = {}
 
     def due(self, step: int) -> bool:
-        """Whether the rule runs after 1-based step ``step``."""
-        return step >= self.cfg.warmup and step % self.cfg.every == 0
+        """Whether the rule runs after 1-based step ``step`` (not after the last: no step would follow)."""
+        return step >= self.cfg.warmup and step % self.cfg.every == 0 and step < self.max_steps
 
     def after_step(self, step: int, window: Any, c: float, d: float) -> None:
         if not self.due(step):

@@ -58,7 +58,7 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     """All-reduce a gradient bucket (a sum; the mean with ``state.mean``), counting every call and byte."""
     buffer = bucket.buffer()
     if state.squares is not None:  # this rank's accumulated gradient, before the reduction overwrites it
-        state.squares.add_local(buffer)
+        state.squares.add_local(bucket)
     if state.mean:
         buffer.div_(state.group.size())
     # ``done`` captures the ledger and the squares, never ``state``: gloo runs the callback on its worker thread and
@@ -74,7 +74,7 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
         ledger.completed(token)
         reduced = fut.value()[0]
         if squares is not None:
-            squares.add_reduced(reduced)
+            squares.add_reduced(bucket, reduced)
         return reduced
 
     return future.then(done)
@@ -93,7 +93,7 @@ def compressed_allreduce_hook(
     """
     buffer = bucket.buffer()
     if state.squares is not None:
-        state.squares.add_local(buffer)
+        state.squares.add_local(bucket)
     assert state.dtype is not None
     compressed = (buffer.div_(state.group.size()) if state.mean else buffer).to(state.dtype)
     ledger, squares = state.ledger, state.squares  # never ``state`` in the callback: see allreduce_hook
@@ -104,7 +104,7 @@ def compressed_allreduce_hook(
         ledger.completed(token)
         buffer.copy_(fut.value()[0])
         if squares is not None:
-            squares.add_reduced(buffer)
+            squares.add_reduced(bucket, buffer)
         return buffer
 
     return future.then(done)
@@ -218,6 +218,8 @@ class DDPEngine(ReplicatedEngine):
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         self.raw = model.to(device=self.device, dtype=self.precision.param_dtype)
+        if self.grad_squares is not None:
+            self.grad_squares.order = {id(p): i for i, p in enumerate(self.raw.parameters())}
         ddp = self.adopt(DDP(self.raw, **self.ddp_arguments()), make_optimizer)
         # Compiled: the loop calls the compiled DDP; no_sync stays on the DDP module itself (engines.compile).
         return compiled(ddp, self.spec.compile_mode) if self.spec.compile_mode else ddp

@@ -41,35 +41,52 @@ import torch.distributed as dist
 class GradSquares:
     """Sums of squares of the gradient buckets a comm hook reduces in one step, before and after.
 
-    Tensors on the gradients' device (no host sync in the hook); :meth:`take` returns and resets.
-    """
+    Per parameter, summed in the model's parameter order when taken: DDP's first step in a process uses its initial
+    buckets and rebuilds them in the order gradients became ready, so a per-bucket sum would be rounded differently
+    in the first step after a restart than in the same step of an uninterrupted run (the adaptive batch decides on
+    these numbers and must decide alike). Tensors on the gradients' device (no host sync in the hook); :meth:`take`
+    returns and resets."""
 
     def __init__(self) -> None:
-        self.local: torch.Tensor | None = None
-        self.reduced: torch.Tensor | None = None
+        self.local: dict[int, torch.Tensor] = {}
+        self.reduced: dict[int, torch.Tensor] = {}
+        self.order: dict[int, int] = {}
+        """``id(parameter)`` -> its position in the model (set by the engine that wraps it)."""
 
-    @staticmethod
-    def _sq(buffer: torch.Tensor) -> torch.Tensor:
-        flat = buffer.reshape(-1)
-        return torch.dot(flat, flat).to(torch.float64)
+    def _terms(self, data: Any, into: dict[int, torch.Tensor], values: torch.Tensor | None = None) -> None:
+        if isinstance(data, torch.Tensor):  # one tensor: keyed after every parameter, in the order added
+            pieces = [(len(self.order) + len(into), data)]
+        else:  # a DDP GradBucket: each parameter's gradient is a slice of its buffer (of ``values``, reduced)
+            buffer = data.buffer()
+            flat = (values if values is not None else buffer).reshape(-1)
+            pieces = []
+            for param, grad in zip(data.parameters(), data.gradients(), strict=True):
+                at = grad.storage_offset() - buffer.storage_offset()
+                pieces.append((self.order.get(id(param), -1), flat[at : at + grad.numel()]))
+        for key, grad in pieces:
+            flat = grad.reshape(-1)
+            sq = torch.sum(
+                flat * flat, dtype=torch.float64
+            )  # ATen's sum: its order depends on the length only
+            into[key] = sq if key not in into else into[key] + sq
 
-    def add_local(self, buffer: torch.Tensor) -> None:
-        """A bucket as this rank produced it (before the reduction touches it)."""
-        sq = self._sq(buffer)
-        self.local = sq if self.local is None else self.local + sq
+    def add_local(self, data: Any) -> None:
+        """A bucket (or a tensor) as this rank produced it (before the reduction touches it)."""
+        self._terms(data, self.local)
 
-    def add_reduced(self, buffer: torch.Tensor) -> None:
-        """The same bucket after the reduction."""
-        sq = self._sq(buffer)
-        self.reduced = sq if self.reduced is None else self.reduced + sq
+    def add_reduced(self, data: Any, values: torch.Tensor | None = None) -> None:
+        """The same bucket after the reduction (its reduced buffer ``values``, when not reduced in place)."""
+        self._terms(data, self.reduced, values)
 
     def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of squares before, after) of the step's buckets, and reset."""
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        local = self.local if self.local is not None else zero
-        reduced = self.reduced if self.reduced is not None else zero
-        self.local = self.reduced = None
-        return local.to(device), reduced.to(device)
+        local, reduced = (
+            torch.stack([part[k] for k in sorted(part)]).sum().to(device) if part else zero
+            for part in (self.local, self.reduced)
+        )
+        self.local, self.reduced = {}, {}
+        return local, reduced
 
 
 def window_terms(

@@ -160,3 +160,27 @@ class FullDisk:
 
     def wrap(self, point: str, obj: Any) -> Any:
         return FailingWriter(obj, self.step) if point == "checkpoint_writer" else obj
+
+
+class SkewedGns(Proxy):
+    """A noise-scale monitor whose smoothed estimate reads one unit in the last place high."""
+
+    def latest(self, step: int) -> dict:
+        fields = dict(self.inner.latest(step))
+        fields["gns_smoothed"] = float(
+            torch.nextafter(
+                torch.tensor(fields["gns_smoothed"], dtype=torch.float64),
+                torch.tensor(float("inf"), dtype=torch.float64),
+            )
+        )
+        return fields
+
+
+class SkewedNoiseScale:
+    """Rank ``rank`` sees the smoothed noise scale 1 ulp off: the adaptive batch's ranks must notice they disagree."""
+
+    def __init__(self, rank: int = 1) -> None:
+        self.rank = rank
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        return SkewedGns(obj) if point == "gns" and rank() == self.rank else obj
