@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from distaccum.batching.config import AdaptiveConfig, RampConfig
+from distaccum.batching.config import AdaptiveConfig, RampConfig, check_schedule
 from distaccum.cluster.config import (  # leaf modules of their own, like Split
     KubeflowConfig,
     RayConfig,
@@ -199,21 +199,13 @@ class AccumConfig:
     or a size (6GiB, 512MB), compared with what peak_mem_bytes records (CUDA: allocated device memory;
     CPU: the process's peak RSS). null: the free device memory on CUDA; on CPU, this process's
     resident memory plus 80% of the available RAM shared by the node's ranks."""
-
     ramp: RampConfig = field(default_factory=RampConfig)
-    """Grow the global batch during training by K (docs/planning.md#batch-schedules); ends at global_batch."""
+    """Grow the global batch during training by K (docs/planning.md, batch schedules); ends at global_batch."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """Let the measured gradient noise scale choose the global batch (opt-in; starts at global_batch)."""
 
     def __post_init__(self) -> None:
-        if (self.ramp.enabled or self.adaptive.enabled) and self.global_batch is None:
-            raise ValueError(
-                "accum.ramp / accum.adaptive need accum.global_batch (the ramp's end, the adaptive start)"
-            )
-        if self.ramp.enabled and self.adaptive.enabled:
-            raise ValueError(
-                "accum.ramp and accum.adaptive.enabled=true exclude each other: choose one schedule"
-            )
+        check_schedule(self.ramp, self.adaptive, self.global_batch)
         if isinstance(self.micro_batch, str):
             if self.micro_batch != AUTO:
                 raise ValueError(

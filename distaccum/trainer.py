@@ -407,7 +407,11 @@ class Trainer:
             ),
         )
         if schedule is not None and rank == 0:
-            print(describe_schedule(schedule, cfg, resolved.split), flush=True)
+            rule = cfg.accum.adaptive if cfg.accum.adaptive.enabled else None
+            print(
+                describe_schedule(schedule, resolved.split, cfg.trainer.max_steps, cfg.optim, rule),
+                flush=True,
+            )
         elif cfg.optim.lr_scaling != "none" and rank == 0:
             print(
                 f"distaccum: {describe_lr(cfg.optim, resolved.global_batch, float(scheduler.base_lrs[0]))}",

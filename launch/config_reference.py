@@ -20,6 +20,8 @@ SECTIONS = {
     "eval": config.EvalConfig,
     "engine": config.EngineConfig,
     "accum": config.AccumConfig,
+    "accum.ramp": config.RampConfig,
+    "accum.adaptive": config.AdaptiveConfig,
     "optim": config.OptimConfig,
     "trainer": config.TrainerConfig,
     "log": config.LogConfig,
@@ -61,6 +63,8 @@ def _default(f: dataclasses.Field) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, tuple):
         value = list(value)
+    if dataclasses.is_dataclass(value):
+        return "(section)"
     return f"`{value}`"
 
 

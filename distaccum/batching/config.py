@@ -104,3 +104,13 @@ class AdaptiveConfig:
             )
         if not float(self.max_factor) > 1.0:
             raise ValueError(f"accum.adaptive.max_factor must be > 1, got {self.max_factor!r}")
+
+
+def check_schedule(ramp: RampConfig, adaptive: AdaptiveConfig, global_batch: int | None) -> None:
+    """The ``accum`` section's checks of its schedule: one at most, and a global batch for it to start or end at."""
+    if ramp.enabled and adaptive.enabled:
+        raise ValueError("accum.ramp and accum.adaptive.enabled=true exclude each other: choose one schedule")
+    if (ramp.enabled or adaptive.enabled) and global_batch is None:
+        raise ValueError(
+            "accum.ramp / accum.adaptive need accum.global_batch (the ramp's end, the adaptive start)"
+        )

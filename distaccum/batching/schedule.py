@@ -18,8 +18,8 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distaccum.batching.config import RampConfig
-from distaccum.config import RunConfig
+from distaccum.batching.config import AdaptiveConfig, RampConfig
+from distaccum.config import OptimConfig
 from distaccum.split import Split
 
 
@@ -172,27 +172,30 @@ def lr_scales(schedule: BatchSchedule, scale: Callable[[int], float]) -> list[li
     return [[first, scale(batch)] for first, batch in schedule.phases]
 
 
-def describe_schedule(schedule: BatchSchedule, cfg: RunConfig, split: Split) -> str:
-    """What rank 0 prints at the start of a scheduled run: each phase's split, and what the learning rate does."""
-    optim, world = cfg.optim, split.world_size
-    if cfg.accum.adaptive.enabled:
-        a = cfg.accum.adaptive
+def describe_schedule(
+    schedule: BatchSchedule,
+    split: Split,
+    max_steps: int,
+    optim: OptimConfig,
+    adaptive: AdaptiveConfig | None = None,
+) -> str:
+    """What rank 0 prints at the start of a scheduled run (``adaptive``: the rule's settings, when it decides): each
+    phase's split, and what the learning rate does."""
+    world = split.world_size
+    phases = ["  " + line for line in schedule.describe(split.micro_batch, world, max_steps)]
+    if adaptive is not None:
         unit = split.micro_batch * world
-        lo = a.min_batch if a.min_batch is not None else unit
-        hi = a.max_batch if a.max_batch is not None else 8 * schedule.phases[0][1]
+        lo = adaptive.min_batch if adaptive.min_batch is not None else unit
+        hi = adaptive.max_batch if adaptive.max_batch is not None else 8 * schedule.phases[0][1]
         head = (
             f"distaccum: adaptive global batch (accum.adaptive): starts at {schedule.phases[0][1]}; after every "
-            f"{a.every} steps from step {a.warmup} the smoothed noise scale (gns_smoothed, in samples) chooses the next "
-            f"one, a multiple of micro-batch x world = {unit} (a whole K) within [{lo}, {hi}], at most x{a.max_factor:g} "
-            "per change"
+            f"{adaptive.every} steps from step {adaptive.warmup} the smoothed noise scale (gns_smoothed, in samples) "
+            f"chooses the next one, a multiple of micro-batch x world = {unit} (a whole K) within [{lo}, {hi}], at most "
+            f"x{adaptive.max_factor:g} per change"
         )
-        lines = [head] + [
-            "  " + line for line in schedule.describe(split.micro_batch, world, cfg.trainer.max_steps)
-        ]
     else:
-        lines = ["distaccum: global batch ramp (accum.ramp), K follows it at optimizer-step boundaries:"] + [
-            "  " + line for line in schedule.describe(split.micro_batch, world, cfg.trainer.max_steps)
-        ]
+        head = "distaccum: global batch ramp (accum.ramp), K follows it at optimizer-step boundaries:"
+    lines = [head, *phases]
     if optim.lr_scaling == "none":
         lines.append(
             f"  lr stays as configured at every global batch: {optim.lr:.4g} (optim.lr_scaling=none)"
