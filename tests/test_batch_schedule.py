@@ -215,3 +215,35 @@ def test_a_resume_may_not_change_the_schedule() -> None:
     now = {**saved, "accum.ramp": {**saved["accum.ramp"], "points": [[1, 8], [3, 32]]}}
     (change,) = classify(saved, now)
     assert change.kind == REFUSED and "batch schedule" in change.reason
+
+
+def test_what_cannot_follow_a_schedule_is_refused_naming_it() -> None:
+    from distaccum.data.sources import DataOptions, build_source
+    from distaccum.datasets import SyntheticRegression
+    from distaccum.resolve import batch_schedule
+
+    base = to_mapping(RunConfig())
+    ramp = {**base["accum"], "micro_batch": 2, "global_batch": 16, "ramp": {"points": [[1, 4], [3, 16]]}}
+    split = Split(2, 4, 2)
+    for engine, name in (("deepspeed", "engine=deepspeed"), ("accelerate", "engine=accelerate")):
+        cfg = from_mapping({**base, "accum": ramp, "engine": {**base["engine"], "name": engine}})
+        with pytest.raises(ValueError, match=f"{name} fixes its accumulation steps"):
+            batch_schedule(cfg, split)
+    odd = {**ramp, "ramp": {"points": [[1, 3], [3, 16]]}}
+    with pytest.raises(ValueError, match="no split on 2 ranks: 3 \\(from step 1\\)"):
+        batch_schedule(from_mapping({**base, "accum": odd}), split)
+    adaptive = {**ramp, "ramp": {"points": None}, "adaptive": {**base["accum"]["adaptive"], "enabled": True}}
+    with pytest.raises(ValueError, match="set log.gns=true"):
+        batch_schedule(from_mapping({**base, "accum": adaptive}), split)
+    schedule = batch_schedule(from_mapping({**base, "accum": ramp}), split)
+    assert schedule is not None and schedule.phases == [(0, 4), (2, 16)]
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from SyntheticRegression(8)
+
+    options = DataOptions(
+        seed=0, shuffle=False, drop_last=False, num_workers=0, prefetch_factor=2, schedule=schedule
+    )
+    with pytest.raises(ValueError, match="need a map-style dataset"):
+        build_source(Stream(), None, split, 0, 4, options)

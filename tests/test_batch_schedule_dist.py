@@ -82,6 +82,8 @@ def test_kill_9_and_restart_across_a_change_is_bit_identical(tmp_path: Path, sch
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
     assert steps(run_dir) == list(range(1, N + 1))  # none lost, none twice
+    assert "distaccum: elastic restart 1: rank 1 (pid" in err and "died without a trace" in err
+    assert "distaccum: resumed from" in out and "/checkpoints/step-000000" in out
     resumed = int(out.split("after optimizer step ")[1].split()[0].rstrip(":,.;"))
     theirs, ours = records(straight), records(run_dir)
     batches = [r["global_batch"] for r in ours]
@@ -106,6 +108,8 @@ def test_kill_9_and_restart_across_a_change_is_bit_identical(tmp_path: Path, sch
 
 
 def test_a_resume_on_another_world_keeps_the_ramps_global_batches(tmp_path: Path) -> None:
+    """Also the plain case's test (a world-2 run resumed on world 1 ends where an uninterrupted world-2 run does):
+    the same launches, with the ramp's K re-derived per phase on the new world."""
     common = ("precision=fp64", "trainer.checkpoint_every=4", *SCHEDULES["ramp"])
     straight = tmp_path / "straight"
     assert run(straight, *common, "trainer.nproc=2", "trainer.max_steps=20").returncode == 0
@@ -113,6 +117,8 @@ def test_a_resume_on_another_world_keeps_the_ramps_global_batches(tmp_path: Path
     assert run(moved, *common, "trainer.nproc=2", "trainer.max_steps=4").returncode == 0
     second = run(moved, *common, "trainer.nproc=1", "trainer.max_steps=20")  # K doubles on one rank
     assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {moved}/checkpoints/step-00000004 after optimizer step 4" in second.stdout
+    assert steps(moved) == list(range(1, 21)) and summary(moved)["accum_steps"] == 8
     ours, theirs = records(moved), records(straight)
     assert (
         [r["global_batch"] for r in ours]

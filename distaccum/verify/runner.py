@@ -63,7 +63,7 @@ from distaccum.verify.diagnosis import (
     unequal_items,
 )
 from distaccum.verify.outer_merge import outer_merge_fact
-from distaccum.verify.reference import run_reference
+from distaccum.verify.reference import ramp_of, run_reference
 from distaccum.verify.replay import Replayed, combinations, micro_gradients
 
 VERIFY_FILE = "verify.json"
@@ -349,6 +349,12 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
     tol, reduced = verify_tolerance(cfg, job.splits)
     global_batch = cfg.split(cfg.trainer.nproc).global_batch
     ref_precision = "fp64" if cfg.verify.reference_dtype == "fp64" else cfg.precision
+    ramp = ramp_of(cfg, global_batch)
+    window = (
+        f"each step's global batch of accum.ramp, {', '.join(str(b) for _, b in ramp.phases)} samples"
+        if ramp is not None
+        else f"{global_batch} samples"
+    )
     echo(
         f"distaccum verify: {job.what}, {describe_engine(cfg)}, {cfg.precision}, global batch {global_batch}, "
         f"{cfg.trainer.max_steps} optimizer steps, {len(job.splits)} candidate split(s)"
@@ -358,7 +364,7 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         f"forward/backward, replica after replica, then the merge, {ref_precision}, the same seed checkpoint, "
         "samples, optimizers and schedule"
         if cfg.outer.enabled
-        else f"  reference: plain PyTorch in one process, the whole window ({global_batch} samples) in one "
+        else f"  reference: plain PyTorch in one process, the whole window ({window}) in one "
         f"forward/backward, {ref_precision}, the same seed checkpoint, samples, optimizer and schedule"
     )
     echo(
