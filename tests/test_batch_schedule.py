@@ -41,6 +41,17 @@ def test_megatron_ramp_grows_by_the_increment_each_share_of_the_samples() -> Non
         128,
         128,
     ]
+    for start, increment, samples, final in ((16, 16, 1_000_003, 1024), (8, 8, 97, 64), (32, 32, 50, 256)):
+        brute, consumed, batch = [(0, start)], 0, start  # Megatron's rule, step by step
+        for step in range(1, 10**6):
+            consumed += batch
+            now = min(start + increment * int(consumed / (samples / ((final - start) // increment))), final)
+            if now != batch:
+                brute.append((step, now))
+                batch = now
+            if batch == final:
+                break
+        assert megatron_phases(start, increment, samples, final) == brute
     with pytest.raises(ValueError, match="by a multiple of accum.ramp.increment"):
         megatron_phases(32, 40, 1000, 128)
 

@@ -15,6 +15,7 @@ with ``optim.lr_scaling=none`` it stays as configured.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,13 +48,16 @@ def megatron_phases(start: int, increment: int, samples: int, final: int) -> lis
         )
     per_increment = samples / ((final - start) // increment)
     phases, consumed, step, batch = [(0, start)], 0, 0, start
-    while batch < final:
-        consumed += batch
-        step += 1
-        now = min(start + increment * int(consumed / per_increment), final)
-        if now != batch:
-            phases.append((step, now))
-            batch = now
+    while batch < final:  # per phase, not per step: a long ramp has millions of steps
+        grown = int(consumed / per_increment) + 1  # the increments counted once the batch next grows
+        steps = max(1, math.ceil((grown * per_increment - consumed) / batch))
+        while steps > 1 and int((consumed + (steps - 1) * batch) / per_increment) >= grown:
+            steps -= 1  # the estimate's rounding, corrected against the rule itself
+        while int((consumed + steps * batch) / per_increment) < grown:
+            steps += 1
+        consumed, step = consumed + steps * batch, step + steps
+        batch = min(start + increment * int(consumed / per_increment), final)
+        phases.append((step, batch))
     return phases
 
 
