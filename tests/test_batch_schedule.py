@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from distaccum.batching.adaptive import bounds, next_batch
+from distaccum.batching.adaptive import next_batch
 from distaccum.batching.config import AdaptiveConfig, RampConfig
 from distaccum.batching.schedule import BatchSchedule, megatron_phases, phase_split
 from distaccum.config import OptimConfig, RunConfig, from_mapping, to_mapping
@@ -196,7 +196,7 @@ def test_lr_follows_lr_scaling_per_phase_and_an_adaptive_change_recomputes_the_c
 )
 def test_the_adaptive_rule(noise: float, per_sample: float, current: int, expected: int) -> None:
     cfg = AdaptiveConfig(enabled=True, max_batch=64)
-    lo, hi = bounds(cfg, 4, 16)
+    lo, hi = cfg.bounds(4, 16)
     assert (lo, hi) == (4, 64)
     decision = next_batch(current, noise, per_sample, cfg, 4, lo, hi)
     assert decision.batch == expected

@@ -53,19 +53,6 @@ class Decision:
         return [self.noise_scale, self.target, float(self.batch)]
 
 
-def bounds(cfg: AdaptiveConfig, unit: int, global_batch: int) -> tuple[int, int]:
-    """(smallest, largest) global batch the rule may choose: ``min_batch`` rounded up and ``max_batch`` down onto
-    multiples of ``unit`` (defaults: one K, 8 x the starting global batch)."""
-    lo = cfg.min_batch if cfg.min_batch is not None else unit
-    hi = cfg.max_batch if cfg.max_batch is not None else 8 * global_batch
-    lo, hi = max(unit, -(-lo // unit) * unit), max(unit, hi // unit * unit)
-    if lo > hi:
-        raise ValueError(
-            f"accum.adaptive bounds [{cfg.min_batch}, {cfg.max_batch}] hold no multiple of micro_batch x world = {unit}"
-        )
-    return lo, hi
-
-
 def next_batch(
     current: int,
     noise_scale: float,
@@ -108,7 +95,7 @@ class AdaptiveBatch:
         self.cfg, self.schedule, self.gns, self.on_change = cfg, schedule, gns, on_change
         self.samples_of = samples_of
         """The samples of a 0-based step's window (the data plan's: a last window may be partial)."""
-        self.unit, (self.lo, self.hi) = unit, bounds(cfg, unit, global_batch)
+        self.unit, (self.lo, self.hi) = unit, cfg.bounds(unit, global_batch)
         self.rank, self.world, self.device, self.group = rank, world_size, device, group
         self.max_steps = max_steps
         self._decided: dict[int, Decision] = {}

@@ -105,6 +105,19 @@ class AdaptiveConfig:
         if not float(self.max_factor) > 1.0:
             raise ValueError(f"accum.adaptive.max_factor must be > 1, got {self.max_factor!r}")
 
+    def bounds(self, unit: int, global_batch: int) -> tuple[int, int]:
+        """(smallest, largest) global batch the rule may choose: ``min_batch`` rounded up and ``max_batch`` down onto
+        multiples of ``unit`` = micro_batch x world (defaults: one K, 8 x the starting ``global_batch``)."""
+        lo = self.min_batch if self.min_batch is not None else unit
+        hi = self.max_batch if self.max_batch is not None else 8 * global_batch
+        lo, hi = max(unit, -(-lo // unit) * unit), max(unit, hi // unit * unit)
+        if lo > hi:
+            raise ValueError(
+                f"accum.adaptive bounds [{self.min_batch}, {self.max_batch}] hold no multiple of micro_batch x world "
+                f"= {unit}"
+            )
+        return lo, hi
+
 
 def check_schedule(ramp: RampConfig, adaptive: AdaptiveConfig, global_batch: int | None) -> None:
     """The ``accum`` section's checks of its schedule: one at most, and a global batch for it to start or end at."""

@@ -189,8 +189,7 @@ def describe_schedule(
     phases = ["  " + line for line in schedule.describe(split.micro_batch, world, max_steps)]
     if adaptive is not None:
         unit = split.micro_batch * world
-        lo = adaptive.min_batch if adaptive.min_batch is not None else unit
-        hi = adaptive.max_batch if adaptive.max_batch is not None else 8 * schedule.phases[0][1]
+        lo, hi = adaptive.bounds(unit, schedule.phases[0][1])
         head = (
             f"distaccum: adaptive global batch (accum.adaptive): starts at {schedule.phases[0][1]}; after every "
             f"{adaptive.every} steps from step {adaptive.warmup} the smoothed noise scale (gns_smoothed, in samples) "
