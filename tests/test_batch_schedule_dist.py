@@ -48,18 +48,19 @@ def test_a_ramped_run_matches_the_reference_taking_each_steps_global_batch_at_on
 
 
 SCHEDULES = {
-    # changes after steps 8 and 16; checkpoints every 6: a kill after step 7 resumes from 6 and redoes the change
-    "ramp": ("accum.global_batch=16", "accum.ramp.points=[[1,4],[9,8],[17,16]]"),
-    # decisions after steps 8, 12, 16, 20 (the estimate's averages and the phases chosen come back from the checkpoint)
+    # changes before steps 5 and 9; checkpoints every 3: a kill after step 7 resumes from 6 and redoes the change at 9
+    "ramp": ("accum.global_batch=16", "accum.ramp.points=[[1,4],[5,8],[9,16]]"),
+    # decisions after steps 4 and 8: the restart from step 6 reads the phase chosen at 4 from the checkpoint and the
+    # estimate's averages from the records, and must decide at 8 as the uninterrupted run did
     "adaptive": (
         "accum.global_batch=8",
         "log.gns=true",
         "accum.adaptive.enabled=true",
         "accum.adaptive.every=4",
-        "accum.adaptive.warmup=8",
+        "accum.adaptive.warmup=4",
     ),
 }
-N = 24
+N = 12
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -68,7 +69,7 @@ def test_kill_9_and_restart_across_a_change_is_bit_identical(tmp_path: Path, sch
         *SCHEDULES[schedule],
         "precision=fp64",
         f"trainer.max_steps={N}",
-        "trainer.checkpoint_every=6",
+        "trainer.checkpoint_every=3",
     )
     straight = tmp_path / "straight"
     done = run(straight, *overrides)
@@ -95,7 +96,7 @@ def test_kill_9_and_restart_across_a_change_is_bit_identical(tmp_path: Path, sch
             for r in ours
             if "adaptive_next_batch" in r
         ]
-        assert [d[0] for d in decided] == [8, 12, 16, 20]
+        assert [d[0] for d in decided] == [4, 8]
         assert decided == [
             (r["step"], r["adaptive_noise_scale"], r["adaptive_next_batch"])
             for r in theirs
@@ -112,20 +113,20 @@ def test_a_resume_on_another_world_keeps_the_ramps_global_batches(tmp_path: Path
     the same launches, with the ramp's K re-derived per phase on the new world."""
     common = ("precision=fp64", "trainer.checkpoint_every=4", *SCHEDULES["ramp"])
     straight = tmp_path / "straight"
-    assert run(straight, *common, "trainer.nproc=2", "trainer.max_steps=20").returncode == 0
+    assert run(straight, *common, "trainer.nproc=2", "trainer.max_steps=12").returncode == 0
     moved = tmp_path / "moved"
     assert run(moved, *common, "trainer.nproc=2", "trainer.max_steps=4").returncode == 0
-    second = run(moved, *common, "trainer.nproc=1", "trainer.max_steps=20")  # K doubles on one rank
+    second = run(moved, *common, "trainer.nproc=1", "trainer.max_steps=12")  # K doubles on one rank
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {moved}/checkpoints/step-00000004 after optimizer step 4" in second.stdout
-    assert steps(moved) == list(range(1, 21)) and summary(moved)["accum_steps"] == 8
+    assert steps(moved) == list(range(1, 13)) and summary(moved)["accum_steps"] == 8
     ours, theirs = records(moved), records(straight)
     assert (
         [r["global_batch"] for r in ours]
         == [r["global_batch"] for r in theirs]
-        == [4] * 8 + [8] * 8 + [16] * 4
+        == [4] * 4 + [8] * 4 + [16] * 4
     )
-    assert [r["micro_steps"] for r in ours] == [1] * 4 + [2] * 4 + [4] * 8 + [8] * 4  # world 2, then 1
+    assert [r["micro_steps"] for r in ours] == [1] * 4 + [4] * 4 + [8] * 4  # world 2, then 1
     for key in ("param_sum", "param_l2"):
         assert summary(moved)[key] == pytest.approx(summary(straight)[key], rel=1e-12)
 
@@ -136,9 +137,9 @@ def test_adaptive_ranks_that_disagree_stop_the_run_naming_them(tmp_path: Path) -
     done = run(
         tmp_path / "skewed",
         *SCHEDULES["adaptive"],
-        "trainer.max_steps=12",
+        "trainer.max_steps=6",
         *inject(LOSS, fault("SkewedNoiseScale", rank=1)),
     )
     assert done.returncode == 1
-    assert "accum.adaptive after step 8: rank(s) 1 computed another global batch than rank 0" in done.stderr
-    assert steps(tmp_path / "skewed")[-1] <= 8
+    assert "accum.adaptive after step 4: rank(s) 1 computed another global batch than rank 0" in done.stderr
+    assert steps(tmp_path / "skewed")[-1] <= 4
