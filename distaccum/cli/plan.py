@@ -437,6 +437,7 @@ def plan_main(argv: list[str]) -> int:
     """Entry of ``distaccum plan``; returns the exit code."""
     from distaccum.cluster.local import launch, launch_plan
     from distaccum.tuning.planner import SplitPlan, render_table
+    from distaccum.tuning.schedule_plan import render_phases
 
     try:
         args, overrides = parse_args(argv)
@@ -505,6 +506,13 @@ def plan_main(argv: list[str]) -> int:
     lines.append(
         "measure all:   " + shlex.join(sweep) + f" && distaccum report {shlex.quote(str(run_dir / 'sweep'))}"
     )
+    schedule = checked.run.data.schedule
+    if schedule is not None:  # a ramp's (or the adaptive batch's) K per phase, from the same coefficients
+        micro = rec.micro_batch if cfg.accum.auto and rec is not None else int(checked.run.split.micro_batch)
+        world = checked.run.split.world_size
+        adaptive = cfg.accum.adaptive
+        bounds = adaptive.bounds(micro * world, global_batch) if adaptive.enabled else None
+        lines += ["", render_phases(schedule, plan.costs, micro, world, cfg.trainer.max_steps, bounds)]
     if args.nodes is not None:
         params = int(args.params or sum(p.numel() for p in checked.model.parameters()))
         lines += ["", measured_cluster(args, plan, cfg.engine.name, params, cfg.accum.global_batch)]
