@@ -23,7 +23,9 @@ def test_plan_run_and_sweep(tmp_path: Path) -> None:
     # 2 x 1 GPUs: the configured global batch of 8 splits on that world at every measured micro-batch (on 4 ranks a
     # micro-batch of 4 could not: the cluster prediction keeps the global batch, tests/test_scaleout.py)
     cluster = ("--nodes", "2", "--gpus-per-node", "1", "--inter-node-gbps", "10", "--intra-node-gbps", "100")
-    config = ("model=mlp", "accum.global_batch=8", "trainer.max_steps=3")
+    # a ramp (4 for steps 1-2, then 8): the plan shows each phase's K and predicted step time; the sweep and --run
+    # train with it
+    config = ("model=mlp", "accum.global_batch=8", "trainer.max_steps=3", "accum.ramp.points=[[1,4],[3,8]]")
     run = run_cli("plan", plan_dir, *config, *measure, *cluster, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     plan = json.loads((plan_dir / "plan.json").read_text())
@@ -35,6 +37,12 @@ def test_plan_run_and_sweep(tmp_path: Path) -> None:
         assert f"| {label} |" in run.stdout
     assert f"recommended: accum.micro_batch={rec['micro_batch']}" in run.stdout
     assert (plan_dir / "plan.md").read_text().strip() in run.stdout
+    costs = {c["micro_batch"]: c for c in plan["costs"]}
+    phase = next(line for line in run.stdout.splitlines() if line.startswith("| 1-2 | 4 |"))
+    assert phase.startswith("| 1-2 | 4 | w2-m2-k1 (K=1) |")  # the default micro-batch 4 lowered to 2 per rank
+    step_ms = costs[2]["base_s"] + (1 - costs[2]["trial_accum"]) * costs[2]["micro_s"]
+    assert f"| {step_ms * 1e3:.1f} ms |" in phase
+    assert "| 3-3 | 8 | w2-m4-k1 (K=1) |" in run.stdout and "whole ramp, 3 steps, 16 samples" in run.stdout
     # --nodes: every engine and sync mode predicted for 2 x 1 GPUs from the compute the trials measured
     assert "PREDICTION for 2 nodes x 1 GPUs = 2 ranks: not a measurement" in run.stdout
     assert f"(measured here: micro-batch {rec['micro_batch']}, median of" in run.stdout
@@ -47,7 +55,10 @@ def test_plan_run_and_sweep(tmp_path: Path) -> None:
     assert (trained["micro_batch"], trained["global_batch"], trained["steps"]) == (rec["micro_batch"], 8, 3)
     # --sweep: one multirun over the micro-batch with the global batch fixed, then the report
     script = (plan_dir / "sweep.sh").read_text()
-    assert "distaccum train --multirun model=mlp trainer.max_steps=3 log.console=quiet" in script
+    assert (
+        "distaccum train --multirun model=mlp trainer.max_steps=3 'accum.ramp.points=[[1,4],[3,8]]' log.console=quiet"
+        in script
+    )
     assert f"accum.global_batch=8 accum.micro_batch=1,2,4 run_dir={plan_dir / 'sweep'}" in script
     env = {
         **os.environ,

@@ -32,7 +32,7 @@ def test_each_phase_takes_its_k_and_the_model_s_step_time() -> None:
     assert [r.step_s for r in rows] == pytest.approx([0.06, 0.10, 0.18])  # 0.10 + (K - 2) x 0.04
     assert rows[2].phase_s == pytest.approx(0.36) and rows[0].samples_per_s == pytest.approx(8 / 0.06)
     text = render_phases(schedule, COSTS, 4, 2, 12)
-    assert "| 11-12 | 32 | w2-m4-k4 (K=4) | 180.0 ms | 178 | 0.4 s |" in text
+    assert "| 11-12 | 32 | w2-m4-k4 (K=4) | 180.0 ms | 178 | 360.0 ms |" in text
     assert (
         "whole ramp, 12 steps, 184 samples: predicted 1.2 s of steps" in text
     )  # 5x8+5x16+2x32; 0.3+0.5+0.36

@@ -68,6 +68,10 @@ def _ms(seconds: float | None) -> str:
     return "not measured" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
 def render_phases(
     schedule: BatchSchedule,
     costs: Sequence[SizeCost],
@@ -114,7 +118,7 @@ def render_phases(
     ]
     for r in rows:
         rate = "-" if r.samples_per_s is None else f"{r.samples_per_s:.0f}"
-        phase = "-" if r.phase_s is None else f"{r.phase_s:.1f} s"
+        phase = "-" if r.phase_s is None else _duration(r.phase_s)
         lines.append(
             f"| {r.first}-{r.last} | {r.split.global_batch} | {r.split.label()} (K={r.split.accum_steps}) | "
             f"{_ms(r.step_s)} | {rate} | {phase} |"
@@ -123,5 +127,8 @@ def render_phases(
     if rows and all(t is not None for t in times):
         total = sum(t for t in times if t is not None)
         samples = sum(r.split.global_batch * r.steps for r in rows)
-        lines += ["", f"whole ramp, {max_steps} steps, {samples:,} samples: predicted {total:.1f} s of steps"]
+        lines += [
+            "",
+            f"whole ramp, {max_steps} steps, {samples:,} samples: predicted {_duration(total)} of steps",
+        ]
     return "\n".join(lines)
