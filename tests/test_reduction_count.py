@@ -70,7 +70,9 @@ def monitor(
 ) -> tuple[ReductionCount, CommLedger]:
     ledger = CommLedger(enabled=False)
     engine = SimpleNamespace(
-        ledger=ledger, reduction_rounds=lambda: promised, spec=SimpleNamespace(sync="boundary")
+        ledger=ledger,
+        reduction_rounds=lambda accum_steps=None: promised,
+        spec=SimpleNamespace(sync="boundary"),
     )
     return ReductionCount(engine, tmp_path, rank=0, world_size=world), ledger
 
@@ -127,3 +129,23 @@ def test_the_warning_record_is_one_json_line(tmp_path: Path) -> None:
     check.after_step(5, None, 1.0, 1.0)
     line = (tmp_path / WARNINGS).read_text().splitlines()
     assert len(line) == 1 and json.loads(line[0])["step"] == 5
+
+
+def test_the_promise_follows_each_steps_k_under_a_batch_schedule(tmp_path: Path) -> None:
+    """every_micro promises K rounds: a ramp's steps of K = 1, 2 and 4 each keep it (the ledger counts the step's
+    micro-batches); a step of K = 4 with 3 rounds does not."""
+    ledger = CommLedger(enabled=False)
+    engine = SimpleNamespace(
+        ledger=ledger,
+        reduction_rounds=lambda accum_steps=None: (accum_steps or 4, 0),
+        spec=SimpleNamespace(sync="every_micro"),
+    )
+    check = ReductionCount(engine, tmp_path, rank=0, world_size=2)
+    for step, k in enumerate((1, 2, 4), start=1):
+        a_step(ledger, list(range(1, k + 1)), k=k)
+        assert ledger.micro_batches() == k
+        check.after_step(step, None, 1.0, 1.0)
+    assert not (tmp_path / WARNINGS).exists()
+    a_step(ledger, [1, 2, 3], k=4)
+    check.after_step(4, None, 1.0, 1.0)
+    assert "optimizer step 4: 3 of the window's micro-batches" in (tmp_path / WARNINGS).read_text()

@@ -196,9 +196,9 @@ class Engine(Protocol):
         """HSDP: the ranks of each replica (its shard group), replica by replica; None for other layouts."""
         ...
 
-    def reduction_rounds(self) -> tuple[int, int] | None:
-        """The micro-batches of a window that reduce gradients (in-replica, cross-replica); None: no promise
-        (:meth:`EngineBase.reduction_rounds`)."""
+    def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:
+        """The micro-batches of a window of ``accum_steps`` (default: the split's K) that reduce gradients
+        (in-replica, cross-replica); None: no promise (:meth:`EngineBase.reduction_rounds`)."""
         ...
 
 
@@ -275,13 +275,14 @@ class EngineBase:
         """Engine settings a checkpoint must agree with to be resumed (beyond the engine's name)."""
         return {}
 
-    def reduction_rounds(self) -> tuple[int, int] | None:
-        """The micro-batches of a window that reduce gradients, as ``accum.sync`` promises them: (in-replica,
+    def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:
+        """The micro-batches of a window of ``accum_steps`` micro-batches (default: the split's K; a batch schedule
+        changes it between steps) that reduce gradients, as ``accum.sync`` promises them: (in-replica,
         cross-replica). ``boundary``: 1 (and 1 across HSDP replicas); ``every_micro``: K (K); ``replica_boundary``:
         K inside the replica, 1 across; a replica of one rank reduces nothing inside it. The ledger's count must equal
         it every step (:class:`~distaccum.verify.reduction_count.ReductionCount`); None: this engine keeps no such
         promise."""
-        k, sync, replicas = self.spec.split.accum_steps, self.spec.sync, self.spec.replicas
+        k, sync, replicas = accum_steps or self.spec.split.accum_steps, self.spec.sync, self.spec.replicas
         across = (k if sync == "every_micro" else 1) if replicas > 1 else 0
         inner = 0 if self.spec.world_size == replicas else (1 if sync == "boundary" else k)
         return inner, across

@@ -238,11 +238,11 @@ class DeepSpeedEngine(EngineBase):
             self.accum_steps, world, [dtype, REDUCE_DTYPES[self.spec.reduce_dtype] or dtype]
         )
 
-    def reduction_rounds(self) -> tuple[int, int] | None:
+    def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:
         # As accum.sync says (measured on gloo: ZeRO-0 and the coalesced ZeRO-1-3 window 1 round, ZeRO-2/3
         # every_micro K), except where the window cannot be coalesced: DeepSpeed's own schedule, no promise.
         fallback = self.spec.sync == "boundary" and self.stage >= 1 and not self.coalescing
-        return None if fallback else super().reduction_rounds()
+        return None if fallback else super().reduction_rounds(accum_steps)
 
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:

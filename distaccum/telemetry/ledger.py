@@ -213,6 +213,11 @@ class CommLedger:
         finally:
             self.completed(token)
 
+    def micro_batches(self) -> int:
+        """Micro-batches of the step so far (``start_micro`` calls): the step's K once its window ran."""
+        with self._lock:
+            return self._micro
+
     def rounds(self) -> tuple[int, int]:
         """Micro-batches of the step so far in which a gradient collective was launched: (in-replica,
         cross-replica). A count only (no time stamps, no waiting): what

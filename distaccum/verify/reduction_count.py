@@ -38,20 +38,23 @@ class ReductionCount:
     """A :class:`~distaccum.loop.StepMonitor`: the ledger's rounds of each step against the engine's promise."""
 
     def __init__(self, engine: Any, run_dir: Path, rank: int, world_size: int) -> None:
-        self.ledger = engine.ledger
-        self.promise: tuple[int, int] | None = engine.reduction_rounds() if world_size > 1 else None
+        self.ledger, self.engine = engine.ledger, engine
+        self.promises = world_size > 1 and engine.reduction_rounds() is not None
         self.run_dir, self.rank, self.sync = run_dir, rank, engine.spec.sync
         self.warned = False
 
     def after_step(self, step: int, window: object, c: float, d: float) -> None:
-        if self.promise is None or self.warned:
+        if not self.promises or self.warned:
             return
+        promise = self.engine.reduction_rounds(
+            self.ledger.micro_batches()
+        )  # this step's K (a batch schedule)
         seen = self.ledger.rounds()
-        if seen == self.promise:
+        if seen == promise:
             return
         self.warned = True
         if self.rank == 0:
-            message = describe(step, seen, self.promise, self.sync)
+            message = describe(step, seen, promise, self.sync)
             print(f"distaccum: warning: {message}", file=sys.stderr, flush=True)
             with open(self.run_dir / WARNINGS, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, "check": CHECK, "message": message}) + "\n")
