@@ -49,7 +49,10 @@ def role_overrides(request: dict[str, Any]) -> dict[str, Any]:
             {
                 "accum.micro_batch": request["micro_batch"],
                 "accum.steps": request["accum_steps"],
-                "accum.global_batch": None,
+                # the same split, stated as its global batch: a ramp (accum.ramp) ends there
+                "accum.global_batch": request["micro_batch"]
+                * request["accum_steps"]
+                * int(request["world_size"]),
             }
         )
     return overrides
@@ -117,6 +120,7 @@ def script_job(script: Path, args: list[str], nproc: int, root: Path, auto: bool
             init_from=str(seed),
             micro_batch=split.micro_batch,
             accum_steps=split.accum_steps,
+            world_size=split.world_size,
         )
         plan = LaunchPlan(1, split.world_size, "127.0.0.1:0", "distaccum-verify", 0, str(run_dir))
         return launch(plan, entry(request))
