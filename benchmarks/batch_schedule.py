@@ -34,17 +34,16 @@ import argparse
 import json
 import math
 import shlex
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.launch import ROOT, provenance
-from benchmarks.report import replace_section
+from benchmarks.launch import ROOT, provenance, train_cli
+from benchmarks.report import replace_section, write_study
 from distaccum.batching.schedule import BatchSchedule, megatron_phases
 from distaccum.rundir import read_evals, read_metrics
+from distaccum.units import human_bytes
 
 STORE = ROOT / "docs" / "results" / "batch-schedule.json"
 """The stored result docs/planning.md's table and figure are rendered from."""
@@ -133,19 +132,7 @@ def train(variant: Variant, samples: int, out: Path) -> tuple[Path, float]:
         *variant.overrides(samples),
         f"run_dir={run_dir}",
     ]
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "distaccum", "train", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"{variant.label}: distaccum train exited {done.returncode}:\n{done.stderr[-4000:]}"
-        )
-    return run_dir, time.perf_counter() - start
+    return run_dir, train_cli(variant.label, args)
 
 
 def summarize(
@@ -198,13 +185,6 @@ def summarize(
     }
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def render(results: dict[str, Any], figure: str | None = None) -> str:
     """The markdown table (and the figure's link, ``figure`` relative to the page) of a stored result."""
     s = results["settings"]
@@ -216,7 +196,7 @@ def render(results: dict[str, Any], figure: str | None = None) -> str:
     for r in results["runs"]:
         hit = r["reached"]
         cells = (
-            [f"{hit['samples']:,}", f"{hit['step']}", _size(hit["bytes"]), f"{hit['wall_s']:.1f} s"]
+            [f"{hit['samples']:,}", f"{hit['step']}", human_bytes(hit["bytes"]), f"{hit['wall_s']:.1f} s"]
             if hit
             else ["not reached", "", "", ""]
         )
@@ -359,12 +339,7 @@ def main(argv: list[str]) -> None:
     command = shlex.join(["python", "-m", "benchmarks.batch_schedule", *argv])
     results = run_all(VARIANTS, samples, args.target, args.out, command)
     results["settings"]["smoke"] = args.smoke
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    markdown = render(results, "batch-schedule.png")
-    (args.out / "results.md").write_text(markdown)
-    plot(results, args.out / "batch-schedule.png")
-    print(markdown)
+    print(write_study(results, args.out, "batch-schedule.png", render, plot))
     if args.publish:
         STORE.write_text(json.dumps(results, indent=2) + "\n")
         publish(results)

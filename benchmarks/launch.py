@@ -190,3 +190,19 @@ def provenance(command: str, *, device: str, world_size: int, precision: str = "
         "backend": "nccl" if device == "cuda" else "gloo",
         "precision": precision,
     }
+
+
+def train_cli(label: str, args: list[str], timeout_s: float = 3600) -> float:
+    """Run ``python -m distaccum train ARGS`` from the repository (a study's one training run: ``label`` names it in
+    the error); its wall time in seconds. Raises RuntimeError with the end of its stderr when it fails."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "distaccum", "train", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{label}: distaccum train exited {done.returncode}:\n{done.stderr[-4000:]}")
+    return time.perf_counter() - start

@@ -39,13 +39,12 @@ import math
 import shlex
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.launch import ROOT, provenance
-from benchmarks.report import replace_section
+from benchmarks.launch import ROOT, provenance, train_cli
+from benchmarks.report import replace_section, write_study
 from distaccum.rundir import read_config, read_evals, read_metrics
 
 STORE = ROOT / "docs" / "results" / "outer-curves.json"
@@ -134,20 +133,7 @@ def train(variant: Variant, steps: int, eval_every: int, global_batch: int, out:
         *variant.overrides(),
         f"run_dir={run_dir}",
     ]
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "distaccum", "train", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"{variant.label}: distaccum train exited {done.returncode}:\n{done.stderr[-4000:]}"
-        )
-    return run_dir, wall
+    return run_dir, train_cli(variant.label, args, timeout_s=1800)
 
 
 def items_per_sample(config: dict[str, Any]) -> int:
@@ -443,12 +429,7 @@ def main(argv: list[str]) -> None:
         SMOKE if args.smoke else VARIANTS, steps, eval_every, args.global_batch, args.out, command
     )
     results["settings"]["smoke"] = args.smoke
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    markdown = render(results, "outer-curves.png")
-    (args.out / "results.md").write_text(markdown)
-    plot(results, args.out / "outer-curves.png")
-    print(markdown)
+    print(write_study(results, args.out, "outer-curves.png", render, plot))
     if args.publish:
         STORE.write_text(json.dumps(results, indent=2) + "\n")
         publish(results)

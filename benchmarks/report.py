@@ -21,7 +21,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -668,3 +668,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def write_study(
+    results: dict[str, Any],
+    out: Path,
+    figure: str,
+    render: Callable[[dict[str, Any], str], str],
+    plot: Callable[[dict[str, Any], Path], None],
+) -> str:
+    """A study's own output in ``out`` (``results.json``, ``results.md`` from ``render``, the figure ``figure``
+    from ``plot``): what ``outer_curves`` and ``batch_schedule`` write on every run; returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    markdown = render(results, figure)
+    (out / "results.md").write_text(markdown)
+    plot(results, out / figure)
+    return markdown
