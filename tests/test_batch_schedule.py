@@ -258,3 +258,23 @@ def test_what_cannot_follow_a_schedule_is_refused_naming_it() -> None:
     )
     with pytest.raises(ValueError, match="need a map-style dataset"):
         build_source(Stream(), None, split, 0, 4, options)
+
+
+def test_a_resume_on_a_world_that_cannot_split_a_chosen_batch_is_refused_naming_it() -> None:
+    from torch.utils.data import TensorDataset
+
+    from distaccum.data.pipeline import PlanSource
+
+    chosen = BatchSchedule.constant(16)
+    chosen.change(4, 20)  # what an adaptive run on 2 ranks chose
+    state = GlobalBatchPlan(64, 16, seed=0, schedule=chosen).state_dict()
+    data = TensorDataset(torch.arange(64.0))
+    for world, fails in ((2, False), (4, False), (8, True)):
+        plan = GlobalBatchPlan(64, 16, seed=0, schedule=BatchSchedule.constant(16))
+        source = PlanSource(data, None, plan, Split(2, 16 // (2 * world), world), 0, 10)
+        if fails:
+            with pytest.raises(ValueError, match="no split on 8 ranks: 20 \\(from step 5\\)"):
+                source.load_state_dict(state)
+        else:
+            source.load_state_dict(state)
+            assert source.window().split == phase_split(16, 2, world)

@@ -352,6 +352,8 @@ class PlanSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.plan.load_state_dict(state)
+        if self.plan.schedule is not None:  # the phases an adaptive run chose must split on this world too
+            self.plan.schedule.check([self.split.world_size], self.split.micro_batch)
 
 
 def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
