@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
@@ -37,6 +36,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from distaccum.hf import load_tokenizer, max_positions, separator_ids, tokenizer_fingerprint, vocab_rows
+from distaccum.rundir import write_text_atomic
 
 FORMAT_VERSION = 1
 """Part of every cache fingerprint: bump it when tokenization or packing changes."""
@@ -57,10 +57,7 @@ def demo_text_file(cache_dir: Path) -> Path:
     text = "\n\n".join(str(topics[name]).strip() for name in topics) + "\n"
     path = cache_dir / "demo" / DEMO_FILE
     if not path.is_file() or path.stat().st_size != len(text.encode("utf-8")):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)  # ranks may race here: each writes the same text, atomically
+        write_text_atomic(path, text)  # ranks may race here: each writes the same text, atomically
     return path
 
 

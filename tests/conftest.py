@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 pytest_plugins = [
     "slurm_fixtures",  # the `slurm_cluster` fixture (real local Slurm)
     "serial_lock",  # `serial` tests run alone under pytest-xdist
+    "tiers",  # each test's tier in runs/junit.xml (tests/tiers.py reports the time by tier)
 ]
 
 REPO = Path(__file__).resolve().parents[1]

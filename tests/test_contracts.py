@@ -44,6 +44,23 @@ def test_srun_task() -> None:
     assert contract.kind == "slurm" and contract.is_worker and contract.env.master_addr == "n1"
 
 
+def test_srun_steps_of_jobs_sharing_a_node_meet_on_ports_of_their_own() -> None:
+    """Without MASTER_PORT an srun step's ranks rendezvous on a port derived from the job and step ids (every task
+    of the step the same), below the kernel's ephemeral range: two jobs on one node no longer meet on one fixed
+    port (issue 55: one job's ranks joined another's store and failed in gloo's connectFullMesh)."""
+    task = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"}
+
+    def port(**env: str) -> int:
+        return recognize({**task, **env}).env.master_port
+
+    ports = {
+        port(SLURM_JOB_ID=str(job), SLURM_STEP_ID=str(step)) for job in range(100, 200) for step in range(4)
+    }
+    assert len(ports) == 400 and all(10000 <= p < 20000 for p in ports)
+    assert port(SLURM_JOB_ID="7", SLURM_PROCID="1") == port(SLURM_JOB_ID="7")  # the same for every task
+    assert port(SLURM_JOB_ID="7", MASTER_PORT="4242") == 4242  # the user's choice wins
+
+
 def test_kubeflow_pod_is_its_node_launcher() -> None:
     contract = recognize(PET)
     assert contract.kind == "kubeflow" and not contract.is_worker

@@ -6,7 +6,8 @@ One place reads them all (the CLI entry, the worker and the process group call :
   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; TORCHELASTIC_RESTART_COUNT > 0 on an elastic restart
   (the world may have changed size: the run resumes from its checkpoint at the new world).
 - **srun** one task per device: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE (or
-  SLURM_STEP_TASKS_PER_NODE), SLURM_JOB_NODELIST; MASTER_ADDR defaults to the first node.
+  SLURM_STEP_TASKS_PER_NODE), SLURM_JOB_NODELIST; MASTER_ADDR defaults to the first node, MASTER_PORT to a port
+  derived from the job and step ids (:func:`srun_port`).
 - **Kubeflow Trainer's torch runtime** (a TrainJob pod): PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
   PET_MASTER_ADDR, PET_MASTER_PORT, meant for torchrun: ``distaccum train`` in that pod is the node's launcher
   (:class:`NodeLaunch`) and starts PET_NPROC_PER_NODE workers joining the others at the master.
@@ -80,7 +81,7 @@ class DistEnv:
                 local_rank=int(env.get("SLURM_LOCALID", 0)),
                 local_world_size=_first_count(per_node),
                 master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
-                master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+                master_port=int(env.get("MASTER_PORT") or srun_port(env)),
                 source="slurm",
                 restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
                 node=int(env["SLURM_NODEID"]) if "SLURM_NODEID" in env else None,
@@ -102,6 +103,23 @@ class DistEnv:
 def is_srun_task(env: Mapping[str, str]) -> bool:
     """An ``srun`` job step with more than one task (a batch script itself is not a step task)."""
     return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+SRUN_PORTS = (10000, 20000)
+"""Where :func:`srun_port` draws: below the kernel's ephemeral range (32768-60999 on Linux), so no connection or
+listener the kernel numbers can hold the port, and below the ports tests and benchmarks draw (20000 and up)."""
+
+
+def srun_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of an ``srun`` job step without MASTER_PORT: derived from SLURM_JOB_ID and SLURM_STEP_ID,
+    so that the steps of two jobs sharing a node (two users' runs) do not meet on one fixed port, where one step's
+    ranks would join the other's store and fail in gloo's connectFullMesh. Every task of the step computes the same
+    number. Two steps collide only when their job ids are 2,500 apart (or the same job's steps 4 apart) and they
+    share their first node; set MASTER_PORT to choose."""
+    low, high = SRUN_PORTS
+    job = int(env.get("SLURM_JOB_ID") or 0)
+    step = int(env.get("SLURM_STEP_ID") or 0)
+    return low + (job * 4 + step % 4) % (high - low)
 
 
 def parse_nnodes(value: int | str) -> tuple[int, int]:

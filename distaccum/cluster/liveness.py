@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distaccum.rundir import RANKS, read_json
+from distaccum.rundir import RANKS, read_json, write_text_atomic
 
 PROC_STATES = {
     "T": "stopped (SIGSTOP, or suspended by a debugger)",
@@ -60,7 +60,6 @@ class Liveness:
     def write(self, state: str, **fields: Any) -> None:
         """Record ``state`` ('running', 'failed', 'stopped', 'finished') and extra fields."""
         path = rank_file(self.run_dir, self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
         value = {
             "rank": self.rank,
             "pid": os.getpid(),
@@ -70,9 +69,7 @@ class Liveness:
             "time": time.time(),
             **fields,
         }
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(value) + "\n")
 
     def beat(self, step: int) -> None:
         """After an optimizer step (written when ``interval_s`` passed since the last write)."""

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import socket
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,17 +55,70 @@ class LaunchPlan:
         return parse_nnodes(self.nnodes)
 
 
+PORT_RESERVATIONS = "distaccum-ports"
+"""A folder in the temporary directory: one file per port :func:`free_ports` handed out lately, on this machine."""
+RESERVATION_S = 600.0
+"""How long a handed-out port stays reserved for the process that asked for it."""
+
+
 def free_ports(count: int = 1) -> list[int]:
-    """``count`` TCP ports free on 127.0.0.1 a moment ago, all different (held open together while chosen): for a
-    rendezvous or a daemon started next. Another process may take one before it is used."""
-    socks = [socket.socket() for _ in range(count)]
+    """``count`` different TCP ports free on 127.0.0.1, for a rendezvous or a daemon started next.
+
+    A port probed free and bound later is a race on a shared machine: a port the kernel picks (``bind`` to port 0,
+    every outgoing connection) comes from its ephemeral range, so the next process's connection or listener may
+    take it in between. These ports are drawn below that range instead, where the kernel never hands ports out,
+    and each is reserved on this machine for :data:`RESERVATION_S` (a file created exclusively in
+    :data:`PORT_RESERVATIONS`), so that two callers at once (two launches, two test workers) never get the same
+    one; a port still bound by anything else is skipped."""
+    low, _ = _ephemeral_range()
+    first, last = 20000, min(low, 65536) - 1
+    if last - first < 1000:  # an unusual range: draw above it instead
+        first, last = _ephemeral_range()[1] + 1, 65535
+    folder = Path(tempfile.gettempdir()) / PORT_RESERVATIONS
+    folder.mkdir(exist_ok=True)
+    chosen: list[int] = []
+    draws = random.Random()  # seeded from the OS: two processes draw differently
+    for _ in range(50 * count):
+        if len(chosen) == count:
+            return chosen
+        port = draws.randint(first, last)
+        if port not in chosen and _reserve(folder / str(port)) and _bindable(port):
+            chosen.append(port)
+    raise OSError(f"no free port found in {first}-{last} after {50 * count} tries")
+
+
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _reserve(path: Path) -> bool:
+    """Create ``path`` exclusively, or take it over once its reservation expired."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - path.stat().st_mtime < RESERVATION_S:
+                return False
+            os.utime(
+                path
+            )  # expired: renew it for this caller (two at once: both may, the bind check decides)
+            return True
+        except OSError:
+            return False
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def launch_plan(cfg: RunConfig) -> LaunchPlan:

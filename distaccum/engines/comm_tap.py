@@ -130,7 +130,7 @@ def _counting(
         if work is None:  # this rank is not in the group: nothing was sent
             ledger.completed(token)
         else:
-            work.get_future().then(lambda _: ledger.completed(token))
+            ledger.completes_with(token, work.get_future())
         return work
 
     return _outermost(original, count)

@@ -19,8 +19,10 @@ run_dir/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +49,25 @@ SEED = "seed.safetensors"
 Record = dict[str, Any]
 
 
-def write_json(path: Path, value: Any) -> None:
-    """Write ``value`` as indented JSON atomically (a reader never sees half a file)."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a reader never sees half a file, and several writers of the same
+    file (the launchers of one elastic run sharing its run_dir, ranks on hosts sharing a filesystem) each go
+    through a temporary file of their own, so none renames another's away; the last rename wins."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` as indented JSON atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: Path) -> dict[str, Any]:

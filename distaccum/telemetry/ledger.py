@@ -165,6 +165,7 @@ class CommLedger:
         self._micro = 0
         self._step_start: Stamp = None
         self._gathers = [0, 0]  # calls, bytes
+        self._pending: list[torch.futures.Future[Any]] = []
 
     def start_step(self, start: Stamp = None) -> None:
         """Forget the previous step; time is measured from here: ``start``, the caller's stamp (the step timer's
@@ -197,6 +198,23 @@ class CommLedger:
         assert isinstance(token, _Collective)
         if self.enabled:
             token.end = self.clock.stamp()
+
+    def completes_with(self, token: object, future: torch.futures.Future[Any]) -> None:
+        """Record the collective behind ``token`` as finished when ``future`` (its work's) completes. The callback
+        runs on the process group's worker thread; its own future is kept until :meth:`drain`, so that no
+        callback into Python is still pending when the process leaves (one run at interpreter exit aborts it)."""
+        chained = future.then(lambda _: self.completed(token))
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]  # done() is a flag: no wait
+            self._pending.append(chained)
+
+    def drain(self) -> None:
+        """Wait for every completion callback still pending (:meth:`completes_with`): before the engine and the
+        process group go away."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            future.wait()
 
     def gathered(self, nbytes: int) -> None:
         """Count one parameter all-gather producing ``nbytes`` (no time stamps: a count only)."""
