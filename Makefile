@@ -48,9 +48,11 @@ check: install lint
 	$(PY) tests/tiers.py runs/junit-unit.xml --slowest 5
 	$(PY) tests/tiers.py runs/junit-engines.xml --slowest 0
 
-# A rare failure shown gone: 100 processes running distaccum.Trainer in-process exit 0 (DISTACCUM_EXIT_RUNS=N).
+# On a quiet machine, by hand: a rare failure shown gone (100 processes running distaccum.Trainer in-process exit 0;
+# DISTACCUM_EXIT_RUNS=N), and the timing assertions CI cannot hold (the planner's predictions within 20%).
 stress: install
-	$(PY) -m pytest -m stress -s tests/test_clean_exit.py
+	$(PY) -m pytest -m "stress or timing" -s --junitxml=runs/junit-stress.xml tests/test_clean_exit.py tests/test_planner_accuracy.py
+	$(PY) tests/tiers.py runs/junit-stress.xml --slowest 5
 
 lint: install  ## ruff (lint and format) and mypy on distaccum/, as `make test` runs them
 	$(VENV)/bin/ruff check $(LINTED)

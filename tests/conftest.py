@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,12 +321,41 @@ def plan_env() -> dict[str, str]:
     return env
 
 
-def launch_plan(script: Path, plan: list[dict[str, Any]], root: Path, timeout: float = 560) -> Any:
-    """Write ``plan`` (config mappings) to ``root/plan.json`` and run ``script`` on it as the worker of a
-    2-rank torch.distributed.run launch (one intra-op thread each, DeepSpeed's op from the checkout's
+def launch_plan(
+    script: Path, plan: list[dict[str, Any]], root: Path, timeout: float = 560, *, nproc: int = 2
+) -> Any:
+    """Write ``plan`` (config mappings) to ``root/plan.json`` and run ``script`` on it as the worker of an
+    ``nproc``-rank torch.distributed.run launch (one intra-op thread each, DeepSpeed's op from the checkout's
     cache); fail the test with the output when the launch fails. Returns the completed process."""
     (root / "plan.json").write_text(json.dumps(plan))
-    proc = torchrun(str(script), str(root / "plan.json"), cwd=root, env=plan_env(), timeout=timeout)
+    proc = torchrun(
+        str(script), str(root / "plan.json"), nproc=nproc, cwd=root, env=plan_env(), timeout=timeout
+    )
     if proc.returncode:
         pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def train_plan(root: Path, runs: dict[str, Sequence[str]], *, timeout: float = 560) -> dict[str, Run]:
+    """Train each of ``runs`` (name -> ``distaccum train`` overrides) into ``root/NAME`` as ``distaccum train`` would,
+    with one launch per world size (``trainer.nproc``, 2 by default) instead of one per run: the configs are
+    composed here, and every rank trains them one after the other through the public Trainer, as the CLI's workers
+    do (``tests/plan_train.py``). What the launcher itself prints or writes (status.json) is not there: tests of
+    the launcher run ``distaccum train``."""
+    from distaccum.cli.compose import compose_config
+    from distaccum.config import to_mapping, with_overrides
+
+    by_world: dict[int, list[dict[str, Any]]] = {}
+    for name, overrides in runs.items():
+        cfg = compose_config([*overrides, "log.console=quiet"])
+        by_world.setdefault(cfg.trainer.nproc, []).append(
+            to_mapping(with_overrides(cfg, {"run_dir": str(root / name)}))
+        )
+    out: dict[str, Run] = {}
+    for world, plan in sorted(by_world.items()):
+        folder = root / f"plan-world{world}"
+        folder.mkdir(parents=True, exist_ok=True)
+        proc = launch_plan(REPO / "tests" / "plan_train.py", plan, folder, timeout, nproc=world)
+        for values in plan:
+            out[Path(values["run_dir"]).name] = Run(0, proc.stdout, proc.stderr, Path(values["run_dir"]))
+    return out

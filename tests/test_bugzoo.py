@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -56,20 +58,28 @@ FunASR #3472, DeepSpeed #8443 and #8068): name -> title."""
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
-    run_dir = tmp_path_factory.mktemp("zoo") / "zoo"
+def zoo() -> Iterator[tuple[subprocess.CompletedProcess, list[dict[str, Any]]]]:
+    """The README's exact command, ``distaccum bugzoo``, from the repository root (DeepSpeed's compiled op is cached
+    in .cache/torch_extensions there): its default run_dir is relative, ``runs/bugzoo-<time>`` (issue 56: a relative
+    run_dir once made every row fail)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    # From the repository root: DeepSpeed's compiled op is cached in .cache/torch_extensions there.
+    before = set((REPO / "runs").glob("bugzoo-*"))
     run = subprocess.run(
-        [sys.executable, "-m", "distaccum", "bugzoo", f"run_dir={run_dir}"],
+        [sys.executable, "-m", "distaccum", "bugzoo"],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=380,
     )
-    assert (run_dir / "bugzoo.json").is_file(), run.stdout[-3000:] + run.stderr[-3000:]
-    return run, json.loads((run_dir / "bugzoo.json").read_text())
+    made = sorted(set((REPO / "runs").glob("bugzoo-*")) - before)
+    try:
+        assert len(made) == 1 and (made[0] / "bugzoo.json").is_file(), run.stdout[-3000:] + run.stderr[-3000:]
+        assert f"-> runs/{made[0].name}" in run.stdout  # the relative run_dir it was given
+        yield run, json.loads((made[0] / "bugzoo.json").read_text())
+    finally:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 Zoo = tuple[subprocess.CompletedProcess, list[dict[str, Any]]]

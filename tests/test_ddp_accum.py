@@ -1,5 +1,8 @@
-"""DDP on gloo, world 2, through the real launcher: reduce once per step, split invariance,
-global-count normalization vs the classic loss/K, and config errors before any worker starts."""
+"""DDP on gloo, world 2: reduce once per step, split invariance,
+global-count normalization vs the classic loss/K, and config errors before any worker starts.
+
+The trained cells share one launch per world size (``conftest.train_plan``: the public Trainer, as the CLI's
+workers run it); the CLI launcher itself runs in the config-error tests and under torchrun in place."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Run, run_cli, torchrun, train
+from conftest import Run, run_cli, torchrun, train_plan
 from distaccum.models import MLP, TinyGPT
 
 pytestmark = pytest.mark.dist
@@ -43,15 +46,31 @@ CELLS = (
 INVARIANCE = [("mlp", "fp64"), ("tiny_gpt", "fp64"), ("tiny_gpt", "fp32")]
 
 
+# Two more runs of the 2x4x2 split: every micro-batch reducing, and the classic per-micro-batch mean loss / K.
+EVERY_MICRO = (*COMMON, *MODELS["mlp"], *SPLITS["2x4x2"], "accum.sync=every_micro")
+MEAN_PER_MICRO = (
+    *COMMON,
+    *MODELS["tiny_gpt"],
+    *SPLITS["2x4x2"],
+    "precision=fp64",
+    "accum.loss_norm=mean_per_micro",
+)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str], Run]:
-    out = {}
-    for model, precision, split in CELLS:
-        run_dir = tmp_path_factory.mktemp(f"{model}-{precision}-{split}")
-        out[(model, precision, split)] = train(
-            run_dir, *COMMON, *MODELS[model], *SPLITS[split], f"precision={precision}"
-        )
-    return out
+    """Every cell, and the two extra runs, in one launch per world size (train_plan)."""
+    cells = {
+        "-".join(cell): (*COMMON, *MODELS[cell[0]], *SPLITS[cell[2]], f"precision={cell[1]}")
+        for cell in CELLS
+    }
+    done = train_plan(
+        tmp_path_factory.mktemp("ddp"), {**cells, "every": EVERY_MICRO, "classic": MEAN_PER_MICRO}
+    )
+    return {
+        **{cell: done["-".join(cell)] for cell in CELLS},
+        **{(name,): done[name] for name in ("every", "classic")},
+    }
 
 
 @pytest.mark.parametrize(("model", "precision"), INVARIANCE)
@@ -83,8 +102,8 @@ def test_boundary_reduces_once_per_step_with_one_copy_of_the_gradients(runs: dic
         assert all(r["comm_bytes"] == _grad_bytes(model) for r in records)
 
 
-def test_every_micro_reduces_k_times(tmp_path: Path, runs: dict) -> None:
-    run = train(tmp_path / "every", *COMMON, *MODELS["mlp"], *SPLITS["2x4x2"], "accum.sync=every_micro")
+def test_every_micro_reduces_k_times(runs: dict) -> None:
+    run = runs[("every",)]
     boundary = runs[("mlp", "fp32", "2x4x2")].records
     for r, b in zip(run.records, boundary, strict=True):
         assert r["comm_rounds"] == 4 and r["comm_calls"] == 4 * b["comm_calls"]
@@ -92,16 +111,9 @@ def test_every_micro_reduces_k_times(tmp_path: Path, runs: dict) -> None:
         assert r["loss"] == pytest.approx(b["loss"], rel=1e-5)  # same math, more communication
 
 
-def test_mean_per_micro_is_wrong_with_variable_lengths(tmp_path: Path, runs: dict) -> None:
+def test_mean_per_micro_is_wrong_with_variable_lengths(runs: dict) -> None:
     # The 2024 Transformers bug: per-micro-batch mean loss / K weights tokens unequally.
-    run = train(
-        tmp_path / "classic",
-        *COMMON,
-        *MODELS["tiny_gpt"],
-        *SPLITS["2x4x2"],
-        "precision=fp64",
-        "accum.loss_norm=mean_per_micro",
-    )
+    run = runs[("classic",)]
     ref = runs[("tiny_gpt", "fp64", "8x1x2")].records
     good = runs[("tiny_gpt", "fp64", "2x4x2")].records
     # Step 1 starts from identical weights: the gradient itself is what differs. (AdamW's

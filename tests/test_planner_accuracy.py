@@ -22,7 +22,9 @@ import pytest
 
 from conftest import REPO, torchrun
 
-pytestmark = [pytest.mark.dist, pytest.mark.serial]  # predicted against measured step times
+# Predicted against measured step times: on a quiet machine (make stress), not in CI, where the suite's own load moved
+# an extrapolated split's measurement by 41% against its prediction in one run (issue 55).
+pytestmark = [pytest.mark.dist, pytest.mark.serial, pytest.mark.timing]
 
 
 def test_predicted_step_times_match_the_real_splits(tmp_path: Path) -> None:

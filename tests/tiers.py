@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-ORDER = ("gpu", "slurm", "faults", "serial", "stress", "dist", "unit")
+ORDER = ("gpu", "slurm", "faults", "stress", "timing", "serial", "dist", "unit")
 """A test's tier: the first of these it is marked with (a ``dist`` test that is also ``faults`` is ``faults``)."""
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -442,7 +442,10 @@ def run_zoo(root: Path, bugs: Sequence[Bug] = BUGS, *, echo: Callable[[str], Non
         bug_dir = root / bug.name
         shutil.rmtree(bug_dir, ignore_errors=True)
         bug_dir.mkdir(parents=True)
-        (bug_dir / "reference").symlink_to(ref_root / "reference", target_is_directory=True)
+        # relative to the link's own folder, whatever the zoo's root is relative to (issue 56: a relative root made
+        # every link dangle, and every row read "the reference run failed")
+        reference = os.path.relpath(ref_root / "reference", bug_dir)
+        (bug_dir / "reference").symlink_to(reference, target_is_directory=True)
         cfg = run_config(bug, bug_dir, ref_root / SEED)
         try:
             with warnings.catch_warnings():  # its warnings (batch statistics) are the candidate's to report
