@@ -8,7 +8,7 @@ EXTRAS ?= dev
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= --durations=25 --junitxml=runs/junit.xml  # every test's time, for balancing the suite
 # Tests run on this many pytest-xdist workers, a whole test file per worker (module fixtures are
-# built once). Most tests wait on process start-up more than they compute, so 2 fill CI's 2 cores;
+# built once), the longest files first (tests/serial_lock.py, from tests/durations.json). Most tests wait on process start-up more than they compute, so 2 fill CI's 2 cores;
 # `serial` tests (timings) still run alone (tests/serial_lock.py). PYTEST_WORKERS=0: one process.
 # A worker that crashes fails the run at once (--max-worker-restart 0): a replaced worker once left
 # the loadfile scheduler waiting for the crashed file's other tests until CI's limit.
@@ -33,11 +33,11 @@ demo: install  ## train the embedded default on 2 local workers, then verify it
 LINTED := distaccum launch tests benchmarks examples
 
 test: install lint  ## the whole suite, exactly as CI runs it (lint and types first)
-	# DeepSpeed compiles its CPU communication op on first use (~45 s): once, here, into the cache the
-	# tests use, instead of inside several test files at once on both workers (a no-op when cached).
-	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions $(PY) -c \
+	# DeepSpeed compiles its CPU communication op on first use (~45 s): once per machine, here, into the cache every
+	# run and test uses (engine.extensions_dir's default), not inside several test files at once (a no-op when cached).
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(HOME)/.cache/distaccum/torch_extensions $(PY) -c \
 	  "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart 0 $(PYTEST_ARGS); \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 $(PYTEST_ARGS); \
 	  code=$$?; $(PY) tests/tiers.py runs/junit.xml; exit $$code
 
 # The inner loop, at most 5 minutes: lint and types, the unit tier, and one end-to-end run of every engine (the

@@ -39,13 +39,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 from benchmarks.cases import Batch, BenchData, Spec, loss_sum, sgd
-from benchmarks.launch import ROOT
 from distaccum import Trainer
+from distaccum.config import DEFAULT_EXTENSIONS_DIR
 from distaccum.telemetry.ledger import Clock
 
 EXPERT = "ddp_no_sync"
 """The baseline every ratio is read against, and whose trained parameters the others are compared with."""
-EXTENSIONS = str(ROOT / ".cache" / "torch_extensions")  # DeepSpeed's JIT-compiled op, built once per checkout
+EXTENSIONS = str(
+    Path(DEFAULT_EXTENSIONS_DIR).expanduser()
+)  # DeepSpeed's JIT-compiled op, built once per machine
 
 
 @dataclass(frozen=True)

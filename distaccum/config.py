@@ -84,6 +84,10 @@ def _node(where: str, value: Any) -> Node | None:
     return dict(value)
 
 
+DEFAULT_EXTENSIONS_DIR = "~/.cache/distaccum/torch_extensions"
+"""DeepSpeed's C++ op cache unless ``engine.extensions_dir`` says otherwise."""
+
+
 @dataclass(kw_only=True)
 class EngineConfig:
     """Which distributed engine wraps the model, and its engine-specific knobs."""
@@ -94,8 +98,10 @@ class EngineConfig:
     """DeepSpeed ZeRO stage (0-3); ignored by other engines."""
     deepspeed_config: str | None = None
     """Path to a user DeepSpeed JSON merged into the generated one; conflicts are errors."""
-    extensions_dir: str = ".cache/torch_extensions"
-    """Where DeepSpeed caches its JIT-compiled C++ ops (TORCH_EXTENSIONS_DIR)."""
+    extensions_dir: str = DEFAULT_EXTENSIONS_DIR
+    """Where DeepSpeed caches its JIT-compiled C++ ops (TORCH_EXTENSIONS_DIR; ``~`` is the home directory). The default
+    is one cache per user and machine, shared by every run directory and checkout: the op compiles once (torch
+    rebuilds it when its sources or flags change)."""
     fsdp_reduce_fp32: bool = True
     """FSDP2 mixed precision: reduce gradients in fp32 even when computing in bf16/fp16 (accum.reduce_dtype=bf16
     or fp16, when set, is the reduce dtype instead)."""

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from distaccum.config import DEFAULT_EXTENSIONS_DIR
+
 if TYPE_CHECKING:
     from distaccum.config import EngineConfig
     from distaccum.engines.base import EngineSpec
@@ -29,8 +31,8 @@ pytest_plugins = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
-EXTENSIONS = REPO / ".cache" / "torch_extensions"
-"""DeepSpeed's JIT-compiled ops, built once per checkout (``make test`` builds them first)."""
+EXTENSIONS = Path(DEFAULT_EXTENSIONS_DIR).expanduser()
+"""DeepSpeed's JIT-compiled ops, built once per machine (``make test`` builds them first): the runs' default."""
 ENGINES: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
     "fsdp": {"name": "fsdp"},
@@ -316,7 +318,7 @@ def plan_env() -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",
         DS_ACCELERATOR="cpu",
-        TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
+        TORCH_EXTENSIONS_DIR=str(EXTENSIONS),
     )
     return env
 

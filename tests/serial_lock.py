@@ -12,15 +12,17 @@ the turnstile before waiting, and ordinary tests pass the turnstile before takin
 lock, so none can start once a serial test is waiting. Locks are ``flock``s on files named
 after xdist's run id, released by the kernel if a worker dies. Without xdist this does nothing.
 
-The order helps the two workers finish together (``--dist loadfile`` hands out whole files in
-collection order): files of launching tests first, then the quick single-process ``unit`` files
-that fill the gaps at the end, then the files of ``serial`` tests, which cost least where the other
-worker has nothing left to run.
+The order helps the two workers finish together (``--dist loadfile --no-loadscope-reorder`` hands out whole files
+in collection order; xdist's own reorder, by number of tests, sent the few-test, long-running files last): the
+longest files first, as a whole run measured them (tests/durations.json, written by ``tests/tiers.py --store``; a
+file not there counts as :data:`UNKNOWN_S`), so that the last ones to start are short and fill the gaps, then the
+files of ``serial`` tests, which cost least where the other worker has nothing left to run.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -67,18 +69,34 @@ def machine_share(exclusive: bool) -> Iterator[None]:
             yield
 
 
-def _file_rank(items: list[pytest.Item]) -> int:
-    if all(item.get_closest_marker(MARKER) for item in items):
-        return 2
-    return 1 if all(item.get_closest_marker("unit") for item in items) else 0
+UNKNOWN_S = 30.0
+"""The time assumed for a test file durations.json does not list (a new one): a typical launching file."""
+
+
+def _durations() -> dict[str, float]:
+    path = Path(__file__).resolve().parent / "durations.json"
+    try:
+        return {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def _file_key(path: Path, items: list[pytest.Item], durations: dict[str, float]) -> tuple[int, float]:
+    """(1 for a file of serial tests only, else 0; minus its expected seconds): the longest files first."""
+    serial = all(item.get_closest_marker(MARKER) for item in items)
+    expected = durations.get(f"tests/{path.name}")
+    if expected is None:
+        expected = 1.0 if all(item.get_closest_marker("unit") for item in items) else UNKNOWN_S
+    return (1 if serial else 0, -expected)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     by_file: dict[Path, list[pytest.Item]] = {}
     for item in items:
         by_file.setdefault(item.path, []).append(item)
-    rank = {path: _file_rank(file_items) for path, file_items in by_file.items()}
-    items.sort(key=lambda item: rank[item.path])  # stable: files keep their own order
+    durations = _durations()
+    key = {path: _file_key(path, file_items, durations) for path, file_items in by_file.items()}
+    items.sort(key=lambda item: key[item.path])  # stable: a file's tests keep their own order
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: waiting is not the test's time

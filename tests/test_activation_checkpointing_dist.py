@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import PlanRuns, plan_worker, torchrun
+from conftest import EXTENSIONS, PlanRuns, plan_worker, torchrun
 from distaccum.activation_checkpointing import (
     apply_activation_checkpointing,
     is_checkpointed,
@@ -49,7 +49,6 @@ pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-EXTENSIONS = REPO / ".cache" / "torch_extensions"  # gitignored; DeepSpeed compiles its op once per machine
 TINY = ["model=tiny_gpt", "model.width=32", "data.dataset.seq_max=24", "data.dataset.num_samples=36"]
 LLAMA = [
     "--config-dir",

@@ -24,13 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, PlanRuns, launch_plan, plan_worker, run_cli
+from conftest import EXTENSIONS, PlanRuns, launch_plan, plan_worker, run_cli
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-EXTENSIONS = REPO / ".cache" / "torch_extensions"
 MODEL = [
     "model=tiny_gpt",
     "model.width=16",

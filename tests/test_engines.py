@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
-from conftest import plan_worker, run_cli, torchrun
+from conftest import EXTENSIONS, plan_worker, run_cli, torchrun
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 from distaccum.preflight import instantiate_components
@@ -46,7 +46,6 @@ pytestmark = pytest.mark.dist
 
 
 REPO = Path(__file__).resolve().parents[1]
-EXTENSIONS = REPO / ".cache" / "torch_extensions"  # gitignored; DeepSpeed compiles its op once per machine
 MODELS: dict[str, list[str]] = {
     "mlp": ["model=mlp"],
     "tiny_gpt": ["model=tiny_gpt", "model.width=32", "data.dataset.seq_max=24"],

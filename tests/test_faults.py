@@ -24,11 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, fault, inject, train
+from conftest import EXTENSIONS, fault, inject, train
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
-EXTENSIONS = REPO / ".cache" / "torch_extensions"
 BASE = (
     "model=mlp",
     "model.width=128",

@@ -50,13 +50,12 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, launch_plan, plan_worker
+from conftest import EXTENSIONS, launch_plan, plan_worker
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-EXTENSIONS = REPO / ".cache" / "torch_extensions"
 WARMUP = 2
 """Steps trained before the measured one: optimizer state, DDP's bucket rebuild (see above)."""
 MODEL = [

@@ -120,3 +120,27 @@ def test_launching_files_go_first_then_unit_files_then_serial_files() -> None:
         "tests/test_e_unit.py::x",
         "tests/test_c_serial.py::x",
     ]
+
+
+def test_the_longest_files_go_first_by_their_measured_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xdist hands out files in this order (--no-loadscope-reorder): a long file started last would run alone at the
+    end. Files durations.json does not list count as a typical launching file (unit files as one second)."""
+    durations = {"tests/test_short.py": 5.0, "tests/test_long.py": 90.0, "tests/test_mid.py": 40.0}
+    monkeypatch.setattr(serial_lock, "_durations", lambda: durations)
+    items = [
+        _Item("tests/test_short.py::x", "dist"),
+        _Item("tests/test_new_unit.py::x", "unit"),
+        _Item("tests/test_mid.py::x", "dist"),
+        _Item("tests/test_new.py::x", "dist"),
+        _Item("tests/test_long.py::x", "dist", "serial"),
+        _Item("tests/test_long.py::y", "dist"),
+    ]
+    serial_lock.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
+    assert [item.nodeid for item in items] == [
+        "tests/test_long.py::x",
+        "tests/test_long.py::y",
+        "tests/test_mid.py::x",
+        "tests/test_new.py::x",
+        "tests/test_short.py::x",
+        "tests/test_new_unit.py::x",
+    ]

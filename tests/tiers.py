@@ -5,12 +5,13 @@ property ``tier``: the first of :data:`ORDER` among the test's markers (``unmark
 reads that file and prints the time by tier against the budgets of ``[tool.distaccum.test-tiers]`` in
 pyproject.toml, then the slowest tests: ``make test`` and ``make check`` end with it.
 
-    python tests/tiers.py runs/junit.xml [--slowest 15]
+    python tests/tiers.py runs/junit.xml [--slowest 15] [--store]   (--store: tests/durations.json from this run)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -73,15 +74,33 @@ def report(rows: list[tuple[float, str, str]], limits: dict[str, float], slowest
     return lines
 
 
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+"""Seconds each test file took in a whole run of the suite (``python tests/tiers.py runs/junit.xml --store``):
+the order in which the two xdist workers take the files (tests/serial_lock.py)."""
+
+
+def file_durations(rows: list[tuple[float, str, str]]) -> dict[str, float]:
+    """Seconds per test file (``tests/test_x.py``), summed over its tests."""
+    out: dict[str, float] = defaultdict(float)
+    for seconds, _, test in rows:
+        out[test.split("::")[0]] += seconds
+    return {name: round(seconds, 1) for name, seconds in sorted(out.items())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("junit", type=Path)
     parser.add_argument("--slowest", type=int, default=15)
+    parser.add_argument("--store", action="store_true", help=f"write each file's time to {DURATIONS.name}")
     args = parser.parse_args(argv)
     if not args.junit.is_file():
         print(f"tiers: {args.junit} not found (no test ran)", file=sys.stderr)
         return 0
-    print("\n".join(report(read(args.junit), budgets(), args.slowest)))
+    rows = read(args.junit)
+    print("\n".join(report(rows, budgets(), args.slowest)))
+    if args.store:
+        DURATIONS.write_text(json.dumps(file_durations(rows), indent=1) + "\n")
+        print(f"tiers: {DURATIONS} written")
     return 0
 
 

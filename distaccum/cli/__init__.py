@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 from distaccum import __version__
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
+from distaccum.cli.startup import pause as pause_collection
+from distaccum.cli.startup import resume as resume_collection
 from distaccum.cluster.contracts import ContractError, recognize
 
 USAGE = """\
@@ -105,6 +107,7 @@ def _run_hydra(command: str, rest: list[str], task: Callable[[Any], int]) -> Non
     def app(dcfg: Any) -> int:
         nonlocal started
         started = True
+        resume_collection()  # the libraries are loaded, the config composed
         return task(dcfg)
 
     precheck(rest)
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"distaccum {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")
         raise SystemExit(EXIT_OK)
     command, rest = args[0], args[1:]
+    if command in ("_worker", "train", "verify"):  # resumed once their task starts (cli.startup)
+        pause_collection()
     if command == "_worker":
         from distaccum.cli.worker import worker_from_file
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
+from distaccum.cli.startup import resume as resume_collection
 
 
 def verify_task(dcfg: Any, *, on_ray: bool = False) -> int:
@@ -80,6 +81,7 @@ def verify_main(argv: list[str], run_hydra: Callable[[Callable[[Any], int], list
     """``distaccum verify``: a script (``--script``) or a config (Hydra overrides; ``--to ray`` runs the candidates
     on Ray Train, ``--to local``, the default, on local workers)."""
     if any(a == "--script" or a.startswith("--script=") for a in argv):
+        resume_collection()
         return script_main(argv)
     to = argparse.ArgumentParser(add_help=False)
     to.add_argument("--to", choices=("local", "ray"), default="local")

@@ -13,6 +13,7 @@ from typing import Any, Callable, NoReturn
 
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, EXIT_REQUEUE
+from distaccum.cli.startup import resume as resume_collection
 from distaccum.cluster.contracts import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
@@ -33,7 +34,10 @@ def train_rank(cfg: RunConfig, *, check_components: bool) -> Record:
     from distaccum.trainer import Trainer
 
     parts = instantiate_components(cfg)
-    return Trainer.of(cfg, parts, stop=stop_flag(), check_components=check_components).fit()
+    trainer = Trainer.of(cfg, parts, stop=stop_flag(), check_components=check_components)
+    trainer.setup()  # the engine built (DDP's constructor imports torch's compiler stack): the process's long-lived part
+    resume_collection()
+    return trainer.fit()
 
 
 def worker_exit(run: Callable[[], Any]) -> NoReturn:

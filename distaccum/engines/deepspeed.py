@@ -59,13 +59,13 @@ from distaccum.telemetry.ledger import CommLedger
 
 
 def use_extensions_dir(path: str, rank: int) -> Path:
-    """Point torch's JIT extension cache at ``path`` (relative: to the cwd) and say so on rank 0.
+    """Point torch's JIT extension cache at ``path`` (``~`` expanded; relative: to the cwd) and say so on rank 0.
 
     DeepSpeed compiles a C++ op the first time its communication layer starts (on CPU: the
     shared-memory all-reduce, ~40 s with g++ and ninja); torch reads the cache location only from
     the ``TORCH_EXTENSIONS_DIR`` environment variable, so the engine sets it before that happens.
     """
-    resolved = Path(path).resolve()
+    resolved = Path(path).expanduser().resolve()
     os.environ["TORCH_EXTENSIONS_DIR"] = str(resolved)
     if rank == 0:
         cached = resolved.is_dir() and any(resolved.iterdir())
