@@ -214,6 +214,21 @@ def one_rank_group(device: str) -> Iterator[None]:
             destroy_world()  # DeepSpeed's cached groups too (see there)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """No cyclic collection while the test modules import torch and the rest (resumed by pytest_collection_finish),
+    as the product's own processes start (distaccum.cli.startup)."""
+    from distaccum.cli.startup import pause
+
+    pause()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The libraries are loaded: freeze them out of every later collection and collect again."""
+    from distaccum.cli.startup import resume
+
+    resume()
+
+
 @pytest.fixture(autouse=True)
 def no_faults_left_behind() -> Iterator[None]:
     """Faults a test installed in this process (``distaccum.testing``) end with the test."""
