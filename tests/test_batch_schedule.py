@@ -278,3 +278,40 @@ def test_a_resume_on_a_world_that_cannot_split_a_chosen_batch_is_refused_naming_
         else:
             source.load_state_dict(state)
             assert source.window().split == phase_split(16, 2, world)
+
+
+def test_verifys_recipe_for_an_adaptive_run_is_a_valid_config_as_printed() -> None:
+    """Issue 56.7: verify's refusal said to pass batch_phases as accum.ramp.points, which the config refused ("end at
+    a global batch of 4, accum.global_batch is 8") until accum.global_batch was changed too; the recipe now says so.
+    Its overrides, filled in with an adaptive run's batch_phases, compose into a config that verify accepts."""
+    import shlex
+
+    from distaccum.cli.compose import compose_config
+    from distaccum.verify.runner import ADAPTIVE_REFUSAL
+
+    adaptive = ["model=mlp", "accum.global_batch=8", "accum.micro_batch=2", "log.gns=true"]
+    adaptive += ["accum.adaptive.enabled=true", "trainer.max_steps=8"]
+    phases = [[1, 8], [5, 4]]  # what summary.json's batch_phases holds after the run moved to 4 from step 5
+    recipe = ADAPTIVE_REFUSAL.split("the same overrides plus ")[1]
+    filled = recipe.replace("BATCH_PHASES", str(phases).replace(" ", "")).replace("LAST_GLOBAL_BATCH", "4")
+    cfg = compose_config([*adaptive, *shlex.split(filled)])
+    assert not cfg.accum.adaptive.enabled and cfg.accum.ramp.points == phases and cfg.global_batch(2) == 4
+
+
+def test_the_start_warns_when_a_ramp_or_the_adaptive_rule_does_not_play_out_within_max_steps() -> None:
+    """Issue 56.3/56.10: a ramp ending after the last step, or an adaptive warm-up longer than the run, was silent."""
+    from distaccum.batching.schedule import describe_schedule
+
+    ramp = BatchSchedule([(0, 8), (4, 16), (8, 24), (12, 32)])
+    short = describe_schedule(ramp, Split(4, 2, 1), 10, OptimConfig())
+    assert (
+        "the ramp does not reach its end within trainer.max_steps=10: the run ends at a global batch of 24"
+        in short
+    )
+    assert "warning" not in describe_schedule(ramp, Split(4, 2, 1), 13, OptimConfig())
+    adaptive = BatchSchedule([(0, 8)])
+    rule = AdaptiveConfig(warmup=50)
+    assert "ends before accum.adaptive.warmup=50" in describe_schedule(
+        adaptive, Split(4, 2, 1), 40, OptimConfig(), rule
+    )
+    assert "warning" not in describe_schedule(adaptive, Split(4, 2, 1), 60, OptimConfig(), rule)

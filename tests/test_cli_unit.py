@@ -64,17 +64,45 @@ def test_the_documented_bugzoo_commands_parse() -> None:
 @pytest.mark.parametrize(
     "argv",
     [["plan", "--help"], ["bugzoo", "--help"], ["report", "--help"], ["submit", "--help"]]
-    + [["verify", "--script=train.py", "--help"]],
-    ids=["plan", "bugzoo", "report", "submit", "verify --script"],
+    + [["verify", "--script=train.py", "--help"], ["verify", "--help"], ["verify", "model=mlp", "-h"]],
+    ids=["plan", "bugzoo", "report", "submit", "verify --script", "verify", "verify with overrides"],
 )
 def test_help_has_no_restructuredtext_markup(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    # `distaccum train --help` and `verify --help` (with overrides) are Hydra's, from configs/config.yaml.
+    # `distaccum train --help` is Hydra's, from configs/config.yaml.
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 0
     text = capsys.readouterr().out
     assert text.startswith("usage: distaccum"), text[:200]
     assert not MARKUP.search(text), MARKUP.search(text)
+
+
+def test_verify_and_submit_help_describe_their_own_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 56.6: `verify --help` printed train's Hydra help; `submit --help` named neither the cluster keys nor
+    docs/clusters.md. Each key is listed with its default, from the config dataclass."""
+    for argv in (["verify", "--help"], ["submit", "--help"]):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 0
+    verify_text, submit_text = capsys.readouterr().out.split("usage: distaccum submit")
+    assert "verify.splits (config): config: only the configured split" in verify_text
+    assert "--to local|ray" in verify_text and "exit codes: 0" in verify_text
+    assert "docs/verification.md" in verify_text and "Trains the configured model" not in verify_text
+    for key in (
+        "slurm.nodes (1)",
+        "slurm.gpus_per_node (0)",
+        "kubeflow.name (distaccum)",
+        "ray.address (null)",
+    ):
+        assert key in submit_text, key
+    assert "docs/clusters.md" in submit_text and "exit codes: 0" in submit_text
+
+
+def test_train_help_points_at_the_config_reference() -> None:
+    """Issue 56.6: train's help said the keys are in "the README's config reference"; they are in
+    docs/configuration.md."""
+    footer = (REPO / "configs" / "config.yaml").read_text()
+    assert "documented in docs/configuration.md" in footer and "README's config reference" not in footer
 
 
 def test_verify_to_ray_is_taken_out_before_hydra_and_picks_rays_launcher(
@@ -105,3 +133,18 @@ def test_verify_to_ray_is_taken_out_before_hydra_and_picks_rays_launcher(
     assert verify_main(["model=mlp"], run_hydra) == 0
     assert seen == [["model=mlp", "precision=fp64"], ["model=mlp"]]
     assert launchers == [launch_on_ray, launch_local]
+
+
+def test_a_mistyped_key_is_answered_with_the_key_it_resembles() -> None:
+    """Issue 56.10: `accum.micro_bach=4` got Hydra's "use +accum.micro_bach=4" (which adds a key nothing reads)."""
+    from distaccum.cli.compose import compose_config
+    from distaccum.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"accum.micro_bach is not a key of the config: did you mean accum.micro_batch\?"
+    ):
+        compose_config(["accum.micro_bach=4"])
+    with pytest.raises(
+        ConfigError, match="Could not override 'nothing.like.it'"
+    ):  # nothing close: Hydra's words
+        compose_config(["nothing.like.it=4"])

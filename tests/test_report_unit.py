@@ -238,7 +238,9 @@ def test_one_run_has_nothing_to_compare_and_no_agreement_panel(tmp_path: Path) -
     runs = discover([write_run(tmp_path / "solo", [3.0, 2.0, 1.5])])
     agreements = check_agreement(runs, 1e-4, 1e-6)
     rows = build_rows(runs, agreements)
-    assert "One run: nothing to compare" in render_markdown(rows, agreements, runs, 1e-4, 1e-6)
+    markdown = render_markdown(rows, agreements, runs, 1e-4, 1e-6)
+    assert "One run: nothing to compare" in markdown
+    assert "1 run: " in markdown and "1 runs" not in markdown  # issue 56.10
     requires("matplotlib")
     import matplotlib.pyplot as plt
 

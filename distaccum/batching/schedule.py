@@ -199,6 +199,17 @@ def describe_schedule(
     else:
         head = "distaccum: global batch ramp (accum.ramp), K follows it at optimizer-step boundaries:"
     lines = [head, *phases]
+    reached = [batch for first, batch in schedule.phases if first < max_steps]
+    if adaptive is not None and max_steps <= adaptive.warmup:
+        lines.append(
+            f"  warning: trainer.max_steps={max_steps} ends before accum.adaptive.warmup={adaptive.warmup}: the rule "
+            f"never decides, every step takes {schedule.phases[0][1]} samples"
+        )
+    elif adaptive is None and reached[-1] != schedule.phases[-1][1]:
+        lines.append(
+            f"  warning: the ramp does not reach its end within trainer.max_steps={max_steps}: the run ends at a "
+            f"global batch of {reached[-1]}, not {schedule.phases[-1][1]} (accum.global_batch)"
+        )
     if optim.lr_scaling == "none":
         lines.append(
             f"  lr stays as configured at every global batch: {optim.lr:.4g} (optim.lr_scaling=none)"

@@ -8,6 +8,8 @@ groups (``DIR/model/mytask.yaml``, ``DIR/data/...``, ``DIR/loss/...``) to the se
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +95,44 @@ def compose_config(argv: list[str]) -> RunConfig:
         try:
             dcfg = compose(config_name=CONFIG_NAME, overrides=overrides + searchpath_override(dirs))
         except Exception as err:  # hydra's composition errors share no public base class
-            raise ConfigError(str(err)) from err
+            raise ConfigError(_suggest_key(str(err), dirs)) from err
     return to_run_config(dcfg)
+
+
+UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'")
+
+
+def _suggest_key(message: str, dirs: list[Path]) -> str:
+    """Hydra's error for an override of a key the config does not have ("use +key=value", which would add it and
+    train without it), with the nearest existing key when one is close: a typo, in all likelihood."""
+    match = UNKNOWN_KEY.search(message)
+    if not match:
+        return message
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    known = _leaf_keys(
+        OmegaConf.to_container(compose(config_name=CONFIG_NAME, overrides=searchpath_override(dirs)))
+    )
+    close = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.8)
+    if not close:
+        return message
+    return (
+        f"{match.group(1)} is not a key of the config: did you mean {close[0]}? ("
+        f"+{match.group(1)}=... would add it as a new key, which nothing reads unless your own component takes it)"
+    )
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return [prefix]
+    keys = [f"{prefix}{k}" for k in node]  # a section itself, too (model, accum.ramp)
+    for key, value in node.items():
+        if isinstance(value, dict):
+            keys += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return sorted(set(keys))
 
 
 def replace_run_dir(cfg: RunConfig, run_dir: str) -> RunConfig:

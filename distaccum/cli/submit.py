@@ -9,7 +9,9 @@ import sys
 
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
+from distaccum.cli.helptext import config_keys
 from distaccum.cluster import kubeflow, ray_train, slurm
+from distaccum.cluster.config import KubeflowConfig, RayConfig, SlurmConfig
 from distaccum.config import ConfigError, RunConfig
 from distaccum.preflight import preflight
 
@@ -25,12 +27,28 @@ def _world(target: str, cfg: RunConfig) -> tuple[int, int]:
     return ray_train.ray_world_size(cfg), int(cfg.trainer.nnodes)  # ray_world_size refuses MIN:MAX
 
 
+def _keys_help() -> str:
+    """The cluster sections' keys, for ``--help``."""
+    sections = [("slurm", SlurmConfig), ("kubeflow", KubeflowConfig), ("ray", RayConfig)]
+    lines = ["keys of each target (override as for `distaccum train`, e.g. slurm.nodes=4):"]
+    for name, cls in sections:
+        lines += config_keys(name, cls)
+    lines += [
+        "",
+        "exit codes: 0 submitted (or printed); 1 the cluster refused it; 2 bad input, before anything is submitted.",
+        "docs: docs/clusters.md (Slurm, Kubeflow, Ray, several nodes); every key: docs/configuration.md",
+    ]
+    return "\n".join(lines)
+
+
 def submit_main(argv: list[str]) -> int:
     """Parse ``argv``, compose and pre-flight the config, submit (or print what would be submitted)."""
     parser = argparse.ArgumentParser(
         prog="distaccum submit",
         description="Pre-flight the config, then submit it to Slurm (an sbatch script), Kubernetes (a Kubeflow "
         "Trainer TrainJob) or Ray (Ray Train's TorchTrainer).",
+        epilog=_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--to", choices=TARGETS, default="slurm", help="where the run goes (default slurm)")
     parser.add_argument(

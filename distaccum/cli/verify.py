@@ -77,10 +77,42 @@ def script_main(argv: list[str]) -> int:
     return run_verify(job, root, echo=lambda line: print(line, flush=True)).exit_code
 
 
+VERIFY_USAGE = """\
+usage: distaccum verify [overrides] [--config-dir DIR] [--to local|ray]
+       distaccum verify --script FILE [--nproc N] [--auto] [--run-dir DIR] [-- ARGS]
+
+Trains the configured run as one or more candidates (the configured split; with verify.splits=auto every valid
+split of the same global batch, up to verify.max_candidates) on local workers (--to ray: on Ray Train's workers),
+and compares each, step by step, with one process taking every step's whole global batch in one forward/backward
+(the reference, from the same seed weights): loss, gradient norm, per-step parameter checksums, then the final
+weights. Prints a table, writes run_dir/verify.json, and names the first diverging step and parameter with a
+diagnosis. --script verifies your own torchrun script's Trainer the same way (`distaccum verify --script FILE
+--help`).
+
+keys (override as for `distaccum train`, e.g. verify.splits=auto):
+{keys}
+
+exit codes: 0 every candidate agrees within the tolerance; 1 a candidate disagrees or failed; 2 bad input,
+reported before any run starts.
+docs: docs/verification.md; every key: docs/configuration.md"""
+
+
+def verify_help() -> str:
+    """``distaccum verify --help``."""
+    from distaccum.cli.helptext import config_keys
+    from distaccum.config import VerifyConfig
+
+    return VERIFY_USAGE.format(keys="\n".join(config_keys("verify", VerifyConfig)))
+
+
 def verify_main(argv: list[str], run_hydra: Callable[[Callable[[Any], int], list[str]], None]) -> int:
     """``distaccum verify``: a script (``--script``) or a config (Hydra overrides; ``--to ray`` runs the candidates
     on Ray Train, ``--to local``, the default, on local workers)."""
-    if any(a == "--script" or a.startswith("--script=") for a in argv):
+    script = any(a == "--script" or a.startswith("--script=") for a in argv)
+    if not script and any(a in ("-h", "--help") for a in argv):  # verify's own, not Hydra's help of train
+        print(verify_help())
+        return EXIT_OK
+    if script:
         resume_collection()
         return script_main(argv)
     to = argparse.ArgumentParser(add_help=False)

@@ -433,7 +433,8 @@ def render_markdown(
     counts: dict[str, int] = {}
     for row in rows:
         counts[row.status] = counts.get(row.status, 0) + 1
-    lines += [f"{len(rows)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())), ""]
+    how_many = f"{len(rows)} run" + ("" if len(rows) == 1 else "s")
+    lines += [f"{how_many}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())), ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
     lines += [

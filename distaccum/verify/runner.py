@@ -73,6 +73,16 @@ launcher (:func:`~distaccum.cluster.local.launch_local`) by default; Ray Train's
 # --- which runs to launch (pure) ------------------------------------------------------------------
 
 
+ADAPTIVE_REFUSAL = (
+    "accum.adaptive chooses its global batches as it runs, so the reference cannot know them in advance: verify "
+    "the batches an adaptive run chose as a ramp, with its summary.json's batch_phases [[step, global_batch], ...] "
+    "as the ramp's points and the last phase's global batch as the run's: the same overrides plus "
+    "accum.adaptive.enabled=false 'accum.ramp.points=BATCH_PHASES' accum.global_batch=LAST_GLOBAL_BATCH"
+)
+"""verify's refusal of an adaptive run, with the recipe that verifies its batches (tests/test_batch_schedule.py runs
+the recipe's overrides through the config's checks)."""
+
+
 def candidate_splits(cfg: RunConfig) -> list[Split]:
     """The configured split, plus with ``verify.splits=auto`` other splits of the same global batch.
 
@@ -584,11 +594,7 @@ def verify(
                 "for that rounding yet: verify the run with outer.reduce_dtype=fp32 (the same math uncompressed)"
             )
         if cfg.accum.adaptive.enabled:
-            raise ValueError(
-                "accum.adaptive chooses its global batches as it runs, so the reference cannot know them in advance: "
-                "verify the batches an adaptive run chose as a ramp (its summary.json's batch_phases, as "
-                "accum.ramp.points=[[step,global_batch],...]), with accum.adaptive.enabled=false"
-            )
+            raise ValueError(ADAPTIVE_REFUSAL)
         for split in chosen:
             if split.global_batch != global_batch:
                 raise ValueError(
