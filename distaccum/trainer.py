@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from distaccum import testing
 from distaccum.activation_checkpointing import Checkpointing, parse_checkpointing
 from distaccum.batching.adaptive import AdaptiveBatch
-from distaccum.batching.schedule import describe_schedule
+from distaccum.batching.schedule import describe_schedule, schedule_summary
 from distaccum.cluster.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.cluster.procgroup import gather_placement, join, shutdown
 from distaccum.cluster.stopping import StopFlag, StopRequested
@@ -328,10 +328,8 @@ class Trainer:
             summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
         if state.outer is not None:
             summary["outer"] = state.outer.summary(state.records)
-        if (
-            resolved.data.schedule is not None
-        ):  # as accum.ramp.points: what a verify of this run's batches takes
-            summary["batch_phases"] = [[first + 1, batch] for first, batch in resolved.data.schedule.phases]
+        if resolved.data.schedule is not None:  # what the run's steps took, not the configured end
+            summary.update(schedule_summary(resolved.data.schedule, state.records, summary["world_size"]))
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
             config = {**to_mapping(cfg), "components": run.prepared.names}
             tokenizer = getattr(self.components.dataset, "tokenizer", None)

@@ -143,3 +143,36 @@ def test_adaptive_ranks_that_disagree_stop_the_run_naming_them(tmp_path: Path) -
     assert done.returncode == 1
     assert "accum.adaptive after step 4: rank(s) 1 computed another global batch than rank 0" in done.stderr
     assert steps(tmp_path / "skewed")[-1] <= 4
+
+
+@pytest.mark.dist
+def test_a_ramp_cut_short_by_max_steps_states_the_batch_it_ran(tmp_path: Path) -> None:
+    """Issue 56.3: a Megatron-form ramp (8, +8 every 40 samples, to 32) whose 10 steps end at 24 printed `split
+    2x8x2=32` and wrote global_batch 32 and a phase after the last step to summary.json. Now the first line says
+    the batch ramps, the start warns that the ramp ends early, and the done line and summary.json state the batch
+    of the last step, from its record, with the phases the steps reached."""
+    megatron = ("accum.ramp.start=8", "accum.ramp.increment=8", "accum.ramp.samples=120")
+    done = run_cli(
+        "train",
+        tmp_path / "ramp",
+        "model=mlp",
+        "accum.micro_batch=2",
+        "accum.global_batch=32",
+        *megatron,
+        "trainer.max_steps=10",
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = records(tmp_path / "ramp")[-1]
+    summary = json.loads((tmp_path / "ramp" / "summary.json").read_text())
+    assert (
+        (summary["global_batch"], summary["accum_steps"], summary["micro_batch"])
+        == (24, 6, 2)
+        == (last["global_batch"], last["micro_steps"], 2)
+    )
+    assert [batch for _, batch in summary["batch_phases"]] == [8, 16, 24]
+    assert "a global batch ramping 8 -> 32 (accum.ramp)" in done.stdout
+    assert (
+        "the ramp does not reach its end within trainer.max_steps=10: the run ends at a global batch of 24"
+        in (done.stdout)
+    )
+    assert "split 2x6x2=24 (global batch 8 -> 16 -> 24)" in done.stdout

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from distaccum.batching.config import AdaptiveConfig, RampConfig
@@ -221,3 +221,20 @@ def describe_schedule(
             + (", ..." if len(schedule.phases) > 6 else "")
         )
     return "\n".join(lines)
+
+
+def schedule_summary(
+    schedule: BatchSchedule, records: Sequence[Mapping[str, Any]], world_size: int
+) -> dict[str, Any]:
+    """summary.json's fields of a scheduled run, from what it ran: the phases its steps reached (``batch_phases``,
+    1-based first steps: what ``accum.ramp.points`` takes), and the split of its last step (``global_batch``,
+    ``accum_steps``, ``micro_batch``), which is not the configured end of a ramp cut short by ``max_steps``."""
+    steps = len(records)
+    out: dict[str, Any] = {
+        "batch_phases": [[first + 1, batch] for first, batch in schedule.phases if first < steps]
+    }
+    if records:
+        last = records[-1]
+        batch, k = int(last["global_batch"]), int(last["micro_steps"])
+        out.update(global_batch=batch, accum_steps=k, micro_batch=batch // (k * world_size))
+    return out

@@ -193,7 +193,7 @@ class ConsoleSink:
             f"done: {summary['steps']} optimizer steps in {clock(time.monotonic() - self.started)}, final loss "
             f"{loss:.4f}, {summary['samples_per_s']:.1f} samples/s, {summary['engine']} world {summary['world_size']} "
             f"split {summary['micro_batch']}x{summary['accum_steps']}x{summary['world_size']}"
-            f"={summary['global_batch']}",
+            f"={summary['global_batch']}{describe_phases(summary.get('batch_phases', []))}",
             file=self.stream,
         )
         if "compile_s" in summary:
@@ -207,6 +207,12 @@ class ConsoleSink:
         if summary.get("final_model"):
             print(f"trained model: {summary['final_model']}/ (model.safetensors)", file=self.stream)
         self.stream.flush()
+
+
+def describe_phases(phases: list[list[int]]) -> str:
+    """`` (global batch 8 -> 16 -> 24)`` for a run whose global batch changed (summary's ``batch_phases``)."""
+    batches = [int(batch) for _, batch in phases]
+    return f" (global batch {' -> '.join(map(str, batches))})" if len(batches) > 1 else ""
 
 
 def _compiled(record: Record) -> str:
