@@ -257,3 +257,36 @@ def test_one_run_has_nothing_to_compare_and_no_agreement_panel(tmp_path: Path) -
     fig = report_figure(rows, {r.label: r.losses for r in two}, agreements, 1e-4)
     assert len(fig.axes) == 3 and fig.axes[2].get_title() == "loss agreement"
     plt.close(fig)
+
+
+def test_runs_that_should_differ_are_not_compared_and_the_table_shows_outer_bytes_and_phases(
+    tmp_path: Path,
+) -> None:
+    """Issue 56.2: a DiLoCo run against its synchronous baseline, and a ramp against an adaptive run, were compared
+    and called disagreeing; the table showed neither the outer sync's bytes nor the batch's phases."""
+    diloco = {**CONFIG, "outer": {"method": "diloco", "every": 2, "replicas": 2}}
+    ramp = {**CONFIG, "accum": {**CONFIG["accum"], "ramp": {"points": [[1, 8], [3, 16]]}}}
+    adaptive = {**CONFIG, "accum": {**CONFIG["accum"], "adaptive": {"enabled": True, "every": 4}}}
+    paths = [
+        write_run(tmp_path / "sync", [3.0, 2.0, 1.5, 1.2]),
+        write_run(tmp_path / "diloco", [3.0, 2.5, 1.9, 1.6], config=diloco),
+        write_run(tmp_path / "ramp", [3.0, 2.0, 1.7, 1.4], config=ramp),
+        write_run(tmp_path / "adaptive", [3.0, 2.2, 1.8, 1.5], config=adaptive),
+    ]
+    synced = [step(i + 1, 1.0, comm_bytes_outer=4096 if i % 2 else 0, outer_synced=i % 2) for i in range(4)]
+    (paths[1] / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in synced) + "\n")
+    ramp_summary = json.loads((paths[2] / "summary.json").read_text())
+    ramp_summary["batch_phases"] = [[1, 8], [3, 16]]
+    (paths[2] / "summary.json").write_text(json.dumps(ramp_summary))
+    runs = discover(paths)
+    assert check_agreement(runs, rtol=1e-4, atol=1e-6) == []  # each run alone in its group: nothing disagrees
+    rows = {r.label: r for r in build_rows(runs, [])}
+    markdown = render_markdown(list(rows.values()), [], runs, 1e-4, 1e-6)
+    assert "2.0KiB outer (2 syncs)" in markdown  # 2 x 4 KiB over 4 steps
+    assert "2x4x2=16 (8 -> 16)" in markdown
+    # the same outer-synced config twice is comparable again
+    twin = write_run(tmp_path / "diloco2", [3.0, 2.5, 1.9, 1.6 * (1 + 1e-9)], config=diloco)
+    assert [a.label for a in check_agreement(discover([paths[1], twin]), 1e-4, 1e-6)] in (
+        ["diloco"],
+        ["diloco2"],
+    )

@@ -104,6 +104,10 @@ class Row:
     comm_bytes_replicate: float = math.nan
     """HSDP: bytes all-reduced across replicas per step (0 on flat engines; nan for older runs)."""
     comm_calls_replicate: float = math.nan
+    outer_bytes: float = math.nan
+    """An outer-synced run: bytes one rank sent across the islands per step, averaged over every step (most steps
+    send nothing; a sync sends a fragment); nan without an outer sync."""
+    outer_syncs: int = 0
 
 
 # ---------------------------------------------------------------- loading
@@ -190,9 +194,12 @@ def varied_overrides(runs: list[Run]) -> list[list[str]]:
 
 
 def _split(run: Run) -> str:
+    """The split of the run's last step, and the global batches it went through when it changed."""
     s = run.summary
     if {"micro_batch", "accum_steps", "world_size", "global_batch"} <= s.keys():
-        return f"{s['micro_batch']}x{s['accum_steps']}x{s['world_size']}={s['global_batch']}"
+        batches = [int(batch) for _, batch in s.get("batch_phases", [])]
+        phases = f" ({' -> '.join(map(str, batches))})" if len(batches) > 1 else ""
+        return f"{s['micro_batch']}x{s['accum_steps']}x{s['world_size']}={s['global_batch']}{phases}"
     return "-"
 
 
@@ -245,6 +252,12 @@ def table_row(run: Run) -> Row:
         peak_mem_bytes=max((int(r.get("peak_mem_bytes", 0)) for r in run.records), default=0),
         comm_bytes_replicate=med("comm_bytes_replicate"),
         comm_calls_replicate=med("comm_calls_replicate"),
+        outer_bytes=(
+            sum(float(r.get("comm_bytes_outer", 0)) for r in run.records) / len(run.records)
+            if run.records and any("comm_bytes_outer" in r for r in run.records)
+            else math.nan
+        ),
+        outer_syncs=sum(int(r.get("outer_synced", 0)) for r in run.records),
         final_loss=float(run.records[-1]["loss"]) if run.records else math.nan,
         eval_loss=float(run.evals[-1]["eval_loss"]) if run.evals else math.nan,
     )
@@ -298,6 +311,16 @@ def comparable_key(run: Run) -> str:
         key["model"] = {k: v for k, v in key["model"].items() if k != "activation_checkpointing"}
     key["seed"] = config.get("trainer", {}).get("seed")
     key["samples_per_step"] = run.records[0].get("samples") if run.records else None
+    # What changes the math besides the sections: an outer sync (a DiLoCo run is not its synchronous baseline), and
+    # a global batch that changes as the run goes (a ramp, the adaptive rule), whatever its first step takes.
+    outer = config.get("outer") or {}
+    key["outer"] = outer if outer.get("method", "none") != "none" else None
+    accum = config.get("accum") or {}
+    adaptive = accum.get("adaptive") or {}
+    key["batch_schedule"] = {
+        "ramp": accum.get("ramp"),
+        "adaptive": adaptive if adaptive.get("enabled") else None,
+    }
     return json.dumps(key, sort_keys=True, default=str)
 
 
@@ -393,6 +416,15 @@ COLUMNS = (
 )
 
 
+def _across(row: Row) -> str:
+    """HSDP's all-reduces between replicas, or an outer sync's bytes between islands, per step."""
+    if not math.isnan(row.outer_bytes):
+        return f"{human_bytes(row.outer_bytes)} outer ({row.outer_syncs} syncs)"
+    if row.comm_calls_replicate > 0:
+        return f"{human_bytes(row.comm_bytes_replicate)} / {row.comm_calls_replicate:.0f} calls"
+    return "-"
+
+
 def _cells(row: Row) -> list[str]:
     valid = row.steps > 0
     return [
@@ -413,9 +445,7 @@ def _cells(row: Row) -> list[str]:
         f"{human_bytes(row.comm_bytes)} / {row.comm_calls:.0f} calls"
         if valid and not math.isnan(row.comm_bytes + row.comm_calls)
         else "-",
-        f"{human_bytes(row.comm_bytes_replicate)} / {row.comm_calls_replicate:.0f} calls"
-        if valid and row.comm_calls_replicate > 0
-        else "-",
+        _across(row) if valid else "-",
         human_bytes(row.peak_mem_bytes) if valid else "-",
         _num(row.final_loss, ".5f"),
         "-"
@@ -443,7 +473,8 @@ def render_markdown(
         "the step waited on gradient communication; *comm in flight*: time any gradient "
         "collective was running, hidden or not; *comm share* = exposed / (compute + exposed). "
         "*reduced/step*: gradient collectives (for HSDP: the reduce-scatters inside each replica); "
-        "*across replicas/step*: HSDP's all-reduces between replicas (the slow link across nodes).",
+        "*across replicas/step*: HSDP's all-reduces between replicas (the slow link across nodes), or an outer-synced "
+        "run's bytes between its islands per step (a rank's, averaged over every step; `outer`, with the syncs).",
         "",
         f"## Loss-curve agreement (rtol {rtol:g}, atol {atol:g})",
         "",
