@@ -554,12 +554,7 @@ class Trainer:
         islands = Islands.build(layout, device)
         if resolved.rank == 0:
             print(
-                f"distaccum: {layout.replicas} island(s) of {layout.size} rank(s), merged every "
-                f"{outer.every} optimizer steps ({outer.describe()}): "
-                + "; ".join(
-                    f"replica {i}: ranks {', '.join(map(str, layout.ranks(i)))}"
-                    for i in range(layout.replicas)
-                ),
+                f"distaccum: islands merged every {outer.every} optimizer steps ({outer.describe()})",
                 flush=True,
             )
         return islands
@@ -579,7 +574,8 @@ class Trainer:
             else f"{len(groups)} islands of {len(groups[0])} rank(s) (each island's own reductions)"
         )
         if rank == 0:
-            print(f"distaccum: {what}:\n" + describe_placement(groups, placement["nodes"]), flush=True)
+            noun = "replica" if layout is None else "island"
+            print(f"distaccum: {what}:\n" + describe_placement(groups, placement["nodes"], noun), flush=True)
             for i in split_replicas(groups, placement["nodes"]):
                 print(
                     f"distaccum: warning: replica {i}'s group spans nodes: its reductions (every optimizer step, "

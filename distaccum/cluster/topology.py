@@ -20,8 +20,9 @@ def split_replicas(groups: list[list[int]], nodes: list[int]) -> list[int]:
     return [i for i, ranks in enumerate(groups) if len({nodes[r] for r in ranks}) > 1]
 
 
-def describe_placement(groups: list[list[int]], nodes: list[int]) -> str:
-    """One line per replica: its ranks (its shard group) and the nodes they run on."""
+def describe_placement(groups: list[list[int]], nodes: list[int], noun: str = "replica") -> str:
+    """One line per replica (an HSDP replica's shard group, or ``noun``: an outer-synced run's island): its ranks
+    and the nodes they run on."""
 
     def span(values: list[int]) -> str:
         lo, hi = min(values), max(values)
@@ -32,7 +33,7 @@ def describe_placement(groups: list[list[int]], nodes: list[int]) -> str:
         )
 
     lines = [
-        f"  replica {i}: ranks {span(ranks)} on node {span(sorted({nodes[r] for r in ranks}))}"
+        f"  {noun} {i}: ranks {span(ranks)} on node {span(sorted({nodes[r] for r in ranks}))}"
         for i, ranks in enumerate(groups)
     ]
     return "\n".join(lines)

@@ -120,9 +120,21 @@ class ConsoleSink:
             if self.show_batch and "global_batch" in record
             else ""
         )
+        where = ""
+        if (
+            "outer_synced" in record
+        ):  # an outer-synced run: the step reduces inside the island; a sync crosses
+            where = " in the island"
+            synced = int(record["outer_synced"])
+            if synced:
+                replicas += (
+                    f" + outer sync of {synced} fragment{'' if synced == 1 else 's'}: "
+                    f"{human_bytes(record.get('comm_bytes_outer', 0))} across islands"
+                )
+        loss = "loss (island 0)" if "outer_synced" in record else "loss"
         return (
-            f"loss {record['loss']:.4f} lr {record['lr']:.2e} {batch}{record.get('samples_per_s', 0):.1f} samples/s "
-            f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}"
+            f"{loss} {record['loss']:.4f} lr {record['lr']:.2e} {batch}{record.get('samples_per_s', 0):.1f} samples/s "
+            f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}{where}"
             f"{replicas} comm {share:.0%}" + _compiled(record) + (" SKIPPED" if record.get("skipped") else "")
         )
 
@@ -196,6 +208,17 @@ class ConsoleSink:
             f"={summary['global_batch']}{describe_phases(summary.get('batch_phases', []))}",
             file=self.stream,
         )
+        outer = summary.get("outer")
+        if outer:  # what the outer sync saved: the point of running it
+            factor = outer["reduction_factor"]
+            print(
+                f"outer sync ({outer['method']}, every {outer['every']} steps, {outer['fragments']} fragment(s), "
+                f"{outer['replicas']} islands): {outer['syncs']} fragment syncs sent "
+                f"{human_bytes(outer['bytes_across_per_island'])} across the islands per island, "
+                + (f"{factor:.1f}x less than" if math.isfinite(factor) else "nothing, against")
+                + f" a synchronous run's {human_bytes(outer['synchronous_bytes_per_island'])}",
+                file=self.stream,
+            )
         if "compile_s" in summary:
             print(
                 f"torch.compile: {summary['compile_s']:.1f} s compiling (inside the steps' times), "
