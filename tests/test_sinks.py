@@ -180,3 +180,20 @@ def test_console_shows_compile_time_and_recompiles() -> None:
         "torch.compile: 21.1 s compiling (inside the steps' times), 2 recompiles after warm-up, 3 graph breaks; "
         "median step 40.5 ms after warm-up"
     ) in lines
+
+
+def test_the_adaptive_decision_follows_the_step_it_read_and_says_when_it_keeps_the_batch() -> None:
+    """Issue 56.10: "adaptive batch after step 4" printed before the step 4 line, and "-> next global batch 4" when the
+    batch already was 4."""
+    out = io.StringIO()
+    sink = ConsoleSink(total_steps=8, stream=out, show_batch=True)
+    batch = {"global_batch": 4, "micro_steps": 1, "comm_bytes_per_sample": 8.0}
+    decision = {"adaptive_noise_scale": 3.2, "adaptive_target": 3.2}
+    sink.log(record(4, **batch, **decision, adaptive_next_batch=4))
+    sink.log(record(8, **batch, **decision, adaptive_next_batch=8))
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step 4/8") and lines[2].startswith("step 8/8")
+    assert lines[1] == (
+        "adaptive batch after step 4: noise scale 3.2 loss items, target 3.2 samples keeps global batch 4"
+    )
+    assert lines[3].endswith("target 3.2 samples -> next global batch 8")

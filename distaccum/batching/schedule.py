@@ -192,7 +192,8 @@ def describe_schedule(
         lo, hi = adaptive.bounds(unit, schedule.phases[0][1])
         head = (
             f"distaccum: adaptive global batch (accum.adaptive): starts at {schedule.phases[0][1]}; after every "
-            f"{adaptive.every} steps from step {adaptive.warmup} the smoothed noise scale (gns_smoothed, in samples) "
+            f"{adaptive.every} steps from step {adaptive.warmup} the smoothed noise scale (gns_smoothed, in loss items, "
+            f"over the step's items per sample) "
             f"chooses the next one, a multiple of micro-batch x world = {unit} (a whole K) within [{lo}, {hi}], at most "
             f"x{adaptive.max_factor:g} per change"
         )

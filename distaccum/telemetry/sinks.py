@@ -156,6 +156,7 @@ class ConsoleSink:
         if self.bar is not None:
             self.bar.set_postfix_str(self._fields(record), refresh=False)
             self.bar.update(step - self.bar.n)
+            self._say_decision(record)
             return
         elapsed = time.monotonic() - self.started
         done = step - self.first_step + 1
@@ -166,10 +167,10 @@ class ConsoleSink:
             file=self.stream,
             flush=True,
         )
+        self._say_decision(record)
 
     def _say_batch(self, record: Record) -> None:
-        """A line when the global batch changes (a ramp's phase, the adaptive rule's decision), and the adaptive
-        rule's reading at each decision."""
+        """A line when the global batch changes (a ramp's phase, the adaptive rule's decision), before the step's."""
         if not self.show_batch or "global_batch" not in record:
             return
         step, lines = int(record["step"]), []
@@ -180,17 +181,32 @@ class ConsoleSink:
                 f"micro-batch and ranks unchanged; lr {record['lr']:.3e})"
             )
         self._batch = now
-        if "adaptive_next_batch" in record:
-            target = record["adaptive_target"]
-            lines.append(
-                f"adaptive batch after step {step}: noise scale {record['adaptive_noise_scale']:.4g} items, target "
+        self._write(lines)
+
+    def _say_decision(self, record: Record) -> None:
+        """The adaptive rule's reading and choice after the step it read (printed after that step's line)."""
+        if not self.show_batch or "adaptive_next_batch" not in record:
+            return
+        target, chosen = record["adaptive_target"], int(record["adaptive_next_batch"])
+        choice = (
+            f"keeps global batch {chosen}"
+            if chosen == int(record["global_batch"])
+            else f"-> next global batch {chosen}"
+        )
+        self._write(
+            [
+                f"adaptive batch after step {record['step']}: noise scale {record['adaptive_noise_scale']:.4g} "
+                "loss items, target "
                 + (
                     f"{target:.1f} samples"
                     if math.isfinite(target)
                     else "none (the estimate is negative or undefined)"
                 )
-                + f" -> next global batch {record['adaptive_next_batch']}"
-            )
+                + f" {choice}"
+            ]
+        )
+
+    def _write(self, lines: list[str]) -> None:
         for line in lines:
             if self.bar is not None:
                 self.bar.write(line, file=self.stream)
