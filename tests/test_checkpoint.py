@@ -168,6 +168,23 @@ def test_allowed_changes_resume_and_are_reported(tmp_path: Path, capsys: pytest.
         assert line in out
 
 
+def test_rerunning_a_finished_run_says_it_is_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 56.10: the same command again on a finished run printed "resumed ... after optimizer step 6", then done."""
+    trainer(tmp_path).fit()
+    capsys.readouterr()
+    again = trainer(tmp_path)
+    again.setup()
+    out = capsys.readouterr().out
+    assert (
+        f"{tmp_path} already finished: its last checkpoint is after optimizer step 6 of trainer.max_steps=6"
+        in out
+    )
+    assert "resumed from" not in out
+    assert again.train_steps() == []  # nothing left to train
+
+
 def _lrs(run: Trainer) -> list[float]:
     return [r["lr"] for r in run.state.records]
 

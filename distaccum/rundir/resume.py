@@ -152,11 +152,20 @@ def resume(
     if rank == 0:
         truncate_metrics(run_dir, done)
         lost = max(reached - done, 0)
-        print(
-            f"distaccum: resumed from {path} after optimizer step {done}"
-            + (f"; {lost} step(s) finished after it are recomputed" if lost else ""),
-            flush=True,
-        )
+        horizon = int(fingerprint.get(HORIZON, 0))
+        if horizon and done >= horizon:  # a rerun of a finished run: say so, rather than "resumed ... done"
+            print(
+                f"distaccum: {run_dir} already finished: its last checkpoint is after optimizer step {done} of "
+                f"{HORIZON}={horizon}, so there is nothing left to train (raise {HORIZON} to continue it, or set "
+                "trainer.resume=false to start it over)",
+                flush=True,
+            )
+        else:
+            print(
+                f"distaccum: resumed from {path} after optimizer step {done}"
+                + (f"; {lost} step(s) finished after it are recomputed" if lost else ""),
+                flush=True,
+            )
         if changes:
             print(report(changes, done, schedule_on_resume), flush=True)
         if attempt > 0:
