@@ -16,11 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from distaccum.batching.config import AdaptiveConfig, RampConfig, check_schedule
-from distaccum.cluster.config import (  # leaf modules of their own, like Split
-    KubeflowConfig,
-    RayConfig,
-    SlurmConfig,
-)
+from distaccum.cluster.config import KubeflowConfig, RayConfig, SlurmConfig  # leaf modules, like Split
 from distaccum.cluster.contracts import parse_nnodes
 from distaccum.outer.config import OuterConfig
 from distaccum.split import (  # noqa: F401
@@ -46,6 +42,8 @@ AUTO = "auto"
 LR_SCALINGS = ("none", "linear", "sqrt")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SCHEDULE_ON_RESUME = ("keep", "stretch")
+DEFAULT_EXTENSIONS_DIR = "~/.cache/distaccum/torch_extensions"
+"""DeepSpeed's C++ op cache unless ``engine.extensions_dir`` says otherwise."""
 
 Node = dict[str, Any]
 """A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
@@ -82,10 +80,6 @@ def _node(where: str, value: Any) -> Node | None:
             f"'mypkg.module.name', got _target_={target!r}"
         )
     return dict(value)
-
-
-DEFAULT_EXTENSIONS_DIR = "~/.cache/distaccum/torch_extensions"
-"""DeepSpeed's C++ op cache unless ``engine.extensions_dir`` says otherwise."""
 
 
 @dataclass(kw_only=True)
@@ -498,10 +492,16 @@ class RunConfig:
         low, high = self.trainer.node_range()
         if high > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
+        elastic = f"trainer.nnodes={self.trainer.nnodes} is elastic"
         if low < high and self.accum.global_batch is None:
             raise ValueError(
-                f"trainer.nnodes={self.trainer.nnodes} is elastic and needs accum.global_batch: a fixed "
-                f"accum.steps={self.accum.steps} would change the samples per optimizer step with the world size"
+                f"{elastic} and needs accum.global_batch: a fixed accum.steps={self.accum.steps} would "
+                "change the samples per optimizer step with the world size"
+            )
+        if low < high and self.outer.enabled:  # islands have a fixed size: a lost node changes their count
+            raise ValueError(
+                f"{elastic}, and outer.method={self.outer.method} cannot follow: a lost node changes "
+                "the island count, which a resume refuses; use a fixed trainer.nnodes"
             )
         if low < high:  # the run may continue on any of these worlds: every one must split the global batch
             check_worlds(self.accum, self.world_sizes(), f"trainer.nnodes={self.trainer.nnodes}")

@@ -60,6 +60,8 @@ def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path:
     assert placement["nodes"][0] != placement["nodes"][2]  # the replicas sit on different nodes
     printed = "".join(out for out, _ in outputs)
     assert "replica 0: ranks 0-1 on node 0" in printed and "replica 1: ranks 2-3 on node 1" in printed
+    for out, _ in outputs:  # every node's launcher ends with its own workers' exit (issue 56.8)
+        assert out.rstrip().endswith("distaccum: this node's workers exited 0 (ok)"), out[-500:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(

@@ -94,6 +94,24 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
     ]
 
 
+def test_an_elastic_launch_announces_its_rendezvous_wait_and_refuses_an_outer_sync() -> None:
+    """Issue 56.8: after the elastic lines the launcher waited the rendezvous' last call in silence; and an elastic
+    outer-synced run started, though a lost node changes the island count, which its resume then refuses."""
+    from distaccum.cluster.local import elastic_plan
+    from distaccum.config import from_mapping
+
+    elastic = {"trainer": {"nnodes": "1:2", "rdzv_last_call_s": 5}, "accum": {"global_batch": 16}}
+    lines = elastic_plan(from_mapping(elastic))
+    assert (
+        "elastic: waiting now at the rendezvous for 1 node(s), then up to trainer.rdzv_last_call_s=5 s more for up "
+        "to 2 before the workers start"
+    ) in lines
+    with pytest.raises(
+        ValueError, match="outer.method=diloco cannot follow: a lost node changes the island count"
+    ):
+        from_mapping({**elastic, "outer": {"method": "diloco"}})
+
+
 def test_cpu_workers_tell_deepspeed_there_is_no_gpu_to_detect(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 

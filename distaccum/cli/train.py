@@ -94,6 +94,11 @@ def train_task(dcfg: Any) -> int:
     for line in elastic_plan(cfg):
         print(f"distaccum: {line}", flush=True)
     code = launch_local(cfg, config_file)
+    if nodes > 1:  # every node's launcher says how its own workers ended (rank 0's node also printed "done")
+        print(
+            f"distaccum: this node's workers exited {code} ({'ok' if code == EXIT_OK else 'failed'})",
+            flush=True,
+        )
     write_json(
         Path(cfg.run_dir) / STATUS, {"status": "ok" if code == EXIT_OK else "failed", "exit_code": code}
     )
