@@ -7,12 +7,11 @@ tests/test_readme.py fails when that page no longer contains them.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import sys
-from pathlib import Path
 
 from distaccum import config
+from distaccum.cli.helptext import field_default, field_docs
 
 SECTIONS = {
     "": config.RunConfig,
@@ -33,39 +32,9 @@ SECTIONS = {
 }
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under each field of dataclass ``cls`` in its module (config.py, or a leaf it imports)."""
-    tree = ast.parse(Path(str(sys.modules[cls.__module__].__file__)).read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-    docs: dict[str, str] = {}
-    body = node.body
-    for stmt, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-        ):
-            docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
 def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
-        return ""
-    if value is None:
-        return "`null`"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, tuple):
-        value = list(value)
-    if dataclasses.is_dataclass(value):
-        return "(section)"
-    return f"`{value}`"
+    value = field_default(f)
+    return "" if value is None else value if value == "(section)" else f"`{value}`"
 
 
 def render() -> str:
