@@ -129,6 +129,17 @@ def test_gpu_job_asks_each_node_for_its_gpus_and_mounts_the_claim() -> None:
     assert pod["volumes"] == [{"name": "run-dir", "persistentVolumeClaim": {"claimName": "runs-pvc"}}]
 
 
+def test_a_gpu_pod_asks_cpus_and_memory_for_each_gpu() -> None:
+    """Issue 56.9: beside nvidia.com/gpu: '8' the TrainJob asked cpu '2' and memory 8Gi."""
+    from distaccum.cluster.kubeflow import node_resources
+
+    gpu = from_mapping({"kubeflow": {"gpus_per_node": 8}})
+    assert node_resources(gpu) == {"cpu": "64", "memory": "512Gi"}
+    chosen = from_mapping({"kubeflow": {"gpus_per_node": 4, "cpus_per_gpu": 12, "memory_per_gpu": "1.5Ti"}})
+    assert node_resources(chosen) == {"cpu": "48", "memory": "6Ti"}
+    assert node_resources(from_mapping({"trainer": {"nproc": 4}})) == {"cpu": "4", "memory": "8Gi"}
+
+
 def test_header_says_what_runs() -> None:
     header = _header(_render("trainjob_gpu_pvc"))
     assert "# 2 node(s) x 8 proc(s) = world 16; micro-batch 4 x K=4 x world 16 = global batch 256" in header

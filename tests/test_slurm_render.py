@@ -203,3 +203,21 @@ def test_submit_dry_run_shows_one_island_per_node(tmp_path: Path, capsys: pytest
     header = capsys.readouterr().out.split("#SBATCH")[0]
     assert "outer sync: 2 islands x 2 rank(s) over 2 node(s) of 2 ranks" in header and "HSDP" not in header
     assert "island 0: ranks 0-1 on node 0" in header and "island 1: ranks 2-3 on node 1" in header
+
+
+def test_a_gpu_job_asks_cpus_for_every_gpu_worker_and_states_its_world_and_interpreter() -> None:
+    """Issue 56.9: 8 GPU workers per node were given --cpus-per-task=2; the script did not state the world and the
+    global batch, nor that the submitting machine's interpreter must exist on every node."""
+    cfg = from_mapping({"run_dir": "/scratch/r", "slurm": {"nodes": 2, "gpus_per_node": 8}})
+    script = render_sbatch(cfg, [], python="/home/me/proj/.venv/bin/python")
+    assert "#SBATCH --cpus-per-task=64" in script  # slurm.cpus_per_gpu (8) x 8 GPUs
+    assert "# 2 node(s) x 8 proc(s) = world 16; micro-batch 4 x K=4 x world 16 = global batch 256" in script
+    assert "# Every node runs /home/me/proj/.venv/bin/python (slurm.python): it must exist" in script
+    chosen = from_mapping({"run_dir": "/scratch/r", "slurm": {"gpus_per_node": 4, "cpus_per_gpu": 12}})
+    assert "#SBATCH --cpus-per-task=48" in render_sbatch(chosen, [])
+    cpu = from_mapping({"run_dir": "/scratch/r", "trainer": {"nproc": 6}})
+    assert "#SBATCH --cpus-per-task=6" in render_sbatch(cpu, [])  # one per CPU worker
+    named = submit(
+        from_mapping({"run_dir": "/scratch/r", "slurm": {"python": "/opt/py/bin/python"}}), [], dry_run=True
+    )
+    assert "srun --kill-on-bad-exit=1 /opt/py/bin/python -m torch.distributed.run" in named.script

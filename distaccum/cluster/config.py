@@ -45,8 +45,14 @@ class SlurmConfig:
     """Nodes (one torchrun per node)."""
     gpus_per_node: int = 0
     """GPUs per node; 0 means CPU workers (trainer.nproc per node)."""
-    cpus_per_task: int = 2
-    """CPUs for each node's torchrun task."""
+    cpus_per_task: int | None = None
+    """CPUs for each node's torchrun task, which runs all of the node's workers; null: slurm.cpus_per_gpu x
+    slurm.gpus_per_node on GPU nodes, one per worker (trainer.nproc) on CPU nodes."""
+    cpus_per_gpu: int = 8
+    """CPUs per GPU worker when slurm.cpus_per_task is null (its data loading and host work)."""
+    python: str | None = None
+    """The interpreter on the nodes; null: the submitting one (its absolute path), which every node must then reach
+    at the same path (a shared filesystem), as the rendered script's header says."""
     partition: str | None = None
     """--partition, when set."""
     account: str | None = None
@@ -64,7 +70,9 @@ class SlurmConfig:
 
     def __post_init__(self) -> None:
         _at_least("slurm", "nodes", self.nodes, 1)
-        _at_least("slurm", "cpus_per_task", self.cpus_per_task, 1)
+        if self.cpus_per_task is not None:
+            _at_least("slurm", "cpus_per_task", self.cpus_per_task, 1)
+        _at_least("slurm", "cpus_per_gpu", self.cpus_per_gpu, 1)
         _at_least("slurm", "gpus_per_node", self.gpus_per_node, 0)
         if not 0 <= self.signal_seconds <= 65535:
             raise ValueError(f"slurm.signal_seconds must be in [0, 65535], got {self.signal_seconds}")
@@ -98,10 +106,16 @@ class KubeflowConfig:
     """Nodes (pods), one launcher each."""
     gpus_per_node: int = 0
     """nvidia.com/gpu per node; 0 means CPU workers (trainer.nproc per node)."""
-    cpus_per_node: str = "2"
-    """CPU request and limit per node (Kubernetes quantity)."""
-    memory_per_node: str = "8Gi"
-    """Memory request and limit per node (Kubernetes quantity)."""
+    cpus_per_node: str | None = None
+    """CPU request and limit per node (Kubernetes quantity); null: kubeflow.cpus_per_gpu x kubeflow.gpus_per_node on
+    GPU nodes, one per worker (trainer.nproc) on CPU nodes."""
+    memory_per_node: str | None = None
+    """Memory request and limit per node (Kubernetes quantity); null: kubeflow.memory_per_gpu x kubeflow.gpus_per_node
+    on GPU nodes, 8Gi on CPU nodes."""
+    cpus_per_gpu: int = 8
+    """CPUs per GPU worker when kubeflow.cpus_per_node is null."""
+    memory_per_gpu: str = "64Gi"
+    """Memory per GPU worker when kubeflow.memory_per_node is null (Kubernetes quantity)."""
     volume_claim: str | None = None
     """PersistentVolumeClaim mounted at mount_path for run_dir (checkpoints must outlive a pod); null: none (the
     rendered job then keeps run_dir on the pod's own disk, which a restart loses, and says so)."""
@@ -137,8 +151,12 @@ class KubeflowConfig:
         _at_least("kubeflow", "nodes", self.nodes, 1)
         _at_least("kubeflow", "gpus_per_node", self.gpus_per_node, 0)
         # Hydra reads `kubeflow.cpus_per_node=32` as an int: a quantity is a string in the TrainJob.
-        self.cpus_per_node = _quantity("cpus_per_node", self.cpus_per_node)
-        self.memory_per_node = _quantity("memory_per_node", self.memory_per_node)
+        if self.cpus_per_node is not None:
+            self.cpus_per_node = _quantity("cpus_per_node", self.cpus_per_node)
+        if self.memory_per_node is not None:
+            self.memory_per_node = _quantity("memory_per_node", self.memory_per_node)
+        self.memory_per_gpu = _quantity("memory_per_gpu", self.memory_per_gpu)
+        _at_least("kubeflow", "cpus_per_gpu", self.cpus_per_gpu, 1)
         if not self.mount_path.startswith("/") or posixpath.normpath(self.mount_path) == "/":
             raise ValueError(
                 f"kubeflow.mount_path must be an absolute directory other than '/', got {self.mount_path!r}"

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from distaccum.cluster.slurm import layout_plan
+from distaccum.cluster.slurm import layout_plan, split_line
 from distaccum.config import RunConfig
 
 TRAINJOB_FILE = "trainjob.yaml"
@@ -118,9 +118,25 @@ def _env(cfg: RunConfig, m: ModuleType) -> list[Any]:
     return [m.IoK8sApiCoreV1EnvVar(name=name, value=value) for name, value in values.items()]
 
 
+def node_resources(cfg: RunConfig) -> dict[str, str]:
+    """Each pod's CPU and memory (requests = limits): kubeflow.cpus_per_node and memory_per_node, or, when null, the
+    per-GPU amounts times the node's GPUs (a GPU node), one CPU per worker and 8Gi (a CPU node)."""
+    kf = cfg.kubeflow
+    gpus = kf.gpus_per_node
+    cpus = kf.cpus_per_node or str(kf.cpus_per_gpu * gpus if gpus else cfg.trainer.nproc)
+    memory = kf.memory_per_node or (_times(kf.memory_per_gpu, gpus) if gpus else "8Gi")
+    return {"cpu": cpus, "memory": memory}
+
+
+def _times(quantity: str, n: int) -> str:
+    """A Kubernetes quantity times ``n`` ('64Gi' x 8 = '512Gi')."""
+    number = quantity.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    return f"{float(number) * n:g}{quantity[len(number) :]}"
+
+
 def _resources(cfg: RunConfig, m: ModuleType) -> Any:
     kf = cfg.kubeflow
-    amounts = {"cpu": kf.cpus_per_node, "memory": kf.memory_per_node}
+    amounts = node_resources(cfg)
     if kf.gpus_per_node > 0:
         amounts["nvidia.com/gpu"] = str(kf.gpus_per_node)
     # requests = limits: the pods get exactly what they ask for (Guaranteed QoS), no noisy neighbours.
@@ -191,20 +207,6 @@ def build_trainjob(cfg: RunConfig, overrides: Sequence[str]) -> Any:
     )
 
 
-def _split_line(cfg: RunConfig, per_node: int) -> str:
-    world = cfg.kubeflow.nodes * per_node
-    if cfg.accum.auto:
-        split = (
-            f"micro-batch auto (measured when training starts) x K = global batch {cfg.accum.global_batch}"
-        )
-    else:
-        s = cfg.split(world)  # ValueError, with the valid splits, when there is none on this world
-        split = (
-            f"micro-batch {s.micro_batch} x K={s.accum_steps} x world {world} = global batch {s.global_batch}"
-        )
-    return f"{cfg.kubeflow.nodes} node(s) x {per_node} proc(s) = world {world}; {split}"
-
-
 def _header(cfg: RunConfig, run_dir: str) -> list[str]:
     kf, per_node = cfg.kubeflow, procs_per_node(cfg)
     lines = []
@@ -220,7 +222,7 @@ def _header(cfg: RunConfig, run_dir: str) -> list[str]:
     lines += [
         "Rendered by distaccum.cluster.kubeflow.render_trainjob; submit with `distaccum submit --to kubeflow` "
         "or `kubectl apply -f`.",
-        _split_line(cfg, per_node),
+        split_line(cfg, kf.nodes, per_node),
         f"Each pod runs `distaccum train` as its node's launcher: it reads the {kf.runtime} runtime's PET_* "
         f"and starts {per_node} worker(s).",
     ]

@@ -28,6 +28,7 @@ from typing import Any
 
 from distaccum.cluster.liveness import short_error
 from distaccum.cluster.procgroup import planned_device
+from distaccum.cluster.slurm import split_line
 from distaccum.cluster.stopping import StopFlag
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
@@ -348,7 +349,7 @@ def submit_ray(cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool) -> in
         raise ConfigError(str(err)) from err
     if dry_run:
         print(f"distaccum: submit --to ray {' '.join(overrides)}".rstrip())
-    for line in plan.describe():
+    for line in [split_line(cfg, int(cfg.trainer.nnodes), cfg.trainer.nproc), *plan.describe()]:
         print(f"distaccum: {line}", flush=True)
     if dry_run:
         if importlib.util.find_spec("ray") is None:

@@ -60,7 +60,7 @@ def _directives(cfg: RunConfig) -> list[str]:
         f"--job-name={slurm.job_name}",
         f"--nodes={slurm.nodes}",
         "--ntasks-per-node=1",
-        f"--cpus-per-task={slurm.cpus_per_task}",
+        f"--cpus-per-task={cpus_per_task(cfg)}",
     ]
     if slurm.gpus_per_node > 0:
         lines.append(f"--gpus-per-node={slurm.gpus_per_node}")
@@ -100,6 +100,29 @@ def layout_plan(cfg: RunConfig, nodes: int, per_node: int) -> list[str]:
     return placement_plan(replicas, nodes, per_node) + island_plan(islands, nodes, per_node)
 
 
+def split_line(cfg: RunConfig, nodes: int, per_node: int) -> str:
+    """What a rendered job runs, for its header: nodes x workers = world, and the split of the global batch there."""
+    world = nodes * per_node
+    if cfg.accum.auto:
+        split = (
+            f"micro-batch auto (measured when training starts) x K = global batch {cfg.accum.global_batch}"
+        )
+    else:
+        s = cfg.split(world)  # ValueError, with the valid splits, when there is none on this world
+        split = (
+            f"micro-batch {s.micro_batch} x K={s.accum_steps} x world {world} = global batch {s.global_batch}"
+        )
+    return f"{nodes} node(s) x {per_node} proc(s) = world {world}; {split}"
+
+
+def cpus_per_task(cfg: RunConfig) -> int:
+    """CPUs of each node's torchrun task: slurm.cpus_per_task, or slurm.cpus_per_gpu per GPU, or one per CPU worker."""
+    slurm = cfg.slurm
+    if slurm.cpus_per_task is not None:
+        return slurm.cpus_per_task
+    return slurm.cpus_per_gpu * slurm.gpus_per_node if slurm.gpus_per_node > 0 else cfg.trainer.nproc
+
+
 def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python") -> str:
     """The sbatch script that runs ``distaccum train <overrides> run_dir=<cfg.run_dir>`` on Slurm.
 
@@ -130,6 +153,8 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
     lines = [
         "#!/bin/bash",
         "# Rendered by distaccum.cluster.slurm.render_sbatch; submit with `distaccum submit` or sbatch.",
+        f"# {split_line(cfg, slurm.nodes, nproc)}",
+        f"# Every node runs {python} (slurm.python): it must exist at this path on each of them.",
         *(f"# {line}" for line in layout_plan(cfg, slurm.nodes, nproc)),
         *_directives(cfg),
         "",
@@ -176,7 +201,7 @@ def submit(
     result only carries the script. Raises :class:`SlurmError` when ``sbatch`` is not on PATH or
     refuses the job.
     """
-    script = render_sbatch(cfg, overrides, python=python)
+    script = render_sbatch(cfg, overrides, python=cfg.slurm.python or python)
     if dry_run:
         return SubmitResult(script=script, script_path=None, job_id=None)
     sbatch = shutil.which("sbatch")
