@@ -245,7 +245,7 @@ def test_the_dry_run_shows_the_plan_and_starts_nothing(tmp_path: Path, capsys: p
     )
     assert "restarts: up to 2 (trainer.max_restarts)" in out and f"{run_dir}/ray/run" in out
     assert (
-        "1 node(s) x 2 proc(s) = world 2; micro-batch 4 x K=4 x world 2 = global batch 32" in out
+        "1 node(s) x 2 proc(s) = world 2; micro-batch 2 x K=4 x world 2 = global batch 16" in out
     )  # issue 56.9
     assert not run_dir.exists()  # nothing written, no Ray started
     joined = ray_plan(with_overrides(cfg, {"ray.gpus_per_worker": 1}), {"RAY_ADDRESS": "ray://head:10001"})
