@@ -124,6 +124,8 @@ def test_a_change_that_breaks_the_run_is_refused_naming_the_field(
     with pytest.raises(ResumeError) as err:
         trainer(tmp_path, **change).setup()
     assert field in str(err.value) and "trainer.resume=false" in str(err.value)
+    # issue 56.10: the way to keep the weights and change the setting
+    assert "trainer.init_from=<this run_dir>/final" in str(err.value)
 
 
 def test_every_setting_has_a_class() -> None:
@@ -202,6 +204,7 @@ def test_a_longer_run_under_a_decaying_schedule_must_say_how_to_continue(tmp_pat
     assert "trainer.schedule_on_resume=keep continues the original schedule" in message
     assert "trainer.schedule_on_resume=stretch re-stretches it from here" in message
     assert f"final {floor:.2e} at step 6" in message and "move the learning rate back up (" in message
+    assert "the two are the same here: the schedule already ended at step 6" in message  # issue 56.10
 
     kept = trainer(tmp_path, trainer={"max_steps": 12, "schedule_on_resume": "keep"})
     kept.fit()

@@ -29,7 +29,11 @@ from distaccum.rundir.checkpoint import (
     warn_skipped,
 )
 
-FRESH_START = "start afresh with trainer.resume=false (its checkpoints are deleted) or choose a new run_dir"
+FRESH_START = (
+    "start afresh with trainer.resume=false (its checkpoints are deleted) or choose a new run_dir; or, to keep the "
+    "trained weights with the new setting, start a new run_dir with trainer.init_from=<this run_dir>/final (its "
+    "model, not its optimizer state or data position)"
+)
 
 
 class ResumeError(ValueError):
@@ -95,15 +99,17 @@ def horizon_choice(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> st
     floor = f"{lr * kept.scale(new) * kept.floor:.2e}"
     if done < kept.horizon:
         keep = f"down to its final {floor} at step {kept.horizon}, then at it to step {new}"
+        same = ""
     else:
         keep = f"at its final {floor} to step {new}"
+        same = f"; the two are the same here: the schedule already ended at step {kept.horizon}"
     return (
         f"{HORIZON} changed ({old} in the checkpoint, {new} now) under the {now['optim.schedule']} schedule, which "
         f"decays the learning rate to its final {floor} at step {kept.horizon}; the checkpoint is after step {done}. "
         f"Re-stretching the whole schedule over {new} steps would silently move the learning rate back up "
         f"({lr * naive(jump):.2e} at step {jump + 1}), so say how to continue: trainer.schedule_on_resume=keep "
         f"continues the original schedule ({keep}); trainer.schedule_on_resume=stretch re-stretches it from here "
-        f"(from {lr * kept(done):.2e} at step {done + 1} down to {floor} at step {new})."
+        f"(from {lr * kept(done):.2e} at step {done + 1} down to {floor} at step {new}){same}."
     )
 
 
