@@ -89,9 +89,27 @@ def test_smallest_hidden_every_at_the_edges() -> None:
     assert smallest_hidden_every(sync(step_s=0.0)) is None  # nothing to hide behind
 
 
+def test_fragments_that_do_not_divide_h_are_planned_as_training_runs_them() -> None:
+    """Issue 56.5: the planner refused H=10 with 4 fragments, which training runs (fragment p after floor((p+1)H/F)
+    steps: gaps of 2 or 3 steps). Bytes follow the F syncs per H steps; the exposure, the shortest gap."""
+    from distaccum.outer.config import OuterConfig
+
+    offsets = OuterConfig(method="diloco", every=10, fragments=4).offsets()
+    assert (
+        offsets == [2, 5, 7, 10]
+        and min(b - a for a, b in zip([0, *offsets], offsets, strict=False)) == 10 // 4
+    )
+    s = sync(fragments=4, step_s=0.0005)
+    row = outer_row(s, 10)
+    assert row.window_s == pytest.approx(2 * 0.0005)  # the shortest gap, floor(10 / 4) steps
+    per_sync = row.bytes_per_step * 10 / 4
+    assert outer_row(s, 8).bytes_per_step == pytest.approx(per_sync * 4 / 8)  # the same fragment, more often
+    assert row.exposed_per_step_s == pytest.approx(max(0.0, row.sync_s - row.window_s) * 4 / 10)
+
+
 def test_bad_input_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="multiple of the 2 fragment"):
-        outer_row(sync(fragments=2), 3)
+    with pytest.raises(ValueError, match="must be at least the 4 fragment"):  # training refuses it too
+        outer_row(sync(fragments=4), 3)
     with pytest.raises(ValueError, match="fragments must be >= 1"):
         sync(fragments=0)
     with pytest.raises(ValueError, match="step_s must be >= 0"):
@@ -157,8 +175,8 @@ def test_cli_outer_link_defaults_to_the_nodes_network(capsys: pytest.CaptureFixt
         (["--outer-fragments", "2"], "give --replica-link-gbps or --outer-every too"),
         (["--outer-every", "10"], "--outer-every needs --replica-link-gbps"),
         (
-            ["--replica-link-gbps", "1", "--outer-every", "10", "--outer-fragments", "4"],
-            "multiple of the 4 fragment",
+            ["--replica-link-gbps", "1", "--outer-every", "3", "--outer-fragments", "4"],
+            "must be at least the 4 fragment",
         ),
         (["--replica-link-gbps", "1", "--outer-replicas", "3"], "--outer-replicas 3 must divide"),
         (["--replica-link-gbps", "0"], "--replica-link-gbps must be > 0"),

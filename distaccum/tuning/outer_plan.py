@@ -4,12 +4,14 @@ from the α–β model of :mod:`distaccum.tuning.collectives`, never a measureme
 
 Every H optimizer steps each replica ring-all-reduces its P parameters (the pseudo-gradient, or the parameters
 for LocalSGD) at b bytes each across the R replicas. Streaming DiLoCo cuts them into F fragments synced at
-staggered offsets: one fragment of P/F parameters every H/F steps, overlapped with the next H/F steps. With
-``s`` one optimizer step inside a replica and the replica's link (α, β):
+staggered offsets: fragment p of P/F parameters after floor((p+1)H/F) steps, then every H (as training does:
+:meth:`distaccum.outer.config.OuterConfig.offsets`), so two fragment syncs are floor(H/F) or ceil(H/F) steps apart
+(H/F when F divides H), each overlapped with the steps until the next. With ``s`` one optimizer step inside a
+replica and the replica's link (α, β):
 
     one sync       t(H) = 2(R-1) α + 2 (R-1)/R · P b / (F β)          (ring all-reduce of one fragment)
-    hidden behind  (H/F) s                                             (the steps until the next fragment)
-    exposed        max(0, t - (H/F) s) · F / H                         per step
+    hidden behind  floor(H/F) s                                        (the shortest gap until the next fragment)
+    exposed        max(0, t - floor(H/F) s) · F / H                    per step (at most: longer gaps hide more)
     smallest H     F · ceil(t / s)                                     (a multiple of F: exposed = 0)
     bytes / step   2 (R-1)/R · P b / H                                 sent by each replica over its link
 
@@ -68,11 +70,12 @@ class OuterLinkPlan:
             )
 
     def check_every(self, every: int) -> None:
-        """ValueError unless ``every`` (H) is a positive multiple of the fragments."""
-        if every < 1 or every % self.fragments:
+        """ValueError unless ``every`` (H) is at least the fragments (training's own rule: each fragment syncs at a
+        step of its own)."""
+        if every < self.fragments:
             raise ValueError(
-                f"H={every} must be a positive multiple of the {self.fragments} fragment(s): fragment p "
-                f"syncs after steps (p+1) x H/{self.fragments}, which must be whole steps"
+                f"H={every} must be at least the {self.fragments} fragment(s): fragment p syncs after "
+                f"floor((p+1) x H/{self.fragments}) steps, a step of its own"
             )
 
     def fragment_bytes(self) -> float:
@@ -118,16 +121,17 @@ class OuterRow:
 def outer_row(sync: OuterLinkPlan, every: int) -> OuterRow:
     """The outer sync every ``every`` steps (the formulas of the module docstring)."""
     sync.check_every(every)
-    period = every // sync.fragments  # steps between two fragment syncs
-    t, window = sync.sync_s(), period * sync.step_s
-    sent = ring_terms("all_reduce", sync.fragment_bytes(), sync.replicas)[1] / period
+    gap = every // sync.fragments  # the shortest run of steps between two fragment syncs
+    t, window = sync.sync_s(), gap * sync.step_s
+    syncs_per_step = sync.fragments / every
+    sent = ring_terms("all_reduce", sync.fragment_bytes(), sync.replicas)[1] * syncs_per_step
     baseline = sync.synchronous_bytes_per_step()
     return OuterRow(
         every,
         sent,
         t,
         window,
-        max(0.0, t - window) / period,
+        max(0.0, t - window) * syncs_per_step,
         baseline / sent if sent > 0 else None,
     )
 
