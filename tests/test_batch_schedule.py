@@ -286,13 +286,13 @@ def test_verifys_recipe_for_an_adaptive_run_is_a_valid_config_as_printed() -> No
     Its overrides, filled in with an adaptive run's batch_phases, compose into a config that verify accepts."""
     import shlex
 
+    from distaccum.batching.adaptive import VERIFY_RECIPE
     from distaccum.cli.compose import compose_config
-    from distaccum.verify.runner import ADAPTIVE_REFUSAL
 
     adaptive = ["model=mlp", "accum.global_batch=8", "accum.micro_batch=2", "log.gns=true"]
     adaptive += ["accum.adaptive.enabled=true", "trainer.max_steps=8"]
     phases = [[1, 8], [5, 4]]  # what summary.json's batch_phases holds after the run moved to 4 from step 5
-    recipe = ADAPTIVE_REFUSAL.split("the same overrides plus ")[1]
+    recipe = VERIFY_RECIPE.split("the same overrides plus ")[1]
     filled = recipe.replace("BATCH_PHASES", str(phases).replace(" ", "")).replace("LAST_GLOBAL_BATCH", "4")
     cfg = compose_config([*adaptive, *shlex.split(filled)])
     assert not cfg.accum.adaptive.enabled and cfg.accum.ramp.points == phases and cfg.global_batch(2) == 4

@@ -33,6 +33,15 @@ import torch.distributed as dist
 from distaccum.batching.config import AdaptiveConfig
 from distaccum.batching.schedule import BatchSchedule
 
+VERIFY_RECIPE = (
+    "accum.adaptive chooses its global batches as it runs, so the reference cannot know them in advance: verify "
+    "the batches an adaptive run chose as a ramp, with its summary.json's batch_phases [[step, global_batch], ...] "
+    "as the ramp's points and the last phase's global batch as the run's: the same overrides plus "
+    "accum.adaptive.enabled=false 'accum.ramp.points=BATCH_PHASES' accum.global_batch=LAST_GLOBAL_BATCH"
+)
+"""``distaccum verify``'s refusal of an adaptive run, with the recipe that verifies its batches
+(tests/test_batch_schedule.py runs the recipe's overrides through the config's checks)."""
+
 
 class AdaptiveDisagreement(RuntimeError):
     """The ranks computed different global batches from what must be the same numbers."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from distaccum.batching.adaptive import VERIFY_RECIPE
 from distaccum.cluster.local import launch_local
 from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
@@ -71,16 +72,6 @@ Launcher = Callable[[RunConfig, Path], int]
 """Starts a candidate's workers on its config (also written to the given file) and waits: an exit code. The local
 launcher (:func:`~distaccum.cluster.local.launch_local`) by default; Ray Train's for ``distaccum verify --to ray``."""
 # --- which runs to launch (pure) ------------------------------------------------------------------
-
-
-ADAPTIVE_REFUSAL = (
-    "accum.adaptive chooses its global batches as it runs, so the reference cannot know them in advance: verify "
-    "the batches an adaptive run chose as a ramp, with its summary.json's batch_phases [[step, global_batch], ...] "
-    "as the ramp's points and the last phase's global batch as the run's: the same overrides plus "
-    "accum.adaptive.enabled=false 'accum.ramp.points=BATCH_PHASES' accum.global_batch=LAST_GLOBAL_BATCH"
-)
-"""verify's refusal of an adaptive run, with the recipe that verifies its batches (tests/test_batch_schedule.py runs
-the recipe's overrides through the config's checks)."""
 
 
 def candidate_splits(cfg: RunConfig) -> list[Split]:
@@ -594,7 +585,7 @@ def verify(
                 "for that rounding yet: verify the run with outer.reduce_dtype=fp32 (the same math uncompressed)"
             )
         if cfg.accum.adaptive.enabled:
-            raise ValueError(ADAPTIVE_REFUSAL)
+            raise ValueError(VERIFY_RECIPE)
         for split in chosen:
             if split.global_batch != global_batch:
                 raise ValueError(
