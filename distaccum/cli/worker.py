@@ -31,13 +31,15 @@ def stop_flag() -> Any:
 
 def train_rank(cfg: RunConfig, *, check_components: bool) -> Record:
     """Instantiate ``cfg``'s components in this process and train this rank."""
+    import torch._dynamo  # noqa: F401 - DDP's constructor and torch's optimizers import it: here, uncollected
+
     from distaccum.trainer import Trainer
 
-    parts = instantiate_components(cfg)
-    trainer = Trainer.of(cfg, parts, stop=stop_flag(), check_components=check_components)
-    trainer.setup()  # the engine built (DDP's constructor imports torch's compiler stack): the process's long-lived part
+    # The libraries are loaded; from here on the collector runs, so that nothing the set-up leaves behind (the auto
+    # micro-batch's probe models) outlives it.
     resume_collection()
-    return trainer.fit()
+    parts = instantiate_components(cfg)
+    return Trainer.of(cfg, parts, stop=stop_flag(), check_components=check_components).fit()
 
 
 def worker_exit(run: Callable[[], Any]) -> NoReturn:
