@@ -2,8 +2,10 @@
 injected into real 2-rank runs (one shared launch), each verified against the plain reference; what caught it,
 and whether its diagnosis is right.
 
-One CLI invocation (the fixture) feeds every test. The thresholds are the acceptance's (all 15 bugs in
-the table, >= 13 caught, >= 10 diagnosed as their cause); the table in the README must be the one this
+One CLI invocation (the fixture) feeds every test. The thresholds are what the zoo does today, so that a bug it
+stops catching fails here (issue 23's 15 bugs and issue 46's in the table, every one caught, all but one diagnosed
+as its cause: ZeRO-3's per-micro-batch transform is caught by the reduction checksum but not diagnosed as a
+transform); the table in the README must be the one this
 run prints (it has no timings: the same code gives the same table), so a change in what the zoo finds
 shows up as a README diff.
 """
@@ -95,7 +97,7 @@ def test_every_bug_the_issue_lists_is_in_the_table_and_enough_are_caught(zoo: Zo
         assert isinstance(r["caught"], bool) and isinstance(r["diagnosis_correct"], bool)
         assert r["caught"] == bool(r["runtime"] or not r["verify"]["passed"])
     caught, right = sum(r["caught"] for r in bugs), sum(r["diagnosis_correct"] for r in bugs)
-    assert caught >= 13 and right >= 10, (caught, right)
+    assert caught == len(bugs) and right >= len(bugs) - 1, (caught, right, len(bugs))
     assert f"{caught}/{len(bugs)} bugs caught, {right}/{len(bugs)} diagnosed as their cause" in run.stdout
     assert run.returncode == (0 if caught == len(bugs) else 1), run.stderr[-3000:]
 

@@ -1,9 +1,11 @@
 """The single-process simulator ``distaccum verify`` compares outer-synced runs with: R replicas one after another.
 
-It shares with the run only the user's model factory, dataset, collate, loss and optimizer factory (and the
-learning-rate schedule), like :mod:`distaccum.verify.reference`, and none of :mod:`distaccum.outer.sync`: no
-process group, no flat buffers, no fragment bookkeeping beyond the schedule's arithmetic, no torch SGD for the outer
-step. Each optimizer step t, for each replica i in turn, it takes the samples island i's ranks read at step t (the
+It shares with the run the user's model factory, dataset, collate, loss and optimizer factory (and the
+learning-rate schedule), like :mod:`distaccum.verify.reference`, and the sync *schedule*: which parameters form
+fragment p (:func:`distaccum.outer.sync.split_fragments`) and after which steps it syncs
+(:meth:`~distaccum.outer.config.OuterConfig.syncing`), so a wrong schedule would be wrong on both sides (it is
+tested on its own in tests/test_outer.py). It shares none of the merge: no process group, no flat buffers, no torch
+SGD for the outer step; the merge arithmetic below is written out independently. Each optimizer step t, for each replica i in turn, it takes the samples island i's ranks read at step t (the
 global-batch plan cut for the run's split, ranks i*S .. i*S+S-1) in ONE forward/backward of
 
     sum(loss over those samples' items) / (their item count)
