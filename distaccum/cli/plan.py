@@ -27,31 +27,31 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
 from distaccum.cli.helptext import plain_text
+from distaccum.cli.plan_cluster import (  # noqa: F401 - measured_cluster and train_command are used by tests too
+    CLUSTER_ONLY,
+    OUTER_ONLY,
+    add_cluster_flags,
+    add_outer_flags,
+    check_cluster_flags,
+    cluster_of,
+    cluster_workload,
+    measured_cluster,
+    outer_wanted,
+    predict_cluster,
+    train_command,
+    user_overrides,
+)
 from distaccum.cli.worker import worker_exit
 from distaccum.cluster.contracts import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import PLAN, PLAN_TABLE, SWEEP_SCRIPT, read_json
-from distaccum.tuning.collectives import Link, Topology, gbps
-from distaccum.tuning.outer_plan import OUTER_BYTES, OuterLinkPlan, render_outer
-from distaccum.tuning.scaleout import (
-    MODE_KEYS,
-    Cluster,
-    Workload,
-    cluster_accum_steps,
-    describe_split,
-    duration,
-    predict_modes,
-    render,
-    select_modes,
-)
+from distaccum.tuning.scaleout import cluster_accum_steps
 
 if TYPE_CHECKING:
-    from distaccum.tuning.planner import SplitPlan
+    pass
 
 PLAN_CONFIG = "plan_config.json"
-SPLIT_KEYS = ("accum.micro_batch", "accum.steps", "accum.global_batch", "run_dir")
-"""Overrides the plan replaces in the commands it writes."""
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -107,280 +107,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
-OUTER_ONLY = ("outer_fragments", "outer_replicas", "replica_link_latency_ms", "outer_reduce_dtype")
-"""Flags that only mean something with ``--replica-link-gbps`` or ``--outer-every`` (the outer sync)."""
-CLUSTER_ONLY = (
-    "gpus_per_node",
-    "inter_node_gbps",
-    "intra_node_gbps",
-    "replicas",
-    "compute_ms",
-    "optim_ms",
-    "params",
-    "accum_steps",
-    "modes",
-    "outer_every",
-    "replica_link_gbps",
-    *OUTER_ONLY,
-)
-"""Flags that only mean something with ``--nodes``."""
-DEFAULT_REPLICA_LATENCY_MS = 10.0
-"""α of a stated link between replicas: a link between sites (a WAN's one-way latency is 1-50 ms)."""
-
-
-def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of a prediction for a cluster larger than this machine."""
-    group = parser.add_argument_group(
-        "a cluster larger than this machine (a prediction from the α–β model of docs/planning.md)"
-    )
-    add = group.add_argument
-    add("--nodes", type=int, help="nodes of the target cluster: predict every engine and sync mode there")
-    add("--gpus-per-node", type=int, help="GPUs (ranks) per node (default 8)")
-    add("--inter-node-gbps", type=float, help="network bandwidth of one node, Gbit/s each way (all its NICs)")
-    add(
-        "--intra-node-gbps",
-        type=float,
-        help="one GPU's bandwidth to the others in its node, Gbit/s each way (NVLink 4 on H100: 3600)",
-    )
-    add(
-        "--inter-node-latency-us",
-        type=float,
-        default=20.0,
-        help="α between nodes, µs per message (default 20)",
-    )
-    add(
-        "--intra-node-latency-us", type=float, default=5.0, help="α inside a node, µs per message (default 5)"
-    )
-    add("--replicas", type=int, help="HSDP replicas (default: one per node, sharding inside the node)")
-    add(
-        "--compute-ms",
-        type=float,
-        help="forward+backward of one micro-batch on the target GPU, ms: given, "
-        "not measured (default: measure this machine's)",
-    )
-    add(
-        "--optim-ms",
-        type=float,
-        help="optimizer step over all parameters, ms (default: measured, or 0 with --compute-ms)",
-    )
-    add("--params", type=float, help="parameters of the model (default: count the configured model's)")
-    add(
-        "--accum-steps",
-        type=int,
-        help="K on the cluster (default: accum.global_batch / (micro-batch x the cluster's ranks); without a "
-        "global batch, the measured split's K, or accum.steps)",
-    )
-    add(
-        "--grad-bytes",
-        type=float,
-        default=4.0,
-        help="bytes per parameter of a gradient reduction (default 4)",
-    )
-    add(
-        "--param-bytes",
-        type=float,
-        default=4.0,
-        help="bytes per parameter of a parameter all-gather (default 4; 2 with bf16 mixed precision)",
-    )
-    add(
-        "--compressed-bytes",
-        type=float,
-        default=2.0,
-        help="bytes per parameter of the compressed (bf16) reductions (default 2)",
-    )
-    add(
-        "--backward-fraction",
-        type=float,
-        default=2 / 3,
-        help="share of the compute in the backward (default 2/3)",
-    )
-    add(
-        "--units",
-        type=int,
-        default=32,
-        help="units (FSDP units, buckets) a window's collectives are cut into; "
-        "the first gather and the last reduction stay exposed (default 32)",
-    )
-    add("--modes", help="comma-separated engine modes to predict (default all): " + ", ".join(MODE_KEYS))
-
-
-def add_outer_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of a prediction for an outer sync (DiLoCo, LocalSGD) across replicas joined by a slow link."""
-    group = parser.add_argument_group("an outer sync across replicas over a slow link (DiLoCo, LocalSGD)")
-    add = group.add_argument
-    add(
-        "--outer-every",
-        type=int,
-        help="H, optimizer steps between two syncs of a fragment (outer.every): its row is marked "
-        "(default: the rows of H = 1, 10, 50, 100, 500 and the smallest hidden H)",
-    )
-    add(
-        "--outer-fragments",
-        type=int,
-        help="F, fragments synced at staggered offsets (outer.fragments; default 1)",
-    )
-    add("--outer-replicas", type=int, help="R, model replicas (outer.replicas; default: one per node)")
-    add(
-        "--replica-link-gbps",
-        type=float,
-        help="one replica's link to the others, Gbit/s each way (default: its share of the nodes' "
-        "network, --inter-node-gbps x nodes / R)",
-    )
-    add(
-        "--replica-link-latency-ms",
-        type=float,
-        help=f"α of that link, ms per message (default {DEFAULT_REPLICA_LATENCY_MS:g} with --replica-link-gbps, "
-        "else --inter-node-latency-us)",
-    )
-    add(
-        "--outer-reduce-dtype",
-        choices=tuple(OUTER_BYTES),
-        help="the dtype the outer sync moves (outer.reduce_dtype; default fp32)",
-    )
-
-
-def outer_wanted(args: argparse.Namespace) -> bool:
-    """Whether the outer sync is predicted: ``--replica-link-gbps`` or ``--outer-every`` given."""
-    return args.replica_link_gbps is not None or args.outer_every is not None
-
-
-def missing_links(args: argparse.Namespace) -> str | None:
-    """What the table of engines and sync modes lacks: the missing link flag, or None."""
-    gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
-    if args.nodes > 1 and args.inter_node_gbps is None:
-        return f"--nodes {args.nodes} needs --inter-node-gbps (the network bandwidth of one node)"
-    if gpus > 1 and args.intra_node_gbps is None:
-        return f"--gpus-per-node {gpus} needs --intra-node-gbps (one GPU's bandwidth inside its node)"
-    return None
-
-
-def cluster_of(args: argparse.Namespace, *, need_links: bool = True) -> Cluster:
-    """The target cluster of ``--nodes ...`` (ValueError naming the missing or wrong flag; a missing link
-    only with ``need_links``)."""
-    missing = missing_links(args)
-    if need_links and missing:
-        raise ValueError(missing)
-
-    def link(latency_us: float, gbit: float | None) -> Link:  # None: a level the cluster does not have
-        return Link(alpha_s=latency_us * 1e-6, beta_bytes_per_s=gbps(gbit if gbit is not None else 1.0))
-
-    topo = Topology(
-        nodes=args.nodes,
-        gpus_per_node=8 if args.gpus_per_node is None else args.gpus_per_node,
-        intra=link(args.intra_node_latency_us, args.intra_node_gbps),
-        inter=link(args.inter_node_latency_us, args.inter_node_gbps),
-    )
-    cluster = Cluster(topology=topo, replicas=args.nodes if args.replicas is None else args.replicas)
-    cluster.groups()  # checks the HSDP layout
-    return cluster
-
-
-def outer_of(args: argparse.Namespace, work: Workload) -> tuple[OuterLinkPlan, str]:
-    """The outer sync of the ``--outer-*`` and ``--replica-link-*`` flags on the ``--nodes`` cluster, with
-    where its link comes from (ValueError naming the wrong or missing flag)."""
-    topo = cluster_of(args, need_links=False).topology
-    replicas = args.nodes if args.outer_replicas is None else args.outer_replicas
-    if replicas < 1 or topo.world % replicas:
-        raise ValueError(
-            f"--outer-replicas {replicas} must divide the world of {topo.nodes} x {topo.gpus_per_node} = "
-            f"{topo.world} ranks"
-        )
-    latency_ms = args.replica_link_latency_ms
-    if args.replica_link_gbps is not None:
-        gbit, basis = args.replica_link_gbps, "--replica-link-gbps"
-        latency_ms = DEFAULT_REPLICA_LATENCY_MS if latency_ms is None else latency_ms
-    elif args.inter_node_gbps is not None:
-        gbit = args.inter_node_gbps * args.nodes / replicas
-        basis = (
-            f"its share of the nodes' network: --inter-node-gbps x {args.nodes} nodes / {replicas} replicas"
-        )
-        latency_ms = args.inter_node_latency_us / 1e3 if latency_ms is None else latency_ms
-    else:
-        raise ValueError(
-            "--outer-every needs --replica-link-gbps (or --inter-node-gbps): the link between replicas"
-        )
-    if not (gbit > 0 and latency_ms >= 0):
-        raise ValueError(
-            f"--replica-link-gbps must be > 0 and --replica-link-latency-ms >= 0, got {gbit:g} and {latency_ms:g}"
-        )
-    sync = OuterLinkPlan(
-        params=work.params,
-        replicas=replicas,
-        link=Link(alpha_s=latency_ms / 1e3, beta_bytes_per_s=gbps(gbit)),
-        step_s=work.accum_steps * (work.compute_s + work.data_s),
-        bytes_per_param=OUTER_BYTES[args.outer_reduce_dtype or "fp32"],
-        fragments=1 if args.outer_fragments is None else args.outer_fragments,
-        sync_bytes_per_param=work.grad_bytes,
-    )
-    if args.outer_every is not None:
-        sync.check_every(args.outer_every)
-    return sync, basis
-
-
-def cluster_workload(
-    args: argparse.Namespace,
-    params: int,
-    compute_s: float,
-    basis: str,
-    accum_steps: int,
-    data_s: float = 0.0,
-    optim_s: float = 0.0,
-) -> Workload:
-    """What one rank does per step on the cluster (the flags override the measured values)."""
-    return Workload(
-        params=params,
-        compute_s=compute_s,
-        compute_basis=basis,
-        accum_steps=accum_steps,
-        data_s=data_s,
-        optim_s=args.optim_ms / 1e3 if args.optim_ms is not None else optim_s,
-        grad_bytes=args.grad_bytes,
-        param_bytes=args.param_bytes,
-        compressed_bytes=args.compressed_bytes,
-        backward_fraction=args.backward_fraction,
-        units=args.units,
-    )
-
-
-def check_cluster_flags(args: argparse.Namespace) -> None:
-    """Every cluster flag, before anything is composed or measured (ValueError: bad input)."""
-    cluster_of(args, need_links=not outer_wanted(args))
-    select_modes(args.modes.split(",") if args.modes else None)
-    work = cluster_workload(args, 1, 0.0, "", 1 if args.accum_steps is None else args.accum_steps)
-    if args.compute_ms is not None and args.compute_ms < 0 or args.params is not None and args.params < 1:
-        raise ValueError(
-            f"--compute-ms must be >= 0 and --params >= 1, got {args.compute_ms} and {args.params}"
-        )
-    if outer_wanted(args):
-        outer_of(args, work)
-
-
-def predict_cluster(
-    args: argparse.Namespace, work: Workload, micro_batch: int | None, global_batch: int | None
-) -> str:
-    """The cluster prediction as text: the table of every engine and sync mode (when its links are given)
-    and the outer sync (when asked for). ``global_batch``: the configured one, named if the split's differs."""
-    parts = []
-    missing = missing_links(args)
-    if missing is None:
-        cluster = cluster_of(args)
-        modes = select_modes(args.modes.split(",") if args.modes else None)
-        parts.append(render(predict_modes(modes, work, cluster), work, cluster, micro_batch, global_batch))
-    else:
-        parts.append(f"no table of engines and sync modes: {missing}")
-    if outer_wanted(args):
-        sync, link_basis = outer_of(args, work)
-        world = cluster_of(args, need_links=False).topology.world
-        step_basis = (
-            f"{describe_split(micro_batch, work.accum_steps, world, global_batch)}; K x (compute "
-            f"{duration(work.compute_s)} + data {duration(work.data_s)}); its own collectives assumed hidden on "
-            "its fast links, the optimizer step not counted: a longer step hides more, so the real smallest H is at "
-            "most the one below"
-        )
-        parts.append(render_outer(sync, args.outer_every, step_basis=step_basis, link_basis=link_basis))
-    return "\n\n".join(parts)
-
-
 def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
     """``--nodes ... --compute-ms X``: the prediction without measuring anything (exit code)."""
     try:
@@ -411,26 +137,6 @@ def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"distaccum plan: {err}", file=sys.stderr)
         return EXIT_CONFIG
     return EXIT_OK
-
-
-def user_overrides(overrides: list[str]) -> list[str]:
-    """The user's overrides without the ones the plan sets (the split, the global batch, run_dir)."""
-    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in SPLIT_KEYS]
-
-
-def train_command(
-    overrides: list[str], global_batch: int, micro: str, run_dir: str, *, multirun: bool
-) -> list[str]:
-    """``distaccum train [--multirun] ...`` for the given micro-batch value(s)."""
-    return [
-        "distaccum",
-        "train",
-        *(["--multirun"] if multirun else []),
-        *user_overrides(overrides),
-        f"accum.global_batch={global_batch}",
-        f"accum.micro_batch={micro}",
-        f"run_dir={run_dir}",
-    ]
 
 
 def plan_main(argv: list[str]) -> int:
@@ -540,40 +246,6 @@ def plan_main(argv: list[str]) -> int:
         ]
         return subprocess.run(command, check=False).returncode
     return EXIT_OK if rec is not None or not args.run else EXIT_FAIL
-
-
-def measured_cluster(
-    args: argparse.Namespace, plan: SplitPlan, engine: str, params: int, global_batch: int | None
-) -> str:
-    """The cluster prediction from the recommended split's measured coefficients: its compute per
-    micro-batch, data and optimizer times; K from the configured ``global_batch`` on the cluster's ranks
-    (the measured split's K when none is configured) unless ``--accum-steps`` is given."""
-    rec = plan.recommended
-    if rec is None:
-        return "no split fits the memory budget: nothing measured to predict the cluster from (give --compute-ms)"
-    cost = next(c for c in plan.costs if c.micro_batch == rec.micro_batch)
-    basis = (
-        f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} step(s) on "
-        f"{plan.world_size} {engine} ranks ({plan.memory.split()[0]})"
-    )
-    data_s = max(
-        cost.micro_s - cost.compute_s, 0.0
-    )  # medians of two quantities: the difference can dip below 0
-    world = cluster_of(args, need_links=False).topology.world
-    try:
-        accum_steps = cluster_accum_steps(
-            cost.micro_batch,
-            world,
-            global_batch=global_batch,
-            steps=rec.accum_steps,
-            given_steps=args.accum_steps,
-        )
-    except ValueError as err:
-        return f"no prediction for the cluster: {err}"
-    work = cluster_workload(
-        args, params, cost.compute_s, basis, accum_steps, data_s=data_s, optim_s=cost.optim_s
-    )
-    return predict_cluster(args, work, cost.micro_batch, global_batch)
 
 
 def plan_worker(config_file: str) -> NoReturn:
