@@ -146,6 +146,13 @@ def test_cli_predicts_the_smallest_h_for_an_8b_model_over_1_gbit(capsys: pytest.
     assert "no table of engines and sync modes: --nodes 4 needs --inter-node-gbps" in out
     assert "micro-batch 4 x K=8 x 32 ranks = global batch 1024" in out
     assert "smallest H with the sync hidden: H = 401 " in out and "| 401 (smallest hidden) |" in out
+    # issue 56.5: it ends in the commands that train it there, with the smallest hidden H
+    assert (
+        "  distaccum train accum.global_batch=1024 accum.micro_batch=4 outer.method=diloco outer.every=401 "
+        in out
+    )
+    assert "trainer.nnodes=4 trainer.nproc=8 trainer.rdzv_endpoint=FIRST_NODE:29500" in out
+    assert "  distaccum submit --to slurm accum.global_batch=1024" in out and "slurm.gpus_per_node=8" in out
     assert (
         "384.06 s per sync" in out
         and "| 100 | 457.8MiB | 384.06 s | 96.00 s | 2.88 s | 3.84 s | 100x fewer |" in out

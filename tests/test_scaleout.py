@@ -252,3 +252,41 @@ def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert "distaccum.tuning.scaleout" in text and "--replica-link-gbps" in text
     assert not re.search(r":(mod|class|func|meth|attr|data):`", text) and "``" not in text
+
+
+def test_the_cluster_prediction_starts_from_a_micro_batch_that_splits_there_and_ends_in_commands() -> None:
+    """Issue 56.5: with 2 local ranks the plan recommended micro-batch 128 (K=1) for a global batch of 256, which does
+    not split over a 32-rank cluster: "no prediction for the cluster", exit 0, the outer section dropped, and no
+    command. Now the fastest measured micro-batch that splits there is used (the configured one when it was fixed),
+    and the prediction ends with the commands that train it there; the train line composes into a valid config."""
+    from distaccum.cli.compose import compose_config
+    from distaccum.tuning.planner import Prediction
+
+    def cost(m: int, s: float) -> SizeCost:
+        return SizeCost(m, 1, 2, base_s=s, micro_s=s, compute_s=s * 0.9, boundary_s=0.0, optim_s=0.0)
+
+    costs = [cost(8, 0.30), cost(16, 0.25), cost(128, 0.20)]
+    rows = [
+        Prediction(Split(c.micro_batch, 256 // (2 * c.micro_batch), 2), c.base_s, 0.1, 1, True, True)
+        for c in costs
+    ]
+    plan = SplitPlan(256, 2, 1, "cpu peak rss", rows, costs, Split(128, 1, 2))
+    args, _ = parse_args(
+        ["--nodes", "4", "--gpus-per-node", "8", *LINKS, "--params", "1e6", "--outer-every", "10"]
+    )
+    text = measured_cluster(args, plan, "ddp", 10**6, 256, overrides=["model=mlp"], run_dir="runs/c")
+    assert "micro-batch 8, the fastest here that splits the global batch over the cluster's 32 ranks" in text
+    assert "micro-batch 8 x K=1 x 32 ranks = global batch 256" in text and "OUTER SYNC PREDICTION" in text
+    fixed = measured_cluster(args, plan, "ddp", 10**6, 256, fixed_micro_batch=16, overrides=["model=mlp"])
+    assert "accum.micro_batch=16, as configured" in fixed
+    assert (
+        "no prediction" in fixed
+    )  # 16 x 32 ranks = 512 does not split 256: said, with the splits that would
+    train = next(line for line in text.splitlines() if line.strip().startswith("distaccum train"))
+    overrides = train.split()[2:]
+    assert (
+        "outer.every=10" in overrides and "trainer.nnodes=4" in overrides and "trainer.nproc=8" in overrides
+    )
+    cfg = compose_config([o for o in overrides if not o.startswith("trainer.rdzv_endpoint=")])
+    assert cfg.world_size() == 32 and cfg.split().global_batch == 256 and cfg.outer.every == 10
+    assert any(line.strip().startswith("distaccum submit --to slurm") for line in text.splitlines())

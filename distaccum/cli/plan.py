@@ -33,6 +33,7 @@ from distaccum.cli.plan_cluster import (  # noqa: F401 - measured_cluster and tr
     add_cluster_flags,
     add_outer_flags,
     check_cluster_flags,
+    cluster_commands,
     cluster_of,
     cluster_workload,
     measured_cluster,
@@ -133,6 +134,12 @@ def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
             accum_steps,
         )
         print(predict_cluster(args, work, micro, cfg.accum.global_batch), flush=True)
+        if micro is not None:  # run_dir as given, else a name of its own (the default is a time stamp)
+            given = any(o.startswith("run_dir=") for o in overrides)
+            commands = cluster_commands(
+                args, overrides, micro, work, cfg.run_dir if given else "runs/cluster"
+            )
+            print("\n" + "\n".join(commands), flush=True)
     except (ConfigError, ValueError) as err:
         print(f"distaccum plan: {err}", file=sys.stderr)
         return EXIT_CONFIG
@@ -221,7 +228,19 @@ def plan_main(argv: list[str]) -> int:
         lines += ["", render_phases(schedule, plan.costs, micro, world, cfg.trainer.max_steps, bounds)]
     if args.nodes is not None:
         params = int(args.params or sum(p.numel() for p in checked.model.parameters()))
-        lines += ["", measured_cluster(args, plan, cfg.engine.name, params, cfg.accum.global_batch)]
+        fixed = None if cfg.accum.auto else int(checked.run.split.micro_batch)
+        fixed = fixed if any(o.lstrip("+~").startswith("accum.micro_batch=") for o in overrides) else None
+        cluster = measured_cluster(
+            args,
+            plan,
+            cfg.engine.name,
+            params,
+            cfg.accum.global_batch,
+            fixed_micro_batch=fixed,
+            overrides=overrides,
+            run_dir=str(run_dir / "cluster"),
+        )
+        lines += ["", cluster]
     text = "\n".join(lines)
     (run_dir / PLAN_TABLE).write_text(text + "\n", encoding="utf-8")
     print(text, flush=True)

@@ -5,10 +5,11 @@ prediction starts from)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import TYPE_CHECKING
 
 from distaccum.tuning.collectives import Link, Topology, gbps
-from distaccum.tuning.outer_plan import OUTER_BYTES, OuterLinkPlan, render_outer
+from distaccum.tuning.outer_plan import OUTER_BYTES, OuterLinkPlan, render_outer, smallest_hidden_every
 from distaccum.tuning.scaleout import (
     MODE_KEYS,
     Cluster,
@@ -22,7 +23,7 @@ from distaccum.tuning.scaleout import (
 )
 
 if TYPE_CHECKING:
-    from distaccum.tuning.planner import SplitPlan
+    from distaccum.tuning.planner import SizeCost, SplitPlan
 
 SPLIT_KEYS = ("accum.micro_batch", "accum.steps", "accum.global_batch", "run_dir")
 """Overrides the plan replaces in the commands it writes."""
@@ -322,35 +323,101 @@ def train_command(
     ]
 
 
+def cluster_cost(
+    plan: SplitPlan, world: int, global_batch: int | None, fixed: int | None
+) -> tuple[SizeCost | None, str]:
+    """The measured micro-batch the cluster prediction starts from, and why: ``fixed`` (the configured
+    accum.micro_batch) when it was measured; else the fastest one here that fits and splits ``global_batch`` over
+    the cluster's ``world`` ranks (the recommended split's otherwise). None when no measured one does."""
+    costs = {c.micro_batch: c for c in plan.costs}
+    if fixed is not None:
+        return costs.get(fixed), f"accum.micro_batch={fixed}, as configured"
+    ranked = sorted(
+        (p for p in plan.predictions if p.fits and p.step_s is not None), key=lambda p: p.step_s or 0.0
+    )
+    for prediction in ranked:
+        m = prediction.split.micro_batch
+        if m in costs and (global_batch is None or global_batch % (m * world) == 0):
+            which = "the fastest here, splits" if prediction is ranked[0] else "the fastest here that splits"
+            return costs[m], f"micro-batch {m}, {which} the global batch over the cluster's {world} ranks"
+    return None, ""
+
+
 def measured_cluster(
-    args: argparse.Namespace, plan: SplitPlan, engine: str, params: int, global_batch: int | None
+    args: argparse.Namespace,
+    plan: SplitPlan,
+    engine: str,
+    params: int,
+    global_batch: int | None,
+    *,
+    fixed_micro_batch: int | None = None,
+    overrides: list[str] | None = None,
+    run_dir: str = "runs/cluster",
 ) -> str:
-    """The cluster prediction from the recommended split's measured coefficients: its compute per
-    micro-batch, data and optimizer times; K from the configured ``global_batch`` on the cluster's ranks
-    (the measured split's K when none is configured) unless ``--accum-steps`` is given."""
-    rec = plan.recommended
-    if rec is None:
+    """The cluster prediction from a measured micro-batch's coefficients (:func:`cluster_cost`): its compute per
+    micro-batch, data and optimizer times; K from the configured ``global_batch`` on the cluster's ranks (the
+    measured split's K when none is configured) unless ``--accum-steps`` is given; then the commands that train it
+    there (:func:`cluster_commands`)."""
+    if plan.recommended is None:
         return "no split fits the memory budget: nothing measured to predict the cluster from (give --compute-ms)"
-    cost = next(c for c in plan.costs if c.micro_batch == rec.micro_batch)
+    world = cluster_of(args, need_links=False).topology.world
+    cost, why = cluster_cost(plan, world, global_batch, fixed_micro_batch)
+    if cost is None:  # nothing measured splits: the recommended size's message names the splits that would
+        cost, why = next(c for c in plan.costs if c.micro_batch == plan.recommended.micro_batch), ""
     basis = (
         f"measured here: micro-batch {cost.micro_batch}, median of {cost.steps} step(s) on "
-        f"{plan.world_size} {engine} ranks ({plan.memory.split()[0]})"
+        f"{plan.world_size} {engine} ranks ({plan.memory.split()[0]})" + (f"; {why}" if why else "")
     )
     data_s = max(
         cost.micro_s - cost.compute_s, 0.0
     )  # medians of two quantities: the difference can dip below 0
-    world = cluster_of(args, need_links=False).topology.world
     try:
         accum_steps = cluster_accum_steps(
             cost.micro_batch,
             world,
             global_batch=global_batch,
-            steps=rec.accum_steps,
+            steps=plan.recommended.accum_steps,
             given_steps=args.accum_steps,
         )
     except ValueError as err:
-        return f"no prediction for the cluster: {err}"
+        return f"no prediction for the cluster{f' ({why})' if why else ''}: {err}"
     work = cluster_workload(
         args, params, cost.compute_s, basis, accum_steps, data_s=data_s, optim_s=cost.optim_s
     )
-    return predict_cluster(args, work, cost.micro_batch, global_batch)
+    text = predict_cluster(args, work, cost.micro_batch, global_batch)
+    return "\n".join([text, "", *cluster_commands(args, overrides or [], cost.micro_batch, work, run_dir)])
+
+
+def cluster_commands(
+    args: argparse.Namespace, overrides: list[str], micro_batch: int, work: Workload, run_dir: str
+) -> list[str]:
+    """The lines that train the predicted split on the cluster: ``distaccum train`` on each node (torch elastic's
+    rendezvous on the first) or ``distaccum submit --to slurm``, with the outer sync when it was predicted (its H:
+    ``--outer-every``, else the smallest hidden one)."""
+    topo = cluster_of(args, need_links=False).topology
+    split = [
+        f"accum.global_batch={micro_batch * work.accum_steps * topo.world}",
+        f"accum.micro_batch={micro_batch}",
+    ]
+    if outer_wanted(args):
+        sync, _ = outer_of(args, work)
+        every = args.outer_every or smallest_hidden_every(sync)
+        if every is not None:
+            split += ["outer.method=diloco", f"outer.every={every}", f"outer.replicas={sync.replicas}"]
+            split += [f"outer.fragments={sync.fragments}"] if sync.fragments > 1 else []
+    rest = [*user_overrides(overrides), *split]
+    on_nodes = [
+        "distaccum", "train", *rest, f"trainer.nnodes={topo.nodes}", f"trainer.nproc={topo.gpus_per_node}",
+        "trainer.rdzv_endpoint=FIRST_NODE:29500", f"run_dir={run_dir}",
+    ]  # fmt: skip
+    submit = [
+        "distaccum", "submit", "--to", "slurm", *rest, f"slurm.nodes={topo.nodes}",
+        f"slurm.gpus_per_node={topo.gpus_per_node}", f"run_dir={run_dir}",
+    ]  # fmt: skip
+    return [
+        f"train it there: on each of the {topo.nodes} node(s), FIRST_NODE being the address of the one that hosts the "
+        "rendezvous:",
+        "  " + shlex.join(on_nodes),
+        "or on Slurm:",
+        "  " + shlex.join(submit),
+    ]
