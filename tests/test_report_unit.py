@@ -284,6 +284,13 @@ def test_runs_that_should_differ_are_not_compared_and_the_table_shows_outer_byte
     markdown = render_markdown(list(rows.values()), [], runs, 1e-4, 1e-6)
     assert "2.0KiB outer (2 syncs)" in markdown  # 2 x 4 KiB over 4 steps
     assert "2x4x2=16 (8 -> 16)" in markdown
+    requires("matplotlib")
+    from distaccum.telemetry.figure import report_figure
+
+    figure = report_figure(list(rows.values()), {r.label: r.losses for r in runs}, [], 1e-4)
+    texts = [t.get_text() for t in figure.axes[0].texts]
+    ticks = [t.get_text() for t in figure.axes[0].get_yticklabels()]
+    assert any("2.0KiB/step across islands" in t for t in texts) and "ramp 2x4x2=16 (8 -> 16)" in ticks
     # the same outer-synced config twice is comparable again
     twin = write_run(tmp_path / "diloco2", [3.0, 2.5, 1.9, 1.6 * (1 + 1e-9)], config=diloco)
     assert [a.label for a in check_agreement(discover([paths[1], twin]), 1e-4, 1e-6)] in (

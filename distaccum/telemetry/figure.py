@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distaccum.telemetry.report import Agreement, Row, rel_diff
+from distaccum.units import human_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -70,8 +71,9 @@ def report_figure(
         bars.barh(labels, widths, left=left, label=name, color=color)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     for y, row in enumerate(shown):
+        outer = "" if math.isnan(row.outer_bytes) else f", {human_bytes(row.outer_bytes)}/step across islands"
         if not math.isnan(row.comm_share):
-            bars.text(left[y], y, f" {row.comm_share:.0%} comm", va="center", fontsize=8)
+            bars.text(left[y], y, f" {row.comm_share:.0%} comm{outer}", va="center", fontsize=8)
     bars.invert_yaxis()
     bars.set_xlim(0, 1.2 * max(left, default=0.0) or 1.0)  # room for the share labels
     bars.set_xlabel("median seconds per optimizer step")
