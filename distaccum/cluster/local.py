@@ -187,15 +187,15 @@ def elastic_plan(cfg: RunConfig) -> list[str]:
         f"elastic: the node at trainer.rdzv_endpoint={cfg.trainer.rdzv_endpoint} hosts the rendezvous (on one "
         "host: the launcher that started first): losing that node ends the run",
     ]
+    lines.append(
+        f"elastic: waiting now at the rendezvous for {low} node(s), then up to trainer.rdzv_last_call_s="
+        f"{cfg.trainer.rdzv_last_call_s} s more for up to {high} before the workers start"
+    )
     if restarts == 0:
         lines.append(
             "elastic: trainer.max_restarts=0: a node lost mid-run ends the run (the range only lets it start "
             "with fewer nodes and grow); set trainer.max_restarts>=1 to continue without it"
         )
-    lines.append(  # last: what the launcher does now, before anything else prints
-        f"elastic: waiting now at the rendezvous for {low} node(s), then up to trainer.rdzv_last_call_s="
-        f"{cfg.trainer.rdzv_last_call_s} s more for up to {high} before the workers start"
-    )
     return lines
 
 
