@@ -341,14 +341,14 @@ class Trainer:
         run.liveness.write("finished", step=len(state.records))
         run.parts.timer.ledger.drain()  # no completion callback left to run on a process group thread
         state.engine.teardown()
-        self._leave(clean=True)
-        return summary
-
-    def _leave(self, *, clean: bool) -> None:
         # The engine's wrappers hold the process groups in reference cycles (DDP's reducer, FSDP's mesh): collected
         # now, their groups' threads end while the interpreter is whole; left to interpreter exit, a group's worker
         # thread freeing a tensor there aborted the process ("terminate called without an active exception").
         gc.collect()
+        self._leave(clean=True)
+        return summary
+
+    def _leave(self, *, clean: bool) -> None:
         if self._created_group:
             self._created_group = False
             shutdown(clean=clean)

@@ -3,7 +3,7 @@
 Issue 55 saw such a two-rank process abort at interpreter exit once in about ten runs ("terminate called without
 an active exception", SIGABRT: a job Slurm or Kubernetes then marks failed). The product now waits for the
 completion callbacks it chains on the process group's work (the ledger's :meth:`drain`) and collects the engine's
-reference cycles, which hold the groups, before leaving the group (``Trainer._leave``), so that no group thread
+reference cycles, which hold the groups, before leaving the group (``Trainer.finish``), so that no group thread
 calls into Python once the interpreter finalizes. The ``stress`` test repeats the exit ``DISTACCUM_EXIT_RUNS``
 times (100 by default: ``make stress``); the suite runs it a few times per engine on every ``make test``.
 """

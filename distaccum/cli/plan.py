@@ -228,8 +228,8 @@ def plan_main(argv: list[str]) -> int:
         lines += ["", render_phases(schedule, plan.costs, micro, world, cfg.trainer.max_steps, bounds)]
     if args.nodes is not None:
         params = int(args.params or sum(p.numel() for p in checked.model.parameters()))
-        fixed = None if cfg.accum.auto else int(checked.run.split.micro_batch)
-        fixed = fixed if any(o.lstrip("+~").startswith("accum.micro_batch=") for o in overrides) else None
+        given = any(o.lstrip("+~").startswith("accum.micro_batch=") for o in overrides)
+        fixed = int(checked.run.split.micro_batch) if given and not cfg.accum.auto else None
         cluster = measured_cluster(
             args,
             plan,

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from distaccum.cluster.config import QUANTITY
 from distaccum.cluster.slurm import layout_plan, split_line
 from distaccum.config import RunConfig
 
@@ -130,8 +131,9 @@ def node_resources(cfg: RunConfig) -> dict[str, str]:
 
 def _times(quantity: str, n: int) -> str:
     """A Kubernetes quantity times ``n`` ('64Gi' x 8 = '512Gi')."""
-    number = quantity.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    return f"{float(number) * n:g}{quantity[len(number) :]}"
+    match = QUANTITY.match(quantity)  # the config checked it is one
+    assert match is not None, quantity
+    return f"{float(match.group('number')) * n:g}{quantity[match.end('number') :]}"
 
 
 def _resources(cfg: RunConfig, m: ModuleType) -> Any:

@@ -120,18 +120,17 @@ class ConsoleSink:
             if self.show_batch and "global_batch" in record
             else ""
         )
-        where = ""
+        where, loss = "", "loss"
         if (
             "outer_synced" in record
         ):  # an outer-synced run: the step reduces inside the island; a sync crosses
-            where = " in the island"
+            where, loss = " in the island", "loss (island 0)"
             synced = int(record["outer_synced"])
             if synced:
                 replicas += (
                     f" + outer sync of {synced} fragment{'' if synced == 1 else 's'}: "
                     f"{human_bytes(record.get('comm_bytes_outer', 0))} across islands"
                 )
-        loss = "loss (island 0)" if "outer_synced" in record else "loss"
         return (
             f"{loss} {record['loss']:.4f} lr {record['lr']:.2e} {batch}{record.get('samples_per_s', 0):.1f} samples/s "
             f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}{where}"
