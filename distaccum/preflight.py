@@ -33,7 +33,6 @@ from distaccum.components import Components
 from distaccum.config import ConfigError, Node, RunConfig
 from distaccum.resolve import ResolvedRun, prepare, resolve
 from distaccum.rundir.resume import check_resumable
-from distaccum.tuning.autobatch import budget_too_small, one_sample_peak
 
 REQUIRED = ("model", "dataset", "loss")
 MODEL_RESERVED = ("activation_checkpointing",)
@@ -202,10 +201,6 @@ def preflight(
             check_resumable(Path(cfg.run_dir), prepared.fingerprint, cfg.trainer.schedule_on_resume)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    budget = cfg.accum.budget_bytes()
-    if cfg.accum.auto and budget is not None and run.device.type == "cpu":
-        # One sample's step, measured here; on CUDA the workers measure it (same error, exit 2).
-        need = one_sample_peak(run, parts, model)
-        if need is None or need > budget:
-            raise budget_too_small(need, budget, run.device)
+    # accum.memory_budget is checked by the workers, where the memory is spent (exit 2 there, one message): a peak
+    # measured in this process (its own libraries, Hydra, torch elastic) is not a worker's.
     return Checked(parts, run, model)

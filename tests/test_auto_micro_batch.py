@@ -1,6 +1,6 @@
 """``accum.micro_batch=auto`` end to end through ``distaccum train``: the largest micro-batch within the
 budget is chosen, recorded and trained exactly like the same split given explicitly; bad input exits
-2 before any worker starts."""
+2 before training (a budget below one sample's step: from the workers, which measure it)."""
 
 from __future__ import annotations
 
@@ -52,23 +52,34 @@ def test_auto_fits_the_budget_and_trains_the_chosen_split_exactly(tmp_path: Path
 
 
 @pytest.mark.parametrize(
-    "overrides, message",
+    "overrides, message, launched",
     [
         (
             ("accum.micro_batch=auto", "accum.global_batch=64", "accum.memory_budget=64MiB"),
             "accum.memory_budget=64.0MiB is below what one sample needs: a training step with micro_batch=1 peaks at ",
+            True,  # the workers measure one sample's step, where the memory is spent
         ),
-        (("accum.micro_batch=auto",), "accum.micro_batch=auto needs accum.global_batch"),
+        (("accum.micro_batch=auto",), "accum.micro_batch=auto needs accum.global_batch", False),
         (
             ("accum.micro_batch=auto", "accum.global_batch=63"),
             "accum.global_batch=63 has no split on world_size=2 ranks: it must be a multiple of world_size=2; the nearest "
             "valid global batches are 62 or 64",
+            False,
         ),
-        (("accum.micro_batch=4", "accum.global_batch=63"), "the nearest valid global batches are 62 or 64"),
+        (
+            ("accum.micro_batch=4", "accum.global_batch=63"),
+            "the nearest valid global batches are 62 or 64",
+            False,
+        ),
     ],
 )
-def test_bad_input_exits_2_before_training(tmp_path: Path, overrides: tuple[str, ...], message: str) -> None:
+def test_bad_input_exits_2_before_training(
+    tmp_path: Path, overrides: tuple[str, ...], message: str, launched: bool
+) -> None:
     run = run_cli("train", tmp_path / "run", "model=mlp", *overrides)
     assert run.returncode == 2, run.stderr
     assert message in run.stderr and "invalid configuration" in run.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists() and "equivalent to `" not in run.stdout
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert (
+        "equivalent to `" in run.stdout
+    ) == launched  # refused by the launcher unless the workers measure it

@@ -24,7 +24,6 @@ from distaccum.tuning.autobatch import (
     Measurement,
     budget_too_small,
     micro_batch_sizes,
-    one_sample_peak,
     search,
     trial_window,
 )
@@ -151,11 +150,3 @@ def test_trial_window_measures_a_real_step() -> None:
     peak, oom = trial_window(steps, model, mse, batches, torch.device("cpu"))
     assert not oom and peak > 10 * MiB  # the process's peak RSS (the interpreter and torch included)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # it stepped
-
-
-def test_one_sample_peak_is_a_process_peak() -> None:
-    cfg = from_mapping({"accum": {"micro_batch": "auto", "global_batch": 8}, "trainer": {"nproc": 2}})
-    components = parts()
-    run = resolve(cfg, 2, torch.device("cpu"))
-    peak = one_sample_peak(run, components, MLP(in_dim=8, width=32, out_dim=2))
-    assert peak is not None and peak > 10 * MiB

@@ -22,7 +22,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
@@ -267,7 +267,7 @@ def plan_main(argv: list[str]) -> int:
     return EXIT_OK if rec is not None or not args.run else EXIT_FAIL
 
 
-def plan_worker(config_file: str) -> NoReturn:
+def plan_worker(config_file: str) -> None:
     """One measuring rank (``python -m distaccum _plan CONFIG``), started by :func:`plan_main`."""
 
     def run() -> None:

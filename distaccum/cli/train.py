@@ -37,6 +37,7 @@ def config_error(err: Exception) -> None:
 
 def train_task(dcfg: Any) -> int:
     """One Hydra job: validate and pre-flight, then start the workers."""
+    from distaccum.cluster import forked
     from distaccum.cluster.local import elastic_plan, launch_local, launch_plan, torchrun_argv, worker_args
 
     multirun, job_dir = in_multirun()
@@ -53,6 +54,8 @@ def train_task(dcfg: Any) -> int:
         print(f"distaccum: skipping invalid sweep job {job_dir}: {err}", file=sys.stderr)
         write_json(Path(str(job_dir)) / STATUS, {"status": "invalid_config", "error": str(err)})
         return EXIT_CONFIG
+    if forked.available():  # the workers' libraries load from here on, beside this process's own work
+        forked.start()
     config_file = Path(cfg.run_dir) / LAUNCH_CONFIG
     config_file.write_text(json.dumps(to_mapping(cfg), indent=2) + "\n")
     split = checked.run.split

@@ -20,13 +20,17 @@ from distaccum.cli.startup import resume as resume_collection
 def verify_task(dcfg: Any, *, on_ray: bool = False) -> int:
     """The Hydra task behind ``distaccum verify``; exits 2 on bad input, 1 on a mismatch. ``on_ray``: the candidates
     run on Ray Train's workers (``--to ray``) instead of the local launcher."""
+    from distaccum.cluster import forked
     from distaccum.cluster.local import launch_local
     from distaccum.cluster.ray_train import launch_on_ray
     from distaccum.verify.runner import verify
 
     launcher = launch_on_ray if on_ray else launch_local
     try:
-        result = verify(to_run_config(dcfg), echo=lambda line: print(line, flush=True), launcher=launcher)
+        cfg = to_run_config(dcfg)
+        if not on_ray and forked.available():  # the workers' libraries load while the reference runs here
+            forked.start()
+        result = verify(cfg, echo=lambda line: print(line, flush=True), launcher=launcher)
     except ValueError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None

@@ -15,6 +15,7 @@ from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, EXIT_REQUEUE
 from distaccum.cli.startup import resume as resume_collection
 from distaccum.cluster.contracts import DistEnv
+from distaccum.cluster.forked import leave
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import Record
@@ -42,11 +43,12 @@ def train_rank(cfg: RunConfig, *, check_components: bool) -> Record:
     return Trainer.of(cfg, parts, stop=stop_flag(), check_components=check_components).fit()
 
 
-def worker_exit(run: Callable[[], Any]) -> NoReturn:
+def worker_exit(run: Callable[[], Any]) -> None:
     """Run one rank, then leave the process group and exit with ``os._exit``.
 
     Skipping interpreter shutdown matters: letting Python finalize while gloo threads still free
     tensors aborted FSDP runs now and then ("terminate called without an active exception").
+    A rank forked by distaccum's launcher that succeeded returns instead (:func:`distaccum.cluster.forked.leave`).
     """
     from distaccum.cluster.procgroup import shutdown
     from distaccum.cluster.stopping import StopRequested
@@ -68,11 +70,11 @@ def worker_exit(run: Callable[[], Any]) -> NoReturn:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        leave(code)
 
 
-def worker_from_file(config_file: str) -> NoReturn:
-    """A rank spawned by distaccum's launcher: the resolved, pre-flight-checked config comes as JSON."""
+def worker_from_file(config_file: str) -> None:
+    """A rank started by distaccum's launcher: the resolved, pre-flight-checked config comes as JSON."""
     cfg = from_mapping(json.loads(Path(config_file).read_text()))
     worker_exit(lambda: train_rank(cfg, check_components=False))
 
@@ -102,3 +104,4 @@ def worker_in_place(argv: list[str]) -> NoReturn:
         train_rank(from_mapping(shared[0]), check_components=False)
 
     worker_exit(run)
+    raise SystemExit(EXIT_OK)  # not reached: torchrun and srun start ranks as new processes, which exit above

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distaccum.cluster import forked
 from distaccum.cluster.contracts import parse_nnodes
 from distaccum.cluster.stopping import EXIT_REQUEUE
 from distaccum.config import RunConfig
 
-WORKER_COMMAND = ["-m", "distaccum", "_worker"]
+DISTACCUM_MODULE = ["-m", "distaccum"]
+WORKER_COMMAND = [*DISTACCUM_MODULE, "_worker"]
 KEEP_ALIVE_S = 5
 KEEP_ALIVE_MISSES = 3
 """A node is dead to the rendezvous after this many missed keep-alives (torch's defaults, 5 s x 3)."""
@@ -244,6 +246,11 @@ def launch_local(cfg: RunConfig, config_file: Path) -> int:
 
 
 def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
+    fork = args[: len(DISTACCUM_MODULE)] == DISTACCUM_MODULE and forked.available()
+    if (
+        fork
+    ):  # distaccum's own workers: forked from a server that loaded their libraries once (cluster/forked.py)
+        forked.start()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -276,11 +283,14 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
         rdzv_configs=rdzv,
         max_restarts=plan.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver" if fork else "spawn",
         **grace,
     )
     try:
-        elastic_launch(config, sys.executable)(*args)
+        if fork:
+            elastic_launch(config, forked.run_forked)(*forked.worker_args(args[len(DISTACCUM_MODULE) :]))
+        else:
+            elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if codes == {EXIT_REQUEUE}:

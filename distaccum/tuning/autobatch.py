@@ -292,18 +292,6 @@ def budget_too_small(need: int | None, budget: int, device: torch.device) -> Con
     )
 
 
-def one_sample_peak(run: ResolvedRun, parts: Components, model: nn.Module) -> int | None:
-    """Peak memory of a plain one-process training step of one sample (the plan's first) on ``model``
-    (pre-flight, before any worker starts); None when it ran out of memory. Steps ``model``."""
-    model = model.to(run.device)
-    steps = LocalSteps(run.optimizer(parts)(list(model.parameters())), run.precision, run.device)
-    plan = run.data.plan(parts.dataset, run.global_batch)
-    split = Split(1, max(plan.global_batch // run.world_size, 1), run.world_size)
-    batches = trial_batches(parts.dataset, parts.collate or default_collate, plan, split, 0, 1)
-    peak, oom = trial_window(steps, model, parts.loss, batches, run.device, run.loop.float_dtype)
-    return None if oom else peak
-
-
 class TrialMeasure:
     """``measure(m) -> Measurement``: a trial window at micro-batch ``m`` on a throwaway copy of the run
     (model, engine and optimizer built as training builds them: same seed, precision, ``init_from``

@@ -1,0 +1,156 @@
+"""Workers started from a process that has already loaded their libraries: ``python -m distaccum _worker CONFIG`` without
+a fresh interpreter per worker.
+
+A fresh worker spends about 2 s of CPU importing torch, its compiler stack (DDP's constructor and torch's optimizers
+import ``torch._dynamo``), Hydra and the Trainer before it does anything; every worker of a launch pays it, and
+every launch of a verify (its candidates) or a sweep pays it again. Here the launcher starts one *worker server*
+(multiprocessing's forkserver) that imports :data:`PRELOAD` once, and torch elastic forks each worker from it: the
+same environment contract, restarts and signals as a spawned worker.
+
+Why a server rather than forking the launcher itself: the launcher is not a clean parent. Its pre-flight check
+instantiated the user's components (a component with a process-wide side effect, such as a hook registered on
+torch, would then act twice in a forked worker: seen here with the testing seam's gradient faults), verify ran its
+reference in it (an OpenMP thread pool, which a forked child cannot use: its first parallel region waits forever),
+and on a GPU machine it may hold a CUDA context (unusable after a fork). The server only imports: a worker forked
+from it starts as clean as a new interpreter, on any device and any number of threads.
+
+What a forked worker does not inherit from the launcher is passed to it: the environment at launch time (the server's
+is the launcher's when it started; torch elastic adds each rank's variables) and the launcher's standard output and
+error as they are then (verify sends each candidate's to its own console.log), applied by :func:`run_forked` before
+``python -m distaccum ARGV`` runs in the worker. Only distaccum's command line starts a server (:func:`started`):
+multiprocessing imports the launching process's main module again in every forked worker, which a user's own script
+calling distaccum's launch in-process must not see; there, workers are spawned as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+from collections.abc import Mapping
+from multiprocessing import forkserver, reduction
+from typing import Any
+
+PRELOAD = [
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "hydra.utils",
+    "distaccum.cli.worker",
+    "distaccum.trainer",
+]
+"""What every worker imports before its first step: loaded once by the worker server, shared by the forked workers."""
+
+_server_env: dict[str, str] | None = None
+"""The environment the worker server started with (what a forked worker finds before :func:`run_forked` runs)."""
+
+
+def available() -> bool:
+    """Whether workers can be forked from a server here (POSIX with fd passing; not Windows)."""
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def start() -> None:
+    """Start the worker server now (idempotent), so that it imports while this process goes on with its own work."""
+    global _server_env
+    if _server_env is None:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        _server_env = dict(os.environ)
+        logging.getLogger(ELASTIC_LOGGER).addFilter(_exit_without_traceback)
+    forkserver.ensure_running()
+
+
+ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+def _exit_without_traceback(record: logging.LogRecord) -> bool:
+    """torch elastic logs a forked worker's non-zero exit with the traceback of its own polling (a spawned one's
+    in one line): the line is kept (the launcher then names each failed rank), the traceback dropped."""
+    if (
+        record.exc_info
+        and record.exc_info[0] is not None
+        and record.exc_info[0].__name__ == "ProcessExitedException"
+    ):
+        record.exc_info = None
+        record.exc_text = None
+    return True
+
+
+def started() -> bool:
+    """Whether this process started a worker server (distaccum's command line does; a launch from a user's own
+    process spawns its workers: a forked worker would re-import that process's main module, as multiprocessing does)."""
+    return _server_env is not None
+
+
+def worker_args(argv: list[str]) -> tuple[Any, ...]:
+    """The arguments of :func:`run_forked` for one launch, taken now: ``argv``, this process's environment, its
+    server's, and its standard output and error (sent to each worker as file descriptors when it starts)."""
+    assert _server_env is not None, "start() first"
+    return (argv, dict(os.environ), _server_env, _Fd(sys.stdout.fileno()), _Fd(sys.stderr.fileno()))
+
+
+class _Fd:
+    """A file descriptor of the launcher, duplicated into the worker when multiprocessing pickles its arguments."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return (_received, (reduction.DupFd(self.fd),))
+
+
+def _received(dup: Any) -> int:
+    return int(dup.detach())
+
+
+def worker_env(
+    found: Mapping[str, str], launch_env: Mapping[str, str], server_env: Mapping[str, str]
+) -> dict[str, str]:
+    """A forked worker's environment: the launcher's at launch time, with the variables torch elastic set for this
+    rank (what the worker ``found`` that the server did not start with) on top."""
+    rank = {key: value for key, value in found.items() if server_env.get(key) != value}
+    return {**launch_env, **rank}
+
+
+def run_forked(
+    argv: list[str], launch_env: Mapping[str, str], server_env: Mapping[str, str], out: int, err: int
+) -> None:
+    """A worker forked from the server: the launcher's environment and output applied, then ``python -m distaccum
+    ARGV``. It returns (rather than ``os._exit``) when the rank succeeded: see :func:`leave`."""
+    import runpy
+
+    env = worker_env(os.environ, launch_env, server_env)
+    os.environ.clear()
+    os.environ.update(env)
+    # multiprocessing hands its start method down to what it starts: a rank's own processes (DataLoader workers) start
+    # as in a rank started fresh (the platform's default), children of the rank that notice when it dies.
+    multiprocessing.set_start_method(None, force=True)
+    # ... and with a temporary folder of their own: multiprocessing copied the launcher's into this process (its
+    # Process object's _config), which the launcher removes when it exits, before a DataLoader worker ends.
+    multiprocessing.current_process()._config.pop("tempdir", None)  # type: ignore[attr-defined]
+    for fd, target in ((out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    for stream in (
+        sys.stdout,
+        sys.stderr,
+    ):  # PYTHONUNBUFFERED reaches a new interpreter only: line by line here
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+    sys.argv = ["distaccum", *argv]
+    runpy.run_module("distaccum", run_name="__main__", alter_sys=True)
+
+
+def leave(code: int) -> None:
+    """End a worker process with ``code``, skipping interpreter shutdown (``os._exit``).
+
+    A forked worker that succeeded returns instead, to torch elastic's wrapper, which hands its result to the launcher
+    and then leaves through multiprocessing's exit (``os._exit`` too, after joining the process's own children): its
+    children (DataLoader workers, which inherit the rank's SIGTERM handler and so outlive a terminate) are killed here
+    first, as a rank's exit would leave them to die."""
+    if code != 0 or multiprocessing.parent_process() is None:
+        os._exit(code)
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join()
