@@ -1,13 +1,13 @@
-"""`distaccum bugzoo` end to end: issue 23's 15 accumulation bugs and the ones peers shipped in 2025–26 (issue 46)
-injected into real 2-rank runs (one shared launch), each verified against the plain reference; what caught it,
-and whether its diagnosis is right.
+"""`distaccum bugzoo` end to end: every bug of the zoo (issue 23's accumulation bugs, the ones peers shipped in
+2025–26 (issue 46), the skipped reductions of the sharded engines and the outer-sync bugs) injected into real
+2-rank runs (one shared launch), each verified against the plain reference or the outer simulator; what caught it,
+and whether its diagnosis is right; and the controls.
 
 One CLI invocation (the fixture) feeds every test. The thresholds are what the zoo does today, so that a bug it
-stops catching fails here (issue 23's 15 bugs and issue 46's in the table, every one caught, all but one diagnosed
-as its cause: ZeRO-3's per-micro-batch transform is caught by the reduction checksum but not diagnosed as a
-transform); the table in the README must be the one this
-run prints (it has no timings: the same code gives the same table), so a change in what the zoo finds
-shows up as a README diff.
+stops catching fails here (every bug of BUGS in the table, every one caught, all but one diagnosed as its cause:
+ZeRO-3's per-micro-batch transform is caught by the reduction checksum but not diagnosed as a transform); the table
+in the README must be the one this run prints (it has no timings: the same code gives the same table), so a change
+in what the zoo finds shows up as a README diff.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def test_every_bug_the_issue_lists_is_in_the_table_and_enough_are_caught(zoo: Zo
     bugs = [r for r in rows if not r["control"]]
     titles = [r["title"] for r in bugs]
     assert titles[: len(ISSUE_BUGS)] == list(ISSUE_BUGS) and set(PEER_BUGS.values()) <= set(titles)
+    assert titles == [b.title for b in BUGS if not b.control]
     for r in rows:
         assert {"bug", "caught", "caught_by", "step", "diagnosis", "diagnosis_correct"} <= set(r)
         assert isinstance(r["caught"], bool) and isinstance(r["diagnosis_correct"], bool)
@@ -156,9 +157,11 @@ def test_the_outer_sync_bugs_are_caught_by_verify_at_the_first_outer_step_and_di
 
 def test_the_controls_stay_clean(zoo: Zoo) -> None:
     controls = {r["bug"]: r for r in zoo[1] if r["control"]}
-    assert set(controls) == {"control", "control_dropout"}
-    assert controls["control"]["verify"]["passed"] and not controls["control"]["caught"]
-    assert not controls["control"]["runtime"] and not controls["control_dropout"]["runtime"]
+    assert set(controls) == {"control", "control_outer", "control_dropout"}
+    for name in ("control", "control_outer"):  # the plain reference; the outer simulator (issue 58)
+        assert controls[name]["verify"]["passed"] and not controls[name]["caught"], controls[name]
+        assert controls[name]["diagnosis"] is None and controls[name]["diagnosis_correct"], controls[name]
+    assert not any(c["runtime"] for c in controls.values())
     # verify alone fails any dropout run (the split changes the masks): only the seed check tells
     # a shared seed from independent ones
     assert controls["control_dropout"]["diagnosis"] == "randomness"

@@ -300,6 +300,107 @@ def test_verify_passes_fsdp2_inside_two_islands(tmp_path: Path) -> None:
         assert record["comm_calls_replicate"] == 0, record
 
 
+# --- the token-weighted merge on variable-length text (issue 58) ----------------------------------------------
+
+TEXT: dict[str, Any] = {
+    "model": {"_target_": "distaccum.models.TinyGPT", "width": 32, "depth": 1, "heads": 4, "max_len": 32},
+    "data": {
+        "dataset": {
+            "_target_": "distaccum.datasets.CorpusSequences",
+            "num_samples": 32,
+            "seq_min": 2,
+            "seq_max": 30,
+        },
+        "collate": {"_target_": "distaccum.datasets.pad_collate", "_partial_": True},
+    },
+    "loss": {"_target_": "distaccum.losses.token_cross_entropy", "_partial_": True},
+    "accum": {"micro_batch": 2, "steps": 2},
+    "precision": "fp64",
+    "trainer": {"nproc": 2, "max_steps": 4, "device": "cpu"},
+    "log": {"console": "quiet"},
+}
+"""Variable-length byte sequences (2-30 tokens, every one a loss item) on 2 islands of 1 rank, 4 samples each a
+step, merged after steps 2 and 4: the islands' token counts differ (121 and 159 before the first merge), so their
+weights n_i / sum_j n_j are not 1/2."""
+
+
+def island_tokens(cfg: Any, split: Any, steps: range) -> list[int]:
+    """Each island's loss items over ``steps`` (0-based), from the data plan: the sequences' lengths."""
+    from distaccum.data.global_batch import GlobalBatchPlan
+    from distaccum.datasets import CorpusSequences
+    from distaccum.outer.islands import IslandLayout
+    from distaccum.outer.simulate import island_indices
+
+    kwargs = {k: v for k, v in TEXT["data"]["dataset"].items() if k != "_target_"}
+    lengths = CorpusSequences(**kwargs).lengths
+    plan = GlobalBatchPlan(
+        len(lengths),
+        split.global_batch,
+        seed=cfg.trainer.seed,
+        shuffle=cfg.data.shuffle,
+        drop_last=cfg.data.drop_last,
+    )
+    layout = IslandLayout.of(split.world_size, 0, 2)
+    return [
+        sum(int(lengths[j]) for step in steps for j in island_indices(plan, step, split, layout, i))
+        for i in range(2)
+    ]
+
+
+@pytest.mark.parametrize("method", ["diloco", "local_sgd"])
+def test_verify_holds_the_merge_to_the_islands_token_counts_on_variable_length_text(
+    tmp_path: Path, method: str
+) -> None:
+    """Issue 58: ``distaccum verify`` of an outer-synced run whose islands trained on different numbers of tokens.
+    The merge must weigh island i by n_i / sum_j n_j; the simulator does, so a run that weighed the islands equally
+    (the loop handing the outer step 1.0 instead of the step's item count) fails here at the first sync. The same
+    launch shows the data make the test able to fail: the counts differ, and the simulator itself with
+    outer.weighting=equal (in this process, no launch) is over verify's tolerance at the first sync."""
+    from distaccum.config import from_mapping
+    from distaccum.outer.simulate import run_outer_reference
+    from distaccum.preflight import instantiate_components
+    from distaccum.rundir import SEED
+    from distaccum.verify import verify
+    from distaccum.verify.compare import RunData, compare, tolerance_for
+
+    config = merged(TEXT, {"outer": {"method": method, "every": 2, "replicas": 2}, "run_dir": str(tmp_path)})
+    lines: list[str] = []
+    result = verify(config, echo=lines.append)
+    text = "\n".join(lines)
+    print(text)
+    [row] = result.rows
+    cfg, split = from_mapping(config), row.run.split
+    tokens = island_tokens(cfg, split, range(2))
+    print(
+        f"islands' tokens before the first sync: {tokens} (token weights {[n / sum(tokens) for n in tokens]})"
+    )
+    assert result.passed, text
+    assert split.world_size == 2 and [r["outer_synced"] for r in records(row.run.data.run_dir)] == [
+        0,
+        1,
+        0,
+        1,
+    ]
+    assert abs(tokens[0] - tokens[1]) >= 0.1 * sum(tokens), tokens  # weights at least 0.55 / 0.45 apart
+    # The power of this test: the same run merged with equal weights differs from it past verify's tolerance.
+    equal = from_mapping(
+        merged(
+            config,
+            {
+                "outer": {"weighting": "equal"},
+                "trainer": {"init_from": str(tmp_path / SEED)},
+                "run_dir": str(tmp_path / "equal"),
+            },
+        )
+    )
+    run_outer_reference(equal, instantiate_components(equal), tmp_path / "equal", split=split)
+    tol = tolerance_for(cfg.precision, cfg.verify)
+    report = compare(RunData.load(tmp_path / "reference"), RunData.load(tmp_path / "equal"), tol)
+    d = report.first_divergence
+    print(f"equal weights against the token-weighted simulator: first divergence {d}")
+    assert not report.passed and d is not None and (d.step, d.quantity) == (2, "parameter"), report
+
+
 # --- the worker -------------------------------------------------------------------------------------------
 
 

@@ -309,6 +309,14 @@ BUGS: tuple[Bug, ...] = (
     ),
     Bug("control", "control: no bug", "the base configuration as it is", "gpt", control=True),
     Bug(
+        "control_outer",
+        "control: DiLoCo, no bug",
+        "the DiLoCo configuration as it is: 2 islands of 1 rank whose token counts differ, so a merge that weighs "
+        "them equally instead of by their tokens fails verify at the first outer step",
+        "gpt_diloco",
+        control=True,
+    ),
+    Bug(
         "control_dropout",
         "control: dropout, ranks seeded apart",
         "dropout 0.1 without a bug: verify fails (the split changes the masks), no runtime check may fire",

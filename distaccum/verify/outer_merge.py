@@ -12,9 +12,13 @@ dbar, and the per-tensor sums of ``checksums.jsonl`` are linear too:
 
     sum_cand(s) - sum_0 = f (sum_ref(s) - sum_0)        for every tensor of the fragment
 
-so f is the least-squares slope over the fragment's tensors, kept only when it fits each of them. f = 1 is a
-correct merge, f = -1 a pseudo-gradient of the wrong sign, f = R (the islands) their SUM used as the mean
-(:func:`distaccum.verify.diagnosis.rule_outer_merge` names them).
+so f is the least-squares slope over the fragment's tensors, returned with the part of the candidate's movement it
+leaves unexplained (relative, as a norm over the tensors: 0 when the candidate's merge is exactly f times the
+simulator's). f = 1 is a correct merge, f = -1 a pseudo-gradient of the wrong sign, f = R (the islands) their SUM
+used as the mean; :func:`distaccum.verify.diagnosis.rule_outer_merge` names them only when f is that close to -1 or R
+and the residual that small (its docstring derives the bound). A merge that weighs the islands otherwise than the
+simulator (equal weights where their token counts differ) is no constant multiple of it: a residual, and a slope off
+-1 or R by about as much.
 """
 
 from __future__ import annotations
@@ -29,10 +33,6 @@ from distaccum.outer.islands import resolve_outer_replicas
 from distaccum.outer.sync import split_fragments
 from distaccum.rundir.weights import load_weights
 from distaccum.verify.compare import Report
-
-FIT = 1e-2
-"""The most the candidate's movement may leave unexplained by one slope (relative, as a norm over the tensors):
-rounding leaves ~1e-6 in fp32; a merge that is not a constant multiple of the simulator's leaves far more."""
 
 
 def seed_sums(path: Path) -> dict[str, float]:
@@ -57,19 +57,19 @@ def merge_factor(
     ref: dict[str, list[float]],
     cand: dict[str, list[float]],
     names: list[str],
-    fit: float = FIT,
-) -> float | None:
-    """f: the slope of the candidate's movement from the seed over the reference's, tensor by tensor (module
-    docstring), when one slope explains the candidate's movement to within ``fit``; None otherwise."""
+) -> tuple[float, float] | None:
+    """(f, residual): the least-squares slope of the candidate's movement from the seed over the reference's, tensor
+    by tensor, and ||c - f r|| / ||c||, what of the candidate's movement c that slope leaves unexplained (module
+    docstring); None when the reference did not move (no slope) or the candidate did not."""
     pairs = [
         (cand[n][0] - seed[n], ref[n][0] - seed[n]) for n in names if n in seed and n in ref and n in cand
     ]
     moved = math.fsum(r * r for _, r in pairs)
-    if not pairs or moved <= 0:
+    own = math.fsum(c * c for c, _ in pairs)
+    if not pairs or moved <= 0 or own <= 0:
         return None
     f = math.fsum(c * r for c, r in pairs) / moved
-    left = math.fsum((c - f * r) ** 2 for c, r in pairs)
-    return f if left <= fit**2 * math.fsum(c * c for c, _ in pairs) else None
+    return f, math.sqrt(math.fsum((c - f * r) ** 2 for c, r in pairs) / own)
 
 
 def outer_merge_fact(
@@ -79,14 +79,17 @@ def outer_merge_fact(
     report: Report,
     ref: dict[int, dict[str, list[float]]],
     cand: dict[int, dict[str, list[float]]],
-) -> tuple[int, float, int] | None:
-    """(step, f, islands) when a diloco candidate first parts from the simulator in its parameters right after a
-    fragment's first sync, every earlier step and that step's loss and gradient norm matching; None otherwise."""
+) -> tuple[int, float, int, float] | None:
+    """(step, f, islands, residual) when a diloco candidate first parts from the simulator in its parameters right
+    after a fragment's first sync, every earlier step and that step's loss and gradient norm matching; None
+    otherwise."""
     d = report.first_divergence
     if cfg.outer.method != "diloco" or d is None or d.quantity != "parameter":
         return None
     if d.step not in ref or d.step not in cand or not seed.is_file():
         return None
     names = first_sync(cfg, d.step, ref[d.step])
-    f = merge_factor(seed_sums(seed), ref[d.step], cand[d.step], names) if names else None
-    return None if f is None else (d.step, f, resolve_outer_replicas(cfg.outer.replicas, world_size, 1))
+    fit = merge_factor(seed_sums(seed), ref[d.step], cand[d.step], names) if names else None
+    if fit is None:
+        return None
+    return d.step, fit[0], resolve_outer_replicas(cfg.outer.replicas, world_size, 1), fit[1]
