@@ -14,7 +14,8 @@ per rank, four times over the same sample stream:
 The optimizer is the same for all: AdamW, lr 3e-3, constant after 5 warm-up steps, ``optim.lr_scaling=none`` (the
 learning rate does not follow the batch: the comparison is of the batch alone). Every run reads the same samples in
 the same order (the ramp and the adaptive batch cut the stream into windows of other sizes), up to a budget of
-``--samples`` samples; evaluation on the held-out blocks every ~1,000 samples (every ``ceil(1000 / G)`` steps of the
+``--samples`` samples (``trainer.max_samples``: each run stops after the step whose samples reach it, so the
+adaptive batch, whose step count is not known in advance, trains no further); evaluation on the held-out blocks every ~1,000 samples (every ``ceil(1000 / G)`` steps of the
 starting batch G; the ramp and the adaptive batch every 10 steps).
 
 For each run the table gives what it took to first reach ``--target`` eval loss (nats per token): samples, optimizer
@@ -41,8 +42,7 @@ from typing import Any
 
 from benchmarks.launch import ROOT, provenance, train_cli
 from benchmarks.report import replace_section, write_study
-from distaccum.batching.schedule import BatchSchedule, megatron_phases
-from distaccum.rundir import read_evals, read_metrics
+from distaccum.rundir import read_evals, read_metrics, run_samples
 from distaccum.units import human_bytes
 
 STORE = ROOT / "docs" / "results" / "batch-schedule.json"
@@ -104,14 +104,9 @@ class Variant:
         ]
 
     def max_steps(self, samples: int) -> int:
-        """Optimizer steps to read ``samples`` samples (the adaptive batch: as many as the smallest batch needs; the
-        run is cut at the budget afterwards, in :func:`summarize`)."""
-        if self.kind == "ramp":
-            schedule = BatchSchedule(megatron_phases(SMALL, SMALL, samples // 2, LARGE))
-            read, step = 0, 0
-            while read < samples:
-                read, step = read + schedule.global_batch(step), step + 1
-            return step
+        """A bound on the optimizer steps that read ``samples`` samples: as many as the starting batch, the smallest
+        the run takes, needs. ``trainer.max_samples`` ends the run at the budget (:func:`arguments`): the ramp's and
+        the adaptive batch's step counts are not this bound's."""
         return math.ceil(samples / self.batch)
 
 
@@ -123,16 +118,21 @@ VARIANTS = (
 )
 
 
-def train(variant: Variant, samples: int, out: Path) -> tuple[Path, float]:
-    """Train ``variant`` into ``out/<name>`` (the ``distaccum train`` CLI); its run directory and wall time."""
-    run_dir = out / variant.name
-    args = [
+def arguments(variant: Variant, samples: int, run_dir: Path) -> list[str]:
+    """``distaccum train``'s overrides for ``variant``: it stops after the step whose samples reach the budget."""
+    return [
         *BASE,
         f"trainer.max_steps={variant.max_steps(samples)}",
+        f"trainer.max_samples={samples}",
         *variant.overrides(samples),
         f"run_dir={run_dir}",
     ]
-    return run_dir, train_cli(variant.label, args)
+
+
+def train(variant: Variant, samples: int, out: Path) -> tuple[Path, float]:
+    """Train ``variant`` into ``out/<name>`` (the ``distaccum train`` CLI); its run directory and wall time."""
+    run_dir = out / variant.name
+    return run_dir, train_cli(variant.label, arguments(variant, samples, run_dir))
 
 
 def summarize(
@@ -145,7 +145,7 @@ def summarize(
     at: dict[int, tuple[int, int, float]] = {0: (0, 0, 0.0)}
     batches = []
     for r in records:
-        read += int(r["samples"])
+        read += run_samples(r)
         sent += int(r["comm_bytes"])
         wall += float(r["time_s"])
         at[int(r["step"])] = (read, sent, wall)

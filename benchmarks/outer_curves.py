@@ -21,9 +21,10 @@ all-reduce across the islands each step when reducing hierarchically (inside the
 each all-reduce 1/S of the gradient across islands): the whole gradient, rank 0's ``comm_bytes``. Both are payload
 into an all-reduce over R islands; a ring moves 2(R-1)/R of the payload over each island's link, the same factor
 for every variant, so the reduction factors do not depend on it. Tokens are loss items (predicted tokens). rank 0's
-``metrics.jsonl`` counts its own island's items only (``items``); a block holds ``block_size - 1`` items after the
-causal shift, so the run's tokens are ``samples x (block_size - 1)`` per step, and the script checks that this
-equals the synchronous run's ``items`` and R x island 0's ``items`` of an outer-synced run, step by step.
+``metrics.jsonl`` counts its own island's samples and items (``samples``, ``items``) and every island's samples
+(``run_samples``; a synchronous run's ``samples``); a block holds ``block_size - 1`` items after the causal shift, so
+the run's tokens are ``run_samples x (block_size - 1)`` per step, and the script checks that this equals the
+synchronous run's ``items`` and R x island 0's ``items`` of an outer-synced run, step by step.
 
 Writes ``results.json``, ``results.md`` and ``outer-curves.png`` into ``--out`` and prints the table. ``--publish``
 also keeps the results as :data:`STORE` and renders docs/outer.md's ``bench:outer_curves`` section (table and
@@ -45,7 +46,7 @@ from typing import Any
 
 from benchmarks.launch import ROOT, provenance, train_cli
 from benchmarks.report import replace_section, write_study
-from distaccum.rundir import read_config, read_evals, read_metrics
+from distaccum.rundir import read_config, read_evals, read_metrics, run_samples
 
 STORE = ROOT / "docs" / "results" / "outer-curves.json"
 """The stored result docs/outer.md's table and figure are rendered from."""
@@ -157,7 +158,7 @@ def summarize(
     replicas = 1 if variant.method == "none" else WORLD // island_size
     tokens, sent, by_step = 0, 0, {0: (0, 0)}
     for r in records:
-        step_tokens = int(r["samples"]) * per_sample
+        step_tokens = run_samples(r) * per_sample
         if int(r["items"]) * replicas != step_tokens:
             raise ValueError(
                 f"{variant.label} step {r['step']}: {replicas} x island 0's {r['items']} items is not samples x "

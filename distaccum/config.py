@@ -28,6 +28,7 @@ from distaccum.split import (  # noqa: F401
     resolve_split,
     valid_splits,
 )
+from distaccum.telemetry.config import LogConfig
 from distaccum.units import parse_bytes
 
 ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
@@ -309,7 +310,13 @@ class TrainerConfig:
     """Elastic launches: once MIN nodes have joined a rendezvous, the seconds it waits for more (up to MAX) before
     it starts with those it has (torch elastic's last_call_timeout)."""
     max_steps: int = 20
-    """Optimizer steps to run (not micro-batches)."""
+    """Optimizer steps to run (not micro-batches). A decaying schedule's horizon, also when max_samples ends the run
+    earlier."""
+    max_samples: int | None = None
+    """End the run after the optimizer step whose samples bring the run's total to N or past it: the first step s
+    with samples(1) + ... + samples(s) >= N, whatever each step's global batch (accum.ramp, accum.adaptive), or at
+    max_steps if that comes first. Not with outer.method (its closing sync follows max_steps). null: max_steps
+    alone."""
     seed: int = 0
     """Seed for initial weights and data shuffling."""
     device: str = "auto"
@@ -386,53 +393,11 @@ class TrainerConfig:
         for name in ("keep_checkpoints", "max_nonfinite_steps", "collective_timeout_s", "shutdown_grace_s"):
             _positive("trainer", name, getattr(self, name))
         _positive("trainer", "rdzv_last_call_s", self.rdzv_last_call_s)
+        _positive("trainer", "max_samples", self.max_samples, allow_none=True)
 
     def node_range(self) -> tuple[int, int]:
         """(MIN, MAX) nodes of the launch: equal for a fixed ``nnodes``, MIN < MAX for an elastic launch."""
         return parse_nnodes(self.nnodes)
-
-
-@dataclass(kw_only=True)
-class LogConfig:
-    """Where per-step records go. JSONL in run_dir is always written."""
-
-    console: str = "bar"
-    """bar: a progress bar on a terminal, a progress line per step otherwise; quiet: only the summary."""
-    wandb: bool = False
-    """Also log to Weights & Biases (rank 0 only)."""
-    wandb_mode: str = "offline"
-    """offline (default, no account or network needed) | online (needs WANDB_API_KEY or a netrc
-    entry; without one it warns and logs offline) | disabled (no wandb even with log.wandb=true)."""
-    wandb_project: str = "distaccum"
-    """wandb project name."""
-    ledger: bool = True
-    """Time compute vs communication per step (the comm/compute ledger)."""
-    grad_norm: bool = True
-    """Record each step's global gradient norm (grad_norm; one read pass over the gradients, which clipping needs
-    too). false: no such pass when nothing clips (optim.clip_norm=null): grad_norm is recorded as null and a step is
-    skipped for a non-finite loss only, not for a gradient that overflowed from a finite loss. distaccum verify
-    always records it."""
-    warmup_steps: int = 1
-    """Steps excluded from summary medians (first-step compile/allocation noise)."""
-    rank_stats_every: int = 10
-    """Record every rank's compute time (compute_min_s / compute_max_s: the straggler view) every N
-    optimizer steps; it costs one small all-gather (0: never)."""
-    gns: bool = False
-    """Log the gradient noise scale per step (gns, gns_smoothed; McCandlish et al. 2018), estimated
-    from each rank's accumulated gradient and the reduced one as the DDP comm hook sees them: no extra
-    passes; two squared norms of the gradient and one all-reduce of three numbers per step.
-    Engines whose comm hook measures it (engine=ddp), accum.sync=boundary and more than one rank only."""
-    gns_ema: float = 0.95
-    """Smoothing of gns_smoothed: exponential moving averages of the |G|^2 and tr(Sigma) estimates with
-    this decay per step (about 1/(1 - gns_ema) steps), then their ratio."""
-
-    def __post_init__(self) -> None:
-        _choice("log", "console", self.console, ("bar", "quiet"))
-        if self.rank_stats_every < 0:
-            raise ValueError(f"log.rank_stats_every must be >= 0, got {self.rank_stats_every}")
-        if not 0.0 <= self.gns_ema < 1.0:
-            raise ValueError(f"log.gns_ema must be in [0, 1), got {self.gns_ema}")
-        _choice("log", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
 
 
 @dataclass(kw_only=True)
@@ -502,6 +467,14 @@ class RunConfig:
             raise ValueError(
                 f"{elastic}, and outer.method={self.outer.method} cannot follow: a lost node changes "
                 "the island count, which a resume refuses; use a fixed trainer.nnodes"
+            )
+        if (
+            self.trainer.max_samples is not None and self.outer.enabled
+        ):  # the last merge is placed at max_steps
+            raise ValueError(
+                f"trainer.max_samples={self.trainer.max_samples} cannot end an outer-synced run "
+                f"(outer.method={self.outer.method}): its closing sync merges every island after "
+                "trainer.max_steps; set trainer.max_steps instead"
             )
         if low < high:  # the run may continue on any of these worlds: every one must split the global batch
             check_worlds(self.accum, self.world_sizes(), f"trainer.nnodes={self.trainer.nnodes}")

@@ -51,6 +51,7 @@ from distaccum.cluster.stopping import StopFlag, StopRequested
 from distaccum.data.pipeline import WindowBatches, WindowSource
 from distaccum.engines.base import Engine, StepResult
 from distaccum.losses import LossFn
+from distaccum.rundir import run_samples
 from distaccum.split import Split
 from distaccum.telemetry.sinks import Record, Sink
 from distaccum.telemetry.timing import PendingTimes, StepTimer, StepTimes
@@ -83,6 +84,8 @@ class LoopSettings:
 
     split: Split
     max_steps: int
+    max_samples: int | None
+    """``trainer.max_samples``: the run ends after the step whose samples bring the total to it or past it."""
     clip_norm: float | None
     every_micro: bool
     """Reduce after every micro-batch (``accum.sync=every_micro``) instead of only at the boundary."""
@@ -287,11 +290,13 @@ class StepEnd:
     nonfinite: bool
     extra: Record = field(default_factory=dict)
     """Fields known when the step ended (the outer sync's)."""
+    island: bool = False
+    """The window's collective spans one island of several (an outer-synced run): the record adds the run's."""
 
     def publish(self, state: TrainState, parts: LoopParts) -> None:
         """Resolve the step's timings (waiting for its own events only), then record, log and call ``on_step``."""
         times = self.times.resolve()
-        record = step_record(self.step, times, self.nonfinite)
+        record = step_record(self.step, times, self.nonfinite, self.island)
         record.update(self.extra)  # nothing unless the run is outer-synced
         for monitor in parts.monitors:
             record.update(monitor.fields(record, times, state.records))
@@ -301,16 +306,23 @@ class StepEnd:
             parts.on_step(state, record)
 
 
-def step_record(step: Step, times: StepTimes, nonfinite: bool) -> Record:
-    """The step's ``metrics.jsonl`` line (identical on every rank but the timings)."""
+def step_record(step: Step, times: StepTimes, nonfinite: bool, island: bool = False) -> Record:
+    """The step's ``metrics.jsonl`` line (identical on every rank but the timings). Its samples, items, loss and
+    reductions are those of the ranks the window's collective spans: the run, or in an outer-synced run (``island``)
+    rank 0's island, and then ``run_samples``/``run_samples_per_s`` add the step of every island (the data plan's
+    window; the islands' items are not known before they meet at a sync)."""
     window, totals, result, n = step.window, step.totals, step.result, step.totals.items
+    samples = totals.samples
     timed = times.as_record()  # time_s, data_s, compute_s, optim_s, comm_*, peak_mem_bytes
+    run = (
+        {"run_samples": window.samples, "run_samples_per_s": window.samples / times.time_s} if island else {}
+    )
     return {
         "step": step.number,
         "epoch": window.epoch,
         "loss": totals.loss_sum / n if n else float("nan"),
         "lr": step.lr,
-        "samples": window.samples,
+        "samples": samples,
         "items": round(n),
         "global_batch": window.split.global_batch,
         "micro_steps": window.split.accum_steps,
@@ -320,19 +332,38 @@ def step_record(step: Step, times: StepTimes, nonfinite: bool) -> Record:
         "nonfinite": nonfinite,
         **timed,
         "comm_bytes_per_sample": (timed.get("comm_bytes", 0) + timed.get("comm_bytes_replicate", 0))
-        / max(window.samples, 1),
+        / max(samples, 1),
         "micro_items_min": round(totals.items_min),
         "micro_items_max": round(totals.items_max),
-        "samples_per_s": window.samples / times.time_s,
+        "samples_per_s": samples / times.time_s,
         "items_per_s": n / times.time_s,
+        **run,
     }
+
+
+class SampleBudget:
+    """``trainer.max_samples``: the samples the run has trained (every island's) against its budget."""
+
+    def __init__(self, limit: int | None, records: list[Record]) -> None:
+        self.limit = math.inf if limit is None else limit
+        self.trained = sum(map(run_samples, records))  # the steps already run, a resumed run's included
+
+    @property
+    def spent(self) -> bool:
+        """Whether the steps run so far reached the budget."""
+        return self.trained >= self.limit
+
+    def add(self, samples: int) -> bool:
+        """Count a step's samples (its data plan window's: the same number on every rank); whether that spent it."""
+        self.trained += samples
+        return self.spent
 
 
 def train(
     state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts, *, until: int | None = None
 ) -> list[Record]:
-    """Run optimizer steps until step ``until`` (default ``settings.max_steps``); returns the records
-    of the steps run by this call (identical on every rank; ``state.records`` holds them all).
+    """Run optimizer steps until step ``until`` (default ``settings.max_steps``) or ``settings.max_samples``; returns
+    the records of the steps run by this call (identical on every rank; ``state.records`` holds them all).
 
     Each step is :func:`train_step`; around it the components that own the rest take their turn: the fingerprint
     and the monitors (which may stop the run), the record (a step late under ``lag``), the non-finite policy and
@@ -341,11 +372,16 @@ def train(
     """
     end = min(until if until is not None else settings.max_steps, settings.max_steps)
     first, lagged = len(state.records), None
+    budget = SampleBudget(settings.max_samples, state.records)
     state.model.train()
-    while state.source.next_step < end:
+    while state.source.next_step < end and not budget.spent:
         parts.timer.start_step()
         done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
         step, totals = done.number, done.totals
+        if budget.add(
+            done.window.samples
+        ):  # trainer.max_samples: this step reached it, the run ends after it
+            end = step
         stopping, due = totals.stop_votes > 0, totals.checkpoint_votes > 0
         extra: Record = {}
         if parts.outer is not None:  # islands: the votes count where every island meets, at its syncs
@@ -356,7 +392,8 @@ def train(
         for monitor in parts.monitors:
             monitor.after_step(step, totals, done.c, done.d)
         times = parts.timer.finish_step(sync=not parts.lag)
-        ended = StepEnd(done, times, parts.nonfinite.observe(state, totals, done.result), extra)
+        nonfinite = parts.nonfinite.observe(state, totals, done.result)
+        ended = StepEnd(done, times, nonfinite, extra, island=parts.outer is not None)
         if lagged is not None:  # the previous step's record, whose events step n's queued work follows
             lagged.publish(state, parts)
         checkpointer = parts.checkpointer

@@ -167,6 +167,7 @@ def resolve(
     loop = LoopSettings(
         split=split,
         max_steps=cfg.trainer.max_steps,
+        max_samples=cfg.trainer.max_samples,
         clip_norm=cfg.optim.clip_norm,
         every_micro=sync == "every_micro",
         loss_norm=cfg.accum.loss_norm,

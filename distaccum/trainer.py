@@ -190,8 +190,8 @@ class Trainer:
         return self._run.state
 
     def fit(self) -> Record:
-        """Train to ``trainer.max_steps``, then :meth:`finish`; returns the run summary (identical on
-        every rank).
+        """Train to ``trainer.max_steps`` (or ``trainer.max_samples``), then :meth:`finish`; returns the run
+        summary (identical on every rank).
 
         Raises :class:`~distaccum.cluster.stopping.StopRequested` after checkpointing when a stop was
         requested (SIGTERM/SIGUSR1 through ``stop``), ``ValueError`` for bad components or config.

@@ -42,7 +42,9 @@ class WindowResult:
     """The window's totals over every rank (identical on every rank)."""
 
     items: float
-    """N: the window's loss items over all ranks."""
+    """N: the window's loss items over all ranks (of the window's group: an outer-synced run's island)."""
+    samples: int
+    """The window's real samples over the same ranks (stand-ins of empty pieces not counted)."""
     loss_sum: float
     bad_ranks: list[int]
     """Ranks whose loss was not finite."""
@@ -92,6 +94,7 @@ class WindowTotals:
         """Begin a window: nothing counted, no collective under way."""
         self._losses: list[torch.Tensor] = []
         self._counts: list[torch.Tensor | float] = []
+        self._samples = 0
         self._versions: list[tuple[torch.Tensor, int]] = []
         self._work: Any = None
         self._row: torch.Tensor | None = None
@@ -102,6 +105,7 @@ class WindowTotals:
         backpropagated with: 1, or 0 for a stand-in sample (``samples`` 0: an empty piece of a partial window,
         trained so that every rank runs K backwards), which counts nothing but still shows a non-finite loss."""
         if samples:
+            self._samples += samples
             self._losses.append(summed)
             self._counts.append(n_items)
             if isinstance(
@@ -126,7 +130,12 @@ class WindowTotals:
             )
         tensors = bool(self._versions)
         host = [] if tensors else [float(n) for n in counts]  # exact: integer counts below 2^53, or floats
-        host += [float(stop), float(checkpoint), *(carry.floats if carry is not None else [])]
+        host += [
+            float(self._samples),
+            float(stop),
+            float(checkpoint),
+            *(carry.floats if carry is not None else []),
+        ]
         with torch.no_grad():  # the losses still hold their graphs (their backwards may not have run)
             pieces = [torch.stack(self._losses)]
             if tensors:  # counts the loss returned as tensors: stacked on the device, read with the rest
@@ -194,10 +203,11 @@ class WindowTotals:
             items=sum(n for _, n in sums),
             loss_sum=sum(s for s, _ in sums),
             bad_ranks=[r for r, (s, _) in enumerate(sums) if not math.isfinite(s)],
-            stop_votes=sum(int(row[2 * k]) for row in rows),
-            checkpoint_votes=sum(int(row[2 * k + 1]) for row in rows),
+            samples=sum(int(row[2 * k]) for row in rows),
+            stop_votes=sum(int(row[2 * k + 1]) for row in rows),
+            checkpoint_votes=sum(int(row[2 * k + 2]) for row in rows),
             items_min=min(counts),
             items_max=max(counts),
             rank_sums=sums,
-            carried=[row[2 * k + 2 :] for row in rows],
+            carried=[row[2 * k + 3 :] for row in rows],
         )

@@ -114,8 +114,11 @@ def test_a_resume_on_another_world_keeps_the_ramps_global_batches(tmp_path: Path
     common = ("precision=fp64", "trainer.checkpoint_every=4", *SCHEDULES["ramp"])
     straight = tmp_path / "straight"
     assert run(straight, *common, "trainer.nproc=2", "trainer.max_steps=12").returncode == 0
-    moved = tmp_path / "moved"
-    assert run(moved, *common, "trainer.nproc=2", "trainer.max_steps=4").returncode == 0
+    moved = (
+        tmp_path / "moved"
+    )  # issue 58.5: ended by its budget, 4 steps of 4 samples (the bound is 12 steps)
+    first = run(moved, *common, "trainer.nproc=2", "trainer.max_steps=12", "trainer.max_samples=15")
+    assert first.returncode == 0 and steps(moved) == [1, 2, 3, 4], first.stderr[-3000:]
     second = run(moved, *common, "trainer.nproc=1", "trainer.max_steps=12")  # K doubles on one rank
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {moved}/checkpoints/step-00000004 after optimizer step 4" in second.stdout

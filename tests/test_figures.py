@@ -18,6 +18,8 @@ the command the marker names from stored results):
   stored result (``docs/results/*.json``), or a pointer to BENCHMARKS.md or a generated section — and every
   source of this repository the section names must exist (a retired tool or a deleted result sources nothing). A
   section that points at BENCHMARKS.md alone quotes it: its figures must be in the page's generated sections.
+
+A section built from a stored result must also hold only that result's numbers: ``tests/test_prose_figures.py``.
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ def window(carried: list[list[float]], sums: tuple[float, float] = (1.0, 4.0)) -
     """A window's totals as every rank reads them: ``carried`` per rank, rank r's own sums ``sums`` plus r."""
     return WindowResult(
         items=8.0,
+        samples=2,
         loss_sum=2.0,
         bad_ranks=[],
         stop_votes=0,

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from conftest import torchrun
 from distaccum.config import from_mapping
 from distaccum.outer.sync import split_fragments
+from distaccum.rundir import read_metrics, run_samples
 
 pytestmark = [
     pytest.mark.dist,
@@ -480,3 +481,14 @@ def test_the_console_shows_what_the_outer_sync_sends_and_saves(tmp_path: Path) -
     assert (
         "replica 0: ranks" not in run.stdout and run.stdout.count("island 0: ranks 0") == 2
     )  # plan, placement
+    # Issue 58.4: rank 0's record counted the step's samples over both islands but island 0's items. Now both are
+    # island 0's (mse: one loss item per sample), and `run_samples` counts both islands' (32 = 2 islands x 16).
+    records = read_metrics(tmp_path / "dl")
+    assert [(r["samples"], r["items"], r["run_samples"], r["global_batch"]) for r in records] == [
+        (16, 16, 32, 32)
+    ] * 4
+    assert all(r["run_samples_per_s"] == pytest.approx(2 * r["samples_per_s"]) for r in records)
+    done = json.loads((tmp_path / "dl" / "summary.json").read_text())
+    assert done["samples_per_s"] == pytest.approx(
+        sum(map(run_samples, records)) / sum(r["time_s"] for r in records)
+    )

@@ -121,6 +121,7 @@ def run_outer_reference(
             for p in range(outer.fragments):
                 counts[i][p] += items
             rows.append((float(loss_sum.detach()) / items, norm, lr, items, len(samples)))
+        run_samples = sum(row[4] for row in rows)
         for p in outer.syncing(step + 1, cfg.trainer.max_steps):
             merge(
                 outer, fragments[p], params, theta_g, momentum, [counts[i][p] for i in range(layout.replicas)]
@@ -134,8 +135,9 @@ def run_outer_reference(
             "step": step + 1,
             "loss": loss,
             "lr": lr,
-            "samples": samples_n,
+            "samples": samples_n,  # island 0's, like the candidate's record (docs/observability.md)
             "items": round(items),
+            "run_samples": run_samples,
             "micro_steps": 1,
             "grad_norm": norm,
             "skipped": not math.isfinite(norm),

@@ -65,6 +65,7 @@ ALLOWED_KEYS: dict[str, str] = {
         _LAUNCH,
     ),
     "trainer.init_from": "the checkpoint's weights replace the initial ones",
+    "trainer.max_samples": "where the run ends; the learning rate's horizon is trainer.max_steps",
     **dict.fromkeys(("trainer.resume", "trainer.schedule_on_resume"), "how this resume proceeds"),
     **dict.fromkeys(("trainer.compile", "trainer.compile_mode"), "compilation runs the same model"),
     **dict.fromkeys(

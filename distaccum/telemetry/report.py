@@ -23,7 +23,17 @@ from statistics import median
 import yaml
 
 from distaccum.config import OptimConfig
-from distaccum.rundir import CONFIG, METRICS, STATUS, SUMMARY, Record, read_evals, read_json, read_metrics
+from distaccum.rundir import (
+    CONFIG,
+    METRICS,
+    STATUS,
+    SUMMARY,
+    Record,
+    read_evals,
+    read_json,
+    read_metrics,
+    run_samples,
+)
 from distaccum.units import human_bytes
 
 RUN_FILES = (METRICS, SUMMARY, STATUS)
@@ -208,7 +218,7 @@ def effective_lr(run: Run) -> float:
     global batch their config and first record give (nan when unknown)."""
     if "effective_lr" in run.summary:
         return float(run.summary["effective_lr"])
-    global_batch = run.summary.get("global_batch") or (run.records[0].get("samples") if run.records else None)
+    global_batch = run.summary.get("global_batch") or (run_samples(run.records[0]) if run.records else None)
     try:
         optim = OptimConfig(**run.config["optim"])
     except (KeyError, TypeError, ValueError):
@@ -227,7 +237,7 @@ def table_row(run: Run) -> Row:
         return median(values) if values else math.nan
 
     total_time = sum(float(r.get("time_s", 0.0)) for r in run.records)
-    samples = sum(int(r.get("samples", 0)) for r in run.records)
+    samples = sum(map(run_samples, run.records))
     compute, exposed = med("compute_s"), med("comm_exposed_s")
     busy = compute + exposed
     return Row(
@@ -310,7 +320,7 @@ def comparable_key(run: Run) -> str:
     if isinstance(key["model"], dict):  # recomputing activations does not change a single value
         key["model"] = {k: v for k, v in key["model"].items() if k != "activation_checkpointing"}
     key["seed"] = config.get("trainer", {}).get("seed")
-    key["samples_per_step"] = run.records[0].get("samples") if run.records else None
+    key["samples_per_step"] = run_samples(run.records[0]) if run.records else None
     # What changes the math besides the sections: an outer sync (a DiLoCo run is not its synchronous baseline), and
     # a global batch that changes as the run goes (a ramp, the adaptive rule), whatever its first step takes.
     outer = config.get("outer") or {}

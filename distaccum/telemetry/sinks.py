@@ -132,7 +132,7 @@ class ConsoleSink:
                     f"{human_bytes(record.get('comm_bytes_outer', 0))} across islands"
                 )
         return (
-            f"{loss} {record['loss']:.4f} lr {record['lr']:.2e} {batch}{record.get('samples_per_s', 0):.1f} samples/s "
+            f"{loss} {record['loss']:.4f} lr {record['lr']:.2e} {batch}{record.get('run_samples_per_s', record.get('samples_per_s', 0)):.1f} samples/s "
             f"reduced {human_bytes(record.get('comm_bytes', 0))} in {calls} call{'' if calls == 1 else 's'}{where}"
             f"{replicas} comm {share:.0%}" + _compiled(record) + (" SKIPPED" if record.get("skipped") else "")
         )

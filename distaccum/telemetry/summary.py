@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from distaccum.engines.base import Engine
-from distaccum.rundir import Record
+from distaccum.rundir import Record, run_samples
 
 
 def summarize(
@@ -42,7 +42,7 @@ def summarize(
         "effective_lr": engine.optimizer.param_groups[0]["initial_lr"] * lr_scale,
         "steps": len(records),
         "final_loss": records[-1]["loss"] if records else float("nan"),
-        "samples_per_s": sum(r["samples"] for r in records) / total_time if total_time else 0.0,
+        "samples_per_s": sum(map(run_samples, records)) / total_time if total_time else 0.0,  # every island's
         "param_sum": float(param_sum),
         "param_l2": float(param_sq.sqrt()),
         "run_dir": str(run_dir),
