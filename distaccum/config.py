@@ -326,11 +326,12 @@ class TrainerConfig:
     of a step on CPU/gloo (measured, see docs/verification.md), so every 10 steps costs <= 0.6%."""
     fingerprint: bool = True
     """After every boundary reduction compare across ranks a sample of the reduced gradient (ddp, accelerate) or
-    check that the reduced shards' weighted sum equals the ranks' local gradients' (fsdp, HSDP, deepspeed ZeRO:
-    distaccum/engines/checksum.py), each rank's data and random seed: numbers carried by the next window's all-gather
-    and compared a step later (no collective of its own): a wrong reduction stops the run at the next step or before
-    a checkpoint (exit 1, naming the step and the ranks); identical data or random numbers on every rank are warned
-    about. Off only to save the gradient sample per step; world size 1 skips it."""
+    check each sampled reduced element against the ranks' local gradients summed exactly (fsdp, HSDP, deepspeed
+    ZeRO: distaccum/engines/checksum.py, one all-reduce of the sample a step), each rank's data and random seed,
+    compared a step later. A correct reduction is never flagged (a proven bound); a skipped, doubled or halved one
+    stops the run at the next step or before a checkpoint (exit 1) when some sampled element does not cancel across
+    the ranks: in fp32 always, in bf16/fp16 as docs/verification.md tabulates (not bf16 at 64 uncorrelated ranks).
+    Identical data or random numbers on every rank are warned about. Off only to save the sample; 1 rank skips it."""
     init_from: str | None = None
     """Initial weights, loaded after the model is built, before wrapping, under the plain model's parameter
     names (e.g. a seed checkpoint): a .safetensors file, a run's final/ directory, or a PyTorch state dict

@@ -51,7 +51,7 @@ from distaccum.engines.base import (
     StepResult,
     grads_of,
 )
-from distaccum.engines.checksum import ReductionChecksum, tolerance
+from distaccum.engines.checksum import ReductionChecksum, Rounding
 from distaccum.engines.comm_tap import tap_gradient_reductions
 from distaccum.engines.compile import compile_options
 from distaccum.engines.deepspeed_config import build, check
@@ -234,9 +234,22 @@ class DeepSpeedEngine(EngineBase):
         self.checksum.watch(params)
         # ZeRO-0 all-reduces: every rank holds the whole reduced gradient, a replica of its own.
         self.checksum.replicas = [[r] for r in range(world)] if self.stage == 0 else [list(range(world))]
-        self.checksum.tolerance = tolerance(
-            self.accum_steps, world, [dtype, REDUCE_DTYPES[self.spec.reduce_dtype] or dtype]
+        self.checksum.group = self.spec.group
+        # ZeRO-0 and a coalesced window: autograd accumulates the parameters' gradients (``grad +=`` in their dtype)
+        # and one reduction runs; every_micro reduces each micro-batch into the partition. DeepSpeed's own schedule
+        # and its BF16_Optimizer accumulate where this does not reproduce: their K roundings stay in the bound.
+        once = self.stage == 0 or self.coalescing
+        self.checksum.rounding = Rounding(
+            world=world,
+            accum_steps=self.accum_steps,
+            reduce=REDUCE_DTYPES[self.spec.reduce_dtype] or dtype,
+            held=dtype,
+            accumulate=dtype if once or self.spec.sync == "boundary" else None,
+            exact=not self.unscaled_wrapper and (once or self.spec.sync != "boundary"),
+            divides=True,
         )
+        if self.checksum.rounding.k_term and dist.get_rank() == 0:
+            print(f"distaccum: {self.checksum.rounding.describe()}", flush=True)
 
     def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:
         # As accum.sync says (measured on gloo: ZeRO-0 and the coalesced ZeRO-1-3 window 1 round, ZeRO-2/3

@@ -31,7 +31,8 @@ gradient into the reduce dtype *before* the reduce-scatter, so both collectives 
 under HSDP, the all-reduce) run in it, and under ``replica_boundary`` the partial sum it keeps across
 micro-batches is in that dtype too (read off ``foreach_reduce`` in torch 2.13); the result is cast
 back to the parameters' dtype when it becomes the sharded gradient. With ``boundary`` the K
-micro-batches accumulate in the parameters' dtype and the compressed reduction runs once per step.
+micro-batches accumulate in the reduce dtype (FSDP2 casts the first and adds the others to it) and the
+compressed reduction runs once per step.
 
 Reduction is a plain SUM (``grad_divisor = 1``): the loop's division by the global item count
 stays the only normalization. FSDP2's default is a mean over ranks; keeping it and declaring
@@ -68,7 +69,7 @@ from distaccum.engines.base import (
     dcp_save,
     step_plain,
 )
-from distaccum.engines.checksum import ReductionChecksum, tolerance
+from distaccum.engines.checksum import ReductionChecksum, Rounding
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.engines.compile import compile_in_place
 from distaccum.models import block_units
@@ -223,9 +224,20 @@ class FSDPEngine(EngineBase):
         )
         self.checksum.watch(cast(list[nn.Parameter], leaves))
         self.checksum.replicas = self.layout() or [list(range(self.spec.world_size))]
-        self.checksum.tolerance = tolerance(
-            self.spec.split.accum_steps, self.spec.world_size, [policy.reduce_dtype or unsharded]
+        self.checksum.group = self.spec.group
+        reduce = policy.reduce_dtype or unsharded
+        # boundary: FSDP2 accumulates the window's unsharded gradients in the reduce dtype (autograd's ``grad +=``
+        # when it is the parameters' dtype, else its own ``acc += grad`` after a first cast) and reduces once; the
+        # other modes reduce every micro-batch and accumulate the reduced pieces.
+        self.checksum.rounding = Rounding(
+            world=mesh.size(),
+            accum_steps=self.spec.split.accum_steps,
+            reduce=reduce,
+            held=named[0][1].dtype,
+            accumulate=reduce if self.spec.sync == "boundary" else None,
         )
+        if self.checksum.rounding.k_term and dist.get_rank() == 0:
+            print(f"distaccum: {self.checksum.rounding.describe()}", flush=True)
 
     def _fsdp(self) -> FSDPModule:
         assert isinstance(self.module, FSDPModule)

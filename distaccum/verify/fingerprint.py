@@ -16,11 +16,11 @@ checkpoint or final model is written after a diverged step.
 
 Engines whose reduced gradient is replicated on every rank (``replicated_gradients``: DDP, Accelerate) send that
 sample. Sharded engines (FSDP2, HSDP, DeepSpeed ZeRO 1-3) keep each reduced element once per replica, so there is
-no second copy to compare (ZeRO-0, which all-reduces, takes the same path, each rank a replica); they send their :class:`~distaccum.engines.checksum.ReductionChecksum` instead: a weighted
-sum of the rank's local gradient before the reduction, its magnitude, and the same weighted sum of the reduced shard
-it holds. Summed over the ranks, the local side must equal each replica's reduced side up to the engine's rounding
-bound (``ReductionChecksum.tolerance``; the invariant and the bound are in :mod:`distaccum.engines.checksum`); a skipped,
-doubled or mis-scaled reduction stops the run the same way, one step later, with ``divergence.json``.
+no second copy to compare (ZeRO-0, which all-reduces, takes the same path, each rank a replica); they send their :class:`~distaccum.engines.checksum.ReductionChecksum` instead: the
+verdict of the reduced sample it holds against the ranks' local gradients summed exactly (one all-reduce of the
+sample in the engine's step): every sampled element must stay within the reduction's own rounding bound (the
+invariant and the bound are in :mod:`distaccum.engines.checksum`); a skipped, doubled or mis-scaled reduction stops
+the run the same way, one step later, with ``divergence.json``.
 
 Two warnings come from the same rows (stderr and ``warnings.jsonl``, rank 0, once per kind):
 
@@ -194,27 +194,26 @@ class Fingerprint:
                 f.write(json.dumps({"step": step, "check": check, "message": message}) + "\n")
 
     def _check_sums(self, step: int, sums: list[list[float]]) -> None:
-        """The sharded invariant: every replica's reduced checksum equals the ranks' local one, up to the bound."""
-        replicas, tol = self.engine.checksum.replicas, self.engine.checksum.tolerance
-        ok, ratios = agree(sums, replicas, tol)
+        """The sharded invariant: every replica's sampled reduced elements equal the ranks' local gradients summed
+        exactly, each within its rounding bound (:mod:`distaccum.engines.checksum`)."""
+        replicas = self.engine.checksum.replicas
+        ok, ratios, worst = agree(sums, replicas)
         if ok:
             return
-        a, m = math.fsum(r[0] for r in sums), math.fsum(r[1] for r in sums)
-        bad = [
-            i for i, group in enumerate(replicas) if abs(math.fsum(sums[r][2] for r in group) - a) > tol * m
-        ]
-        ranks = replicas[bad[0]]
-        where = f" of replica {bad[0]} (ranks {', '.join(map(str, ranks))})" if len(replicas) > 1 else ""
+        bad = next(i for i, share in enumerate(worst) if not share <= 1.0)
+        ranks = replicas[bad]
+        where = f" of replica {bad} (ranks {', '.join(map(str, ranks))})" if len(replicas) > 1 else ""
+        a = math.fsum(sums[r][0] for r in ranks)
         message = (
             f"the gradient reduction went wrong at optimizer step {step}: the reduced gradient{where} is "
-            f"{ratios[bad[0]]:.6g} x what the ranks' local gradients add up to (reduction checksum: local "
-            f"{a:.9g}, reduced {a * ratios[bad[0]]:.9g}, allowed difference {tol * m:.3g}). 0 means the reduction "
-            "was skipped, 2 that it ran twice; another number, that it was scaled wrongly or some rank's part is "
-            "missing or extra (a no_sync that never re-enables sync, a reduction skipped or repeated, a wrong "
-            "divide factor). The run stopped when the comparison was read: one step later, or at once before a "
-            "checkpoint or at the end of the run."
+            f"{ratios[bad]:.6g} x what the ranks' local gradients add up to (reduction checksum: local "
+            f"{a:.9g}, reduced {a * ratios[bad]:.9g}; its worst sampled element is {worst[bad]:.3g} x the "
+            "rounding bound a correct reduction never leaves). 0 means the reduction was skipped, 2 that it ran "
+            "twice; another number, that it was scaled wrongly or some rank's part is missing or extra (a no_sync "
+            "that never re-enables sync, a reduction skipped or repeated, a wrong divide factor). The run stopped "
+            "when the comparison was read: one step later, or at once before a checkpoint or at the end of the run."
         )
-        self._stop(step, "(reduction checksum)", ranks, message, ratio=ratios[bad[0]])
+        self._stop(step, "(reduction checksum)", ranks, message, ratio=ratios[bad], bound_share=worst[bad])
 
     def _fail(self, step: int, rows: list[list[float]]) -> None:
         by_gradient = groups([row[1:] for row in rows])
