@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.checksum_margin import simulate
 from conftest import EXTENSIONS, Run, inject, run_cli
-from distaccum.engines.checksum import Rounding, agree, sample_positions
+from distaccum.engines.checksum import Rounding, agree, sample_positions, verdict
 
 
 @pytest.mark.unit
@@ -51,6 +51,21 @@ def test_the_bound_no_longer_grows_with_k_where_the_accumulation_is_reproduced()
     each = Rounding(world=2, accum_steps=64, reduce=torch.bfloat16, held=torch.bfloat16, accumulate=None)
     assert each.k_term and each.coefficient() > 64 * 2.0**-8
     assert "agrees over the micro-batches" in each.describe()
+
+
+@pytest.mark.unit
+def test_an_element_every_rank_left_at_zero_is_within_its_bound_until_it_is_reduced_to_something_else() -> (
+    None
+):
+    """fp64: an exact-zero gradient (an unused embedding row, a dead ReLU) has a bound of 0 (its floor underflows);
+    reduced to 0 it is within it, not 0/0; reduced to anything else it is not."""
+    fp64 = Rounding(
+        world=2, accum_steps=4, reduce=torch.float64, held=torch.float64, accumulate=torch.float64
+    )
+    exact = torch.tensor([[0.0, 3.0], [0.0, 3.0]], dtype=torch.float64)  # S and A of two sampled elements
+    assert verdict(exact, torch.tensor([0.0, 3.0], dtype=torch.float64), fp64)[1] == 0.0
+    assert verdict(exact, torch.tensor([1e-300, 3.0], dtype=torch.float64), fp64)[1] > 1.0
+    assert verdict(exact, torch.tensor([float("nan"), 3.0], dtype=torch.float64), fp64)[1].isnan()
 
 
 @pytest.mark.unit

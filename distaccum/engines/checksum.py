@@ -178,7 +178,11 @@ def verdict(exact: torch.Tensor, reduced: torch.Tensor, rounding: Rounding) -> t
     non-finite policy's, not judged)."""
     s, a = exact[0], exact[1]
     bound = a * rounding.coefficient() + rounding.floor()
-    worst = ((reduced - s).abs() / bound).amax() if s.numel() else s.new_zeros(())
+    diff = (reduced - s).abs()
+    # An element every rank left exactly 0 and reduced to exactly 0 has a bound of 0 in fp64 (its floor underflows):
+    # share 0, not 0/0. Reduced to anything else it has an infinite share; a NaN reduced value a NaN one: both fail.
+    share = torch.where(diff == 0, torch.zeros_like(diff), diff / bound)
+    worst = share.amax() if s.numel() else s.new_zeros(())
     finite = torch.isfinite(exact).all()
     total = torch.where(finite, s.abs().sum(), s.new_tensor(math.nan))
     return torch.stack([total, worst, (torch.sign(s) * reduced).sum()])

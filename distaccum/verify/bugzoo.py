@@ -225,7 +225,8 @@ BUGS: tuple[Bug, ...] = (
         (fault("DDPOnlyNoSync", "nosync"),),
         "reduction_count",
         {"name": "fsdp"},
-        note="the gradient stays right (FSDP2 sums fresh reduce-scatters): only the cost, K reductions, shows",
+        note="the gradient stays right to rounding (FSDP2 sums fresh reduce-scatters): the cost, K reductions, shows, "
+        "and the reduction checksum, which holds the reduced gradient to one reduction's rounding, stops the run",
     ),
     Bug(
         "nested_ddp",

@@ -17,6 +17,7 @@ from torch import nn
 from distaccum.config import Split
 from distaccum.models import batch_stat_layers, random_layers
 from distaccum.verify.compare import Report
+from distaccum.verify.reduction_count import EXTRA
 
 CAUSES = (
     "rank_divergence",
@@ -430,12 +431,17 @@ def diagnose(
         return rule_reduction_count(steps)
     tripwire = rule_rank_divergence(report)
     known = rule_known_error(steps) if exit_code else None
+    # K reductions where one was promised: the reduced gradient then rounds like K reductions, which the reduction
+    # checksum (held to one reduction's rounding) stops on too. The count names the cause, the checksum's stop is
+    # its consequence: the count comes first.
+    extra = [f for f in rule_reduction_count(steps) if EXTRA in f.message]
     findings = [
         f
         for f in (
+            *extra,
             tripwire,
             known,
-            *rule_runtime_warnings(steps),
+            *(f for f in rule_runtime_warnings(steps) if f not in extra),
             rule_batch_statistics(facts, split),
             rule_loss_normalization(facts, unequal),
             rule_item_count(facts, steps),

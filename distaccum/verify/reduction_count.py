@@ -63,6 +63,10 @@ class ReductionCount:
         return {}
 
 
+EXTRA = "gradients were reduced on micro-batches that should only accumulate"
+"""How the warning begins its cause when more micro-batches reduced than ``accum.sync`` promises."""
+
+
 def describe(step: int, seen: tuple[int, int], promise: tuple[int, int], sync: str) -> str:
     """The warning: which step, how many micro-batches reduced, how many ``accum.sync`` promises, and why."""
     what = f"{seen[0]} of the window's micro-batches reduced gradients"
@@ -71,7 +75,7 @@ def describe(step: int, seen: tuple[int, int], promise: tuple[int, int], sync: s
         what += f" ({seen[1]} across replicas)"
         expected += f" ({promise[1]} across replicas)"
     cause = (
-        "gradients were reduced on micro-batches that should only accumulate: a no_sync that does nothing "
+        f"{EXTRA}: a no_sync that does nothing "
         "(around the backward only, where DDP already armed its reducer in the forward; a helper that does not "
         "know the wrapper, e.g. FSDP2), or a nested DDP the outer no_sync does not reach. The step costs that many "
         "times the communication, and under a summing reduction the gradient is wrong too"
