@@ -42,7 +42,8 @@ from typing import Any
 
 from benchmarks.launch import ROOT, provenance, train_cli
 from benchmarks.report import replace_section, write_study
-from distaccum.rundir import read_evals, read_metrics, run_samples
+from distaccum.rundir import read_evals, read_metrics
+from distaccum.telemetry.summary import run_samples
 from distaccum.units import human_bytes
 
 STORE = ROOT / "docs" / "results" / "batch-schedule.json"

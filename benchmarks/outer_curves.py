@@ -46,7 +46,8 @@ from typing import Any
 
 from benchmarks.launch import ROOT, provenance, train_cli
 from benchmarks.report import replace_section, write_study
-from distaccum.rundir import read_config, read_evals, read_metrics, run_samples
+from distaccum.rundir import read_config, read_evals, read_metrics
+from distaccum.telemetry.summary import run_samples
 
 STORE = ROOT / "docs" / "results" / "outer-curves.json"
 """The stored result docs/outer.md's table and figure are rendered from."""

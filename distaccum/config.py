@@ -19,6 +19,7 @@ from distaccum.batching.config import AdaptiveConfig, RampConfig, check_schedule
 from distaccum.cluster.config import KubeflowConfig, RayConfig, SlurmConfig  # leaf modules, like Split
 from distaccum.cluster.contracts import parse_nnodes
 from distaccum.outer.config import OuterConfig
+from distaccum.rundir.log_config import LogConfig
 from distaccum.split import (  # noqa: F401
     Split,
     check_split,
@@ -28,7 +29,6 @@ from distaccum.split import (  # noqa: F401
     resolve_split,
     valid_splits,
 )
-from distaccum.telemetry.config import LogConfig
 from distaccum.units import parse_bytes
 
 ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")

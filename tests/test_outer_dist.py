@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 from conftest import torchrun
 from distaccum.config import from_mapping
 from distaccum.outer.sync import split_fragments
-from distaccum.rundir import read_metrics, run_samples
+from distaccum.rundir import read_metrics
+from distaccum.telemetry.summary import run_samples
 
 pytestmark = [
     pytest.mark.dist,

@@ -49,13 +49,6 @@ SEED = "seed.safetensors"
 Record = dict[str, Any]
 
 
-def run_samples(record: Record) -> int:
-    """A step record's samples over the whole run: ``run_samples`` in an outer-synced run's record (whose
-    ``samples`` count rank 0's island), else ``samples``, which in records written before the two were told apart
-    counted every island too."""
-    return int(record.get("run_samples", record.get("samples")) or 0)
-
-
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically: a reader never sees half a file, and several writers of the same
     file (the launchers of one elastic run sharing its run_dir, ranks on hosts sharing a filesystem) each go

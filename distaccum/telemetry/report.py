@@ -32,8 +32,8 @@ from distaccum.rundir import (
     read_evals,
     read_json,
     read_metrics,
-    run_samples,
 )
+from distaccum.telemetry.summary import run_samples
 from distaccum.units import human_bytes
 
 RUN_FILES = (METRICS, SUMMARY, STATUS)

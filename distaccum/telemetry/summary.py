@@ -9,7 +9,14 @@ from typing import Any
 import torch
 
 from distaccum.engines.base import Engine
-from distaccum.rundir import Record, run_samples
+from distaccum.rundir import Record
+
+
+def run_samples(record: Record) -> int:
+    """A step record's samples over the whole run: ``run_samples`` in an outer-synced run's record (whose
+    ``samples`` count rank 0's island), else ``samples``, which in records written before the two were told apart
+    counted every island too."""
+    return int(record.get("run_samples", record.get("samples")) or 0)
 
 
 def summarize(
