@@ -341,24 +341,6 @@ def step_record(step: Step, times: StepTimes, nonfinite: bool, island: bool = Fa
     }
 
 
-class SampleBudget:
-    """``trainer.max_samples``: the samples the run has trained (every island's) against its budget."""
-
-    def __init__(self, limit: int | None, records: list[Record]) -> None:
-        self.limit = math.inf if limit is None else limit
-        self.trained = sum(map(run_samples, records))  # the steps already run, a resumed run's included
-
-    @property
-    def spent(self) -> bool:
-        """Whether the steps run so far reached the budget."""
-        return self.trained >= self.limit
-
-    def add(self, samples: int) -> bool:
-        """Count a step's samples (its data plan window's: the same number on every rank); whether that spent it."""
-        self.trained += samples
-        return self.spent
-
-
 def train(
     state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts, *, until: int | None = None
 ) -> list[Record]:
@@ -372,15 +354,15 @@ def train(
     """
     end = min(until if until is not None else settings.max_steps, settings.max_steps)
     first, lagged = len(state.records), None
-    budget = SampleBudget(settings.max_samples, state.records)
+    budget = math.inf if settings.max_samples is None else settings.max_samples
+    trained = sum(map(run_samples, state.records))  # trainer.max_samples counts a resumed run's steps too
     state.model.train()
-    while state.source.next_step < end and not budget.spent:
+    while state.source.next_step < end and trained < budget:
         parts.timer.start_step()
         done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
         step, totals = done.number, done.totals
-        if budget.add(
-            done.window.samples
-        ):  # trainer.max_samples: this step reached it, the run ends after it
+        trained += done.window.samples  # the data plan's window: every island's, the same on every rank
+        if trained >= budget:  # trainer.max_samples: this step reached it, the run ends after it
             end = step
         stopping, due = totals.stop_votes > 0, totals.checkpoint_votes > 0
         extra: Record = {}

@@ -54,8 +54,7 @@ def train_task(dcfg: Any) -> int:
         print(f"distaccum: skipping invalid sweep job {job_dir}: {err}", file=sys.stderr)
         write_json(Path(str(job_dir)) / STATUS, {"status": "invalid_config", "error": str(err)})
         return EXIT_CONFIG
-    if forked.available():  # the workers' libraries load from here on, beside this process's own work
-        forked.start()
+    forked.start()  # the workers' libraries load from here on, beside this process's own work
     config_file = Path(cfg.run_dir) / LAUNCH_CONFIG
     config_file.write_text(json.dumps(to_mapping(cfg), indent=2) + "\n")
     split = checked.run.split

@@ -28,7 +28,7 @@ def verify_task(dcfg: Any, *, on_ray: bool = False) -> int:
     launcher = launch_on_ray if on_ray else launch_local
     try:
         cfg = to_run_config(dcfg)
-        if not on_ray and forked.available():  # the workers' libraries load while the reference runs here
+        if not on_ray:  # the workers' libraries load while the reference runs here
             forked.start()
         result = verify(cfg, echo=lambda line: print(line, flush=True), launcher=launcher)
     except ValueError as err:

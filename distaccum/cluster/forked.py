@@ -51,8 +51,11 @@ def available() -> bool:
 
 
 def start() -> None:
-    """Start the worker server now (idempotent), so that it imports while this process goes on with its own work."""
+    """Start the worker server now (idempotent), so that it imports while this process goes on with its own work;
+    nothing where multiprocessing has no forkserver (Windows: workers are spawned)."""
     global _server_env
+    if not available():
+        return
     if _server_env is None:
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
         _server_env = dict(os.environ)

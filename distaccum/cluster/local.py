@@ -246,11 +246,8 @@ def launch_local(cfg: RunConfig, config_file: Path) -> int:
 
 
 def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
-    fork = args[: len(DISTACCUM_MODULE)] == DISTACCUM_MODULE and forked.available()
-    if (
-        fork
-    ):  # distaccum's own workers: forked from a server that loaded their libraries once (cluster/forked.py)
-        forked.start()
+    # distaccum's own workers, launched by its command line: forked from the server it started (cluster/forked.py)
+    fork = args[: len(DISTACCUM_MODULE)] == DISTACCUM_MODULE and forked.started()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
