@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import cli_server
 import pytest
 
 from distaccum.config import DEFAULT_EXTENSIONS_DIR
@@ -100,19 +101,31 @@ class Run:
         return json.loads((self.run_dir / "summary.json").read_text())
 
 
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A command's environment: this one, unbuffered output, ``env`` on top, and no worker variables (a test never
+    inherits a worker environment)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID", "SLURM_PROCID"):
+        full_env.pop(var, None)
+    return full_env
+
+
+def distaccum_cli(
+    argv: Sequence[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``python -m distaccum ARGV`` in ``cwd``, its output captured (``subprocess.run``'s result and timeout), forked
+    from this pytest process's command server (tests/cli_server.py) rather than a new interpreter."""
+    return cli_server.run(argv, cwd=cwd, env=cli_env(env), timeout=timeout)
+
+
 def run_cli(
     command: str, run_dir: Path, *overrides: str, timeout: float = 180, env: dict[str, str] | None = None
 ) -> Run:
     """``python -m distaccum COMMAND overrides... run_dir=RUN_DIR log.console=quiet``."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID", "SLURM_PROCID"):
-        full_env.pop(var, None)  # never let a test inherit a worker environment
-    proc = subprocess.run(
-        [sys.executable, "-m", "distaccum", command, *overrides, "log.console=quiet", f"run_dir={run_dir}"],
+    proc = distaccum_cli(
+        [command, *overrides, "log.console=quiet", f"run_dir={run_dir}"],
         cwd=run_dir.parent,
-        env=full_env,
-        capture_output=True,
-        text=True,
+        env=env,
         timeout=timeout,
     )
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)

@@ -47,6 +47,9 @@ def train_task(dcfg: Any) -> int:
         if launch is not None:
             print(f"distaccum: {launch.describe()}", flush=True)
             cfg = with_overrides(cfg, launch.overrides())
+        # The workers' libraries load in a server forked from here, beside the pre-flight: forked before it, while
+        # this process has only imported and parsed (the pre-flight instantiates the user's components).
+        forked.start()
         checked = preflight(cfg)
     except ValueError as err:  # ConfigError, or a PET_* value the config refuses
         if not multirun:
@@ -54,7 +57,6 @@ def train_task(dcfg: Any) -> int:
         print(f"distaccum: skipping invalid sweep job {job_dir}: {err}", file=sys.stderr)
         write_json(Path(str(job_dir)) / STATUS, {"status": "invalid_config", "error": str(err)})
         return EXIT_CONFIG
-    forked.start()  # the workers' libraries load from here on, beside this process's own work
     config_file = Path(cfg.run_dir) / LAUNCH_CONFIG
     config_file.write_text(json.dumps(to_mapping(cfg), indent=2) + "\n")
     split = checked.run.split
