@@ -5,7 +5,7 @@ Each of W simulated ranks draws K micro-batch gradients of n elements in the dty
 mean (the ranks' gradients do not agree beyond chance, the hardest case for the check), magnitudes spread over
 2^-4 .. 2^4. Each rank accumulates them as an engine does (``acc += g`` in the dtype), and the reduction sums the
 ranks' accumulated values in the dtype in a random order, rounding every addition. The checksum's own functions
-(:func:`~distaccum.engines.checksum.local_parts`, :func:`~distaccum.engines.checksum.verdict`) then judge the
+(:func:`~distaccum.guards.checksum.local_parts`, :func:`~distaccum.guards.checksum.verdict`) then judge the
 reduced values, as the engines' step does after its all-reduce.
 
     python -m benchmarks.checksum_margin            # the table pasted in docs/verification.md
@@ -22,7 +22,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from distaccum.engines.checksum import ReductionChecksum, Rounding, local_parts, verdict
+from distaccum.guards.checksum import ReductionChecksum, Rounding, local_parts, verdict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FAULTS = ("double", "halve", "skip")

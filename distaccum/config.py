@@ -327,7 +327,7 @@ class TrainerConfig:
     fingerprint: bool = True
     """After every boundary reduction compare across ranks a sample of the reduced gradient (ddp, accelerate) or
     check each sampled reduced element against the ranks' local gradients summed exactly (fsdp, HSDP, deepspeed
-    ZeRO: distaccum/engines/checksum.py, one all-reduce of the sample a step), each rank's data and random seed,
+    ZeRO: distaccum/guards/checksum.py, one all-reduce of the sample a step), each rank's data and random seed,
     compared a step later. A correct reduction is never flagged (a proven bound); a skipped, doubled or halved one
     stops the run at the next step or before a checkpoint (exit 1) when some sampled element does not cancel across
     the ranks: in fp32 always, in bf16/fp16 as docs/verification.md tabulates (not bf16 at 64 uncorrelated ranks).

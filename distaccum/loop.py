@@ -50,12 +50,12 @@ from torch import nn
 from distaccum.cluster.stopping import StopFlag, StopRequested
 from distaccum.data.pipeline import WindowBatches, WindowSource
 from distaccum.engines.base import Engine, StepResult
+from distaccum.guards.fingerprint import Fingerprint
 from distaccum.losses import LossFn
 from distaccum.split import Split
 from distaccum.telemetry.sinks import Record, Sink
 from distaccum.telemetry.summary import run_samples
 from distaccum.telemetry.timing import PendingTimes, StepTimer, StepTimes
-from distaccum.verify.fingerprint import Fingerprint
 from distaccum.window import WindowResult, WindowTotals
 
 

@@ -44,6 +44,9 @@ from distaccum.data.sources import build_source
 from distaccum.engines import make_engine
 from distaccum.engines.base import Engine, OptimizerFactory
 from distaccum.evaluate import EvalResult, evaluate
+from distaccum.guards.fingerprint import Fingerprint
+from distaccum.guards.reduction_count import ReductionCount
+from distaccum.guards.tripwire import Tripwire
 from distaccum.loop import LoopParts, NonFinitePolicy, StepMonitor, TrainState, train
 from distaccum.losses import LossFn
 from distaccum.optim import build_scheduler, describe_lr, rescale
@@ -61,9 +64,6 @@ from distaccum.telemetry.sinks import NullSink, Record, Sink, build_sinks
 from distaccum.telemetry.summary import summarize
 from distaccum.telemetry.timing import RankStats, StepTimer
 from distaccum.tuning.autobatch import AutoChoice, auto_micro_batch, default_budget
-from distaccum.verify.fingerprint import Fingerprint
-from distaccum.verify.reduction_count import ReductionCount
-from distaccum.verify.tripwire import Tripwire
 from distaccum.window import WindowTotals
 
 

@@ -24,9 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_all_gather = (
-    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-)  # the name before torch 2.13
+from distaccum.cluster.procgroup import all_gather_into
 
 
 @dataclass(frozen=True)
@@ -155,7 +153,7 @@ class WindowTotals:
                 else self._gathered
             )
             self._rows_np = self._rows_host.numpy()
-        self._work = _all_gather(self._gathered, row, async_op=True, group=self.group)
+        self._work = all_gather_into(self._gathered, row, async_op=True, group=self.group)
 
     def _on_device(self, n: torch.Tensor | float) -> torch.Tensor:
         if not isinstance(n, torch.Tensor):

@@ -1,6 +1,7 @@
-"""The per-step reduction fingerprint (distaccum/verify/fingerprint.py).
+"""The per-step reduction fingerprint (distaccum/guards/fingerprint.py).
 
-- unit: what the engine's sample sees, a mismatch names the step, ranks and parameter, NaN-aware grouping, the seed hash,
+- unit: what the engine's sample sees, a mismatch names the step, ranks and parameter, NaN-aware grouping, the ranks'
+  bit-for-bit agreement (:mod:`distaccum.guards.agreement`), the seed hash,
   which engines replicate their reduced gradient, world 1 does nothing, the row rides on the next window's
   collective and only a row no window carried is gathered;
 - dist: a real 2-rank ``distaccum train`` whose reduction goes wrong from step 3 on (``no_sync`` on the
@@ -26,9 +27,11 @@ from distaccum.engines.base import GradSample, StepResult, sample_views
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed import DeepSpeedEngine
 from distaccum.engines.fsdp import FSDPEngine
+from distaccum.guards import agreement
+from distaccum.guards.agreement import all_same, differing, groups, require, same
+from distaccum.guards.fingerprint import Fingerprint, rng_hash
+from distaccum.guards.tripwire import RankDivergenceError
 from distaccum.rundir.checkpoint import step_dir
-from distaccum.verify.fingerprint import Fingerprint, all_same, groups, rng_hash, same
-from distaccum.verify.tripwire import RankDivergenceError
 from distaccum.window import Carry, WindowResult
 
 
@@ -49,6 +52,25 @@ def test_ranks_are_grouped_with_nan_equal_to_nan() -> None:
         [[1.0, nan], [1.0, 2.0]],
     ):
         assert all_same(rows) == (len(groups(rows)) == 1), rows  # the verdict without the grouping
+
+
+@pytest.mark.unit
+def test_agreement_is_bit_for_bit_and_names_the_ranks_that_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the adaptive batch and the outer sync require: every rank's row the same bits as the first rank's; the
+    caller's error gets every rank's numbers and the ranks that differ."""
+    nan = float("nan")
+    rows = torch.tensor(
+        [[1.0, nan, 0.0], [1.0, nan, 0.0], [1.0, nan, -0.0], [2.0, nan, 0.0]], dtype=torch.float64
+    )
+    assert differing(rows) == [2, 3]  # the same NaN agrees; -0.0 is other bits than 0.0
+    from conftest import one_rank_group
+
+    with one_rank_group("cpu"):  # one rank: it agrees with itself, its row comes back
+        agreed = require([1.5, 2.5], lambda rows, odd: AssertionError(odd), device=torch.device("cpu"))
+    assert agreed == [[1.5, 2.5]]
+    monkeypatch.setattr(agreement, "gather", lambda values, **_: torch.tensor([values, [1.5, 3.0]]).double())
+    with pytest.raises(ValueError, match=r"ranks \[1\] of \[\[1.5, 2.5\], \[1.5, 3.0\]\]"):
+        require([1.5, 2.5], lambda rows, odd: ValueError(f"ranks {odd} of {rows}"))
 
 
 @pytest.mark.unit

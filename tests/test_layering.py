@@ -115,7 +115,6 @@ def test_engines_import_only_the_engine_base_and_leaf_modules() -> None:
             other_engines = {d for d in deps if d.startswith("distaccum.engines.")} - {
                 "distaccum.engines.base",
                 "distaccum.engines.comm_tap",
-                "distaccum.engines.checksum",
                 "distaccum.engines.deepspeed_config",
                 "distaccum.engines.compile",
             }
@@ -125,6 +124,86 @@ def test_engines_import_only_the_engine_base_and_leaf_modules() -> None:
                 other_engines -= {"distaccum.engines.ddp"}
             assert not other_engines, f"{name} imports {other_engines}"
             assert "distaccum.loop" not in deps and "distaccum.trainer" not in deps, name
+
+
+def _room(module: str) -> str | None:
+    """A module's folder ("room"): its subpackage of distaccum, or a top-level module as its own room (None: the
+    package itself, whose lazy exports import on first use)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _folder_pairs() -> dict[tuple[str, str], list[str]]:
+    """Pairs of rooms that import each other (sorted names) -> the imports each way."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, deps in _graph().items():
+        for dep in deps:
+            a, b = _room(name), _room(dep)
+            if a and b and a != b:
+                edges.setdefault((a, b), []).append(f"{name} -> {dep}")
+    return {(a, b): sorted(edges[(a, b)] + edges[(b, a)]) for a, b in edges if a < b and (b, a) in edges}
+
+
+FOLDER_PAIRS = {
+    ("batching", "config"): (
+        "a leaf config section: config imports batching.config; batching.schedule reads RunConfig"
+    ),
+    ("cluster", "config"): (
+        "a leaf config section: config imports cluster.config and the launch contracts; the launchers read RunConfig"
+    ),
+    ("config", "outer"): "a leaf config section: config imports outer.config; outer.simulate reads RunConfig",
+    ("cluster", "outer"): (
+        "the Slurm launcher lays out islands (outer.islands); the islands sit on the topology and the outer sync "
+        "gathers through the process group: launchers and the worker runtime share cluster/ until it is split"
+    ),
+    ("cluster", "preflight"): (
+        "Ray's launcher runs the pre-flight; the pre-flight plans the device (cluster.procgroup): launchers and the "
+        "worker runtime share cluster/ until it is split"
+    ),
+    ("cluster", "rundir"): (
+        "launchers and liveness write the run directory; checkpoints and resume use the process group and liveness: "
+        "launchers and the worker runtime share cluster/ until it is split"
+    ),
+    ("cluster", "trainer"): (
+        "Ray's launcher runs the Trainer in its workers; the Trainer joins the process group: launchers and the "
+        "worker runtime share cluster/ until it is split"
+    ),
+    ("engines", "telemetry"): (
+        "the engines count their collectives in telemetry.ledger; the run summary reads the engine's capabilities "
+        "(engines.base)"
+    ),
+    ("outer", "verify"): (
+        "outer.simulate is the feature's own reference rule, built on verify.reference; verify runs it and diagnoses "
+        "a merge with outer.sync's fragments"
+    ),
+    ("trainer", "tuning"): (
+        "micro_batch=auto searches inside the Trainer (tuning.autobatch); the planner measures through the Trainer "
+        "(tuning.planner)"
+    ),
+}
+"""The folders that import each other, each with its reason (STYLE: a folder is one floor; only leaf config sections
+may be imported both ways). A new pair fails the test: move the module to the floor it runs at, or name the pair here
+with its reason."""
+
+
+def test_folders_import_each_other_only_where_named() -> None:
+    found = _folder_pairs()
+    new = {pair: found[pair][:4] for pair in sorted(set(found) - set(FOLDER_PAIRS))}
+    assert not new, f"folders that now import each other: {new}"
+    gone = sorted(set(FOLDER_PAIRS) - set(found))
+    assert not gone, f"no longer import each other (take them off FOLDER_PAIRS): {gone}"
+
+
+def test_the_guards_import_neither_the_verify_command_nor_the_trainer() -> None:
+    """The per-step guards run below the Trainer and the loop; the verify command imports the Trainer and reads what
+    the guards write, never the other way (module level, inside functions, and through other modules)."""
+    for name in sorted(m for m in _modules() if m.startswith("distaccum.guards")):
+        above = {
+            m
+            for m in _reachable(name)
+            if m.startswith("distaccum.verify") or m in {"distaccum.trainer", "distaccum.loop"}
+        }
+        assert not above, f"{name} reaches {sorted(above)}"
 
 
 def test_no_module_outgrows_its_concept() -> None:

@@ -562,7 +562,7 @@ def test_one_default_ddp_step_runs_in_four_library_files(tmp_path: Path) -> None
         "telemetry/ledger.py",
         "optim.py",
         "rundir/checkpoint.py",
-        "verify/fingerprint.py",
+        "guards/fingerprint.py",
         "split.py",
     }
     served = {f for f in ran if f.startswith("data/") or f in handed}

@@ -1,4 +1,4 @@
-"""The sharded engines' reduction checksum (distaccum/engines/checksum.py, checked by the reduction fingerprint).
+"""The sharded engines' reduction checksum (distaccum/guards/checksum.py, checked by the reduction fingerprint).
 
 - unit: the invariant on shards simulated in one process: the local sums of W ranks equal the reduced shards' sums
   after a correct reduction (fp32 accumulation and reduction, bf16 gradients accumulated in fp32: no false positive
@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.checksum_margin import simulate
 from conftest import EXTENSIONS, Run, inject, run_cli
-from distaccum.engines.checksum import Rounding, agree, sample_positions, verdict
+from distaccum.guards.checksum import Rounding, agree, sample_positions, verdict
 
 
 @pytest.mark.unit

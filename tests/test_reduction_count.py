@@ -1,4 +1,4 @@
-"""The reduction count (distaccum/verify/reduction_count.py): the micro-batches that reduced gradients each step, from
+"""The reduction count (distaccum/guards/reduction_count.py): the micro-batches that reduced gradients each step, from
 the engine's ledger, against what ``accum.sync`` promises; its warning, and the diagnosis verify gives it even when
 the weights agree. The real injected bugs (no_sync around the backward, a DDP-only helper under FSDP2, nested DDP)
 run in tests/test_bugzoo.py."""
@@ -16,12 +16,12 @@ import torch
 from conftest import engine_spec
 from distaccum.config import EngineConfig
 from distaccum.engines.fsdp import FSDPEngine
+from distaccum.guards.reduction_count import CHECK, ReductionCount
 from distaccum.rundir import WARNINGS, read_warnings
 from distaccum.split import Split
 from distaccum.telemetry.ledger import CommLedger
 from distaccum.verify.compare import Divergence, Report
 from distaccum.verify.diagnosis import CAUSES, RunFacts, StepFacts, diagnose
-from distaccum.verify.reduction_count import CHECK, ReductionCount
 
 pytestmark = pytest.mark.unit
 

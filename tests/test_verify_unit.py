@@ -14,6 +14,7 @@ from distaccum.components import Components, ModelRecipe
 from distaccum.config import RunConfig, Split, from_mapping, to_mapping, valid_splits
 from distaccum.datasets import SyntheticRegression
 from distaccum.engines.base import Precision
+from distaccum.guards.tripwire import check_consistency
 from distaccum.losses import mse
 from distaccum.models import MLP, ConvNetBN, TinyGPT
 from distaccum.rundir import CHECKSUMS
@@ -48,7 +49,6 @@ from distaccum.verify.runner import (
     reference_config,
     write_seed_checkpoint,
 )
-from distaccum.verify.tripwire import check_consistency
 
 pytestmark = pytest.mark.unit
 
@@ -352,7 +352,7 @@ def test_single_process_records_checksums(tmp_path: Path) -> None:
 def test_tripwire_error_carries_step_and_parameter_through_pickle() -> None:
     import pickle
 
-    from distaccum.verify.tripwire import RankDivergenceError
+    from distaccum.guards.tripwire import RankDivergenceError
 
     err = pickle.loads(pickle.dumps(RankDivergenceError("ranks diverged", step=3, parameter="w", rank=1)))
     assert (str(err), err.step, err.parameter, err.rank) == ("ranks diverged", 3, "w", 1)

@@ -14,10 +14,10 @@ A negative or undefined smoothed estimate (|G|^2's average below zero, early in 
 estimates are mostly noise) keeps G, and the record says so (``adaptive_target`` NaN). Every rank evaluates the
 rule on the same numbers (the all-reduced noise-scale terms and the window's item count, reduced in float64), so
 the ranks agree by construction; that is checked at each decision: one all-gather of three float64 numbers per
-rank, compared bit for bit, and a disagreement stops the run naming the ranks. The change takes effect from step
-s + 1 (the data plan cuts its window at the new size, K follows, the learning rate follows ``optim.lr_scaling``);
-the phases chosen travel in the checkpoint with the data plan, the averages in the records, so a resumed run makes
-the same decisions.
+rank, compared bit for bit (:mod:`distaccum.guards.agreement`), and a disagreement stops the run naming the ranks.
+The change takes effect from step s + 1 (the data plan cuts its window at the new size, K follows, the learning
+rate follows ``optim.lr_scaling``); the phases chosen travel in the checkpoint with the data plan, the averages in
+the records, so a resumed run makes the same decisions.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from distaccum.batching.config import AdaptiveConfig
 from distaccum.batching.schedule import BatchSchedule
+from distaccum.guards import agreement
 
 VERIFY_RECIPE = (
     "accum.adaptive chooses its global batches as it runs, so the reference cannot know them in advance: verify "
@@ -127,19 +127,17 @@ class AdaptiveBatch:
 
     def _agree(self, step: int, decision: Decision) -> None:
         """All ranks must have decided the same, bit for bit (one all-gather of three float64 numbers)."""
-        mine = torch.tensor(decision.row(), dtype=torch.float64, device=self.device)
-        rows = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(rows, mine, group=self.group)
-        bits = [tuple(r.cpu().view(torch.int64).tolist()) for r in rows]
-        odd = [r for r, b in enumerate(bits) if b != bits[0]]
-        if odd:
-            raise AdaptiveDisagreement(
+
+        def disagreement(rows: list[list[float]], odd: list[int]) -> AdaptiveDisagreement:
+            return AdaptiveDisagreement(
                 f"accum.adaptive after step {step}: rank(s) {', '.join(map(str, odd))} computed another global batch "
                 f"than rank 0 from what must be the same reduced numbers (rank 0: noise scale {rows[0][0]:.17g}, "
                 f"target {rows[0][1]:.17g}, batch {rows[0][2]:.0f}; rank {odd[0]}: {rows[odd[0]][0]:.17g}, "
                 f"{rows[odd[0]][1]:.17g}, {rows[odd[0]][2]:.0f}). The run stops: its ranks would train different "
                 "windows."
             )
+
+        agreement.require(decision.row(), disagreement, group=self.group, device=self.device)
 
     def fields(self, record: dict[str, Any], times: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
         decision = self._decided.pop(int(record["step"]), None)

@@ -65,21 +65,12 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_flat(
-    out: torch.Tensor, local: torch.Tensor, *, async_op: bool = False, group: Any = None
-) -> Any:
-    """Every rank's ``local`` into ``out`` (group size x ``local.numel()``, in rank order): one all-gather on the
-    default group, asked of the group object itself (``ProcessGroup.allgather``, into views of ``out``): the
-    ``torch.distributed`` function in front of it checks its arguments in Python first, on every call, and the
-    window's totals gather every step. Returns the work when ``async_op``. ``group``: another group than the
-    default one (an outer-synced run's island)."""
-    world = group if group is not None else dist.group.WORLD
-    assert world is not None, "no process group"
-    work = world.allgather([list(out.view(world.size(), -1).unbind(0))], [local])
-    if async_op:
-        return work
-    work.wait()
-    return None
+all_gather_into = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)  # the name before torch 2.13
+"""``all_gather_into(out, local, *, group=None, async_op=False)``: every rank's ``local`` into ``out`` (group size x
+``local.numel()``, in rank order), one all-gather. The one spelling of the flat all-gather: the window's totals,
+the outer sync's slices and the ranks' agreement rows (:mod:`distaccum.guards.agreement`) go through it."""
 
 
 def ensure_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> bool:

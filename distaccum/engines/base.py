@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from distaccum.config import EngineConfig, Split
+from distaccum.guards.checksum import SAMPLE
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -75,7 +76,7 @@ class EngineSpec:
     sample_grads: bool = False
     """Check the reduction every step (the reduction fingerprint, ``trainer.fingerprint`` with more than one rank):
     engines whose ranks each hold the whole reduced gradient take :class:`GradSample` of it, sharded engines their
-    :class:`~distaccum.engines.checksum.ReductionChecksum`."""
+    :class:`~distaccum.guards.checksum.ReductionChecksum`."""
 
     islands: Any = None
     """An outer-synced run (``outer.method``): its :class:`~distaccum.outer.islands.Islands`. The engine's world is
@@ -123,7 +124,7 @@ class StepResult:
     reduction fingerprint compares them)."""
     grad_sums: torch.Tensor | None = None
     """Sharded engines, where asked for: the reduction checksum's [a, m, b] of this rank
-    (:class:`~distaccum.engines.checksum.ReductionChecksum`; float64, on the device)."""
+    (:class:`~distaccum.guards.checksum.ReductionChecksum`; float64, on the device)."""
 
 
 class Engine(Protocol):
@@ -280,7 +281,7 @@ class EngineBase:
         changes it between steps) that reduce gradients, as ``accum.sync`` promises them: (in-replica,
         cross-replica). ``boundary``: 1 (and 1 across HSDP replicas); ``every_micro``: K (K); ``replica_boundary``:
         K inside the replica, 1 across; a replica of one rank reduces nothing inside it. The ledger's count must equal
-        it every step (:class:`~distaccum.verify.reduction_count.ReductionCount`); None: this engine keeps no such
+        it every step (:class:`~distaccum.guards.reduction_count.ReductionCount`); None: this engine keeps no such
         promise."""
         k, sync, replicas = accum_steps or self.spec.split.accum_steps, self.spec.sync, self.spec.replicas
         across = (k if sync == "every_micro" else 1) if replicas > 1 else 0
@@ -319,9 +320,9 @@ class GradNorms:
         return math.sqrt(math.fsum(x * x for x in self._host_np.tolist()))
 
 
-SAMPLE, RUN = 4096, 16
-""":class:`GradSample`'s size: about SAMPLE elements, in runs of RUN consecutive ones (64 bytes of fp32: a cache
-line)."""
+RUN = 16
+""":class:`GradSample`'s size: about :data:`~distaccum.guards.checksum.SAMPLE` elements, in runs of RUN consecutive
+ones (64 bytes of fp32: a cache line)."""
 
 
 def sample_views(grads: list[torch.Tensor], sample: int = SAMPLE, run: int = RUN) -> list[torch.Tensor]:

@@ -51,10 +51,10 @@ from distaccum.engines.base import (
     StepResult,
     grads_of,
 )
-from distaccum.engines.checksum import ReductionChecksum, Rounding
 from distaccum.engines.comm_tap import tap_gradient_reductions
 from distaccum.engines.compile import compile_options
 from distaccum.engines.deepspeed_config import build, check
+from distaccum.guards.checksum import ReductionChecksum, Rounding
 from distaccum.telemetry.ledger import CommLedger
 
 
@@ -218,7 +218,7 @@ class DeepSpeedEngine(EngineBase):
         return engine
 
     def _watch(self, params: list[nn.Parameter]) -> None:
-        """Set up the reduction checksum (:mod:`distaccum.engines.checksum`) over ``params``: hooks on the parameters
+        """Set up the reduction checksum (:mod:`distaccum.guards.checksum`) over ``params``: hooks on the parameters
         (autograd's leaves: every micro-batch's local gradient, before DeepSpeed's own hooks bucket and reduce it)
         and the flat positions of each parameter this rank's partition holds (:func:`owned_positions`)."""
         world = dist.get_world_size()

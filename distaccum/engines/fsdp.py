@@ -69,9 +69,9 @@ from distaccum.engines.base import (
     dcp_save,
     step_plain,
 )
-from distaccum.engines.checksum import ReductionChecksum, Rounding
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
 from distaccum.engines.compile import compile_in_place
+from distaccum.guards.checksum import ReductionChecksum, Rounding
 from distaccum.models import block_units
 from distaccum.telemetry.ledger import CommLedger
 
@@ -177,7 +177,7 @@ class FSDPEngine(EngineBase):
         return model
 
     def _watch(self, model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
-        """Set up the reduction checksum (:mod:`distaccum.engines.checksum`): the positions each rank's shards hold,
+        """Set up the reduction checksum (:mod:`distaccum.guards.checksum`): the positions each rank's shards hold,
         and hooks on the unsharded parameters autograd accumulates the window's local gradients into.
 
         FSDP2 internals relied on (tests/test_reduction_checksum.py fails if torch moves them): a parameter is

@@ -37,6 +37,7 @@ from distaccum.config import RunConfig, to_mapping
 from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream
+from distaccum.guards.tripwire import append_checksums, parameter_checksums
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
 from distaccum.outer.sync import split_fragments
@@ -51,7 +52,6 @@ from distaccum.rundir.weights import save_weights
 from distaccum.split import Split
 from distaccum.telemetry.sinks import JsonlSink
 from distaccum.verify.reference import start_reference
-from distaccum.verify.tripwire import append_checksums, parameter_checksums
 
 
 def island_indices(

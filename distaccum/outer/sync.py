@@ -19,9 +19,10 @@ Nesterov momentum by default: theta_g -= lr (m + mu m'), a descent step along th
 steps it. Every island then continues from theta_g (its inner optimizer state is kept). The weights are exact:
 the n_i travel first, in float64, in a small all-gather that also carries the stop and checkpoint votes (the
 only place the islands agree on them: between syncs their window collectives stay inside each island). After
-the update a second small all-gather compares theta_g's fingerprint across the islands; a mismatch stops the run
-naming them. Under DDP each of an island's S ranks all-reduces 1/S of the fragment across the islands and the
-island all-gathers the pieces, so the slow link carries the fragment once per island, not S times.
+the update a second small all-gather compares theta_g's fingerprint across the islands bit for bit
+(:mod:`distaccum.guards.agreement`); a mismatch stops the run naming them. Under DDP each of an island's S ranks
+all-reduces 1/S of the fragment across the islands and the island all-gathers the pieces, so the slow link carries
+the fragment once per island, not S times.
 
 Buffers (BatchNorm statistics) are not merged: each island keeps its own; the trained model carries island 0's.
 """
@@ -40,15 +41,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distaccum.cluster.procgroup import all_gather_into
+from distaccum.guards import agreement
 from distaccum.outer.config import OuterConfig
 from distaccum.outer.islands import Islands
 
 OUTER_DIR = "outer"
 """The checkpoint's sub-directory of the outer state (one file per rank)."""
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-ALL_GATHER = (
-    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-)  # the name before torch 2.13
 
 
 class OuterDivergenceError(RuntimeError):
@@ -229,7 +229,7 @@ class OuterSync:
         padded[: send.numel()] = send
         mine = padded[rank * chunk : (rank + 1) * chunk].clone()
         self._all_reduce(mine)
-        ALL_GATHER(padded, mine, group=self.islands.inner_group)
+        all_gather_into(padded, mine, group=self.islands.inner_group)
         return padded[: send.numel()]
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
@@ -242,25 +242,22 @@ class OuterSync:
 
     def _gather(self, values: list[float]) -> list[list[float]]:
         """Every island's ``values`` (one small all-gather across the islands), island by island."""
-        local = torch.tensor(values, dtype=torch.float64, device=self.control_device)
-        out = torch.empty(
-            self.layout.replicas * local.numel(), dtype=torch.float64, device=self.control_device
-        )
-        ALL_GATHER(out, local, group=self.islands.outer_group)
-        return out.view(self.layout.replicas, -1).tolist()
+        return agreement.gather(values, group=self.islands.outer_group, device=self.control_device).tolist()
 
     def _check(self, step: int, due: list[int]) -> None:
-        """Compare the merged global parameters' fingerprint across the islands; raise naming those that differ."""
-        mine = [x for p in due for x in fingerprint([self.global_params[i] for i in self.fragments[p]])]
-        rows = self._gather(mine)
-        bad = [i for i, row in enumerate(rows) if row != rows[0]]
-        if bad:
-            raise OuterDivergenceError(
+        """Compare the merged global parameters' fingerprint across the islands, bit for bit; raise naming those that
+        differ."""
+
+        def divergence(rows: list[list[float]], bad: list[int]) -> OuterDivergenceError:
+            return OuterDivergenceError(
                 f"after the outer sync of step {step} (fragments {due}) the global parameters differ between "
                 f"islands: replica(s) {', '.join(map(str, bad))} disagree with replica 0 (fingerprints "
                 f"{rows[bad[0]]} vs {rows[0]}, inner rank {self.layout.inner_rank}). The islands did not merge the "
                 "same numbers: a rank-dependent outer step, or a corrupted exchange. Stopped before training on."
             )
+
+        mine = [x for p in due for x in fingerprint([self.global_params[i] for i in self.fragments[p]])]
+        agreement.require(mine, divergence, group=self.islands.outer_group, device=self.control_device)
 
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """``summary.json``'s ``outer`` section from this rank's records: what crossed between the islands against

@@ -239,7 +239,7 @@ class CommLedger:
     def rounds(self) -> tuple[int, int]:
         """Micro-batches of the step so far in which a gradient collective was launched: (in-replica,
         cross-replica). A count only (no time stamps, no waiting): what
-        :class:`~distaccum.verify.reduction_count.ReductionCount` compares with the engine's promise right after
+        :class:`~distaccum.guards.reduction_count.ReductionCount` compares with the engine's promise right after
         the optimizer step."""
         with self._lock:
             inner = {c.micro for c in self._collectives if not c.replicate}

@@ -3,12 +3,12 @@
 - :mod:`~distaccum.verify.reference`: the plain single-process reference;
 - :mod:`~distaccum.verify.compare`: the tiny file format and ``compare(ref, cand) -> Report``;
 - :mod:`~distaccum.verify.diagnosis`: why a candidate diverged (one rule per cause);
-- :mod:`~distaccum.verify.tripwire`: the runtime cross-rank consistency check every run carries;
 - :mod:`~distaccum.verify.runner`: :func:`verify`, the Python API (what ``distaccum verify`` runs);
 - :mod:`~distaccum.verify.script`: verifying a user's own ``Trainer`` script.
 
-``from distaccum.verify import verify`` imports the runner on first use (the Trainer imports the
-tripwire from this package and must not pull the launcher in with it).
+The runtime checks every run carries (the tripwire, the reduction fingerprint) are the per-step guards,
+:mod:`distaccum.guards`, which this command reads the reports of. ``from distaccum.verify import verify`` imports
+the runner on first use.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The file format is tiny and shared with training: every run writes ``metrics.jsonl`` (loss and
 grad_norm per optimizer step) and ``final/model.safetensors`` (the trained weights); a run launched
 with ``verify.record=true`` also writes ``checksums.jsonl`` (fp64 sum and sum of squares of every
-parameter after every step, from the tripwire in :mod:`distaccum.verify.tripwire`). The reference is
+parameter after every step, from the tripwire in :mod:`distaccum.guards.tripwire`). The reference is
 :mod:`distaccum.verify.reference`: plain PyTorch, independent of the loop it checks.
 
 :func:`compare` turns a reference and a candidate run into a :class:`Report` naming the first
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from distaccum.config import VerifyConfig
+from distaccum.guards.tripwire import read_divergence
 from distaccum.rundir import CHECKSUMS, CONSOLE_LOG, final_weights, read_jsonl, read_metrics, read_warnings
 from distaccum.rundir.weights import load_weights
-from distaccum.verify.tripwire import read_divergence
 
 
 @dataclass(frozen=True)
@@ -154,9 +154,9 @@ class RunData:
     """step -> parameter -> [sum, sum of squares, numel]."""
     params: dict[str, torch.Tensor] | None
     divergence: dict[str, Any] | None
-    """The tripwire's (or the fingerprint's) report when ranks diverged (:mod:`distaccum.verify.tripwire`)."""
+    """The tripwire's (or the fingerprint's) report when ranks diverged (:mod:`distaccum.guards.tripwire`)."""
     warnings: list[dict[str, Any]] = field(default_factory=list)
-    """The runtime checks' warnings (:mod:`distaccum.verify.fingerprint`)."""
+    """The runtime checks' warnings (:mod:`distaccum.guards.fingerprint`)."""
     console: str = ""
     """The last lines of its ``console.log`` (a verify sub-run's output), when there is one."""
 

@@ -15,9 +15,9 @@ from typing import Any
 from torch import nn
 
 from distaccum.config import Split
+from distaccum.guards.reduction_count import EXTRA
 from distaccum.models import batch_stat_layers, random_layers
 from distaccum.verify.compare import Report
-from distaccum.verify.reduction_count import EXTRA
 
 CAUSES = (
     "rank_divergence",

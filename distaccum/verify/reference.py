@@ -34,6 +34,7 @@ from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream, stream_windows
 from distaccum.engines.base import Precision
+from distaccum.guards.tripwire import append_checksums, parameter_checksums
 from distaccum.models import batch_stat_layers, random_layers
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.rundir import (
@@ -48,7 +49,6 @@ from distaccum.rundir import (
 )
 from distaccum.rundir.weights import save_weights
 from distaccum.telemetry.sinks import JsonlSink
-from distaccum.verify.tripwire import append_checksums, parameter_checksums
 
 
 def window_samples(

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distaccum.guards.tripwire import read_divergence
 from distaccum.rundir import CONSOLE_LOG, read_metrics, read_warnings
 from distaccum.verify.runner import VerifyResult
-from distaccum.verify.tripwire import read_divergence
 
 
 def fault(name: str, module: str = "zoo", **kwargs: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ each rank's pair rides on the next window's collective (:class:`~distaccum.windo
 step later, when that window's totals are read, without a collective or a wait of their own. Any difference means
 the reduction went wrong: a rank skipped it, ``no_sync`` sat on the wrong micro-batch, DDP's ``static_graph``
 stopped reducing, buckets were mismatched. The run then stops **one step later**, before that step's record, with
-:class:`~distaccum.verify.tripwire.RankDivergenceError` (exit 1), naming the step, the ranks that disagree and the
+:class:`~distaccum.guards.tripwire.RankDivergenceError` (exit 1), naming the step, the ranks that disagree and the
 first parameter whose update differs (found by a second all-gather of per-parameter checksums, only then); rank 0
 writes ``divergence.json`` as the tripwire does, so ``distaccum verify`` reports it the same way. Before a
 checkpoint, a tripwire check and at the run's end the pending comparison is gathered at once (one all-gather), so no
@@ -16,10 +16,10 @@ checkpoint or final model is written after a diverged step.
 
 Engines whose reduced gradient is replicated on every rank (``replicated_gradients``: DDP, Accelerate) send that
 sample. Sharded engines (FSDP2, HSDP, DeepSpeed ZeRO 1-3) keep each reduced element once per replica, so there is
-no second copy to compare (ZeRO-0, which all-reduces, takes the same path, each rank a replica); they send their :class:`~distaccum.engines.checksum.ReductionChecksum` instead: the
+no second copy to compare (ZeRO-0, which all-reduces, takes the same path, each rank a replica); they send their :class:`~distaccum.guards.checksum.ReductionChecksum` instead: the
 verdict of the reduced sample it holds against the ranks' local gradients summed exactly (one all-reduce of the
 sample in the engine's step): every sampled element must stay within the reduction's own rounding bound (the
-invariant and the bound are in :mod:`distaccum.engines.checksum`); a skipped, doubled or mis-scaled reduction stops
+invariant and the bound are in :mod:`distaccum.guards.checksum`); a skipped, doubled or mis-scaled reduction stops
 the run the same way, one step later, with ``divergence.json``.
 
 Two warnings come from the same rows (stderr and ``warnings.jsonl``, rank 0, once per kind):
@@ -41,16 +41,26 @@ import struct
 import sys
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from distaccum.cluster.procgroup import all_gather_flat, collective_device
-from distaccum.engines.base import StepResult
-from distaccum.engines.checksum import agree
+from distaccum.cluster.procgroup import collective_device
+from distaccum.guards.agreement import all_same, gather, groups, same
+from distaccum.guards.checksum import agree
+from distaccum.guards.tripwire import RankDivergenceError
 from distaccum.rundir import DIVERGENCE, WARNINGS
-from distaccum.verify.tripwire import RankDivergenceError
 from distaccum.window import Carry, WindowResult
+
+
+class Reduced(Protocol):
+    """What the fingerprint reads of a step (:class:`~distaccum.engines.base.StepResult`)."""
+
+    @property
+    def grad_sample(self) -> torch.Tensor | None: ...
+
+    @property
+    def grad_sums(self) -> torch.Tensor | None: ...
 
 
 def rng_hash(device: torch.device) -> float:
@@ -67,30 +77,6 @@ def rng_hash(device: torch.device) -> float:
 def _seed_hash(seeds: tuple[int, ...]) -> float:
     """The hash of the seeds, made once per seed (the same seeds come back every step)."""
     return float(zlib.crc32(struct.pack(f"<{len(seeds)}Q", *(seed % 2**64 for seed in seeds))))
-
-
-def same(a: float, b: float) -> bool:
-    """Bitwise-style equality of two gathered numbers (NaN equals NaN: a non-finite step is alike everywhere)."""
-    return a == b or (math.isnan(a) and math.isnan(b))
-
-
-def all_same(rows: list[list[float]]) -> bool:
-    """Whether every row equals the first (:func:`same` numbers): the common verdict, without grouping the ranks."""
-    first = rows[0]
-    return all(row == first or all(same(x, y) for x, y in zip(first, row, strict=True)) for row in rows[1:])
-
-
-def groups(rows: list[list[float]]) -> list[list[int]]:
-    """Ranks grouped by equal rows, the largest group first (ties: the group of the lowest rank)."""
-    found: list[list[int]] = []
-    for rank, row in enumerate(rows):
-        for group in found:
-            if all(same(x, y) for x, y in zip(rows[group[0]], row, strict=True)):
-                group.append(rank)
-                break
-        else:
-            found.append([rank])
-    return sorted(found, key=lambda g: (-len(g), g[0]))
 
 
 class Fingerprint:
@@ -126,7 +112,7 @@ class Fingerprint:
         self._carried = self._pending[0]
         return self._pending[1]
 
-    def after_step(self, step: int, window: WindowResult, result: StepResult) -> None:
+    def after_step(self, step: int, window: WindowResult, result: Reduced) -> None:
         """Compare the previous step's rows, which this window carried; check this window's data; keep this step's
         row for the next window."""
         if self.world == 1:
@@ -152,10 +138,7 @@ class Fingerprint:
 
     def _gather(self, local: torch.Tensor) -> list[list[float]]:
         """Every rank's ``local`` (one all-gather, collective) as rows on the host."""
-        local = local.to(collective_device(), torch.float64).contiguous()
-        out = torch.empty(self.world * local.numel(), dtype=torch.float64, device=local.device)
-        all_gather_flat(out, local, group=self.group)
-        return out.view(self.world, -1).tolist()
+        return gather(local, group=self.group, device=collective_device()).tolist()
 
     def _judge(self, step: int, rows: list[list[float]]) -> None:
         if self.gradients and not all_same([row[1:] for row in rows]):
@@ -195,7 +178,7 @@ class Fingerprint:
 
     def _check_sums(self, step: int, sums: list[list[float]]) -> None:
         """The sharded invariant: every replica's sampled reduced elements equal the ranks' local gradients summed
-        exactly, each within its rounding bound (:mod:`distaccum.engines.checksum`)."""
+        exactly, each within its rounding bound (:mod:`distaccum.guards.checksum`)."""
         replicas = self.engine.checksum.replicas
         ok, ratios, worst = agree(sums, replicas)
         if ok:

@@ -16,7 +16,7 @@ and parameter; a world-size-1 run records without comparing.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,8 +24,14 @@ import torch
 import torch.distributed as dist
 
 from distaccum.cluster.procgroup import collective_device
-from distaccum.engines.base import Engine
+from distaccum.guards.agreement import gather
 from distaccum.rundir import CHECKSUMS, DIVERGENCE
+
+
+class Parameters(Protocol):
+    """What the tripwire reads of an engine (:class:`~distaccum.engines.base.Engine`): the full parameters."""
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class PendingCheck(Protocol):
@@ -72,7 +78,7 @@ def parameter_checksums(
 
 
 def check_consistency(
-    engine: Engine, step: int, run_dir: Path | None = None, *, record: bool = False, group: Any = None
+    engine: Parameters, step: int, run_dir: Path | None = None, *, record: bool = False, group: Any = None
 ) -> None:
     """Raise :class:`RankDivergenceError` naming the step and parameter if ranks disagree.
 
@@ -88,9 +94,8 @@ def check_consistency(
     names, numels, local = parameter_checksums(engine.full_parameters())
     if world > 1:
         local = local.to(collective_device())
-        gathered = [torch.zeros_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local, group=group)
-        _compare_ranks(names, [g.cpu() for g in gathered], step, run_dir if rank == 0 else None)
+        gathered = gather(local, group=group, device=local.device).view(world, len(names), 2)
+        _compare_ranks(names, list(gathered), step, run_dir if rank == 0 else None)
     world_rank = dist.get_rank() if dist.is_initialized() else 0  # island 0's first rank records
     if record and world_rank == 0 and run_dir is not None:
         append_checksums(run_dir, step, names, numels, local)
@@ -148,7 +153,7 @@ class Tripwire:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Parameters,
         every: int,
         run_dir: Path,
         *,

@@ -7,8 +7,8 @@ The invariant. At a fixed sample of element positions (:func:`sample_positions`,
 what rank r hands the reduction: its K micro-batch gradients accumulated as the engine accumulates them and cast to
 the reduce dtype. The engine's reduction makes G = s * fl(sum_r x_r) (s = 1 for FSDP2's SUM, 1/W for DeepSpeed's
 mean) and leaves each element of G on exactly one rank of each replica. Every x_r is a value of a narrow dtype, so
-float64 holds it exactly, and one all-reduce of the sample (2n float64 numbers, n about
-:data:`~distaccum.engines.base.SAMPLE`) gives every rank, exactly up to float64's own rounding,
+float64 holds it exactly, and one all-reduce of the sample (2n float64 numbers, n about :data:`SAMPLE`) gives
+every rank, exactly up to float64's own rounding,
 
     S_i = sum_r x_ri        and        A_i = sum_r |x_ri|.
 
@@ -58,8 +58,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distaccum.engines.base import SAMPLE
-
+SAMPLE = 4096
+"""The sampled elements of a step's reduced gradient, about: the checksum's sample (:func:`sample_positions`) and the
+replicated engines' (:class:`~distaccum.engines.base.GradSample`)."""
 SEED = 0x5EED5
 """The sample's positions and weights come from a generator seeded with this: the same on every rank."""
 
