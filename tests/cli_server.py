@@ -61,9 +61,7 @@ def _changed(env: Mapping[str, str], base: Mapping[str, str]) -> set[str]:
 def import_time_changes(env: Mapping[str, str], base: Mapping[str, str]) -> list[str]:
     """The variables of ``env`` that differ from ``base`` and are read at import time (see :data:`IMPORT_TIME_ENV`)."""
     return sorted(
-        key
-        for key in _changed(env, base)
-        if key.startswith(IMPORT_TIME_ENV) and key != "PYTHONUNBUFFERED"
+        key for key in _changed(env, base) if key.startswith(IMPORT_TIME_ENV) and key != "PYTHONUNBUFFERED"
     )
 
 
@@ -85,7 +83,9 @@ def _command(request: dict, fds: list[int], server_sockets: list[socket.socket])
     server's loop: the module's SystemExit (or its exception) ends the interpreter as in a new process."""
     import runpy
 
-    for sock in server_sockets:  # closed through their objects: no stale descriptor number left to close twice
+    for (
+        sock
+    ) in server_sockets:  # closed through their objects: no stale descriptor number left to close twice
         sock.close()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -162,9 +162,7 @@ class Server:
         folder = tempfile.mkdtemp(prefix="distaccum-cli-")
         self.address = os.path.join(folder, "server")
         self.env = dict(os.environ)
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, self.address], stdin=subprocess.DEVNULL
-        )
+        self.proc = subprocess.Popen([sys.executable, __file__, self.address], stdin=subprocess.DEVNULL)
         atexit.register(self.proc.kill)
         deadline = time.monotonic() + 120
         while not os.path.exists(self.address):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import EXTENSIONS, PlanRuns, plan_worker, torchrun
+from conftest import EXTENSIONS, PlanRuns, distaccum_cli, plan_worker, torchrun
 from distaccum.activation_checkpointing import (
     apply_activation_checkpointing,
     is_checkpointed,
@@ -339,13 +339,8 @@ def test_hugging_face_blocks_use_its_own_non_reentrant_checkpointing() -> None:
 
 
 def cli(command: str, run_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
-        cwd=run_dir.parent,
-        env=hf_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return distaccum_cli(
+        [command, *args, f"run_dir={run_dir}"], cwd=run_dir.parent, env=hf_env(), timeout=timeout
     )
 
 

@@ -17,13 +17,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, distaccum_cli
 from distaccum.verify.bugzoo import BUGS, CONFIGS, Row, render
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
@@ -66,14 +65,7 @@ def zoo() -> Iterator[tuple[subprocess.CompletedProcess, list[dict[str, Any]]]]:
     run_dir once made every row fail)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     before = set((REPO / "runs").glob("bugzoo-*"))
-    run = subprocess.run(
-        [sys.executable, "-m", "distaccum", "bugzoo"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=380,
-    )
+    run = distaccum_cli(["bugzoo"], cwd=REPO, env=env, timeout=380)
     made = sorted(set((REPO / "runs").glob("bugzoo-*")) - before)
     try:
         assert len(made) == 1 and (made[0] / "bugzoo.json").is_file(), run.stdout[-3000:] + run.stderr[-3000:]

@@ -30,6 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import distaccum_cli
 from distaccum.cluster.local import elastic_plan, free_ports
 from distaccum.config import ConfigError, from_mapping
 from distaccum.preflight import preflight
@@ -204,12 +205,10 @@ def test_a_lost_node_resumes_on_the_smaller_world_at_the_same_global_batch(tmp_p
         checkpointed = wait_for_world2_checkpoint(run_dir, survivor)
         workers = kill_node(victim)
         reached = max(r["step"] for r in records(run_dir))
-        ref = subprocess.run(  # while the survivor waits for the rendezvous to drop the dead node
-            [sys.executable, "-m", "distaccum", "train", *COMMON, "trainer.nproc=1", f"run_dir={reference}"],
+        ref = distaccum_cli(  # while the survivor waits for the rendezvous to drop the dead node
+            ["train", *COMMON, "trainer.nproc=1", f"run_dir={reference}"],
             cwd=tmp_path,
             env=env(),
-            capture_output=True,
-            text=True,
             timeout=240,
         )
         assert ref.returncode == 0, ref.stderr[-3000:]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
-from conftest import EXTENSIONS, plan_worker, run_cli, torchrun
+from conftest import EXTENSIONS, distaccum_cli, plan_worker, run_cli, torchrun
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 from distaccum.preflight import instantiate_components
@@ -399,11 +398,8 @@ VERIFY_CLI = [
 def test_distaccum_verify_passes(tmp_path: Path, engine: str, model: str) -> None:
     """The real ``distaccum verify`` command, end to end (reference + one candidate)."""
     overrides = [f"engine.{k}={v}" for k, v in ENGINES[engine].items()]
-    proc = subprocess.run(
+    proc = distaccum_cli(
         [
-            sys.executable,
-            "-m",
-            "distaccum",
             "verify",
             *overrides,
             f"engine.extensions_dir={EXTENSIONS}",
@@ -414,8 +410,6 @@ def test_distaccum_verify_passes(tmp_path: Path, engine: str, model: str) -> Non
             f"run_dir={tmp_path / 'v'}",
         ],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

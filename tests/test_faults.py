@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXTENSIONS, fault, inject, train
+from conftest import EXTENSIONS, distaccum_cli, fault, inject, train
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
@@ -57,14 +57,7 @@ def env() -> dict[str, str]:
 
 
 def run(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command(run_dir, *overrides),
-        cwd=run_dir.parent,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return distaccum_cli(command(run_dir, *overrides)[3:], cwd=run_dir.parent, env=env(), timeout=timeout)
 
 
 def start(run_dir: Path, *overrides: str) -> subprocess.Popen:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import line_count, requires, sigterm_at_step, torchrun
+from conftest import distaccum_cli, line_count, requires, sigterm_at_step, torchrun
 from hf_corpus import OFFLINE, write_bpe_tokenizer, write_text_files
 
 pytestmark = pytest.mark.dist
@@ -35,14 +35,7 @@ def distaccum(command: str, run_dir: Path, *args: str, timeout: float = 300) -> 
     env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
-        cwd=run_dir.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return distaccum_cli([command, *args, f"run_dir={run_dir}"], cwd=run_dir.parent, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -165,19 +158,13 @@ def test_sigterm_mid_epoch_with_dataloader_workers_resumes_bit_identical(
     assert returncode == 3, err[-3000:]
     done = line_count(run_dir / "metrics.jsonl")
     assert 3 <= done < 24, "the run ended before the signal arrived: raise trainer.max_steps"
-    resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    resumed = distaccum_cli(cmd[3:], cwd=tmp_path, env=env, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"after optimizer step {done}" in resumed.stdout
     assert [r["step"] for r in records(run_dir)] == list(range(1, 25))  # every step once, none twice
     straight = tmp_path / "straight"
-    subprocess.run(
-        [*cmd[:-1], f"run_dir={straight}"],
-        cwd=tmp_path,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    once = distaccum_cli([*cmd[3:-1], f"run_dir={straight}"], cwd=tmp_path, env=env, timeout=300)
+    assert once.returncode == 0, once.stderr[-3000:]
     from safetensors.torch import load_file
 
     a, b = (

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import distaccum_cli
 from distaccum.cluster.local import free_ports
 
 pytestmark = pytest.mark.dist
@@ -124,13 +125,8 @@ def test_two_pods_given_kubeflows_pet_environment_train_as_one_launch(tmp_path: 
         assert pod.returncode == 0, err[-3000:]
     for node, (out, _) in enumerate(outputs):  # each pod's launcher read its own PET_*
         assert f"node {node} of 2, 1 worker(s) here, rendezvous at 127.0.0.1:{port}" in out, out
-    single = subprocess.run(
-        [sys.executable, "-m", "distaccum", "train", *common, "trainer.nproc=2", f"run_dir={single_dir}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    single = distaccum_cli(
+        ["train", *common, "trainer.nproc=2", f"run_dir={single_dir}"], cwd=tmp_path, env=env, timeout=240
     )
     assert single.returncode == 0, single.stderr[-3000:]
 

@@ -20,7 +20,6 @@ import copy
 import json
 import math
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -30,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import torchrun
+from conftest import distaccum_cli, torchrun
 from distaccum.config import from_mapping
 from distaccum.outer.sync import split_fragments
 from distaccum.rundir import read_metrics
@@ -465,13 +464,7 @@ def test_the_console_shows_what_the_outer_sync_sends_and_saves(tmp_path: Path) -
         "trainer.max_steps=4",
         f"run_dir={tmp_path / 'dl'}",
     ]
-    run = subprocess.run(  # the console as a user sees it (no log.console=quiet)
-        [sys.executable, "-m", "distaccum", "train", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    run = distaccum_cli(["train", *argv], cwd=tmp_path, env=env, timeout=180)  # the console as a user sees it
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 4 and all("loss (island 0)" in line and "in the island" in line for line in steps)
