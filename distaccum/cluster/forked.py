@@ -87,7 +87,7 @@ def _fork_server(preload: list[str]) -> bool:
     import threading
     from multiprocessing import connection, resource_tracker, util
 
-    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = forkserver._forkserver  # its private state, checked below
     if threading.active_count() > 1 or hasattr(server, "_forkserver_authkey"):
         return False
     if not all(hasattr(server, name) for name in _FORKSERVER_STATE) or server._forkserver_pid is not None:
@@ -96,7 +96,7 @@ def _fork_server(preload: list[str]) -> bool:
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         listener.bind(address)
-        if not util.is_abstract_socket_namespace(address):  # type: ignore[attr-defined]
+        if not util.is_abstract_socket_namespace(address):
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()  # the server leaves when every holder of alive_w has exited
