@@ -22,7 +22,7 @@ def test_every_launcher_renders_its_dry_run_without_a_cluster(name: str, tmp_pat
     if name == "kubeflow":
         requires("kubeflow_trainer_api.models")
     launcher = launcher_class(name)
-    assert launcher.name == name and (launcher.submits or launcher.verifies), name
+    assert launcher.name == name and launcher.summary and (launcher.submits or launcher.verifies), name
     cfg = from_mapping({"run_dir": str(tmp_path / "run"), "kubeflow": {"mount_path": str(tmp_path)}})
     world = launcher.world(cfg)
     assert world.ranks >= world.nodes >= 1
@@ -45,6 +45,7 @@ class EchoLauncher(Launcher):
     """A launcher a test registers: its dry run names the config's world."""
 
     name = "echo"
+    summary = "a test's own target"
     submits = True
 
     @staticmethod
@@ -67,6 +68,9 @@ def test_a_registered_launcher_is_a_target_of_submit_with_no_other_change(
 
     monkeypatch.setitem(LAUNCHERS, "echo", f"{__name__}:EchoLauncher")
     monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        submit_main(["--help"])
+    assert "  echo      a test's own target" in capsys.readouterr().out
     assert submit_main(["--to", "echo", "--dry-run", "model=mlp", "run_dir=exp"]) == 0
     assert capsys.readouterr().out == "echo: world 2, model=mlp run_dir=exp\n"
     assert submit_main(["--to", "echo", "model=mlp", "run_dir=exp"]) == 0

@@ -21,8 +21,11 @@ DEFAULT_TARGET = "slurm"
 
 def _keys_help() -> str:
     """The cluster sections' keys, for ``--help``."""
-    lines = ["keys of each target (override as for `distaccum train`, e.g. slurm.nodes=4):"]
-    for launcher in launchers(submits=True):
+    targets = launchers(submits=True)
+    lines = ["targets (--to):"]
+    lines += [f"  {launcher.name:<10}{launcher.summary}" for launcher in targets]
+    lines += ["", "keys of each target (override as for `distaccum train`, e.g. slurm.nodes=4):"]
+    for launcher in targets:
         if launcher.section is not None:
             lines += config_keys(*launcher.section)
     lines += [
@@ -37,8 +40,7 @@ def submit_main(argv: list[str]) -> int:
     """Parse ``argv``, compose and pre-flight the config, submit (or print what would be submitted)."""
     parser = argparse.ArgumentParser(
         prog="distaccum submit",
-        description="Pre-flight the config, then submit it to Slurm (an sbatch script), Kubernetes (a Kubeflow "
-        "Trainer TrainJob) or Ray (Ray Train's TorchTrainer).",
+        description="Pre-flight the config for the target's world, then hand the run to the target (--to, below).",
         epilog=_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

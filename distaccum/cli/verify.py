@@ -79,7 +79,7 @@ def script_main(argv: list[str]) -> int:
 
 
 VERIFY_USAGE = """\
-usage: distaccum verify [overrides] [--config-dir DIR] [--to local|ray]
+usage: distaccum verify [overrides] [--config-dir DIR] [--to {targets}]
        distaccum verify --script FILE [--nproc N] [--auto] [--run-dir DIR] [-- ARGS]
 
 Trains the configured run as one or more candidates (the configured split; with verify.splits=auto every valid
@@ -101,9 +101,11 @@ docs: docs/verification.md; every key: docs/configuration.md"""
 def verify_help() -> str:
     """``distaccum verify --help``."""
     from distaccum.cli.helptext import config_keys
+    from distaccum.cluster import launchers
     from distaccum.config import VerifyConfig
 
-    return VERIFY_USAGE.format(keys="\n".join(config_keys("verify", VerifyConfig)))
+    targets = "|".join(launcher.name for launcher in launchers(verifies=True))
+    return VERIFY_USAGE.format(keys="\n".join(config_keys("verify", VerifyConfig)), targets=targets)
 
 
 def verify_main(argv: list[str], run_hydra: Callable[[Callable[[Any], int], list[str]], None]) -> int:

@@ -51,6 +51,8 @@ class Launcher:
 
     name: ClassVar[str]
     """The registry key (``--to NAME``)."""
+    summary: ClassVar[str]
+    """What it hands the target, in a few words (``distaccum submit --help``)."""
     section: ClassVar[tuple[str, type] | None] = None
     """Its config section (key, class) when it has one: ``distaccum submit --help`` lists the keys."""
     submits: ClassVar[bool] = False

@@ -291,6 +291,7 @@ class KubeflowLauncher(Launcher):
     """``distaccum submit --to kubeflow``: a Kubeflow Trainer TrainJob, ``kubectl apply``-ed."""
 
     name = "kubeflow"
+    summary = "Kubernetes: a Kubeflow Trainer TrainJob, applied with kubectl"
     section = ("kubeflow", KubeflowConfig)
     submits = True
 

@@ -320,6 +320,7 @@ class LocalLauncher(Launcher):
     default of ``distaccum verify --to``: :func:`launch_local` runs each candidate."""
 
     name = "local"
+    summary = "this machine (and a node of several): torch elastic"
     verifies = True
     launch = staticmethod(launch_local)
     prepare = staticmethod(forked.start)  # the workers' libraries load while verify's reference runs

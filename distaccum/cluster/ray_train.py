@@ -358,6 +358,7 @@ class RayLauncher(Launcher):
     """``distaccum submit --to ray`` (run on Ray Train and wait) and ``distaccum verify --to ray``."""
 
     name = "ray"
+    summary = "Ray: Ray Train's TorchTrainer, run until it ends"
     section = ("ray", RayConfig)
     submits = True
     verifies = True

@@ -357,6 +357,7 @@ class SlurmLauncher(Launcher):
     """``distaccum submit --to slurm`` (the default): an sbatch script, ``sbatch``-ed."""
 
     name = "slurm"
+    summary = "Slurm: an sbatch script, submitted with sbatch"
     section = ("slurm", SlurmConfig)
     submits = True
 
