@@ -22,8 +22,8 @@ _EXPORTS = {
     "Components": "distaccum.components",
     "RunConfig": "distaccum.config",
     "from_mapping": "distaccum.config",
-    "StopFlag": "distaccum.cluster.stopping",
-    "StopRequested": "distaccum.cluster.stopping",
+    "StopFlag": "distaccum.runtime.stopping",
+    "StopRequested": "distaccum.runtime.stopping",
     "load_weights": "distaccum.rundir.weights",
     "losses": "distaccum.losses",
 }

@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 from distaccum.batching.config import AdaptiveConfig, RampConfig, check_schedule
 from distaccum.cluster.config import KubeflowConfig, RayConfig, SlurmConfig  # leaf modules, like Split
-from distaccum.cluster.contracts import parse_nnodes
 from distaccum.outer.config import OuterConfig
 from distaccum.rundir.log_config import LogConfig
+from distaccum.runtime.contracts import parse_nnodes
 from distaccum.split import (  # noqa: F401
     Split,
     check_split,

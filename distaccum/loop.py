@@ -47,11 +47,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from distaccum.cluster.stopping import StopFlag, StopRequested
 from distaccum.data.pipeline import WindowBatches, WindowSource
 from distaccum.engines.base import Engine, StepResult
 from distaccum.guards.fingerprint import Fingerprint
 from distaccum.losses import LossFn
+from distaccum.runtime.stopping import StopFlag, StopRequested
 from distaccum.split import Split
 from distaccum.telemetry.sinks import Record, Sink
 from distaccum.telemetry.summary import run_samples

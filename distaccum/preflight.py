@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from distaccum.activation_checkpointing import parse_checkpointing
-from distaccum.cluster.procgroup import planned_device
 from distaccum.components import Components
 from distaccum.config import ConfigError, Node, RunConfig
 from distaccum.resolve import ResolvedRun, prepare, resolve
 from distaccum.rundir.resume import check_resumable
+from distaccum.runtime.procgroup import planned_device
 
 REQUIRED = ("model", "dataset", "loss")
 MODEL_RESERVED = ("activation_checkpointing",)

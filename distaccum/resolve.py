@@ -36,7 +36,6 @@ from torch.utils.data import Dataset, default_collate
 
 from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
 from distaccum.batching.schedule import BatchSchedule
-from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split, to_mapping
 from distaccum.data.sources import DataOptions
@@ -50,6 +49,7 @@ from distaccum.optim import build_optimizer
 from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
 from distaccum.probe import probe
 from distaccum.rundir.checkpoint import data_signature, model_signature
+from distaccum.runtime.topology import resolve_replicas
 from distaccum.split import Split
 
 

@@ -34,10 +34,6 @@ from distaccum import testing
 from distaccum.activation_checkpointing import Checkpointing, parse_checkpointing
 from distaccum.batching.adaptive import AdaptiveBatch
 from distaccum.batching.schedule import describe_schedule, schedule_summary
-from distaccum.cluster.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
-from distaccum.cluster.procgroup import gather_placement, join, shutdown
-from distaccum.cluster.stopping import StopFlag, StopRequested
-from distaccum.cluster.topology import describe_placement, split_replicas
 from distaccum.components import Components, ModelSpec
 from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
 from distaccum.data.sources import build_source
@@ -56,8 +52,12 @@ from distaccum.outer.sync import OuterSync
 from distaccum.resolve import Prepared, ResolvedRun, prepare, resolve
 from distaccum.rundir import CONFIG, write_json
 from distaccum.rundir.checkpoint import Checkpointer, CheckpointWriter
+from distaccum.rundir.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.rundir.resume import fresh_start, resume
 from distaccum.rundir.weights import save_final
+from distaccum.runtime.procgroup import gather_placement, join, shutdown
+from distaccum.runtime.stopping import StopFlag, StopRequested
+from distaccum.runtime.topology import describe_placement, split_replicas
 from distaccum.telemetry.gns import GnsMonitor
 from distaccum.telemetry.ledger import CommLedger
 from distaccum.telemetry.sinks import NullSink, Record, Sink, build_sinks

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distaccum.cluster.procgroup import all_gather_into
+from distaccum.runtime.procgroup import all_gather_into
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,7 @@ def one_rank_group(device: str) -> Iterator[None]:
         try:
             yield
         finally:
-            from distaccum.cluster.procgroup import destroy_world
+            from distaccum.runtime.procgroup import destroy_world
 
             destroy_world()  # DeepSpeed's cached groups too (see there)
 
@@ -306,8 +306,8 @@ def plan_worker(plan_file: str, train_each: Any, after: Any = None) -> None:
 
     import torch
 
-    from distaccum.cluster.contracts import DistEnv
-    from distaccum.cluster.procgroup import ensure_process_group, shutdown
+    from distaccum.runtime.contracts import DistEnv
+    from distaccum.runtime.procgroup import ensure_process_group, shutdown
 
     code = 0
     try:

@@ -186,8 +186,8 @@ def _worker_main(plan_file: str) -> None:
 
     A crash names the cell and exits non-zero (torchrun then stops the other rank).
     """
-    from distaccum.cluster.contracts import DistEnv
-    from distaccum.cluster.procgroup import ensure_process_group, shutdown
+    from distaccum.runtime.contracts import DistEnv
+    from distaccum.runtime.procgroup import ensure_process_group, shutdown
     from distaccum.trainer import Trainer
 
     code = 0

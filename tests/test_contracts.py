@@ -1,11 +1,11 @@
 """Each launch contract recognised from its environment (pure), and one clear error when a contract is set in
-part (distaccum/cluster/contracts.py)."""
+part (distaccum/runtime/contracts.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from distaccum.cluster.contracts import ContractError, node_launch, recognize
+from distaccum.runtime.contracts import ContractError, node_launch, recognize
 
 pytestmark = pytest.mark.unit
 

@@ -119,7 +119,7 @@ def _worker_main(plan_file: str) -> None:
     An entry with ``"_stop_after": n`` is stopped (checkpoint, ``StopRequested``) before window n + 1,
     as SIGTERM would stop it, and then run again from its checkpoint.
     """
-    from distaccum.cluster.stopping import StopFlag, StopRequested
+    from distaccum.runtime.stopping import StopFlag, StopRequested
     from distaccum.trainer import Trainer
 
     class StopAfter(StopFlag):

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from conftest import engine_spec
-from distaccum.cluster.procgroup import collective_device
 from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
 from distaccum.engines.base import EngineSpec, GradNorms, GradSample, step_plain
@@ -28,6 +27,7 @@ from distaccum.engines.ddp import (
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
 from distaccum.models import MLP, TinyGPT
+from distaccum.runtime.procgroup import collective_device
 from distaccum.telemetry.gns import GradSquares
 from distaccum.telemetry.ledger import CommLedger
 

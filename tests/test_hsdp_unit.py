@@ -13,14 +13,6 @@ import torch
 import torch.distributed as dist
 
 from conftest import engine_spec
-from distaccum.cluster.contracts import DistEnv
-from distaccum.cluster.topology import (
-    describe_placement,
-    placement_plan,
-    replica_groups,
-    resolve_replicas,
-    split_replicas,
-)
 from distaccum.config import AccumConfig, EngineConfig, RunConfig, from_mapping
 from distaccum.engines.base import EngineSpec, Precision
 from distaccum.engines.comm_tap import tap_gradient_reductions
@@ -29,6 +21,14 @@ from distaccum.engines.deepspeed_config import generate
 from distaccum.engines.fsdp import mixed_precision
 from distaccum.models import MLP
 from distaccum.resolve import resolve
+from distaccum.runtime.contracts import DistEnv
+from distaccum.runtime.topology import (
+    describe_placement,
+    placement_plan,
+    replica_groups,
+    resolve_replicas,
+    split_replicas,
+)
 from distaccum.split import Split
 from distaccum.telemetry.ledger import CommLedger
 from distaccum.verify.compare import DEFAULT_TOLERANCES, reduction_roundings, with_reduction

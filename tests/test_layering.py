@@ -149,25 +149,9 @@ FOLDER_PAIRS = {
         "a leaf config section: config imports batching.config; batching.schedule reads RunConfig"
     ),
     ("cluster", "config"): (
-        "a leaf config section: config imports cluster.config and the launch contracts; the launchers read RunConfig"
+        "a leaf config section: config imports cluster.config (the launchers' sections); the launchers read RunConfig"
     ),
     ("config", "outer"): "a leaf config section: config imports outer.config; outer.simulate reads RunConfig",
-    ("cluster", "outer"): (
-        "the Slurm launcher lays out islands (outer.islands); the islands sit on the topology and the outer sync "
-        "gathers through the process group: launchers and the worker runtime share cluster/ until it is split"
-    ),
-    ("cluster", "preflight"): (
-        "Ray's launcher runs the pre-flight; the pre-flight plans the device (cluster.procgroup): launchers and the "
-        "worker runtime share cluster/ until it is split"
-    ),
-    ("cluster", "rundir"): (
-        "launchers and liveness write the run directory; checkpoints and resume use the process group and liveness: "
-        "launchers and the worker runtime share cluster/ until it is split"
-    ),
-    ("cluster", "trainer"): (
-        "Ray's launcher runs the Trainer in its workers; the Trainer joins the process group: launchers and the "
-        "worker runtime share cluster/ until it is split"
-    ),
     ("engines", "telemetry"): (
         "the engines count their collectives in telemetry.ledger; the run summary reads the engine's capabilities "
         "(engines.base)"
@@ -192,6 +176,15 @@ def test_folders_import_each_other_only_where_named() -> None:
     assert not new, f"folders that now import each other: {new}"
     gone = sorted(set(FOLDER_PAIRS) - set(found))
     assert not gone, f"no longer import each other (take them off FOLDER_PAIRS): {gone}"
+
+
+def test_the_worker_runtime_imports_nothing_of_distaccum_above_it() -> None:
+    """The worker runtime (contracts, process group, topology, stop requests) is the floor the Trainer and the
+    launchers stand on: it imports only itself (module level and inside functions)."""
+    for name, deps in sorted(_graph().items()):
+        if name.startswith("distaccum.runtime"):
+            above = sorted(d for d in deps if not d.startswith("distaccum.runtime"))
+            assert not above, f"{name} imports {above}"
 
 
 def test_the_guards_import_neither_the_verify_command_nor_the_trainer() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.cluster.liveness import (
+from distaccum.rundir.liveness import (
     Liveness,
     describe_peers,
     is_timeout,

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from distaccum import losses
-from distaccum.cluster.stopping import StopFlag, StopRequested
 from distaccum.datasets import SyntheticImages, SyntheticRegression
 from distaccum.models import MLP, ConvNetBN
 from distaccum.optim import lr_factor
+from distaccum.runtime.stopping import StopFlag, StopRequested
 from distaccum.trainer import Trainer
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("cpu_group")]  # conftest: one gloo rank

@@ -411,10 +411,10 @@ def _worker_main(plan_file: str) -> None:
     import torch.distributed as dist
 
     from distaccum import testing
-    from distaccum.cluster.contracts import DistEnv
-    from distaccum.cluster.liveness import short_error
-    from distaccum.cluster.procgroup import ensure_process_group, shutdown
     from distaccum.preflight import instantiate_components
+    from distaccum.rundir.liveness import short_error
+    from distaccum.runtime.contracts import DistEnv
+    from distaccum.runtime.procgroup import ensure_process_group, shutdown
     from distaccum.trainer import Trainer
 
     code, outcomes, name = 0, {}, "?"

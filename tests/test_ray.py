@@ -35,9 +35,9 @@ from distaccum.cluster.ray_train import (
     RayReporter,
     describe_failure,
     launch_on_ray,
+    ray_dry_run,
     ray_plan,
     ray_world_size,
-    submit_ray,
     train_on_ray,
 )
 from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
@@ -233,12 +233,11 @@ def test_a_killed_worker_restarts_the_group_and_resumes_from_the_checkpoint(
 
 
 @pytest.mark.unit
-def test_the_dry_run_shows_the_plan_and_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_the_dry_run_shows_the_plan_and_starts_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = config(run_dir, "ray.cpus_per_worker=0.5", "trainer.max_restarts=2")
     assert ray_world_size(cfg) == 2
-    assert submit_ray(cfg, ["model=mlp"], dry_run=True) == 0
-    out = capsys.readouterr().out
+    out = ray_dry_run(cfg, ["model=mlp"])
     assert (
         "Ray Train: 2 worker(s) of CPU 0.5 each, process group gloo, on a local Ray started for the run (1 CPU)"
         in out

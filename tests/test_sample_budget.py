@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from distaccum import losses
-from distaccum.cluster.stopping import StopFlag, StopRequested
 from distaccum.config import from_mapping
 from distaccum.datasets import SyntheticRegression
 from distaccum.models import MLP
+from distaccum.runtime.stopping import StopFlag, StopRequested
 from distaccum.trainer import Trainer
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("cpu_group")]

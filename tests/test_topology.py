@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from distaccum.cluster.contracts import DistEnv, first_host, recognize
+from distaccum.runtime.contracts import DistEnv, first_host, recognize
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ from distaccum import __version__
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
 from distaccum.cli.startup import pause as pause_collection
 from distaccum.cli.startup import resume as resume_collection
-from distaccum.cluster.contracts import ContractError, recognize
+from distaccum.runtime.contracts import ContractError, recognize
 
 USAGE = """\
 usage: distaccum <command> [options] [overrides]

@@ -8,4 +8,4 @@ EXIT_CONFIG = 2
 """Bad input: an invalid config, component or argument, reported before any worker starts."""
 EXIT_REQUEUE = 3
 """Stopped on request after writing a checkpoint; rerun the same command to resume
-(== :data:`distaccum.cluster.stopping.EXIT_REQUEUE`)."""
+(== :data:`distaccum.runtime.stopping.EXIT_REQUEUE`)."""

@@ -43,10 +43,10 @@ from distaccum.cli.plan_cluster import (  # noqa: F401 - measured_cluster and tr
     user_overrides,
 )
 from distaccum.cli.worker import worker_exit
-from distaccum.cluster.contracts import DistEnv
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import PLAN, PLAN_TABLE, SWEEP_SCRIPT, read_json
+from distaccum.runtime.contracts import DistEnv
 from distaccum.tuning.scaleout import cluster_accum_steps
 
 if TYPE_CHECKING:
@@ -273,8 +273,8 @@ def plan_worker(config_file: str) -> None:
     def run() -> None:
         import torch.distributed as dist
 
-        from distaccum.cluster.procgroup import ensure_process_group, pick_device
         from distaccum.rundir import write_json
+        from distaccum.runtime.procgroup import ensure_process_group, pick_device
         from distaccum.tuning.planner import plan_splits
 
         payload: dict[str, Any] = json.loads(Path(config_file).read_text())

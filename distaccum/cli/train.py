@@ -12,12 +12,12 @@ from typing import Any
 
 from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
-from distaccum.cluster.contracts import node_launch
-from distaccum.cluster.topology import placement_plan
 from distaccum.config import to_mapping, with_overrides
 from distaccum.outer.islands import island_plan
 from distaccum.preflight import preflight
 from distaccum.rundir import LAUNCH_CONFIG, STATUS, write_json
+from distaccum.runtime.contracts import node_launch
+from distaccum.runtime.topology import placement_plan
 
 
 def in_multirun() -> tuple[bool, str | None]:

@@ -17,20 +17,17 @@ from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
 from distaccum.cli.startup import resume as resume_collection
 
 
-def verify_task(dcfg: Any, *, on_ray: bool = False) -> int:
-    """The Hydra task behind ``distaccum verify``; exits 2 on bad input, 1 on a mismatch. ``on_ray``: the candidates
-    run on Ray Train's workers (``--to ray``) instead of the local launcher."""
-    from distaccum.cluster import forked
-    from distaccum.cluster.local import launch_local
-    from distaccum.cluster.ray_train import launch_on_ray
+def verify_task(dcfg: Any, *, to: str = "local") -> int:
+    """The Hydra task behind ``distaccum verify``; exits 2 on bad input, 1 on a mismatch. ``to``: the launcher the
+    candidates run on (``--to``; Ray Train's workers for ``ray``)."""
+    from distaccum.cluster import launcher_class
     from distaccum.verify.runner import verify
 
-    launcher = launch_on_ray if on_ray else launch_local
+    launcher = launcher_class(to)
     try:
         cfg = to_run_config(dcfg)
-        if not on_ray:  # the workers' libraries load while the reference runs here
-            forked.start()
-        result = verify(cfg, echo=lambda line: print(line, flush=True), launcher=launcher)
+        launcher.prepare()  # the local launcher's workers load their libraries while the reference runs here
+        result = verify(cfg, echo=lambda line: print(line, flush=True), launcher=launcher.launch)
     except ValueError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
@@ -82,7 +79,7 @@ def script_main(argv: list[str]) -> int:
 
 
 VERIFY_USAGE = """\
-usage: distaccum verify [overrides] [--config-dir DIR] [--to local|ray]
+usage: distaccum verify [overrides] [--config-dir DIR] [--to {targets}]
        distaccum verify --script FILE [--nproc N] [--auto] [--run-dir DIR] [-- ARGS]
 
 Trains the configured run as one or more candidates (the configured split; with verify.splits=auto every valid
@@ -104,14 +101,17 @@ docs: docs/verification.md; every key: docs/configuration.md"""
 def verify_help() -> str:
     """``distaccum verify --help``."""
     from distaccum.cli.helptext import config_keys
+    from distaccum.cluster import launchers
     from distaccum.config import VerifyConfig
 
-    return VERIFY_USAGE.format(keys="\n".join(config_keys("verify", VerifyConfig)))
+    targets = "|".join(launcher.name for launcher in launchers(verifies=True))
+    return VERIFY_USAGE.format(keys="\n".join(config_keys("verify", VerifyConfig)), targets=targets)
 
 
 def verify_main(argv: list[str], run_hydra: Callable[[Callable[[Any], int], list[str]], None]) -> int:
-    """``distaccum verify``: a script (``--script``) or a config (Hydra overrides; ``--to ray`` runs the candidates
-    on Ray Train, ``--to local``, the default, on local workers)."""
+    """``distaccum verify``: a script (``--script``) or a config (Hydra overrides; ``--to NAME`` runs the candidates
+    with a launcher that verifies (:data:`distaccum.cluster.LAUNCHERS`): ``ray`` on Ray Train, ``local``, the
+    default, on local workers)."""
     script = any(a == "--script" or a.startswith("--script=") for a in argv)
     if not script and any(a in ("-h", "--help") for a in argv):  # verify's own, not Hydra's help of train
         print(verify_help())
@@ -119,10 +119,12 @@ def verify_main(argv: list[str], run_hydra: Callable[[Callable[[Any], int], list
     if script:
         resume_collection()
         return script_main(argv)
+    from distaccum.cluster import launchers
+
     to = argparse.ArgumentParser(add_help=False)
-    to.add_argument("--to", choices=("local", "ray"), default="local")
+    to.add_argument("--to", choices=[launcher.name for launcher in launchers(verifies=True)], default="local")
     opts, rest = to.parse_known_args(argv)
-    run_hydra(lambda dcfg: verify_task(dcfg, on_ray=opts.to == "ray"), rest)
+    run_hydra(lambda dcfg: verify_task(dcfg, to=opts.to), rest)
     return EXIT_OK
 
 

@@ -14,16 +14,16 @@ from typing import Any, Callable, NoReturn
 from distaccum.cli.compose import compose_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK, EXIT_REQUEUE
 from distaccum.cli.startup import resume as resume_collection
-from distaccum.cluster.contracts import DistEnv
 from distaccum.cluster.forked import leave
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import Record
+from distaccum.runtime.contracts import DistEnv
 
 
 def stop_flag() -> Any:
     """SIGTERM / SIGUSR1 ask the run to checkpoint after the window in progress and stop."""
-    from distaccum.cluster.stopping import StopFlag
+    from distaccum.runtime.stopping import StopFlag
 
     flag = StopFlag()
     flag.install()
@@ -50,8 +50,8 @@ def worker_exit(run: Callable[[], Any]) -> None:
     tensors aborted FSDP runs now and then ("terminate called without an active exception").
     A rank forked by distaccum's launcher that succeeded returns instead (:func:`distaccum.cluster.forked.leave`).
     """
-    from distaccum.cluster.procgroup import shutdown
-    from distaccum.cluster.stopping import StopRequested
+    from distaccum.runtime.procgroup import shutdown
+    from distaccum.runtime.stopping import StopRequested
 
     code = EXIT_OK
     try:
@@ -85,7 +85,7 @@ def worker_in_place(argv: list[str]) -> NoReturn:
     def run() -> None:
         import torch.distributed as dist
 
-        from distaccum.cluster.procgroup import ensure_process_group, pick_device
+        from distaccum.runtime.procgroup import ensure_process_group, pick_device
 
         env = DistEnv.from_environ(os.environ)
         cfg = compose_config(argv)

@@ -1,2 +1,40 @@
-"""Where the workers run: local and multi-node launch (torch elastic), Slurm, the rank layout, the
-process group, stop requests and each rank's sign of life."""
+"""The launchers: where the workers run (this machine through torch elastic, Slurm, Kubeflow Trainer, Ray Train) and
+their config sections, above the Trainer they start. The worker runtime below the Trainer is
+:mod:`distaccum.runtime`.
+
+Launcher modules are imported on first use (``importlib``), as engines are. Add a launcher with one module (a
+:class:`~distaccum.cluster.base.Launcher` subclass), one line in :data:`LAUNCHERS` and its section of
+docs/clusters.md; ``distaccum submit --to`` and ``distaccum verify --to`` offer it by its class's capabilities.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from distaccum.cluster.base import Launcher
+
+LAUNCHERS: dict[str, str] = {
+    "local": "distaccum.cluster.local:LocalLauncher",
+    "slurm": "distaccum.cluster.slurm:SlurmLauncher",
+    "kubeflow": "distaccum.cluster.kubeflow:KubeflowLauncher",
+    "ray": "distaccum.cluster.ray_train:RayLauncher",
+}
+"""Launcher name (``--to NAME``) -> ``module:Class``."""
+
+
+def launcher_class(name: str) -> type[Launcher]:
+    """The launcher registered under ``name`` (imports its module)."""
+    if name not in LAUNCHERS:
+        raise ValueError(f"--to {name!r} is not one of {', '.join(LAUNCHERS)}")
+    module, _, cls = LAUNCHERS[name].partition(":")
+    launcher: type[Launcher] = getattr(importlib.import_module(module), cls)
+    assert launcher.name == name, (
+        f"{LAUNCHERS[name]} is registered as {name!r} but names itself {launcher.name!r}"
+    )
+    return launcher
+
+
+def launchers(*, submits: bool = False, verifies: bool = False) -> list[type[Launcher]]:
+    """Every registered launcher with the capabilities asked for, in registry order (imports them all)."""
+    found = [launcher_class(name) for name in LAUNCHERS]
+    return [c for c in found if (c.submits or not submits) and (c.verifies or not verifies)]

@@ -6,7 +6,7 @@ rendered. :func:`submit_trainjob` is the thin executor, the only code here that 
 
 The torch runtime starts ``kubeflow.nodes`` pods and gives each the PET_* variables it means for torchrun (nodes,
 processes per node, node rank, master address and port). The pod's command is ``distaccum train``, which reads
-them and becomes its node's launcher (:mod:`distaccum.cluster.contracts`). Each node's ranks are consecutive, as
+them and becomes its node's launcher (:mod:`distaccum.runtime.contracts`). Each node's ranks are consecutive, as
 under Slurm, so the HSDP and island plans of :mod:`distaccum.cluster.slurm` hold here too.
 """
 
@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-from distaccum.cluster.config import QUANTITY
+from distaccum.cluster.base import Launcher, LaunchError, Submitted, World
+from distaccum.cluster.config import QUANTITY, KubeflowConfig
 from distaccum.cluster.slurm import layout_plan, split_line
 from distaccum.config import RunConfig
 
@@ -43,7 +44,7 @@ WORKER_ENV = {"PYTHONUNBUFFERED": "1"}
 INSTALL_HINT = 'pip install "distaccum[kubeflow]"'
 
 
-class KubeflowError(RuntimeError):
+class KubeflowError(LaunchError):
     """The Kubeflow Trainer API models or kubectl are missing, or kubectl failed; the message says what to do."""
 
 
@@ -284,3 +285,26 @@ def submit_trainjob(cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool) 
     if proc.returncode != 0:
         raise KubeflowError(f"`{shlex.join(apply)}` failed (exit {proc.returncode}): {proc.stderr.strip()}")
     return TrainJobSubmission(manifest=manifest, path=path, applied=proc.stdout.strip())
+
+
+class KubeflowLauncher(Launcher):
+    """``distaccum submit --to kubeflow``: a Kubeflow Trainer TrainJob, ``kubectl apply``-ed."""
+
+    name = "kubeflow"
+    summary = "Kubernetes: a Kubeflow Trainer TrainJob, applied with kubectl"
+    section = ("kubeflow", KubeflowConfig)
+    submits = True
+
+    @staticmethod
+    def world(cfg: RunConfig) -> World:
+        return World(kubeflow_world_size(cfg), cfg.kubeflow.nodes)
+
+    @staticmethod
+    def render(cfg: RunConfig, overrides: Sequence[str]) -> str:
+        return render_trainjob(cfg, overrides)
+
+    @staticmethod
+    def submit(cfg: RunConfig, overrides: Sequence[str]) -> Submitted:
+        result = submit_trainjob(cfg, overrides, dry_run=False)
+        note = f"wrote {result.path} and applied it; outputs go to {pod_run_dir(cfg)} in the pods"
+        return Submitted(result.applied or "", note)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shlex
 import socket
 import sys
 import tempfile
@@ -24,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from distaccum.cluster import forked
-from distaccum.cluster.contracts import parse_nnodes
-from distaccum.cluster.stopping import EXIT_REQUEUE
+from distaccum.cluster.base import Launcher, World
 from distaccum.config import RunConfig
+from distaccum.rundir import LAUNCH_CONFIG
+from distaccum.runtime.contracts import parse_nnodes
+from distaccum.runtime.stopping import EXIT_REQUEUE
 
 DISTACCUM_MODULE = ["-m", "distaccum"]
 WORKER_COMMAND = [*DISTACCUM_MODULE, "_worker"]
@@ -310,3 +313,26 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
         )
         return EXIT_REQUEUE
     return 0
+
+
+class LocalLauncher(Launcher):
+    """``distaccum train``'s launcher (torch elastic on this machine, and a node of a multi-node run), and the
+    default of ``distaccum verify --to``: :func:`launch_local` runs each candidate."""
+
+    name = "local"
+    summary = "this machine (and a node of several): torch elastic"
+    verifies = True
+    launch = staticmethod(launch_local)
+    prepare = staticmethod(forked.start)  # the workers' libraries load while verify's reference runs
+
+    @staticmethod
+    def world(cfg: RunConfig) -> World:
+        """The largest world ``cfg`` may get (an elastic ``trainer.nnodes=MIN:MAX`` starts with fewer nodes)."""
+        nodes = cfg.trainer.node_range()[1]
+        return World(cfg.trainer.nproc * nodes, nodes)
+
+    @staticmethod
+    def render(cfg: RunConfig, overrides: Sequence[str]) -> str:
+        """The torchrun command equivalent to the launch (``overrides`` are resolved into the launch config)."""
+        argv = torchrun_argv(launch_plan(cfg), worker_args(Path(cfg.run_dir) / LAUNCH_CONFIG))
+        return "".join(f"distaccum: {line}\n" for line in elastic_plan(cfg)) + shlex.join(argv) + "\n"

@@ -3,11 +3,11 @@
 :func:`train_on_ray` pre-flights the config here, joins Ray (``ray.address``, else RAY_ADDRESS, else a local Ray
 started for the run) and runs ``trainer.nproc x trainer.nnodes`` workers. Each one (:func:`ray_worker`) trains in
 the process group Ray made (distaccum uses it and leaves it to Ray: the ``initialized_group`` contract of
-:mod:`distaccum.cluster.contracts`), writes ``run_dir`` as every launch does, and hands every
+:mod:`distaccum.runtime.contracts`), writes ``run_dir`` as every launch does, and hands every
 ``ray.report_every``-th step record to ``ray.train.report`` (:class:`RayReporter`). When a worker dies, Ray restarts
 the whole group up to ``trainer.max_restarts`` times, and the Trainer resumes from ``run_dir``'s newest checkpoint,
 as after a torch elastic restart. :func:`ray_plan` is the pure part (what would run, shown by ``distaccum submit --to ray
---dry-run``); :func:`launch_on_ray` is a launcher for ``distaccum verify``'s candidates.
+--dry-run``, :func:`ray_dry_run`); :func:`launch_on_ray` is a launcher for ``distaccum verify``'s candidates.
 
 ``ray`` is an optional dependency (``pip install "distaccum[ray]"``), imported only inside functions.
 """
@@ -26,13 +26,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from distaccum.cluster.liveness import short_error
-from distaccum.cluster.procgroup import planned_device
+from distaccum.cluster.base import Launcher, LaunchError, Submitted, World
+from distaccum.cluster.config import RayConfig
 from distaccum.cluster.slurm import split_line
-from distaccum.cluster.stopping import StopFlag
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping
 from distaccum.preflight import instantiate_components, preflight
 from distaccum.rundir import Record
+from distaccum.rundir.liveness import short_error
+from distaccum.runtime.procgroup import planned_device
+from distaccum.runtime.stopping import StopFlag
 from distaccum.trainer import Trainer
 
 INSTALL_HINT = 'pip install "distaccum[ray]"'
@@ -40,7 +42,7 @@ STORAGE_DIR = "ray"
 """Ray Train's own run state goes to ``run_dir/ray`` unless ``ray.storage_path`` says otherwise."""
 
 
-class RayError(RuntimeError):
+class RayError(LaunchError):
     """Ray Train is not installed, or the run on Ray failed; the message says what happened and what to do."""
 
 
@@ -335,34 +337,46 @@ def launch_on_ray(cfg: RunConfig, config_file: Path) -> int:
     return 0
 
 
-def submit_ray(cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool) -> int:
-    """``distaccum submit --to ray [overrides]``: run ``cfg`` on Ray and wait (``dry_run``: print what would run and
-    start nothing). The caller pre-flighted ``cfg`` for :func:`ray_world_size` ranks, as ``distaccum submit`` does
-    for every cluster; ``overrides``: what ``cfg`` was composed from, shown with the plan.
+def ray_dry_run(cfg: RunConfig, overrides: Sequence[str]) -> str:
+    """What ``distaccum submit --to ray --dry-run`` prints: the command, the split and the plan (starts nothing).
+    Raises ConfigError (exit 2) for a configuration Ray cannot run."""
+    lines = [f"submit --to ray {' '.join(overrides)}".rstrip(), *_plan_lines(cfg)]
+    if importlib.util.find_spec("ray") is None:
+        lines.append(f"note: Ray is not installed here: {INSTALL_HINT}")
+    return "".join(f"distaccum: {line}\n" for line in lines)
 
-    Returns 0 when the run finished, 1 when Ray Train is missing or the run failed (the error printed); raises
-    ConfigError (exit 2) for a configuration Ray cannot run.
-    """
+
+def _plan_lines(cfg: RunConfig) -> list[str]:
     try:
         plan = ray_plan(cfg, os.environ)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    if dry_run:
-        print(f"distaccum: submit --to ray {' '.join(overrides)}".rstrip())
-    for line in [split_line(cfg, int(cfg.trainer.nnodes), cfg.trainer.nproc), *plan.describe()]:
-        print(f"distaccum: {line}", flush=True)
-    if dry_run:
-        if importlib.util.find_spec("ray") is None:
-            print(f"distaccum: note: Ray is not installed here: {INSTALL_HINT}")
-        return 0
-    try:
+    return [split_line(cfg, int(cfg.trainer.nnodes), cfg.trainer.nproc), *plan.describe()]
+
+
+class RayLauncher(Launcher):
+    """``distaccum submit --to ray`` (run on Ray Train and wait) and ``distaccum verify --to ray``."""
+
+    name = "ray"
+    summary = "Ray: Ray Train's TorchTrainer, run until it ends"
+    section = ("ray", RayConfig)
+    submits = True
+    verifies = True
+    launch = staticmethod(launch_on_ray)
+    render = staticmethod(ray_dry_run)
+
+    @staticmethod
+    def world(cfg: RunConfig) -> World:
+        return World(ray_world_size(cfg), int(cfg.trainer.nnodes))  # ray_world_size refuses MIN:MAX
+
+    @staticmethod
+    def submit(cfg: RunConfig, overrides: Sequence[str]) -> Submitted:
+        """Run ``cfg`` on Ray and wait (the plan printed first); raises :class:`RayError` when Ray Train is missing
+        or the run failed."""
+        for line in _plan_lines(cfg):
+            print(f"distaccum: {line}", flush=True)
         summary = train_on_ray(cfg, check=False)
-    except RayError as err:
-        print(f"distaccum: {err}", file=sys.stderr, flush=True)
-        return 1
-    print(
-        f"distaccum: Ray Train run finished: {summary.get('steps')} optimizer steps, final loss "
-        f"{summary.get('final_loss')}; run_dir {cfg.run_dir}",
-        flush=True,
-    )
-    return 0
+        return Submitted(
+            f"distaccum: Ray Train run finished: {summary.get('steps')} optimizer steps, final loss "
+            f"{summary.get('final_loss')}; run_dir {cfg.run_dir}"
+        )

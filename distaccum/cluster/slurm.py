@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
-from distaccum.cluster.topology import placement_plan, resolve_replicas
+from distaccum.cluster.base import Launcher, LaunchError, Submitted, World
+from distaccum.cluster.config import SlurmConfig
 from distaccum.config import RunConfig
 from distaccum.engines import engine_class
 from distaccum.outer.islands import island_plan, resolve_outer_replicas
+from distaccum.runtime.topology import placement_plan, resolve_replicas
 
 SCRIPT_NAME = "submit.sbatch"
 """File name of the rendered script inside ``run_dir``."""
@@ -38,7 +40,7 @@ AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 _UNSAFE_PATH = re.compile(r"[\s%]")
 
 
-class SlurmError(RuntimeError):
+class SlurmError(LaunchError):
     """A Slurm command is missing or failed; the message says which and why."""
 
 
@@ -344,3 +346,30 @@ def parse_nodelist(nodelist: str) -> list[str]:
         choices = [[p] if i % 2 == 0 else _expand_ranges(p, nodelist) for i, p in enumerate(pieces)]
         hosts += ["".join(combo) for combo in product(*choices)]
     return hosts
+
+
+def _pinned(overrides: Sequence[str]) -> list[str]:
+    """The overrides the job's workers compose again: ``run_dir`` is pinned to the submitter's resolved value."""
+    return [o for o in overrides if not o.startswith("run_dir=")]
+
+
+class SlurmLauncher(Launcher):
+    """``distaccum submit --to slurm`` (the default): an sbatch script, ``sbatch``-ed."""
+
+    name = "slurm"
+    summary = "Slurm: an sbatch script, submitted with sbatch"
+    section = ("slurm", SlurmConfig)
+    submits = True
+
+    @staticmethod
+    def world(cfg: RunConfig) -> World:
+        return World(job_world_size(cfg), cfg.slurm.nodes)
+
+    @staticmethod
+    def render(cfg: RunConfig, overrides: Sequence[str]) -> str:
+        return render_sbatch(cfg, _pinned(overrides), python=cfg.slurm.python or sys.executable)
+
+    @staticmethod
+    def submit(cfg: RunConfig, overrides: Sequence[str]) -> Submitted:
+        result = submit(cfg, _pinned(overrides))
+        return Submitted(str(result.job_id), f"wrote {result.script_path}; outputs go to {cfg.run_dir}")

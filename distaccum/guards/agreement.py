@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distaccum.cluster.procgroup import all_gather_into, collective_device
+from distaccum.runtime.procgroup import all_gather_into, collective_device
 
 
 def gather(
@@ -28,7 +28,7 @@ def gather(
     """Every rank's ``local`` (a few numbers) as a (ranks, n) float64 tensor on the host, rank r's in row r. One
     all-gather over ``group`` (None: the world; an outer-synced run's island or its outer group), collective: every
     rank of the group calls it with as many numbers. ``device``: where the collective takes its tensors (None: the
-    default group's, :func:`~distaccum.cluster.procgroup.collective_device`)."""
+    default group's, :func:`~distaccum.runtime.procgroup.collective_device`)."""
     device = device if device is not None else collective_device()
     row = torch.as_tensor(local, dtype=torch.float64).to(device).reshape(-1).contiguous()
     ranks = dist.get_world_size(group)

@@ -45,11 +45,11 @@ from typing import Any, Protocol
 
 import torch
 
-from distaccum.cluster.procgroup import collective_device
 from distaccum.guards.agreement import all_same, gather, groups, same
 from distaccum.guards.checksum import agree
 from distaccum.guards.tripwire import RankDivergenceError
 from distaccum.rundir import DIVERGENCE, WARNINGS
+from distaccum.runtime.procgroup import collective_device
 from distaccum.window import Carry, WindowResult
 
 

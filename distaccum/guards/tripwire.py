@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from distaccum.cluster.procgroup import collective_device
 from distaccum.guards.agreement import gather
 from distaccum.rundir import CHECKSUMS, DIVERGENCE
+from distaccum.runtime.procgroup import collective_device
 
 
 class Parameters(Protocol):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from distaccum.cluster.topology import groups_plan, replica_groups
+from distaccum.runtime.topology import groups_plan, replica_groups
 
 
 @dataclass(frozen=True)

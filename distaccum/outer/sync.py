@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distaccum.cluster.procgroup import all_gather_into
 from distaccum.guards import agreement
 from distaccum.outer.config import OuterConfig
 from distaccum.outer.islands import Islands
+from distaccum.runtime.procgroup import all_gather_into
 
 OUTER_DIR = "outer"
 """The checkpoint's sub-directory of the outer state (one file per rank)."""

@@ -7,7 +7,7 @@ run_dir/
   summary.json         the run summary (at the end)
   status.json          ok | failed | invalid_config, written by the CLI
   checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.rundir.checkpoint)
-  ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.cluster.liveness)
+  ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.rundir.liveness)
   checksums.jsonl      per-step parameter checksums (verify.record)
   divergence.json      the cross-rank tripwire's (or the fingerprint's) report, when it fired
   warnings.jsonl       the runtime checks' warnings (identical data or random numbers on every rank)

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distaccum.cluster.procgroup import collective_device
 from distaccum.rundir import CHECKPOINTS, read_json, write_json
+from distaccum.runtime.procgroup import collective_device
 
 if TYPE_CHECKING:
     from distaccum.loop import TrainState

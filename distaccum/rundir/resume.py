@@ -15,7 +15,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distaccum.cluster.liveness import previous_attempt
 from distaccum.loop import TrainState
 from distaccum.optim import LrSchedule, schedule_of
 from distaccum.rundir import RANKS, read_metrics, truncate_metrics
@@ -28,6 +27,7 @@ from distaccum.rundir.checkpoint import (
     restore,
     warn_skipped,
 )
+from distaccum.rundir.liveness import previous_attempt
 
 FRESH_START = (
     "start afresh with trainer.resume=false (its checkpoints are deleted) or choose a new run_dir; or, to keep the "

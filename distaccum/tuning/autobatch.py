@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from distaccum.cluster.procgroup import collective_device
 from distaccum.components import Components
 from distaccum.config import ConfigError
 from distaccum.data.global_batch import GlobalBatchPlan
@@ -43,6 +42,7 @@ from distaccum.engines import make_engine
 from distaccum.engines.base import Precision, StepResult
 from distaccum.losses import LossFn
 from distaccum.resolve import ResolvedRun
+from distaccum.runtime.procgroup import collective_device
 from distaccum.split import Split
 from distaccum.telemetry.ledger import CommLedger
 from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory

@@ -374,9 +374,9 @@ def zoo_worker(plan_file: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from distaccum.cluster.contracts import DistEnv
-    from distaccum.cluster.procgroup import ensure_process_group
     from distaccum.preflight import instantiate_components
+    from distaccum.runtime.contracts import DistEnv
+    from distaccum.runtime.procgroup import ensure_process_group
     from distaccum.trainer import Trainer
 
     ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))

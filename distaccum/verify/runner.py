@@ -32,7 +32,6 @@ import torch
 
 from distaccum.batching.adaptive import VERIFY_RECIPE
 from distaccum.cluster.local import launch_local
-from distaccum.cluster.topology import resolve_replicas
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import ConfigError, RunConfig, from_mapping, to_mapping, valid_splits
 from distaccum.engines import engine_class
@@ -41,6 +40,7 @@ from distaccum.preflight import preflight
 from distaccum.resolve import resolve_sync
 from distaccum.rundir import CONSOLE_LOG, LAUNCH_CONFIG, SEED
 from distaccum.rundir.weights import save_weights
+from distaccum.runtime.topology import resolve_replicas
 from distaccum.split import Split
 from distaccum.verify.compare import (
     UNIT_ROUNDOFF,

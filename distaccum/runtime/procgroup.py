@@ -1,7 +1,7 @@
 """The process group: pick the device, join (or reuse) the group, leave it cleanly.
 
 A run started by distaccum's launcher, by ``torchrun`` or by ``srun`` joins from the environment
-(:class:`~distaccum.cluster.topology.DistEnv`); a user script may have created the group already, in which
+(:class:`~distaccum.runtime.topology.DistEnv`); a user script may have created the group already, in which
 case distaccum uses it and leaves it alone; a plain ``python script.py`` gets a one-rank group.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distaccum.cluster.contracts import DistEnv, recognize
+from distaccum.runtime.contracts import DistEnv, recognize
 
 
 def pick_device(device: str, env: DistEnv) -> torch.device:

@@ -1,7 +1,7 @@
 """Where ranks sit: HSDP replicas (and outer-sync islands) as groups of consecutive ranks on nodes (pure).
 
 The launch contracts themselves (torchrun, srun, Kubeflow, an initialized group) are read in
-:mod:`distaccum.cluster.contracts`.
+:mod:`distaccum.runtime.contracts`.
 """
 
 from __future__ import annotations
