@@ -19,6 +19,13 @@ from distaccum.losses import mse
 from distaccum.models import MLP, ConvNetBN, TinyGPT
 from distaccum.rundir import CHECKSUMS
 from distaccum.rundir.weights import load_weights
+from distaccum.verify.candidates import (
+    candidate_config,
+    candidate_splits,
+    parse_split,
+    reference_config,
+    write_seed_checkpoint,
+)
 from distaccum.verify.compare import (
     DEFAULT_TOLERANCES,
     Divergence,
@@ -41,13 +48,6 @@ from distaccum.verify.diagnosis import (
     rule_nondeterminism,
     rule_randomness,
     unequal_items,
-)
-from distaccum.verify.runner import (
-    candidate_config,
-    candidate_splits,
-    parse_split,
-    reference_config,
-    write_seed_checkpoint,
 )
 
 pytestmark = pytest.mark.unit
