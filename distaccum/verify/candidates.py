@@ -76,8 +76,10 @@ def _with_split(cfg: RunConfig, split: Split, run_dir: Path, seed: Path | None) 
             cfg.accum,
             micro_batch=split.micro_batch,
             steps=split.accum_steps,
-            global_batch=None,
-            **{k: v for rule in rules_for(cfg) for k, v in rule.accum_at(cfg, split).items()},
+            **{
+                "global_batch": None,
+                **{k: v for r in rules_for(cfg) for k, v in r.accum_at(cfg, split).items()},
+            },
         ),
         trainer=replace(
             cfg.trainer,
