@@ -20,10 +20,9 @@ and nowhere else.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -32,37 +31,28 @@ from torch.utils.data import Dataset
 
 from distaccum import testing
 from distaccum.activation_checkpointing import Checkpointing, parse_checkpointing
-from distaccum.batching.adaptive import AdaptiveBatch
-from distaccum.batching.schedule import describe_schedule, schedule_summary
 from distaccum.components import Components, ModelSpec
 from distaccum.config import RunConfig, from_mapping, to_mapping, with_overrides
 from distaccum.data.sources import build_source
 from distaccum.engines import make_engine
 from distaccum.engines.base import Engine, OptimizerFactory
 from distaccum.evaluate import EvalResult, evaluate
-from distaccum.guards.fingerprint import Fingerprint
-from distaccum.guards.reduction_count import ReductionCount
-from distaccum.guards.tripwire import Tripwire
-from distaccum.loop import LoopParts, NonFinitePolicy, StepMonitor, TrainState, train
+from distaccum.features import Assembly, FeatureSetup, feature_setups
+from distaccum.loop import LoopParts, NonFinitePolicy, TrainState, train
 from distaccum.losses import LossFn
-from distaccum.optim import build_scheduler, describe_lr, rescale
-from distaccum.outer.config import OuterConfig
-from distaccum.outer.islands import IslandLayout, Islands
-from distaccum.outer.sync import OuterSync
+from distaccum.optim import build_scheduler
 from distaccum.resolve import Prepared, ResolvedRun, prepare, resolve
 from distaccum.rundir import CONFIG, write_json
 from distaccum.rundir.checkpoint import Checkpointer, CheckpointWriter
 from distaccum.rundir.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.rundir.resume import fresh_start, resume
 from distaccum.rundir.weights import save_final
-from distaccum.runtime.procgroup import gather_placement, join, shutdown
+from distaccum.runtime.procgroup import join, shutdown
 from distaccum.runtime.stopping import StopFlag, StopRequested
-from distaccum.runtime.topology import describe_placement, split_replicas
-from distaccum.telemetry.gns import GnsMonitor
 from distaccum.telemetry.ledger import CommLedger
 from distaccum.telemetry.sinks import NullSink, Record, Sink, build_sinks
 from distaccum.telemetry.summary import summarize
-from distaccum.telemetry.timing import RankStats, StepTimer
+from distaccum.telemetry.timing import StepTimer
 from distaccum.tuning.autobatch import AutoChoice, auto_micro_batch, default_budget
 from distaccum.window import WindowTotals
 
@@ -71,8 +61,10 @@ from distaccum.window import WindowTotals
 class _Run:
     """What :meth:`Trainer.setup` built for one run (private to the Trainer)."""
 
-    resolved: ResolvedRun
-    prepared: Prepared
+    assembly: Assembly
+    """The resolved run and what its features attached."""
+    features: list[FeatureSetup]
+    """The features on for this run (they add their fields to the summary)."""
     state: TrainState
     parts: LoopParts
     loss: LossFn
@@ -80,11 +72,16 @@ class _Run:
     checkpointer: Checkpointer
     resumed_at: int
     liveness: Liveness
+    placement: dict[str, Any] | None = None
+    """HSDP's replicas or outer sync's islands and every rank's node (``summary.json``'s ``placement``)."""
     sink: Sink | None = None
     last_eval: tuple[int, EvalResult] | None = None
     """(optimizer steps done, result) of the latest evaluation."""
-    placement: dict[str, Any] | None = None
-    """HSDP: the replica groups and every rank's node (``summary.json``'s ``placement``)."""
+    resolved: ResolvedRun = field(init=False)
+    prepared: Prepared = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.resolved, self.prepared = self.assembly.resolved, self.assembly.prepared
 
 
 def records_lag(device: torch.device, has_on_step: bool, lag_records: bool | None) -> bool:
@@ -193,7 +190,7 @@ class Trainer:
         """Train to ``trainer.max_steps`` (or ``trainer.max_samples``), then :meth:`finish`; returns the run
         summary (identical on every rank).
 
-        Raises :class:`~distaccum.cluster.stopping.StopRequested` after checkpointing when a stop was
+        Raises :class:`~distaccum.runtime.stopping.StopRequested` after checkpointing when a stop was
         requested (SIGTERM/SIGUSR1 through ``stop``), ``ValueError`` for bad components or config.
         """
         clean = False
@@ -326,10 +323,8 @@ class Trainer:
             summary["placement"] = run.placement
         if run.last_eval is not None:
             summary["eval_loss"], summary["eval_ppl"] = run.last_eval[1].loss, run.last_eval[1].ppl
-        if state.outer is not None:
-            summary["outer"] = state.outer.summary(state.records)
-        if resolved.data.schedule is not None:  # what the run's steps took, not the configured end
-            summary.update(schedule_summary(resolved.data.schedule, state.records, summary["world_size"]))
+        for feature in run.features:
+            feature.summarize(run.assembly, state, summary)
         if cfg.trainer.save_final:  # collective (gathers shards); rank 0 writes
             config = {**to_mapping(cfg), "components": run.prepared.names}
             tokenizer = getattr(self.components.dataset, "tokenizer", None)
@@ -354,233 +349,128 @@ class Trainer:
             shutdown(clean=clean)
 
     def _setup(self, device: Any, local_world_size: int, attempt: int, node: int | None = None) -> _Run:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        nodes = world // local_world_size if world % local_world_size == 0 else 1
-        resolved = resolve(self.cfg, world, device, rank=rank, nodes=nodes)
-        if resolved.auto:  # measured once, here, on every rank; the run then uses the chosen split
-            budget = self.cfg.accum.budget_bytes() or default_budget(device, local_world_size)
-            self.auto_choice = auto_micro_batch(resolved, self.components, budget)
-            self.cfg = with_overrides(self.cfg, {"accum.micro_batch": self.auto_choice.micro_batch})
-            resolved = resolve(self.cfg, world, device, rank=rank, nodes=nodes)
-        cfg, run_dir = self.cfg, resolved.run_dir
+        """Compose the run: what every run has, and what each registered feature attaches (:mod:`distaccum.features`)."""
+        resolved = self._resolve(device, local_world_size)
+        cfg, rank, run_dir = self.cfg, resolved.rank, resolved.run_dir
         prepared = prepare(cfg, resolved, self.components, check_components=self.check_components)
         if rank == 0:
             if not cfg.trainer.resume:
                 fresh_start(run_dir)
             write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": prepared.names})
-            if prepared.checkpointed:
-                shown = ", ".join(prepared.checkpointed[:3]) + (
-                    ", ..." if len(prepared.checkpointed) > 3 else ""
-                )
-                print(
-                    f"distaccum: activation checkpointing (non-reentrant) on {len(prepared.checkpointed)} "
-                    f"modules: {shown}",
-                    flush=True,
-                )
         # From here on random draws (dropout masks) must differ between ranks, or every rank would
         # drop the same units of its different samples.
         torch.manual_seed(cfg.trainer.seed + 1_000_003 * (rank + 1))
-
+        run = Assembly.of(cfg, resolved, prepared, self.components, testing.intercept)
+        features = feature_setups(run)
+        for feature in features:
+            feature.before_engine(run)
         ledger = CommLedger(enabled=cfg.log.ledger)
-        islands = self._islands(resolved, cfg.outer, device)
-        spec = resolved.engine if islands is None else dataclasses.replace(resolved.engine, islands=islands)
-        engine = testing.intercept("engine", make_engine(spec, ledger))
+        engine = testing.intercept("engine", make_engine(run.spec, ledger))
         wrapped = engine.wrap(prepared.model, resolved.optimizer(self.components))  # engines own parameters
-        outer = (
-            None
-            if islands is None
-            else testing.intercept(
-                "outer",
-                OuterSync(
-                    cfg.outer, islands, engine.unwrapped(), engine.replicated_gradients, cfg.trainer.max_steps
-                ),
-            )
-        )
-        group = islands.inner_group if islands is not None else None  # every per-step collective's ranks
-        world = islands.layout.size if islands is not None else world
-        placement = self._placement(engine, rank, rank // local_world_size if node is None else node, islands)
-        schedule = resolved.data.schedule  # the global batch per step, when it is not one constant
+        for feature in features:
+            feature.with_engine(run, engine)
+        placement = run.place(engine, rank // local_world_size if node is None else node)
+        state = self._state(run, wrapped, engine, ledger)
+        done = self._resume(run, state, attempt)
+        liveness = Liveness(run_dir, rank, attempt)
+        liveness.beat(done)
+        checkpointer = self._checkpointer(run, done)
+        for feature in features:
+            feature.with_state(run, state, done)
+        parts = self._parts(run, checkpointer)
+        loss = testing.intercept("loss", self.components.loss)
+        return _Run(run, features, state, parts, loss, checkpointer, done, liveness, placement)
+
+    def _state(
+        self, run: Assembly, wrapped: torch.nn.Module, engine: Engine, ledger: CommLedger
+    ) -> TrainState:
+        """The learning-rate scheduler (announced once), the data source and its timer, the state the loop mutates."""
+        resolved, steps = run.resolved, run.cfg.trainer.max_steps
         scheduler = testing.intercept(
             "scheduler",
             build_scheduler(
                 engine.optimizer,
-                cfg.optim,
-                cfg.trainer.max_steps,
+                run.cfg.optim,
+                steps,
                 global_batch=resolved.global_batch,
-                batches=[list(p) for p in schedule.phases] if schedule is not None else None,
+                batches=run.batches,
             ),
         )
-        if schedule is not None and rank == 0:
-            rule = cfg.accum.adaptive if cfg.accum.adaptive.enabled else None
-            print(
-                describe_schedule(schedule, resolved.split, cfg.trainer.max_steps, cfg.optim, rule),
-                flush=True,
-            )
-        elif cfg.optim.lr_scaling != "none" and rank == 0:
-            print(
-                f"distaccum: {describe_lr(cfg.optim, resolved.global_batch, float(scheduler.base_lrs[0]))}",
-                flush=True,
-            )
+        run.announce(run.steps_line(float(scheduler.base_lrs[0])))
         source = testing.intercept(
             "source",
             build_source(
                 self.components.dataset,
-                prepared.collate,
+                run.prepared.collate,
                 resolved.split,
-                rank,
-                cfg.trainer.max_steps,
+                resolved.rank,
+                steps,
                 resolved.data,
-                device=device,
+                device=resolved.device,
                 float_dtype=resolved.loop.float_dtype,
             ),
         )
-        timer = StepTimer(device, ledger, islands.host_group() if islands is not None else None)
-        state = TrainState(
-            wrapped, engine, scheduler, timer.watch(source), outer=outer
-        )  # the timer times what the source serves
-        done = (
-            resume(
-                state,
-                run_dir,
-                prepared.fingerprint,
-                attempt=attempt,
-                schedule_on_resume=cfg.trainer.schedule_on_resume,
-            )
-            if cfg.trainer.resume
-            else 0
+        run.timer = StepTimer(resolved.device, ledger, run.host_group())
+        timed = run.timer.watch(source)  # the timer times what the source serves
+        return TrainState(wrapped, engine, scheduler, timed, outer=run.outer)
+
+    def _resume(self, run: Assembly, state: TrainState, attempt: int) -> int:
+        """The optimizer steps restored from the latest checkpoint (``trainer.resume``); 0 for a fresh start."""
+        if not self.cfg.trainer.resume:
+            return 0
+        return resume(
+            state,
+            run.resolved.run_dir,
+            run.prepared.fingerprint,
+            attempt=attempt,
+            schedule_on_resume=self.cfg.trainer.schedule_on_resume,
         )
-        liveness = Liveness(run_dir, rank, attempt)
-        liveness.beat(done)
+
+    @staticmethod
+    def _checkpointer(run: Assembly, done: int) -> Checkpointer:
+        """When checkpoints are due and where they go; ``done`` steps are already saved."""
+        cfg = run.cfg
         checkpointer = Checkpointer(
-            run_dir,
+            run.resolved.run_dir,
             keep=cfg.trainer.keep_checkpoints,
             every=cfg.trainer.checkpoint_every,
             every_s=cfg.trainer.checkpoint_every_s,
-            rank=rank,
-            manifest={"fingerprint": prepared.fingerprint, "engine": cfg.engine.name},
+            rank=run.rank,
+            manifest={"fingerprint": run.prepared.fingerprint, "engine": cfg.engine.name},
             writer=testing.intercept("checkpoint_writer", CheckpointWriter()),
         )
         checkpointer.last_step = done
-        island_rank = islands.layout.inner_rank if islands is not None else rank
-        fingerprint = (
-            Fingerprint(engine, run_dir, island_rank, world, device, group)
-            if cfg.trainer.fingerprint
-            else None
-        )
-        monitors: list[StepMonitor] = [
-            ReductionCount(engine, run_dir, rank, world),  # first: it only counts, and warns before a stop
-            Tripwire(
-                engine,
-                cfg.trainer.check_every,
-                run_dir,
-                record=cfg.verify.record,
-                first=[fingerprint] if fingerprint is not None else [],
-                group=group,
-            ),
-            RankStats(timer, cfg.log.rank_stats_every),
-        ]
-        if cfg.log.gns:
-            adaptive = cfg.accum.adaptive.enabled  # decides on the step's estimate before the next step
-            gns = testing.intercept(
-                "gns",
-                GnsMonitor(
-                    engine.grad_squares,
-                    cfg.log.gns_ema,
-                    world,
-                    rank,
-                    device,
-                    eager_after=state.records if adaptive else None,
-                ),
-            )
-            monitors.append(gns)
-            if adaptive and schedule is not None:
-                plan = resolved.data.plan(self.components.dataset, resolved.global_batch)
-                split = resolved.split
-                monitors.append(
-                    AdaptiveBatch(
-                        cfg.accum.adaptive,
-                        schedule,
-                        gns,
-                        lambda step: plan.rank_sizes(step, split, 0)[1],
-                        lambda first, batch: rescale(scheduler, first, batch, cfg.optim),
-                        unit=split.micro_batch * split.world_size,
-                        global_batch=resolved.global_batch,
-                        max_steps=cfg.trainer.max_steps,
-                        rank=rank,
-                        world_size=world,
-                        device=device,
-                        group=group,
-                    )
-                )
-        if cfg.trainer.compile:
-            # imports dynamo (about 2 s): only when compiling, never in the launching process
-            from distaccum.telemetry.compilation import CompileWatch
+        return checkpointer
 
-            monitors.append(CompileWatch(rank, warmup_steps=max(done, 0) + 1))
-        lag = records_lag(device, self.on_step is not None, self.lag_records)
-        every = cfg.eval.every
-        parts = LoopParts(
-            timer=timer,
+    def _parts(self, run: Assembly, checkpointer: Checkpointer) -> LoopParts:
+        """What the loop runs around each step: the run's own parts and what the features attached."""
+        device, every = run.device, run.cfg.eval.every
+        return LoopParts(
+            timer=run.timer,
             sink=NullSink(),  # the real sinks open on the first train_steps
-            nonfinite=NonFinitePolicy(cfg.trainer.max_nonfinite_steps, resolved.precision.loss_scaling),
-            totals=WindowTotals(device, group),
+            nonfinite=NonFinitePolicy(
+                run.cfg.trainer.max_nonfinite_steps, run.resolved.precision.loss_scaling
+            ),
+            totals=WindowTotals(device, run.group),
             checkpointer=checkpointer,
-            monitors=monitors,
-            fingerprint=fingerprint,
+            monitors=run.monitors,
+            fingerprint=run.fingerprint,
             stop=self.stop,
             on_step=self._after_step,
-            lag=lag,
+            lag=records_lag(device, self.on_step is not None, self.lag_records),
             flush_after=(lambda step: step % every == 0) if every else None,
-            outer=outer,
-        )
-        return _Run(
-            resolved,
-            prepared,
-            state,
-            parts,
-            testing.intercept("loss", self.components.loss),
-            checkpointer,
-            done,
-            liveness,
-            placement=placement,
+            outer=run.outer,
         )
 
-    @staticmethod
-    def _islands(resolved: ResolvedRun, outer: OuterConfig, device: torch.device) -> Islands | None:
-        """An outer-synced run's islands and their groups (collective), shown once by rank 0; None otherwise."""
-        if not resolved.outer_replicas:
-            return None
-        layout = IslandLayout.of(resolved.world_size, resolved.rank, resolved.outer_replicas)
-        islands = Islands.build(layout, device)
-        if resolved.rank == 0:
-            print(
-                f"distaccum: islands merged every {outer.every} optimizer steps ({outer.describe()})",
-                flush=True,
-            )
-        return islands
-
-    @staticmethod
-    def _placement(engine: Engine, rank: int, node: int, islands: Islands | None) -> dict[str, Any] | None:
-        """HSDP's replicas or an outer-synced run's islands: every rank's node beside the groups (collective),
-        shown once by rank 0."""
-        layout = islands.layout if islands is not None else None
-        groups = engine.layout() if layout is None else layout.groups()
-        if groups is None:
-            return None
-        placement = gather_placement(groups, node)
-        what = (
-            f"HSDP, {len(groups)} replicas x {len(groups[0])} shards (each replica's shard group)"
-            if layout is None
-            else f"{len(groups)} islands of {len(groups[0])} rank(s) (each island's own reductions)"
-        )
-        if rank == 0:
-            noun = "replica" if layout is None else "island"
-            print(f"distaccum: {what}:\n" + describe_placement(groups, placement["nodes"], noun), flush=True)
-            for i in split_replicas(groups, placement["nodes"]):
-                print(
-                    f"distaccum: warning: replica {i}'s group spans nodes: its reductions (every optimizer step, "
-                    "every micro-batch with accum.sync=replica_boundary) cross the slow link; make "
-                    f"{'engine' if layout is None else 'outer'}.replicas a multiple of the node count",
-                    flush=True,
-                )
-        return placement
+    def _resolve(self, device: torch.device, local_world_size: int) -> ResolvedRun:
+        """The run resolved on this world; ``accum.micro_batch=auto`` measured once, here, on every rank (the run then
+        uses the chosen split)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        nodes = world // local_world_size if world % local_world_size == 0 else 1
+        resolved = resolve(self.cfg, world, device, rank=rank, nodes=nodes)
+        if resolved.auto:
+            budget = self.cfg.accum.budget_bytes() or default_budget(device, local_world_size)
+            self.auto_choice = auto_micro_batch(resolved, self.components, budget)
+            self.cfg = with_overrides(self.cfg, {"accum.micro_batch": self.auto_choice.micro_batch})
+            resolved = resolve(self.cfg, world, device, rank=rank, nodes=nodes)
+        return resolved

@@ -36,9 +36,9 @@ from distaccum.preflight import instantiate_components
 from distaccum.resolve import resolve
 from distaccum.rundir import read_config
 from distaccum.rundir.weights import load_weights
+from distaccum.verify.candidates import reference_config, write_seed_checkpoint
 from distaccum.verify.compare import RunData, compare, tolerance_for
 from distaccum.verify.reference import run_reference
-from distaccum.verify.runner import reference_config, write_seed_checkpoint
 from hf_corpus import OFFLINE
 
 pytestmark = pytest.mark.dist

@@ -62,4 +62,6 @@ def test_verify_forks_every_candidates_workers_from_one_server(tmp_path: Path) -
     candidates = json.loads((tmp_path / "verify" / "verify.json").read_text())["candidates"]
     assert len(candidates) == 2  # two launches of 2 workers each ...
     fresh = re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s+torch$", proc.stderr, re.MULTILINE)
-    assert len(fresh) == 1  # ... and torch imported by verify's process only: the server and the workers are forks
+    assert (
+        len(fresh) == 1
+    )  # ... and torch imported by verify's process only: the server and the workers are forks

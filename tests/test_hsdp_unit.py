@@ -31,8 +31,8 @@ from distaccum.runtime.topology import (
 )
 from distaccum.split import Split
 from distaccum.telemetry.ledger import CommLedger
+from distaccum.verify.candidates import verify_tolerance
 from distaccum.verify.compare import DEFAULT_TOLERANCES, reduction_roundings, with_reduction
-from distaccum.verify.runner import verify_tolerance
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")

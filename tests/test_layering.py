@@ -26,9 +26,10 @@ ENTRY_PREFIXES = ("distaccum.cli", "distaccum.__main__")
 ENTRY_ONLY_PACKAGES = {"hydra", "omegaconf"}
 HYDRA_INSTANTIATION = "distaccum.preflight"
 """The one library module that turns ``_target_`` nodes into objects (Hydra's ``instantiate``)."""
-RESOLUTION = {"distaccum.config", "distaccum.resolve", "distaccum.trainer"}
-"""Where a whole RunConfig may be taken at or below the Trainer: the config itself, its resolution and
-the Trainer (which hands narrow pieces down)."""
+RESOLUTION = {"distaccum.config", "distaccum.resolve", "distaccum.trainer", "distaccum.features.base"}
+"""Where a whole RunConfig may be taken at or below the Trainer: the config itself, its resolution, the Trainer
+(which hands narrow pieces down) and the run it assembles for the feature set-ups (each decides from it whether it
+is on, at the Trainer's floor)."""
 
 
 def _name(path: Path) -> str:
@@ -145,6 +146,10 @@ def _folder_pairs() -> dict[tuple[str, str], list[str]]:
 
 
 FOLDER_PAIRS = {
+    ("batching", "verify"): (
+        "the batch schedule's verify rules (batching.verify_rules) are built on verify's protocol (verify.rules); "
+        "the plain reference takes each step's window of a ramp (batching.schedule)"
+    ),
     ("batching", "config"): (
         "a leaf config section: config imports batching.config; batching.schedule reads RunConfig"
     ),
@@ -203,6 +208,52 @@ def test_no_module_outgrows_its_concept() -> None:
     for name, path in _modules().items():
         lines = len(path.read_text().splitlines())
         assert lines <= 600, f"{name} has {lines} lines: split it by concept"
+
+
+FEATURE_WORDS = {
+    "outer", "islands", "ramp", "adaptive", "schedule", "gns", "compile", "fingerprint", "checkpointed",
+    "checkpointing", "tripwire", "auto",
+}  # fmt: skip
+"""Words that name a feature (its config keys and parts), besides the registry's own names."""
+
+
+def _method(module: str, cls: str, name: str) -> ast.FunctionDef:
+    body = next(
+        n for n in ast.parse(_source(module)).body if isinstance(n, ast.ClassDef) and n.name == cls
+    ).body
+    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_trainer_composes_features_without_naming_them() -> None:
+    """``Trainer._setup`` composes the run from the registered feature set-ups (:mod:`distaccum.features`) in at most
+    60 lines; no name in its body (a variable, an attribute, a config key it branches on) is a feature's."""
+    from distaccum.features import FEATURES
+
+    setup = _method("distaccum.trainer", "Trainer", "_setup")
+    length = setup.end_lineno - setup.lineno + 1  # type: ignore[operator]
+    assert length <= 60, f"Trainer._setup is {length} lines: features attach themselves (distaccum.features)"
+    words = FEATURE_WORDS | set(FEATURES) | {w for name in FEATURES for w in name.split("_") if len(w) > 4}
+    named = {
+        n.attr if isinstance(n, ast.Attribute) else n.id
+        for n in ast.walk(setup)
+        if isinstance(n, ast.Attribute | ast.Name)
+    }
+    features = {n for n in named if n in words or set(n.strip("_").split("_")) & words}
+    assert not features, f"Trainer._setup names features {sorted(features)}: give them a set-up of their own"
+    assert {"before_engine", "with_engine", "with_state"} <= named
+
+
+def test_every_registered_feature_setup_is_one() -> None:
+    from distaccum.features import FEATURES, SetupBase, setup_class
+
+    for name in FEATURES:
+        cls = setup_class(name)
+        assert issubclass(cls, SetupBase) and cls.name == name, FEATURES[name]
+
+
+def test_the_verify_runner_takes_features_rules_from_their_rooms() -> None:
+    lines = len(_source("distaccum.verify.runner").splitlines())
+    assert lines <= 400, f"distaccum.verify.runner has {lines} lines: a feature's rules live in its own room"
 
 
 def _reachable(start: str) -> set[str]:

@@ -19,6 +19,13 @@ from distaccum.losses import mse
 from distaccum.models import MLP, ConvNetBN, TinyGPT
 from distaccum.rundir import CHECKSUMS
 from distaccum.rundir.weights import load_weights
+from distaccum.verify.candidates import (
+    candidate_config,
+    candidate_splits,
+    parse_split,
+    reference_config,
+    write_seed_checkpoint,
+)
 from distaccum.verify.compare import (
     DEFAULT_TOLERANCES,
     Divergence,
@@ -41,13 +48,6 @@ from distaccum.verify.diagnosis import (
     rule_nondeterminism,
     rule_randomness,
     unequal_items,
-)
-from distaccum.verify.runner import (
-    candidate_config,
-    candidate_splits,
-    parse_split,
-    reference_config,
-    write_seed_checkpoint,
 )
 
 pytestmark = pytest.mark.unit
@@ -356,3 +356,17 @@ def test_tripwire_error_carries_step_and_parameter_through_pickle() -> None:
 
     err = pickle.loads(pickle.dumps(RankDivergenceError("ranks diverged", step=3, parameter="w", rank=1)))
     assert (str(err), err.step, err.parameter, err.rank) == ("ranks diverged", 3, "w", 1)
+
+
+def test_a_ramped_candidate_keeps_the_global_batch_the_ramp_ends_at(tmp_path: Path) -> None:
+    """The ramp's verify rule (batching/verify_rules.py): a run at a split keeps accum.global_batch; others drop it."""
+    ramp = {"points": [[1, 8], [3, 16]]}
+    cfg = make_cfg(
+        accum={"micro_batch": 2, "steps": 4, "global_batch": 16, "ramp": ramp}, trainer={"nproc": 2}
+    )
+    cand = candidate_config(cfg, Split(2, 4, 2), tmp_path, tmp_path / "seed")
+    assert cand.accum.global_batch == 16 and cand.accum.micro_batch == 2 and cand.accum.steps == 4
+    plain = candidate_config(
+        make_cfg(accum={"micro_batch": 2, "steps": 4}), Split(2, 4, 2), tmp_path, tmp_path
+    )
+    assert plain.accum.global_batch is None

@@ -36,8 +36,9 @@ from distaccum.cluster.local import LaunchPlan, launch
 from distaccum.config import RunConfig, from_mapping, to_mapping
 from distaccum.rundir import CONSOLE_LOG, SEED, read_json, write_json
 from distaccum.split import Split
+from distaccum.verify.candidates import candidate_config
 from distaccum.verify.console import EXIT_FAIL, EXIT_OK, output_to, timed_run
-from distaccum.verify.runner import VerifyJob, candidate_config, config_job, run_verify
+from distaccum.verify.runner import VerifyJob, config_job, run_verify
 from distaccum.verify.zoo_rows import Bug, Row, fault, render, row_of
 
 __all__ = ["BUGS", "CONFIGS", "Bug", "Row", "fault", "render", "row_of", "run_zoo", "zoo_worker"]

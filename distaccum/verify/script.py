@@ -23,10 +23,11 @@ from distaccum.config import ConfigError, from_mapping, with_overrides
 from distaccum.rundir import CONFIG, CONSOLE_LOG, SEED, read_json
 from distaccum.split import Split
 from distaccum.telemetry.sinks import Record
+from distaccum.verify.candidates import candidate_splits
 from distaccum.verify.console import log_tail, timed_run
 from distaccum.verify.diagnosis import RunFacts
 from distaccum.verify.reference import run_reference
-from distaccum.verify.runner import VerifyJob, candidate_splits
+from distaccum.verify.runner import VerifyJob
 
 REQUEST = "verify_request.json"
 """The role file a run directory of ``verify --script`` gets."""

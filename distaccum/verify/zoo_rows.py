@@ -18,7 +18,7 @@ from typing import Any
 
 from distaccum.guards.tripwire import read_divergence
 from distaccum.rundir import CONSOLE_LOG, read_metrics, read_warnings
-from distaccum.verify.runner import VerifyResult
+from distaccum.verify.result import VerifyResult
 
 
 def fault(name: str, module: str = "zoo", **kwargs: Any) -> dict[str, Any]:

@@ -1,0 +1,89 @@
+"""A feature's rules for ``distaccum verify``, behind one small protocol, and their registry.
+
+What a candidate's config needs, what the plain reference must do differently, what the diagnosis may add, and what
+verify refuses: each feature says so in its own room (``outer/verify_rules.py``, ``batching/verify_rules.py``), and
+the runner asks the rules of the features a configuration turns on, never the feature by name. Rule modules are
+imported on first use, as the engines and the feature set-ups are (:mod:`distaccum.features`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, ClassVar
+
+from distaccum.components import Components
+from distaccum.config import RunConfig
+from distaccum.split import Split
+from distaccum.verify.compare import Report, RunData
+from distaccum.verify.diagnosis import StepFacts
+
+RULES: dict[str, str] = {
+    "outer": "distaccum.outer.verify_rules:OuterRules",
+    "ramp": "distaccum.batching.verify_rules:RampRules",
+    "adaptive_batch": "distaccum.batching.verify_rules:AdaptiveRules",
+}
+"""Feature name -> ``module:Class`` of its :class:`VerifyRules`."""
+
+
+class VerifyRules:
+    """A feature's rules for verify; the defaults are the plain ones (a candidate as configured, the plain
+    reference, the replays of step 1)."""
+
+    name: ClassVar[str] = "?"
+    fixed_split: ClassVar[bool] = False
+    """``verify.splits=auto`` adds no other split (the feature's layout depends on the configured split)."""
+    replays: ClassVar[bool] = True
+    """Step 1's replays (one reduction per step, combined each known wrong way) apply to the feature's runs."""
+
+    def applies(self, cfg: RunConfig) -> bool:
+        """Whether ``cfg`` turns the feature on."""
+        raise NotImplementedError
+
+    def check(self, cfg: RunConfig) -> None:
+        """Raise ValueError when verify cannot take the feature as configured (before anything runs)."""
+        return None
+
+    def accum_at(self, cfg: RunConfig, split: Split) -> dict[str, Any]:
+        """The ``accum`` fields a run's config at ``split`` (the reference's or a candidate's) needs for the feature,
+        besides the split's own (``micro_batch``, ``steps``; ``global_batch`` is None unless a rule keeps it)."""
+        return {}
+
+    def window(self, cfg: RunConfig, global_batch: int) -> str | None:
+        """The header's words for the reference's window (None: the plain global batch)."""
+        return None
+
+    def reference_line(self, cfg: RunConfig, precision: str) -> str | None:
+        """The header's line for the reference, when the feature's reference is not the plain one."""
+        return None
+
+    def run_reference(self, ref: RunConfig, parts: Components, run_dir: Path, split: Split) -> bool:
+        """Run the feature's own reference (``ref`` is its config, ``split`` the first candidate's); False: the plain
+        reference applies."""
+        return False
+
+    def explain(
+        self,
+        cfg: RunConfig,
+        split: Split,
+        seed: Path | None,
+        report: Report,
+        ref: RunData,
+        cand: RunData,
+        facts: StepFacts,
+    ) -> StepFacts:
+        """The step facts of a diverged candidate, with what the feature can tell about it (``seed``: the checkpoint
+        every run started from, when known)."""
+        return facts
+
+
+def rules_class(name: str) -> type[VerifyRules]:
+    """The rules registered under ``name`` (imports their module)."""
+    module, _, cls = RULES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def rules_for(cfg: RunConfig) -> list[VerifyRules]:
+    """The rules of the features ``cfg`` turns on, in :data:`RULES`' order."""
+    rules = [rules_class(name)() for name in RULES]
+    return [r for r in rules if r.applies(cfg)]
