@@ -13,9 +13,10 @@ What a forked command takes from the request, not from the server: its argv, wor
 takes from the server: the modules already imported, which read some variables when imported. A request that
 changes one of those (:data:`IMPORT_TIME_ENV`) runs as a new interpreter instead (:func:`run`).
 
-The server is a single-threaded loop (it forks; a fork copies only the calling thread): it imports, then accepts
-one request per connection, forks the command, answers with its pid and, when it has reaped it, its exit code. It
-exits when the pytest process that started it does.
+The server is a single-threaded loop (it forks; a fork copies only the calling thread) that never computes (a fork
+of a process that ran a parallel tensor op hangs in its first one): it imports, then accepts one request per
+connection, forks the command, answers with its pid and, when it has reaped it, its exit code. It exits when the
+pytest process that started it does. Commands forked from one server share its hash seed (``PYTHONHASHSEED``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from distaccum.cluster import forked
 
 PRELOAD = [
     "torch._dynamo",
@@ -96,6 +99,7 @@ def _command(request: dict, fds: list[int], server_sockets: list[socket.socket])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    forked.apply_thread_env()  # OMP_NUM_THREADS, as a new interpreter reads it
     sys.path[0] = os.getcwd()  # python -m puts the working directory first
     if os.environ.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):
@@ -117,17 +121,36 @@ def serve(address: str) -> None:
     listener.listen(64)
     os.rename(address + ".tmp", address)  # clients connect once it listens
     waiting: dict[int, socket.socket] = {}
+    # A finished command wakes the loop at once: SIGCHLD writes to a pipe the loop watches (as multiprocessing's
+    # forkserver does); the one-second timeout only notices the pytest process gone.
+    woken_r, woken_w = os.pipe()
+    os.set_blocking(woken_r, False)
+    os.set_blocking(woken_w, False)
+    signal.set_wakeup_fd(woken_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    ready = selectors.DefaultSelector()
+    ready.register(listener, selectors.EVENT_READ)
+    ready.register(woken_r, selectors.EVENT_READ)
     while os.getppid() == parent:
-        ready = selectors.DefaultSelector()
-        ready.register(listener, selectors.EVENT_READ)
-        events = ready.select(timeout=0.05)
-        ready.close()
-        if events:
+        for key, _ in ready.select(timeout=1.0):
+            if key.fd == woken_r:
+                while True:
+                    try:
+                        if not os.read(woken_r, 4096):
+                            break
+                    except BlockingIOError:
+                        break
+                continue
             conn, _ = listener.accept()
             message, fds, _flags, _addr = socket.recv_fds(conn, 1, 2)
             request = json.loads(message + _read_line(conn))
             pid = os.fork()
             if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                ready.close()
+                os.close(woken_r)
+                os.close(woken_w)
                 _command(request, fds, [listener, conn, *waiting.values()])
             for fd in fds:
                 os.close(fd)

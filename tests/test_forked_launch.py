@@ -65,3 +65,28 @@ def test_verify_forks_every_candidates_workers_from_one_server(tmp_path: Path) -
     assert (
         len(fresh) == 1
     )  # ... and torch imported by verify's process only: the server and the workers are forks
+
+
+@pytest.mark.unit
+def test_a_fork_takes_its_threads_from_omp_num_threads_as_a_new_interpreter_does() -> None:
+    """The OpenMP runtime reads OMP_NUM_THREADS when torch loads: a worker forked from a server that imported torch
+    kept the server's count (2 ranks on 2 cores ran 2 threads each) until the fork applied the launch's value."""
+    import torch
+
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        os.close(read)
+        inherited = torch.get_num_threads()
+        os.environ["OMP_NUM_THREADS"] = str(want)
+        forked.apply_thread_env()
+        os.write(write, f"{inherited} {torch.get_num_threads()}".encode())
+        os._exit(0)
+    os.close(write)
+    inherited, applied = (int(x) for x in os.read(read, 64).split())
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert inherited == before  # what a fork keeps without the fix ...
+    assert applied == want  # ... and what a new interpreter given OMP_NUM_THREADS would run

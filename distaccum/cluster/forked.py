@@ -201,6 +201,7 @@ def run_forked(
     # ... and with a temporary folder of their own: multiprocessing copied the launcher's into this process (its
     # Process object's _config), which the launcher removes when it exits, before a DataLoader worker ends.
     multiprocessing.current_process()._config.pop("tempdir", None)  # type: ignore[attr-defined]
+    apply_thread_env()
     for fd, target in ((out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
@@ -213,6 +214,20 @@ def run_forked(
             reconfigure(line_buffering=True)
     sys.argv = ["distaccum", *argv]
     runpy.run_module("distaccum", run_name="__main__", alter_sys=True)
+
+
+def apply_thread_env() -> None:
+    """Give this process the intra-op threads a new interpreter would take from its environment: ``OMP_NUM_THREADS``,
+    else one per CPU it may run on. The OpenMP runtime reads the variable once, when torch loads it, so a process forked
+    from one that had imported torch keeps its parent's count whatever the launch set (2 ranks on 2 cores ran 2 threads
+    each, where the launcher's ``OMP_NUM_THREADS=1`` meant one)."""
+    import torch
+
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    first = value.split(",")[0].strip()  # OpenMP allows a list (one count per nesting level)
+    threads = int(first) if first.isdigit() and int(first) > 0 else len(os.sched_getaffinity(0))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def leave(code: int) -> None:
