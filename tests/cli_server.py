@@ -53,7 +53,9 @@ PRELOAD = [
 
 IMPORT_TIME_ENV = ("PYTHON", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS", "OMP_SCHEDULE")
 """Prefixes of variables that the preloaded modules (or the interpreter) read when they start: a request that sets
-one to another value than the server's runs as a new interpreter. ``PYTHONUNBUFFERED`` is applied by the fork."""
+one to another value than the server's runs as a new interpreter. Applied by the fork instead: ``PYTHONUNBUFFERED``
+(line-buffered output), ``PYTHONPATH`` (its entries on ``sys.path``) and ``OMP_NUM_THREADS``."""
+APPLIED = ("PYTHONUNBUFFERED", "PYTHONPATH")
 
 
 def _changed(env: Mapping[str, str], base: Mapping[str, str]) -> set[str]:
@@ -64,7 +66,7 @@ def _changed(env: Mapping[str, str], base: Mapping[str, str]) -> set[str]:
 def import_time_changes(env: Mapping[str, str], base: Mapping[str, str]) -> list[str]:
     """The variables of ``env`` that differ from ``base`` and are read at import time (see :data:`IMPORT_TIME_ENV`)."""
     return sorted(
-        key for key in _changed(env, base) if key.startswith(IMPORT_TIME_ENV) and key != "PYTHONUNBUFFERED"
+        key for key in _changed(env, base) if key.startswith(IMPORT_TIME_ENV) and key not in APPLIED
     )
 
 
@@ -86,9 +88,8 @@ def _command(request: dict, fds: list[int], server_sockets: list[socket.socket])
     server's loop: the module's SystemExit (or its exception) ends the interpreter as in a new process."""
     import runpy
 
-    for (
-        sock
-    ) in server_sockets:  # closed through their objects: no stale descriptor number left to close twice
+    # the server's sockets, closed through their objects: no stale descriptor number left to close twice
+    for sock in server_sockets:
         sock.close()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -100,13 +101,44 @@ def _command(request: dict, fds: list[int], server_sockets: list[socket.socket])
     os.environ.clear()
     os.environ.update(request["env"])
     forked.apply_thread_env()  # OMP_NUM_THREADS, as a new interpreter reads it
-    sys.path[0] = os.getcwd()  # python -m puts the working directory first
+    sys.path[0] = os.getcwd()  # python -m puts the working directory first, then PYTHONPATH's entries
+    extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:1] = [p for p in extra if p not in sys.path]
     if os.environ.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    sys.argv = ["distaccum", *request["argv"]]
-    runpy.run_module("distaccum", run_name="__main__", alter_sys=True)
+    if request.get("kind") == "torchrun":
+        _torchrun(request["argv"])
+    else:
+        sys.argv = ["distaccum", *request["argv"]]
+        runpy.run_module("distaccum", run_name="__main__", alter_sys=True)
     raise SystemExit(0)
+
+
+def _torchrun(argv: list[str]) -> None:
+    """``python -m torch.distributed.run ARGV SCRIPT ARGS`` in this forked command: torch's own launcher (its
+    arguments, rendezvous, restarts, failure report), whose ranks run ``SCRIPT`` as ``--run-path`` does, forked
+    from a worker server forked from here (distaccum's, :mod:`distaccum.cluster.forked`) instead of each starting a
+    new interpreter. A script that ends its rank itself calls :func:`distaccum.cluster.forked.leave`."""
+    import cli_server as named  # this module by its name (not __main__), so that the ranks find rank_script
+    import torch.distributed.run as torchrun
+
+    args = torchrun.parse_args(argv)
+    if args.module or args.no_python:
+        raise SystemExit("the tests' forked torchrun runs a script (no -m, no --no-python)")
+    sys.path[0] = os.path.dirname(os.path.abspath(args.training_script))  # as `python SCRIPT` puts it
+    torchrun.run_script_path = named.rank_script  # this process's torchrun only
+    forked.start()
+    torchrun.main(["--run-path", "--start-method=forkserver", *argv])
+
+
+def rank_script(training_script: str, *training_script_args: str) -> None:
+    """A rank of :func:`_torchrun`: what a new interpreter would not inherit undone, then the script as ``__main__``."""
+    import runpy
+
+    forked.as_new_process()
+    sys.argv = [training_script, *training_script_args]
+    runpy.run_path(training_script, run_name="__main__")
 
 
 def serve(address: str) -> None:
@@ -114,7 +146,8 @@ def serve(address: str) -> None:
     import importlib
 
     parent = os.getppid()
-    for name in PRELOAD:
+    # this module by its name too (the forked torchrun's ranks find their entry point in it)
+    for name in [*PRELOAD, "cli_server"]:
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address + ".tmp")
@@ -205,12 +238,13 @@ def _decode(data: bytes) -> str:
 
 
 def run(
-    argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float
+    argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float, torchrun: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m distaccum ARGV`` as ``subprocess.run(..., capture_output=True, text=True, timeout=...)`` would run
-    it, forked from this process's server (a new interpreter where the request changes an import-time variable).
+    """``python -m distaccum ARGV`` (``python -m torch.distributed.run ARGV`` with ``torchrun``, its ranks forked too:
+    see :func:`_torchrun`) as ``subprocess.run(..., capture_output=True, text=True, timeout=...)`` would run it,
+    forked from this process's server (a new interpreter where the request changes an import-time variable).
     Raises :class:`subprocess.TimeoutExpired` after killing the command, as ``subprocess.run`` does."""
-    command = [sys.executable, "-m", "distaccum", *argv]
+    command = [sys.executable, "-m", "torch.distributed.run" if torchrun else "distaccum", *argv]
     address = SERVER.ensure()
     if import_time_changes(env, SERVER.env):
         return subprocess.run(
@@ -221,7 +255,12 @@ def run(
     conn = socket.socket(socket.AF_UNIX)
     try:
         conn.connect(address)
-        request = {"argv": list(argv), "cwd": str(cwd), "env": dict(env)}
+        request = {
+            "kind": "torchrun" if torchrun else "distaccum",
+            "argv": list(argv),
+            "cwd": str(cwd),
+            "env": dict(env),
+        }
         socket.send_fds(conn, [b"{"], [out_w, err_w])
         conn.sendall(json.dumps(request)[1:].encode() + b"\n")
     finally:

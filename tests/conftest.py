@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import cli_server
 import pytest
 
+from distaccum.cluster.forked import leave
 from distaccum.config import DEFAULT_EXTENSIONS_DIR
 
 if TYPE_CHECKING:
@@ -148,6 +149,26 @@ def torchrun(
         *args,
     ]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def forked_torchrun(
+    *args: str,
+    nproc: int = 2,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+) -> subprocess.CompletedProcess[str]:
+    """:func:`torchrun` of a test's own worker script (a plan of runs, a matrix), torch's launcher and the ranks forked
+    from this pytest process's command server (tests/cli_server.py) instead of a new interpreter each. The script
+    ends each rank with :func:`distaccum.cluster.forked.leave`. Tests of torchrun itself (a user's script under it,
+    ``-m distaccum``, a process's exit) use :func:`torchrun`."""
+    return cli_server.run(
+        ["--standalone", f"--nproc_per_node={nproc}", *args],
+        cwd=cwd,
+        env=cli_env(env),
+        timeout=timeout,
+        torchrun=True,
+    )
 
 
 def train(run_dir: Path, *overrides: str, timeout: float = 180, check: bool = True) -> Run:
@@ -322,7 +343,7 @@ def plan_worker(plan_file: str, train_each: Any, after: Any = None) -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    leave(code)  # os._exit, except a forked rank that succeeded returns to torch's launcher
 
 
 class PlanRuns:
@@ -358,7 +379,7 @@ def launch_plan(
     ``nproc``-rank torch.distributed.run launch (one intra-op thread each, DeepSpeed's op from the checkout's
     cache); fail the test with the output when the launch fails. Returns the completed process."""
     (root / "plan.json").write_text(json.dumps(plan))
-    proc = torchrun(
+    proc = forked_torchrun(
         str(script), str(root / "plan.json"), nproc=nproc, cwd=root, env=plan_env(), timeout=timeout
     )
     if proc.returncode:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import EXTENSIONS, PlanRuns, distaccum_cli, plan_worker, torchrun
+from conftest import EXTENSIONS, PlanRuns, distaccum_cli, forked_torchrun, plan_worker
 from distaccum.activation_checkpointing import (
     apply_activation_checkpointing,
     is_checkpointed,
@@ -203,7 +203,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         sys.path.remove(str(FIXTURES))
     plan_file = root / "plan.json"
     plan_file.write_text(json.dumps(plan))
-    proc = torchrun(str(Path(__file__)), str(plan_file), cwd=root, env=hf_env(), timeout=900)
+    proc = forked_torchrun(str(Path(__file__)), str(plan_file), cwd=root, env=hf_env(), timeout=900)
     if proc.returncode:
         pytest.fail(f"runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return Runs(root, proc.stdout)

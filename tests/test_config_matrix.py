@@ -35,7 +35,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ENGINES, EXTENSIONS, fresh_accelerate_state, torchrun
+from conftest import ENGINES, EXTENSIONS, forked_torchrun, fresh_accelerate_state
+from distaccum.cluster.forked import leave
 from distaccum.config import ConfigError, from_mapping
 from distaccum.preflight import instantiate_components, preflight
 
@@ -131,7 +132,7 @@ def trained(root: Path) -> str:
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    proc = torchrun(str(Path(__file__)), str(plan_file), nproc=WORLD, cwd=root, env=env, timeout=900)
+    proc = forked_torchrun(str(Path(__file__)), str(plan_file), nproc=WORLD, cwd=root, env=env, timeout=900)
     if proc.returncode:
         pytest.fail(
             f"a matrix cell crashed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -207,7 +208,7 @@ def _worker_main(plan_file: str) -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    leave(code)  # os._exit, except a forked rank that succeeded returns to torch's launcher
 
 
 if __name__ == "__main__":

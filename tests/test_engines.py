@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
-from conftest import EXTENSIONS, distaccum_cli, plan_worker, run_cli, torchrun
+from conftest import EXTENSIONS, distaccum_cli, forked_torchrun, plan_worker, run_cli
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 from distaccum.preflight import instantiate_components
@@ -105,7 +105,9 @@ def launch_many(plan: list[dict[str, Any]], nproc: int, workdir: Path, timeout: 
     plan_file.write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **OFFLINE)
-    proc = torchrun(str(Path(__file__)), str(plan_file), nproc=nproc, cwd=workdir, env=env, timeout=timeout)
+    proc = forked_torchrun(
+        str(Path(__file__)), str(plan_file), nproc=nproc, cwd=workdir, env=env, timeout=timeout
+    )
     if proc.returncode:
         pytest.fail(
             f"engine runs failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -29,7 +29,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import distaccum_cli, torchrun
+from conftest import distaccum_cli, forked_torchrun
+from distaccum.cluster.forked import leave
 from distaccum.config import from_mapping
 from distaccum.outer.sync import split_fragments
 from distaccum.rundir import read_metrics
@@ -145,7 +146,7 @@ def launched(root: Path) -> dict[str, Any]:
     plan.write_text(json.dumps({name: cell(name, root, **sections) for name, sections in CELLS.items()}))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    proc = torchrun(str(Path(__file__)), str(plan), nproc=2, cwd=root, env=env, timeout=240)
+    proc = forked_torchrun(str(Path(__file__)), str(plan), nproc=2, cwd=root, env=env, timeout=240)
     if proc.returncode:
         pytest.fail(
             f"the outer cells crashed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -444,7 +445,7 @@ def _worker_main(plan_file: str) -> None:
     shutdown(clean=code == 0)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    leave(code)  # os._exit, except a forked rank that succeeded returns to torch's launcher
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from test_config_matrix import ENGINES, WORLD, cell_config, plain, root  # noqa: F401 - plain, root: fixtures
 
-from conftest import fault, inject, run_cli, torchrun
+from conftest import fault, forked_torchrun, inject, run_cli
 
 pytestmark = [
     pytest.mark.dist,
@@ -45,7 +45,7 @@ def trained(root: Path) -> dict[tuple[str, str], dict[str, Any]]:  # noqa: F811 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     worker = Path(__file__).with_name("test_config_matrix.py")
-    proc = torchrun(str(worker), str(plan_file), nproc=WORLD, cwd=root, env=env, timeout=900)
+    proc = forked_torchrun(str(worker), str(plan_file), nproc=WORLD, cwd=root, env=env, timeout=900)
     if proc.returncode:
         pytest.fail(f"a cell crashed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return {

@@ -195,13 +195,7 @@ def run_forked(
     env = worker_env(os.environ, launch_env, server_env)
     os.environ.clear()
     os.environ.update(env)
-    # multiprocessing hands its start method down to what it starts: a rank's own processes (DataLoader workers) start
-    # as in a rank started fresh (the platform's default), children of the rank that notice when it dies.
-    multiprocessing.set_start_method(None, force=True)
-    # ... and with a temporary folder of their own: multiprocessing copied the launcher's into this process (its
-    # Process object's _config), which the launcher removes when it exits, before a DataLoader worker ends.
-    multiprocessing.current_process()._config.pop("tempdir", None)  # type: ignore[attr-defined]
-    apply_thread_env()
+    as_new_process()
     for fd, target in ((out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
@@ -214,6 +208,18 @@ def run_forked(
             reconfigure(line_buffering=True)
     sys.argv = ["distaccum", *argv]
     runpy.run_module("distaccum", run_name="__main__", alter_sys=True)
+
+
+def as_new_process() -> None:
+    """Undo in a forked worker what it inherited and a new interpreter would not have (its environment applied first):
+    multiprocessing's start method and temporary folder, and the intra-op thread count (:func:`apply_thread_env`)."""
+    # multiprocessing hands its start method down to what it starts: a rank's own processes (DataLoader workers) start
+    # as in a rank started fresh (the platform's default), children of the rank that notice when it dies.
+    multiprocessing.set_start_method(None, force=True)
+    # ... and with a temporary folder of their own: multiprocessing copied the launcher's into this process (its
+    # Process object's _config), which the launcher removes when it exits, before a DataLoader worker ends.
+    multiprocessing.current_process()._config.pop("tempdir", None)  # type: ignore[attr-defined]
+    apply_thread_env()
 
 
 def apply_thread_env() -> None:
