@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires
+from distaccum.telemetry.markdown import render_markdown
 from distaccum.telemetry.report import (
     build_rows,
     check_agreement,
@@ -16,7 +17,6 @@ from distaccum.telemetry.report import (
     discover,
     load_run,
     read_metrics,
-    render_markdown,
     table_row,
 )
 

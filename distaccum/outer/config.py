@@ -1,6 +1,6 @@
 """The ``outer`` config section: reduce across model replicas only every H optimizer steps (a leaf module).
 
-Kept apart from :mod:`distaccum.config` (which imports it) only to keep that module under 600 lines; like
+Kept apart from :mod:`distaccum.config` (which imports it) only to keep that module under 500 lines; like
 :mod:`distaccum.split` it imports nothing of distaccum.
 """
 
