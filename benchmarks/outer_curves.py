@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import ROOT, provenance, train_cli
-from benchmarks.report import replace_section, write_study
+from benchmarks.report import replace_section, study_markdown, write_study
 from distaccum.rundir import read_config, read_evals, read_metrics
 from distaccum.telemetry.summary import run_samples
 
@@ -254,19 +254,17 @@ def render(results: dict[str, Any], figure: str | None = None) -> str:
             f"{r['reduction']:.1f}× | {r['wall_s']:.0f} s |"
         )
     meta = results["meta"]
-    lines += [
-        "",
+    about = (
         f"{s['steps']} optimizer steps of {s['global_batch']} samples (half-way: step {half}; {s['tokens']:,} tokens per run, the same "
         f"samples at every step in every run), tiny_gpt ({s['params']:,} parameters, fp32) on the packaged demo "
         f"text, eval loss on {s['eval_tokens']:,} held-out tokens every {s['eval_every']} steps. {WORLD} CPU ranks "
         f"(gloo); outer-synced runs in {REPLICAS} islands of {WORLD // REPLICAS}. Bytes across: what an island puts "
         "into cross-island all-reduces over the run (synchronous: the whole gradient every step). Wall time on a "
-        f"shared {meta['logical_cpus']}-core machine, for orientation only. torch {meta['torch']}, commit "
-        f"{meta['commit']}{' with uncommitted changes' if meta['uncommitted_changes'] else ''}, {meta['date']}.",
-    ]
-    if figure:
-        lines += ["", f"![eval loss against tokens and against bytes across islands]({figure})"]
-    return "\n".join(lines) + "\n"
+        f"shared {meta['logical_cpus']}-core machine, for orientation only."
+    )
+    return study_markdown(
+        lines, about, meta, figure, "eval loss against tokens and against bytes across islands"
+    )
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

@@ -35,6 +35,7 @@ from distaccum.config import from_mapping
 from distaccum.outer.sync import split_fragments
 from distaccum.rundir import read_metrics
 from distaccum.telemetry.summary import run_samples
+from distaccum.verify.bugzoo import GPT
 
 pytestmark = [
     pytest.mark.dist,
@@ -304,23 +305,16 @@ def test_verify_passes_fsdp2_inside_two_islands(tmp_path: Path) -> None:
 
 # --- the token-weighted merge on variable-length text (issue 58) ----------------------------------------------
 
-TEXT: dict[str, Any] = {
-    "model": {"_target_": "distaccum.models.TinyGPT", "width": 32, "depth": 1, "heads": 4, "max_len": 32},
-    "data": {
-        "dataset": {
-            "_target_": "distaccum.datasets.CorpusSequences",
-            "num_samples": 32,
-            "seq_min": 2,
-            "seq_max": 30,
-        },
-        "collate": {"_target_": "distaccum.datasets.pad_collate", "_partial_": True},
+TEXT = merged(
+    GPT,  # the bug zoo's tiny_gpt on padded variable-length text, with lengths of its own
+    {
+        "data": {"dataset": {"num_samples": 32, "seq_min": 2, "seq_max": 30}},
+        "accum": {"micro_batch": 2, "steps": 2},
+        "precision": "fp64",
+        "trainer": {"nproc": 2, "max_steps": 4, "device": "cpu"},
+        "log": {"console": "quiet"},
     },
-    "loss": {"_target_": "distaccum.losses.token_cross_entropy", "_partial_": True},
-    "accum": {"micro_batch": 2, "steps": 2},
-    "precision": "fp64",
-    "trainer": {"nproc": 2, "max_steps": 4, "device": "cpu"},
-    "log": {"console": "quiet"},
-}
+)
 """Variable-length byte sequences (2-30 tokens, every one a loss item) on 2 islands of 1 rank, 4 samples each a
 step, merged after steps 2 and 4: the islands' token counts differ (121 and 159 before the first merge), so their
 weights n_i / sum_j n_j are not 1/2."""
