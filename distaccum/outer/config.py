@@ -55,8 +55,8 @@ class OuterConfig:
     every: int = 50
     """H: optimizer steps between two syncs of a fragment (of the whole model when fragments=1)."""
     islands: int | str = "auto"
-    """Islands (groups that train apart between outer syncs) the ranks form, each of world/islands consecutive ranks. auto: one per node when
-    the launch spans several nodes, else one per rank."""
+    """Islands (groups of ranks that train apart between outer syncs), each of world/islands consecutive ranks.
+    auto: one per node when the launch spans several nodes, else one per rank."""
     fragments: int = 1
     """P: the parameters in P fragments (consecutive parameters of about equal size) synced at staggered offsets,
     fragment p after steps floor((p+1) H/P), then every H steps (streaming DiLoCo); at most every."""
