@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from distaccum.batching.config import AdaptiveConfig, RampConfig, check_schedule
 from distaccum.cluster.config import KubeflowConfig, RayConfig, SlurmConfig  # leaf modules, like Split
 from distaccum.data.config import DataConfig, EvalConfig
-from distaccum.outer.config import OuterConfig
+from distaccum.outer.config import OuterConfig, renamed_keys
 from distaccum.rundir.log_config import LogConfig
 from distaccum.runtime.contracts import parse_nnodes
 from distaccum.split import (  # noqa: F401
@@ -442,8 +442,9 @@ def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
 
 
 def from_mapping(values: Mapping[str, Any]) -> RunConfig:
-    """Build and validate a :class:`RunConfig` from a plain (resolved) mapping."""
-    return _build(RunConfig, values, "")
+    """Build and validate a :class:`RunConfig` from a plain (resolved) mapping; an old key of
+    :data:`~distaccum.outer.config.RENAMED_KEYS` is read as its new name."""
+    return _build(RunConfig, renamed_keys(values)[0], "")
 
 
 def to_mapping(cfg: RunConfig) -> dict[str, Any]:

@@ -171,6 +171,10 @@ FOLDER_PAIRS = {
         "outer.simulate is the feature's own reference rule, built on verify.reference; verify runs it and diagnoses "
         "a merge with outer.sync's fragments"
     ),
+    ("outer", "rundir"): (
+        "a leaf config section: rundir.changes reads outer.config's renamed keys (a checkpoint's old outer.replicas); "
+        "outer.simulate writes its reference run's weights through rundir"
+    ),
     ("trainer", "tuning"): (
         "micro_batch=auto searches inside the Trainer (tuning.autobatch); the planner measures through the Trainer "
         "(tuning.planner)"
