@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import ROOT, provenance, train_cli
-from benchmarks.report import replace_section, write_study
+from benchmarks.report import replace_section, study_markdown, write_study
 from distaccum.rundir import read_evals, read_metrics
 from distaccum.telemetry.summary import run_samples
 from distaccum.units import human_bytes
@@ -206,19 +206,14 @@ def render(results: dict[str, Any], figure: str | None = None) -> str:
         )
         lines.append(f"| {r['label']} | {' | '.join(cells)} | {r['final_eval_loss']:.3f} | {taken} |")
     meta = results["meta"]
-    lines += [
-        "",
+    about = (
         f"tiny_gpt ({s['params']:,} parameters, fp32) on the packaged demo text, {WORLD} CPU ranks (gloo, DDP), "
         f"micro-batch {MICRO} per rank; AdamW lr 3e-3, constant after 5 warm-up steps, the same for every run "
         f"(`optim.lr_scaling=none`); budget {s['samples']:,} samples, the same stream in every run; eval loss on "
         f"{s['eval_tokens']:,} held-out tokens. The figures are at the first evaluation at or below the target. "
-        f"Wall time: the steps' own time on a shared {meta['logical_cpus']}-core machine, for orientation only. "
-        f"torch {meta['torch']}, commit {meta['commit']}"
-        f"{' with uncommitted changes' if meta['uncommitted_changes'] else ''}, {meta['date']}.",
-    ]
-    if figure:
-        lines += ["", f"![eval loss against samples, optimizer steps and bytes]({figure})"]
-    return "\n".join(lines) + "\n"
+        f"Wall time: the steps' own time on a shared {meta['logical_cpus']}-core machine, for orientation only."
+    )
+    return study_markdown(lines, about, meta, figure, "eval loss against samples, optimizer steps and bytes")
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

@@ -4,7 +4,7 @@
 trains tiny_gpt on the packaged demo text (``data=text_files``: CPython's documentation topics, byte-level,
 packed into blocks of 64 tokens, every 20th block held out) with ``loss=causal_ce`` on 4 CPU ranks, once per
 variant: synchronous (``outer.method=none``: one DDP group of 4 ranks, a gradient all-reduce every step), then 2
-islands of 2 ranks (``outer.replicas=2``) with LocalSGD at H = 10 and 50 and DiLoCo at H = 10 and 50 with P = 1
+islands of 2 ranks (``outer.islands=2``) with LocalSGD at H = 10 and 50 and DiLoCo at H = 10 and 50 with P = 1
 and 4 fragments (fragment p first syncs after floor((p+1) H/P) steps). Every variant takes the same global batch (32 samples: micro-batch 4 x 2
 accumulation steps x 4 ranks) from the same deterministic global-batch plan, so step s of every run has seen the
 same samples: equal steps are equal tokens. Evaluation (every ``--eval-every`` steps, before the first and after the
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import ROOT, provenance, train_cli
-from benchmarks.report import replace_section, write_study
+from benchmarks.report import replace_section, study_markdown, write_study
 from distaccum.rundir import read_config, read_evals, read_metrics
 from distaccum.telemetry.summary import run_samples
 
@@ -58,10 +58,10 @@ DOCS_COMMAND = "python -m benchmarks.outer_curves --publish"
 markers (``--render`` re-renders them from the stored result)."""
 PLAN_ARGS = (
     "--nodes 4 --gpus-per-node 8 --compute-ms 120 --params 8e9 accum.global_batch=1024 accum.micro_batch=4 "
-    "--replica-link-gbps 1"
+    "--island-link-gbps 1"
 )
 """The ``distaccum plan`` example docs/outer.md shows."""
-REPLICAS = 2
+ISLANDS = 2
 WORLD = 4
 BASE = (
     "model=tiny_gpt",
@@ -101,7 +101,7 @@ class Variant:
             f"outer.method={self.method}",
             f"outer.every={self.every}",
             f"outer.fragments={self.fragments}",
-            f"outer.replicas={REPLICAS}",
+            f"outer.islands={ISLANDS}",
         ]
 
 
@@ -156,13 +156,13 @@ def summarize(
     """One run's curve from rank 0's step and eval records (pure): tokens, cumulative bytes across islands per island
     and eval loss at every evaluation, and the run's totals (module docstring for the definitions)."""
     # the islands whose items make up the step's tokens (rank 0's records count island 0's)
-    replicas = 1 if variant.method == "none" else WORLD // island_size
+    islands = 1 if variant.method == "none" else WORLD // island_size
     tokens, sent, by_step = 0, 0, {0: (0, 0)}
     for r in records:
         step_tokens = run_samples(r) * per_sample
-        if int(r["items"]) * replicas != step_tokens:
+        if int(r["items"]) * islands != step_tokens:
             raise ValueError(
-                f"{variant.label} step {r['step']}: {replicas} x island 0's {r['items']} items is not samples x "
+                f"{variant.label} step {r['step']}: {islands} x island 0's {r['items']} items is not samples x "
                 f"{per_sample} = {step_tokens}: the islands did not take equal shares of the window"
             )
         tokens += step_tokens
@@ -187,7 +187,7 @@ def summarize(
         "tokens": tokens,
         "bytes_per_island": sent,
         # every island's bytes over every island's tokens (synchronous: charged as the same R islands)
-        "bytes_per_token": sent * REPLICAS / tokens if tokens else math.nan,
+        "bytes_per_token": sent * ISLANDS / tokens if tokens else math.nan,
         "syncs": sum(int(r.get("outer_synced", 0) or 0) for r in records),
         "final_eval_loss": curve[-1]["eval_loss"] if curve else math.nan,
         "final_train_loss": float(records[-1]["loss"]) if records else math.nan,
@@ -254,19 +254,17 @@ def render(results: dict[str, Any], figure: str | None = None) -> str:
             f"{r['reduction']:.1f}× | {r['wall_s']:.0f} s |"
         )
     meta = results["meta"]
-    lines += [
-        "",
+    about = (
         f"{s['steps']} optimizer steps of {s['global_batch']} samples (half-way: step {half}; {s['tokens']:,} tokens per run, the same "
         f"samples at every step in every run), tiny_gpt ({s['params']:,} parameters, fp32) on the packaged demo "
         f"text, eval loss on {s['eval_tokens']:,} held-out tokens every {s['eval_every']} steps. {WORLD} CPU ranks "
-        f"(gloo); outer-synced runs in {REPLICAS} islands of {WORLD // REPLICAS}. Bytes across: what an island puts "
+        f"(gloo); outer-synced runs in {ISLANDS} islands of {WORLD // ISLANDS}. Bytes across: what an island puts "
         "into cross-island all-reduces over the run (synchronous: the whole gradient every step). Wall time on a "
-        f"shared {meta['logical_cpus']}-core machine, for orientation only. torch {meta['torch']}, commit "
-        f"{meta['commit']}{' with uncommitted changes' if meta['uncommitted_changes'] else ''}, {meta['date']}.",
-    ]
-    if figure:
-        lines += ["", f"![eval loss against tokens and against bytes across islands]({figure})"]
-    return "\n".join(lines) + "\n"
+        f"shared {meta['logical_cpus']}-core machine, for orientation only."
+    )
+    return study_markdown(
+        lines, about, meta, figure, "eval loss against tokens and against bytes across islands"
+    )
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -362,7 +360,7 @@ def run_all(
         run_dir, wall = train(v, steps, eval_every, global_batch, out)
         config = read_config(run_dir)
         per_sample = items_per_sample(config)
-        island = WORLD if v.method == "none" else WORLD // REPLICAS
+        island = WORLD if v.method == "none" else WORLD // ISLANDS
         evals = read_evals(run_dir)
         eval_tokens = int(evals[-1]["eval_items"])
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -386,7 +384,7 @@ def run_all(
             "eval_every": eval_every,
             "global_batch": global_batch,
             "world": WORLD,
-            "replicas": REPLICAS,
+            "islands": ISLANDS,
             "items_per_sample": per_sample,
             "tokens": runs[0]["tokens"],
             "eval_tokens": eval_tokens,

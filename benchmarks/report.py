@@ -670,6 +670,16 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def study_markdown(lines: list[str], about: str, meta: dict[str, Any], figure: str | None, alt: str) -> str:
+    """A study's ``results.md``: its table ``lines``, the paragraph ``about`` its settings closed by the code and the
+    date it ran with, and the figure (``alt`` its text) when there is one."""
+    dirty = " with uncommitted changes" if meta["uncommitted_changes"] else ""
+    lines = [*lines, "", f"{about} torch {meta['torch']}, commit {meta['commit']}{dirty}, {meta['date']}."]
+    if figure:
+        lines += ["", f"![{alt}]({figure})"]
+    return "\n".join(lines) + "\n"
+
+
 def write_study(
     results: dict[str, Any],
     out: Path,

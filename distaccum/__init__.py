@@ -30,6 +30,13 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+def load_entry(entry: str) -> Any:
+    """What a registry entry ``"package.module:Name"`` names, its module imported now: the engine, launcher, feature
+    and verify-rule tables name their classes this way, so that a module is imported on first use only."""
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def __getattr__(name: str) -> Any:
     """Lazy exports (PEP 562)."""
     module = _EXPORTS.get(name)

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 from distaccum.batching.config import AdaptiveConfig, RampConfig, check_schedule
 from distaccum.cluster.config import KubeflowConfig, RayConfig, SlurmConfig  # leaf modules, like Split
-from distaccum.outer.config import OuterConfig
+from distaccum.data.config import DataConfig, EvalConfig
+from distaccum.outer.config import OuterConfig, renamed_keys
 from distaccum.rundir.log_config import LogConfig
 from distaccum.runtime.contracts import parse_nnodes
 from distaccum.split import (  # noqa: F401
@@ -29,7 +30,8 @@ from distaccum.split import (  # noqa: F401
     resolve_split,
     valid_splits,
 )
-from distaccum.units import parse_bytes
+from distaccum.units import Node, check_choice, check_node, check_positive, parse_bytes
+from distaccum.verify.config import VerifyConfig
 
 ENGINES = ("ddp", "fsdp", "deepspeed", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
@@ -46,41 +48,9 @@ SCHEDULE_ON_RESUME = ("keep", "stretch")
 DEFAULT_EXTENSIONS_DIR = "~/.cache/distaccum/torch_extensions"
 """DeepSpeed's C++ op cache unless ``engine.extensions_dir`` says otherwise."""
 
-Node = dict[str, Any]
-"""A Hydra component node: ``{"_target_": "pkg.mod.name", **kwargs}`` (``_partial_: true`` for callables)."""
-
 
 class ConfigError(ValueError):
     """An invalid configuration: reported with exit code 2 before (or instead of) training."""
-
-
-def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{section}.{name}={value!r} is not one of {', '.join(allowed)}")
-
-
-def _positive(section: str, name: str, value: int | float | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
-
-
-def _node(where: str, value: Any) -> Node | None:
-    """Validate a component node: None, or a mapping with a dotted ``_target_`` string."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"{where} must be a mapping with a _target_ (e.g. {{_target_: mypkg.make_model}}), got {value!r}"
-        )
-    target = value.get("_target_")
-    if not isinstance(target, str) or "." not in target:
-        raise ValueError(
-            f"{where} needs a _target_ naming an importable callable such as "
-            f"'mypkg.module.name', got _target_={target!r}"
-        )
-    return dict(value)
 
 
 @dataclass(kw_only=True)
@@ -113,62 +83,12 @@ class EngineConfig:
     node), else 1. Other engines take only 1 or auto."""
 
     def __post_init__(self) -> None:
-        _choice("engine", "name", self.name, ENGINES)
+        check_choice("engine", "name", self.name, ENGINES)
         if self.replicas != AUTO and (isinstance(self.replicas, (str, bool)) or self.replicas < 1):
             raise ValueError(f"engine.replicas must be a positive integer or 'auto', got {self.replicas!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"engine.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        _positive("engine", "bucket_cap_mb", self.bucket_cap_mb)
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """The dataset (a component) and how the global-batch plan walks it."""
-
-    dataset: Node | None = None
-    """_target_ node of a torch Dataset of samples: map-style (``len`` and ``[i]``, walked by the global-batch
-    plan) or an IterableDataset (a stream, cut into windows in order)."""
-    collate: Node | None = None
-    """_target_ node (with ``_partial_: true``) of ``list[sample] -> batch``; null: torch's default_collate."""
-    shuffle: bool = True
-    """Reshuffle each epoch from (trainer.seed, epoch) (map-style datasets; a stream keeps its own order)."""
-    drop_last: bool = False
-    """Drop a partial last window (True) or train on it, weighted by what it holds (False)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (0: collate in the training process; a plain in-memory
-    `TensorDataset` is then cut without a DataLoader). A stream is read through them (samples; collated in the training process)."""
-    prefetch_factor: int = 2
-    """Micro-batches (stream: samples) each DataLoader worker prepares ahead (only with num_workers > 0)."""
-
-    def __post_init__(self) -> None:
-        self.dataset = _node("data.dataset", self.dataset)
-        self.collate = _node("data.collate", self.collate)
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
-        _positive("data", "prefetch_factor", self.prefetch_factor)
-
-
-@dataclass(kw_only=True)
-class EvalConfig:
-    """Held-out evaluation: loss and perplexity over every rank's shard, reduced by the global item count."""
-
-    dataset: Node | None = None
-    """_target_ node of a map-style held-out dataset; null: the training dataset's held_out() split when
-    it has one (data=text_files: data.dataset.eval_fraction or data.dataset.eval_files), else no evaluation."""
-    every: int = 0
-    """Evaluate every N optimizer steps (0: not during training)."""
-    at_start: bool = False
-    """Also evaluate before the first optimizer step (step 0)."""
-    at_end: bool = True
-    """Evaluate after the last optimizer step (when there is held-out data); the result goes to summary.json."""
-    micro_batch: int | None = None
-    """Samples per eval forward per rank; null: accum.micro_batch."""
-
-    def __post_init__(self) -> None:
-        self.dataset = _node("eval.dataset", self.dataset)
-        if self.every < 0:
-            raise ValueError(f"eval.every must be >= 0, got {self.every}")
-        _positive("eval", "micro_batch", self.micro_batch, allow_none=True)
+        check_positive("engine", "bucket_cap_mb", self.bucket_cap_mb)
 
 
 @dataclass(kw_only=True)
@@ -218,14 +138,14 @@ class AccumConfig:
                     "step it keeps fixed while it picks the micro-batch), e.g. accum.global_batch=64"
                 )
         else:
-            _positive("accum", "micro_batch", self.micro_batch)
-        _positive("accum", "steps", self.steps)
+            check_positive("accum", "micro_batch", self.micro_batch)
+        check_positive("accum", "steps", self.steps)
         if self.memory_budget is not None:
             parse_bytes("accum.memory_budget", self.memory_budget)
-        _positive("accum", "global_batch", self.global_batch, allow_none=True)
-        _choice("accum", "sync", self.sync, SYNC_MODES)
-        _choice("accum", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
-        _choice("accum", "loss_norm", self.loss_norm, LOSS_NORMS)
+        check_positive("accum", "global_batch", self.global_batch, allow_none=True)
+        check_choice("accum", "sync", self.sync, SYNC_MODES)
+        check_choice("accum", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        check_choice("accum", "loss_norm", self.loss_norm, LOSS_NORMS)
 
     @property
     def auto(self) -> bool:
@@ -267,15 +187,15 @@ class OptimConfig:
     """The global batch (samples per optimizer step) that lr is set for; needed by lr_scaling."""
 
     def __post_init__(self) -> None:
-        _choice("optim", "name", self.name, OPTIMIZERS)
-        _choice("optim", "schedule", self.schedule, SCHEDULES)
-        _choice("optim", "lr_scaling", self.lr_scaling, LR_SCALINGS)
-        _positive("optim", "lr", self.lr)
-        _positive("optim", "clip_norm", self.clip_norm, allow_none=True)
+        check_choice("optim", "name", self.name, OPTIMIZERS)
+        check_choice("optim", "schedule", self.schedule, SCHEDULES)
+        check_choice("optim", "lr_scaling", self.lr_scaling, LR_SCALINGS)
+        check_positive("optim", "lr", self.lr)
+        check_positive("optim", "clip_norm", self.clip_norm, allow_none=True)
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        _positive("optim", "base_batch", self.base_batch, allow_none=True)
+        check_positive("optim", "base_batch", self.base_batch, allow_none=True)
         if self.lr_scaling != "none" and self.base_batch is None:
             raise ValueError(
                 f"optim.lr_scaling={self.lr_scaling} needs optim.base_batch: the global batch "
@@ -378,13 +298,13 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_steps"):
-            _positive("trainer", name, getattr(self, name))
+            check_positive("trainer", name, getattr(self, name))
         low, high = parse_nnodes(self.nnodes)
         self.nnodes = low if low == high else f"{low}:{high}"
-        _choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
-        _choice("trainer", "compile_mode", self.compile_mode, COMPILE_MODES)
+        check_choice("trainer", "device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("trainer", "compile_mode", self.compile_mode, COMPILE_MODES)
         if self.schedule_on_resume is not None:
-            _choice("trainer", "schedule_on_resume", self.schedule_on_resume, SCHEDULE_ON_RESUME)
+            check_choice("trainer", "schedule_on_resume", self.schedule_on_resume, SCHEDULE_ON_RESUME)
         if self.check_every < 0 or self.max_restarts < 0 or self.checkpoint_every < 0:
             raise ValueError(
                 "trainer.check_every, trainer.max_restarts and trainer.checkpoint_every must be >= 0"
@@ -392,37 +312,13 @@ class TrainerConfig:
         if self.checkpoint_every_s < 0:
             raise ValueError(f"trainer.checkpoint_every_s must be >= 0, got {self.checkpoint_every_s}")
         for name in ("keep_checkpoints", "max_nonfinite_steps", "collective_timeout_s", "shutdown_grace_s"):
-            _positive("trainer", name, getattr(self, name))
-        _positive("trainer", "rdzv_last_call_s", self.rdzv_last_call_s)
-        _positive("trainer", "max_samples", self.max_samples, allow_none=True)
+            check_positive("trainer", name, getattr(self, name))
+        check_positive("trainer", "rdzv_last_call_s", self.rdzv_last_call_s)
+        check_positive("trainer", "max_samples", self.max_samples, allow_none=True)
 
     def node_range(self) -> tuple[int, int]:
         """(MIN, MAX) nodes of the launch: equal for a fixed ``nnodes``, MIN < MAX for an elastic launch."""
         return parse_nnodes(self.nnodes)
-
-
-@dataclass(kw_only=True)
-class VerifyConfig:
-    """`distaccum verify`: candidates and tolerances."""
-
-    splits: str = "config"
-    """config: only the configured split; auto: every valid split up to max_candidates."""
-    max_candidates: int = 4
-    """Upper bound on candidates with splits=auto."""
-    reference_dtype: str = "same"
-    """same: reference in the run's precision; fp64: reference in fp64 to separate rounding from bugs."""
-    rtol: float | None = None
-    """Relative tolerance; null picks the default for the precision."""
-    atol: float | None = None
-    """Absolute tolerance; null picks the default for the precision."""
-    record: bool = False
-    """Write per-step parameter checksums (checksums.jsonl) to run_dir. distaccum verify sets it for
-    the runs it launches."""
-
-    def __post_init__(self) -> None:
-        _choice("verify", "splits", self.splits, ("config", "auto"))
-        _choice("verify", "reference_dtype", self.reference_dtype, ("same", "fp64"))
-        _positive("verify", "max_candidates", self.max_candidates)
 
 
 @dataclass(kw_only=True)
@@ -452,9 +348,9 @@ class RunConfig:
     """Directory for every output of the run (metrics.jsonl, summary.json, config, final/)."""
 
     def __post_init__(self) -> None:
-        _choice("", "precision", self.precision, PRECISIONS)
-        self.model = _node("model", self.model)
-        self.loss = _node("loss", self.loss)
+        check_choice("", "precision", self.precision, PRECISIONS)
+        self.model = check_node("model", self.model)
+        self.loss = check_node("loss", self.loss)
         low, high = self.trainer.node_range()
         if high > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={self.trainer.nnodes} needs trainer.rdzv_endpoint=host:port")
@@ -546,8 +442,9 @@ def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
 
 
 def from_mapping(values: Mapping[str, Any]) -> RunConfig:
-    """Build and validate a :class:`RunConfig` from a plain (resolved) mapping."""
-    return _build(RunConfig, values, "")
+    """Build and validate a :class:`RunConfig` from a plain (resolved) mapping; an old key of
+    :data:`~distaccum.outer.config.RENAMED_KEYS` is read as its new name."""
+    return _build(RunConfig, renamed_keys(values)[0], "")
 
 
 def to_mapping(cfg: RunConfig) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from distaccum.evaluate import eval_dataset
 from distaccum.loop import LoopSettings
 from distaccum.models import batch_stat_layers
 from distaccum.optim import build_optimizer
-from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
+from distaccum.outer.islands import IslandLayout, resolve_islands
 from distaccum.probe import probe
 from distaccum.rundir.checkpoint import data_signature, model_signature
 from distaccum.runtime.topology import resolve_replicas
@@ -72,7 +72,7 @@ class ResolvedRun:
     model: ModelRecipe
     optim: OptimConfig
     run_dir: Path
-    outer_replicas: int = 0
+    outer_islands: int = 0
     """Islands of an outer-synced run (``outer.method`` other than none); 0: none."""
 
     @property
@@ -196,7 +196,7 @@ def resolve(
         model=ModelRecipe(cfg.trainer.seed, precision, cfg.trainer.init_from),
         optim=cfg.optim,
         run_dir=Path(cfg.run_dir),
-        outer_replicas=islands,
+        outer_islands=islands,
     )
 
 
@@ -239,8 +239,8 @@ def outer_islands(cfg: RunConfig, world_size: int, nodes: int) -> int:
     outer = cfg.outer
     if not outer.enabled:
         return 0
-    replicas = resolve_outer_replicas(outer.replicas, world_size, nodes)
-    IslandLayout.of(world_size, 0, replicas)  # ValueError when it does not divide
+    islands = resolve_islands(outer.islands, world_size, nodes)
+    IslandLayout.of(world_size, 0, islands)  # ValueError when it does not divide
     if cfg.engine.name not in OUTER_ENGINES:
         raise ValueError(
             f"outer.method={outer.method} runs each island's step on engine=ddp or engine=fsdp; engine="
@@ -250,11 +250,11 @@ def outer_islands(cfg: RunConfig, world_size: int, nodes: int) -> int:
     if cfg.engine.replicas not in ("auto", 1):
         raise ValueError(
             f"outer.method={outer.method} with engine.replicas={cfg.engine.replicas}: HSDP inside an island is not "
-            "supported; the islands are the replicas (outer.replicas)"
+            "supported; the islands (outer.islands) take the replicas' place"
         )
     if cfg.log.gns:
         raise ValueError(f"log.gns=true is not supported with outer.method={outer.method}")
-    return replicas
+    return islands
 
 
 def resolve_sync(sync: str, replicas: int) -> str:

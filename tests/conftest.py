@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,24 @@ def check_golden(path: Path, text: str) -> None:
         pytest.fail(f"{path} rewritten: review `git diff {path}`, then rerun without DISTACCUM_UPDATE_GOLDEN")
     assert golden is not None, f"{path} missing; run with DISTACCUM_UPDATE_GOLDEN=1 to create it"
     assert text == golden, f"{path} differs; if intended, regenerate with DISTACCUM_UPDATE_GOLDEN=1"
+
+
+def prose_lines(text: str, opens: Callable[[str], bool]) -> Iterator[str]:
+    """A markdown page's lines outside fenced blocks and generated sections: a generated section runs from a line
+    for which ``opens`` is true to the next ``<!-- NAME:end`` marker (both markers left out too)."""
+    fence = generated = False
+    for line in text.splitlines():
+        if opens(line):
+            generated = True
+            continue
+        if re.match(r"<!-- [\w:-]+:end", line):
+            generated = False
+            continue
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        if not (fence or generated):
+            yield line
 
 
 def line_count(path: Path) -> int:

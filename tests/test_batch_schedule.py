@@ -92,14 +92,18 @@ def test_a_ramp_reads_the_unramped_sample_stream_in_order(shuffle: bool, drop_la
     """Every epoch's windows are consecutive slices of the same order an unramped run reads: no sample skipped or
     repeated at a change; an epoch ends where its samples do."""
     n = 100
-    ramped = GlobalBatchPlan(
-        n,
-        32,
-        seed=3,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        schedule=BatchSchedule([(0, 8), (3, 16), (5, 32)]),
-    )
+
+    def ramped_plan() -> GlobalBatchPlan:
+        return GlobalBatchPlan(
+            n,
+            32,
+            seed=3,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            schedule=BatchSchedule([(0, 8), (3, 16), (5, 32)]),
+        )
+
+    ramped = ramped_plan()
     plain = GlobalBatchPlan(n, 32, seed=3, shuffle=shuffle, drop_last=drop_last)
     windows = [ramped.window(s) for s in range(14)]
     assert [len(w.indices) for w in windows[:6]] == [8, 8, 8, 16, 16, 32]
@@ -112,14 +116,7 @@ def test_a_ramp_reads_the_unramped_sample_stream_in_order(shuffle: bool, drop_la
         else:
             assert all(len(w.indices) == ramped.batch(w.step) for w in windows)  # no partial window kept
     # random access (a resume, a sampler in another process) finds the same windows as the forward walk
-    again = GlobalBatchPlan(
-        n,
-        32,
-        seed=3,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        schedule=BatchSchedule([(0, 8), (3, 16), (5, 32)]),
-    )
+    again = ramped_plan()
     for step in (13, 2, 7, 0, 11):
         assert torch.equal(again.window(step).indices, windows[step].indices)
 

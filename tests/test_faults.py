@@ -107,7 +107,7 @@ ENGINES = {
     "zero2": ("engine=deepspeed", "engine.zero_stage=2"),
     # Outer-synced (issue 47): 2 islands of 1 rank, 2 fragments; the kill lands between two fragments' syncs, so
     # the checkpoint must hold the global parameters, the outer momentum and each island's unsynced item counts.
-    "diloco": ("engine=ddp", "outer.method=diloco", "outer.every=4", "outer.fragments=2", "outer.replicas=2"),
+    "diloco": ("engine=ddp", "outer.method=diloco", "outer.every=4", "outer.fragments=2", "outer.islands=2"),
 }
 N = 36  # 9 checkpoints; the kill lands at one of them (N // 3), two thirds of the run still to go
 
@@ -234,7 +234,39 @@ def test_an_outer_synced_checkpoint_refuses_another_island_count(tmp_path: Path)
     run_dir = tmp_path / "islands"
     outer = ("outer.method=diloco", "outer.every=2", "trainer.max_steps=4", "trainer.checkpoint_every=2")
     assert run(run_dir, *outer).returncode == 0
-    again = run(run_dir, *outer, "trainer.max_steps=6", "trainer.nproc=1", "outer.replicas=1")
+    again = run(run_dir, *outer, "trainer.max_steps=6", "trainer.nproc=1", "outer.islands=1")
     assert again.returncode == 2, again.stderr[-3000:]
     message = again.stdout + again.stderr
-    assert "world_size" in message and "outer.replicas" in message and "islands" in message
+    assert "world_size" in message and "outer.islands" in message and "islands" in message
+
+
+def test_a_checkpoint_written_under_the_old_island_names_resumes(tmp_path: Path) -> None:
+    """Issue 57: a run written before an outer sync's groups were called islands keeps each island's state in
+    ``replica-N`` and records ``outer.replicas``. Written here with today's names and turned back into the old ones
+    (the folders, the manifest's file list and fingerprint, config.json), it resumes with the old key, which says
+    once what to write instead."""
+    run_dir = tmp_path / "old-names"
+    outer = ("outer.method=diloco", "outer.every=2", "trainer.checkpoint_every=2")
+    assert run(run_dir, *outer, "outer.islands=2", "trainer.max_steps=4").returncode == 0
+    for ckpt in (run_dir / "checkpoints").glob("step-*"):
+        islands = sorted((ckpt / "model").glob("island-*"))
+        assert [p.name for p in islands] == ["island-0", "island-1"]
+        for folder in islands:
+            folder.rename(folder.with_name(folder.name.replace("island-", "replica-")))
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["files"] = {k.replace("island-", "replica-"): v for k, v in manifest["files"].items()}
+        manifest["fingerprint"]["outer.replicas"] = manifest["fingerprint"].pop("outer.islands")
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    config = json.loads((run_dir / "config.json").read_text())
+    config["outer"]["replicas"] = config["outer"].pop("islands")
+    (run_dir / "config.json").write_text(json.dumps(config))
+
+    resumed = run(run_dir, *outer, "outer.replicas=2", "trainer.max_steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "after optimizer step 4" in resumed.stdout
+    # outer.replicas in the checkpoint's record and outer.replicas=2 now both read as outer.islands=2: unchanged
+    assert "distaccum: 1 setting(s) changed since the checkpoint after optimizer step 4" in resumed.stdout
+    assert "allowed  trainer.max_steps: 4 -> 6" in resumed.stdout
+    said = "distaccum: outer.replicas is now outer.islands: write outer.islands=2"
+    assert resumed.stderr.count(said) == 1, resumed.stderr[-3000:]
+    assert steps(run_dir) == list(range(1, 7))

@@ -28,7 +28,7 @@ import re
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, prose_lines
 
 pytestmark = pytest.mark.unit
 
@@ -73,18 +73,11 @@ def sections(text: str) -> list[str]:
     generator of this repository that no longer exists is prose: nothing can regenerate it)."""
     out: list[str] = []
     current: list[str] = []
-    fence = generated = False
-    for line in text.splitlines():
-        if re.match(r"<!-- [\w:-]+:(begin|start)", line) and not missing_sources(line):
-            generated = True
-        elif re.match(r"<!-- [\w:-]+:end", line):
-            generated = False
-            continue
-        if line.startswith("```"):
-            fence = not fence
-            continue
-        if fence or generated:
-            continue
+
+    def opens(line: str) -> bool:
+        return bool(re.match(r"<!-- [\w:-]+:(begin|start)", line)) and not missing_sources(line)
+
+    for line in prose_lines(text, opens):
         if line.startswith("#"):
             out.append(" ".join(current))
             current = []

@@ -156,7 +156,13 @@ FOLDER_PAIRS = {
     ("cluster", "config"): (
         "a leaf config section: config imports cluster.config (the launchers' sections); the launchers read RunConfig"
     ),
+    ("config", "data"): (
+        "a leaf config section: config imports data.config (data, eval); the data pipeline reads RunConfig"
+    ),
     ("config", "outer"): "a leaf config section: config imports outer.config; outer.simulate reads RunConfig",
+    ("config", "verify"): (
+        "a leaf config section: config imports verify.config; the verify command reads RunConfig"
+    ),
     ("engines", "telemetry"): (
         "the engines count their collectives in telemetry.ledger; the run summary reads the engine's capabilities "
         "(engines.base)"
@@ -164,6 +170,10 @@ FOLDER_PAIRS = {
     ("outer", "verify"): (
         "outer.simulate is the feature's own reference rule, built on verify.reference; verify runs it and diagnoses "
         "a merge with outer.sync's fragments"
+    ),
+    ("outer", "rundir"): (
+        "a leaf config section: rundir.changes reads outer.config's renamed keys (a checkpoint's old outer.replicas); "
+        "outer.simulate writes its reference run's weights through rundir"
     ),
     ("trainer", "tuning"): (
         "micro_batch=auto searches inside the Trainer (tuning.autobatch); the planner measures through the Trainer "
@@ -207,7 +217,7 @@ def test_the_guards_import_neither_the_verify_command_nor_the_trainer() -> None:
 def test_no_module_outgrows_its_concept() -> None:
     for name, path in _modules().items():
         lines = len(path.read_text().splitlines())
-        assert lines <= 600, f"{name} has {lines} lines: split it by concept"
+        assert lines <= 500, f"{name} has {lines} lines: split it by concept"
 
 
 FEATURE_WORDS = {

@@ -1,6 +1,6 @@
 """Two launcher processes on one machine (--nnodes=2, c10d rendezvous on 127.0.0.1) form one world: FSDP2 hybrid
 sharding with 2 ranks per "node" puts one replica on each node (engine.replicas=auto), each shard group within
-one node, as the launcher's plan said; an outer-synced run puts one island on each node (outer.replicas=auto)."""
+one node, as the launcher's plan said; an outer-synced run puts one island on each node (outer.islands=auto)."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["replicas"] == 2 and summary["sync"] == "replica_boundary"
     placement = summary["placement"]  # every rank's node as its launcher numbered it (GROUP_RANK)
-    assert placement["replicas"] == [[0, 1], [2, 3]] and sorted(placement["nodes"]) == [0, 0, 1, 1]
-    for group in placement["replicas"]:
+    assert placement["groups"] == [[0, 1], [2, 3]] and sorted(placement["nodes"]) == [0, 0, 1, 1]
+    for group in placement["groups"]:
         assert len({placement["nodes"][rank] for rank in group}) == 1, placement  # a shard group is one node
     assert placement["nodes"][0] != placement["nodes"][2]  # the replicas sit on different nodes
     printed = "".join(out for out, _ in outputs)
@@ -71,15 +71,15 @@ def test_two_nodes_rendezvous_and_train_hsdp_with_one_replica_per_node(tmp_path:
 
 
 def test_two_nodes_make_one_island_each_for_an_outer_synced_run(tmp_path: Path) -> None:
-    """outer.replicas=auto on a 2-node launch: one island per node, so every step's reduction stays in a node and
+    """outer.islands=auto on a 2-node launch: one island per node, so every step's reduction stays in a node and
     only the outer sync crosses between them (issue 47.6), as the launcher's plan says."""
     run_dir = tmp_path / "islands"
     outputs = two_nodes(run_dir, "engine=ddp", "outer.method=diloco", "outer.every=1")
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["outer"]["replicas"] == 2 and summary["outer"]["syncs"] == 2
+    assert summary["outer"]["islands"] == 2 and summary["outer"]["syncs"] == 2
     placement = summary["placement"]
-    assert placement["replicas"] == [[0, 1], [2, 3]] and sorted(placement["nodes"]) == [0, 0, 1, 1]
-    for group in placement["replicas"]:
+    assert placement["groups"] == [[0, 1], [2, 3]] and sorted(placement["nodes"]) == [0, 0, 1, 1]
+    for group in placement["groups"]:
         assert len({placement["nodes"][rank] for rank in group}) == 1, placement  # an island is one node
     printed = "".join(out for out, _ in outputs)
     assert "island 0: ranks 0-1 on node 0" in printed and "island 1: ranks 2-3 on node 1" in printed

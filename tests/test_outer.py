@@ -12,7 +12,7 @@ import torch
 
 from distaccum.config import from_mapping
 from distaccum.outer.config import OuterConfig
-from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
+from distaccum.outer.islands import IslandLayout, resolve_islands
 from distaccum.outer.sync import OuterSync, split_fragments
 from distaccum.resolve import resolve
 
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.unit
         ({"weighting": "samples"}, "outer.weighting='samples' is not one of tokens, equal"),
         ({"every": 0}, "outer.every must be a positive integer"),
         ({"fragments": True}, "outer.fragments must be a positive integer"),
-        ({"replicas": 0}, "outer.replicas must be a positive integer or 'auto'"),
-        ({"replicas": "two"}, "outer.replicas must be a positive integer or 'auto'"),
+        ({"islands": 0}, "outer.islands must be a positive integer or 'auto'"),
+        ({"islands": "two"}, "outer.islands must be a positive integer or 'auto'"),
         ({"lr": 0.0}, "outer.lr must be > 0"),
         ({"momentum": 1.0}, "outer.momentum must be in [0, 1)"),
     ],
@@ -46,7 +46,7 @@ def test_invalid_outer_settings_are_refused_naming_the_key(fields: dict[str, Any
 
 def test_valid_outer_settings() -> None:
     OuterConfig(method="diloco", momentum=0.0, nesterov=False)  # plain SGD outer step
-    OuterConfig(method="local_sgd", every=12, fragments=4, replicas=2, reduce_dtype="bf16", weighting="equal")
+    OuterConfig(method="local_sgd", every=12, fragments=4, islands=2, reduce_dtype="bf16", weighting="equal")
     assert not OuterConfig().enabled and OuterConfig(method="local_sgd").enabled
     # the section reaches the run config (and its validation runs there too)
     assert from_mapping({"outer": {"method": "diloco", "every": 4}}).outer.every == 4
@@ -114,7 +114,7 @@ def test_island_layout_of_consecutive_ranks() -> None:
     layouts = [IslandLayout.of(8, rank, 2) for rank in range(8)]
     assert [(x.index, x.inner_rank) for x in layouts] == [(i // 4, i % 4) for i in range(8)]
     layout = layouts[5]
-    assert (layout.replicas, layout.size) == (2, 4)
+    assert (layout.islands, layout.size) == (2, 4)
     assert layout.ranks(0) == [0, 1, 2, 3] and layout.ranks(1) == [4, 5, 6, 7]
     assert layout.peers(1) == [1, 5] and layout.peers(3) == [3, 7]
     # every rank is in exactly one island and one peer group
@@ -126,18 +126,18 @@ def test_island_layout_of_consecutive_ranks() -> None:
     assert (single.index, single.inner_rank, single.ranks(0), single.peers(3)) == (0, 3, [0, 1, 2, 3], [3])
 
 
-@pytest.mark.parametrize(("world", "replicas"), [(4, 3), (6, 4), (2, 0), (3, 5)])
-def test_island_layout_refuses_replicas_that_do_not_divide_the_world(world: int, replicas: int) -> None:
-    with pytest.raises(ValueError, match=f"outer.replicas={replicas} must divide the world of {world} ranks"):
-        IslandLayout.of(world, 0, replicas)
+@pytest.mark.parametrize(("world", "islands"), [(4, 3), (6, 4), (2, 0), (3, 5)])
+def test_island_layout_refuses_islands_that_do_not_divide_the_world(world: int, islands: int) -> None:
+    with pytest.raises(ValueError, match=f"outer.islands={islands} must divide the world of {world} ranks"):
+        IslandLayout.of(world, 0, islands)
 
 
-def test_auto_replicas_is_one_island_per_node_else_one_per_rank() -> None:
-    assert resolve_outer_replicas("auto", 16, 4) == 4  # multi-node: one per node
-    assert resolve_outer_replicas("auto", 8, 1) == 8  # one node: one per rank
-    assert resolve_outer_replicas("auto", 1, 1) == 1
-    assert resolve_outer_replicas(2, 16, 4) == 2  # explicit wins
-    assert resolve_outer_replicas(3, 3, 1) == 3
+def test_auto_islands_is_one_island_per_node_else_one_per_rank() -> None:
+    assert resolve_islands("auto", 16, 4) == 4  # multi-node: one per node
+    assert resolve_islands("auto", 8, 1) == 8  # one node: one per rank
+    assert resolve_islands("auto", 1, 1) == 1
+    assert resolve_islands(2, 16, 4) == 2  # explicit wins
+    assert resolve_islands(3, 3, 1) == 3
 
 
 # --- fragments ----------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def config(**sections: Any) -> Any:
         ({"engine": {"name": "accelerate"}}, 2, "engine=accelerate is not supported inside an island"),
         ({"engine": {"name": "ddp", "replicas": 2}}, 4, "HSDP inside an island is not supported"),
         ({"log": {"gns": True}}, 2, "log.gns=true is not supported with outer.method=diloco"),
-        ({"outer": {"method": "local_sgd", "replicas": 3}}, 4, "outer.replicas=3 must divide the world of 4"),
+        ({"outer": {"method": "local_sgd", "islands": 3}}, 4, "outer.islands=3 must divide the world of 4"),
     ],
 )
 def test_resolve_refuses_what_an_island_cannot_run(
@@ -243,11 +243,11 @@ def test_resolve_refuses_what_an_island_cannot_run(
 
 def test_resolve_islands() -> None:
     cpu = torch.device("cpu")
-    assert resolve(config(), 4, cpu).outer_replicas == 4  # auto on one node: one island per rank
-    assert resolve(config(), 4, cpu, nodes=2).outer_replicas == 2  # auto on two nodes: one per node
-    two = resolve(config(outer={"method": "local_sgd", "replicas": 2}), 4, cpu)
-    assert two.outer_replicas == 2 and two.engine.replicas == 1  # the islands are the replicas
-    assert resolve(from_mapping({"trainer": {"device": "cpu"}}), 2, cpu).outer_replicas == 0  # method=none
+    assert resolve(config(), 4, cpu).outer_islands == 4  # auto on one node: one island per rank
+    assert resolve(config(), 4, cpu, nodes=2).outer_islands == 2  # auto on two nodes: one per node
+    two = resolve(config(outer={"method": "local_sgd", "islands": 2}), 4, cpu)
+    assert two.outer_islands == 2 and two.engine.replicas == 1  # the islands take the replicas' place
+    assert resolve(from_mapping({"trainer": {"device": "cpu"}}), 2, cpu).outer_islands == 0  # method=none
 
 
 def test_verify_refuses_a_compressed_outer_merge_before_running_anything(tmp_path: Any) -> None:

@@ -35,6 +35,7 @@ from distaccum.config import from_mapping
 from distaccum.outer.sync import split_fragments
 from distaccum.rundir import read_metrics
 from distaccum.telemetry.summary import run_samples
+from distaccum.verify.bugzoo import GPT
 
 pytestmark = [
     pytest.mark.dist,
@@ -82,28 +83,28 @@ CELLS: dict[str, dict[str, Any]] = {
     # (a) DiLoCo H=1 over 2 islands of 1, plain SGD inside, plain outer SGD
     "diloco-h1": {
         "optim": SGD,
-        "outer": {"method": "diloco", "every": 1, "replicas": 2, **PLAIN_OUTER},
+        "outer": {"method": "diloco", "every": 1, "islands": 2, **PLAIN_OUTER},
     },
     # (c) LocalSGD over one island of both ranks
-    "one-island": {"optim": SGD, "outer": {"method": "local_sgd", "every": 2, "replicas": 1}},
+    "one-island": {"optim": SGD, "outer": {"method": "local_sgd", "every": 2, "islands": 1}},
     # (b) DiLoCo with the plain outer SGD against LocalSGD: AdamW inside (its state kept per island), 2 fragments at
     # staggered offsets (fragment 0 after steps 1, 3; fragment 1 after 2, 4; both after 5)
     "diloco-plain": {
         "trainer": {"max_steps": 5},
-        "outer": {"method": "diloco", "every": 2, "fragments": 2, "replicas": 2, **PLAIN_OUTER},
+        "outer": {"method": "diloco", "every": 2, "fragments": 2, "islands": 2, **PLAIN_OUTER},
     },
     "local-sgd": {
         "trainer": {"max_steps": 5},
-        "outer": {"method": "local_sgd", "every": 2, "fragments": 2, "replicas": 2},
+        "outer": {"method": "local_sgd", "every": 2, "fragments": 2, "islands": 2},
     },
     # (e) bf16 across the islands: 2 bytes per element (fp32 parameters)
     "bf16-wire": {
         "precision": "fp32",
         "trainer": {"max_steps": 2},
-        "outer": {"method": "local_sgd", "every": 2, "replicas": 2, "reduce_dtype": "bf16"},
+        "outer": {"method": "local_sgd", "every": 2, "islands": 2, "reduce_dtype": "bf16"},
     },
     # (f) island 1's merge is off by 1e-3 (IslandOffset, installed for this cell only): stopped at the first sync
-    "diverged": {"outer": {"method": "diloco", "every": 2, "replicas": 2}},
+    "diverged": {"outer": {"method": "diloco", "every": 2, "islands": 2}},
 }
 FAULTY = "diverged"
 
@@ -238,14 +239,14 @@ def test_an_island_that_merged_other_numbers_stops_the_run_naming_it(
     for rank, outcome in enumerate(launched["outcomes"]):  # every rank stops at the same check
         message = outcome[FAULTY]
         assert message.startswith("OuterDivergenceError: after the outer sync of step 2"), (rank, message)
-        assert "replica(s) 1 disagree with replica 0" in message, (rank, message)
-    assert "replica(s) 1 disagree with replica 0" in launched["stderr"]
+        assert "island(s) 1 disagree with island 0" in message, (rank, message)
+    assert "island(s) 1 disagree with island 0" in launched["stderr"]
     run_dir = root / FAULTY
     assert [r["step"] for r in records(run_dir)] == [1]  # stopped before step 2's record, nothing trained on
     assert not (run_dir / "final").exists()
     for rank in range(2):  # what the rank files say about the failure
         info = json.loads((run_dir / "ranks" / f"rank-{rank:05d}.json").read_text())
-        assert info["state"] == "failed" and "replica(s) 1" in info["error"], info
+        assert info["state"] == "failed" and "island(s) 1" in info["error"], info
 
 
 # --- distaccum verify with 2 islands of 2 ranks ---------------------------------------------------------
@@ -270,7 +271,7 @@ def test_verify_passes_ddp_inside_two_islands_and_the_ledger_counts_each_fragmen
     tmp_path: Path,
 ) -> None:
     """DiLoCo (outer Nesterov by default), H=4 in 2 fragments, 2 islands of 2 DDP ranks, fp64."""
-    outer = {"method": "diloco", "every": 4, "fragments": 2, "replicas": 2}
+    outer = {"method": "diloco", "every": 4, "fragments": 2, "islands": 2}
     run = verified(tmp_path, trainer={"max_steps": 6}, outer=outer)
     # Fragment 0 syncs after step 2, fragment 1 after 4, both after the last (6). Each syncing fragment is
     # ONE all-reduce across the islands, of this rank's 1/2 slice of it (rounded up), in fp64; nothing else
@@ -289,7 +290,7 @@ def test_verify_passes_ddp_inside_two_islands_and_the_ledger_counts_each_fragmen
 
 def test_verify_passes_fsdp2_inside_two_islands(tmp_path: Path) -> None:
     """DiLoCo with the default outer SGD (lr 0.7, Nesterov momentum 0.9), H=3, 2 islands of 2 FSDP2 ranks, fp32."""
-    outer = {"method": "diloco", "every": 3, "replicas": 2}
+    outer = {"method": "diloco", "every": 3, "islands": 2}
     run = verified(tmp_path, engine={"name": "fsdp"}, precision="fp32", trainer={"max_steps": 7}, outer=outer)
     # Syncs after steps 3, 6 and the last (7): each rank all-reduces its own shards (rank 0: the first half of
     # each parameter's rows), 4 bytes per element.
@@ -304,23 +305,16 @@ def test_verify_passes_fsdp2_inside_two_islands(tmp_path: Path) -> None:
 
 # --- the token-weighted merge on variable-length text (issue 58) ----------------------------------------------
 
-TEXT: dict[str, Any] = {
-    "model": {"_target_": "distaccum.models.TinyGPT", "width": 32, "depth": 1, "heads": 4, "max_len": 32},
-    "data": {
-        "dataset": {
-            "_target_": "distaccum.datasets.CorpusSequences",
-            "num_samples": 32,
-            "seq_min": 2,
-            "seq_max": 30,
-        },
-        "collate": {"_target_": "distaccum.datasets.pad_collate", "_partial_": True},
+TEXT = merged(
+    GPT,  # the bug zoo's tiny_gpt on padded variable-length text, with lengths of its own
+    {
+        "data": {"dataset": {"num_samples": 32, "seq_min": 2, "seq_max": 30}},
+        "accum": {"micro_batch": 2, "steps": 2},
+        "precision": "fp64",
+        "trainer": {"nproc": 2, "max_steps": 4, "device": "cpu"},
+        "log": {"console": "quiet"},
     },
-    "loss": {"_target_": "distaccum.losses.token_cross_entropy", "_partial_": True},
-    "accum": {"micro_batch": 2, "steps": 2},
-    "precision": "fp64",
-    "trainer": {"nproc": 2, "max_steps": 4, "device": "cpu"},
-    "log": {"console": "quiet"},
-}
+)
 """Variable-length byte sequences (2-30 tokens, every one a loss item) on 2 islands of 1 rank, 4 samples each a
 step, merged after steps 2 and 4: the islands' token counts differ (121 and 159 before the first merge), so their
 weights n_i / sum_j n_j are not 1/2."""
@@ -365,7 +359,7 @@ def test_verify_holds_the_merge_to_the_islands_token_counts_on_variable_length_t
     from distaccum.verify import verify
     from distaccum.verify.compare import RunData, compare, tolerance_for
 
-    config = merged(TEXT, {"outer": {"method": method, "every": 2, "replicas": 2}, "run_dir": str(tmp_path)})
+    config = merged(TEXT, {"outer": {"method": method, "every": 2, "islands": 2}, "run_dir": str(tmp_path)})
     lines: list[str] = []
     result = verify(config, echo=lines.append)
     text = "\n".join(lines)

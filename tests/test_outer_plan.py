@@ -1,4 +1,4 @@
-"""The outer-sync prediction of ``distaccum plan --replica-link-gbps B`` (``distaccum/tuning/outer_plan.py``): the
+"""The outer-sync prediction of ``distaccum plan --island-link-gbps B`` (``distaccum/tuning/outer_plan.py``): the
 formulas against hand-computed syncs, the smallest hidden H against a brute-force search, and the command line
 (given compute: no launch)."""
 
@@ -25,21 +25,21 @@ GB_PER_S = Link(alpha_s=0.0, beta_bytes_per_s=1e9)  # 1 GB/s, no latency: times 
 
 
 def sync(**kw: object) -> OuterLinkPlan:
-    """1M fp32 parameters across 2 replicas at 1 GB/s, 1 ms steps, unless ``kw`` says otherwise."""
-    base: dict[str, object] = {"params": 1_000_000, "replicas": 2, "link": GB_PER_S, "step_s": 1e-3}
+    """1M fp32 parameters across 2 islands at 1 GB/s, 1 ms steps, unless ``kw`` says otherwise."""
+    base: dict[str, object] = {"params": 1_000_000, "islands": 2, "link": GB_PER_S, "step_s": 1e-3}
     return OuterLinkPlan(**{**base, **kw})  # type: ignore[arg-type]
 
 
 def test_one_sync_is_a_ring_all_reduce_of_one_fragment() -> None:
-    # 4 MB over 2 replicas: each sends 2 x 1/2 x 4 MB = 4 MB, 4 ms at 1 GB/s
+    # 4 MB over 2 islands: each sends 2 x 1/2 x 4 MB = 4 MB, 4 ms at 1 GB/s
     assert math.isclose(sync().sync_s(), 4e-3)
-    # 4 replicas: 2 x 3/4 x 4 MB = 6 MB; bf16 halves it, 2 fragments halve it again
-    assert math.isclose(sync(replicas=4).sync_s(), 6e-3)
-    assert math.isclose(sync(replicas=4, bytes_per_param=2.0, fragments=2).sync_s(), 1.5e-3)
+    # 4 islands: 2 x 3/4 x 4 MB = 6 MB; bf16 halves it, 2 fragments halve it again
+    assert math.isclose(sync(islands=4).sync_s(), 6e-3)
+    assert math.isclose(sync(islands=4, bytes_per_param=2.0, fragments=2).sync_s(), 1.5e-3)
     # latency: 2 (R-1) messages per all-reduce, whatever the fragment size
     slow = Link(alpha_s=0.01, beta_bytes_per_s=1e9)
-    assert math.isclose(sync(replicas=4, link=slow, fragments=2).sync_s(), 6 * 0.01 + 3e-3)
-    assert sync(replicas=1).sync_s() == 0.0
+    assert math.isclose(sync(islands=4, link=slow, fragments=2).sync_s(), 6 * 0.01 + 3e-3)
+    assert sync(islands=1).sync_s() == 0.0
 
 
 def test_rows_by_hand() -> None:
@@ -56,22 +56,22 @@ def test_rows_by_hand() -> None:
     assert row.hidden and math.isclose(row.sync_s, 2e-3) and math.isclose(row.bytes_per_step, 1e6)
     # bf16 sends half of fp32's bytes: twice the reduction against the fp32 gradient all-reduce
     assert math.isclose(outer_row(sync(bytes_per_param=2.0), 10).reduction or 0, 20.0)
-    assert outer_row(sync(replicas=1), 1).reduction is None
+    assert outer_row(sync(islands=1), 1).reduction is None
 
 
 def brute_force(s: OuterLinkPlan) -> int:
     return next(h for h in range(s.fragments, 10**6, s.fragments) if outer_row(s, h).hidden)
 
 
-@pytest.mark.parametrize("replicas", [2, 3, 8])
+@pytest.mark.parametrize("islands", [2, 3, 8])
 @pytest.mark.parametrize("fragments", [1, 2, 5])
 @pytest.mark.parametrize("step_s", [1e-4, 7e-4, 1e-3, 3.3e-3])
 @pytest.mark.parametrize("alpha_s", [0.0, 1e-3])
 def test_smallest_hidden_every_is_the_first_multiple_of_f_with_nothing_exposed(
-    replicas: int, fragments: int, step_s: float, alpha_s: float
+    islands: int, fragments: int, step_s: float, alpha_s: float
 ) -> None:
     s = sync(
-        replicas=replicas,
+        islands=islands,
         fragments=fragments,
         step_s=step_s,
         link=Link(alpha_s=alpha_s, beta_bytes_per_s=1e9),
@@ -85,7 +85,7 @@ def test_smallest_hidden_every_is_the_first_multiple_of_f_with_nothing_exposed(
 def test_smallest_hidden_every_at_the_edges() -> None:
     assert smallest_hidden_every(sync()) == 4  # 4 ms behind 4 x 1 ms exactly: hidden
     assert smallest_hidden_every(sync(fragments=3)) == 6  # a 4/3 ms fragment sync needs 2 steps
-    assert smallest_hidden_every(sync(replicas=1, fragments=3)) == 3  # nothing crosses: any multiple of F
+    assert smallest_hidden_every(sync(islands=1, fragments=3)) == 3  # nothing crosses: any multiple of F
     assert smallest_hidden_every(sync(step_s=0.0)) is None  # nothing to hide behind
 
 
@@ -127,14 +127,12 @@ def test_render_marks_the_smallest_and_the_given_h_and_says_prediction() -> None
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| H |")]
     assert len(rows) == 7 and all(line.endswith("| predicted |") for line in rows)
     assert "| 4 (smallest hidden) |" in text and "| 20 (--outer-every) |" in text
-    assert "one replica: nothing crosses" in render_outer(
-        sync(replicas=1), None, step_basis="", link_basis=""
-    )
+    assert "one island: nothing crosses" in render_outer(sync(islands=1), None, step_basis="", link_basis="")
 
 
 COMMAND = (
     "distaccum plan --nodes 4 --gpus-per-node 8 --compute-ms 120 --params 8e9 accum.global_batch=1024 "
-    "accum.micro_batch=4 --replica-link-gbps 1"
+    "accum.micro_batch=4 --island-link-gbps 1"
 )
 
 
@@ -172,21 +170,21 @@ def test_cli_outer_link_defaults_to_the_nodes_network(capsys: pytest.CaptureFixt
         "PREDICTION for 2 nodes x 1 GPUs"
     )  # the table is printed as before, then the outer sync
     # 1 GB/s, α 20 µs: 2 x 1/2 x 4 MB + 2 x 20 µs = 4.04 ms behind 3 x 10 ms steps: H = 1
-    assert "1 GB/s) per replica, α 0.02 ms (its share of the nodes' network" in out
+    assert "1 GB/s) per island, α 0.02 ms (its share of the nodes' network" in out
     assert "H = 1 " in out and "| 10 (--outer-every) |" in out
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--outer-fragments", "2"], "give --replica-link-gbps or --outer-every too"),
-        (["--outer-every", "10"], "--outer-every needs --replica-link-gbps"),
+        (["--outer-fragments", "2"], "give --island-link-gbps or --outer-every too"),
+        (["--outer-every", "10"], "--outer-every needs --island-link-gbps"),
         (
-            ["--replica-link-gbps", "1", "--outer-every", "3", "--outer-fragments", "4"],
+            ["--island-link-gbps", "1", "--outer-every", "3", "--outer-fragments", "4"],
             "must be at least the 4 fragment",
         ),
-        (["--replica-link-gbps", "1", "--outer-replicas", "3"], "--outer-replicas 3 must divide"),
-        (["--replica-link-gbps", "0"], "--replica-link-gbps must be > 0"),
+        (["--island-link-gbps", "1", "--islands", "3"], "--islands 3 must divide"),
+        (["--island-link-gbps", "0"], "--island-link-gbps must be > 0"),
     ],
 )
 def test_bad_outer_flags_are_bad_input(

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, prose_lines
 
 pytestmark = pytest.mark.unit
 
@@ -97,22 +97,14 @@ def stored_sections(text: str) -> list[Section]:
     """Each section's prose (fenced and generated blocks, HTML comments and link targets left out) and the stored
     results it cites: its generated blocks' generators' and those its prose names."""
     out = [Section("")]
-    fence = generated = False
-    for line in text.splitlines():
+
+    def opens(line: str) -> bool:  # a generated block cites its generator's stored result
         begin = re.match(r"<!-- [\w:-]+:(?:begin|start).*?python -m (benchmarks\.\w+)", line)
-        if begin:
-            generated = True
-            if result := stored_result_of(begin.group(1)):
-                out[-1].results.add(result)
-            continue
-        if re.match(r"<!-- [\w:-]+:end", line):
-            generated = False
-            continue
-        if line.startswith("```"):
-            fence = not fence
-            continue
-        if fence or generated:
-            continue
+        if begin and (result := stored_result_of(begin.group(1))):
+            out[-1].results.add(result)
+        return begin is not None
+
+    for line in prose_lines(text, opens):
         if line.startswith("#"):
             out.append(Section(""))
         prose = re.sub(r"\]\([^)]*\)|<!--.*?-->", "]", line.strip())

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.telemetry.report import build_rows, discover, render_markdown
+from distaccum.telemetry.markdown import render_markdown
+from distaccum.telemetry.report import build_rows, discover
 
 pytestmark = pytest.mark.unit
 

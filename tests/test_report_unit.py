@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires
+from distaccum.telemetry.markdown import render_markdown
 from distaccum.telemetry.report import (
     build_rows,
     check_agreement,
@@ -16,7 +17,6 @@ from distaccum.telemetry.report import (
     discover,
     load_run,
     read_metrics,
-    render_markdown,
     table_row,
 )
 
@@ -264,7 +264,7 @@ def test_runs_that_should_differ_are_not_compared_and_the_table_shows_outer_byte
 ) -> None:
     """Issue 56.2: a DiLoCo run against its synchronous baseline, and a ramp against an adaptive run, were compared
     and called disagreeing; the table showed neither the outer sync's bytes nor the batch's phases."""
-    diloco = {**CONFIG, "outer": {"method": "diloco", "every": 2, "replicas": 2}}
+    diloco = {**CONFIG, "outer": {"method": "diloco", "every": 2, "islands": 2}}
     ramp = {**CONFIG, "accum": {**CONFIG["accum"], "ramp": {"points": [[1, 8], [3, 16]]}}}
     adaptive = {**CONFIG, "accum": {**CONFIG["accum"], "adaptive": {"enabled": True, "every": 4}}}
     paths = [

@@ -250,7 +250,7 @@ def test_the_measured_path_takes_k_from_the_global_batch_too() -> None:
 def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main(["--help"]) == 0
     text = capsys.readouterr().out
-    assert "distaccum.tuning.scaleout" in text and "--replica-link-gbps" in text
+    assert "distaccum.tuning.scaleout" in text and "--island-link-gbps" in text
     assert not re.search(r":(mod|class|func|meth|attr|data):`", text) and "``" not in text
 
 

@@ -187,7 +187,7 @@ def test_submit_dry_run_shows_the_hsdp_mapping(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_submit_dry_run_shows_one_island_per_node(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """An outer-synced job (issue 47.6): outer.replicas=auto puts one island on each Slurm node, and the rendered
+    """An outer-synced job (issue 47.6): outer.islands=auto puts one island on each Slurm node, and the rendered
     script says so; no HSDP inside an island, even with engine=fsdp."""
     from distaccum.cli.submit import submit_main
 

@@ -1,6 +1,6 @@
 """The global batch as a schedule: ``accum.ramp`` and ``accum.adaptive`` (a leaf module).
 
-Kept apart from :mod:`distaccum.config` (which imports it) only to keep that module under 600 lines; like
+Kept apart from :mod:`distaccum.config` (which imports it) only to keep that module under 500 lines; like
 :mod:`distaccum.split` it imports nothing of distaccum. What the settings mean is :mod:`distaccum.batching.schedule`.
 """
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from distaccum.config import ConfigError, RunConfig, check_split, from_mapping, to_mapping
+from distaccum.outer.config import RENAMED_KEYS, renamed_keys
 
 CONFIG_MODULE = "distaccum.configs"
 CONFIG_PATH = f"pkg://{CONFIG_MODULE}"
@@ -26,9 +28,15 @@ def defaults_node() -> dict[str, Any]:
     """Every field's dataclass default, offered to Hydra as the ``distaccum_defaults`` node.
 
     ``configs/config.yaml`` lists it first, so every field can be overridden from the command line
-    (Hydra's struct mode still rejects unknown keys) while the YAML files only select and override.
+    (Hydra's struct mode still rejects unknown keys) while the YAML files only select and override. Each old
+    key of :data:`~distaccum.outer.config.RENAMED_KEYS` keeps a None slot, so an override or a YAML file may
+    still name it (:func:`to_run_config` moves it to its new name and says so).
     """
-    return to_mapping(RunConfig())
+    node = to_mapping(RunConfig())
+    for old in RENAMED_KEYS:
+        section, leaf = old.split(".")
+        node[section][leaf] = None
+    return node
 
 
 def register_defaults() -> None:
@@ -77,11 +85,24 @@ def to_run_config(dcfg: Any, run_dir: str | None = None) -> RunConfig:
         values.pop("hydra", None)
         if run_dir is not None:
             values["run_dir"] = run_dir
+        values, notes = renamed_keys({str(k): v for k, v in values.items()})
+        for note in notes:
+            say_once(f"distaccum: {note}")
         cfg = from_mapping({str(k): v for k, v in values.items()})
         check_split(cfg.accum, cfg.world_size())  # suggests valid splits or global batches
     except (ValueError, OmegaConfBaseException) as err:
         raise ConfigError(str(err)) from err
     return cfg
+
+
+_SAID: set[str] = set()
+
+
+def say_once(line: str) -> None:
+    """Print ``line`` to stderr once per process (the pre-check and the Hydra app compose the same overrides)."""
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
 
 
 def compose_config(argv: list[str]) -> RunConfig:

@@ -9,8 +9,8 @@ split that fits, for ``distaccum report``. Exit codes: 0 ok, 1 a worker failed, 
 ``--nodes N --gpus-per-node G --inter-node-gbps B --intra-node-gbps B`` adds a prediction for that
 cluster: every engine and sync mode, from the measured compute of a micro-batch (or ``--compute-ms``,
 given: then nothing is measured) and the α–β model of the collectives (:mod:`distaccum.tuning.scaleout`).
-``--replica-link-gbps B`` or ``--outer-every H`` adds the outer sync of replicas joined by that link (DiLoCo,
-LocalSGD): the smallest H that hides it behind the replicas' steps (:mod:`distaccum.tuning.outer_plan`).
+``--island-link-gbps B`` or ``--outer-every H`` adds the outer sync of islands joined by that link (DiLoCo,
+LocalSGD): the smallest H that hides it behind the islands' steps (:mod:`distaccum.tuning.outer_plan`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     outer_given = [f"--{k.replace('_', '-')}" for k in OUTER_ONLY if getattr(args, k) is not None]
     if outer_given and not outer_wanted(args):
         parser.error(
-            f"{', '.join(outer_given)} describe an outer sync: give --replica-link-gbps or --outer-every too"
+            f"{', '.join(outer_given)} describe an outer sync: give --island-link-gbps or --outer-every too"
         )
     if args.compute_ms is not None and (args.run or args.sweep):
         parser.error(

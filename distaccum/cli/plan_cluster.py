@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from typing import TYPE_CHECKING
 
 from distaccum.tuning.collectives import Link, Topology, gbps
@@ -29,8 +30,8 @@ SPLIT_KEYS = ("accum.micro_batch", "accum.steps", "accum.global_batch", "run_dir
 """Overrides the plan replaces in the commands it writes."""
 
 
-OUTER_ONLY = ("outer_fragments", "outer_replicas", "replica_link_latency_ms", "outer_reduce_dtype")
-"""Flags that only mean something with ``--replica-link-gbps`` or ``--outer-every`` (the outer sync)."""
+OUTER_ONLY = ("outer_fragments", "islands", "island_link_latency_ms", "outer_reduce_dtype")
+"""Flags that only mean something with ``--island-link-gbps`` or ``--outer-every`` (the outer sync)."""
 CLUSTER_ONLY = (
     "gpus_per_node",
     "inter_node_gbps",
@@ -42,12 +43,42 @@ CLUSTER_ONLY = (
     "accum_steps",
     "modes",
     "outer_every",
-    "replica_link_gbps",
+    "island_link_gbps",
     *OUTER_ONLY,
 )
 """Flags that only mean something with ``--nodes``."""
-DEFAULT_REPLICA_LATENCY_MS = 10.0
-"""α of a stated link between replicas: a link between sites (a WAN's one-way latency is 1-50 ms)."""
+DEFAULT_ISLAND_LATENCY_MS = 10.0
+"""α of a stated link between islands: a link between sites (a WAN's one-way latency is 1-50 ms)."""
+
+
+RENAMED_FLAGS = {
+    "--outer-replicas": "--islands",
+    "--replica-link-gbps": "--island-link-gbps",
+    "--replica-link-latency-ms": "--island-link-latency-ms",
+}
+"""Old spellings of the outer sync's flags (a replica is HSDP's; an outer sync's group is an island), accepted for
+one release."""
+
+
+class RenamedFlag(argparse.Action):
+    """An old flag's spelling: stores the value under the new flag's name and says once what to write instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option: str | None = None,
+    ) -> None:
+        new = RENAMED_FLAGS[option or self.option_strings[0]]
+        print(
+            f"distaccum: {option} is now {new}: write {new} {values} (the old spelling is accepted for one release)",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -127,8 +158,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_outer_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of a prediction for an outer sync (DiLoCo, LocalSGD) across replicas joined by a slow link."""
-    group = parser.add_argument_group("an outer sync across replicas over a slow link (DiLoCo, LocalSGD)")
+    """The flags of a prediction for an outer sync (DiLoCo, LocalSGD) across islands joined by a slow link."""
+    group = parser.add_argument_group("an outer sync across islands over a slow link (DiLoCo, LocalSGD)")
     add = group.add_argument
     add(
         "--outer-every",
@@ -141,19 +172,21 @@ def add_outer_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="F, fragments synced at staggered offsets (outer.fragments; default 1)",
     )
-    add("--outer-replicas", type=int, help="R, model replicas (outer.replicas; default: one per node)")
+    add("--islands", type=int, help="R, islands (outer.islands; default: one per node)")
     add(
-        "--replica-link-gbps",
+        "--island-link-gbps",
         type=float,
-        help="one replica's link to the others, Gbit/s each way (default: its share of the nodes' "
+        help="one island's link to the others, Gbit/s each way (default: its share of the nodes' "
         "network, --inter-node-gbps x nodes / R)",
     )
     add(
-        "--replica-link-latency-ms",
+        "--island-link-latency-ms",
         type=float,
-        help=f"α of that link, ms per message (default {DEFAULT_REPLICA_LATENCY_MS:g} with --replica-link-gbps, "
+        help=f"α of that link, ms per message (default {DEFAULT_ISLAND_LATENCY_MS:g} with --island-link-gbps, "
         "else --inter-node-latency-us)",
     )
+    for old, new in RENAMED_FLAGS.items():  # hidden: the old spellings, for one release
+        add(old, type=float if "link" in new else int, dest=new[2:].replace("-", "_"), action=RenamedFlag)
     add(
         "--outer-reduce-dtype",
         choices=tuple(OUTER_BYTES),
@@ -162,8 +195,8 @@ def add_outer_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def outer_wanted(args: argparse.Namespace) -> bool:
-    """Whether the outer sync is predicted: ``--replica-link-gbps`` or ``--outer-every`` given."""
-    return args.replica_link_gbps is not None or args.outer_every is not None
+    """Whether the outer sync is predicted: ``--island-link-gbps`` or ``--outer-every`` given."""
+    return args.island_link_gbps is not None or args.outer_every is not None
 
 
 def missing_links(args: argparse.Namespace) -> str | None:
@@ -198,36 +231,34 @@ def cluster_of(args: argparse.Namespace, *, need_links: bool = True) -> Cluster:
 
 
 def outer_of(args: argparse.Namespace, work: Workload) -> tuple[OuterLinkPlan, str]:
-    """The outer sync of the ``--outer-*`` and ``--replica-link-*`` flags on the ``--nodes`` cluster, with
+    """The outer sync of the ``--outer-*``, ``--islands`` and ``--island-link-*`` flags on the ``--nodes`` cluster, with
     where its link comes from (ValueError naming the wrong or missing flag)."""
     topo = cluster_of(args, need_links=False).topology
-    replicas = args.nodes if args.outer_replicas is None else args.outer_replicas
-    if replicas < 1 or topo.world % replicas:
+    islands = args.nodes if args.islands is None else args.islands
+    if islands < 1 or topo.world % islands:
         raise ValueError(
-            f"--outer-replicas {replicas} must divide the world of {topo.nodes} x {topo.gpus_per_node} = "
+            f"--islands {islands} must divide the world of {topo.nodes} x {topo.gpus_per_node} = "
             f"{topo.world} ranks"
         )
-    latency_ms = args.replica_link_latency_ms
-    if args.replica_link_gbps is not None:
-        gbit, basis = args.replica_link_gbps, "--replica-link-gbps"
-        latency_ms = DEFAULT_REPLICA_LATENCY_MS if latency_ms is None else latency_ms
+    latency_ms = args.island_link_latency_ms
+    if args.island_link_gbps is not None:
+        gbit, basis = args.island_link_gbps, "--island-link-gbps"
+        latency_ms = DEFAULT_ISLAND_LATENCY_MS if latency_ms is None else latency_ms
     elif args.inter_node_gbps is not None:
-        gbit = args.inter_node_gbps * args.nodes / replicas
-        basis = (
-            f"its share of the nodes' network: --inter-node-gbps x {args.nodes} nodes / {replicas} replicas"
-        )
+        gbit = args.inter_node_gbps * args.nodes / islands
+        basis = f"its share of the nodes' network: --inter-node-gbps x {args.nodes} nodes / {islands} islands"
         latency_ms = args.inter_node_latency_us / 1e3 if latency_ms is None else latency_ms
     else:
         raise ValueError(
-            "--outer-every needs --replica-link-gbps (or --inter-node-gbps): the link between replicas"
+            "--outer-every needs --island-link-gbps (or --inter-node-gbps): the link between islands"
         )
     if not (gbit > 0 and latency_ms >= 0):
         raise ValueError(
-            f"--replica-link-gbps must be > 0 and --replica-link-latency-ms >= 0, got {gbit:g} and {latency_ms:g}"
+            f"--island-link-gbps must be > 0 and --island-link-latency-ms >= 0, got {gbit:g} and {latency_ms:g}"
         )
     sync = OuterLinkPlan(
         params=work.params,
-        replicas=replicas,
+        islands=islands,
         link=Link(alpha_s=latency_ms / 1e3, beta_bytes_per_s=gbps(gbit)),
         step_s=work.accum_steps * (work.compute_s + work.data_s),
         bytes_per_param=OUTER_BYTES[args.outer_reduce_dtype or "fp32"],
@@ -403,7 +434,7 @@ def cluster_commands(
         sync, _ = outer_of(args, work)
         every = args.outer_every or smallest_hidden_every(sync)
         if every is not None:
-            split += ["outer.method=diloco", f"outer.every={every}", f"outer.replicas={sync.replicas}"]
+            split += ["outer.method=diloco", f"outer.every={every}", f"outer.islands={sync.islands}"]
             split += [f"outer.fragments={sync.fragments}"] if sync.fragments > 1 else []
     rest = [*user_overrides(overrides), *split]
     on_nodes = [

@@ -15,13 +15,8 @@ from pathlib import Path
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_FAIL, EXIT_OK
 from distaccum.cli.helptext import plain_text
 from distaccum.telemetry.figure import plot_report
-from distaccum.telemetry.report import (
-    build_rows,
-    check_agreement,
-    discover,
-    gns_series,
-    render_markdown,
-)
+from distaccum.telemetry.markdown import render_markdown
+from distaccum.telemetry.report import build_rows, check_agreement, discover, gns_series
 
 EXIT_DISAGREE, EXIT_USAGE = EXIT_FAIL, EXIT_CONFIG
 

@@ -93,7 +93,7 @@ def train_task(dcfg: Any) -> int:
     nodes = cfg.trainer.node_range()[1]  # an elastic launch: its largest world (elastic_plan says the rest)
     for line in placement_plan(checked.run.engine.replicas, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
-    for line in island_plan(checked.run.outer_replicas, nodes, cfg.trainer.nproc):
+    for line in island_plan(checked.run.outer_islands, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
     for line in elastic_plan(cfg):
         print(f"distaccum: {line}", flush=True)

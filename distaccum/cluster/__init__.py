@@ -9,8 +9,7 @@ docs/clusters.md; ``distaccum submit --to`` and ``distaccum verify --to`` offer 
 
 from __future__ import annotations
 
-import importlib
-
+from distaccum import load_entry
 from distaccum.cluster.base import Launcher
 
 LAUNCHERS: dict[str, str] = {
@@ -26,8 +25,7 @@ def launcher_class(name: str) -> type[Launcher]:
     """The launcher registered under ``name`` (imports its module)."""
     if name not in LAUNCHERS:
         raise ValueError(f"--to {name!r} is not one of {', '.join(LAUNCHERS)}")
-    module, _, cls = LAUNCHERS[name].partition(":")
-    launcher: type[Launcher] = getattr(importlib.import_module(module), cls)
+    launcher: type[Launcher] = load_entry(LAUNCHERS[name])
     assert launcher.name == name, (
         f"{LAUNCHERS[name]} is registered as {name!r} but names itself {launcher.name!r}"
     )

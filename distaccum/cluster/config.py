@@ -1,6 +1,6 @@
 """The launchers' config sections: ``slurm``, ``kubeflow`` and ``ray`` (a leaf module).
 
-Kept apart from :mod:`distaccum.config` (which imports them) to keep that module under 600 lines; like
+Kept apart from :mod:`distaccum.config` (which imports them) to keep that module under 500 lines; like
 :mod:`distaccum.split` it imports nothing of distaccum. ``trainer.*`` still says how many workers start per node
 and how often a failed group restarts; these sections say what each cluster is asked for.
 """

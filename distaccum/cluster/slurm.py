@@ -26,7 +26,7 @@ from distaccum.cluster.base import Launcher, LaunchError, Submitted, World
 from distaccum.cluster.config import SlurmConfig
 from distaccum.config import RunConfig
 from distaccum.engines import engine_class
-from distaccum.outer.islands import island_plan, resolve_outer_replicas
+from distaccum.outer.islands import island_plan, resolve_islands
 from distaccum.runtime.topology import placement_plan, resolve_replicas
 
 SCRIPT_NAME = "submit.sbatch"
@@ -96,7 +96,7 @@ def layout_plan(cfg: RunConfig, nodes: int, per_node: int) -> list[str]:
     replicas = resolve_replicas(
         cfg.engine.replicas, engine_class(cfg.engine.name).hybrid_sharding, world, nodes
     )
-    islands = resolve_outer_replicas(cfg.outer.replicas, world, nodes) if cfg.outer.enabled else 0
+    islands = resolve_islands(cfg.outer.islands, world, nodes) if cfg.outer.enabled else 0
     if islands:
         replicas = 1  # the islands are the replicas (no HSDP inside one)
     return placement_plan(replicas, nodes, per_node) + island_plan(islands, nodes, per_node)

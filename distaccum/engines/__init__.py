@@ -6,8 +6,7 @@ and importing one engine never imports another. Add an engine by adding a line t
 
 from __future__ import annotations
 
-import importlib
-
+from distaccum import load_entry
 from distaccum.config import ENGINES as ENGINE_NAMES
 from distaccum.engines.base import Engine, EngineBase, EngineSpec
 from distaccum.telemetry.ledger import CommLedger
@@ -27,8 +26,7 @@ def engine_class(name: str) -> type[EngineBase]:
     """The class registered under ``name`` (imports its module)."""
     if name not in ENGINES:
         raise ValueError(f"engine.name={name!r} is not one of {', '.join(ENGINES)}")
-    module, _, cls = ENGINES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_entry(ENGINES[name])
 
 
 def check_engine(spec: EngineSpec) -> None:

@@ -94,8 +94,12 @@ class EngineSpec:
 
     def state_dir(self, directory: Path) -> Path:
         """Where this rank's engine state goes in a checkpoint: ``directory``, or its island's sub-directory (the
-        islands' parameters and inner optimizers differ between syncs)."""
-        return directory if self.islands is None else directory / f"replica-{self.islands.layout.index}"
+        islands' parameters and inner optimizers differ between syncs). A checkpoint written before islands were
+        called islands holds ``replica-N`` instead: read there when only that one exists."""
+        if self.islands is None:
+            return directory
+        island, old = (directory / f"{name}-{self.islands.layout.index}" for name in ("island", "replica"))
+        return old if not island.exists() and old.is_dir() else island
 
     @property
     def compressed_dtype(self) -> torch.dtype | None:

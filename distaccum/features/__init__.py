@@ -9,8 +9,7 @@ set-up (a :class:`~distaccum.features.base.SetupBase` subclass in the feature's 
 
 from __future__ import annotations
 
-import importlib
-
+from distaccum import load_entry
 from distaccum.features.base import Assembly, FeatureSetup, Placement, SetupBase
 
 __all__ = ["FEATURES", "Assembly", "FeatureSetup", "Placement", "SetupBase", "feature_setups"]
@@ -32,8 +31,7 @@ reduction count first, it only counts and warns before a stop)."""
 
 def setup_class(name: str) -> type[SetupBase]:
     """The set-up class registered under ``name`` (imports its module)."""
-    module, _, cls = FEATURES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_entry(FEATURES[name])
 
 
 def feature_setups(run: Assembly) -> list[FeatureSetup]:

@@ -49,7 +49,7 @@ class Placement:
     noun: str
     """What one group is called (``replica``, ``island``)."""
     key: str
-    """The config section whose ``replicas`` should be a multiple of the node count."""
+    """The config key (``engine.replicas``, ``outer.islands``) that should be a multiple of the node count."""
 
 
 @dataclass
@@ -122,7 +122,7 @@ class Assembly:
         hsdp = engine.layout() if laid_out is None else None
         if hsdp is not None:
             what = f"HSDP, {len(hsdp)} replicas x {len(hsdp[0])} shards (each replica's shard group)"
-            laid_out = Placement(hsdp, what, "replica", "engine")
+            laid_out = Placement(hsdp, what, "replica", "engine.replicas")
         if laid_out is None:
             return None
         groups = laid_out.groups
@@ -132,9 +132,9 @@ class Assembly:
         )
         for i in split_replicas(groups, placement["nodes"]):
             self.announce(
-                f"distaccum: warning: replica {i}'s group spans nodes: its reductions (every optimizer step, "
+                f"distaccum: warning: {laid_out.noun} {i}'s group spans nodes: its reductions (every optimizer step, "
                 "every micro-batch with accum.sync=replica_boundary) cross the slow link; make "
-                f"{laid_out.key}.replicas a multiple of the node count"
+                f"{laid_out.key} a multiple of the node count"
             )
         return placement
 

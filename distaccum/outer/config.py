@@ -1,23 +1,49 @@
-"""The ``outer`` config section: reduce across model replicas only every H optimizer steps (a leaf module).
+"""The ``outer`` config section: reduce across islands only every H optimizer steps (a leaf module).
 
-Kept apart from :mod:`distaccum.config` (which imports it) only to keep that module under 600 lines; like
+Kept apart from :mod:`distaccum.config` (which imports it) only to keep that module under 500 lines; like
 :mod:`distaccum.split` it imports nothing of distaccum.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 OUTER_METHODS = ("none", "local_sgd", "diloco")
 OUTER_REDUCE_DTYPES = ("fp32", "bf16")
 OUTER_WEIGHTINGS = ("tokens", "equal")
+RENAMED_KEYS = {"outer.replicas": "outer.islands"}
+"""Old config keys -> their names now, accepted for one release (a replica is HSDP's, ``engine.replicas``; an outer
+sync's group is an island). Configurations, overrides and checkpoints' records written with the old key still
+read."""
+
+
+def renamed_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``values`` (a nested config mapping) with each old key of :data:`RENAMED_KEYS` moved to its new name, and
+    one line per old key given saying what to write instead. An old key holding None (the slot the composed
+    defaults keep for it, so overrides and YAML may still name it) is dropped."""
+    out = dict(values)
+    notes = []
+    for old, new in RENAMED_KEYS.items():
+        (section, leaf), (_, new_leaf) = old.split("."), new.split(".")
+        node = out.get(section)
+        if not isinstance(node, Mapping) or leaf not in node:
+            continue
+        node = dict(node)
+        value = node.pop(leaf)
+        if value is not None:
+            node[new_leaf] = value
+            notes.append(f"{old} is now {new}: write {new}={value} (the old key is accepted for one release)")
+        out[section] = node
+    return out, notes
 
 
 @dataclass(kw_only=True)
 class OuterConfig:
-    """Reduce across model replicas every ``every`` optimizer steps instead of every step (docs/outer.md).
+    """Reduce across islands every ``every`` optimizer steps instead of every step (docs/outer.md).
 
-    The ranks form ``replicas`` islands of world/replicas ranks. Inside an island every optimizer step is today's
+    The ranks form ``islands`` islands of world/islands ranks. Inside an island every optimizer step is today's
     accumulation step (DDP or FSDP2 over the island's ranks only). Across islands nothing is exchanged between
     syncs; at a sync each island's contribution is merged, weighted by the loss items it trained on since the last
     sync of that fragment: local_sgd averages the parameters, diloco averages the pseudo-gradient (global minus
@@ -28,9 +54,9 @@ class OuterConfig:
     diloco (inner optimizer steps, then the outer optimizer on the averaged pseudo-gradient every H steps)."""
     every: int = 50
     """H: optimizer steps between two syncs of a fragment (of the whole model when fragments=1)."""
-    replicas: int | str = "auto"
-    """Islands (model replicas) the ranks form, each of world/replicas consecutive ranks. auto: one per node when
-    the launch spans several nodes, else one per rank."""
+    islands: int | str = "auto"
+    """Islands (groups of ranks that train apart between outer syncs), each of world/islands consecutive ranks.
+    auto: one per node when the launch spans several nodes, else one per rank."""
     fragments: int = 1
     """P: the parameters in P fragments (consecutive parameters of about equal size) synced at staggered offsets,
     fragment p after steps floor((p+1) H/P), then every H steps (streaming DiLoCo); at most every."""
@@ -54,10 +80,10 @@ class OuterConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"outer.{name}={value!r} is not one of {', '.join(allowed)}")
-        if self.replicas != "auto" and (
-            isinstance(self.replicas, (str, bool)) or not isinstance(self.replicas, int) or self.replicas < 1
+        if self.islands != "auto" and (
+            isinstance(self.islands, (str, bool)) or not isinstance(self.islands, int) or self.islands < 1
         ):
-            raise ValueError(f"outer.replicas must be a positive integer or 'auto', got {self.replicas!r}")
+            raise ValueError(f"outer.islands must be a positive integer or 'auto', got {self.islands!r}")
         for key, number in (("every", self.every), ("fragments", self.fragments)):
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:
                 raise ValueError(f"outer.{key} must be a positive integer, got {number!r}")

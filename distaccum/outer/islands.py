@@ -1,10 +1,10 @@
-"""Which ranks form each model replica (island) of an outer-synced run, and the two groups that follow from it.
+"""Which ranks form each island of an outer-synced run, and the two groups that follow from it.
 
 Island i holds the ``size`` consecutive ranks i*size .. (i+1)*size-1: a multi-node launch numbers ranks node by
 node, so with one island per node every island's inner group stays inside its node and only the outer sync
-crosses the slow link. The device mesh is ``(replicas, size)`` named ``("replica", "inner")``: the ``inner``
+crosses the slow link. The device mesh is ``(islands, size)`` named ``("island", "inner")``: the ``inner``
 dimension is the island (the engine's whole world: DDP's process group, FSDP2's mesh, the window's collective),
-the ``replica`` dimension joins the ranks of equal inner index across islands (the outer sync's group).
+the ``island`` dimension joins the ranks of equal inner index across islands (the outer sync's group).
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from distaccum.runtime.topology import groups_plan, replica_groups
 
 @dataclass(frozen=True)
 class IslandLayout:
-    """The pure layout: ``replicas`` islands of ``size`` ranks each; this rank's place in it."""
+    """The pure layout: ``islands`` islands of ``size`` ranks each; this rank's place in it."""
 
-    replicas: int
+    islands: int
     size: int
     rank: int
 
     @classmethod
-    def of(cls, world: int, rank: int, replicas: int) -> IslandLayout:
-        """The layout of ``world`` ranks in ``replicas`` islands; ValueError when it does not divide."""
-        if replicas < 1 or world % replicas:
+    def of(cls, world: int, rank: int, islands: int) -> IslandLayout:
+        """The layout of ``world`` ranks in ``islands`` islands; ValueError when it does not divide."""
+        if islands < 1 or world % islands:
             raise ValueError(
-                f"outer.replicas={replicas} must divide the world of {world} ranks (each island holds "
-                f"world/replicas ranks)"
+                f"outer.islands={islands} must divide the world of {world} ranks (each island holds "
+                f"world/islands ranks)"
             )
-        return cls(replicas, world // replicas, rank)
+        return cls(islands, world // islands, rank)
 
     @property
     def index(self) -> int:
@@ -47,7 +47,7 @@ class IslandLayout:
 
     def groups(self) -> list[list[int]]:
         """Every island's global ranks, island by island (the same rows as HSDP's replicas)."""
-        return replica_groups(self.replicas * self.size, self.replicas)
+        return replica_groups(self.islands * self.size, self.islands)
 
     def ranks(self, island: int) -> list[int]:
         """The global ranks of ``island``."""
@@ -55,30 +55,30 @@ class IslandLayout:
 
     def peers(self, inner_rank: int) -> list[int]:
         """The global ranks of inner index ``inner_rank`` in every island (one outer-sync group)."""
-        return [i * self.size + inner_rank for i in range(self.replicas)]
+        return [i * self.size + inner_rank for i in range(self.islands)]
 
 
-def resolve_outer_replicas(value: int | str, world: int, nodes: int) -> int:
-    """``outer.replicas`` as a number: auto is one island per node on a multi-node launch, else one per rank."""
+def resolve_islands(value: int | str, world: int, nodes: int) -> int:
+    """``outer.islands`` as a number: auto is one island per node on a multi-node launch, else one per rank."""
     if value == "auto":
         return nodes if nodes > 1 else world
     return int(value)
 
 
-def island_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
-    """What an outer-synced launch of ``nodes`` x ``per_node`` ranks in ``replicas`` islands will look like, for the
+def island_plan(islands: int, nodes: int, per_node: int) -> list[str]:
+    """What an outer-synced launch of ``nodes`` x ``per_node`` ranks in ``islands`` islands will look like, for the
     launchers to show (they number each node's ranks consecutively, so island i holds ranks i*S .. i*S+S-1)."""
     world = nodes * per_node
-    if replicas < 1 or world % replicas:
+    if islands < 1 or world % islands:
         return []
     return groups_plan(
-        replicas,
+        islands,
         nodes,
         per_node,
-        f"outer sync: {replicas} islands x {world // replicas} rank(s) over {nodes} node(s) of {per_node} ranks "
+        f"outer sync: {islands} islands x {world // islands} rank(s) over {nodes} node(s) of {per_node} ranks "
         "(every optimizer step reduces inside an island; only the outer sync crosses between islands):",
         "warning: an island spans nodes, so its reduction of every optimizer step crosses the slow link; "
-        "choose outer.replicas as a multiple of the node count",
+        "choose outer.islands as a multiple of the node count",
         name="island",
     )
 
@@ -89,7 +89,7 @@ class Islands:
 
     layout: IslandLayout
     mesh: Any
-    """The ``(replicas, size)`` DeviceMesh named ``("replica", "inner")``."""
+    """The ``(islands, size)`` DeviceMesh named ``("island", "inner")``."""
 
     @classmethod
     def build(cls, layout: IslandLayout, device: torch.device) -> Islands:
@@ -97,7 +97,7 @@ class Islands:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(
-            device.type, (layout.replicas, layout.size), mesh_dim_names=("replica", "inner")
+            device.type, (layout.islands, layout.size), mesh_dim_names=("island", "inner")
         )
         return cls(layout, mesh)
 
@@ -124,4 +124,4 @@ class Islands:
     @property
     def outer_group(self) -> Any:
         """The group of this rank's peers in the other islands (the outer sync)."""
-        return self.mesh.get_group("replica")
+        return self.mesh.get_group("island")

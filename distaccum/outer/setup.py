@@ -1,4 +1,4 @@
-"""Outer sync's set-up: the islands (each model replica's ranks) before the engine exists, the outer step once the
+"""Outer sync's set-up: the islands (each island's ranks) before the engine exists, the outer step once the
 engine has wrapped the model.
 
 Every per-step collective of an outer-synced run (the window's, the checks') stays inside this rank's island; only
@@ -24,12 +24,12 @@ class OuterSetup(SetupBase):
         self.islands: Islands | None = None
 
     def enabled(self, run: Assembly) -> bool:
-        return bool(run.resolved.outer_replicas)
+        return bool(run.resolved.outer_islands)
 
     def before_engine(self, run: Assembly) -> None:
         """The islands and their groups (collective), shown once by rank 0."""
         resolved = run.resolved
-        layout = IslandLayout.of(resolved.world_size, resolved.rank, resolved.outer_replicas)
+        layout = IslandLayout.of(resolved.world_size, resolved.rank, resolved.outer_islands)
         islands = self.islands = Islands.build(layout, run.device)
         outer = run.cfg.outer
         run.announce(f"distaccum: islands merged every {outer.every} optimizer steps ({outer.describe()})")
@@ -41,7 +41,7 @@ class OuterSetup(SetupBase):
             groups,
             f"{len(groups)} islands of {len(groups[0])} rank(s) (each island's own reductions)",
             "island",
-            "outer",
+            "outer.islands",
         )
 
     def with_engine(self, run: Assembly, engine: Engine) -> None:

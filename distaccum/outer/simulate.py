@@ -1,25 +1,25 @@
-"""The single-process simulator ``distaccum verify`` compares outer-synced runs with: R replicas one after another.
+"""The single-process simulator ``distaccum verify`` compares outer-synced runs with: R islands one after another.
 
 It shares with the run the user's model factory, dataset, collate, loss and optimizer factory (and the
 learning-rate schedule), like :mod:`distaccum.verify.reference`, and the sync *schedule*: which parameters form
 fragment p (:func:`distaccum.outer.sync.split_fragments`) and after which steps it syncs
 (:meth:`~distaccum.outer.config.OuterConfig.syncing`), so a wrong schedule would be wrong on both sides (it is
 tested on its own in tests/test_outer.py). It shares none of the merge: no process group, no flat buffers, no torch
-SGD for the outer step; the merge arithmetic below is written out independently. Each optimizer step t, for each replica i in turn, it takes the samples island i's ranks read at step t (the
+SGD for the outer step; the merge arithmetic below is written out independently. Each optimizer step t, for each island i in turn, it takes the samples island i's ranks read at step t (the
 global-batch plan cut for the run's split, ranks i*S .. i*S+S-1) in ONE forward/backward of
 
     sum(loss over those samples' items) / (their item count)
 
-clips, and steps replica i's own optimizer and schedule. After the steps at which fragment p syncs it merges p
+clips, and steps island i's own optimizer and schedule. After the steps at which fragment p syncs it merges p
 parameter by parameter, with the weights written out:
 
-    w_i = n_i / sum_j n_j   (n_i: replica i's items since p's last sync; 1/R for weighting=equal)
+    w_i = n_i / sum_j n_j   (n_i: island i's items since p's last sync; 1/R for weighting=equal)
     local_sgd: theta_g = sum_i w_i theta_i
     diloco:    d = sum_i w_i (theta_g - theta_i);  b = mu b + d;  theta_g -= lr (d + mu b if nesterov else b)
 
-and every replica continues from theta_g. It records replica 0's loss and gradient norm every step and replica 0's
+and every island continues from theta_g. It records island 0's loss and gradient norm every step and island 0's
 parameter checksums after every step (after the merge at a sync step), which is what rank 0 of the run records,
-and saves replica 0's final model (every replica holds theta_g after the closing sync).
+and saves island 0's final model (every island holds theta_g after the closing sync).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream
 from distaccum.guards.tripwire import append_checksums, parameter_checksums
 from distaccum.optim import build_optimizer, build_scheduler
-from distaccum.outer.islands import IslandLayout, resolve_outer_replicas
+from distaccum.outer.islands import IslandLayout, resolve_islands
 from distaccum.outer.sync import split_fragments
 from distaccum.rundir import (
     FINAL_CONFIG,
@@ -76,10 +76,10 @@ def run_outer_reference(
             "verify of outer.method runs needs a map-style dataset (a stream has no global-batch plan)"
         )
     outer = cfg.outer
-    layout = IslandLayout.of(split.world_size, 0, resolve_outer_replicas(outer.replicas, split.world_size, 1))
+    layout = IslandLayout.of(split.world_size, 0, resolve_islands(outer.islands, split.world_size, 1))
     names, precision, device, first = start_reference(cfg, parts, run_dir, seed_out)
     torch.manual_seed(cfg.trainer.seed + 1_000_003)
-    models = [copy.deepcopy(first).to(device) for _ in range(layout.replicas)]
+    models = [copy.deepcopy(first).to(device) for _ in range(layout.islands)]
     params = [list(m.parameters()) for m in models]
     optimizers = [parts.optimizer(ps) if parts.optimizer else build_optimizer(ps, cfg.optim) for ps in params]
     schedulers = [
@@ -89,7 +89,7 @@ def run_outer_reference(
     theta_g = [p.detach().clone() for p in params[0]]
     momentum: list[torch.Tensor | None] = [None] * len(theta_g)
     fragments = split_fragments([p.numel() for p in params[0]], outer.fragments)  # the run's cut: a schedule
-    counts = [[0.0] * outer.fragments for _ in range(layout.replicas)]
+    counts = [[0.0] * outer.fragments for _ in range(layout.islands)]
     plan = GlobalBatchPlan(
         len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
         split.global_batch,
@@ -124,9 +124,9 @@ def run_outer_reference(
         run_samples = sum(row[4] for row in rows)
         for p in outer.syncing(step + 1, cfg.trainer.max_steps):
             merge(
-                outer, fragments[p], params, theta_g, momentum, [counts[i][p] for i in range(layout.replicas)]
+                outer, fragments[p], params, theta_g, momentum, [counts[i][p] for i in range(layout.islands)]
             )
-            for i in range(layout.replicas):
+            for i in range(layout.islands):
                 counts[i][p] = 0.0
         names_, numels, values = parameter_checksums(models[0].named_parameters())
         append_checksums(run_dir, step + 1, names_, numels, values)
@@ -141,7 +141,7 @@ def run_outer_reference(
             "micro_steps": 1,
             "grad_norm": norm,
             "skipped": not math.isfinite(norm),
-            "replica_losses": [r[0] for r in rows],
+            "island_losses": [r[0] for r in rows],
         }
         records.append(record)
         sink.log(record)
@@ -149,12 +149,12 @@ def run_outer_reference(
     save_weights(models[0].state_dict(), final / FINAL_WEIGHTS)
     write_json(final / FINAL_CONFIG, {**to_mapping(cfg), "components": names})
     summary: Record = {
-        "reference": f"{layout.replicas} replicas simulated one after another in one process, each step one "
-        "forward/backward per replica, then the outer merge",
+        "reference": f"{layout.islands} islands simulated one after another in one process, each step one "
+        "forward/backward per island, then the outer merge",
         "model": names["model"],
         "precision": cfg.precision,
         "world_size": 1,
-        "replicas": layout.replicas,
+        "islands": layout.islands,
         "outer": to_mapping(cfg)["outer"],
         "global_batch": split.global_batch,
         "steps": len(records),
@@ -175,20 +175,18 @@ def merge(
     momentum: list[torch.Tensor | None],
     counts: list[float],
 ) -> None:
-    """Merge one fragment's parameters across the replicas (module docstring), written out per parameter."""
-    replicas = len(params)
+    """Merge one fragment's parameters across the islands (module docstring), written out per parameter."""
+    islands = len(params)
     total = math.fsum(counts)
     weights = (
-        [1.0 / replicas] * replicas
-        if outer.weighting == "equal" or total <= 0
-        else [n / total for n in counts]
+        [1.0 / islands] * islands if outer.weighting == "equal" or total <= 0 else [n / total for n in counts]
     )
     for k in fragment:
         if outer.method == "local_sgd":
-            merged = sum(weights[i] * params[i][k].detach() for i in range(replicas))
+            merged = sum(weights[i] * params[i][k].detach() for i in range(islands))
             theta_g[k] = torch.as_tensor(merged).clone()
         else:
-            d = sum(weights[i] * (theta_g[k] - params[i][k].detach()) for i in range(replicas))
+            d = sum(weights[i] * (theta_g[k] - params[i][k].detach()) for i in range(islands))
             d = torch.as_tensor(d)
             if outer.momentum:
                 b = d.clone() if momentum[k] is None else outer.momentum * momentum[k] + d
@@ -197,5 +195,5 @@ def merge(
             else:
                 update = d
             theta_g[k] = theta_g[k] - outer.lr * update
-        for i in range(replicas):
+        for i in range(islands):
             params[i][k].copy_(theta_g[k])

@@ -234,7 +234,7 @@ class OuterSync:
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         """The one cross-island collective of a fragment's sync (counted; none with one island: the sum of one)."""
-        if self.layout.replicas == 1:
+        if self.layout.islands == 1:
             return
         dist.all_reduce(tensor, group=self.islands.outer_group)
         self.last.calls += 1
@@ -251,7 +251,7 @@ class OuterSync:
         def divergence(rows: list[list[float]], bad: list[int]) -> OuterDivergenceError:
             return OuterDivergenceError(
                 f"after the outer sync of step {step} (fragments {due}) the global parameters differ between "
-                f"islands: replica(s) {', '.join(map(str, bad))} disagree with replica 0 (fingerprints "
+                f"islands: island(s) {', '.join(map(str, bad))} disagree with island 0 (fingerprints "
                 f"{rows[bad[0]]} vs {rows[0]}, inner rank {self.layout.inner_rank}). The islands did not merge the "
                 "same numbers: a rank-dependent outer step, or a corrupted exchange. Stopped before training on."
             )
@@ -269,7 +269,7 @@ class OuterSync:
         synchronous = len(records) * self.model_bytes
         return {
             "method": self.cfg.method,
-            "replicas": self.layout.replicas,
+            "islands": self.layout.islands,
             "every": self.cfg.every,
             "fragments": self.cfg.fragments,
             "syncs": sum(int(r.get("outer_synced", 0)) for r in records),
@@ -301,16 +301,16 @@ class OuterSync:
             "global": [t.detach().cpu() for t in self.global_params],
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "items": torch.tensor(self.items, dtype=torch.float64),
-            "layout": torch.tensor([self.layout.replicas, self.layout.size], dtype=torch.int64),
+            "layout": torch.tensor([self.layout.islands, self.layout.size], dtype=torch.int64),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same world and islands)."""
         saved = [int(x) for x in state["layout"].tolist()]
-        if saved != [self.layout.replicas, self.layout.size]:
+        if saved != [self.layout.islands, self.layout.size]:
             raise ValueError(
                 f"the checkpoint was written by {saved[0]} islands of {saved[1]} ranks; this run has "
-                f"{self.layout.replicas} of {self.layout.size}"
+                f"{self.layout.islands} of {self.layout.size}"
             )
         with torch.no_grad():
             for glob, value in zip(self.global_params, state["global"], strict=True):

@@ -38,7 +38,7 @@ class OuterRules(VerifyRules):
     def reference_line(self, cfg: RunConfig, precision: str) -> str | None:
         return (
             f"  reference: {cfg.outer.method} simulated in one process, each island's samples of a step in one "
-            f"forward/backward, replica after replica, then the merge, {precision}, the same seed checkpoint, "
+            f"forward/backward, island after island, then the merge, {precision}, the same seed checkpoint, "
             "samples, optimizers and schedule"
         )
 

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from distaccum.outer.config import RENAMED_KEYS
+
 ALLOWED = "allowed"
 EXPLICIT = "explicit"
 REFUSED = "refused"
@@ -138,7 +140,9 @@ def _rule(key: str, table: Mapping[str, str]) -> str | None:
 def classify(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[Change]:
     """Every key recorded on both sides whose value differs, in key order, with its class. A key recorded
     on one side only (a checkpoint from another version) is not compared; ``world_size`` is recorded only
-    by engines whose checkpoints are partitioned per rank."""
+    by engines whose checkpoints are partitioned per rank. An old key of the checkpoint's record
+    (:data:`~distaccum.outer.config.RENAMED_KEYS`) is compared under its new name."""
+    saved = {RENAMED_KEYS.get(key, key): value for key, value in saved.items()}
     schedule = now.get("optim.schedule", "")
     changes = []
     for key in sorted(set(saved) & set(now)):

@@ -1,7 +1,7 @@
 """What each step's record goes to and holds: ``log.*`` (a leaf module).
 
 Kept apart from :mod:`distaccum.config` (which imports it and re-exports :class:`LogConfig`) to keep that module
-under 600 lines; like :mod:`distaccum.batching.config` it imports nothing of distaccum. The record itself:
+under 500 lines; like :mod:`distaccum.batching.config` it imports nothing of distaccum. The record itself:
 docs/observability.md.
 """
 

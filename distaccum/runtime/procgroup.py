@@ -128,4 +128,4 @@ def gather_placement(groups: list[list[int]], node: int) -> dict[str, list]:
     (:meth:`~distaccum.engines.base.EngineBase.layout`): what ``summary.json``'s ``placement`` records."""
     nodes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, node)
-    return {"replicas": groups, "nodes": nodes}
+    return {"groups": groups, "nodes": nodes}

@@ -228,7 +228,7 @@ class ConsoleSink:
             factor = outer["reduction_factor"]
             print(
                 f"outer sync ({outer['method']}, every {outer['every']} steps, {outer['fragments']} fragment(s), "
-                f"{outer['replicas']} islands): {outer['syncs']} fragment syncs sent "
+                f"{outer['islands']} islands): {outer['syncs']} fragment syncs sent "
                 f"{human_bytes(outer['bytes_across_per_island'])} across the islands per island, "
                 + (f"{factor:.1f}x less than" if math.isfinite(factor) else "nothing, against")
                 + f" a synchronous run's {human_bytes(outer['synchronous_bytes_per_island'])}",

@@ -1,22 +1,22 @@
-"""``distaccum plan --replica-link-gbps B``: how rarely R model replicas joined by a slow link must sync (DiLoCo,
-LocalSGD: the ``outer`` config section) for the sync to hide behind the replicas' own steps. A **prediction**
+"""``distaccum plan --island-link-gbps B``: how rarely R islands joined by a slow link must sync (DiLoCo,
+LocalSGD: the ``outer`` config section) for the sync to hide behind the islands' own steps. A **prediction**
 from the α–β model of :mod:`distaccum.tuning.collectives`, never a measurement; pure functions, no torch.
 
-Every H optimizer steps each replica ring-all-reduces its P parameters (the pseudo-gradient, or the parameters
-for LocalSGD) at b bytes each across the R replicas. Streaming DiLoCo cuts them into F fragments synced at
+Every H optimizer steps each island ring-all-reduces its P parameters (the pseudo-gradient, or the parameters
+for LocalSGD) at b bytes each across the R islands. Streaming DiLoCo cuts them into F fragments synced at
 staggered offsets: fragment p of P/F parameters after floor((p+1)H/F) steps, then every H (as training does:
 :meth:`distaccum.outer.config.OuterConfig.offsets`), so two fragment syncs are floor(H/F) or ceil(H/F) steps apart
 (H/F when F divides H), each overlapped with the steps until the next. With ``s`` one optimizer step inside a
-replica and the replica's link (α, β):
+island and the island's link (α, β):
 
     one sync       t(H) = 2(R-1) α + 2 (R-1)/R · P b / (F β)          (ring all-reduce of one fragment)
     hidden behind  floor(H/F) s                                        (the shortest gap until the next fragment)
     exposed        max(0, t - floor(H/F) s) · F / H                    per step (at most: longer gaps hide more)
     smallest H     F · ceil(t / s)                                     (a multiple of F: exposed = 0)
-    bytes / step   2 (R-1)/R · P b / H                                 sent by each replica over its link
+    bytes / step   2 (R-1)/R · P b / H                                 sent by each island over its link
 
-The synchronous run it replaces (HSDP: a gradient all-reduce across the replicas every step, g bytes per
-parameter) sends 2 (R-1)/R · P g per step: the outer sync sends H g / b times fewer bytes.
+The synchronous run it replaces (HSDP with one replica per island: a gradient all-reduce across them every step,
+g bytes per parameter) sends 2 (R-1)/R · P g per step: the outer sync sends H g / b times fewer bytes.
 
 Not modelled: the outer optimizer's own step, inner collectives sharing the slow link, a sync slowing the
 compute it overlaps, and what H does to convergence (that is a training question, not a timing one).
@@ -40,28 +40,28 @@ SHOWN_EVERY = (1, 10, 50, 100, 500)
 
 @dataclass(frozen=True, kw_only=True)
 class OuterLinkPlan:
-    """R replicas, the link joining them, and the work between two syncs."""
+    """R islands, the link joining them, and the work between two syncs."""
 
     params: int
-    """P: parameters of the model (every replica holds all of them)."""
-    replicas: int
-    """R: model replicas (islands) in the ring."""
+    """P: parameters of the model (every island holds all of them)."""
+    islands: int
+    """R: islands in the ring (each holds a whole model)."""
     link: Link
-    """One replica's link to the others (all its NICs together), each way."""
+    """One island's link to the others (all its NICs together), each way."""
     step_s: float
-    """One optimizer step inside a replica, seconds: the time a sync can hide behind, per step."""
+    """One optimizer step inside an island, seconds: the time a sync can hide behind, per step."""
     bytes_per_param: float = 4.0
     """b: bytes per parameter the outer sync moves (4: fp32, 2: bf16)."""
     fragments: int = 1
     """F: fragments synced at staggered offsets, one every H/F steps (1: the whole model every H steps)."""
     sync_bytes_per_param: float = 4.0
-    """g: bytes per parameter of the synchronous run's per-step gradient all-reduce across replicas."""
+    """g: bytes per parameter of the synchronous run's per-step gradient all-reduce across islands."""
 
     def __post_init__(self) -> None:
-        if min(self.params, self.replicas, self.fragments) < 1:
+        if min(self.params, self.islands, self.fragments) < 1:
             raise ValueError(
-                f"params, replicas and fragments must be >= 1, got params={self.params}, "
-                f"replicas={self.replicas}, fragments={self.fragments}"
+                f"params, islands and fragments must be >= 1, got params={self.params}, "
+                f"islands={self.islands}, fragments={self.fragments}"
             )
         if self.step_s < 0 or self.bytes_per_param <= 0 or self.sync_bytes_per_param <= 0:
             raise ValueError(
@@ -79,20 +79,20 @@ class OuterLinkPlan:
             )
 
     def fragment_bytes(self) -> float:
-        """Bytes of one fragment on each replica: P b / F."""
+        """Bytes of one fragment on each island: P b / F."""
         return self.params * self.bytes_per_param / self.fragments
 
     def sync_s(self) -> float:
-        """One fragment's ring all-reduce across the replicas (0 with one replica)."""
-        return ring("all_reduce", self.fragment_bytes(), self.replicas, self.link)
+        """One fragment's ring all-reduce across the islands (0 with one island)."""
+        return ring("all_reduce", self.fragment_bytes(), self.islands, self.link)
 
     def synchronous_bytes_per_step(self) -> float:
-        """What each replica sends per step in the synchronous run: 2 (R-1)/R · P g."""
-        return ring_terms("all_reduce", self.params * self.sync_bytes_per_param, self.replicas)[1]
+        """What each island sends per step in the synchronous run: 2 (R-1)/R · P g."""
+        return ring_terms("all_reduce", self.params * self.sync_bytes_per_param, self.islands)[1]
 
     def synchronous_s(self) -> float:
         """The synchronous run's per-step gradient all-reduce on the same link, seconds."""
-        return ring("all_reduce", self.params * self.sync_bytes_per_param, self.replicas, self.link)
+        return ring("all_reduce", self.params * self.sync_bytes_per_param, self.islands, self.link)
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class OuterRow:
     every: int
     """H: optimizer steps between two syncs of a fragment."""
     bytes_per_step: float
-    """Bytes each replica sends over its link per optimizer step."""
+    """Bytes each island sends over its link per optimizer step."""
     sync_s: float
     """One fragment's sync."""
     window_s: float
@@ -110,7 +110,7 @@ class OuterRow:
     exposed_per_step_s: float
     """Sync time the steps cannot hide, spread over the steps."""
     reduction: float | None
-    """The synchronous run's bytes per step over these (None with one replica: nothing crosses)."""
+    """The synchronous run's bytes per step over these (None with one island: nothing crosses)."""
 
     @property
     def hidden(self) -> bool:
@@ -124,7 +124,7 @@ def outer_row(sync: OuterLinkPlan, every: int) -> OuterRow:
     gap = every // sync.fragments  # the shortest run of steps between two fragment syncs
     t, window = sync.sync_s(), gap * sync.step_s
     syncs_per_step = sync.fragments / every
-    sent = ring_terms("all_reduce", sync.fragment_bytes(), sync.replicas)[1] * syncs_per_step
+    sent = ring_terms("all_reduce", sync.fragment_bytes(), sync.islands)[1] * syncs_per_step
     baseline = sync.synchronous_bytes_per_step()
     return OuterRow(
         every,
@@ -163,27 +163,27 @@ def render_outer(sync: OuterLinkPlan, every: int | None, *, step_basis: str, lin
     """The outer-sync prediction as text: what it assumes, the smallest hidden H, a row per H (the table's,
     ``every`` and the smallest), and the synchronous run it replaces. Every row says it is a prediction."""
     smallest = smallest_hidden_every(sync)
-    r, f = sync.replicas, sync.fragments
+    r, f = sync.islands, sync.fragments
     lines = [
-        f"OUTER SYNC PREDICTION (DiLoCo / LocalSGD across {r} replicas): not a measurement; the α–β model of "
+        f"OUTER SYNC PREDICTION (DiLoCo / LocalSGD across {r} islands): not a measurement; the α–β model of "
         "distaccum/tuning/outer_plan.py.",
-        f"link between replicas: {rate(sync.link.beta_bytes_per_s)} per replica, α "
+        f"link between islands: {rate(sync.link.beta_bytes_per_s)} per island, α "
         f"{sync.link.alpha_s * 1e3:g} ms ({link_basis})",
-        f"sync: every H steps each replica ring-all-reduces {sync.params:,} parameters x "
+        f"sync: every H steps each island ring-all-reduces {sync.params:,} parameters x "
         f"{sync.bytes_per_param:g} B = {human_bytes(sync.params * sync.bytes_per_param)} across the {r} "
-        f"replicas, "
+        f"islands, "
         + (
             f"in {f} fragments of {human_bytes(sync.fragment_bytes())}, one every H/{f} steps, overlapped with "
             f"the next H/{f} steps: {duration(sync.sync_s())} per fragment sync"
             if f > 1
             else f"overlapped with the next H steps: {duration(sync.sync_s())} per sync"
         ),
-        f"step inside a replica: {duration(sync.step_s)} ({step_basis})",
+        f"step inside an island: {duration(sync.step_s)} ({step_basis})",
     ]
     if r == 1:
-        lines.append("one replica: nothing crosses the link, any H hides the sync")
+        lines.append("one island: nothing crosses the link, any H hides the sync")
     elif smallest is None:
-        lines.append("no H hides the sync: the step inside a replica takes no time (--compute-ms 0?)")
+        lines.append("no H hides the sync: the step inside an island takes no time (--compute-ms 0?)")
     else:
         lines.append(
             f"smallest H with the sync hidden: H = {smallest} ({'a fragment' if f > 1 else 'a'} sync of "
@@ -192,7 +192,7 @@ def render_outer(sync: OuterLinkPlan, every: int | None, *, step_basis: str, lin
         )
     lines += [
         "",
-        "| H | sent per replica per step | one sync | hidden behind | exposed per step | step | "
+        "| H | sent per island per step | one sync | hidden behind | exposed per step | step | "
         "bytes vs synchronous | |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -207,9 +207,9 @@ def render_outer(sync: OuterLinkPlan, every: int | None, *, step_basis: str, lin
         )
     lines += [
         "",
-        f"synchronous (HSDP: a gradient all-reduce across the {r} replicas every step, "
+        f"synchronous (HSDP with one replica per island: a gradient all-reduce across the {r} replicas every step, "
         f"{sync.sync_bytes_per_param:g} B/param): {human_bytes(sync.synchronous_bytes_per_step())} sent per "
-        f"replica per step, {duration(sync.synchronous_s())} per step on this link",
+        f"island per step, {duration(sync.synchronous_s())} per step on this link",
     ]
     return "\n".join(lines)
 

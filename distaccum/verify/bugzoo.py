@@ -71,7 +71,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gpt_unclipped": {**GPT, "optim": {"clip_norm": None}},
     "gpt_every_micro": {**GPT, "accum": {"sync": "every_micro"}},
     # DiLoCo over 2 islands of 1 rank, the first outer step after step 2 (the closing one after step 3)
-    "gpt_diloco": {**GPT, "outer": {"method": "diloco", "every": 2, "replicas": 2}},
+    "gpt_diloco": {**GPT, "outer": {"method": "diloco", "every": 2, "islands": 2}},
     "convnet_bn": {
         "model": {"_target_": "distaccum.models.ConvNetBN", "width": 8, "depth": 2, "classes": 4},
         "data": {

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from distaccum.config import RunConfig
-from distaccum.outer.islands import resolve_outer_replicas
+from distaccum.outer.islands import resolve_islands
 from distaccum.outer.sync import split_fragments
 from distaccum.rundir.weights import load_weights
 from distaccum.verify.compare import Report
@@ -92,4 +92,4 @@ def outer_merge_fact(
     fit = merge_factor(seed_sums(seed), ref[d.step], cand[d.step], names) if names else None
     if fit is None:
         return None
-    return d.step, fit[0], resolve_outer_replicas(cfg.outer.replicas, world_size, 1), fit[1]
+    return d.step, fit[0], resolve_islands(cfg.outer.islands, world_size, 1), fit[1]

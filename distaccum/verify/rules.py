@@ -8,10 +8,10 @@ imported on first use, as the engines and the feature set-ups are (:mod:`distacc
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any, ClassVar
 
+from distaccum import load_entry
 from distaccum.components import Components
 from distaccum.config import RunConfig
 from distaccum.split import Split
@@ -79,8 +79,7 @@ class VerifyRules:
 
 def rules_class(name: str) -> type[VerifyRules]:
     """The rules registered under ``name`` (imports their module)."""
-    module, _, cls = RULES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_entry(RULES[name])
 
 
 def rules_for(cfg: RunConfig) -> list[VerifyRules]:
