@@ -123,7 +123,7 @@ def test_final_weights_reload_bit_identical_and_the_placement_is_recorded(
     run_dir = candidate(run)
     summary_ = json.loads((run_dir / "summary.json").read_text())
     assert summary_["sync"] == mode and summary_["replicas"] == 2
-    assert summary_["placement"] == {"replicas": [[0, 1], [2, 3]], "nodes": [0, 0, 0, 0]}
+    assert summary_["placement"] == {"groups": [[0, 1], [2, 3]], "nodes": [0, 0, 0, 0]}
     model = mytask.make_model().double()
     model.load_state_dict(load_weights(run_dir / "final"))
     total = torch.zeros((), dtype=torch.float64)
