@@ -48,10 +48,25 @@ PRELOAD = [
     "distaccum.cluster.local",
     "distaccum.trainer",
     "distaccum.verify.runner",
+    "torch._inductor.compile_fx",  # DeepSpeed's ZeRO optimizer check imports a module that calls torch.compile
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "datasets",
+    "distaccum.hf",
 ]
 """What the server imports once (what ``distaccum train`` and ``verify`` import before their first line of work)."""
 
-IMPORT_TIME_ENV = ("PYTHON", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS", "OMP_SCHEDULE")
+IMPORT_TIME_ENV = (
+    "PYTHON",
+    "TORCHINDUCTOR_",
+    "TORCHDYNAMO_",
+    "TORCH_COMPILE",
+    "TORCH_LOGS",
+    "OMP_SCHEDULE",
+    "HF_",  # huggingface_hub, datasets and transformers read their offline switches and cache paths when imported
+    "TRANSFORMERS_",
+)
 """Prefixes of variables that the preloaded modules (or the interpreter) read when they start: a request that sets
 one to another value than the server's runs as a new interpreter. Applied by the fork instead: ``PYTHONUNBUFFERED``
 (line-buffered output), ``PYTHONPATH`` (its entries on ``sys.path``) and ``OMP_NUM_THREADS``."""
@@ -149,6 +164,7 @@ def serve(address: str) -> None:
     # this module by its name too (the forked torchrun's ranks find their entry point in it)
     for name in [*PRELOAD, "cli_server"]:
         importlib.import_module(name)
+    forked.freeze_heap()  # the commands' garbage collections skip (and so do not copy) what was imported here
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address + ".tmp")
     listener.listen(64)

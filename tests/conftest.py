@@ -33,6 +33,12 @@ pytest_plugins = [
     "tiers",  # each test's tier in runs/junit.xml (tests/tiers.py reports the time by tier)
 ]
 
+# Nothing in the suite may download (no network here, nor in CI): Hugging Face offline for every test and every
+# process it starts, set before anything imports huggingface_hub (which reads these once, when imported) and before
+# the command server (tests/cli_server.py) preloads transformers and datasets for the commands it forks.
+for _offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_offline] = "1"
+
 REPO = Path(__file__).resolve().parents[1]
 EXTENSIONS = Path(DEFAULT_EXTENSIONS_DIR).expanduser()
 """DeepSpeed's JIT-compiled ops, built once per machine (``make test`` builds them first): the runs' default."""

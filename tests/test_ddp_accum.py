@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Run, run_cli, torchrun, train_plan
+from conftest import Run, forked_torchrun, run_cli, torchrun, train_plan
 from distaccum.models import MLP, TinyGPT
 
 pytestmark = pytest.mark.dist
@@ -164,7 +164,7 @@ def test_the_window_s_one_all_gather_gives_every_rank_the_same_totals(tmp_path: 
     out = tmp_path / "read.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = Path(__file__).parent / "fixtures" / "window_ranks.py"
-    proc = torchrun(str(script), str(out), nproc=world, cwd=tmp_path, env=env, timeout=120)
+    proc = forked_torchrun(str(script), str(out), nproc=world, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads(out.read_text())
     assert got["world"] == world and got["differ"] == []

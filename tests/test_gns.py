@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, torchrun
+from conftest import REPO, forked_torchrun
 from distaccum.telemetry.gns import estimate, record_fields
 
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))
@@ -81,7 +81,13 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = torchrun(str(REPO / "tests" / "fixtures" / "gns_task.py"), str(run_dir), env=env, timeout=240)
+    proc = forked_torchrun(
+        str(REPO / "tests" / "fixtures" / "gns_task.py"),
+        str(run_dir),
+        cwd=run_dir.parent,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return run_dir
 

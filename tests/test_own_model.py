@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import distaccum_cli
 from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.rundir.weights import load_weights
 
@@ -35,13 +36,8 @@ def distaccum(
     }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, "-m", "distaccum", command, *args, f"run_dir={run_dir}"],
-        cwd=cwd or run_dir.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return distaccum_cli(
+        [command, *args, f"run_dir={run_dir}"], cwd=cwd or run_dir.parent, env=env, timeout=timeout
     )
 
 

@@ -37,8 +37,14 @@ def config_error(err: Exception) -> None:
 
 def train_task(dcfg: Any) -> int:
     """One Hydra job: validate and pre-flight, then start the workers."""
-    from distaccum.cluster import forked
-    from distaccum.cluster.local import elastic_plan, launch_local, launch_plan, torchrun_argv, worker_args
+    from distaccum.cluster.local import (
+        elastic_plan,
+        launch_local,
+        launch_plan,
+        start_worker_server,
+        torchrun_argv,
+        worker_args,
+    )
 
     multirun, job_dir = in_multirun()
     try:
@@ -49,7 +55,7 @@ def train_task(dcfg: Any) -> int:
             cfg = with_overrides(cfg, launch.overrides())
         # The workers' libraries load in a server forked from here, beside the pre-flight: forked before it, while
         # this process has only imported and parsed (the pre-flight instantiates the user's components).
-        forked.start()
+        start_worker_server(cfg)
         checked = preflight(cfg)
     except ValueError as err:  # ConfigError, or a PET_* value the config refuses
         if not multirun:

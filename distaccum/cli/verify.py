@@ -26,7 +26,9 @@ def verify_task(dcfg: Any, *, to: str = "local") -> int:
     launcher = launcher_class(to)
     try:
         cfg = to_run_config(dcfg)
-        launcher.prepare()  # the local launcher's workers load their libraries while the reference runs here
+        launcher.prepare(
+            cfg
+        )  # the local launcher's workers load their libraries while the reference runs here
         result = verify(cfg, echo=lambda line: print(line, flush=True), launcher=launcher.launch)
     except ValueError as err:
         print(f"distaccum: invalid configuration: {err}", file=sys.stderr)

@@ -77,8 +77,9 @@ class Launcher:
         raise NotImplementedError
 
     @staticmethod
-    def prepare() -> None:
-        """Before ``distaccum verify`` runs its reference: get ready to launch (nothing unless overridden)."""
+    def prepare(cfg: RunConfig) -> None:
+        """Before ``distaccum verify`` runs its reference: get ready to launch ``cfg``'s candidates (nothing unless
+        overridden)."""
 
     @staticmethod
     def launch(cfg: RunConfig, config_file: Path) -> int:

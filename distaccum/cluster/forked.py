@@ -28,7 +28,7 @@ import logging
 import multiprocessing
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from multiprocessing import forkserver, reduction
 from typing import Any
 
@@ -50,17 +50,19 @@ def available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def start() -> None:
+def start(extra: Sequence[str] = ()) -> None:
     """Start the worker server now (idempotent), so that it imports while this process goes on with its own work;
-    nothing where multiprocessing has no forkserver (Windows: workers are spawned)."""
+    nothing where multiprocessing has no forkserver (Windows: workers are spawned). ``extra``: modules the run's
+    workers import beyond :data:`PRELOAD` (its engine's :attr:`~distaccum.engines.base.EngineBase.worker_imports`)."""
     global _server_env
     if not available():
         return
     if _server_env is None:
-        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        preload = [*PRELOAD, *(name for name in extra if name not in PRELOAD)]
+        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
         _server_env = dict(os.environ)
         logging.getLogger(ELASTIC_LOGGER).addFilter(_exit_without_traceback)
-        if _fork_server(PRELOAD):
+        if _fork_server(preload):
             return
     forkserver.ensure_running()
 
@@ -107,7 +109,13 @@ def _fork_server(preload: list[str]) -> bool:
             code = 0
             try:
                 os.close(alive_w)
-                forkserver.main(listener.fileno(), alive_r, preload)
+                for name in preload:  # as forkserver.main would, then frozen before the first worker's fork
+                    try:
+                        __import__(name)
+                    except ImportError:
+                        pass
+                freeze_heap()
+                forkserver.main(listener.fileno(), alive_r, [])
             except SystemExit:
                 pass
             except BaseException:  # noqa: BLE001 - a server that failed to start: its clients see it gone
@@ -131,6 +139,21 @@ def _fork_server(preload: list[str]) -> bool:
 
     atexit.register(stop)
     return True
+
+
+def freeze_heap() -> None:
+    """Move every object this process holds to the garbage collector's permanent generation (``gc.freeze``), right
+    before it serves forks: a forked worker's collections then scan only what the worker itself allocated.
+
+    Without it, every full collection in a worker (the Trainer runs one when it finishes, Accelerate's
+    ``free_memory`` another) walks the whole inherited heap of torch, its compiler stack and the Trainer, and writes
+    to each object's header as it goes, which copies the shared pages into the worker. The larger the server's heap
+    and the more runs a worker process finishes, the more it costs: the test suite's command server
+    (``tests/cli_server.py``, which does the same) halved the CPU time of its engine matrix with it. Python's
+    documented pattern for a process that forks without exec (the ``gc.freeze`` docs)."""
+    import gc
+
+    gc.freeze()
 
 
 ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"

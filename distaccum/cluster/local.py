@@ -315,6 +315,13 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
     return 0
 
 
+def start_worker_server(cfg: RunConfig) -> None:
+    """Start the server that ``cfg``'s local workers fork from (:func:`forked.start`), with its engine's imports."""
+    from distaccum.engines import worker_imports
+
+    forked.start(worker_imports(cfg.engine.name))
+
+
 class LocalLauncher(Launcher):
     """``distaccum train``'s launcher (torch elastic on this machine, and a node of a multi-node run), and the
     default of ``distaccum verify --to``: :func:`launch_local` runs each candidate."""
@@ -323,7 +330,7 @@ class LocalLauncher(Launcher):
     summary = "this machine (and a node of several): torch elastic"
     verifies = True
     launch = staticmethod(launch_local)
-    prepare = staticmethod(forked.start)  # the workers' libraries load while verify's reference runs
+    prepare = staticmethod(start_worker_server)  # the workers' libraries load while verify's reference runs
 
     @staticmethod
     def world(cfg: RunConfig) -> World:

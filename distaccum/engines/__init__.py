@@ -29,6 +29,11 @@ def engine_class(name: str) -> type[EngineBase]:
     return load_entry(ENGINES[name])
 
 
+def worker_imports(name: str) -> tuple[str, ...]:
+    """What the workers of engine ``name`` import beyond the Trainer (:attr:`EngineBase.worker_imports`)."""
+    return engine_class(name).worker_imports
+
+
 def check_engine(spec: EngineSpec) -> None:
     """Raise ValueError for combinations the engine cannot run (called before workers start)."""
     engine_class(spec.engine.name).check(spec)

@@ -230,6 +230,9 @@ class EngineBase:
     ``accum.sync=replica_boundary`` its meaning."""
     reduce_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     """The ``accum.reduce_dtype`` values it can reduce gradients in."""
+    worker_imports: ClassVar[tuple[str, ...]] = ()
+    """Modules its workers import before their first step beyond the Trainer's own: a local launch's worker server
+    loads them once for every forked worker (:mod:`distaccum.cluster.forked`)."""
     grad_squares: Any = None
 
     def __init__(self, spec: EngineSpec, ledger: Any) -> None:

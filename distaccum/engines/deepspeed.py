@@ -141,6 +141,10 @@ class DeepSpeedEngine(EngineBase):
     name = "deepspeed"
     reshardable_checkpoints = False  # ZeRO partitions optimizer state per rank
     reduce_dtypes = ("fp32", "bf16", "fp16")
+    # deepspeed.initialize's ZeRO optimizer check imports deepspeed.runtime.zero.muon, whose module calls torch.compile
+    # at import, which loads inductor's compile_fx (about 0.9 s of CPU): once in the worker server, not per worker.
+    # deepspeed itself is not preloaded: importing it picks its accelerator (DS_ACCELERATOR) before the launch sets it.
+    worker_imports = ("torch._inductor.compile_fx",)
 
     @classmethod
     def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
