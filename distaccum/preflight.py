@@ -198,7 +198,7 @@ def preflight(
         prepared = prepare(cfg, run, parts, model=model)
         parts.eval_dataset = prepared.eval_set
         if cfg.trainer.resume:  # an incompatible or corrupt checkpoint: exit 2 now, not in every worker
-            check_resumable(Path(cfg.run_dir), prepared.fingerprint, cfg.trainer.schedule_on_resume)
+            check_resumable(Path(cfg.run_dir), prepared.identity, cfg.trainer.schedule_on_resume)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     # accum.memory_budget is checked by the workers, where the memory is spent (exit 2 there, one message): a peak

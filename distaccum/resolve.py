@@ -13,7 +13,7 @@
     ResolvedRun + the user's components  --prepare()-->  Prepared
         the model built and checked (activation checkpointing, its compatibility with the engine,
         the normalization probe, a warning for batch statistics), the held-out set, and the
-        fingerprint a checkpoint must match to be resumed
+        run identity a checkpoint must match to be resumed
 
 Pre-flight (:mod:`distaccum.preflight`), the :class:`~distaccum.trainer.Trainer`, ``micro_batch=auto``,
 ``distaccum plan`` and ``distaccum verify`` all go through these two functions; below them nothing
@@ -273,7 +273,8 @@ class Prepared:
     """Modules that recompute their activations in backward (activation checkpointing)."""
     collate: Callable[[list[Any]], Any]
     eval_set: Dataset | None
-    fingerprint: dict[str, Any]
+    identity: dict[str, Any]
+    """The run identity (:func:`run_identity`)."""
     names: dict[str, str]
 
 
@@ -312,15 +313,15 @@ def prepare(
         checkpointed,
         collate,
         eval_set,
-        fingerprint(cfg, run.world_size, names, parts.dataset, model),
+        run_identity(cfg, run.world_size, names, parts.dataset, model),
         names,
     )
 
 
-def fingerprint(
+def run_identity(
     cfg: RunConfig, world_size: int, names: Mapping[str, str], dataset: Any, model: nn.Module
 ) -> dict[str, Any]:
-    """The run's record that a checkpoint keeps and a resume is compared with
+    """The run identity: the record that a checkpoint keeps and a resume is compared with
     (:mod:`distaccum.rundir.changes` classifies every difference): each configuration setting as
     ``section.field`` (the model's node as ``model.node``), and what the configuration alone does not
     show — the model's architecture (``model``), the components' names, the data's signature, the global
@@ -341,7 +342,7 @@ def fingerprint(
             "data.collate": cfg.data.collate or names.get("collate"),
             "data.signature": data_signature(dataset),
             "global_batch": cfg.global_batch(world_size),
-            **engine.fingerprint(cfg.engine),
+            **engine.identity(cfg.engine),
         }
     )
     if (

@@ -43,7 +43,7 @@ from distaccum.losses import LossFn
 from distaccum.optim import build_scheduler
 from distaccum.resolve import Prepared, ResolvedRun, prepare, resolve
 from distaccum.rundir import CONFIG, write_json
-from distaccum.rundir.checkpoint import Checkpointer, CheckpointWriter
+from distaccum.rundir.checkpoint import IDENTITY, Checkpointer, CheckpointWriter
 from distaccum.rundir.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.rundir.resume import fresh_start, resume
 from distaccum.rundir.weights import save_final
@@ -421,7 +421,7 @@ class Trainer:
         return resume(
             state,
             run.resolved.run_dir,
-            run.prepared.fingerprint,
+            run.prepared.identity,
             attempt=attempt,
             schedule_on_resume=self.cfg.trainer.schedule_on_resume,
         )
@@ -436,7 +436,7 @@ class Trainer:
             every=cfg.trainer.checkpoint_every,
             every_s=cfg.trainer.checkpoint_every_s,
             rank=run.rank,
-            manifest={"fingerprint": run.prepared.fingerprint, "engine": cfg.engine.name},
+            manifest={IDENTITY: run.prepared.identity, "engine": cfg.engine.name},
             writer=testing.intercept("checkpoint_writer", CheckpointWriter()),
         )
         checkpointer.last_step = done

@@ -143,7 +143,7 @@ class DeepSpeedEngine(EngineBase):
     reduce_dtypes = ("fp32", "bf16", "fp16")
 
     @classmethod
-    def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
+    def identity(cls, config: EngineConfig) -> dict[str, Any]:
         """The ZeRO stage decides how the checkpoint is partitioned."""
         return {"engine.zero_stage": config.zero_stage}
 

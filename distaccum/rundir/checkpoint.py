@@ -7,7 +7,7 @@ Layout (``run_dir/checkpoints/``)::
                            every rank (DDP, FSDP2, Accelerate), or DeepSpeed's own ZeRO checkpoint
       trainer_state.json   steps done, scheduler, data position, loss scaler, skip streak
       rng/rank-00000.pt    each rank's RNG state (restored only on the same world size)
-      manifest.json        written last: step, config fingerprint, size + sha256 of every file
+      manifest.json        written last: step, run identity, size + sha256 of every file
 
 A checkpoint is written into ``step-….tmp/`` and renamed into place only after every rank's files
 are on disk (fsync) and the manifest is written: a preempted or failed write never leaves a
@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from distaccum.loop import TrainState
 
 MANIFEST = "manifest.json"
+IDENTITY = "identity"
+"""The manifest's run identity (:func:`distaccum.resolve.run_identity`): what a resume is compared with."""
+OLD_IDENTITY = "fingerprint"
+"""Its name before issue 57 (read for one release: a checkpoint written then still resumes)."""
 TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "model"
 RNG_DIR = "rng"
@@ -159,6 +163,11 @@ def prune(root: Path, keep: int) -> None:
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of a checkpoint directory."""
     return read_json(path / MANIFEST)
+
+
+def saved_identity(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The run identity a checkpoint's manifest recorded (under its old name too: ``fingerprint``)."""
+    return dict(manifest.get(IDENTITY, manifest.get(OLD_IDENTITY, {})))
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
