@@ -142,8 +142,8 @@ def test_the_ray_run_equals_the_torchrun_launch_bit_for_bit(
     on_ray, local = verified.root / SPLIT, torchrun_dir
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records(on_ray)] == [r[key] for r in records(local)], key
-    checksums = [(d / "checksums.jsonl").read_text() for d in (on_ray, local)]
-    assert checksums[0] == checksums[1] and checksums[0]  # every step's parameter checksums
+    checksums = [(d / "param_digests.jsonl").read_text() for d in (on_ray, local)]
+    assert checksums[0] == checksums[1] and checksums[0]  # every step's parameter digests
     for key in ("param_sum", "param_l2", "final_loss"):
         assert summary(on_ray)[key] == summary(local)[key], key
 

@@ -9,7 +9,7 @@ step later, when that window's totals are read, without a collective or a wait o
 the reduction went wrong: a rank skipped it, ``no_sync`` sat on the wrong micro-batch, DDP's ``static_graph``
 stopped reducing, buckets were mismatched. The run then stops **one step later**, before that step's record, with
 :class:`~distaccum.guards.tripwire.RankDivergenceError` (exit 1), naming the step, the ranks that disagree and the
-first parameter whose update differs (found by a second all-gather of per-parameter checksums, only then); rank 0
+first parameter whose update differs (found by a second all-gather of per-parameter digests, only then); rank 0
 writes ``divergence.json`` as the tripwire does, so ``distaccum verify`` reports it the same way. Before a
 checkpoint, a tripwire check and at the run's end the pending comparison is gathered at once (one all-gather), so no
 checkpoint or final model is written after a diverged step.

@@ -18,7 +18,7 @@ parameter by parameter, with the weights written out:
     diloco:    d = sum_i w_i (theta_g - theta_i);  b = mu b + d;  theta_g -= lr (d + mu b if nesterov else b)
 
 and every island continues from theta_g. It records island 0's loss and gradient norm every step and island 0's
-parameter checksums after every step (after the merge at a sync step), which is what rank 0 of the run records,
+parameter digests after every step (after the merge at a sync step), which is what rank 0 of the run records,
 and saves island 0's final model (every island holds theta_g after the closing sync).
 """
 
@@ -37,7 +37,7 @@ from distaccum.config import RunConfig, to_mapping
 from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream
-from distaccum.guards.tripwire import append_checksums, parameter_checksums
+from distaccum.guards.tripwire import append_digests, parameter_digests
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.outer.islands import IslandLayout, resolve_islands
 from distaccum.outer.sync import split_fragments
@@ -128,8 +128,8 @@ def run_outer_reference(
             )
             for i in range(layout.islands):
                 counts[i][p] = 0.0
-        names_, numels, values = parameter_checksums(models[0].named_parameters())
-        append_checksums(run_dir, step + 1, names_, numels, values)
+        names_, numels, values = parameter_digests(models[0].named_parameters())
+        append_digests(run_dir, step + 1, names_, numels, values)
         loss, norm, lr, items, samples_n = rows[0]
         record: Record = {
             "step": step + 1,

@@ -60,5 +60,5 @@ class OuterRules(VerifyRules):
     ) -> StepFacts:
         if seed is None:  # the first merge is measured from the seed checkpoint
             return facts
-        merge = outer_merge_fact(cfg, split.world_size, seed, report, ref.checksums, cand.checksums)
+        merge = outer_merge_fact(cfg, split.world_size, seed, report, ref.digests, cand.digests)
         return dataclasses.replace(facts, outer_merge=merge)

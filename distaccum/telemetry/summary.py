@@ -1,4 +1,4 @@
-"""The run summary: medians of the per-step records and fp64 checksums of the final parameters."""
+"""The run summary: medians of the per-step records and fp64 digests (sum, sum of squares) of the final parameters."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def summarize(
 ) -> Record:
     """The run summary: ``header`` (what ran: :meth:`distaccum.resolve.ResolvedRun.summary_header`), medians
     of the records after ``warmup_steps``, the effective learning rate (the optimizer's own initial lr times
-    ``lr_scale``) and fp64 checksums of every final parameter (collective)."""
+    ``lr_scale``) and fp64 digests of every final parameter (collective)."""
     param_sum = torch.zeros((), dtype=torch.float64)
     param_sq = torch.zeros((), dtype=torch.float64)
     for _, tensor in engine.full_parameters():

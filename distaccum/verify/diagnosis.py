@@ -188,7 +188,7 @@ def rule_rank_divergence(report: Report) -> Finding | None:
     return Finding(
         "rank_divergence",
         f"ranks diverged at optimizer step {d.step} at parameter {d.parameter!r} (the reduction "
-        "fingerprint or the cross-rank checksum tripwire): gradients were not reduced identically on every rank — a skipped "
+        "fingerprint or the cross-rank parameter-digest tripwire): gradients were not reduced identically on every rank — a skipped "
         "or misplaced reduction (no_sync on the boundary), or rank-dependent code.",
     )
 

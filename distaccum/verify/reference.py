@@ -13,7 +13,7 @@ twice, a partial window divided by the nominal batch) therefore shows up as a di
 reference, which split-against-split comparisons cannot see.
 
 It writes the same files as a training run (``metrics.jsonl`` with loss and grad_norm per step,
-``checksums.jsonl``, ``final/model.safetensors``, ``summary.json``), so :func:`distaccum.verify.compare`
+``param_digests.jsonl``, ``final/model.safetensors``, ``summary.json``), so :func:`distaccum.verify.compare`
 reads both alike.
 """
 
@@ -34,16 +34,17 @@ from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream, stream_windows
 from distaccum.engines.base import Precision
-from distaccum.guards.tripwire import append_checksums, parameter_checksums
+from distaccum.guards.tripwire import append_digests, parameter_digests
 from distaccum.models import batch_stat_layers, random_layers
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.rundir import (
-    CHECKSUMS,
     CONFIG,
     FINAL_CONFIG,
     FINAL_DIR,
     FINAL_WEIGHTS,
     METRICS,
+    OLD_PARAM_DIGESTS,
+    PARAM_DIGESTS,
     Record,
     write_json,
 )
@@ -92,7 +93,7 @@ def start_reference(
     ``seed_out`` when given (the seed checkpoint other runs start from). Returns (component names, precision, device,
     the model on the CPU)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (METRICS, CHECKSUMS):
+    for stale in (METRICS, PARAM_DIGESTS, OLD_PARAM_DIGESTS):
         (run_dir / stale).unlink(missing_ok=True)
     names = parts.describe()
     write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": names})
@@ -143,8 +144,8 @@ def run_reference(
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        names_, numels, values = parameter_checksums(model.named_parameters())
-        append_checksums(run_dir, step + 1, names_, numels, values)
+        names_, numels, values = parameter_digests(model.named_parameters())
+        append_digests(run_dir, step + 1, names_, numels, values)
         record: Record = {
             "step": step + 1,
             "epoch": epoch,
