@@ -178,7 +178,7 @@ class OuterStep(Protocol):
     a merge across the islands at its sync steps, where the islands' votes are agreed (between syncs each island's
     window collective stays inside it, so its votes are its own)."""
 
-    def after_step(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]: ...
+    def merge_if_due(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]: ...
 
     def fields(self) -> Record:
         """The last step's record fields (what crossed between the islands)."""
@@ -367,10 +367,10 @@ def train(
         stopping, due = totals.stop_votes > 0, totals.checkpoint_votes > 0
         extra: Record = {}
         if parts.outer is not None:  # islands: the votes count where every island meets, at its syncs
-            stopping, due = parts.outer.after_step(step, totals.items, stopping, due)
+            stopping, due = parts.outer.merge_if_due(step, totals.items, stopping, due)
             extra = parts.outer.fields()
         if parts.fingerprint is not None:  # the previous step's comparison came with this window
-            parts.fingerprint.after_step(step, totals, done.result)
+            parts.fingerprint.judge(step, totals, done.result)
         for monitor in parts.monitors:
             monitor.after_step(step, totals, done.c, done.d)
         times = parts.timer.finish_step(sync=not parts.lag)

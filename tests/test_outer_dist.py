@@ -113,7 +113,7 @@ class IslandOffset:
     """A fault for the ``outer`` point of the testing seam: island ``island``'s cross-island sum comes back off by
     ``delta``, so its merged parameters differ from every other island's.
 
-    The seam hands over the real :class:`~distaccum.outer.sync.OuterSync`, whose :meth:`after_step` calls
+    The seam hands over the real :class:`~distaccum.outer.sync.OuterSync`, whose :meth:`merge_if_due` calls
     ``self.reduce``: a proxy object around it would never see that call. So the fault wraps the real bound method
     on that one instance (an instance attribute shadows the class's method) and returns the instance itself."""
 

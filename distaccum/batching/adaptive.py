@@ -32,6 +32,7 @@ import torch
 from distaccum.batching.config import AdaptiveConfig
 from distaccum.batching.schedule import BatchSchedule
 from distaccum.guards import agreement
+from distaccum.window import WindowResult
 
 VERIFY_RECIPE = (
     "accum.adaptive chooses its global batches as it runs, so the reference cannot know them in advance: verify "
@@ -113,7 +114,7 @@ class AdaptiveBatch:
         """Whether the rule runs after 1-based step ``step`` (not after the last: no step would follow)."""
         return step >= self.cfg.warmup and step % self.cfg.every == 0 and step < self.max_steps
 
-    def after_step(self, step: int, window: Any, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         if not self.due(step):
             return
         smoothed = self.gns.latest(step)["gns_smoothed"]

@@ -82,7 +82,7 @@ def _seed_hash(seeds: tuple[int, ...]) -> float:
 class Fingerprint:
     """The check the loop hands each step to after the optimizer step: it keeps this rank's row (the seed hash and
     the step's gradient sample), hands it to the next window's collective (:meth:`carry`) and compares every rank's
-    once that window is read (:meth:`after_step`), or at once (:meth:`flush`). Collective: every rank calls it at
+    once that window is read (:meth:`judge`), or at once (:meth:`flush`). Collective: every rank calls it at
     every step."""
 
     def __init__(
@@ -112,7 +112,7 @@ class Fingerprint:
         self._carried = self._pending[0]
         return self._pending[1]
 
-    def after_step(self, step: int, window: WindowResult, result: Reduced) -> None:
+    def judge(self, step: int, window: WindowResult, result: Reduced) -> None:
         """Compare the previous step's rows, which this window carried; check this window's data; keep this step's
         row for the next window."""
         if self.world == 1:

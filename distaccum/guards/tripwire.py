@@ -26,6 +26,7 @@ import torch.distributed as dist
 from distaccum.guards.agreement import gather
 from distaccum.rundir import DIVERGENCE, PARAM_DIGESTS
 from distaccum.runtime.procgroup import collective_device
+from distaccum.window import WindowResult
 
 
 class Parameters(Protocol):
@@ -166,7 +167,7 @@ class Tripwire:
         self.group = group
         """The ranks compared (None: the world; an outer-synced run's island)."""
 
-    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         if self.every and (step - 1) % self.every == 0:
             for check in self.first:
                 check.flush()

@@ -117,7 +117,7 @@ class SyncStats:
 
 class OuterSync:
     """The outer step of an outer-synced run (module docstring). Built after the engine wrapped the model; the
-    loop calls :meth:`after_step` after every optimizer step (collective across the islands at sync steps only)."""
+    loop calls :meth:`merge_if_due` after every optimizer step (collective across the islands at sync steps only)."""
 
     def __init__(
         self, cfg: OuterConfig, islands: Islands, module: nn.Module, sliced: bool, max_steps: int
@@ -160,7 +160,7 @@ class OuterSync:
 
     # --- the step -------------------------------------------------------------------------------------------
 
-    def after_step(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]:
+    def merge_if_due(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]:
         """Count the step's items; at a sync step merge the fragments due and return the votes every island agreed
         on (stop, checkpoint). Between syncs: (False, False) and nothing crosses to another island."""
         for p in range(len(self.items)):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from distaccum.data.pipeline import WindowBatches, WindowSource
 from distaccum.telemetry.ledger import Clock, CommLedger, CommStats, CudaClock, HostClock, Stamp
 from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
+from distaccum.window import WindowResult
 
 
 @dataclass
@@ -208,7 +209,7 @@ class RankStats:
     def __init__(self, timer: StepTimer, every: int) -> None:
         self.timer, self.every = timer, every
 
-    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         pass
 
     def fields(
