@@ -23,9 +23,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from distaccum.guards.agreement import gather
 from distaccum.rundir import DIVERGENCE, PARAM_DIGESTS
-from distaccum.runtime.procgroup import collective_device
+from distaccum.runtime.procgroup import collective_device, gather_rows
 from distaccum.window import WindowResult
 
 
@@ -95,7 +94,7 @@ def check_consistency(
     names, numels, local = parameter_digests(engine.full_parameters())
     if world > 1:
         local = local.to(collective_device())
-        gathered = gather(local, group=group, device=local.device).view(world, len(names), 2)
+        gathered = gather_rows(local, group=group, device=local.device).view(world, len(names), 2)
         _compare_ranks(names, list(gathered), step, run_dir if rank == 0 else None)
     world_rank = dist.get_rank() if dist.is_initialized() else 0  # island 0's first rank records
     if record and world_rank == 0 and run_dir is not None:

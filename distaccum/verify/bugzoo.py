@@ -377,7 +377,7 @@ def zoo_worker(plan_file: Path) -> None:
 
     from distaccum.preflight import instantiate_components
     from distaccum.runtime.contracts import DistEnv
-    from distaccum.runtime.procgroup import ensure_process_group
+    from distaccum.runtime.procgroup import ensure_process_group, gather_rows
     from distaccum.trainer import Trainer
 
     ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))
@@ -395,11 +395,11 @@ def zoo_worker(plan_file: Path) -> None:
                 code = EXIT_FAIL
             finally:
                 testing.uninstall()
-        codes: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(codes, code)  # every rank finished this run before the next starts
+        codes = gather_rows([code])  # every rank finished this run before the next starts
         if dist.get_rank() == 0:
             write_json(
-                run_dir / ZOO_STATUS, {"exit_code": max(codes), "seconds": time.perf_counter() - started}
+                run_dir / ZOO_STATUS,
+                {"exit_code": int(codes.max()), "seconds": time.perf_counter() - started},
             )
 
 
