@@ -144,7 +144,7 @@ def train_step(
     ``votes()`` gives what rides on the collective (stop and checkpoint votes, a check's row). Collective."""
     engine = state.engine
     window = state.source.window()  # 1. fetch: this rank's K micro-batches, on the device
-    split = window.split  # K of this step (a batch schedule changes it between steps, never inside one)
+    split = window.split  # K of this step (a growing batch changes it between steps, never inside one)
     c, d = power_of_two_scale(state.n_prev, split.global_batch), engine.grad_divisor
     totals.start()
     for k, micro in enumerate(window.micro):  # 2. K micro-steps

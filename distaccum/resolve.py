@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
-from distaccum.batching.schedule import BatchSchedule
+from distaccum.batching.growth import BatchGrowth
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split, to_mapping
 from distaccum.data.sources import DataOptions
@@ -181,7 +181,7 @@ def resolve(
         drop_last=cfg.data.drop_last,
         num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor,
-        schedule=batch_schedule(cfg, split, islands),
+        growth=batch_growth(cfg, split, islands),
     )
     return ResolvedRun(
         world_size=world_size,
@@ -200,17 +200,17 @@ def resolve(
     )
 
 
-SCHEDULE_ENGINES = ("ddp", "fsdp")
+GROWTH_ENGINES = ("ddp", "fsdp")
 
 
-def batch_schedule(cfg: RunConfig, split: Split, islands: int = 0) -> BatchSchedule | None:
+def batch_growth(cfg: RunConfig, split: Split, islands: int = 0) -> BatchGrowth | None:
     """The global batch per step of ``accum.ramp`` / ``accum.adaptive`` on ``split``'s world (None: constant);
-    ValueError for a phase without a split or what cannot follow a schedule."""
+    ValueError for a phase without a split or what cannot follow a growth."""
     accum = cfg.accum
     if not (accum.ramp.enabled or accum.adaptive.enabled):
         return None
     what = "accum.ramp" if accum.ramp.enabled else "accum.adaptive"
-    if cfg.engine.name not in SCHEDULE_ENGINES:
+    if cfg.engine.name not in GROWTH_ENGINES:
         raise ValueError(
             f"{what} changes K between optimizer steps; engine={cfg.engine.name} fixes its accumulation steps when "
             f"it is built (DeepSpeed's gradient_accumulation_steps, Accelerate's accumulation plugin): use "
@@ -224,11 +224,11 @@ def batch_schedule(cfg: RunConfig, split: Split, islands: int = 0) -> BatchSched
             raise ValueError(
                 "accum.adaptive.enabled=true follows the gradient noise scale log.gns measures: set log.gns=true"
             )
-        schedule = BatchSchedule.constant(accum.global_batch)
+        growth = BatchGrowth.constant(accum.global_batch)
     else:
-        schedule = BatchSchedule.of(accum.ramp, accum.global_batch)
-    schedule.check([split.world_size], None if cfg.accum.auto else split.micro_batch)
-    return schedule
+        growth = BatchGrowth.of(accum.ramp, accum.global_batch)
+    growth.check([split.world_size], None if cfg.accum.auto else split.micro_batch)
+    return growth
 
 
 OUTER_ENGINES = ("ddp", "fsdp")

@@ -269,7 +269,7 @@ class Trainer:
                 first_step=run.resumed_at + 1,
                 wandb_mode=cfg.log.wandb_mode,
                 wandb_project=cfg.log.wandb_project,
-                show_batch=run.resolved.data.schedule is not None,
+                show_batch=run.resolved.data.growth is not None,
             )
         return run.sink
 

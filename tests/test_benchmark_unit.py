@@ -587,7 +587,7 @@ def test_the_harness_patches_nothing_of_the_library_and_stays_small() -> None:
     files = [p for p in (ROOT / "benchmarks").iterdir() if p.name != "__pycache__"]
     studies = {
         "outer_curves.py": "docs/outer.md",
-        "batch_schedule.py": "docs/planning.md",
+        "batch_growth.py": "docs/planning.md",
         "checksum_margin.py": "docs/verification.md",
     }
     harness = [p for p in files if p.name not in studies]

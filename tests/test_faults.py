@@ -4,7 +4,7 @@
   resumes from the last periodic checkpoint, every step is in metrics.jsonl exactly once, and the final
   parameters are bit-identical to an uninterrupted run (DDP, FSDP2 via DCP, DeepSpeed ZeRO-2, DiLoCo islands).
 - A world-2 run resumed on world 1 at the same global batch ends where an uninterrupted world-2 run does
-  (tests/test_batch_schedule_dist.py, with a ramped global batch).
+  (tests/test_batch_growth_dist.py, with a ramped global batch).
 - A SIGSTOPped rank ends the run within ``collective_timeout_s`` (+ the launcher's grace), named.
 - A NaN on one rank is skipped by every rank; persistent NaN stops the run with a diagnosis.
 - Incompatible or corrupt checkpoints: exit 2 before any worker starts, naming fields or paths.
@@ -101,7 +101,7 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 ENGINES = {
-    # DDP's own kill: tests/test_batch_schedule_dist.py::test_kill_9_and_restart_across_a_change_is_bit_identical
+    # DDP's own kill: tests/test_batch_growth_dist.py::test_kill_9_and_restart_across_a_change_is_bit_identical
     # (the same launches and assertions, a DDP run whose global batch also ramps across the restart).
     "fsdp": ("engine=fsdp",),
     "zero2": ("engine=deepspeed", "engine.zero_stage=2"),

@@ -147,11 +147,11 @@ def _folder_pairs() -> dict[tuple[str, str], list[str]]:
 
 FOLDER_PAIRS = {
     ("batching", "verify"): (
-        "the batch schedule's verify rules (batching.verify_rules) are built on verify's protocol (verify.rules); "
-        "the plain reference takes each step's window of a ramp (batching.schedule)"
+        "the batch growth's verify rules (batching.verify_rules) are built on verify's protocol (verify.rules); "
+        "the plain reference takes each step's window of a ramp (batching.growth)"
     ),
     ("batching", "config"): (
-        "a leaf config section: config imports batching.config; batching.schedule reads RunConfig"
+        "a leaf config section: config imports batching.config; batching.growth reads RunConfig"
     ),
     ("cluster", "config"): (
         "a leaf config section: config imports cluster.config (the launchers' sections); the launchers read RunConfig"

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from distaccum.batching.config import AdaptiveConfig
-from distaccum.batching.schedule import BatchSchedule
+from distaccum.batching.growth import BatchGrowth
 from distaccum.guards import agreement
 from distaccum.window import WindowResult
 
@@ -41,7 +41,7 @@ VERIFY_RECIPE = (
     "accum.adaptive.enabled=false 'accum.ramp.points=BATCH_PHASES' accum.global_batch=LAST_GLOBAL_BATCH"
 )
 """``distaccum verify``'s refusal of an adaptive run, with the recipe that verifies its batches
-(tests/test_batch_schedule.py runs the recipe's overrides through the config's checks)."""
+(tests/test_batch_growth.py runs the recipe's overrides through the config's checks)."""
 
 
 class AdaptiveDisagreement(RuntimeError):
@@ -83,13 +83,13 @@ def next_batch(
 
 class AdaptiveBatch:
     """``accum.adaptive``: a :class:`~distaccum.loop.StepMonitor` after the noise-scale monitor (whose smoothed
-    estimate of the step it reads as soon as the step ends), changing ``schedule`` (shared with the data plan) at its
+    estimate of the step it reads as soon as the step ends), changing ``growth`` (shared with the data plan) at its
     decision steps; ``on_change(first step, global batch)`` makes the learning rate follow."""
 
     def __init__(
         self,
         cfg: AdaptiveConfig,
-        schedule: BatchSchedule,
+        growth: BatchGrowth,
         gns: Any,
         samples_of: Callable[[int], int],
         on_change: Callable[[int, int], None],
@@ -102,7 +102,7 @@ class AdaptiveBatch:
         device: torch.device,
         group: Any = None,
     ) -> None:
-        self.cfg, self.schedule, self.gns, self.on_change = cfg, schedule, gns, on_change
+        self.cfg, self.growth, self.gns, self.on_change = cfg, growth, gns, on_change
         self.samples_of = samples_of
         """The samples of a 0-based step's window (the data plan's: a last window may be partial)."""
         self.unit, (self.lo, self.hi) = unit, cfg.bounds(unit, global_batch)
@@ -118,12 +118,12 @@ class AdaptiveBatch:
         if not self.due(step):
             return
         smoothed = self.gns.latest(step)["gns_smoothed"]
-        current = self.schedule.global_batch(step - 1)
+        current = self.growth.global_batch(step - 1)
         per_sample = window.items / max(self.samples_of(step - 1), 1)
         decision = next_batch(current, smoothed, per_sample, self.cfg, self.unit, self.lo, self.hi)
         self._agree(step, decision)
         self._decided[step] = decision
-        if self.schedule.change(step, decision.batch):  # 0-based ``step`` is the next one
+        if self.growth.change(step, decision.batch):  # 0-based ``step`` is the next one
             self.on_change(step, decision.batch)
 
     def _agree(self, step: int, decision: Decision) -> None:

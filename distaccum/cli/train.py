@@ -71,12 +71,12 @@ def train_task(dcfg: Any) -> int:
         how = f"micro_batch {cfg.accum.micro_batch} x the accumulation steps of the world it gets"
     ranks = f"x{split.world_size}" if len(worlds) == 1 else f"on {worlds[0]} to {worlds[-1]}"
     batch = f"{how} = {split.global_batch} samples per optimizer step"
-    schedule = checked.run.data.schedule
-    if cfg.accum.adaptive.enabled and schedule is not None:  # the phases follow (describe_schedule, rank 0)
-        batch = f"a global batch from {schedule.phases[0][1]} chosen as it runs (accum.adaptive), micro_batch {split.micro_batch}"
-    elif schedule is not None and len(schedule.phases) > 1:
+    growth = checked.run.data.growth
+    if cfg.accum.adaptive.enabled and growth is not None:  # the phases follow (describe_growth, rank 0)
+        batch = f"a global batch from {growth.phases[0][1]} chosen as it runs (accum.adaptive), micro_batch {split.micro_batch}"
+    elif growth is not None and len(growth.phases) > 1:
         batch = (
-            f"a global batch ramping {schedule.phases[0][1]} -> {schedule.phases[-1][1]} (accum.ramp), micro_batch "
+            f"a global batch ramping {growth.phases[0][1]} -> {growth.phases[-1][1]} (accum.ramp), micro_batch "
             f"{split.micro_batch} x the accumulation steps of each phase"
         )
     print(

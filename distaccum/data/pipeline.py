@@ -255,7 +255,7 @@ class WindowBatches:
     micro: Iterator[MicroBatch]
     """This rank's K micro-batches, collated and moved to the device one at a time as the loop asks for them."""
     split: Split
-    """The step's split: K micro-batches of this size on every rank (a batch schedule changes it between steps)."""
+    """The step's split: K micro-batches of this size on every rank (a growing batch changes it between steps)."""
 
 
 class WindowSource(Protocol):
@@ -311,7 +311,7 @@ class PlanSource:
         """The keyword arguments this source was made with (a copy of it is ``PlanSource(..., **loader_options)``)."""
         self._batches: Iterator[Any] | None = None
         self._at = -1  # the step the DataLoader iterator is positioned at
-        self._version = 0  # the batch schedule's version the iterator was cut for
+        self._version = 0  # the batch growth's version the iterator was cut for
 
     @property
     def next_step(self) -> int:
@@ -323,7 +323,7 @@ class PlanSource:
 
     def window(self) -> WindowBatches:
         step = self.plan.next_step
-        version = self.plan.schedule.version if self.plan.schedule is not None else 0
+        version = self.plan.growth.version if self.plan.growth is not None else 0
         if self._batches is None or self._at != step or self._version != version:
             # first window, the position moved (resume), or the adaptive batch changed what was prefetched
             self._version = version
@@ -352,8 +352,8 @@ class PlanSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.plan.load_state_dict(state)
-        if self.plan.schedule is not None:  # the phases an adaptive run chose must split on this world too
-            self.plan.schedule.check([self.split.world_size], self.split.micro_batch)
+        if self.plan.growth is not None:  # the phases an adaptive run chose must split on this world too
+            self.plan.growth.check([self.split.world_size], self.split.micro_batch)
 
 
 def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:

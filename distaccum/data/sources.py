@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from distaccum.batching.schedule import BatchSchedule
+from distaccum.batching.growth import BatchGrowth
 from distaccum.data.global_batch import GlobalBatchPlan
 from distaccum.data.pipeline import PlanSource, WindowSource
 from distaccum.data.stream import StreamSource, is_stream
@@ -30,7 +30,7 @@ class DataOptions:
     num_workers: int
     prefetch_factor: int
 
-    schedule: BatchSchedule | None = None
+    growth: BatchGrowth | None = None
     """The global batch per step when it is not constant (``accum.ramp``, ``accum.adaptive``)."""
 
     def plan(self, dataset: Dataset, global_batch: int) -> GlobalBatchPlan:
@@ -41,7 +41,7 @@ class DataOptions:
             seed=self.seed,
             shuffle=self.shuffle,
             drop_last=self.drop_last,
-            schedule=self.schedule,
+            growth=self.growth,
         )
 
 
@@ -61,7 +61,7 @@ def build_source(
     plan (through a DataLoader, pinned on CUDA, or an in-memory ``TensorDataset`` cut directly:
     :class:`~distaccum.data.pipeline.TensorRows`)."""
     if is_stream(dataset):
-        if options.schedule is not None:
+        if options.growth is not None:
             raise ValueError(
                 "accum.ramp / accum.adaptive need a map-style dataset (with a length): a stream's windows are cut "
                 "at a fixed global batch; wrap the data in a map-style Dataset, or train at one global batch"

@@ -281,7 +281,7 @@ class EngineBase:
         return {}
 
     def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:
-        """The micro-batches of a window of ``accum_steps`` micro-batches (default: the split's K; a batch schedule
+        """The micro-batches of a window of ``accum_steps`` micro-batches (default: the split's K; a growing batch
         changes it between steps) that reduce gradients, as ``accum.sync`` promises them: (in-replica,
         cross-replica). ``boundary``: 1 (and 1 across HSDP replicas); ``every_micro``: K (K); ``replica_boundary``:
         K inside the replica, 1 across; a replica of one rank reduces nothing inside it. The ledger's count must equal

@@ -47,9 +47,7 @@ class ReductionCount:
     def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         if not self.promises or self.warned:
             return
-        promise = self.engine.reduction_rounds(
-            self.ledger.micro_batches()
-        )  # this step's K (a batch schedule)
+        promise = self.engine.reduction_rounds(self.ledger.micro_batches())  # this step's K (a growing batch)
         seen = self.ledger.rounds()
         if seen == promise:
             return

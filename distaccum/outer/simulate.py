@@ -1,9 +1,9 @@
 """The single-process simulator ``distaccum verify`` compares outer-synced runs with: R islands one after another.
 
 It shares with the run the user's model factory, dataset, collate, loss and optimizer factory (and the
-learning-rate schedule), like :mod:`distaccum.verify.reference`, and the sync *schedule*: which parameters form
+learning-rate schedule), like :mod:`distaccum.verify.reference`, and the sync *cadence*: which parameters form
 fragment p (:func:`distaccum.outer.sync.split_fragments`) and after which steps it syncs
-(:meth:`~distaccum.outer.config.OuterConfig.syncing`), so a wrong schedule would be wrong on both sides (it is
+(:meth:`~distaccum.outer.config.OuterConfig.syncing`), so a wrong cadence would be wrong on both sides (it is
 tested on its own in tests/test_outer.py). It shares none of the merge: no process group, no flat buffers, no torch
 SGD for the outer step; the merge arithmetic below is written out independently. Each optimizer step t, for each island i in turn, it takes the samples island i's ranks read at step t (the
 global-batch plan cut for the run's split, ranks i*S .. i*S+S-1) in ONE forward/backward of
@@ -88,7 +88,7 @@ def run_outer_reference(
     ]
     theta_g = [p.detach().clone() for p in params[0]]
     momentum: list[torch.Tensor | None] = [None] * len(theta_g)
-    fragments = split_fragments([p.numel() for p in params[0]], outer.fragments)  # the run's cut: a schedule
+    fragments = split_fragments([p.numel() for p in params[0]], outer.fragments)  # the run's cut: a cadence
     counts = [[0.0] * outer.fragments for _ in range(layout.islands)]
     plan = GlobalBatchPlan(
         len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length

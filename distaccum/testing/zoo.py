@@ -199,7 +199,7 @@ class TransformPerMicroBatch:
     transform here is the one every run has, the clip to ``max_norm`` (``optim.clip_norm``): after each micro-batch's
     reduction the accumulated partitions are clipped (DeepSpeed's public ``safe_get_local_grad`` /
     ``safe_set_local_grad``, the global norm from every rank's partition), instead of once at the step. Engine
-    ``deepspeed`` with ``zero_stage=3`` and ``accum.sync=every_micro`` (DeepSpeed's own schedule)."""
+    ``deepspeed`` with ``zero_stage=3`` and ``accum.sync=every_micro`` (DeepSpeed's own reduction cadence)."""
 
     def __init__(self, max_norm: float = 1.0) -> None:
         self.max_norm = max_norm

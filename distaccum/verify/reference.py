@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from distaccum.batching.schedule import BatchSchedule
+from distaccum.batching.growth import BatchGrowth
 from distaccum.components import Components, build_model
 from distaccum.config import RunConfig, to_mapping
 from distaccum.data.global_batch import GlobalBatchPlan
@@ -73,16 +73,16 @@ def window_samples(
         seed=cfg.trainer.seed,
         shuffle=cfg.data.shuffle,
         drop_last=cfg.data.drop_last,
-        schedule=ramp_of(cfg, global_batch),
+        growth=ramp_of(cfg, global_batch),
     )
     for step in count():
         planned = plan.window(step)
         yield planned.epoch, [parts.dataset[int(i)] for i in planned.indices], planned.partial
 
 
-def ramp_of(cfg: RunConfig, global_batch: int) -> BatchSchedule | None:
+def ramp_of(cfg: RunConfig, global_batch: int) -> BatchGrowth | None:
     """``accum.ramp``'s global batch per step (None: constant): each step's window is taken whole all the same."""
-    return BatchSchedule.of(cfg.accum.ramp, global_batch) if cfg.accum.ramp.enabled else None
+    return BatchGrowth.of(cfg.accum.ramp, global_batch) if cfg.accum.ramp.enabled else None
 
 
 def start_reference(
