@@ -309,7 +309,7 @@ class StepEnd:
 def step_record(step: Step, times: StepTimes, nonfinite: bool, island: bool = False) -> Record:
     """The step's ``metrics.jsonl`` line (identical on every rank but the timings). Its samples, items, loss and
     reductions are those of the ranks the window's collective spans: the run, or in an outer-synced run (``island``)
-    rank 0's island, and then ``run_samples``/``run_samples_per_s`` add the step of every island (the data plan's
+    rank 0's island, and then ``run_samples``/``run_samples_per_s`` add the step of every island (the data order's
     window; the islands' items are not known before they meet at a sync)."""
     window, totals, result, n = step.window, step.totals, step.result, step.totals.items
     samples = totals.samples
@@ -361,7 +361,7 @@ def train(
         parts.timer.start_step()
         done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
         step, totals = done.number, done.totals
-        trained += done.window.samples  # the data plan's window: every island's, the same on every rank
+        trained += done.window.samples  # the data order's window: every island's, the same on every rank
         if trained >= budget:  # trainer.max_samples: this step reached it, the run ends after it
             end = step
         stopping, due = totals.stop_votes > 0, totals.checkpoint_votes > 0

@@ -7,7 +7,7 @@
         precision   the fp32 | fp64 | bf16 | fp16 policy
         engine      the EngineSpec (built here and nowhere else), checked against the engine's class
         loop        LoopSettings
-        data        DataOptions: how the global-batch plan walks the data, how the loaders read it
+        data        DataOptions: how the global-batch order walks the data, how the loaders read it
         model       ModelRecipe: seed, precision, init_from (identical initial weights everywhere)
 
     ResolvedRun + the user's components  --prepare()-->  Prepared
@@ -288,7 +288,7 @@ def prepare(
 ) -> Prepared:
     """Build the model as every rank builds it (or take ``model``, built by ``run.model``) and check everything
     that needs it (ValueError on failure): activation checkpointing and the engine, the normalization probe
-    (``check_components``), the data plan, the held-out set. Warns when batch-statistics layers meet
+    (``check_components``), the data order, the held-out set. Warns when batch-statistics layers meet
     accumulation."""
     names = parts.describe()
     model = model if model is not None else run.model.build(parts)
@@ -298,7 +298,9 @@ def prepare(
     if check_components:
         probe(model, parts.dataset, collate, parts.loss, names=names)
     if not is_stream(parts.dataset):
-        run.data.plan(parts.dataset, run.global_batch)  # a plan that would never run a window is an error now
+        run.data.order(
+            parts.dataset, run.global_batch
+        )  # an order that would never run a window is an error now
     layers = batch_stat_layers(model)
     if layers and run.split.accum_steps > 1 and not run.auto:
         warnings.warn(

@@ -10,7 +10,7 @@ The same object runs ``distaccum train``'s workers and a user's own ``torchrun``
 
 It joins the process group (or uses the one the script made), resolves the run once
 (:mod:`distaccum.resolve`), builds the model identically on every rank, wraps it with the engine,
-walks the global-batch plan through a DataLoader, runs :func:`distaccum.loop.train` with the
+walks the global-batch order through a DataLoader, runs :func:`distaccum.loop.train` with the
 components that own checkpoints, non-finite steps and per-step monitors, writes
 ``metrics.jsonl``/``summary.json`` and the trained model to ``run_dir/final/``, and leaves the group as
 it found it. Every object it builds passes through the testing seam (:mod:`distaccum.testing`) here
@@ -166,7 +166,7 @@ class Trainer:
 
     @property
     def state(self) -> TrainState:
-        """The wrapped model, engine, scheduler, plan and records (after :meth:`setup`)."""
+        """The wrapped model, engine, scheduler, data order and records (after :meth:`setup`)."""
         if self._run is None:
             raise RuntimeError("Trainer.setup() has not run yet")
         return self._run.state

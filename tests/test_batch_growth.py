@@ -1,4 +1,4 @@
-"""The growing global batch (unit tier): phases, the data plan's windows, the split per step, the learning
+"""The growing global batch (unit tier): phases, the data order's windows, the split per step, the learning
 rate per phase, the adaptive rule, the config's refusals and the resume table."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from distaccum.batching.adaptive import next_batch
 from distaccum.batching.config import AdaptiveConfig, RampConfig
 from distaccum.batching.growth import BatchGrowth, megatron_phases, phase_split
 from distaccum.config import OptimConfig, RunConfig, from_mapping, to_mapping
-from distaccum.data.global_batch import GlobalBatchPlan
-from distaccum.data.pipeline import PlanSampler
+from distaccum.data.global_batch import GlobalBatchOrder
+from distaccum.data.pipeline import OrderSampler
 from distaccum.optim import LrSchedule, build_scheduler, rescale
 from distaccum.rundir.changes import REFUSED, classify
 from distaccum.split import Split
@@ -93,8 +93,8 @@ def test_a_ramp_reads_the_unramped_sample_stream_in_order(shuffle: bool, drop_la
     repeated at a change; an epoch ends where its samples do."""
     n = 100
 
-    def ramped_plan() -> GlobalBatchPlan:
-        return GlobalBatchPlan(
+    def ramped_plan() -> GlobalBatchOrder:
+        return GlobalBatchOrder(
             n,
             32,
             seed=3,
@@ -104,7 +104,7 @@ def test_a_ramp_reads_the_unramped_sample_stream_in_order(shuffle: bool, drop_la
         )
 
     ramped = ramped_plan()
-    plain = GlobalBatchPlan(n, 32, seed=3, shuffle=shuffle, drop_last=drop_last)
+    plain = GlobalBatchOrder(n, 32, seed=3, shuffle=shuffle, drop_last=drop_last)
     windows = [ramped.window(s) for s in range(14)]
     assert [len(w.indices) for w in windows[:6]] == [8, 8, 8, 16, 16, 32]
     for epoch in (0, 1, 2):
@@ -123,10 +123,10 @@ def test_a_ramp_reads_the_unramped_sample_stream_in_order(shuffle: bool, drop_la
 
 def test_each_step_is_cut_into_its_own_k_micro_batches_per_rank() -> None:
     schedule = BatchGrowth([(0, 8), (2, 16), (4, 32)])
-    plan = GlobalBatchPlan(200, 32, seed=0, shuffle=True, growth=schedule)
+    plan = GlobalBatchOrder(200, 32, seed=0, shuffle=True, growth=schedule)
     split = Split(4, 4, 2)  # the configured split of the final global batch
     for rank in (0, 1):
-        sampler = PlanSampler(plan, split, rank, 0, 6)
+        sampler = OrderSampler(plan, split, rank, 0, 6)
         pieces = [p.tolist() for p in sampler.pieces()]
         assert [len(p) for p in pieces] == [4] * 1 + [4] * 1 + [4] * 2 + [4] * 2 + [4] * 4 + [4] * 4
         assert len(sampler) == len(pieces) == 14
@@ -143,31 +143,31 @@ def test_each_step_is_cut_into_its_own_k_micro_batches_per_rank() -> None:
 
 def test_plan_state_carries_the_phases_an_adaptive_run_chose() -> None:
     schedule = BatchGrowth.constant(16)
-    plan = GlobalBatchPlan(100, 16, seed=0, growth=schedule)
+    plan = GlobalBatchOrder(100, 16, seed=0, growth=schedule)
     plan.window(5)
     assert schedule.change(4, 32) and schedule.version == 1
     assert not schedule.change(6, 32)  # no change: nothing appended
     plan.next_step = 7
     state = plan.state_dict()
-    fresh = GlobalBatchPlan(100, 16, seed=0, growth=BatchGrowth.constant(16))
+    fresh = GlobalBatchOrder(100, 16, seed=0, growth=BatchGrowth.constant(16))
     fresh.load_state_dict(state)
     assert fresh.growth is not None and fresh.growth.phases == [(0, 16), (4, 32)] and fresh.next_step == 7
     assert torch.equal(fresh.window(6).indices, plan.window(6).indices)
     with pytest.raises(ValueError, match="batch growth"):
-        GlobalBatchPlan(100, 16, seed=0).load_state_dict(state)
+        GlobalBatchOrder(100, 16, seed=0).load_state_dict(state)
 
 
 def test_plan_state_saved_under_the_old_name_of_the_batch_growth_resumes() -> None:
     """Issue 57: a checkpoint's data position kept the chosen phases under ``schedule`` before; it still resumes."""
-    plan = GlobalBatchPlan(100, 16, seed=0, growth=BatchGrowth([(0, 16), (4, 32)]))
+    plan = GlobalBatchOrder(100, 16, seed=0, growth=BatchGrowth([(0, 16), (4, 32)]))
     plan.next_step = 7
     state = plan.state_dict()
     state["schedule"] = state.pop("growth")
-    fresh = GlobalBatchPlan(100, 16, seed=0, growth=BatchGrowth.constant(16))
+    fresh = GlobalBatchOrder(100, 16, seed=0, growth=BatchGrowth.constant(16))
     fresh.load_state_dict(state)
     assert fresh.growth is not None and fresh.growth.phases == [(0, 16), (4, 32)] and fresh.next_step == 7
     with pytest.raises(ValueError, match="batch growth"):
-        GlobalBatchPlan(100, 16, seed=0).load_state_dict(state)
+        GlobalBatchOrder(100, 16, seed=0).load_state_dict(state)
 
 
 def test_lr_follows_lr_scaling_per_phase_and_an_adaptive_change_recomputes_the_current_lr() -> None:
@@ -273,15 +273,15 @@ def test_what_cannot_follow_a_schedule_is_refused_naming_it() -> None:
 def test_a_resume_on_a_world_that_cannot_split_a_chosen_batch_is_refused_naming_it() -> None:
     from torch.utils.data import TensorDataset
 
-    from distaccum.data.pipeline import PlanSource
+    from distaccum.data.pipeline import OrderSource
 
     chosen = BatchGrowth.constant(16)
     chosen.change(4, 20)  # what an adaptive run on 2 ranks chose
-    state = GlobalBatchPlan(64, 16, seed=0, growth=chosen).state_dict()
+    state = GlobalBatchOrder(64, 16, seed=0, growth=chosen).state_dict()
     data = TensorDataset(torch.arange(64.0))
     for world, fails in ((2, False), (4, False), (8, True)):
-        plan = GlobalBatchPlan(64, 16, seed=0, growth=BatchGrowth.constant(16))
-        source = PlanSource(data, None, plan, Split(2, 16 // (2 * world), world), 0, 10)
+        plan = GlobalBatchOrder(64, 16, seed=0, growth=BatchGrowth.constant(16))
+        source = OrderSource(data, None, plan, Split(2, 16 // (2 * world), world), 0, 10)
         if fails:
             with pytest.raises(ValueError, match="no split on 8 ranks: 20 \\(from step 5\\)"):
                 source.load_state_dict(state)

@@ -15,8 +15,8 @@ estimates are mostly noise) keeps G, and the record says so (``adaptive_target``
 rule on the same numbers (the all-reduced noise-scale terms and the window's item count, reduced in float64), so
 the ranks agree by construction; that is checked at each decision: one all-gather of three float64 numbers per
 rank, compared bit for bit (:mod:`distaccum.guards.agreement`), and a disagreement stops the run naming the ranks.
-The change takes effect from step s + 1 (the data plan cuts its window at the new size, K follows, the learning
-rate follows ``optim.lr_scaling``); the phases chosen travel in the checkpoint with the data plan, the averages in
+The change takes effect from step s + 1 (the data order cuts its window at the new size, K follows, the learning
+rate follows ``optim.lr_scaling``); the phases chosen travel in the checkpoint with the data order, the averages in
 the records, so a resumed run makes the same decisions.
 """
 
@@ -83,7 +83,7 @@ def next_batch(
 
 class AdaptiveBatch:
     """``accum.adaptive``: a :class:`~distaccum.loop.StepMonitor` after the noise-scale monitor (whose smoothed
-    estimate of the step it reads as soon as the step ends), changing ``growth`` (shared with the data plan) at its
+    estimate of the step it reads as soon as the step ends), changing ``growth`` (shared with the data order) at its
     decision steps; ``on_change(first step, global batch)`` makes the learning rate follow."""
 
     def __init__(
@@ -104,7 +104,7 @@ class AdaptiveBatch:
     ) -> None:
         self.cfg, self.growth, self.gns, self.on_change = cfg, growth, gns, on_change
         self.samples_of = samples_of
-        """The samples of a 0-based step's window (the data plan's: a last window may be partial)."""
+        """The samples of a 0-based step's window (the data order's: a last window may be partial)."""
         self.unit, (self.lo, self.hi) = unit, cfg.bounds(unit, global_batch)
         self.rank, self.world, self.device, self.group = rank, world_size, device, group
         self.max_steps = max_steps

@@ -1,8 +1,8 @@
 """The global batch per optimizer step: constant, a ramp, or what the adaptive rule chose so far.
 
 A :class:`BatchGrowth` is a list of phases ``(first step, global batch)`` (0-based steps): step s takes the
-batch of the last phase starting at or before it. The data plan (:class:`~distaccum.data.global_batch.
-GlobalBatchPlan`) cuts each step's window of that many samples from the same sample stream an unramped run
+batch of the last phase starting at or before it. The data order (:class:`~distaccum.data.global_batch.
+GlobalBatchOrder`) cuts each step's window of that many samples from the same sample stream an unramped run
 reads, so a ramp never skips or repeats a sample. The split of a step keeps the configured micro-batch and
 changes K, the accumulated micro-batches: K = G / (micro_batch x world). Only when K alone cannot reach G (G /
 world is no multiple of the micro-batch) the micro-batch drops to the largest divisor of G / world below it, and

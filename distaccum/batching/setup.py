@@ -51,14 +51,14 @@ class AdaptiveSetup(SetupBase):
         scheduler = cast(LambdaLR, state.scheduler)  # build_scheduler's (through the seam)
         growth, gns = resolved.data.growth, run.noise_scale
         assert growth is not None and gns is not None, "the noise-scale monitor attaches first"
-        plan = resolved.data.plan(run.components.dataset, resolved.global_batch)
+        order = resolved.data.order(run.components.dataset, resolved.global_batch)
         split = resolved.split
         run.monitors.append(
             AdaptiveBatch(
                 cfg.accum.adaptive,
                 growth,
                 gns,
-                lambda step: plan.rank_sizes(step, split, 0)[1],
+                lambda step: order.rank_sizes(step, split, 0)[1],
                 lambda first, batch: rescale(scheduler, first, batch, cfg.optim),
                 unit=split.micro_batch * split.world_size,
                 global_batch=resolved.global_batch,

@@ -148,7 +148,7 @@ def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def plan_main(argv: list[str]) -> int:
     """Entry of ``distaccum plan``; returns the exit code."""
-    from distaccum.cluster.local import launch, launch_plan
+    from distaccum.cluster.local import launch, launch_recipe
     from distaccum.tuning.growth_plan import render_phases
     from distaccum.tuning.planner import SplitPlan, render_table
 
@@ -182,7 +182,7 @@ def plan_main(argv: list[str]) -> int:
         f"ranks, global batch {global_batch}: measuring every micro-batch size, run_dir {run_dir}",
         flush=True,
     )
-    code = launch(launch_plan(cfg), ["-m", "distaccum", "_plan", str(config_file)])
+    code = launch(launch_recipe(cfg), ["-m", "distaccum", "_plan", str(config_file)])
     if code:
         print(
             f"distaccum plan: the measuring workers failed (exit {code}); see their output above",

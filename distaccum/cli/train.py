@@ -13,11 +13,11 @@ from typing import Any
 from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
 from distaccum.config import to_mapping, with_overrides
-from distaccum.outer.islands import island_plan
+from distaccum.outer.islands import island_lines
 from distaccum.preflight import preflight
 from distaccum.rundir import LAUNCH_CONFIG, STATUS, write_json
 from distaccum.runtime.contracts import node_launch
-from distaccum.runtime.topology import placement_plan
+from distaccum.runtime.topology import placement_lines
 
 
 def in_multirun() -> tuple[bool, str | None]:
@@ -38,7 +38,7 @@ def config_error(err: Exception) -> None:
 def train_task(dcfg: Any) -> int:
     """One Hydra job: validate and pre-flight, then start the workers."""
     from distaccum.cluster import forked
-    from distaccum.cluster.local import elastic_plan, launch_local, launch_plan, torchrun_argv, worker_args
+    from distaccum.cluster.local import elastic_lines, launch_local, launch_recipe, torchrun_argv, worker_args
 
     multirun, job_dir = in_multirun()
     try:
@@ -67,7 +67,7 @@ def train_task(dcfg: Any) -> int:
         else f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps"
     )
     worlds = cfg.world_sizes()
-    if len(worlds) > 1:  # elastic: K follows the world the run gets (elastic_plan lists them)
+    if len(worlds) > 1:  # elastic: K follows the world the run gets (elastic_lines lists them)
         how = f"micro_batch {cfg.accum.micro_batch} x the accumulation steps of the world it gets"
     ranks = f"x{split.world_size}" if len(worlds) == 1 else f"on {worlds[0]} to {worlds[-1]}"
     batch = f"{how} = {split.global_batch} samples per optimizer step"
@@ -86,16 +86,16 @@ def train_task(dcfg: Any) -> int:
     )
     print(
         "distaccum: equivalent to `"
-        + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file)))
+        + shlex.join(torchrun_argv(launch_recipe(cfg), worker_args(config_file)))
         + "`",
         flush=True,
     )
-    nodes = cfg.trainer.node_range()[1]  # an elastic launch: its largest world (elastic_plan says the rest)
-    for line in placement_plan(checked.run.engine.replicas, nodes, cfg.trainer.nproc):
+    nodes = cfg.trainer.node_range()[1]  # an elastic launch: its largest world (elastic_lines says the rest)
+    for line in placement_lines(checked.run.engine.replicas, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
-    for line in island_plan(checked.run.outer_islands, nodes, cfg.trainer.nproc):
+    for line in island_lines(checked.run.outer_islands, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
-    for line in elastic_plan(cfg):
+    for line in elastic_lines(cfg):
         print(f"distaccum: {line}", flush=True)
     code = launch_local(cfg, config_file)
     if nodes > 1:  # every node's launcher says how its own workers ended (rank 0's node also printed "done")

@@ -1,6 +1,6 @@
-"""The deterministic global-batch plan: which samples each optimizer step, rank and micro-batch takes.
+"""The deterministic global-batch order: which samples each optimizer step, rank and micro-batch takes.
 
-The plan is what makes split invariance possible: optimizer step ``s`` consumes the same set of
+The order is what makes split invariance possible: optimizer step ``s`` consumes the same set of
 sample indices whatever (micro_batch, accum_steps, world_size) is, and each rank's micro-batches are
 fixed slices of that set. It depends only on (num_samples, global_batch, seed, shuffle, drop_last).
 """
@@ -24,7 +24,7 @@ class Window:
     """0-based optimizer step."""
     epoch: int
     indices: torch.Tensor
-    """Global sample indices, in plan order; fewer than global_batch only for a partial last window."""
+    """Global sample indices, in order; fewer than global_batch only for a partial last window."""
     global_batch: int
 
     @property
@@ -44,7 +44,7 @@ class Window:
         return [pieces[m * split.world_size + rank] for m in range(split.accum_steps)]
 
 
-class GlobalBatchPlan:
+class GlobalBatchOrder:
     """Deterministic, epoch-aware walk over the dataset in windows of ``global_batch`` samples.
 
     Depends only on (num_samples, global_batch or its growth, seed, shuffle, drop_last), never on the split, so
@@ -81,9 +81,9 @@ class GlobalBatchPlan:
         self.growth = growth
         """The batch growth (a ramp, the adaptive rule's phases so far); None: ``global_batch`` every step."""
         self._walk = (0, 0, 0)
-        """(step, epoch, first position) of the last step :meth:`_place` walked to (a growing batch's plan)."""
+        """(step, epoch, first position) of the last step :meth:`_place` walked to (a growing batch's order)."""
         self.next_step = 0
-        """Position: the 0-based optimizer step the plan hands out next (resume state)."""
+        """Position: the 0-based optimizer step the order hands out next (resume state)."""
         self._epoch_order: tuple[int, torch.Tensor] | None = None
         """The last epoch's order, kept: every window of an epoch slices it, and drawing a permutation of a
         million samples takes tens of milliseconds, while the sampler and the loop each ask for every window."""
@@ -171,13 +171,13 @@ class GlobalBatchPlan:
         return epoch, size, [q + (1 if m * world + rank < r else 0) for m in range(split.accum_steps)]
 
     def rank_ranges(self, step: int, split: Split, rank: int) -> list[tuple[int, int]]:
-        """For an in-order plan (``shuffle=False``): :meth:`rank_pieces`' micro-batches as (first sample, count), by
+        """For an unshuffled order (``shuffle=False``): :meth:`rank_pieces`' micro-batches as (first sample, count), by
         arithmetic alone (the window is a range cut as :meth:`_cut` says); an empty piece is the stand-in (the
-        window's first sample, once), as :meth:`PlanSampler.pieces` serves it. No tensor is made or read: the
+        window's first sample, once), as :meth:`OrderSampler.pieces` serves it. No tensor is made or read: the
         in-process fetch asks per micro-batch."""
         if self.shuffle:
             raise ValueError(
-                "rank_ranges needs an in-order plan (shuffle=False): a shuffled window is no range"
+                "rank_ranges needs an in-order global-batch order (shuffle=False): a shuffled window is no range"
             )
         _, start, _, q, r = self._cut(step, split)
         split = self.split_at(step, split)
@@ -201,13 +201,13 @@ class GlobalBatchPlan:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume; refuses a state from a plan with a different global batch, seed or dataset. A growth takes the
+        """Resume; refuses a state from an order with a different global batch, seed or dataset. A growth takes the
         checkpoint's phases (the adaptive rule's decisions; a ramp's are the same ones, the config is compared
         before any worker starts)."""
         for key in ("global_batch", "seed", "num_samples"):
             if state[key] != getattr(self, key):
                 raise ValueError(
-                    f"cannot resume: plan {key}={state[key]} in the checkpoint, {getattr(self, key)} now"
+                    f"cannot resume: order {key}={state[key]} in the checkpoint, {getattr(self, key)} now"
                 )
         if "growth" not in state and "schedule" in state:  # its name before issue 57
             state = {**state, "growth": state["schedule"]}

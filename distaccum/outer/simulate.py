@@ -6,7 +6,7 @@ fragment p (:func:`distaccum.outer.sync.split_fragments`) and after which steps 
 (:meth:`~distaccum.outer.config.OuterConfig.syncing`), so a wrong cadence would be wrong on both sides (it is
 tested on its own in tests/test_outer.py). It shares none of the merge: no process group, no flat buffers, no torch
 SGD for the outer step; the merge arithmetic below is written out independently. Each optimizer step t, for each island i in turn, it takes the samples island i's ranks read at step t (the
-global-batch plan cut for the run's split, ranks i*S .. i*S+S-1) in ONE forward/backward of
+global-batch order cut for the run's split, ranks i*S .. i*S+S-1) in ONE forward/backward of
 
     sum(loss over those samples' items) / (their item count)
 
@@ -34,7 +34,7 @@ import torch
 
 from distaccum.components import Components
 from distaccum.config import RunConfig, to_mapping
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream
 from distaccum.guards.tripwire import append_digests, parameter_digests
@@ -55,10 +55,10 @@ from distaccum.verify.reference import start_reference
 
 
 def island_indices(
-    plan: GlobalBatchPlan, step: int, split: Split, layout: IslandLayout, island: int
+    order: GlobalBatchOrder, step: int, split: Split, layout: IslandLayout, island: int
 ) -> list[int]:
     """The sample indices island ``island``'s ranks read at 0-based ``step`` (all their micro-batches)."""
-    window = plan.window(step)
+    window = order.window(step)
     return [
         int(i)
         for rank in layout.ranks(island)
@@ -73,7 +73,7 @@ def run_outer_reference(
     """Simulate ``cfg``'s outer-synced run on ``split`` in this process; returns the summary (module docstring)."""
     if is_stream(parts.dataset):
         raise ValueError(
-            "verify of outer.method runs needs a map-style dataset (a stream has no global-batch plan)"
+            "verify of outer.method runs needs a map-style dataset (a stream has no global-batch order)"
         )
     outer = cfg.outer
     layout = IslandLayout.of(split.world_size, 0, resolve_islands(outer.islands, split.world_size, 1))
@@ -90,7 +90,7 @@ def run_outer_reference(
     momentum: list[torch.Tensor | None] = [None] * len(theta_g)
     fragments = split_fragments([p.numel() for p in params[0]], outer.fragments)  # the run's cut: a cadence
     counts = [[0.0] * outer.fragments for _ in range(layout.islands)]
-    plan = GlobalBatchPlan(
+    order = GlobalBatchOrder(
         len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
         split.global_batch,
         seed=cfg.trainer.seed,
@@ -106,7 +106,7 @@ def run_outer_reference(
     for step in range(cfg.trainer.max_steps):
         rows = []
         for i, model in enumerate(models):
-            samples = [parts.dataset[j] for j in island_indices(plan, step, split, layout, i)]
+            samples = [parts.dataset[j] for j in island_indices(order, step, split, layout, i)]
             batch = to_device(collate(samples), device, float_dtype)
             with precision.autocast(device):
                 loss_sum, n_items = parts.loss(model, batch)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.data.pipeline import PlanSource, batch_size
+from distaccum.data.pipeline import OrderSource, batch_size
 from distaccum.engines.comm_tap import tap_gradient_reductions
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed import DeepSpeedEngine
@@ -342,12 +342,14 @@ class SameSamples:
     def wrap(self, point: str, obj: Any) -> Any:
         if point != "source":
             return obj
-        if not isinstance(obj, PlanSource):
-            raise ValueError("SameSamples rebuilds a map-style dataset's PlanSource; this run reads a stream")
-        return PlanSource(
+        if not isinstance(obj, OrderSource):
+            raise ValueError(
+                "SameSamples rebuilds a map-style dataset's OrderSource; this run reads a stream"
+            )
+        return OrderSource(
             obj.dataset,
             obj.collate,
-            obj.plan,
+            obj.order,
             obj.split,
             0,
             obj.stop,

@@ -1,6 +1,6 @@
 """Why a verify candidate differs from the reference: facts about the run, and one pure rule per cause.
 
-Facts come from the configuration alone (a freshly built model, the data plan), from files the runs
+Facts come from the configuration alone (a freshly built model, the data order), from files the runs
 wrote (the tripwire's or the fingerprint's report, the runtime warnings, the console's last lines, a
 second reference run) or from a replay of step 1 (:mod:`distaccum.verify.replay`); nothing here launches
 anything. Each rule returns a :class:`Finding` or None, so tests can check every rule with hand-made

@@ -2,7 +2,7 @@
 
 It shares only the user's model factory, dataset, collate, loss and optimizer factory (and the
 learning-rate schedule) with the run it checks — no engine wrapper, no process group, no
-accumulation loop, no gradient scaling. Each optimizer step takes the whole window the plan gives
+accumulation loop, no gradient scaling. Each optimizer step takes the whole window the order gives
 that step (for a stream: the next ``global_batch`` samples read off it), runs ONE forward/backward of
 
     sum(loss over the window's items) / (the window's item count)
@@ -30,7 +30,7 @@ import torch
 from distaccum.batching.growth import BatchGrowth
 from distaccum.components import Components, build_model
 from distaccum.config import RunConfig, to_mapping
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream, stream_windows
 from distaccum.engines.base import Precision
@@ -56,7 +56,7 @@ def window_samples(
     cfg: RunConfig, parts: Components, global_batch: int
 ) -> Iterator[tuple[int, list[Any], bool]]:
     """(epoch, samples, partial) of each optimizer step's window, as a run's source serves them: from the
-    global-batch plan (map-style) or read off the stream in order (:mod:`distaccum.data.stream`)."""
+    global-batch order (map-style) or read off the stream in order (:mod:`distaccum.data.stream`)."""
     if is_stream(parts.dataset):
         for window in stream_windows(
             parts.dataset,
@@ -67,7 +67,7 @@ def window_samples(
         ):
             yield window.epoch, window.samples, len(window.samples) < global_batch
         return
-    plan = GlobalBatchPlan(
+    order = GlobalBatchOrder(
         len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
         global_batch,
         seed=cfg.trainer.seed,
@@ -76,8 +76,12 @@ def window_samples(
         growth=ramp_of(cfg, global_batch),
     )
     for step in count():
-        planned = plan.window(step)
-        yield planned.epoch, [parts.dataset[int(i)] for i in planned.indices], planned.partial
+        window_of_step = order.window(step)
+        yield (
+            window_of_step.epoch,
+            [parts.dataset[int(i)] for i in window_of_step.indices],
+            window_of_step.partial,
+        )
 
 
 def ramp_of(cfg: RunConfig, global_batch: int) -> BatchGrowth | None:
