@@ -29,13 +29,8 @@ from conftest import EXTENSIONS, distaccum_cli, fault, inject, train
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
 BASE = (
-    "model=mlp",
-    "model.width=128",
-    "accum.micro_batch=2",
-    "accum.global_batch=16",
-    "trainer.check_every=0",
-    "log.console=quiet",
-    "optim.schedule=constant",
+    *"model=mlp model.width=128 accum.micro_batch=2 accum.global_batch=16 trainer.check_every=0".split(),
+    *"log.console=quiet optim.schedule=constant".split(),
     f"engine.extensions_dir={EXTENSIONS}",
 )
 
