@@ -163,10 +163,6 @@ FOLDER_PAIRS = {
     ("config", "verify"): (
         "a leaf config section: config imports verify.config; the verify command reads RunConfig"
     ),
-    ("engines", "telemetry"): (
-        "the engines count their collectives in telemetry.ledger; the run summary reads the engine's capabilities "
-        "(engines.base)"
-    ),
     ("outer", "verify"): (
         "outer.simulate is the feature's own reference rule, built on verify.reference; verify runs it and diagnoses "
         "a merge with outer.sync's fragments"

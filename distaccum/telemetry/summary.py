@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from distaccum.engines.base import Engine
 from distaccum.rundir import Record
+
+
+class Trained(Protocol):
+    """What the summary reads of the run's engine (:class:`~distaccum.engines.base.Engine`): the full parameters and
+    the optimizer."""
+
+    optimizer: torch.optim.Optimizer
+
+    def full_parameters(self) -> Iterable[tuple[str, torch.Tensor]]: ...
 
 
 def run_samples(record: Record) -> int:
@@ -22,7 +31,7 @@ def run_samples(record: Record) -> int:
 def summarize(
     header: Record,
     records: list[Record],
-    engine: Engine,
+    engine: Trained,
     run_dir: Path,
     *,
     warmup_steps: int,
