@@ -205,7 +205,7 @@ GROWTH_ENGINES = ("ddp", "fsdp")
 
 def batch_growth(cfg: RunConfig, split: Split, islands: int = 0) -> BatchGrowth | None:
     """The global batch per step of ``accum.ramp`` / ``accum.adaptive`` on ``split``'s world (None: constant);
-    ValueError for a phase without a split or what cannot follow a growth."""
+    ValueError for a phase without a split or what cannot follow a growing batch."""
     accum = cfg.accum
     if not (accum.ramp.enabled or accum.adaptive.enabled):
         return None

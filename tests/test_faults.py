@@ -238,8 +238,8 @@ def test_an_outer_synced_checkpoint_refuses_another_island_count(tmp_path: Path)
 def test_a_checkpoint_written_under_the_old_island_names_resumes(tmp_path: Path) -> None:
     """Issue 57: a run written before an outer sync's groups were called islands keeps each island's state in
     ``replica-N`` and records ``outer.replicas``. Written here with today's names and turned back into the old ones
-    (the folders, the manifest's file list and run identity, with the identity's old name, config.json), it resumes with the old key, which says
-    once what to write instead."""
+    (the folders, the manifest's file list and run identity, the identity's old name, config.json), it
+    resumes with the old key, which says once what to write instead."""
     run_dir = tmp_path / "old-names"
     outer = ("outer.method=diloco", "outer.every=2", "trainer.checkpoint_every=2")
     assert run(run_dir, *outer, "outer.islands=2", "trainer.max_steps=4").returncode == 0

@@ -76,8 +76,8 @@ def test_an_in_memory_tensor_dataset_on_cuda_trains_as_through_the_dataloader(
 def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_or_fresh_device_rows() -> None:
     """``TensorRows`` on a CUDA run: consecutive rows of a pinned host dataset are views (the move to the GPU is
     their only copy); rows of an unpinned one are copied or gathered straight into pinned memory; a dataset already
-    on the GPU gives views there in order (a write into one stops the run at the next fetch: ``tests/test_global_batch_order.py``)
-    and gathered rows shuffled."""
+    on the GPU gives views there in order (a write into one stops the run at the next fetch:
+    ``tests/test_global_batch_order.py``) and gathered rows shuffled."""
     from torch.utils.data import TensorDataset
 
     from distaccum.config import Split

@@ -183,7 +183,8 @@ def describe_growth(
     optim: OptimConfig,
     adaptive: AdaptiveConfig | None = None,
 ) -> str:
-    """What rank 0 prints at the start of a run whose batch grows (``adaptive``: the rule's settings, when it decides): each
+    """What rank 0 prints at the start of a run whose batch grows (``adaptive``: the rule's settings, when it
+    decides): each
     phase's split, and what the learning rate does."""
     world = split.world_size
     phases = ["  " + line for line in growth.describe(split.micro_batch, world, max_steps)]
@@ -227,7 +228,8 @@ def describe_growth(
 def growth_summary(
     growth: BatchGrowth, records: Sequence[Mapping[str, Any]], world_size: int
 ) -> dict[str, Any]:
-    """summary.json's fields of a run whose batch grows, from what it ran: the phases its steps reached (``batch_phases``,
+    """summary.json's fields of a run whose batch grows, from what it ran: the phases its steps reached
+    (``batch_phases``,
     1-based first steps: what ``accum.ramp.points`` takes), and the split of its last step (``global_batch``,
     ``accum_steps``, ``micro_batch``), which is not the configured end of a ramp cut short by ``max_steps``."""
     steps = len(records)

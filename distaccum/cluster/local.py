@@ -260,7 +260,8 @@ def _run_elastic(recipe: LaunchRecipe, args: list[str]) -> int:
         # torch < 2.13 (outside distaccum's tested versions, e.g. a GPU image's own torch): torch's own grace applies
         print(
             f"distaccum: this torch's LaunchConfig has no shutdown_timeout; workers get torch's default grace "
-            f"after SIGTERM, not trainer.shutdown_grace_s={recipe.shutdown_grace_s} (distaccum is tested on torch>=2.13)",
+            f"after SIGTERM, not trainer.shutdown_grace_s={recipe.shutdown_grace_s} "
+            "(distaccum is tested on torch>=2.13)",
             file=sys.stderr,
         )
         grace = {}

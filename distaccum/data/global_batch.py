@@ -112,7 +112,7 @@ class GlobalBatchOrder:
 
     def _place(self, step: int) -> tuple[int, int, int]:
         """(epoch, the window's first position in the epoch's order, its global batch) of ``step``. A constant batch
-        by arithmetic; a growth by walking the windows from the last step asked (from 0 when asked backwards)."""
+        by arithmetic; a growing batch by walking the windows from the last step asked (from 0 when asked backwards)."""
         if self.growth is None:
             epoch, k = divmod(step, self.windows_per_epoch)
             return epoch, k * self.global_batch, self.global_batch
@@ -135,7 +135,7 @@ class GlobalBatchOrder:
         return Window(step, epoch, order[start : start + batch], batch)
 
     def split_at(self, step: int, split: Split) -> Split:
-        """The split of ``step``: ``split`` itself, or under a growth its phase's (K follows the global batch)."""
+        """The split of ``step``: ``split`` itself, or with a growing batch its phase's (K follows the global batch)."""
         if self.growth is None:
             return split
         return phase_split(self.growth.global_batch(step), split.micro_batch, split.world_size)
@@ -189,7 +189,7 @@ class GlobalBatchOrder:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Position and identity, enough to resume at the exact next sample (and a growth's phases so far)."""
+        """Position and identity, enough to resume at the exact next sample (and the batch growth's phases so far)."""
         state: dict[str, Any] = {
             "next_step": self.next_step,
             "global_batch": self.global_batch,

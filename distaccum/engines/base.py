@@ -277,7 +277,8 @@ class EngineBase:
 
     @classmethod
     def identity(cls, config: EngineConfig) -> dict[str, Any]:
-        """The engine's part of the run identity: settings a checkpoint must agree with to be resumed (beyond the engine's name)."""
+        """The engine's part of the run identity: settings a checkpoint must agree with to be resumed (beyond the
+        engine's name)."""
         return {}
 
     def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:

@@ -236,7 +236,7 @@ class DeepSpeedEngine(EngineBase):
         self.checksum.replicas = [[r] for r in range(world)] if self.stage == 0 else [list(range(world))]
         self.checksum.group = self.spec.group
         # ZeRO-0 and a coalesced window: autograd accumulates the parameters' gradients (``grad +=`` in their dtype)
-        # and one reduction runs; every_micro reduces each micro-batch into the partition. DeepSpeed's own reduction cadence
+        # and one reduction runs; every_micro reduces each micro-batch into the partition. DeepSpeed's own cadence
         # and its BF16_Optimizer accumulate where this does not reproduce: their K roundings stay in the bound.
         once = self.stage == 0 or self.coalescing
         self.checksum.rounding = Rounding(

@@ -4,8 +4,8 @@
 The outer step calls its own ``contribution`` and ``weight`` from ``merge_if_due``, so a wrapper object would not see
 those calls: each fault replaces the one method on the real instance (as :class:`~distaccum.testing.faults.
 SkipReduction` replaces the engine's comm hook) and leaves everything else, the all-reduce included, as it is.
-Every island gets the same fault, so the islands still agree on the merged parameters (the islands' agreement check stays
-quiet): only ``distaccum verify``'s simulator can tell.
+Every island gets the same fault, so the islands still agree on the merged parameters (the islands' agreement check
+stays quiet): only ``distaccum verify``'s simulator can tell.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from distaccum.tuning.planner import SizeCost
 
 @dataclass(frozen=True)
 class PhaseRow:
-    """One phase of the growth with its prediction."""
+    """One phase of the batch growth with its prediction."""
 
     first: int
     """1-based first step."""
