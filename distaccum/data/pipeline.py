@@ -122,7 +122,8 @@ class TensorRows:
     ``y[mask] = -100``) would change the dataset for every later epoch, where a DataLoader's fresh batch would
     not. Every write bumps the tensor's version counter, which a view shares with the dataset's tensor: each
     fetch checks that the counters of the tensors a view was handed out of are where they were, and stops the
-    run with :class:`DatasetWrittenError` at the next micro-batch after such a write (``tests/test_global_batch_order.py``).
+    run with :class:`DatasetWrittenError` at the next micro-batch after such a write
+    (``tests/test_global_batch_order.py``).
     Copying every micro-batch instead is a copy of every input per micro-batch that a hand-written loop, which
     slices its tensors, does not make. Two kinds of tensor are still copied:
     an unpinned host tensor of a CUDA run (into pinned memory: the move is then asynchronous) and an inference
