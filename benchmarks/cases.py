@@ -2,7 +2,7 @@
 
 Every variant of a measurement trains distaccum's own MLP (:class:`distaccum.models.MLP`), built
 from the same seed, on the same samples in the same order, with the same SGD: the hand-written
-loops take their micro-batches from the same global-batch plan (in order) that distaccum's
+loops take their micro-batches from the same global-batch order (in order) that distaccum's
 :class:`~distaccum.trainer.Trainer` walks, as views of the same tensors the Trainer is given, so
 both do the same arithmetic (checked at the end of every launch).
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distaccum.config import Split
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.models import MLP
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -148,20 +148,20 @@ class BenchData:
             self.x, self.y = self.x.pin_memory(), self.y.pin_memory()
         self.seed = spec.seed
 
-    def plan(self) -> GlobalBatchPlan:
+    def order(self) -> GlobalBatchOrder:
         """The in-order walk distaccum's Trainer takes with ``data.shuffle=false``."""
-        return GlobalBatchPlan(len(self.x), self.split.global_batch, seed=self.seed, shuffle=False)
+        return GlobalBatchOrder(len(self.x), self.split.global_batch, seed=self.seed, shuffle=False)
 
     def windows(self, rank: int) -> list[list[Batch]]:
         """This rank's micro-batches of every window of one epoch, exactly as the Trainer cuts them;
         optimizer step s trains on window ``s % len(windows)``."""
-        plan = self.plan()
+        order = self.order()
         return [
             [
                 rows(self.x, self.y, piece.tolist())
-                for piece in plan.window(s).rank_micro_batches(self.split, rank)
+                for piece in order.window(s).rank_micro_batches(self.split, rank)
             ]
-            for s in range(plan.windows_per_epoch)
+            for s in range(order.windows_per_epoch)
         ]
 
 

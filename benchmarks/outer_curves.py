@@ -6,7 +6,7 @@ packed into blocks of 64 tokens, every 20th block held out) with ``loss=causal_c
 variant: synchronous (``outer.method=none``: one DDP group of 4 ranks, a gradient all-reduce every step), then 2
 islands of 2 ranks (``outer.islands=2``) with LocalSGD at H = 10 and 50 and DiLoCo at H = 10 and 50 with P = 1
 and 4 fragments (fragment p first syncs after floor((p+1) H/P) steps). Every variant takes the same global batch (32 samples: micro-batch 4 x 2
-accumulation steps x 4 ranks) from the same deterministic global-batch plan, so step s of every run has seen the
+accumulation steps x 4 ranks) from the same deterministic global-batch order, so step s of every run has seen the
 same samples: equal steps are equal tokens. Evaluation (every ``--eval-every`` steps, before the first and after the
 last) runs on the held-out blocks; an outer-synced run evaluates its global parameters theta_g, the last merged
 model (before an island's first sync that is the initial model). The optimizer settings are the default config's

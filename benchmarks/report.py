@@ -688,7 +688,7 @@ def write_study(
     plot: Callable[[dict[str, Any], Path], None],
 ) -> str:
     """A study's own output in ``out`` (``results.json``, ``results.md`` from ``render``, the figure ``figure``
-    from ``plot``): what ``outer_curves`` and ``batch_schedule`` write on every run; returns the markdown."""
+    from ``plot``): what ``outer_curves`` and ``batch_growth`` write on every run; returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     markdown = render(results, figure)

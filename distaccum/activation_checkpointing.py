@@ -16,7 +16,7 @@ or :func:`apply_activation_checkpointing` in your own code):
   engines' hooks (FSDP2's unshard/reshard, ZeRO-3's gather, DDP's) stay outside the checkpointed
   region and do not run again on recompute; parameter names, state dicts and the module tree are
   unchanged (torch's ``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module`` into every
-  name), so checksums, ``verify`` and the saved weights are the plain model's.
+  name), so parameter digests, ``verify`` and the saved weights are the plain model's.
 
 Recomputation replays the same operations with the same RNG state (``preserve_rng_state``), so
 losses and gradients are bit-for-bit those of the run without checkpointing, dropout included.

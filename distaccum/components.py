@@ -30,7 +30,7 @@ class Components:
     """An ``nn.Module``, or a zero-argument factory returning one (called once per rank after
     seeding, so every rank and every split starts from the same weights)."""
     dataset: Dataset
-    """A dataset of samples: map-style (walked by the global-batch plan) or an ``IterableDataset`` (a stream)."""
+    """A dataset of samples: map-style (walked by the global-batch order) or an ``IterableDataset`` (a stream)."""
     loss: LossFn
     """``(model, batch) -> (loss_sum, n_items)``: see :mod:`distaccum.losses`."""
     collate: Callable[[list[Any]], Any] | None = None

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from distaccum.batching.config import AdaptiveConfig, RampConfig, check_schedule
+from distaccum.batching.config import AdaptiveConfig, RampConfig, check_growth
 from distaccum.cluster.config import KubeflowConfig, RayConfig, SlurmConfig  # leaf modules, like Split
 from distaccum.data.config import DataConfig, EvalConfig
 from distaccum.outer.config import OuterConfig, renamed_keys
@@ -121,12 +121,12 @@ class AccumConfig:
     CPU: the process's peak RSS). null: the free device memory on CUDA; on CPU, this process's
     resident memory plus 80% of the available RAM shared by the node's ranks."""
     ramp: RampConfig = field(default_factory=RampConfig)
-    """Grow the global batch during training by K (docs/planning.md, batch schedules); ends at global_batch."""
+    """Grow the global batch during training by K (docs/planning.md, batch growth); ends at global_batch."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """Let the measured gradient noise scale choose the global batch (opt-in; starts at global_batch)."""
 
     def __post_init__(self) -> None:
-        check_schedule(self.ramp, self.adaptive, self.global_batch)
+        check_growth(self.ramp, self.adaptive, self.global_batch)
         if isinstance(self.micro_batch, str):
             if self.micro_batch != AUTO:
                 raise ValueError(

@@ -179,7 +179,7 @@ class ByteTokenizer:
         """Text of ``ids`` (invalid UTF-8 sequences are replaced)."""
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def fingerprint(self) -> str:
+    def cache_key(self) -> str:
         """Identity for caches: what decides the ids."""
         return "bytes-utf8-v1"
 
@@ -210,9 +210,9 @@ def load_tokenizer(path: str | None) -> Any:
         ) from err
 
 
-def tokenizer_fingerprint(tokenizer: Any, path: str | None) -> str:
+def tokenizer_cache_key(tokenizer: Any, path: str | None) -> str:
     """A stable identity of ``tokenizer`` for the token cache: its files' contents, or the byte scheme."""
-    own = getattr(tokenizer, "fingerprint", None)
+    own = getattr(tokenizer, "cache_key", None)
     if callable(own):
         return str(own())
     digest = hashlib.sha256()

@@ -144,7 +144,7 @@ def train_step(
     ``votes()`` gives what rides on the collective (stop and checkpoint votes, a check's row). Collective."""
     engine = state.engine
     window = state.source.window()  # 1. fetch: this rank's K micro-batches, on the device
-    split = window.split  # K of this step (a batch schedule changes it between steps, never inside one)
+    split = window.split  # K of this step (a growing batch changes it between steps, never inside one)
     c, d = power_of_two_scale(state.n_prev, split.global_batch), engine.grad_divisor
     totals.start()
     for k, micro in enumerate(window.micro):  # 2. K micro-steps
@@ -178,7 +178,7 @@ class OuterStep(Protocol):
     a merge across the islands at its sync steps, where the islands' votes are agreed (between syncs each island's
     window collective stays inside it, so its votes are its own)."""
 
-    def after_step(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]: ...
+    def merge_if_due(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]: ...
 
     def fields(self) -> Record:
         """The last step's record fields (what crossed between the islands)."""
@@ -309,7 +309,7 @@ class StepEnd:
 def step_record(step: Step, times: StepTimes, nonfinite: bool, island: bool = False) -> Record:
     """The step's ``metrics.jsonl`` line (identical on every rank but the timings). Its samples, items, loss and
     reductions are those of the ranks the window's collective spans: the run, or in an outer-synced run (``island``)
-    rank 0's island, and then ``run_samples``/``run_samples_per_s`` add the step of every island (the data plan's
+    rank 0's island, and then ``run_samples``/``run_samples_per_s`` add the step of every island (the data order's
     window; the islands' items are not known before they meet at a sync)."""
     window, totals, result, n = step.window, step.totals, step.result, step.totals.items
     samples = totals.samples
@@ -361,16 +361,16 @@ def train(
         parts.timer.start_step()
         done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
         step, totals = done.number, done.totals
-        trained += done.window.samples  # the data plan's window: every island's, the same on every rank
+        trained += done.window.samples  # the data order's window: every island's, the same on every rank
         if trained >= budget:  # trainer.max_samples: this step reached it, the run ends after it
             end = step
         stopping, due = totals.stop_votes > 0, totals.checkpoint_votes > 0
         extra: Record = {}
         if parts.outer is not None:  # islands: the votes count where every island meets, at its syncs
-            stopping, due = parts.outer.after_step(step, totals.items, stopping, due)
+            stopping, due = parts.outer.merge_if_due(step, totals.items, stopping, due)
             extra = parts.outer.fields()
         if parts.fingerprint is not None:  # the previous step's comparison came with this window
-            parts.fingerprint.after_step(step, totals, done.result)
+            parts.fingerprint.judge(step, totals, done.result)
         for monitor in parts.monitors:
             monitor.after_step(step, totals, done.c, done.d)
         times = parts.timer.finish_step(sync=not parts.lag)

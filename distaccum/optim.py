@@ -55,14 +55,14 @@ class LrSchedule:
         self.warmup = cfg.warmup_steps
         self.floor = cfg.min_lr_ratio
         self.scales: list[list[float]] = scale if isinstance(scale, list) else [[0, scale]]
-        """``[first step, lr_scale]``, in order: a batch schedule's phases each scale the lr by their global
+        """``[first step, lr_scale]``, in order: a growing batch's phases each scale the lr by their global
         batch (``optim.lr_scaling``); one phase otherwise."""
         self.segments: list[list[float]] = [[0, total_steps, 1.0]]
         """``[first step, horizon, multiplier at the first decaying step]``, in order."""
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> LrSchedule:
-        """The schedule a scheduler's state dict saved (its ``lr_lambdas[0]``; before batch schedules, one
+        """The schedule a scheduler's state dict saved (its ``lr_lambdas[0]``; before batch growth, one
         ``scale``)."""
         schedule = cls.__new__(cls)
         schedule.__dict__.update(state)
@@ -117,7 +117,7 @@ def build_scheduler(
     batches: list[list[int]] | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR of :class:`LrSchedule` (``lr_scale x`` warmup/decay) for an effective batch of
-    ``global_batch`` samples, or per phase ``[first step, global batch]`` of ``batches`` (a batch schedule); the
+    ``global_batch`` samples, or per phase ``[first step, global batch]`` of ``batches`` (a growing batch); the
     loop calls ``step()`` once per optimizer step."""
     phases = batches if batches is not None else [[0, global_batch]]
     scales = [[first, cfg.lr_scale(batch)] for first, batch in phases]

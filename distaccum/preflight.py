@@ -6,7 +6,7 @@ components or the machine. :func:`instantiate_components` turns the ``_target_``
 ``_target_`` and the fix; the one library module that imports Hydra). :func:`preflight` then resolves
 the run (:mod:`distaccum.resolve`: the split, the engine/precision combination), builds and checks the
 model as the workers will (activation checkpointing, the normalization probe, a dataset's own
-``check_model``, the data plan, the held-out split), ``init_from``, a resumable checkpoint, the memory
+``check_model``, the data order, the held-out split), ``init_from``, a resumable checkpoint, the memory
 budget of ``micro_batch=auto`` and a writable ``run_dir``. The CLI and the Python ``verify`` API call it.
 
 The current directory is importable (as it is for the workers, which run ``python -m``), so
@@ -198,7 +198,7 @@ def preflight(
         prepared = prepare(cfg, run, parts, model=model)
         parts.eval_dataset = prepared.eval_set
         if cfg.trainer.resume:  # an incompatible or corrupt checkpoint: exit 2 now, not in every worker
-            check_resumable(Path(cfg.run_dir), prepared.fingerprint, cfg.trainer.schedule_on_resume)
+            check_resumable(Path(cfg.run_dir), prepared.identity, cfg.trainer.schedule_on_resume)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     # accum.memory_budget is checked by the workers, where the memory is spent (exit 2 there, one message): a peak

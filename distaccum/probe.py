@@ -113,7 +113,7 @@ def probe(
             size = len(dataset)  # type: ignore[arg-type]
         except TypeError as err:
             raise ValueError(
-                f"dataset {names['dataset']} has no len(): distaccum's global-batch plan needs a "
+                f"dataset {names['dataset']} has no len(): distaccum's global-batch order needs a "
                 "map-style dataset (__len__ and __getitem__), or a torch IterableDataset (a stream)"
             ) from err
         if size == 0:

@@ -7,13 +7,13 @@
         precision   the fp32 | fp64 | bf16 | fp16 policy
         engine      the EngineSpec (built here and nowhere else), checked against the engine's class
         loop        LoopSettings
-        data        DataOptions: how the global-batch plan walks the data, how the loaders read it
+        data        DataOptions: how the global-batch order walks the data, how the loaders read it
         model       ModelRecipe: seed, precision, init_from (identical initial weights everywhere)
 
     ResolvedRun + the user's components  --prepare()-->  Prepared
         the model built and checked (activation checkpointing, its compatibility with the engine,
         the normalization probe, a warning for batch statistics), the held-out set, and the
-        fingerprint a checkpoint must match to be resumed
+        run identity a checkpoint must match to be resumed
 
 Pre-flight (:mod:`distaccum.preflight`), the :class:`~distaccum.trainer.Trainer`, ``micro_batch=auto``,
 ``distaccum plan`` and ``distaccum verify`` all go through these two functions; below them nothing
@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distaccum.activation_checkpointing import apply_activation_checkpointing, check_engine_compatible
-from distaccum.batching.schedule import BatchSchedule
+from distaccum.batching.growth import BatchGrowth
 from distaccum.components import Components, ModelRecipe
 from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split, to_mapping
 from distaccum.data.sources import DataOptions
@@ -181,7 +181,7 @@ def resolve(
         drop_last=cfg.data.drop_last,
         num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor,
-        schedule=batch_schedule(cfg, split, islands),
+        growth=batch_growth(cfg, split, islands),
     )
     return ResolvedRun(
         world_size=world_size,
@@ -200,17 +200,17 @@ def resolve(
     )
 
 
-SCHEDULE_ENGINES = ("ddp", "fsdp")
+GROWTH_ENGINES = ("ddp", "fsdp")
 
 
-def batch_schedule(cfg: RunConfig, split: Split, islands: int = 0) -> BatchSchedule | None:
+def batch_growth(cfg: RunConfig, split: Split, islands: int = 0) -> BatchGrowth | None:
     """The global batch per step of ``accum.ramp`` / ``accum.adaptive`` on ``split``'s world (None: constant);
-    ValueError for a phase without a split or what cannot follow a schedule."""
+    ValueError for a phase without a split or what cannot follow a growing batch."""
     accum = cfg.accum
     if not (accum.ramp.enabled or accum.adaptive.enabled):
         return None
     what = "accum.ramp" if accum.ramp.enabled else "accum.adaptive"
-    if cfg.engine.name not in SCHEDULE_ENGINES:
+    if cfg.engine.name not in GROWTH_ENGINES:
         raise ValueError(
             f"{what} changes K between optimizer steps; engine={cfg.engine.name} fixes its accumulation steps when "
             f"it is built (DeepSpeed's gradient_accumulation_steps, Accelerate's accumulation plugin): use "
@@ -224,11 +224,11 @@ def batch_schedule(cfg: RunConfig, split: Split, islands: int = 0) -> BatchSched
             raise ValueError(
                 "accum.adaptive.enabled=true follows the gradient noise scale log.gns measures: set log.gns=true"
             )
-        schedule = BatchSchedule.constant(accum.global_batch)
+        growth = BatchGrowth.constant(accum.global_batch)
     else:
-        schedule = BatchSchedule.of(accum.ramp, accum.global_batch)
-    schedule.check([split.world_size], None if cfg.accum.auto else split.micro_batch)
-    return schedule
+        growth = BatchGrowth.of(accum.ramp, accum.global_batch)
+    growth.check([split.world_size], None if cfg.accum.auto else split.micro_batch)
+    return growth
 
 
 OUTER_ENGINES = ("ddp", "fsdp")
@@ -273,7 +273,8 @@ class Prepared:
     """Modules that recompute their activations in backward (activation checkpointing)."""
     collate: Callable[[list[Any]], Any]
     eval_set: Dataset | None
-    fingerprint: dict[str, Any]
+    identity: dict[str, Any]
+    """The run identity (:func:`run_identity`)."""
     names: dict[str, str]
 
 
@@ -287,7 +288,7 @@ def prepare(
 ) -> Prepared:
     """Build the model as every rank builds it (or take ``model``, built by ``run.model``) and check everything
     that needs it (ValueError on failure): activation checkpointing and the engine, the normalization probe
-    (``check_components``), the data plan, the held-out set. Warns when batch-statistics layers meet
+    (``check_components``), the data order, the held-out set. Warns when batch-statistics layers meet
     accumulation."""
     names = parts.describe()
     model = model if model is not None else run.model.build(parts)
@@ -297,7 +298,9 @@ def prepare(
     if check_components:
         probe(model, parts.dataset, collate, parts.loss, names=names)
     if not is_stream(parts.dataset):
-        run.data.plan(parts.dataset, run.global_batch)  # a plan that would never run a window is an error now
+        run.data.order(
+            parts.dataset, run.global_batch
+        )  # an order that would never run a window is an error now
     layers = batch_stat_layers(model)
     if layers and run.split.accum_steps > 1 and not run.auto:
         warnings.warn(
@@ -312,15 +315,15 @@ def prepare(
         checkpointed,
         collate,
         eval_set,
-        fingerprint(cfg, run.world_size, names, parts.dataset, model),
+        run_identity(cfg, run.world_size, names, parts.dataset, model),
         names,
     )
 
 
-def fingerprint(
+def run_identity(
     cfg: RunConfig, world_size: int, names: Mapping[str, str], dataset: Any, model: nn.Module
 ) -> dict[str, Any]:
-    """The run's record that a checkpoint keeps and a resume is compared with
+    """The run identity: the record that a checkpoint keeps and a resume is compared with
     (:mod:`distaccum.rundir.changes` classifies every difference): each configuration setting as
     ``section.field`` (the model's node as ``model.node``), and what the configuration alone does not
     show — the model's architecture (``model``), the components' names, the data's signature, the global
@@ -341,7 +344,7 @@ def fingerprint(
             "data.collate": cfg.data.collate or names.get("collate"),
             "data.signature": data_signature(dataset),
             "global_batch": cfg.global_batch(world_size),
-            **engine.fingerprint(cfg.engine),
+            **engine.identity(cfg.engine),
         }
     )
     if (

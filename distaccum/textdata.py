@@ -2,7 +2,7 @@
 once and cached, packed into fixed-length blocks or kept as variable-length samples.
 
 - :class:`TextFiles` is a map-style dataset: ``datasets.load_dataset("text" | "json", data_files=...)``
-  from local files, tokenized with ``Dataset.map`` under a fingerprint of the files (path, size,
+  from local files, tokenized with ``Dataset.map`` under a cache key of the files (path, size,
   mtime), the tokenizer and the options, so the arrow cache under ``cache_dir`` is reused by every
   later run and every rank instead of tokenizing again.
 - :class:`TextStream` is the same samples, in the same order, as a ``torch.utils.data.IterableDataset``
@@ -35,11 +35,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from distaccum.hf import load_tokenizer, max_positions, separator_ids, tokenizer_fingerprint, vocab_rows
+from distaccum.hf import load_tokenizer, max_positions, separator_ids, tokenizer_cache_key, vocab_rows
 from distaccum.rundir import write_text_atomic
 
 FORMAT_VERSION = 1
-"""Part of every cache fingerprint: bump it when tokenization or packing changes."""
+"""Part of every cache key: bump it when tokenization or packing changes."""
 SAMPLE_BY = ("paragraph", "line", "document")
 JSON_SUFFIXES = (".json", ".jsonl")
 DEMO_FILE = "python-docs-topics.txt"
@@ -166,12 +166,12 @@ class _TextOptions:
             return "json", {"data_files": [str(f) for f in files]}
         return "text", {"data_files": [str(f) for f in files], "sample_by": self.sample_by}
 
-    def fingerprint(self, files: list[Path]) -> str:
+    def cache_key(self, files: list[Path]) -> str:
         """Identity of the tokenized samples: files (path, size, mtime), tokenizer, options."""
         stamp = {
             "v": FORMAT_VERSION,
             "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
-            "tokenizer": tokenizer_fingerprint(self.tokenizer, self.tokenizer_path),
+            "tokenizer": tokenizer_cache_key(self.tokenizer, self.tokenizer_path),
             "field": self.text_field,
             "by": self.sample_by,
             "packing": self.packing,
@@ -270,13 +270,13 @@ class TextFiles(Dataset):
                 f"{', '.join(map(str, files))}; its records have {', '.join(raw.column_names)}: set "
                 "data.dataset.text_field to the one that holds the text"
             )
-        fingerprint = opts.fingerprint(files)
+        cache_key = opts.cache_key(files)
         limit = None if opts.packing else opts.block_size
         rows = raw.map(
             lambda b: tokenize_texts(b[opts.text_field], opts.tokenizer, opts.text_field, limit),
             batched=True,
             remove_columns=raw.column_names,
-            new_fingerprint=fingerprint,
+            new_fingerprint=cache_key,  # datasets' own name for a cache key
         )
         if opts.packing:
             separator = separator_ids(opts.tokenizer)
@@ -286,7 +286,7 @@ class TextFiles(Dataset):
                 batched=True,
                 batch_size=None,
                 remove_columns=rows.column_names,
-                new_fingerprint=f"{fingerprint}-packed",
+                new_fingerprint=f"{cache_key}-packed",
             )
         return rows.with_format("torch", columns=["input_ids"], output_all_columns=True)
 

@@ -10,7 +10,7 @@ The same object runs ``distaccum train``'s workers and a user's own ``torchrun``
 
 It joins the process group (or uses the one the script made), resolves the run once
 (:mod:`distaccum.resolve`), builds the model identically on every rank, wraps it with the engine,
-walks the global-batch plan through a DataLoader, runs :func:`distaccum.loop.train` with the
+walks the global-batch order through a DataLoader, runs :func:`distaccum.loop.train` with the
 components that own checkpoints, non-finite steps and per-step monitors, writes
 ``metrics.jsonl``/``summary.json`` and the trained model to ``run_dir/final/``, and leaves the group as
 it found it. Every object it builds passes through the testing seam (:mod:`distaccum.testing`) here
@@ -43,7 +43,7 @@ from distaccum.losses import LossFn
 from distaccum.optim import build_scheduler
 from distaccum.resolve import Prepared, ResolvedRun, prepare, resolve
 from distaccum.rundir import CONFIG, write_json
-from distaccum.rundir.checkpoint import Checkpointer, CheckpointWriter
+from distaccum.rundir.checkpoint import IDENTITY, Checkpointer, CheckpointWriter
 from distaccum.rundir.liveness import Liveness, describe_peers, is_timeout, kill_stopped_peers, short_error
 from distaccum.rundir.resume import fresh_start, resume
 from distaccum.rundir.weights import save_final
@@ -166,7 +166,7 @@ class Trainer:
 
     @property
     def state(self) -> TrainState:
-        """The wrapped model, engine, scheduler, plan and records (after :meth:`setup`)."""
+        """The wrapped model, engine, scheduler, data order and records (after :meth:`setup`)."""
         if self._run is None:
             raise RuntimeError("Trainer.setup() has not run yet")
         return self._run.state
@@ -269,7 +269,7 @@ class Trainer:
                 first_step=run.resumed_at + 1,
                 wandb_mode=cfg.log.wandb_mode,
                 wandb_project=cfg.log.wandb_project,
-                show_batch=run.resolved.data.schedule is not None,
+                show_batch=run.resolved.data.growth is not None,
             )
         return run.sink
 
@@ -421,7 +421,7 @@ class Trainer:
         return resume(
             state,
             run.resolved.run_dir,
-            run.prepared.fingerprint,
+            run.prepared.identity,
             attempt=attempt,
             schedule_on_resume=self.cfg.trainer.schedule_on_resume,
         )
@@ -436,7 +436,7 @@ class Trainer:
             every=cfg.trainer.checkpoint_every,
             every_s=cfg.trainer.checkpoint_every_s,
             rank=run.rank,
-            manifest={"fingerprint": run.prepared.fingerprint, "engine": cfg.engine.name},
+            manifest={IDENTITY: run.prepared.identity, "engine": cfg.engine.name},
             writer=testing.intercept("checkpoint_writer", CheckpointWriter()),
         )
         checkpointer.last_step = done

@@ -397,7 +397,7 @@ def plan_env() -> dict[str, str]:
     return env
 
 
-def launch_plan(
+def launch_recipe(
     script: Path, plan: list[dict[str, Any]], root: Path, timeout: float = 560, *, nproc: int = 2
 ) -> Any:
     """Write ``plan`` (config mappings) to ``root/plan.json`` and run ``script`` on it as the worker of an
@@ -431,7 +431,7 @@ def train_plan(root: Path, runs: dict[str, Sequence[str]], *, timeout: float = 5
     for world, plan in sorted(by_world.items()):
         folder = root / f"plan-world{world}"
         folder.mkdir(parents=True, exist_ok=True)
-        proc = launch_plan(REPO / "tests" / "plan_train.py", plan, folder, timeout, nproc=world)
+        proc = launch_recipe(REPO / "tests" / "plan_train.py", plan, folder, timeout, nproc=world)
         for values in plan:
             out[Path(values["run_dir"]).name] = Run(0, proc.stdout, proc.stderr, Path(values["run_dir"]))
     return out

@@ -44,7 +44,7 @@ from benchmarks.variants import (
 )
 from benchmarks.workers import reference_of, round_order
 from distaccum.config import RunConfig, from_mapping, to_mapping
-from distaccum.data.pipeline import PlanSampler
+from distaccum.data.pipeline import OrderSampler
 from distaccum.telemetry.ledger import HostClock
 
 pytestmark = pytest.mark.unit
@@ -587,7 +587,7 @@ def test_the_harness_patches_nothing_of_the_library_and_stays_small() -> None:
     files = [p for p in (ROOT / "benchmarks").iterdir() if p.name != "__pycache__"]
     studies = {
         "outer_curves.py": "docs/outer.md",
-        "batch_schedule.py": "docs/planning.md",
+        "batch_growth.py": "docs/planning.md",
         "checksum_margin.py": "docs/verification.md",
     }
     harness = [p for p in files if p.name not in studies]
@@ -634,8 +634,8 @@ def test_distaccum_s_loss_over_the_global_count_is_the_hand_written_mean() -> No
 def test_hand_written_loops_see_the_trainer_s_micro_batches_as_views(rank: int) -> None:
     spec = launch_spec(SMOKE_CASES[0], 2, steps=1)
     data = BenchData(spec, world_size=2)
-    plan = data.plan()
-    sampler = PlanSampler(plan, data.split, rank, 0, plan.windows_per_epoch)  # what the Trainer walks
+    order = data.order()
+    sampler = OrderSampler(order, data.split, rank, 0, order.windows_per_epoch)  # what the Trainer walks
     for (x, y), indices in zip((b for w in data.windows(rank) for b in w), sampler, strict=True):
         assert torch.equal(x, data.x[indices]) and torch.equal(y, data.y[indices])
         assert x.untyped_storage().data_ptr() == data.x.untyped_storage().data_ptr()  # a view, no copy

@@ -19,7 +19,7 @@ from distaccum.datasets import SyntheticRegression
 from distaccum.loop import NonFiniteError
 from distaccum.models import MLP
 from distaccum.optim import LrSchedule
-from distaccum.resolve import fingerprint
+from distaccum.resolve import run_identity
 from distaccum.rundir.changes import ALLOWED, ALLOWED_KEYS, EXPLICIT, HORIZON, REFUSED, REFUSED_KEYS, classify
 from distaccum.rundir.checkpoint import CheckpointError, candidates, checkpoint_root, latest_valid, problems
 from distaccum.rundir.resume import ResumeError
@@ -59,7 +59,7 @@ def test_periodic_checkpoints_are_complete_and_pruned(tmp_path: Path) -> None:
     assert [p.name for p in candidates(root)] == ["step-00000006", "step-00000004"]  # keep_checkpoints=2
     assert not list(root.glob("*.tmp"))
     manifest = json.loads((root / "step-00000006" / "manifest.json").read_text())
-    assert manifest["step"] == 6 and manifest["fingerprint"]["global_batch"] == 4
+    assert manifest["step"] == 6 and manifest["identity"]["global_batch"] == 4
     assert {"trainer_state.json", "rng/rank-00000.pt", "model/.metadata"} <= set(manifest["files"])
     assert problems(root / "step-00000006") == []
 
@@ -130,7 +130,7 @@ def test_a_change_that_breaks_the_run_is_refused_naming_the_field(
 
 def test_every_setting_has_a_class() -> None:
     """A setting added to RunConfig without a class here would be refused as unknown on every resume."""
-    record = fingerprint(RunConfig(), 2, {}, SyntheticRegression(8), MLP(4, 4, 1, 1))
+    record = run_identity(RunConfig(), 2, {}, SyntheticRegression(8), MLP(4, 4, 1, 1))
     unclassified = [
         key
         for key in record
@@ -168,6 +168,26 @@ def test_allowed_changes_resume_and_are_reported(tmp_path: Path, capsys: pytest.
         'allowed  log.console: "quiet" -> "bar"',
     ):
         assert line in out
+
+
+def test_a_checkpoint_recording_its_run_identity_under_the_old_name_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 57: the manifest's run identity was called ``fingerprint`` before; such a checkpoint is still compared
+    with (a refused change is refused, an allowed one reported) and resumed."""
+    trainer(tmp_path).fit()
+    for path in checkpoint_root(tmp_path).glob("step-*/manifest.json"):
+        manifest = json.loads(path.read_text())
+        manifest["fingerprint"] = manifest.pop("identity")
+        path.write_text(json.dumps(manifest))
+    with pytest.raises(ResumeError) as err:
+        trainer(tmp_path, optim={"lr": 1e-3}).setup()
+    assert "optim.lr: 0.003 in the checkpoint, 0.001 now" in str(err.value)
+    state = trainer(tmp_path, log={"console": "bar"}).setup()
+    assert state.source.next_step == 6
+    out = capsys.readouterr().out
+    assert "1 setting(s) changed since the checkpoint after optimizer step 6:" in out
+    assert 'allowed  log.console: "quiet" -> "bar"' in out
 
 
 def test_rerunning_a_finished_run_says_it_is_finished(

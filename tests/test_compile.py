@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import EXTENSIONS, PlanRuns, launch_plan, plan_worker, run_cli
+from conftest import EXTENSIONS, PlanRuns, launch_recipe, plan_worker, run_cli
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 
@@ -83,7 +83,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         to_mapping(with_overrides(compose_config([*MODEL, *overrides]), {"run_dir": str(root / name)}))
         for name, overrides in RUNS.items()
     ]
-    proc = launch_plan(Path(__file__), plan, root)
+    proc = launch_recipe(Path(__file__), plan, root)
     return Runs(root, proc.stderr)
 
 

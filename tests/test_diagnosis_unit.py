@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from distaccum.components import Components
 from distaccum.config import Split, from_mapping
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.datasets import SyntheticRegression
 from distaccum.losses import mse
 from distaccum.models import MLP
@@ -179,7 +179,7 @@ def test_the_correct_replay_is_the_plain_whole_window_gradient(tmp_path: Path) -
     assert m is not None and sum(sum(row) for row in m.samples) == 16
     plain = make().double()
     plain.load_state_dict(weights)
-    window = GlobalBatchPlan(32, 16, seed=0).window(0)
+    window = GlobalBatchOrder(32, 16, seed=0).window(0)
     xs = torch.stack([data[int(i)][0] for i in window.indices]).double()
     ys = torch.stack([data[int(i)][1] for i in window.indices]).double()
     loss_sum, n = mse(plain, (xs, ys))

@@ -28,6 +28,33 @@ def test_the_architecture_page_names_every_module() -> None:
     assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
 
 
+def test_the_architecture_page_s_floors_are_the_imports_of_the_code() -> None:
+    """Each row of docs/architecture.md's floors table names a folder of ``distaccum/`` and exactly the rooms it
+    imports (module level and inside functions, as tests/test_layering.py counts them); every folder has a row."""
+    from test_layering import _graph, _room
+
+    imports: dict[str, set[str]] = {}
+    for name, deps in _graph().items():
+        room = _room(name)
+        for dep in deps:
+            if room and _room(dep) and _room(dep) != room:
+                imports.setdefault(room, set()).add(str(_room(dep)))
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Floors") :].split("\n## ", 1)[0]
+    rows = {
+        m.group(1): set(re.findall(r"`(\w+)`", m.group(2)))
+        for m in re.finditer(r"^\| [^|]+ \| `(\w+)/` \| ([^|]*) \|$", section, re.MULTILINE)
+    }
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")} - {"configs"}
+    assert set(rows) == folders, (
+        f"folders without a row: {sorted(folders - set(rows))}, rows of none: {sorted(set(rows) - folders)}"
+    )
+    wrong = {
+        f: (sorted(rows[f]), sorted(imports.get(f, set()))) for f in rows if rows[f] != imports.get(f, set())
+    }
+    assert not wrong, f"floors table (documented, imported): {wrong}"
+
+
 def test_the_readme_folder_map_lists_every_package_folder() -> None:
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Module map") :]

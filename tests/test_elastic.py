@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import distaccum_cli
-from distaccum.cluster.local import elastic_plan, free_ports
+from distaccum.cluster.local import elastic_lines, free_ports
 from distaccum.config import ConfigError, from_mapping
 from distaccum.preflight import preflight
 
@@ -161,10 +161,10 @@ def test_the_plan_names_each_world_and_an_elastic_run_checks_every_world(tmp_pat
     cfg = from_mapping(
         {"trainer": {"nnodes": "1:2", "nproc": 1}, "accum": {"global_batch": 16, "micro_batch": 4}}
     )
-    lines = elastic_plan(cfg)
+    lines = elastic_lines(cfg)
     assert "the world may be 1 or 2 ranks; micro_batch 4 x K=4 on world 1, K=2 on world 2 = 16" in lines[0]
     assert "trainer.max_restarts=0: a node lost mid-run ends the run" in lines[-1]
-    assert elastic_plan(from_mapping({"trainer": {"nnodes": 2}})) == []
+    assert elastic_lines(from_mapping({"trainer": {"nnodes": 2}})) == []
     gns = from_mapping(
         {
             "trainer": {"nnodes": "1:2", "nproc": 1, "max_restarts": 1},

@@ -219,7 +219,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             plan.append(mapping(model, name, root / f"{model}-{name}", seed))
     seed = root / "mlp-seed.safetensors"
     plan.append(mapping("mlp", "fsdp", root / "mlp-fsdp-every_micro", seed, "every_micro"))
-    for name in ("zero2", "zero3"):  # DeepSpeed's own per-micro-batch schedule (its memory saving)
+    for name in ("zero2", "zero3"):  # DeepSpeed's own per-micro-batch growth (its memory saving)
         plan.append(mapping("mlp", name, root / f"mlp-{name}-every_micro", seed, "every_micro"))
     window = mapping("tiny_gpt", "fsdp", root / "tiny_gpt-fsdp-window", root / "tiny_gpt-seed.safetensors")
     plan.append({**window, "engine": {**window["engine"], "fsdp_unsharded_window": True}})

@@ -17,13 +17,7 @@ from distaccum.config import EngineConfig, Split
 from distaccum.engines import check_engine, engine_class
 from distaccum.engines.base import EngineSpec, GradNorms, GradSample, step_plain
 from distaccum.engines.comm_tap import tap_gradient_reductions, tap_parameter_gathers
-from distaccum.engines.ddp import (
-    CommHook,
-    DDPEngine,
-    HookState,
-    allreduce_hook,
-    compressed_allreduce_hook,
-)
+from distaccum.engines.ddp import CommHook, DDPEngine, HookState, allreduce_hook, compressed_allreduce_hook
 from distaccum.engines.deepspeed_config import build, generate, merge
 from distaccum.engines.fsdp import shard_units
 from distaccum.models import MLP, TinyGPT

@@ -4,7 +4,7 @@
   resumes from the last periodic checkpoint, every step is in metrics.jsonl exactly once, and the final
   parameters are bit-identical to an uninterrupted run (DDP, FSDP2 via DCP, DeepSpeed ZeRO-2, DiLoCo islands).
 - A world-2 run resumed on world 1 at the same global batch ends where an uninterrupted world-2 run does
-  (tests/test_batch_schedule_dist.py, with a ramped global batch).
+  (tests/test_batch_growth_dist.py, with a ramped global batch).
 - A SIGSTOPped rank ends the run within ``collective_timeout_s`` (+ the launcher's grace), named.
 - A NaN on one rank is skipped by every rank; persistent NaN stops the run with a diagnosis.
 - Incompatible or corrupt checkpoints: exit 2 before any worker starts, naming fields or paths.
@@ -29,13 +29,8 @@ from conftest import EXTENSIONS, distaccum_cli, fault, inject, train
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
 BASE = (
-    "model=mlp",
-    "model.width=128",
-    "accum.micro_batch=2",
-    "accum.global_batch=16",
-    "trainer.check_every=0",
-    "log.console=quiet",
-    "optim.schedule=constant",
+    *"model=mlp model.width=128 accum.micro_batch=2 accum.global_batch=16 trainer.check_every=0".split(),
+    *"log.console=quiet optim.schedule=constant".split(),
     f"engine.extensions_dir={EXTENSIONS}",
 )
 
@@ -101,7 +96,7 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 ENGINES = {
-    # DDP's own kill: tests/test_batch_schedule_dist.py::test_kill_9_and_restart_across_a_change_is_bit_identical
+    # DDP's own kill: tests/test_batch_growth_dist.py::test_kill_9_and_restart_across_a_change_is_bit_identical
     # (the same launches and assertions, a DDP run whose global batch also ramps across the restart).
     "fsdp": ("engine=fsdp",),
     "zero2": ("engine=deepspeed", "engine.zero_stage=2"),
@@ -243,8 +238,8 @@ def test_an_outer_synced_checkpoint_refuses_another_island_count(tmp_path: Path)
 def test_a_checkpoint_written_under_the_old_island_names_resumes(tmp_path: Path) -> None:
     """Issue 57: a run written before an outer sync's groups were called islands keeps each island's state in
     ``replica-N`` and records ``outer.replicas``. Written here with today's names and turned back into the old ones
-    (the folders, the manifest's file list and fingerprint, config.json), it resumes with the old key, which says
-    once what to write instead."""
+    (the folders, the manifest's file list and run identity, the identity's old name, config.json), it
+    resumes with the old key, which says once what to write instead."""
     run_dir = tmp_path / "old-names"
     outer = ("outer.method=diloco", "outer.every=2", "trainer.checkpoint_every=2")
     assert run(run_dir, *outer, "outer.islands=2", "trainer.max_steps=4").returncode == 0
@@ -255,6 +250,7 @@ def test_a_checkpoint_written_under_the_old_island_names_resumes(tmp_path: Path)
             folder.rename(folder.with_name(folder.name.replace("island-", "replica-")))
         manifest = json.loads((ckpt / "manifest.json").read_text())
         manifest["files"] = {k.replace("island-", "replica-"): v for k, v in manifest["files"].items()}
+        manifest["fingerprint"] = manifest.pop("identity")  # its name before issue 57
         manifest["fingerprint"]["outer.replicas"] = manifest["fingerprint"].pop("outer.islands")
         (ckpt / "manifest.json").write_text(json.dumps(manifest))
     config = json.loads((run_dir / "config.json").read_text())

@@ -96,7 +96,7 @@ def test_only_engines_that_replicate_the_reduced_gradient_compare_it(tmp_path: P
             raise AssertionError("world 1 has nothing to compare: the gradients are never read")
 
     check = Fingerprint(World1Engine(), tmp_path, 0, 1, torch.device("cpu"))
-    check.after_step(1, window([[]]), StepResult(1.0, True))  # no process group, no read, no file
+    check.judge(1, window([[]]), StepResult(1.0, True))  # no process group, no read, no file
     assert check.carry() is None
     check.flush()
     assert not list(tmp_path.iterdir())
@@ -201,17 +201,17 @@ def test_the_next_window_carries_the_row_and_a_mismatch_names_the_step_ranks_and
     check = Counted(Replicated(), tmp_path, 0, 2, torch.device("cpu"))
     assert check.carry() is None  # nothing pending yet: nothing carried
     sample = torch.tensor([1.5, 2.5], dtype=torch.float64)
-    check.after_step(1, window([[], []]), StepResult(5.5, True, None, sample))
+    check.judge(1, window([[], []]), StepResult(5.5, True, None, sample))
     carry = check.carry()
     assert carry is not None and carry.tensor is sample and carry.floats == [rng_hash(torch.device("cpu"))]
     row = [carry.floats[0], 1.5, 2.5]
-    check.after_step(2, window([row, row]), StepResult(5.5, True, None, sample))  # step 1 agreed
+    check.judge(2, window([row, row]), StepResult(5.5, True, None, sample))  # step 1 agreed
     check.carry()
     assert gathered == []  # compared from the window's rows: no gather
     with pytest.raises(
         RankDivergenceError, match="disagree on the reduced gradient at optimizer step 2"
     ) as err:
-        check.after_step(3, window([row, [row[0], 1.5, 2.75]]), StepResult(5.5, True, None, sample))
+        check.judge(3, window([row, [row[0], 1.5, 2.75]]), StepResult(5.5, True, None, sample))
     assert (err.value.parameter, err.value.rank) == ("1.weight", 1) and len(gathered) == 1
     report = json.loads((tmp_path / "divergence.json").read_text())
     assert (report["step"], report["ranks"], report["differing_parameters"]) == (2, [1], 1)

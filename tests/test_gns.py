@@ -100,11 +100,11 @@ def trained(run_dir: Path) -> list[dict]:
 @pytest.mark.dist
 def test_every_step_matches_the_direct_computation(trained: list[dict]) -> None:
     from distaccum.config import Split
-    from distaccum.data.global_batch import GlobalBatchPlan
+    from distaccum.data.global_batch import GlobalBatchOrder
 
     grads = per_sample_gradients()
     split = Split(gns_task.MICRO, gns_task.ACCUM, gns_task.WORLD)
-    plan = GlobalBatchPlan(len(grads), split.global_batch, seed=gns_task.SEED)
+    plan = GlobalBatchOrder(len(grads), split.global_batch, seed=gns_task.SEED)
     assert len(trained) == gns_task.STEPS
     for record in trained:
         window = plan.window(record["step"] - 1)

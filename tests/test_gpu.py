@@ -76,22 +76,22 @@ def test_an_in_memory_tensor_dataset_on_cuda_trains_as_through_the_dataloader(
 def test_tensor_rows_for_cuda_are_views_of_a_pinned_dataset_else_pinned_copies_or_fresh_device_rows() -> None:
     """``TensorRows`` on a CUDA run: consecutive rows of a pinned host dataset are views (the move to the GPU is
     their only copy); rows of an unpinned one are copied or gathered straight into pinned memory; a dataset already
-    on the GPU gives views there in order (a write into one stops the run at the next fetch: ``tests/test_plan.py``)
-    and gathered rows shuffled."""
+    on the GPU gives views there in order (a write into one stops the run at the next fetch:
+    ``tests/test_global_batch_order.py``) and gathered rows shuffled."""
     from torch.utils.data import TensorDataset
 
     from distaccum.config import Split
-    from distaccum.data.global_batch import GlobalBatchPlan
-    from distaccum.data.pipeline import PlanSampler, micro_batches
+    from distaccum.data.global_batch import GlobalBatchOrder
+    from distaccum.data.pipeline import OrderSampler, micro_batches
 
     cuda, split = torch.device("cuda", 0), Split(2, 2, 2)
     host = torch.arange(60.0).reshape(30, 2)
 
     def first_rows(tensor: torch.Tensor, shuffle: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 1's first micro-batch of window 0, and the sample indices the plan gives it."""
-        plan = GlobalBatchPlan(30, 8, seed=0, shuffle=shuffle)
+        plan = GlobalBatchOrder(30, 8, seed=0, shuffle=shuffle)
         [rows] = next(
-            micro_batches(TensorDataset(tensor), None, PlanSampler(plan, split, 1, 0, 2), device=cuda)
+            micro_batches(TensorDataset(tensor), None, OrderSampler(plan, split, 1, 0, 2), device=cuda)
         )
         return rows, plan.window(0).rank_micro_batches(split, 1)[0]
 

@@ -18,8 +18,8 @@ requires("transformers")
 requires("datasets")
 
 from distaccum.config import EvalConfig, Split  # noqa: E402
-from distaccum.data.global_batch import GlobalBatchPlan  # noqa: E402
-from distaccum.data.pipeline import PlanSource  # noqa: E402
+from distaccum.data.global_batch import GlobalBatchOrder  # noqa: E402
+from distaccum.data.pipeline import OrderSource  # noqa: E402
 from distaccum.data.stream import StreamSource, StreamWindows  # noqa: E402
 from distaccum.datasets import pad_collate  # noqa: E402
 from distaccum.evaluate import eval_dataset, evaluate, shard_batches  # noqa: E402
@@ -217,8 +217,8 @@ def test_stream_source_serves_the_plan_sources_micro_batches(corpus: tuple[list[
     global_batch = 24
     steps = len(mapped) // global_batch + 2  # into the second epoch, through the partial window
     for split, rank in ((Split(3, 4, 2), 1), (Split(2, 3, 4), 2), (Split(24, 1, 1), 0)):
-        plan = GlobalBatchPlan(len(mapped), global_batch, seed=0, shuffle=False)
-        a = PlanSource(mapped, pad_collate, plan, split, rank, steps)
+        plan = GlobalBatchOrder(len(mapped), global_batch, seed=0, shuffle=False)
+        a = OrderSource(mapped, pad_collate, plan, split, rank, steps)
         b = StreamSource(stream, pad_collate, split, rank)
         partial = 0
         for _ in range(steps):

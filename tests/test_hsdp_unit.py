@@ -24,7 +24,7 @@ from distaccum.resolve import resolve
 from distaccum.runtime.contracts import DistEnv
 from distaccum.runtime.topology import (
     describe_placement,
-    placement_plan,
+    placement_lines,
     replica_groups,
     resolve_replicas,
     split_replicas,
@@ -141,11 +141,11 @@ def test_replica_groups_are_mesh_rows_and_the_plan_puts_one_replica_on_each_node
         "  replica 0: ranks 0-1 on node 0",
         "  replica 1: ranks 2-3 on node 1",
     ]
-    plan = placement_plan(2, nodes=2, per_node=4)
+    plan = placement_lines(2, nodes=2, per_node=4)
     assert plan[0].startswith("HSDP: 2 replicas x 4 shards over 2 node(s) of 4 ranks")
     assert plan[1:] == ["  replica 0: ranks 0-3 on node 0", "  replica 1: ranks 4-7 on node 1"]
-    assert placement_plan(1, nodes=2, per_node=4) == []
-    assert "shard group spans nodes" in placement_plan(2, nodes=4, per_node=2)[-1]
+    assert placement_lines(1, nodes=2, per_node=4) == []
+    assert "shard group spans nodes" in placement_lines(2, nodes=4, per_node=2)[-1]
 
 
 def test_ledger_keeps_cross_replica_collectives_apart() -> None:

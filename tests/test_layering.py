@@ -147,11 +147,11 @@ def _folder_pairs() -> dict[tuple[str, str], list[str]]:
 
 FOLDER_PAIRS = {
     ("batching", "verify"): (
-        "the batch schedule's verify rules (batching.verify_rules) are built on verify's protocol (verify.rules); "
-        "the plain reference takes each step's window of a ramp (batching.schedule)"
+        "the batch growth's verify rules (batching.verify_rules) are built on verify's protocol (verify.rules); "
+        "the plain reference takes each step's window of a ramp (batching.growth)"
     ),
     ("batching", "config"): (
-        "a leaf config section: config imports batching.config; batching.schedule reads RunConfig"
+        "a leaf config section: config imports batching.config; batching.growth reads RunConfig"
     ),
     ("cluster", "config"): (
         "a leaf config section: config imports cluster.config (the launchers' sections); the launchers read RunConfig"
@@ -162,10 +162,6 @@ FOLDER_PAIRS = {
     ("config", "outer"): "a leaf config section: config imports outer.config; outer.simulate reads RunConfig",
     ("config", "verify"): (
         "a leaf config section: config imports verify.config; the verify command reads RunConfig"
-    ),
-    ("engines", "telemetry"): (
-        "the engines count their collectives in telemetry.ledger; the run summary reads the engine's capabilities "
-        "(engines.base)"
     ),
     ("outer", "verify"): (
         "outer.simulate is the feature's own reference rule, built on verify.reference; verify runs it and diagnoses "

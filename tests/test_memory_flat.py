@@ -50,7 +50,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import EXTENSIONS, launch_plan, plan_worker
+from conftest import EXTENSIONS, launch_recipe, plan_worker
 from distaccum.cli.compose import compose_config
 from distaccum.config import from_mapping, to_mapping, with_overrides
 
@@ -174,7 +174,7 @@ def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, int]]
         for name, overrides in MODES.items()
         for k in KS
     ]
-    launch_plan(Path(__file__), plan, root)
+    launch_recipe(Path(__file__), plan, root)
     flat = json.loads((root / "peaks.json").read_text())
     print({name: [flat[f"{name}-k{k}"] / 2**20 for k in KS] for name in MODES})  # MiB, for the record (-s)
     return {name: {k: flat[f"{name}-k{k}"] for k in KS} for name in MODES}

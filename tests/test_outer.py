@@ -1,5 +1,5 @@
 """The outer sync's pure parts (issue 47), no process group: the ``outer`` section's validation, the fragments'
-sync schedule, the islands' layout, the fragment cut, the merge weight, and what ``resolve`` refuses."""
+sync cadence, the islands' layout, the fragment cut, the merge weight, and what ``resolve`` refuses."""
 
 from __future__ import annotations
 

@@ -113,7 +113,7 @@ class IslandOffset:
     """A fault for the ``outer`` point of the testing seam: island ``island``'s cross-island sum comes back off by
     ``delta``, so its merged parameters differ from every other island's.
 
-    The seam hands over the real :class:`~distaccum.outer.sync.OuterSync`, whose :meth:`after_step` calls
+    The seam hands over the real :class:`~distaccum.outer.sync.OuterSync`, whose :meth:`merge_if_due` calls
     ``self.reduce``: a proxy object around it would never see that call. So the fault wraps the real bound method
     on that one instance (an instance attribute shadows the class's method) and returns the instance itself."""
 
@@ -321,15 +321,15 @@ weights n_i / sum_j n_j are not 1/2."""
 
 
 def island_tokens(cfg: Any, split: Any, steps: range) -> list[int]:
-    """Each island's loss items over ``steps`` (0-based), from the data plan: the sequences' lengths."""
-    from distaccum.data.global_batch import GlobalBatchPlan
+    """Each island's loss items over ``steps`` (0-based), from the data order: the sequences' lengths."""
+    from distaccum.data.global_batch import GlobalBatchOrder
     from distaccum.datasets import CorpusSequences
     from distaccum.outer.islands import IslandLayout
     from distaccum.outer.simulate import island_indices
 
     kwargs = {k: v for k, v in TEXT["data"]["dataset"].items() if k != "_target_"}
     lengths = CorpusSequences(**kwargs).lengths
-    plan = GlobalBatchPlan(
+    plan = GlobalBatchOrder(
         len(lengths),
         split.global_batch,
         seed=cfg.trainer.seed,

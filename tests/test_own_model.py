@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import distaccum_cli
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.rundir.weights import load_weights
 
 pytestmark = pytest.mark.dist
@@ -116,7 +116,7 @@ def test_init_from_a_torch_save_state_dict_trains_and_a_bad_file_exits_2(
     # Its step-1 loss is what the trained weights give on the plan's first window (computed here).
     mytask = import_mytask()
     data = mytask.Corpus()
-    window = GlobalBatchPlan(len(data), 16, seed=0).window(0).indices.tolist()
+    window = GlobalBatchOrder(len(data), 16, seed=0).window(0).indices.tolist()
     model = mytask.make_model()
     model.load_state_dict(load_weights(trained / "final"))
     with torch.no_grad():

@@ -36,7 +36,7 @@ from distaccum.cluster.ray_train import (
     describe_failure,
     launch_on_ray,
     ray_dry_run,
-    ray_plan,
+    ray_recipe,
     ray_world_size,
     train_on_ray,
 )
@@ -142,8 +142,8 @@ def test_the_ray_run_equals_the_torchrun_launch_bit_for_bit(
     on_ray, local = verified.root / SPLIT, torchrun_dir
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records(on_ray)] == [r[key] for r in records(local)], key
-    checksums = [(d / "checksums.jsonl").read_text() for d in (on_ray, local)]
-    assert checksums[0] == checksums[1] and checksums[0]  # every step's parameter checksums
+    checksums = [(d / "param_digests.jsonl").read_text() for d in (on_ray, local)]
+    assert checksums[0] == checksums[1] and checksums[0]  # every step's parameter digests
     for key in ("param_sum", "param_l2", "final_loss"):
         assert summary(on_ray)[key] == summary(local)[key], key
 
@@ -252,14 +252,14 @@ def test_the_dry_run_shows_the_plan_and_starts_nothing(tmp_path: Path) -> None:
         "1 node(s) x 2 proc(s) = world 2; micro-batch 2 x K=4 x world 2 = global batch 16" in out
     )  # issue 56.9
     assert not run_dir.exists()  # nothing written, no Ray started
-    joined = ray_plan(with_overrides(cfg, {"ray.gpus_per_worker": 1}), {"RAY_ADDRESS": "ray://head:10001"})
+    joined = ray_recipe(with_overrides(cfg, {"ray.gpus_per_worker": 1}), {"RAY_ADDRESS": "ray://head:10001"})
     assert (joined.address, joined.address_from, joined.backend) == (
         "ray://head:10001",
         "RAY_ADDRESS",
         "nccl",
     )
     with pytest.raises(ValueError, match="ray.gpus_per_worker"):
-        ray_plan(with_overrides(cfg, {"trainer.device": "cuda"}), {})
+        ray_recipe(with_overrides(cfg, {"trainer.device": "cuda"}), {})
     with pytest.raises(ValueError, match="elastic range"):
         ray_world_size(with_overrides(cfg, {"trainer.nnodes": "1:2"}))
 

@@ -183,13 +183,8 @@ def test_a_correct_bf16_run_is_never_flagged(tmp_path: Path) -> None:
     assert len(run.records) == 8
 
 
-HSDP = (
-    "engine=fsdp",
-    "engine.replicas=2",
-    "trainer.nproc=4",
-    "model=mlp",
-    "accum.micro_batch=1",
-    "accum.steps=2",
+HSDP = tuple(
+    "engine=fsdp engine.replicas=2 trainer.nproc=4 model=mlp accum.micro_batch=1 accum.steps=2".split()
 )
 
 

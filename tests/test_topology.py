@@ -47,7 +47,7 @@ def test_first_host(nodelist: str, head: str) -> None:
 def test_torchrun_argv_renders_the_equivalent_launch() -> None:
     from pathlib import Path
 
-    from distaccum.cluster.local import launch_plan, torchrun_argv, worker_args
+    from distaccum.cluster.local import launch_recipe, torchrun_argv, worker_args
     from distaccum.config import from_mapping
 
     cfg = from_mapping(
@@ -61,7 +61,9 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
             }
         }
     )
-    assert torchrun_argv(launch_plan(cfg), worker_args(Path("run/launch_config.json")), python="python") == [
+    assert torchrun_argv(
+        launch_recipe(cfg), worker_args(Path("run/launch_config.json")), python="python"
+    ) == [
         "python",
         "-m",
         "torch.distributed.run",
@@ -77,14 +79,14 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
         "run/launch_config.json",
     ]
     single = from_mapping({"trainer": {"nproc": 2}})
-    assert "--rdzv_endpoint=127.0.0.1:0" in torchrun_argv(launch_plan(single), ["examples/own_loop.py"])
+    assert "--rdzv_endpoint=127.0.0.1:0" in torchrun_argv(launch_recipe(single), ["examples/own_loop.py"])
     elastic = from_mapping(
         {
             "trainer": {"nnodes": "1:2", "rdzv_endpoint": "node01:29500", "rdzv_last_call_s": 5},
             "accum": {"global_batch": 16},
         }
     )
-    assert torchrun_argv(launch_plan(elastic), ["train.py"], python="python")[3:9] == [
+    assert torchrun_argv(launch_recipe(elastic), ["train.py"], python="python")[3:9] == [
         "--nnodes=1:2",
         "--nproc_per_node=2",
         "--rdzv_backend=c10d",
@@ -97,11 +99,11 @@ def test_torchrun_argv_renders_the_equivalent_launch() -> None:
 def test_an_elastic_launch_announces_its_rendezvous_wait_and_refuses_an_outer_sync() -> None:
     """Issue 56.8: after the elastic lines the launcher waited the rendezvous' last call in silence; and an elastic
     outer-synced run started, though a lost node changes the island count, which its resume then refuses."""
-    from distaccum.cluster.local import elastic_plan
+    from distaccum.cluster.local import elastic_lines
     from distaccum.config import from_mapping
 
     elastic = {"trainer": {"nnodes": "1:2", "rdzv_last_call_s": 5}, "accum": {"global_batch": 16}}
-    lines = elastic_plan(from_mapping(elastic))
+    lines = elastic_lines(from_mapping(elastic))
     assert (
         "elastic: waiting now at the rendezvous for 1 node(s), then up to trainer.rdzv_last_call_s=5 s more for up "
         "to 2 before the workers start"

@@ -91,7 +91,7 @@ def test_reference_and_candidates_really_trained_the_same_model(passing: tuple[s
             assert float((cand[k].double() - ref[k].double()).abs().max()) / scale < per_tensor_bound(
                 name, k
             ), k
-        rows = (Path(c["run_dir"]) / "checksums.jsonl").read_text().splitlines()
+        rows = (Path(c["run_dir"]) / "param_digests.jsonl").read_text().splitlines()
         assert [json.loads(r)["step"] for r in rows] == list(range(1, report(run)["steps"] + 1))
 
 

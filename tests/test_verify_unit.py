@@ -1,4 +1,4 @@
-"""Verify library without launching runs: candidate planning, compare(), checksums, diagnosis rules."""
+"""Verify library without launching runs: candidate planning, compare(), parameter digests, diagnosis rules."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from distaccum.engines.base import Precision
 from distaccum.guards.tripwire import check_consistency
 from distaccum.losses import mse
 from distaccum.models import MLP, ConvNetBN, TinyGPT
-from distaccum.rundir import CHECKSUMS
+from distaccum.rundir import OLD_PARAM_DIGESTS, PARAM_DIGESTS
 from distaccum.rundir.weights import load_weights
 from distaccum.verify.candidates import (
     candidate_config,
@@ -33,8 +33,8 @@ from distaccum.verify.compare import (
     RunData,
     Tolerance,
     Tolerances,
-    checksum_gaps,
     compare,
+    digest_gaps,
     reproducible,
     tolerance_for,
 )
@@ -148,18 +148,18 @@ def fake_run(tmp: Path, steps: int = 4, seed: int = 0) -> RunData:
         "b.bias": torch.randn(3, generator=gen, dtype=torch.float64),
     }
     records = [{"step": s, "loss": 2.0 / s, "grad_norm": 1.0 + s} for s in range(1, steps + 1)]
-    checksums = {
+    digests = {
         s: {k: [float(v.sum()) * s, float((v * v).sum()) * s, v.numel()] for k, v in params.items()}
         for s in range(1, steps + 1)
     }
-    return RunData(tmp, records, checksums, params, None)
+    return RunData(tmp, records, digests, params, None)
 
 
 def clone(run: RunData) -> RunData:
     return RunData(
         run.run_dir,
         [dict(r) for r in run.records],
-        {s: {k: list(v) for k, v in row.items()} for s, row in run.checksums.items()},
+        {s: {k: list(v) for k, v in row.items()} for s, row in run.digests.items()},
         {k: v.clone() for k, v in run.params.items()} if run.params else None,
         run.divergence,
     )
@@ -188,7 +188,7 @@ def test_grad_norm_divergence_and_the_parameter_that_moved_furthest(tmp_path: Pa
     ref = fake_run(tmp_path)
     cand = clone(ref)
     cand.records[1]["grad_norm"] += 0.1
-    cand.checksums[2]["b.bias"][0] += 1e-3  # the tensor that moved at that step
+    cand.digests[2]["b.bias"][0] += 1e-3  # the tensor that moved at that step
     d = compare(ref, cand, TOL).first_divergence
     assert (d.step, d.quantity, d.parameter) == (2, "grad_norm", "b.bias")
 
@@ -220,13 +220,13 @@ def test_checksum_gap_proves_a_divergence_only_when_it_must_exist(tmp_path: Path
         }
         sums = {k: [float(v.sum()), float((v * v).sum()), v.numel()] for k, v in cand.items()}
         base = {k: [float(v.sum()), float((v * v).sum()), v.numel()] for k, v in ref.params.items()}
-        assert not any(proven for _, _, proven in checksum_gaps(base, sums, TOL.params))
+        assert not any(proven for _, _, proven in digest_gaps(base, sums, TOL.params))
     shifted = dict(base, **{"b.bias": [base["b.bias"][0] + 10.0, base["b.bias"][1], 3]})
-    gaps = checksum_gaps(base, shifted, TOL.params)
+    gaps = digest_gaps(base, shifted, TOL.params)
     assert gaps[0][1:] == ("b.bias", True)
-    at_step3 = {k: list(v) for k, v in ref.checksums[3].items()}
+    at_step3 = {k: list(v) for k, v in ref.digests[3].items()}
     at_step3["b.bias"][0] += 10.0
-    cand = RunData(tmp_path, ref.records, {**ref.checksums, 3: at_step3}, ref.params, None)
+    cand = RunData(tmp_path, ref.records, {**ref.digests, 3: at_step3}, ref.params, None)
     report = compare(ref, cand, TOL)
     assert not report.passed and report.max_abs_diff == 0.0  # final parameters agree
     d = report.first_divergence
@@ -336,13 +336,13 @@ class _Params:
         return ((n, p.detach()) for n, p in self.module.named_parameters())
 
 
-def test_single_process_records_checksums(tmp_path: Path) -> None:
+def test_single_process_records_param_digests(tmp_path: Path) -> None:
     module = torch.nn.Linear(3, 2)
     check_consistency(_Params(module), 1, tmp_path)  # world 1, not recording: nothing to do
-    assert not (tmp_path / CHECKSUMS).exists()
+    assert not (tmp_path / PARAM_DIGESTS).exists()
     check_consistency(_Params(module), 1, tmp_path, record=True)
     check_consistency(_Params(module), 2, tmp_path, record=True)
-    rows = [json.loads(line) for line in (tmp_path / CHECKSUMS).read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / PARAM_DIGESTS).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     s, q, n = rows[0]["params"]["weight"]
     w = module.weight.detach().double()
@@ -370,3 +370,11 @@ def test_a_ramped_candidate_keeps_the_global_batch_the_ramp_ends_at(tmp_path: Pa
         make_cfg(accum={"micro_batch": 2, "steps": 4}), Split(2, 4, 2), tmp_path, tmp_path
     )
     assert plain.accum.global_batch is None
+
+
+def test_parameter_digests_under_their_old_file_name_are_read(tmp_path: Path) -> None:
+    """Issue 57: verify's per-step parameter record was ``checksums.jsonl`` before; a run that wrote it compares."""
+    check_consistency(_Params(torch.nn.Linear(3, 2)), 1, tmp_path, record=True)
+    (tmp_path / PARAM_DIGESTS).rename(tmp_path / OLD_PARAM_DIGESTS)
+    digests = RunData.load(tmp_path).digests
+    assert list(digests) == [1] and set(digests[1]) == {"weight", "bias"} and digests[1]["weight"][2] == 6

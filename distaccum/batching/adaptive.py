@@ -15,8 +15,8 @@ estimates are mostly noise) keeps G, and the record says so (``adaptive_target``
 rule on the same numbers (the all-reduced noise-scale terms and the window's item count, reduced in float64), so
 the ranks agree by construction; that is checked at each decision: one all-gather of three float64 numbers per
 rank, compared bit for bit (:mod:`distaccum.guards.agreement`), and a disagreement stops the run naming the ranks.
-The change takes effect from step s + 1 (the data plan cuts its window at the new size, K follows, the learning
-rate follows ``optim.lr_scaling``); the phases chosen travel in the checkpoint with the data plan, the averages in
+The change takes effect from step s + 1 (the data order cuts its window at the new size, K follows, the learning
+rate follows ``optim.lr_scaling``); the phases chosen travel in the checkpoint with the data order, the averages in
 the records, so a resumed run makes the same decisions.
 """
 
@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from distaccum.batching.config import AdaptiveConfig
-from distaccum.batching.schedule import BatchSchedule
+from distaccum.batching.growth import BatchGrowth
 from distaccum.guards import agreement
+from distaccum.window import WindowResult
 
 VERIFY_RECIPE = (
     "accum.adaptive chooses its global batches as it runs, so the reference cannot know them in advance: verify "
@@ -40,7 +41,7 @@ VERIFY_RECIPE = (
     "accum.adaptive.enabled=false 'accum.ramp.points=BATCH_PHASES' accum.global_batch=LAST_GLOBAL_BATCH"
 )
 """``distaccum verify``'s refusal of an adaptive run, with the recipe that verifies its batches
-(tests/test_batch_schedule.py runs the recipe's overrides through the config's checks)."""
+(tests/test_batch_growth.py runs the recipe's overrides through the config's checks)."""
 
 
 class AdaptiveDisagreement(RuntimeError):
@@ -82,13 +83,13 @@ def next_batch(
 
 class AdaptiveBatch:
     """``accum.adaptive``: a :class:`~distaccum.loop.StepMonitor` after the noise-scale monitor (whose smoothed
-    estimate of the step it reads as soon as the step ends), changing ``schedule`` (shared with the data plan) at its
+    estimate of the step it reads as soon as the step ends), changing ``growth`` (shared with the data order) at its
     decision steps; ``on_change(first step, global batch)`` makes the learning rate follow."""
 
     def __init__(
         self,
         cfg: AdaptiveConfig,
-        schedule: BatchSchedule,
+        growth: BatchGrowth,
         gns: Any,
         samples_of: Callable[[int], int],
         on_change: Callable[[int, int], None],
@@ -101,9 +102,9 @@ class AdaptiveBatch:
         device: torch.device,
         group: Any = None,
     ) -> None:
-        self.cfg, self.schedule, self.gns, self.on_change = cfg, schedule, gns, on_change
+        self.cfg, self.growth, self.gns, self.on_change = cfg, growth, gns, on_change
         self.samples_of = samples_of
-        """The samples of a 0-based step's window (the data plan's: a last window may be partial)."""
+        """The samples of a 0-based step's window (the data order's: a last window may be partial)."""
         self.unit, (self.lo, self.hi) = unit, cfg.bounds(unit, global_batch)
         self.rank, self.world, self.device, self.group = rank, world_size, device, group
         self.max_steps = max_steps
@@ -113,16 +114,16 @@ class AdaptiveBatch:
         """Whether the rule runs after 1-based step ``step`` (not after the last: no step would follow)."""
         return step >= self.cfg.warmup and step % self.cfg.every == 0 and step < self.max_steps
 
-    def after_step(self, step: int, window: Any, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         if not self.due(step):
             return
         smoothed = self.gns.latest(step)["gns_smoothed"]
-        current = self.schedule.global_batch(step - 1)
+        current = self.growth.global_batch(step - 1)
         per_sample = window.items / max(self.samples_of(step - 1), 1)
         decision = next_batch(current, smoothed, per_sample, self.cfg, self.unit, self.lo, self.hi)
         self._agree(step, decision)
         self._decided[step] = decision
-        if self.schedule.change(step, decision.batch):  # 0-based ``step`` is the next one
+        if self.growth.change(step, decision.batch):  # 0-based ``step`` is the next one
             self.on_change(step, decision.batch)
 
     def _agree(self, step: int, decision: Decision) -> None:

@@ -1,7 +1,7 @@
-"""The global batch as a schedule: ``accum.ramp`` and ``accum.adaptive`` (a leaf module).
+"""The global batch's growth: ``accum.ramp`` and ``accum.adaptive`` (a leaf module).
 
 Kept apart from :mod:`distaccum.config` (which imports it) only to keep that module under 500 lines; like
-:mod:`distaccum.split` it imports nothing of distaccum. What the settings mean is :mod:`distaccum.batching.schedule`.
+:mod:`distaccum.split` it imports nothing of distaccum. What the settings mean is :mod:`distaccum.batching.growth`.
 """
 
 from __future__ import annotations
@@ -119,10 +119,10 @@ class AdaptiveConfig:
         return lo, hi
 
 
-def check_schedule(ramp: RampConfig, adaptive: AdaptiveConfig, global_batch: int | None) -> None:
-    """The ``accum`` section's checks of its schedule: one at most, and a global batch for it to start or end at."""
+def check_growth(ramp: RampConfig, adaptive: AdaptiveConfig, global_batch: int | None) -> None:
+    """The ``accum`` section's checks of its growth: one at most, and a global batch for it to start or end at."""
     if ramp.enabled and adaptive.enabled:
-        raise ValueError("accum.ramp and accum.adaptive.enabled=true exclude each other: choose one schedule")
+        raise ValueError("accum.ramp and accum.adaptive.enabled=true exclude each other: choose one")
     if (ramp.enabled or adaptive.enabled) and global_batch is None:
         raise ValueError(
             "accum.ramp / accum.adaptive need accum.global_batch (the ramp's end, the adaptive start)"

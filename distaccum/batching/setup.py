@@ -1,4 +1,4 @@
-"""The batch schedule's set-ups: a global batch that changes during the run (``accum.ramp``, the adaptive rule's
+"""The batch growth's set-ups: a global batch that changes during the run (``accum.ramp``, the adaptive rule's
 phases) gives the learning-rate scheduler its phases and the run its description; ``accum.adaptive`` decides each
 next global batch from the noise-scale monitor's estimate.
 """
@@ -10,31 +10,31 @@ from typing import Any, ClassVar, cast
 from torch.optim.lr_scheduler import LambdaLR
 
 from distaccum.batching.adaptive import AdaptiveBatch
-from distaccum.batching.schedule import describe_schedule, schedule_summary
+from distaccum.batching.growth import describe_growth, growth_summary
 from distaccum.features.base import Assembly, Engine, SetupBase, TrainState
 from distaccum.optim import rescale
 
 
-class ScheduleSetup(SetupBase):
-    """On when the global batch is not one constant (``resolved.data.schedule``)."""
+class GrowthSetup(SetupBase):
+    """On when the global batch is not one constant (``resolved.data.growth``)."""
 
-    name: ClassVar[str] = "batch_schedule"
+    name: ClassVar[str] = "batch_growth"
 
     def enabled(self, run: Assembly) -> bool:
-        return run.resolved.data.schedule is not None
+        return run.resolved.data.growth is not None
 
     def with_engine(self, run: Assembly, engine: Engine) -> None:
-        schedule, cfg = run.resolved.data.schedule, run.cfg
-        assert schedule is not None
-        run.batches = [list(p) for p in schedule.phases]
+        growth, cfg = run.resolved.data.growth, run.cfg
+        assert growth is not None
+        run.batches = [list(p) for p in growth.phases]
         rule = cfg.accum.adaptive if cfg.accum.adaptive.enabled else None
         split, steps = run.resolved.split, cfg.trainer.max_steps
-        run.describe_steps = lambda _lr: describe_schedule(schedule, split, steps, cfg.optim, rule)
+        run.describe_steps = lambda _lr: describe_growth(growth, split, steps, cfg.optim, rule)
 
     def summarize(self, run: Assembly, state: TrainState, summary: dict[str, Any]) -> None:
-        schedule = run.resolved.data.schedule  # what the run's steps took, not the configured end
-        assert schedule is not None
-        summary.update(schedule_summary(schedule, state.records, summary["world_size"]))
+        growth = run.resolved.data.growth  # what the run's steps took, not the configured end
+        assert growth is not None
+        summary.update(growth_summary(growth, state.records, summary["world_size"]))
 
 
 class AdaptiveSetup(SetupBase):
@@ -44,21 +44,21 @@ class AdaptiveSetup(SetupBase):
 
     def enabled(self, run: Assembly) -> bool:
         cfg = run.cfg
-        return cfg.log.gns and cfg.accum.adaptive.enabled and run.resolved.data.schedule is not None
+        return cfg.log.gns and cfg.accum.adaptive.enabled and run.resolved.data.growth is not None
 
     def with_state(self, run: Assembly, state: TrainState, done: int) -> None:
         cfg, resolved = run.cfg, run.resolved
         scheduler = cast(LambdaLR, state.scheduler)  # build_scheduler's (through the seam)
-        schedule, gns = resolved.data.schedule, run.noise_scale
-        assert schedule is not None and gns is not None, "the noise-scale monitor attaches first"
-        plan = resolved.data.plan(run.components.dataset, resolved.global_batch)
+        growth, gns = resolved.data.growth, run.noise_scale
+        assert growth is not None and gns is not None, "the noise-scale monitor attaches first"
+        order = resolved.data.order(run.components.dataset, resolved.global_batch)
         split = resolved.split
         run.monitors.append(
             AdaptiveBatch(
                 cfg.accum.adaptive,
-                schedule,
+                growth,
                 gns,
-                lambda step: plan.rank_sizes(step, split, 0)[1],
+                lambda step: order.rank_sizes(step, split, 0)[1],
                 lambda first, batch: rescale(scheduler, first, batch, cfg.optim),
                 unit=split.micro_batch * split.world_size,
                 global_batch=resolved.global_batch,

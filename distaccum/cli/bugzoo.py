@@ -18,12 +18,12 @@ RUN_DIR_KEY = "run_dir"
 """The one override the zoo takes: its runs' configurations are fixed by the bugs."""
 
 
-def bugzoo_worker(plan_file: str) -> None:
-    """``distaccum _bugzoo_worker PLAN``: one rank of the zoo's shared launch."""
+def bugzoo_worker(runs_file: str) -> None:
+    """``distaccum _bugzoo_worker RUNS``: one rank of the zoo's shared launch."""
     from distaccum.cli.worker import worker_exit
     from distaccum.verify.bugzoo import zoo_worker
 
-    worker_exit(lambda: zoo_worker(Path(plan_file)))
+    worker_exit(lambda: zoo_worker(Path(runs_file)))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -148,9 +148,9 @@ def given_compute(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def plan_main(argv: list[str]) -> int:
     """Entry of ``distaccum plan``; returns the exit code."""
-    from distaccum.cluster.local import launch, launch_plan
+    from distaccum.cluster.local import launch, launch_recipe
+    from distaccum.tuning.growth_plan import render_phases
     from distaccum.tuning.planner import SplitPlan, render_table
-    from distaccum.tuning.schedule_plan import render_phases
 
     try:
         args, overrides = parse_args(argv)
@@ -182,7 +182,7 @@ def plan_main(argv: list[str]) -> int:
         f"ranks, global batch {global_batch}: measuring every micro-batch size, run_dir {run_dir}",
         flush=True,
     )
-    code = launch(launch_plan(cfg), ["-m", "distaccum", "_plan", str(config_file)])
+    code = launch(launch_recipe(cfg), ["-m", "distaccum", "_plan", str(config_file)])
     if code:
         print(
             f"distaccum plan: the measuring workers failed (exit {code}); see their output above",
@@ -219,13 +219,13 @@ def plan_main(argv: list[str]) -> int:
     lines.append(
         "measure all:   " + shlex.join(sweep) + f" && distaccum report {shlex.quote(str(run_dir / 'sweep'))}"
     )
-    schedule = checked.run.data.schedule
-    if schedule is not None:  # a ramp's (or the adaptive batch's) K per phase, from the same coefficients
+    growth = checked.run.data.growth
+    if growth is not None:  # a ramp's (or the adaptive batch's) K per phase, from the same coefficients
         micro = rec.micro_batch if cfg.accum.auto and rec is not None else int(checked.run.split.micro_batch)
         world = checked.run.split.world_size
         adaptive = cfg.accum.adaptive
         bounds = adaptive.bounds(micro * world, global_batch) if adaptive.enabled else None
-        lines += ["", render_phases(schedule, plan.costs, micro, world, cfg.trainer.max_steps, bounds)]
+        lines += ["", render_phases(growth, plan.costs, micro, world, cfg.trainer.max_steps, bounds)]
     if args.nodes is not None:
         params = int(args.params or sum(p.numel() for p in checked.model.parameters()))
         given = any(o.lstrip("+~").startswith("accum.micro_batch=") for o in overrides)

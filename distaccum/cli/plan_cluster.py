@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from distaccum.tuning.collectives import Link, Topology, gbps
 from distaccum.tuning.outer_plan import OUTER_BYTES, OuterLinkPlan, render_outer, smallest_hidden_every
@@ -81,113 +82,114 @@ class RenamedFlag(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+Flag = tuple[str, Callable[[str], Any], object, str]
+"""A flag of the prediction: its name, type, default (None: not given) and help."""
+
+CLUSTER_FLAGS: tuple[Flag, ...] = (
+    ("--nodes", int, None, "nodes of the target cluster: predict every engine and sync mode there"),
+    ("--gpus-per-node", int, None, "GPUs (ranks) per node (default 8)"),
+    ("--inter-node-gbps", float, None, "network bandwidth of one node, Gbit/s each way (all its NICs)"),
+    (
+        "--intra-node-gbps",
+        float,
+        None,
+        "one GPU's bandwidth to the others in its node, Gbit/s each way (NVLink 4 on H100: 3600)",
+    ),
+    ("--inter-node-latency-us", float, 20.0, "α between nodes, µs per message (default 20)"),
+    ("--intra-node-latency-us", float, 5.0, "α inside a node, µs per message (default 5)"),
+    ("--replicas", int, None, "HSDP replicas (default: one per node, sharding inside the node)"),
+    (
+        "--compute-ms",
+        float,
+        None,
+        "forward+backward of one micro-batch on the target GPU, ms: given, not measured (default: measure this "
+        "machine's)",
+    ),
+    (
+        "--optim-ms",
+        float,
+        None,
+        "optimizer step over all parameters, ms (default: measured, or 0 with --compute-ms)",
+    ),
+    ("--params", float, None, "parameters of the model (default: count the configured model's)"),
+    (
+        "--accum-steps",
+        int,
+        None,
+        "K on the cluster (default: accum.global_batch / (micro-batch x the cluster's ranks); without a global "
+        "batch, the measured split's K, or accum.steps)",
+    ),
+    ("--grad-bytes", float, 4.0, "bytes per parameter of a gradient reduction (default 4)"),
+    (
+        "--param-bytes",
+        float,
+        4.0,
+        "bytes per parameter of a parameter all-gather (default 4; 2 with bf16 mixed precision)",
+    ),
+    ("--compressed-bytes", float, 2.0, "bytes per parameter of the compressed (bf16) reductions (default 2)"),
+    ("--backward-fraction", float, 2 / 3, "share of the compute in the backward (default 2/3)"),
+    (
+        "--units",
+        int,
+        32,
+        "units (FSDP units, buckets) a window's collectives are cut into; the first gather and the last reduction "
+        "stay exposed (default 32)",
+    ),
+    ("--modes", str, None, "comma-separated engine modes to predict (default all): " + ", ".join(MODE_KEYS)),
+)
+"""``distaccum plan``'s flags for a cluster larger than this machine, in their ``--help`` order."""
+
+OUTER_FLAGS: tuple[Flag, ...] = (
+    (
+        "--outer-every",
+        int,
+        None,
+        "H, optimizer steps between two syncs of a fragment (outer.every): its row is marked (default: the rows "
+        "of H = 1, 10, 50, 100, 500 and the smallest hidden H)",
+    ),
+    ("--outer-fragments", int, None, "F, fragments synced at staggered offsets (outer.fragments; default 1)"),
+    ("--islands", int, None, "R, islands (outer.islands; default: one per node)"),
+    (
+        "--island-link-gbps",
+        float,
+        None,
+        "one island's link to the others, Gbit/s each way (default: its share of the nodes' network, "
+        "--inter-node-gbps x nodes / R)",
+    ),
+    (
+        "--island-link-latency-ms",
+        float,
+        None,
+        f"α of that link, ms per message (default {DEFAULT_ISLAND_LATENCY_MS:g} with --island-link-gbps, else "
+        "--inter-node-latency-us)",
+    ),
+)
+"""``distaccum plan``'s flags for an outer sync, in their ``--help`` order."""
+
+
+def add_flags(group: argparse._ArgumentGroup, flags: tuple[Flag, ...]) -> None:
+    """Add ``flags`` to ``group``."""
+    for flag, kind, default, text in flags:
+        group.add_argument(flag, type=kind, default=default, help=text)
+
+
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of a prediction for a cluster larger than this machine."""
     group = parser.add_argument_group(
         "a cluster larger than this machine (a prediction from the α–β model of docs/planning.md)"
     )
-    add = group.add_argument
-    add("--nodes", type=int, help="nodes of the target cluster: predict every engine and sync mode there")
-    add("--gpus-per-node", type=int, help="GPUs (ranks) per node (default 8)")
-    add("--inter-node-gbps", type=float, help="network bandwidth of one node, Gbit/s each way (all its NICs)")
-    add(
-        "--intra-node-gbps",
-        type=float,
-        help="one GPU's bandwidth to the others in its node, Gbit/s each way (NVLink 4 on H100: 3600)",
-    )
-    add(
-        "--inter-node-latency-us",
-        type=float,
-        default=20.0,
-        help="α between nodes, µs per message (default 20)",
-    )
-    add(
-        "--intra-node-latency-us", type=float, default=5.0, help="α inside a node, µs per message (default 5)"
-    )
-    add("--replicas", type=int, help="HSDP replicas (default: one per node, sharding inside the node)")
-    add(
-        "--compute-ms",
-        type=float,
-        help="forward+backward of one micro-batch on the target GPU, ms: given, "
-        "not measured (default: measure this machine's)",
-    )
-    add(
-        "--optim-ms",
-        type=float,
-        help="optimizer step over all parameters, ms (default: measured, or 0 with --compute-ms)",
-    )
-    add("--params", type=float, help="parameters of the model (default: count the configured model's)")
-    add(
-        "--accum-steps",
-        type=int,
-        help="K on the cluster (default: accum.global_batch / (micro-batch x the cluster's ranks); without a "
-        "global batch, the measured split's K, or accum.steps)",
-    )
-    add(
-        "--grad-bytes",
-        type=float,
-        default=4.0,
-        help="bytes per parameter of a gradient reduction (default 4)",
-    )
-    add(
-        "--param-bytes",
-        type=float,
-        default=4.0,
-        help="bytes per parameter of a parameter all-gather (default 4; 2 with bf16 mixed precision)",
-    )
-    add(
-        "--compressed-bytes",
-        type=float,
-        default=2.0,
-        help="bytes per parameter of the compressed (bf16) reductions (default 2)",
-    )
-    add(
-        "--backward-fraction",
-        type=float,
-        default=2 / 3,
-        help="share of the compute in the backward (default 2/3)",
-    )
-    add(
-        "--units",
-        type=int,
-        default=32,
-        help="units (FSDP units, buckets) a window's collectives are cut into; "
-        "the first gather and the last reduction stay exposed (default 32)",
-    )
-    add("--modes", help="comma-separated engine modes to predict (default all): " + ", ".join(MODE_KEYS))
+    add_flags(group, CLUSTER_FLAGS)
 
 
 def add_outer_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of a prediction for an outer sync (DiLoCo, LocalSGD) across islands joined by a slow link."""
     group = parser.add_argument_group("an outer sync across islands over a slow link (DiLoCo, LocalSGD)")
-    add = group.add_argument
-    add(
-        "--outer-every",
-        type=int,
-        help="H, optimizer steps between two syncs of a fragment (outer.every): its row is marked "
-        "(default: the rows of H = 1, 10, 50, 100, 500 and the smallest hidden H)",
-    )
-    add(
-        "--outer-fragments",
-        type=int,
-        help="F, fragments synced at staggered offsets (outer.fragments; default 1)",
-    )
-    add("--islands", type=int, help="R, islands (outer.islands; default: one per node)")
-    add(
-        "--island-link-gbps",
-        type=float,
-        help="one island's link to the others, Gbit/s each way (default: its share of the nodes' "
-        "network, --inter-node-gbps x nodes / R)",
-    )
-    add(
-        "--island-link-latency-ms",
-        type=float,
-        help=f"α of that link, ms per message (default {DEFAULT_ISLAND_LATENCY_MS:g} with --island-link-gbps, "
-        "else --inter-node-latency-us)",
-    )
+    add_flags(group, OUTER_FLAGS)
     for old, new in RENAMED_FLAGS.items():  # hidden: the old spellings, for one release
-        add(old, type=float if "link" in new else int, dest=new[2:].replace("-", "_"), action=RenamedFlag)
-    add(
+        group.add_argument(
+            old, type=float if "link" in new else int, dest=new[2:].replace("-", "_"), action=RenamedFlag
+        )
+    group.add_argument(
         "--outer-reduce-dtype",
         choices=tuple(OUTER_BYTES),
         help="the dtype the outer sync moves (outer.reduce_dtype; default fp32)",

@@ -13,11 +13,11 @@ from typing import Any
 from distaccum.cli.compose import to_run_config
 from distaccum.cli.exitcodes import EXIT_CONFIG, EXIT_OK
 from distaccum.config import to_mapping, with_overrides
-from distaccum.outer.islands import island_plan
+from distaccum.outer.islands import island_lines
 from distaccum.preflight import preflight
 from distaccum.rundir import LAUNCH_CONFIG, STATUS, write_json
 from distaccum.runtime.contracts import node_launch
-from distaccum.runtime.topology import placement_plan
+from distaccum.runtime.topology import placement_lines
 
 
 def in_multirun() -> tuple[bool, str | None]:
@@ -38,9 +38,9 @@ def config_error(err: Exception) -> None:
 def train_task(dcfg: Any) -> int:
     """One Hydra job: validate and pre-flight, then start the workers."""
     from distaccum.cluster.local import (
-        elastic_plan,
+        elastic_lines,
         launch_local,
-        launch_plan,
+        launch_recipe,
         start_worker_server,
         torchrun_argv,
         worker_args,
@@ -73,16 +73,16 @@ def train_task(dcfg: Any) -> int:
         else f"micro_batch {split.micro_batch} x {split.accum_steps} accumulation steps"
     )
     worlds = cfg.world_sizes()
-    if len(worlds) > 1:  # elastic: K follows the world the run gets (elastic_plan lists them)
+    if len(worlds) > 1:  # elastic: K follows the world the run gets (elastic_lines lists them)
         how = f"micro_batch {cfg.accum.micro_batch} x the accumulation steps of the world it gets"
     ranks = f"x{split.world_size}" if len(worlds) == 1 else f"on {worlds[0]} to {worlds[-1]}"
     batch = f"{how} = {split.global_batch} samples per optimizer step"
-    schedule = checked.run.data.schedule
-    if cfg.accum.adaptive.enabled and schedule is not None:  # the phases follow (describe_schedule, rank 0)
-        batch = f"a global batch from {schedule.phases[0][1]} chosen as it runs (accum.adaptive), micro_batch {split.micro_batch}"
-    elif schedule is not None and len(schedule.phases) > 1:
+    growth = checked.run.data.growth
+    if cfg.accum.adaptive.enabled and growth is not None:  # the phases follow (describe_growth, rank 0)
+        batch = f"a global batch from {growth.phases[0][1]} chosen as it runs (accum.adaptive), micro_batch {split.micro_batch}"
+    elif growth is not None and len(growth.phases) > 1:
         batch = (
-            f"a global batch ramping {schedule.phases[0][1]} -> {schedule.phases[-1][1]} (accum.ramp), micro_batch "
+            f"a global batch ramping {growth.phases[0][1]} -> {growth.phases[-1][1]} (accum.ramp), micro_batch "
             f"{split.micro_batch} x the accumulation steps of each phase"
         )
     print(
@@ -92,16 +92,16 @@ def train_task(dcfg: Any) -> int:
     )
     print(
         "distaccum: equivalent to `"
-        + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file)))
+        + shlex.join(torchrun_argv(launch_recipe(cfg), worker_args(config_file)))
         + "`",
         flush=True,
     )
-    nodes = cfg.trainer.node_range()[1]  # an elastic launch: its largest world (elastic_plan says the rest)
-    for line in placement_plan(checked.run.engine.replicas, nodes, cfg.trainer.nproc):
+    nodes = cfg.trainer.node_range()[1]  # an elastic launch: its largest world (elastic_lines says the rest)
+    for line in placement_lines(checked.run.engine.replicas, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
-    for line in island_plan(checked.run.outer_islands, nodes, cfg.trainer.nproc):
+    for line in island_lines(checked.run.outer_islands, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
-    for line in elastic_plan(cfg):
+    for line in elastic_lines(cfg):
         print(f"distaccum: {line}", flush=True)
     code = launch_local(cfg, config_file)
     if nodes > 1:  # every node's launcher says how its own workers ended (rank 0's node also printed "done")

@@ -87,7 +87,7 @@ usage: distaccum verify [overrides] [--config-dir DIR] [--to {targets}]
 Trains the configured run as one or more candidates (the configured split; with verify.splits=auto every valid
 split of the same global batch, up to verify.max_candidates) on local workers (--to ray: on Ray Train's workers),
 and compares each, step by step, with one process taking every step's whole global batch in one forward/backward
-(the reference, from the same seed weights): loss, gradient norm, per-step parameter checksums, then the final
+(the reference, from the same seed weights): loss, gradient norm, per-step parameter digests, then the final
 weights. Prints a table, writes run_dir/verify.json, and names the first diverging step and parameter with a
 diagnosis. --script verifies your own torchrun script's Trainer the same way (`distaccum verify --script FILE
 --help`).

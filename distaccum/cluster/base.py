@@ -2,7 +2,8 @@
 
 A launcher knows the world a config asks of its target (:meth:`Launcher.world`, which the pre-flight checks before
 anything starts), renders what it would hand the target (:meth:`Launcher.render`: an sbatch script, a TrainJob, a
-plan, a command line; pure, no cluster needed, what ``--dry-run`` prints), and hands it over (:meth:`Launcher.submit`
+Ray recipe, a command line; pure, no cluster needed, what ``--dry-run`` prints), and hands it over
+(:meth:`Launcher.submit`
 for ``distaccum submit --to NAME``, :meth:`Launcher.launch` for ``distaccum verify --to NAME``'s candidates). What a
 launcher can do is said on its class (``submits``, ``verifies``), never by its name elsewhere.
 """

@@ -7,7 +7,7 @@ rendered. :func:`submit_trainjob` is the thin executor, the only code here that 
 The torch runtime starts ``kubeflow.nodes`` pods and gives each the PET_* variables it means for torchrun (nodes,
 processes per node, node rank, master address and port). The pod's command is ``distaccum train``, which reads
 them and becomes its node's launcher (:mod:`distaccum.runtime.contracts`). Each node's ranks are consecutive, as
-under Slurm, so the HSDP and island plans of :mod:`distaccum.cluster.slurm` hold here too.
+under Slurm, so the HSDP and island layouts of :mod:`distaccum.cluster.slurm` hold here too.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import yaml
 
 from distaccum.cluster.base import Launcher, LaunchError, Submitted, World
 from distaccum.cluster.config import QUANTITY, KubeflowConfig
-from distaccum.cluster.slurm import layout_plan, split_line
+from distaccum.cluster.slurm import layout_lines, split_line
 from distaccum.config import RunConfig
 
 TRAINJOB_FILE = "trainjob.yaml"
@@ -234,7 +234,7 @@ def _header(cfg: RunConfig, run_dir: str) -> list[str]:
         lines.append(
             f"run_dir {run_dir} on PersistentVolumeClaim {kf.volume_claim} at {kf.mount_path}{shared}."
         )
-    lines += layout_plan(cfg, kf.nodes, per_node)
+    lines += layout_lines(cfg, kf.nodes, per_node)
     return [f"# {line}".rstrip() for line in lines]
 
 
@@ -243,7 +243,7 @@ def render_trainjob(cfg: RunConfig, overrides: Sequence[str]) -> str:
 
     Pure and deterministic. ``overrides`` are the Hydra overrides the user gave; the pods' run_dir is
     :func:`pod_run_dir`. A comment header says what runs (nodes x procs = world, the split, the HSDP or island
-    plan) and where run_dir lives. Raises ValueError for a run_dir outside ``kubeflow.mount_path``, a
+    layout) and where run_dir lives. Raises ValueError for a run_dir outside ``kubeflow.mount_path``, a
     ``--config-dir`` override or a split that does not exist on the job's world, and :class:`KubeflowError` when
     the ``kubeflow`` extra is not installed.
     """

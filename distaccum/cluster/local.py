@@ -1,4 +1,4 @@
-"""Local launch: render the torchrun-equivalent plan (pure), then execute it with torch elastic.
+"""Local launch: render the torchrun-equivalent recipe (pure), then execute it with torch elastic.
 
 ``distaccum train`` on a login node or laptop becomes ``trainer.nproc`` workers on this machine (and
 ``trainer.nnodes`` > 1 joins a c10d rendezvous at ``trainer.rdzv_endpoint``), with exactly the
@@ -39,7 +39,7 @@ KEEP_ALIVE_MISSES = 3
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class LaunchRecipe:
     """Where and how many workers start (torchrun's arguments)."""
 
     nnodes: int | str
@@ -126,10 +126,10 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def launch_plan(cfg: RunConfig) -> LaunchPlan:
+def launch_recipe(cfg: RunConfig) -> LaunchRecipe:
     """Single node: a free local port (like ``torchrun --standalone``); multi-node: the configured one."""
     endpoint = cfg.trainer.rdzv_endpoint if cfg.trainer.node_range()[1] > 1 else "127.0.0.1:0"
-    return LaunchPlan(
+    return LaunchRecipe(
         cfg.trainer.nnodes,
         cfg.trainer.nproc,
         endpoint,
@@ -146,25 +146,25 @@ def worker_args(config_file: Path) -> list[str]:
     return [*WORKER_COMMAND, str(config_file)]
 
 
-def torchrun_argv(plan: LaunchPlan, args: Sequence[str], *, python: str = sys.executable) -> list[str]:
+def torchrun_argv(recipe: LaunchRecipe, args: Sequence[str], *, python: str = sys.executable) -> list[str]:
     """The torchrun command equivalent to :func:`launch` (shown to users, used by tests)."""
-    low, high = plan.node_range()
+    low, high = recipe.node_range()
     return [
         python,
         "-m",
         "torch.distributed.run",
-        f"--nnodes={plan.nnodes}",
-        f"--nproc_per_node={plan.nproc}",
+        f"--nnodes={recipe.nnodes}",
+        f"--nproc_per_node={recipe.nproc}",
         "--rdzv_backend=c10d",
-        f"--rdzv_endpoint={plan.rdzv_endpoint}",
-        f"--rdzv_id={plan.rdzv_id}",
-        *([f"--rdzv_conf=last_call_timeout={plan.rdzv_last_call_s}"] if low < high else []),
-        f"--max_restarts={plan.max_restarts}",
+        f"--rdzv_endpoint={recipe.rdzv_endpoint}",
+        f"--rdzv_id={recipe.rdzv_id}",
+        *([f"--rdzv_conf=last_call_timeout={recipe.rdzv_last_call_s}"] if low < high else []),
+        f"--max_restarts={recipe.max_restarts}",
         *args,
     ]
 
 
-def elastic_plan(cfg: RunConfig) -> list[str]:
+def elastic_lines(cfg: RunConfig) -> list[str]:
     """What an elastic launch (``trainer.nnodes=MIN:MAX``) may do, for the console; empty for a fixed one."""
     low, high = cfg.trainer.node_range()
     if low == high:
@@ -228,16 +228,16 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def launch(plan: LaunchPlan, args: Sequence[str], extra_env: Mapping[str, str] | None = None) -> int:
-    """Start ``plan.nproc`` workers running ``python ARGS`` through torch elastic, and wait.
+def launch(recipe: LaunchRecipe, args: Sequence[str], extra_env: Mapping[str, str] | None = None) -> int:
+    """Start ``recipe.nproc`` workers running ``python ARGS`` through torch elastic, and wait.
 
     Returns 0, 1 when a worker failed, or 3 when the run stopped on request after checkpointing.
     """
     saved = dict(os.environ)
-    os.environ.update(worker_environment(plan.nproc))  # elastic passes this process's env to the workers
+    os.environ.update(worker_environment(recipe.nproc))  # elastic passes this process's env to the workers
     os.environ.update(extra_env or {})
     try:
-        return _run_elastic(plan, list(args))
+        return _run_elastic(recipe, list(args))
     finally:  # several launches from one process (verify, sweeps) must not inherit each other's
         os.environ.clear()
         os.environ.update(saved)
@@ -245,43 +245,44 @@ def launch(plan: LaunchPlan, args: Sequence[str], extra_env: Mapping[str, str] |
 
 def launch_local(cfg: RunConfig, config_file: Path) -> int:
     """Start ``cfg``'s workers (``python -m distaccum _worker CONFIG``) and wait; see :func:`launch`."""
-    return launch(launch_plan(cfg), worker_args(config_file))
+    return launch(launch_recipe(cfg), worker_args(config_file))
 
 
-def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
+def _run_elastic(recipe: LaunchRecipe, args: list[str]) -> int:
     # distaccum's own workers, launched by its command line: forked from the server it started (cluster/forked.py)
     fork = args[: len(DISTACCUM_MODULE)] == DISTACCUM_MODULE and forked.started()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    grace: dict[str, Any] = {"shutdown_timeout": plan.shutdown_grace_s}
+    grace: dict[str, Any] = {"shutdown_timeout": recipe.shutdown_grace_s}
     if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
         # torch < 2.13 (outside distaccum's tested versions, e.g. a GPU image's own torch): torch's own grace applies
         print(
             f"distaccum: this torch's LaunchConfig has no shutdown_timeout; workers get torch's default grace "
-            f"after SIGTERM, not trainer.shutdown_grace_s={plan.shutdown_grace_s} (distaccum is tested on torch>=2.13)",
+            f"after SIGTERM, not trainer.shutdown_grace_s={recipe.shutdown_grace_s} "
+            "(distaccum is tested on torch>=2.13)",
             file=sys.stderr,
         )
         grace = {}
-    low, high = plan.node_range()
+    low, high = recipe.node_range()
     # last_call_timeout: how long a rendezvous that has MIN nodes waits for up to MAX (only elastic ones wait).
     rdzv = {
         "timeout": 900,
         "join_timeout": 900,
-        "last_call_timeout": plan.rdzv_last_call_s,
+        "last_call_timeout": recipe.rdzv_last_call_s,
         "keep_alive_interval": KEEP_ALIVE_S,
         "keep_alive_max_attempt": KEEP_ALIVE_MISSES,
     }
     config = LaunchConfig(
         min_nodes=low,
         max_nodes=high,
-        nproc_per_node=plan.nproc,
-        run_id=plan.rdzv_id,
+        nproc_per_node=recipe.nproc,
+        run_id=recipe.rdzv_id,
         rdzv_backend="c10d",
-        rdzv_endpoint=plan.rdzv_endpoint,
+        rdzv_endpoint=recipe.rdzv_endpoint,
         rdzv_configs=rdzv,
-        max_restarts=plan.max_restarts,
+        max_restarts=recipe.max_restarts,
         monitor_interval=0.1,
         start_method="forkserver" if fork else "spawn",
         **grace,
@@ -295,7 +296,7 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
         codes = {f.exitcode for f in err.failures.values()}
         if codes == {EXIT_REQUEUE}:
             print(
-                f"distaccum: stopped on request; checkpoint in {plan.run_dir}; "
+                f"distaccum: stopped on request; checkpoint in {recipe.run_dir}; "
                 "rerun the same command to resume",
                 file=sys.stderr,
             )
@@ -308,7 +309,7 @@ def _run_elastic(plan: LaunchPlan, args: list[str]) -> int:
         # which finish the window in progress and checkpoint before exiting.
         print(
             f"distaccum: launcher got {err.sigval.name}; workers checkpoint at the next window "
-            f"boundary in {plan.run_dir}; rerun the same command to resume",
+            f"boundary in {recipe.run_dir}; rerun the same command to resume",
             file=sys.stderr,
         )
         return EXIT_REQUEUE
@@ -341,5 +342,5 @@ class LocalLauncher(Launcher):
     @staticmethod
     def render(cfg: RunConfig, overrides: Sequence[str]) -> str:
         """The torchrun command equivalent to the launch (``overrides`` are resolved into the launch config)."""
-        argv = torchrun_argv(launch_plan(cfg), worker_args(Path(cfg.run_dir) / LAUNCH_CONFIG))
-        return "".join(f"distaccum: {line}\n" for line in elastic_plan(cfg)) + shlex.join(argv) + "\n"
+        argv = torchrun_argv(launch_recipe(cfg), worker_args(Path(cfg.run_dir) / LAUNCH_CONFIG))
+        return "".join(f"distaccum: {line}\n" for line in elastic_lines(cfg)) + shlex.join(argv) + "\n"

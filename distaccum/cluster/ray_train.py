@@ -6,7 +6,7 @@ the process group Ray made (distaccum uses it and leaves it to Ray: the ``initia
 :mod:`distaccum.runtime.contracts`), writes ``run_dir`` as every launch does, and hands every
 ``ray.report_every``-th step record to ``ray.train.report`` (:class:`RayReporter`). When a worker dies, Ray restarts
 the whole group up to ``trainer.max_restarts`` times, and the Trainer resumes from ``run_dir``'s newest checkpoint,
-as after a torch elastic restart. :func:`ray_plan` is the pure part (what would run, shown by ``distaccum submit --to ray
+as after a torch elastic restart. :func:`ray_recipe` is the pure part (what would run, shown by ``distaccum submit --to ray
 --dry-run``, :func:`ray_dry_run`); :func:`launch_on_ray` is a launcher for ``distaccum verify``'s candidates.
 
 ``ray`` is an optional dependency (``pip install "distaccum[ray]"``), imported only inside functions.
@@ -65,7 +65,7 @@ def _ray() -> ModuleType:
 
 
 @dataclass(frozen=True)
-class RayPlan:
+class RayRecipe:
     """What :func:`train_on_ray` asks Ray for."""
 
     workers: int
@@ -94,7 +94,7 @@ class RayPlan:
         return {k: max(1, math.ceil(v * self.workers)) for k, v in self.resources.items() if v > 0}
 
     def describe(self) -> list[str]:
-        """The plan as the lines ``distaccum submit --to ray --dry-run`` prints."""
+        """The recipe as the lines ``distaccum submit --to ray --dry-run`` prints."""
         shown = ", ".join(f"{k} {v:g}" for k, v in self.resources.items())
         where = (
             f"the Ray cluster at {self.address} ({self.address_from})"
@@ -122,7 +122,7 @@ def ray_world_size(cfg: RunConfig) -> int:
     return cfg.trainer.nproc * cfg.trainer.nnodes
 
 
-def ray_plan(cfg: RunConfig, environ: Mapping[str, str]) -> RayPlan:
+def ray_recipe(cfg: RunConfig, environ: Mapping[str, str]) -> RayRecipe:
     """The Ray Train run of ``cfg`` (``environ``: this process's environment, for RAY_ADDRESS).
 
     Raises ValueError (ConfigError) for an elastic trainer.nnodes and for ``trainer.device=cuda`` without
@@ -146,7 +146,7 @@ def ray_plan(cfg: RunConfig, environ: Mapping[str, str]) -> RayPlan:
     storage = cfg.ray.storage_path or str(Path(cfg.run_dir) / STORAGE_DIR)
     if "://" not in storage:
         storage = os.path.abspath(storage)
-    return RayPlan(
+    return RayRecipe(
         workers=workers,
         resources=resources,
         backend="nccl" if gpus > 0 and cfg.trainer.device != "cpu" else "gloo",
@@ -245,17 +245,17 @@ def ray_worker(payload: Mapping[str, Any]) -> Record:
 
 
 @contextmanager
-def ray_session(plan: RayPlan) -> Iterator[None]:
-    """Ray for the run: the one this process joined already (left as it is), else the plan's address, else a local
+def ray_session(recipe: RayRecipe) -> Iterator[None]:
+    """Ray for the run: the one this process joined already (left as it is), else the recipe's address, else a local
     Ray with the resources the workers need; left (or stopped) at the end."""
     ray = _ray()
     if ray.is_initialized():
         yield
         return
-    if plan.address:
-        ray.init(address=plan.address)
+    if recipe.address:
+        ray.init(address=recipe.address)
     else:
-        local = plan.local_resources
+        local = recipe.local_resources
         ray.init(num_cpus=local.get("CPU", 1), num_gpus=local.get("GPU", 0), include_dashboard=False)
     try:
         yield
@@ -292,23 +292,25 @@ def train_on_ray(cfg: RunConfig, *, callbacks: Sequence[Any] = (), check: bool =
     from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     try:
-        plan = ray_plan(cfg, os.environ)
+        recipe = ray_recipe(cfg, os.environ)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if check:
-        preflight(cfg, plan.workers, nodes=int(cfg.trainer.nnodes))
-    with ray_session(plan):
+        preflight(cfg, recipe.workers, nodes=int(cfg.trainer.nnodes))
+    with ray_session(recipe):
         trainer = TorchTrainer(
             ray_worker,
             train_loop_config={"config": to_mapping(cfg), "cwd": os.getcwd()},
             scaling_config=ScalingConfig(
-                num_workers=plan.workers, use_gpu="GPU" in plan.resources, resources_per_worker=plan.resources
+                num_workers=recipe.workers,
+                use_gpu="GPU" in recipe.resources,
+                resources_per_worker=recipe.resources,
             ),
-            torch_config=TorchConfig(backend=plan.backend, timeout_s=plan.timeout_s),
+            torch_config=TorchConfig(backend=recipe.backend, timeout_s=recipe.timeout_s),
             run_config=RayRunConfig(
-                name=plan.name,
-                storage_path=plan.storage_path,
-                failure_config=FailureConfig(max_failures=plan.max_failures),
+                name=recipe.name,
+                storage_path=recipe.storage_path,
+                failure_config=FailureConfig(max_failures=recipe.max_failures),
                 callbacks=list(callbacks) or None,
             ),
         )
@@ -316,7 +318,7 @@ def train_on_ray(cfg: RunConfig, *, callbacks: Sequence[Any] = (), check: bool =
             result = trainer.fit()
         except TrainingFailedError as err:
             raise RayError(
-                f"the Ray Train run failed (after up to {plan.max_failures} restart(s), trainer.max_restarts): "
+                f"the Ray Train run failed (after up to {recipe.max_failures} restart(s), trainer.max_restarts): "
                 f"{describe_failure(err)}; its checkpoints are in {cfg.run_dir}: run it again to resume"
             ) from err
     summary = getattr(result, "return_value", None)  # v2 Result: rank 0's return value (typed as v1's Result)
@@ -338,20 +340,20 @@ def launch_on_ray(cfg: RunConfig, config_file: Path) -> int:
 
 
 def ray_dry_run(cfg: RunConfig, overrides: Sequence[str]) -> str:
-    """What ``distaccum submit --to ray --dry-run`` prints: the command, the split and the plan (starts nothing).
+    """What ``distaccum submit --to ray --dry-run`` prints: the command, the split and the recipe (starts nothing).
     Raises ConfigError (exit 2) for a configuration Ray cannot run."""
-    lines = [f"submit --to ray {' '.join(overrides)}".rstrip(), *_plan_lines(cfg)]
+    lines = [f"submit --to ray {' '.join(overrides)}".rstrip(), *_recipe_lines(cfg)]
     if importlib.util.find_spec("ray") is None:
         lines.append(f"note: Ray is not installed here: {INSTALL_HINT}")
     return "".join(f"distaccum: {line}\n" for line in lines)
 
 
-def _plan_lines(cfg: RunConfig) -> list[str]:
+def _recipe_lines(cfg: RunConfig) -> list[str]:
     try:
-        plan = ray_plan(cfg, os.environ)
+        recipe = ray_recipe(cfg, os.environ)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return [split_line(cfg, int(cfg.trainer.nnodes), cfg.trainer.nproc), *plan.describe()]
+    return [split_line(cfg, int(cfg.trainer.nnodes), cfg.trainer.nproc), *recipe.describe()]
 
 
 class RayLauncher(Launcher):
@@ -371,9 +373,9 @@ class RayLauncher(Launcher):
 
     @staticmethod
     def submit(cfg: RunConfig, overrides: Sequence[str]) -> Submitted:
-        """Run ``cfg`` on Ray and wait (the plan printed first); raises :class:`RayError` when Ray Train is missing
+        """Run ``cfg`` on Ray and wait (the recipe printed first); raises :class:`RayError` when Ray Train is missing
         or the run failed."""
-        for line in _plan_lines(cfg):
+        for line in _recipe_lines(cfg):
             print(f"distaccum: {line}", flush=True)
         summary = train_on_ray(cfg, check=False)
         return Submitted(

@@ -26,8 +26,8 @@ from distaccum.cluster.base import Launcher, LaunchError, Submitted, World
 from distaccum.cluster.config import SlurmConfig
 from distaccum.config import RunConfig
 from distaccum.engines import engine_class
-from distaccum.outer.islands import island_plan, resolve_islands
-from distaccum.runtime.topology import placement_plan, resolve_replicas
+from distaccum.outer.islands import island_lines, resolve_islands
+from distaccum.runtime.topology import placement_lines, resolve_replicas
 
 SCRIPT_NAME = "submit.sbatch"
 """File name of the rendered script inside ``run_dir``."""
@@ -89,7 +89,7 @@ def job_world_size(cfg: RunConfig) -> int:
     return cfg.slurm.nodes * per_node
 
 
-def layout_plan(cfg: RunConfig, nodes: int, per_node: int) -> list[str]:
+def layout_lines(cfg: RunConfig, nodes: int, per_node: int) -> list[str]:
     """The HSDP replicas or outer-sync islands of a job of ``nodes`` x ``per_node`` ranks, one consecutive block of
     ranks per node (one torchrun per node, as here and in a Kubeflow TrainJob): the lines a rendered job shows."""
     world = nodes * per_node
@@ -99,7 +99,7 @@ def layout_plan(cfg: RunConfig, nodes: int, per_node: int) -> list[str]:
     islands = resolve_islands(cfg.outer.islands, world, nodes) if cfg.outer.enabled else 0
     if islands:
         replicas = 1  # the islands are the replicas (no HSDP inside one)
-    return placement_plan(replicas, nodes, per_node) + island_plan(islands, nodes, per_node)
+    return placement_lines(replicas, nodes, per_node) + island_lines(islands, nodes, per_node)
 
 
 def split_line(cfg: RunConfig, nodes: int, per_node: int) -> str:
@@ -157,7 +157,7 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
         "# Rendered by distaccum.cluster.slurm.render_sbatch; submit with `distaccum submit` or sbatch.",
         f"# {split_line(cfg, slurm.nodes, nproc)}",
         f"# Every node runs {python} (slurm.python): it must exist at this path on each of them.",
-        *(f"# {line}" for line in layout_plan(cfg, slurm.nodes, nproc)),
+        *(f"# {line}" for line in layout_lines(cfg, slurm.nodes, nproc)),
         *_directives(cfg),
         "",
         "set -euo pipefail",

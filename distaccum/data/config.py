@@ -1,4 +1,4 @@
-"""The typed ``data`` and ``eval`` sections: the training dataset, how the global-batch plan walks it, and the
+"""The typed ``data`` and ``eval`` sections: the training dataset, how the global-batch order walks it, and the
 held-out data evaluated beside it (a leaf module).
 
 Kept apart from :mod:`distaccum.config` (which imports them) to keep that module under 500 lines; like
@@ -15,11 +15,11 @@ from distaccum.units import Node, check_node, check_positive
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """The dataset (a component) and how the global-batch plan walks it."""
+    """The dataset (a component) and how the global-batch order walks it."""
 
     dataset: Node | None = None
     """_target_ node of a torch Dataset of samples: map-style (``len`` and ``[i]``, walked by the global-batch
-    plan) or an IterableDataset (a stream, cut into windows in order)."""
+    order) or an IterableDataset (a stream, cut into windows in order)."""
     collate: Node | None = None
     """_target_ node (with ``_partial_: true``) of ``list[sample] -> batch``; null: torch's default_collate."""
     shuffle: bool = True

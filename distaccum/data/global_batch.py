@@ -1,6 +1,6 @@
-"""The deterministic global-batch plan: which samples each optimizer step, rank and micro-batch takes.
+"""The deterministic global-batch order: which samples each optimizer step, rank and micro-batch takes.
 
-The plan is what makes split invariance possible: optimizer step ``s`` consumes the same set of
+The order is what makes split invariance possible: optimizer step ``s`` consumes the same set of
 sample indices whatever (micro_batch, accum_steps, world_size) is, and each rank's micro-batches are
 fixed slices of that set. It depends only on (num_samples, global_batch, seed, shuffle, drop_last).
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from distaccum.batching.schedule import BatchSchedule, phase_split
+from distaccum.batching.growth import BatchGrowth, phase_split
 from distaccum.config import Split
 
 
@@ -24,7 +24,7 @@ class Window:
     """0-based optimizer step."""
     epoch: int
     indices: torch.Tensor
-    """Global sample indices, in plan order; fewer than global_batch only for a partial last window."""
+    """Global sample indices, in order; fewer than global_batch only for a partial last window."""
     global_batch: int
 
     @property
@@ -44,12 +44,12 @@ class Window:
         return [pieces[m * split.world_size + rank] for m in range(split.accum_steps)]
 
 
-class GlobalBatchPlan:
+class GlobalBatchOrder:
     """Deterministic, epoch-aware walk over the dataset in windows of ``global_batch`` samples.
 
-    Depends only on (num_samples, global_batch or its schedule, seed, shuffle, drop_last), never on the split, so
-    every split of the same global batch sees the same samples at the same optimizer step. With a ``schedule``
-    (:class:`~distaccum.batching.schedule.BatchSchedule`: a ramp, the adaptive batch) step s takes the next G_s
+    Depends only on (num_samples, global_batch or its growth, seed, shuffle, drop_last), never on the split, so
+    every split of the same global batch sees the same samples at the same optimizer step. With a ``growth``
+    (:class:`~distaccum.batching.growth.BatchGrowth`: a ramp, the adaptive batch) step s takes the next G_s
     samples of the same epoch order: the stream of samples is the unramped run's, only cut into windows of other
     sizes (an epoch ends where its samples do; with ``drop_last`` a window that would cross the end is dropped).
     """
@@ -62,11 +62,11 @@ class GlobalBatchPlan:
         seed: int,
         shuffle: bool = True,
         drop_last: bool = False,
-        schedule: BatchSchedule | None = None,
+        growth: BatchGrowth | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty: there is nothing to train on")
-        largest = max(global_batch, schedule.largest if schedule is not None else 0)
+        largest = max(global_batch, growth.largest if growth is not None else 0)
         if largest > num_samples and drop_last:
             raise ValueError(
                 f"the global batch ({largest} samples) is larger than the dataset "
@@ -78,12 +78,12 @@ class GlobalBatchPlan:
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
-        self.schedule = schedule
-        """The batch schedule (a ramp, the adaptive rule's phases so far); None: ``global_batch`` every step."""
+        self.growth = growth
+        """The batch growth (a ramp, the adaptive rule's phases so far); None: ``global_batch`` every step."""
         self._walk = (0, 0, 0)
-        """(step, epoch, first position) of the last step :meth:`_place` walked to (a scheduled plan)."""
+        """(step, epoch, first position) of the last step :meth:`_place` walked to (a growing batch's order)."""
         self.next_step = 0
-        """Position: the 0-based optimizer step the plan hands out next (resume state)."""
+        """Position: the 0-based optimizer step the order hands out next (resume state)."""
         self._epoch_order: tuple[int, torch.Tensor] | None = None
         """The last epoch's order, kept: every window of an epoch slices it, and drawing a permutation of a
         million samples takes tens of milliseconds, while the sampler and the loop each ask for every window."""
@@ -108,23 +108,23 @@ class GlobalBatchPlan:
 
     def batch(self, step: int) -> int:
         """The global batch of 0-based optimizer step ``step``."""
-        return self.global_batch if self.schedule is None else self.schedule.global_batch(step)
+        return self.global_batch if self.growth is None else self.growth.global_batch(step)
 
     def _place(self, step: int) -> tuple[int, int, int]:
         """(epoch, the window's first position in the epoch's order, its global batch) of ``step``. A constant batch
-        by arithmetic; a schedule by walking the windows from the last step asked (from 0 when asked backwards)."""
-        if self.schedule is None:
+        by arithmetic; a growing batch by walking the windows from the last step asked (from 0 when asked backwards)."""
+        if self.growth is None:
             epoch, k = divmod(step, self.windows_per_epoch)
             return epoch, k * self.global_batch, self.global_batch
         at, epoch, start = self._walk if self._walk[0] <= step else (0, 0, 0)
-        batch = self.schedule.global_batch(at)
+        batch = self.growth.global_batch(at)
         while True:
             if start >= self.num_samples or (self.drop_last and start + batch > self.num_samples):
                 epoch, start = epoch + 1, 0  # this epoch's samples are spent (or the rest is dropped)
             if at == step:
                 break
             start, at = start + batch, at + 1
-            batch = self.schedule.global_batch(at)
+            batch = self.growth.global_batch(at)
         self._walk = (at, epoch, start)
         return epoch, start, batch
 
@@ -135,10 +135,10 @@ class GlobalBatchPlan:
         return Window(step, epoch, order[start : start + batch], batch)
 
     def split_at(self, step: int, split: Split) -> Split:
-        """The split of ``step``: ``split`` itself, or under a schedule its phase's (K follows the global batch)."""
-        if self.schedule is None:
+        """The split of ``step``: ``split`` itself, or with a growing batch its phase's (K follows the global batch)."""
+        if self.growth is None:
             return split
-        return phase_split(self.schedule.global_batch(step), split.micro_batch, split.world_size)
+        return phase_split(self.growth.global_batch(step), split.micro_batch, split.world_size)
 
     def rank_pieces(self, step: int, split: Split, rank: int) -> tuple[Window, list[torch.Tensor]]:
         """:meth:`window` of ``step`` and its :meth:`Window.rank_micro_batches` for ``rank``, kept for the last 4
@@ -171,13 +171,13 @@ class GlobalBatchPlan:
         return epoch, size, [q + (1 if m * world + rank < r else 0) for m in range(split.accum_steps)]
 
     def rank_ranges(self, step: int, split: Split, rank: int) -> list[tuple[int, int]]:
-        """For an in-order plan (``shuffle=False``): :meth:`rank_pieces`' micro-batches as (first sample, count), by
+        """For an unshuffled order (``shuffle=False``): :meth:`rank_pieces`' micro-batches as (first sample, count), by
         arithmetic alone (the window is a range cut as :meth:`_cut` says); an empty piece is the stand-in (the
-        window's first sample, once), as :meth:`PlanSampler.pieces` serves it. No tensor is made or read: the
+        window's first sample, once), as :meth:`OrderSampler.pieces` serves it. No tensor is made or read: the
         in-process fetch asks per micro-batch."""
         if self.shuffle:
             raise ValueError(
-                "rank_ranges needs an in-order plan (shuffle=False): a shuffled window is no range"
+                "rank_ranges needs an in-order global-batch order (shuffle=False): a shuffled window is no range"
             )
         _, start, _, q, r = self._cut(step, split)
         split = self.split_at(step, split)
@@ -189,31 +189,33 @@ class GlobalBatchPlan:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Position and identity, enough to resume at the exact next sample (and a schedule's phases so far)."""
+        """Position and identity, enough to resume at the exact next sample (and the batch growth's phases so far)."""
         state: dict[str, Any] = {
             "next_step": self.next_step,
             "global_batch": self.global_batch,
             "seed": self.seed,
             "num_samples": self.num_samples,
         }
-        if self.schedule is not None:
-            state["schedule"] = self.schedule.state_dict()
+        if self.growth is not None:
+            state["growth"] = self.growth.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume; refuses a state from a plan with a different global batch, seed or dataset. A schedule takes the
+        """Resume; refuses a state from an order with a different global batch, seed or dataset. A growth takes the
         checkpoint's phases (the adaptive rule's decisions; a ramp's are the same ones, the config is compared
         before any worker starts)."""
         for key in ("global_batch", "seed", "num_samples"):
             if state[key] != getattr(self, key):
                 raise ValueError(
-                    f"cannot resume: plan {key}={state[key]} in the checkpoint, {getattr(self, key)} now"
+                    f"cannot resume: order {key}={state[key]} in the checkpoint, {getattr(self, key)} now"
                 )
-        if ("schedule" in state) != (self.schedule is not None):
+        if "growth" not in state and "schedule" in state:  # its name before issue 57
+            state = {**state, "growth": state["schedule"]}
+        if ("growth" in state) != (self.growth is not None):
             raise ValueError(
-                "cannot resume: the checkpoint's run and this one differ in having a batch schedule"
+                "cannot resume: the checkpoint's run and this one differ in having a batch growth"
             )
-        if self.schedule is not None:
-            self.schedule.load_state_dict(state["schedule"])
+        if self.growth is not None:
+            self.growth.load_state_dict(state["growth"])
             self._walk = (0, 0, 0)
         self.next_step = int(state["next_step"])

@@ -2,8 +2,8 @@
 
 The loop asks a :class:`WindowSource` for one window at a time: what the window holds (step,
 epoch, samples over all ranks, partial or not) and this rank's K micro-batches, collated just
-before each forward. :class:`PlanSource` serves a map-style dataset through the deterministic
-global-batch plan: each rank's DataLoader takes a batch sampler that walks the plan from the
+before each forward. :class:`OrderSource` serves a map-style dataset through the deterministic
+global-batch order: each rank's DataLoader takes a batch sampler that walks the order from the
 resume position, so workers (``data.num_workers``) prefetch exactly the micro-batches this rank
 will train on, in order, and a resumed run continues at the exact next sample. An empty
 micro-batch (a partial window spread over more pieces than it has samples) is replaced by the
@@ -27,31 +27,31 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from distaccum.config import Split
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 
 
-class PlanSampler(Sampler[list[int]]):
+class OrderSampler(Sampler[list[int]]):
     """Yields this rank's micro-batch index lists for optimizer steps ``start .. stop - 1``."""
 
-    def __init__(self, plan: GlobalBatchPlan, split: Split, rank: int, start: int, stop: int) -> None:
-        self.plan, self.split, self.rank, self.start, self.stop = plan, split, rank, start, stop
+    def __init__(self, order: GlobalBatchOrder, split: Split, rank: int, start: int, stop: int) -> None:
+        self.order, self.split, self.rank, self.start, self.stop = order, split, rank, start, stop
 
     def __len__(self) -> int:
-        return sum(self.plan.split_at(step, self.split).accum_steps for step in range(self.start, self.stop))
+        return sum(self.order.split_at(step, self.split).accum_steps for step in range(self.start, self.stop))
 
     def __iter__(self) -> Iterator[list[int]]:
         return (piece.tolist() for piece in self.pieces())
 
     def ranges(self) -> Iterator[tuple[int, int]]:
-        """The same micro-batches of an in-order plan as (first sample, count) (:meth:`GlobalBatchPlan.rank_ranges`:
+        """The same micro-batches of an unshuffled order as (first sample, count) (:meth:`GlobalBatchOrder.rank_ranges`:
         no tensor per micro-batch)."""
         for step in range(self.start, self.stop):
-            yield from self.plan.rank_ranges(step, self.split, self.rank)
+            yield from self.order.rank_ranges(step, self.split, self.rank)
 
     def pieces(self) -> Iterator[torch.Tensor]:
         """The same micro-batches as index tensors."""
         for step in range(self.start, self.stop):
-            window, pieces = self.plan.rank_pieces(step, self.split, self.rank)
+            window, pieces = self.order.rank_pieces(step, self.split, self.rank)
             for piece in pieces:
                 # An empty piece still needs a forward/backward (the loop weights it 0).
                 yield piece if len(piece) else window.indices[:1]
@@ -111,18 +111,19 @@ class TensorRows:
     """This rank's micro-batches of a ``TensorDataset``, cut in the training process (no DataLoader): what
     ``data.num_workers=0`` gets for a plain ``TensorDataset`` without a collate (:func:`micro_batches`).
 
-    Each micro-batch is a list with one tensor per dataset tensor, the rows the plan gives it, in its order:
-    the batch :class:`TensorBatches` (and ``default_collate``) make. An in-order plan (``data.shuffle=false``)
+    Each micro-batch is a list with one tensor per dataset tensor, the rows the order gives it, in its order:
+    the batch :class:`TensorBatches` (and ``default_collate``) make. An unshuffled order (``data.shuffle=false``)
     gives each piece consecutive rows, handed out as a view of them, no copy, as a hand-written loop slices its
     tensors (a pinned dataset of a CUDA run reaches the device with one asynchronous copy and nothing else); a
-    shuffled plan gathers them (one ``index_select`` per tensor; on a CUDA run straight into pinned memory: one
+    shuffled order gathers them (one ``index_select`` per tensor; on a CUDA run straight into pinned memory: one
     copy, where the DataLoader makes two, the gather, then ``pin_memory``).
 
     A view shares the dataset's memory, so a loss or model that wrote into its batch in place (``x.mul_``,
     ``y[mask] = -100``) would change the dataset for every later epoch, where a DataLoader's fresh batch would
     not. Every write bumps the tensor's version counter, which a view shares with the dataset's tensor: each
     fetch checks that the counters of the tensors a view was handed out of are where they were, and stops the
-    run with :class:`DatasetWrittenError` at the next micro-batch after such a write (``tests/test_plan.py``).
+    run with :class:`DatasetWrittenError` at the next micro-batch after such a write
+    (``tests/test_global_batch_order.py``).
     Copying every micro-batch instead is a copy of every input per micro-batch that a hand-written loop, which
     slices its tensors, does not make. Two kinds of tensor are still copied:
     an unpinned host tensor of a CUDA run (into pinned memory: the move is then asynchronous) and an inference
@@ -130,7 +131,7 @@ class TensorRows:
     keeps no version counter) nor saved for the backward.
     """
 
-    def __init__(self, dataset: TensorDataset, sampler: PlanSampler, *, device: torch.device) -> None:
+    def __init__(self, dataset: TensorDataset, sampler: OrderSampler, *, device: torch.device) -> None:
         self.tensors, self.sampler, self.pin_memory = dataset.tensors, sampler, device.type == "cuda"
         self.kinds = [(t, self._how(t, device)) for t in self.tensors]
         """Each tensor and how its consecutive rows are handed out: ``view``, ``pinned`` (a copy in pinned memory) or
@@ -144,7 +145,7 @@ class TensorRows:
         return "view"
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
-        if self.sampler.plan.shuffle:
+        if self.sampler.order.shuffle:
             for piece in self.sampler.pieces():
                 yield [self._gather(t, piece) for t in self.tensors]
             return
@@ -189,7 +190,7 @@ class TensorRows:
 def micro_batches(
     dataset: Dataset,
     collate: Callable[[list[Any]], Any] | None,
-    sampler: PlanSampler,
+    sampler: OrderSampler,
     *,
     device: torch.device,
     num_workers: int = 0,
@@ -210,7 +211,7 @@ def micro_batches(
 def build_loader(
     dataset: Dataset,
     collate: Callable[[list[Any]], Any] | None,
-    sampler: PlanSampler,
+    sampler: OrderSampler,
     *,
     num_workers: int = 0,
     prefetch_factor: int = 2,
@@ -255,7 +256,7 @@ class WindowBatches:
     micro: Iterator[MicroBatch]
     """This rank's K micro-batches, collated and moved to the device one at a time as the loop asks for them."""
     split: Split
-    """The step's split: K micro-batches of this size on every rank (a batch schedule changes it between steps)."""
+    """The step's split: K micro-batches of this size on every rank (a growing batch changes it between steps)."""
 
 
 class WindowSource(Protocol):
@@ -277,12 +278,12 @@ class WindowSource(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume; refuses a state from a different data plan."""
+        """Resume; refuses a state from a different data order."""
         ...
 
 
-class PlanSource:
-    """A map-style dataset served window by window through the global-batch plan (:func:`micro_batches`: a
+class OrderSource:
+    """A map-style dataset served window by window through the global-batch order (:func:`micro_batches`: a
     DataLoader, or :class:`TensorRows` for an in-memory ``TensorDataset``) for training on ``device``: each
     micro-batch is moved there (floating tensors cast to ``float_dtype`` when given) as it is served."""
 
@@ -290,7 +291,7 @@ class PlanSource:
         self,
         dataset: Dataset,
         collate: Callable[[list[Any]], Any] | None,
-        plan: GlobalBatchPlan,
+        order: GlobalBatchOrder,
         split: Split,
         rank: int,
         stop: int,
@@ -300,7 +301,7 @@ class PlanSource:
         prefetch_factor: int = 2,
         float_dtype: torch.dtype | None = None,
     ) -> None:
-        self.dataset, self.collate, self.plan = dataset, collate, plan
+        self.dataset, self.collate, self.order = dataset, collate, order
         self.split, self.rank, self.stop = split, rank, stop
         self.float_dtype = float_dtype
         self.loader_options: dict[str, Any] = {
@@ -308,29 +309,29 @@ class PlanSource:
             "num_workers": num_workers,
             "prefetch_factor": prefetch_factor,
         }
-        """The keyword arguments this source was made with (a copy of it is ``PlanSource(..., **loader_options)``)."""
+        """The keyword arguments this source was made with (a copy of it is ``OrderSource(..., **loader_options)``)."""
         self._batches: Iterator[Any] | None = None
         self._at = -1  # the step the DataLoader iterator is positioned at
-        self._version = 0  # the batch schedule's version the iterator was cut for
+        self._version = 0  # the batch growth's version the iterator was cut for
 
     @property
     def next_step(self) -> int:
-        return self.plan.next_step
+        return self.order.next_step
 
     @next_step.setter
     def next_step(self, step: int) -> None:
-        self.plan.next_step = step
+        self.order.next_step = step
 
     def window(self) -> WindowBatches:
-        step = self.plan.next_step
-        version = self.plan.schedule.version if self.plan.schedule is not None else 0
+        step = self.order.next_step
+        version = self.order.growth.version if self.order.growth is not None else 0
         if self._batches is None or self._at != step or self._version != version:
             # first window, the position moved (resume), or the adaptive batch changed what was prefetched
             self._version = version
-            sampler = PlanSampler(self.plan, self.split, self.rank, step, self.stop)
+            sampler = OrderSampler(self.order, self.split, self.rank, step, self.stop)
             self._batches = micro_batches(self.dataset, self.collate, sampler, **self.loader_options)
             self._at = step
-        epoch, size, sizes = self.plan.rank_sizes(
+        epoch, size, sizes = self.order.rank_sizes(
             step, self.split, self.rank
         )  # no tensors: the pieces are cut
         batches = self._batches  # by the sampler (a DataLoader) or the in-process fetch (TensorRows)
@@ -340,20 +341,20 @@ class PlanSource:
             for n in sizes:
                 yield MicroBatch(to_device(next(batches), device, float_dtype), n)
 
-        split = self.plan.split_at(step, self.split)
-        return WindowBatches(step, epoch, size, size < self.plan.batch(step), micro(), split)
+        split = self.order.split_at(step, self.split)
+        return WindowBatches(step, epoch, size, size < self.order.batch(step), micro(), split)
 
     def advance(self) -> None:
-        self.plan.next_step += 1
+        self.order.next_step += 1
         self._at += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return self.plan.state_dict()
+        return self.order.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.plan.load_state_dict(state)
-        if self.plan.schedule is not None:  # the phases an adaptive run chose must split on this world too
-            self.plan.schedule.check([self.split.world_size], self.split.micro_batch)
+        self.order.load_state_dict(state)
+        if self.order.growth is not None:  # the phases an adaptive run chose must split on this world too
+            self.order.growth.check([self.split.world_size], self.split.micro_batch)
 
 
 def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:

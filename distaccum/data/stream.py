@@ -1,6 +1,6 @@
 """Streaming data: an ``IterableDataset`` cut into windows of ``global_batch`` samples, split across ranks.
 
-A stream has no length and no random access, so the global-batch plan of :mod:`distaccum.data.global_batch`
+A stream has no length and no random access, so the global-batch order of :mod:`distaccum.data.global_batch`
 cannot index it. Instead :class:`StreamWindows` reads the stream in order and cuts it into windows
 of ``global_batch`` samples: window ``s`` of an epoch is samples ``s*G .. s*G+G-1`` of that epoch,
 whatever the split. The last window of an epoch is partial (or dropped with ``data.drop_last``);
@@ -42,7 +42,7 @@ from distaccum.data.pipeline import MicroBatch, WindowBatches, ignore_stop_signa
 
 
 def is_stream(dataset: Any) -> TypeGuard[IterableDataset]:
-    """A dataset served by :class:`StreamSource` (an ``IterableDataset``) rather than the plan."""
+    """A dataset served by :class:`StreamSource` (an ``IterableDataset``) rather than the order."""
     return isinstance(dataset, IterableDataset)
 
 

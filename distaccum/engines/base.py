@@ -210,7 +210,7 @@ class Engine(Protocol):
 class EngineBase:
     """What every engine class declares about itself (capabilities), and the defaults they share.
 
-    Capabilities are read off the class before any engine exists (pre-flight, fingerprints), so they
+    Capabilities are read off the class before any engine exists (pre-flight, run identities), so they
     are class attributes, never tests of ``name``.
     """
 
@@ -279,12 +279,13 @@ class EngineBase:
         return None
 
     @classmethod
-    def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
-        """Engine settings a checkpoint must agree with to be resumed (beyond the engine's name)."""
+    def identity(cls, config: EngineConfig) -> dict[str, Any]:
+        """The engine's part of the run identity: settings a checkpoint must agree with to be resumed (beyond the
+        engine's name)."""
         return {}
 
     def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:
-        """The micro-batches of a window of ``accum_steps`` micro-batches (default: the split's K; a batch schedule
+        """The micro-batches of a window of ``accum_steps`` micro-batches (default: the split's K; a growing batch
         changes it between steps) that reduce gradients, as ``accum.sync`` promises them: (in-replica,
         cross-replica). ``boundary``: 1 (and 1 across HSDP replicas); ``every_micro``: K (K); ``replica_boundary``:
         K inside the replica, 1 across; a replica of one rank reduces nothing inside it. The ledger's count must equal

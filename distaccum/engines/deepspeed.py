@@ -18,7 +18,7 @@ the window's backwards run inside DeepSpeed's ``coalesce_grad_reduction()``: gra
 locally and one reduction pass runs when the block closes after the last micro-batch — one round
 per optimizer step, for a full gradient's worth of memory during the window (where DeepSpeed's
 optimizer wrapper does not support it, e.g. bf16 on ZeRO-1, the engine falls back to DeepSpeed's
-own schedule and says so). ``accum.sync=every_micro`` keeps DeepSpeed's per-micro-batch reduction on
+own cadence and says so). ``accum.sync=every_micro`` keeps DeepSpeed's per-micro-batch reduction on
 ZeRO-2/3 (each micro-batch's gradient is reduced into the rank's partition, bucket by bucket of
 ``reduce_bucket_size``, and freed; the partition is the window's accumulator from micro-batch 2 on) and is
 refused for ZeRO-0/1 (declaring an earlier micro-batch a boundary makes ZeRO-1/2 drop accumulated
@@ -147,7 +147,7 @@ class DeepSpeedEngine(EngineBase):
     worker_imports = ("torch._inductor.compile_fx",)
 
     @classmethod
-    def fingerprint(cls, config: EngineConfig) -> dict[str, Any]:
+    def identity(cls, config: EngineConfig) -> dict[str, Any]:
         """The ZeRO stage decides how the checkpoint is partitioned."""
         return {"engine.zero_stage": config.zero_stage}
 
@@ -214,7 +214,7 @@ class DeepSpeedEngine(EngineBase):
                 print(
                     f"distaccum: DeepSpeed cannot coalesce the window's reductions with "
                     f"{type(engine.optimizer).__name__} (ZeRO-{self.stage}, {self.precision.name}); it reduces "
-                    "on DeepSpeed's own schedule",
+                    "on DeepSpeed's own reduction cadence",
                     flush=True,
                 )
         if self.spec.sample_grads:
@@ -240,7 +240,7 @@ class DeepSpeedEngine(EngineBase):
         self.checksum.replicas = [[r] for r in range(world)] if self.stage == 0 else [list(range(world))]
         self.checksum.group = self.spec.group
         # ZeRO-0 and a coalesced window: autograd accumulates the parameters' gradients (``grad +=`` in their dtype)
-        # and one reduction runs; every_micro reduces each micro-batch into the partition. DeepSpeed's own schedule
+        # and one reduction runs; every_micro reduces each micro-batch into the partition. DeepSpeed's own cadence
         # and its BF16_Optimizer accumulate where this does not reproduce: their K roundings stay in the bound.
         once = self.stage == 0 or self.coalescing
         self.checksum.rounding = Rounding(
@@ -257,7 +257,7 @@ class DeepSpeedEngine(EngineBase):
 
     def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:
         # As accum.sync says (measured on gloo: ZeRO-0 and the coalesced ZeRO-1-3 window 1 round, ZeRO-2/3
-        # every_micro K), except where the window cannot be coalesced: DeepSpeed's own schedule, no promise.
+        # every_micro K), except where the window cannot be coalesced: DeepSpeed's own reduction cadence, no promise.
         fallback = self.spec.sync == "boundary" and self.stage >= 1 and not self.coalescing
         return None if fallback else super().reduction_rounds(accum_steps)
 

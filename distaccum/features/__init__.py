@@ -1,4 +1,4 @@
-"""Feature registry: each optional part of a run (outer sync, a batch schedule, a per-step check, ...) builds its own
+"""Feature registry: each optional part of a run (outer sync, a growing batch, a per-step check, ...) builds its own
 parts from the resolved run, behind :class:`~distaccum.features.base.FeatureSetup`.
 
 Like :data:`distaccum.engines.ENGINES`, set-up modules are imported on first use (``importlib``), so a feature's folder
@@ -17,7 +17,7 @@ __all__ = ["FEATURES", "Assembly", "FeatureSetup", "Placement", "SetupBase", "fe
 FEATURES: dict[str, str] = {
     "activation_checkpointing": "distaccum.features.checkpointing:CheckpointingSetup",
     "outer": "distaccum.outer.setup:OuterSetup",
-    "batch_schedule": "distaccum.batching.setup:ScheduleSetup",
+    "batch_growth": "distaccum.batching.setup:GrowthSetup",
     "fingerprint": "distaccum.features.guards:FingerprintSetup",
     "guards": "distaccum.features.guards:GuardsSetup",
     "rank_stats": "distaccum.telemetry.setup:RankStatsSetup",

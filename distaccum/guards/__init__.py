@@ -6,6 +6,6 @@ step later), :mod:`~distaccum.guards.checksum` (the sharded engines' reduction c
 :mod:`~distaccum.guards.tripwire` (the periodic cross-rank parameter check) and
 :mod:`~distaccum.guards.reduction_count` (the micro-batches that reduced against what ``accum.sync`` promises).
 The guards sit below the Trainer and beside the engines: they import neither the Trainer nor the ``verify``
-command, which reads what they write (``divergence.json``, ``warnings.jsonl``, ``checksums.jsonl``).
+command, which reads what they write (``divergence.json``, ``warnings.jsonl``, ``param_digests.jsonl``).
 Nothing is imported here.
 """

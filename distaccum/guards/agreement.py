@@ -17,24 +17,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from distaccum.runtime.procgroup import all_gather_into, collective_device
+from distaccum.runtime.procgroup import gather_rows
 
-
-def gather(
-    local: torch.Tensor | Sequence[float], *, group: Any = None, device: torch.device | None = None
-) -> torch.Tensor:
-    """Every rank's ``local`` (a few numbers) as a (ranks, n) float64 tensor on the host, rank r's in row r. One
-    all-gather over ``group`` (None: the world; an outer-synced run's island or its outer group), collective: every
-    rank of the group calls it with as many numbers. ``device``: where the collective takes its tensors (None: the
-    default group's, :func:`~distaccum.runtime.procgroup.collective_device`)."""
-    device = device if device is not None else collective_device()
-    row = torch.as_tensor(local, dtype=torch.float64).to(device).reshape(-1).contiguous()
-    ranks = dist.get_world_size(group)
-    out = torch.empty(ranks * row.numel(), dtype=torch.float64, device=device)
-    all_gather_into(out, row, group=group)
-    return out.view(ranks, row.numel()).cpu()
+gather = gather_rows
+"""Every rank's row of a few numbers, (ranks, n) float64 on the host (:func:`~distaccum.runtime.procgroup.gather_rows`,
+the one all-gather of small rows)."""
 
 
 def differing(rows: torch.Tensor) -> list[int]:

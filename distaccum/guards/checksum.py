@@ -28,7 +28,7 @@ gradients (``Rounding.accumulate``: the dtype it runs in, the same additions in 
 the hooks read each micro-batch's gradient as autograd delivers it, before anything accumulates or reduces it).
 Where an engine reduces every micro-batch and accumulates the reduced pieces (``accumulate=None``: FSDP2
 ``every_micro`` and ``replica_boundary``, ZeRO-2/3 ``every_micro``), or where its accumulation is not known
-(``exact=False``: DeepSpeed's own schedule, its BF16_Optimizer), S and A run over the micro-batches too and c gains
+(``exact=False``: DeepSpeed's own cadence, its BF16_Optimizer), S and A run over the micro-batches too and c gains
 K u' (u' the dtype the pieces accumulate in): the K-term of the old bound, and then the run says so at start.
 
 What a fault does. A doubled reduction makes B_i - S_i = S_i (up to rounding), a halved one -S_i / 2, a skipped

@@ -9,7 +9,7 @@ step later, when that window's totals are read, without a collective or a wait o
 the reduction went wrong: a rank skipped it, ``no_sync`` sat on the wrong micro-batch, DDP's ``static_graph``
 stopped reducing, buckets were mismatched. The run then stops **one step later**, before that step's record, with
 :class:`~distaccum.guards.tripwire.RankDivergenceError` (exit 1), naming the step, the ranks that disagree and the
-first parameter whose update differs (found by a second all-gather of per-parameter checksums, only then); rank 0
+first parameter whose update differs (found by a second all-gather of per-parameter digests, only then); rank 0
 writes ``divergence.json`` as the tripwire does, so ``distaccum verify`` reports it the same way. Before a
 checkpoint, a tripwire check and at the run's end the pending comparison is gathered at once (one all-gather), so no
 checkpoint or final model is written after a diverged step.
@@ -82,7 +82,7 @@ def _seed_hash(seeds: tuple[int, ...]) -> float:
 class Fingerprint:
     """The check the loop hands each step to after the optimizer step: it keeps this rank's row (the seed hash and
     the step's gradient sample), hands it to the next window's collective (:meth:`carry`) and compares every rank's
-    once that window is read (:meth:`after_step`), or at once (:meth:`flush`). Collective: every rank calls it at
+    once that window is read (:meth:`judge`), or at once (:meth:`flush`). Collective: every rank calls it at
     every step."""
 
     def __init__(
@@ -112,7 +112,7 @@ class Fingerprint:
         self._carried = self._pending[0]
         return self._pending[1]
 
-    def after_step(self, step: int, window: WindowResult, result: Reduced) -> None:
+    def judge(self, step: int, window: WindowResult, result: Reduced) -> None:
         """Compare the previous step's rows, which this window carried; check this window's data; keep this step's
         row for the next window."""
         if self.world == 1:

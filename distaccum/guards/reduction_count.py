@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from distaccum.rundir import WARNINGS
+from distaccum.window import WindowResult
 
 CHECK = "reduction_count"
 """The ``check`` of its warning in ``warnings.jsonl``."""
@@ -43,12 +44,10 @@ class ReductionCount:
         self.run_dir, self.rank, self.sync = run_dir, rank, engine.spec.sync
         self.warned = False
 
-    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         if not self.promises or self.warned:
             return
-        promise = self.engine.reduction_rounds(
-            self.ledger.micro_batches()
-        )  # this step's K (a batch schedule)
+        promise = self.engine.reduction_rounds(self.ledger.micro_batches())  # this step's K (a growing batch)
         seen = self.ledger.rounds()
         if seen == promise:
             return

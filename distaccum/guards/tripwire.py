@@ -8,8 +8,8 @@ Cost (measured, see docs/verify.md): one all-gather of 16 bytes per parameter te
 pass over the parameters; for ``full_parameters()`` of a sharded engine (FSDP) it is also an
 all-gather of the whole model, which is why training checks only every ``trainer.check_every`` steps.
 
-``distaccum verify`` also asks every run to *record* the checksums of each step
-(``checksums.jsonl``, rank 0) so a mismatch with the reference can be located to the first step
+``distaccum verify`` also asks every run to *record* the parameter digests of each step
+(``param_digests.jsonl``, rank 0) so a mismatch with the reference can be located to the first step
 and parameter; a world-size-1 run records without comparing.
 """
 
@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from distaccum.guards.agreement import gather
-from distaccum.rundir import CHECKSUMS, DIVERGENCE
-from distaccum.runtime.procgroup import collective_device
+from distaccum.rundir import DIVERGENCE, PARAM_DIGESTS
+from distaccum.runtime.procgroup import collective_device, gather_rows
+from distaccum.window import WindowResult
 
 
 class Parameters(Protocol):
@@ -57,7 +57,7 @@ def _rebuild_divergence(message: str, step: int, parameter: str, rank: int) -> R
     return RankDivergenceError(message, step=step, parameter=parameter, rank=rank)
 
 
-def parameter_checksums(
+def parameter_digests(
     named: Iterable[tuple[str, torch.Tensor]],
 ) -> tuple[list[str], list[int], torch.Tensor]:
     """Names, element counts and a [P, 2] fp64 tensor of (sum, sum of squares) per full parameter.
@@ -83,7 +83,7 @@ def check_consistency(
     """Raise :class:`RankDivergenceError` naming the step and parameter if ranks disagree.
 
     With ``run_dir``, rank 0 also writes ``divergence.json`` there before raising, and with
-    ``record`` appends this step's checksums to ``checksums.jsonl`` (used by ``distaccum verify``).
+    ``record`` appends this step's parameter digests to ``param_digests.jsonl`` (used by ``distaccum verify``).
     Collective: every rank of ``group`` (None: the world; an outer-synced run's island, whose parameters differ
     from the other islands' between syncs) must call it at the same step.
     """
@@ -91,23 +91,23 @@ def check_consistency(
     if world == 1 and not record:
         return
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    names, numels, local = parameter_checksums(engine.full_parameters())
+    names, numels, local = parameter_digests(engine.full_parameters())
     if world > 1:
         local = local.to(collective_device())
-        gathered = gather(local, group=group, device=local.device).view(world, len(names), 2)
+        gathered = gather_rows(local, group=group, device=local.device).view(world, len(names), 2)
         _compare_ranks(names, list(gathered), step, run_dir if rank == 0 else None)
     world_rank = dist.get_rank() if dist.is_initialized() else 0  # island 0's first rank records
     if record and world_rank == 0 and run_dir is not None:
-        append_checksums(run_dir, step, names, numels, local)
+        append_digests(run_dir, step, names, numels, local)
 
 
-def append_checksums(
+def append_digests(
     run_dir: Path, step: int, names: list[str], numels: list[int], values: torch.Tensor
 ) -> None:
-    """Append one step's checksums to ``checksums.jsonl`` (the format ``distaccum verify`` reads)."""
+    """Append one step's parameter digests to ``param_digests.jsonl`` (the format ``distaccum verify`` reads)."""
     rows = values.cpu().tolist()
     row = {"step": step, "params": {n: [s, q, c] for n, (s, q), c in zip(names, rows, numels, strict=True)}}
-    with open(run_dir / CHECKSUMS, "a", encoding="utf-8") as f:
+    with open(run_dir / PARAM_DIGESTS, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 
 
@@ -121,7 +121,7 @@ def _compare_ranks(
         if len(bad):
             i = int(bad[0])
             message = (
-                f"ranks diverged after optimizer step {step}: parameter {names[i]!r} has checksum "
+                f"ranks diverged after optimizer step {step}: parameter {names[i]!r} has digest "
                 f"{other[i].tolist()} on rank {rank} but {reference[i].tolist()} on rank 0 "
                 f"({len(bad)} of {len(names)} parameters differ). Gradients were not reduced "
                 "identically on every rank (misplaced no_sync, a skipped reduction, or rank-dependent code)."
@@ -146,7 +146,7 @@ def read_divergence(run_dir: Path) -> dict[str, object] | None:
 
 class Tripwire:
     """The cross-rank consistency check every ``every`` optimizer steps (after steps 1, every + 1, ...), a
-    :class:`~distaccum.loop.StepMonitor`. With ``record`` it also writes every checked step's checksums
+    :class:`~distaccum.loop.StepMonitor`. With ``record`` it also writes every checked step's parameter digests
     (``distaccum verify`` runs with ``every=1`` and ``record``). Its check waits for every rank anyway, so the
     reduction checks handed in as ``first`` (the fingerprint, whose comparison is otherwise read a step later)
     are judged for this step just before it: a broken reduction is reported as such, at its own step."""
@@ -166,7 +166,7 @@ class Tripwire:
         self.group = group
         """The ranks compared (None: the world; an outer-synced run's island)."""
 
-    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         if self.every and (step - 1) % self.every == 0:
             for check in self.first:
                 check.flush()

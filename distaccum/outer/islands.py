@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from distaccum.runtime.topology import groups_plan, replica_groups
+from distaccum.runtime.topology import group_lines, replica_groups
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,13 @@ def resolve_islands(value: int | str, world: int, nodes: int) -> int:
     return int(value)
 
 
-def island_plan(islands: int, nodes: int, per_node: int) -> list[str]:
+def island_lines(islands: int, nodes: int, per_node: int) -> list[str]:
     """What an outer-synced launch of ``nodes`` x ``per_node`` ranks in ``islands`` islands will look like, for the
     launchers to show (they number each node's ranks consecutively, so island i holds ranks i*S .. i*S+S-1)."""
     world = nodes * per_node
     if islands < 1 or world % islands:
         return []
-    return groups_plan(
+    return group_lines(
         islands,
         nodes,
         per_node,

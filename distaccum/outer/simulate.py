@@ -1,12 +1,12 @@
 """The single-process simulator ``distaccum verify`` compares outer-synced runs with: R islands one after another.
 
 It shares with the run the user's model factory, dataset, collate, loss and optimizer factory (and the
-learning-rate schedule), like :mod:`distaccum.verify.reference`, and the sync *schedule*: which parameters form
+learning-rate schedule), like :mod:`distaccum.verify.reference`, and the sync *cadence*: which parameters form
 fragment p (:func:`distaccum.outer.sync.split_fragments`) and after which steps it syncs
-(:meth:`~distaccum.outer.config.OuterConfig.syncing`), so a wrong schedule would be wrong on both sides (it is
+(:meth:`~distaccum.outer.config.OuterConfig.syncing`), so a wrong cadence would be wrong on both sides (it is
 tested on its own in tests/test_outer.py). It shares none of the merge: no process group, no flat buffers, no torch
 SGD for the outer step; the merge arithmetic below is written out independently. Each optimizer step t, for each island i in turn, it takes the samples island i's ranks read at step t (the
-global-batch plan cut for the run's split, ranks i*S .. i*S+S-1) in ONE forward/backward of
+global-batch order cut for the run's split, ranks i*S .. i*S+S-1) in ONE forward/backward of
 
     sum(loss over those samples' items) / (their item count)
 
@@ -18,7 +18,7 @@ parameter by parameter, with the weights written out:
     diloco:    d = sum_i w_i (theta_g - theta_i);  b = mu b + d;  theta_g -= lr (d + mu b if nesterov else b)
 
 and every island continues from theta_g. It records island 0's loss and gradient norm every step and island 0's
-parameter checksums after every step (after the merge at a sync step), which is what rank 0 of the run records,
+parameter digests after every step (after the merge at a sync step), which is what rank 0 of the run records,
 and saves island 0's final model (every island holds theta_g after the closing sync).
 """
 
@@ -34,10 +34,10 @@ import torch
 
 from distaccum.components import Components
 from distaccum.config import RunConfig, to_mapping
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream
-from distaccum.guards.tripwire import append_checksums, parameter_checksums
+from distaccum.guards.tripwire import append_digests, parameter_digests
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.outer.islands import IslandLayout, resolve_islands
 from distaccum.outer.sync import split_fragments
@@ -55,10 +55,10 @@ from distaccum.verify.reference import start_reference
 
 
 def island_indices(
-    plan: GlobalBatchPlan, step: int, split: Split, layout: IslandLayout, island: int
+    order: GlobalBatchOrder, step: int, split: Split, layout: IslandLayout, island: int
 ) -> list[int]:
     """The sample indices island ``island``'s ranks read at 0-based ``step`` (all their micro-batches)."""
-    window = plan.window(step)
+    window = order.window(step)
     return [
         int(i)
         for rank in layout.ranks(island)
@@ -73,7 +73,7 @@ def run_outer_reference(
     """Simulate ``cfg``'s outer-synced run on ``split`` in this process; returns the summary (module docstring)."""
     if is_stream(parts.dataset):
         raise ValueError(
-            "verify of outer.method runs needs a map-style dataset (a stream has no global-batch plan)"
+            "verify of outer.method runs needs a map-style dataset (a stream has no global-batch order)"
         )
     outer = cfg.outer
     layout = IslandLayout.of(split.world_size, 0, resolve_islands(outer.islands, split.world_size, 1))
@@ -88,9 +88,9 @@ def run_outer_reference(
     ]
     theta_g = [p.detach().clone() for p in params[0]]
     momentum: list[torch.Tensor | None] = [None] * len(theta_g)
-    fragments = split_fragments([p.numel() for p in params[0]], outer.fragments)  # the run's cut: a schedule
+    fragments = split_fragments([p.numel() for p in params[0]], outer.fragments)  # the run's cut: a cadence
     counts = [[0.0] * outer.fragments for _ in range(layout.islands)]
-    plan = GlobalBatchPlan(
+    order = GlobalBatchOrder(
         len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
         split.global_batch,
         seed=cfg.trainer.seed,
@@ -106,7 +106,7 @@ def run_outer_reference(
     for step in range(cfg.trainer.max_steps):
         rows = []
         for i, model in enumerate(models):
-            samples = [parts.dataset[j] for j in island_indices(plan, step, split, layout, i)]
+            samples = [parts.dataset[j] for j in island_indices(order, step, split, layout, i)]
             batch = to_device(collate(samples), device, float_dtype)
             with precision.autocast(device):
                 loss_sum, n_items = parts.loss(model, batch)
@@ -128,8 +128,8 @@ def run_outer_reference(
             )
             for i in range(layout.islands):
                 counts[i][p] = 0.0
-        names_, numels, values = parameter_checksums(models[0].named_parameters())
-        append_checksums(run_dir, step + 1, names_, numels, values)
+        names_, numels, values = parameter_digests(models[0].named_parameters())
+        append_digests(run_dir, step + 1, names_, numels, values)
         loss, norm, lr, items, samples_n = rows[0]
         record: Record = {
             "step": step + 1,

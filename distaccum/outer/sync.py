@@ -19,7 +19,7 @@ Nesterov momentum by default: theta_g -= lr (m + mu m'), a descent step along th
 steps it. Every island then continues from theta_g (its inner optimizer state is kept). The weights are exact:
 the n_i travel first, in float64, in a small all-gather that also carries the stop and checkpoint votes (the
 only place the islands agree on them: between syncs their window collectives stay inside each island). After
-the update a second small all-gather compares theta_g's fingerprint across the islands bit for bit
+the update a second small all-gather compares theta_g's agreement row across the islands bit for bit
 (:mod:`distaccum.guards.agreement`); a mismatch stops the run naming them. Under DDP each of an island's S ranks
 all-reduces 1/S of the fragment across the islands and the island all-gathers the pieces, so the slow link carries
 the fragment once per island, not S times.
@@ -88,7 +88,7 @@ def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
     return groups
 
 
-def fingerprint(tensors: list[torch.Tensor]) -> list[float]:
+def agreement_row(tensors: list[torch.Tensor]) -> list[float]:
     """[sum, sum of squares, position-weighted sum] of ``tensors`` in float64: bitwise equal on every island after
     a merge that was the same everywhere."""
     flat = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float64)
@@ -117,7 +117,7 @@ class SyncStats:
 
 class OuterSync:
     """The outer step of an outer-synced run (module docstring). Built after the engine wrapped the model; the
-    loop calls :meth:`after_step` after every optimizer step (collective across the islands at sync steps only)."""
+    loop calls :meth:`merge_if_due` after every optimizer step (collective across the islands at sync steps only)."""
 
     def __init__(
         self, cfg: OuterConfig, islands: Islands, module: nn.Module, sliced: bool, max_steps: int
@@ -160,7 +160,7 @@ class OuterSync:
 
     # --- the step -------------------------------------------------------------------------------------------
 
-    def after_step(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]:
+    def merge_if_due(self, step: int, items: float, stop: bool, checkpoint: bool) -> tuple[bool, bool]:
         """Count the step's items; at a sync step merge the fragments due and return the votes every island agreed
         on (stop, checkpoint). Between syncs: (False, False) and nothing crosses to another island."""
         for p in range(len(self.items)):
@@ -245,18 +245,18 @@ class OuterSync:
         return agreement.gather(values, group=self.islands.outer_group, device=self.control_device).tolist()
 
     def _check(self, step: int, due: list[int]) -> None:
-        """Compare the merged global parameters' fingerprint across the islands, bit for bit; raise naming those that
+        """Compare the merged global parameters' agreement rows across the islands, bit for bit; raise naming those that
         differ."""
 
         def divergence(rows: list[list[float]], bad: list[int]) -> OuterDivergenceError:
             return OuterDivergenceError(
                 f"after the outer sync of step {step} (fragments {due}) the global parameters differ between "
-                f"islands: island(s) {', '.join(map(str, bad))} disagree with island 0 (fingerprints "
+                f"islands: island(s) {', '.join(map(str, bad))} disagree with island 0 (agreement rows "
                 f"{rows[bad[0]]} vs {rows[0]}, inner rank {self.layout.inner_rank}). The islands did not merge the "
                 "same numbers: a rank-dependent outer step, or a corrupted exchange. Stopped before training on."
             )
 
-        mine = [x for p in due for x in fingerprint([self.global_params[i] for i in self.fragments[p]])]
+        mine = [x for p in due for x in agreement_row([self.global_params[i] for i in self.fragments[p]])]
         agreement.require(mine, divergence, group=self.islands.outer_group, device=self.control_device)
 
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -12,10 +12,9 @@ from distaccum.components import Components
 from distaccum.config import RunConfig
 from distaccum.outer.simulate import run_outer_reference
 from distaccum.split import Split
-from distaccum.verify.compare import Report, RunData
 from distaccum.verify.diagnosis import StepFacts
 from distaccum.verify.outer_merge import outer_merge_fact
-from distaccum.verify.rules import VerifyRules
+from distaccum.verify.rules import Diverged, VerifyRules
 
 
 class OuterRules(VerifyRules):
@@ -48,17 +47,10 @@ class OuterRules(VerifyRules):
         )  # the islands' simulator, on the split they are cut from
         return True
 
-    def explain(
-        self,
-        cfg: RunConfig,
-        split: Split,
-        seed: Path | None,
-        report: Report,
-        ref: RunData,
-        cand: RunData,
-        facts: StepFacts,
-    ) -> StepFacts:
-        if seed is None:  # the first merge is measured from the seed checkpoint
+    def explain(self, case: Diverged, facts: StepFacts) -> StepFacts:
+        if case.seed is None:  # the first merge is measured from the seed checkpoint
             return facts
-        merge = outer_merge_fact(cfg, split.world_size, seed, report, ref.checksums, cand.checksums)
+        merge = outer_merge_fact(
+            case.cfg, case.split.world_size, case.seed, case.report, case.ref.digests, case.cand.digests
+        )
         return dataclasses.replace(facts, outer_merge=merge)

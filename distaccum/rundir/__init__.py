@@ -8,7 +8,7 @@ run_dir/
   status.json          ok | failed | invalid_config, written by the CLI
   checkpoints/         step-NNNNNNNN/ checkpoints at window boundaries (see distaccum.rundir.checkpoint)
   ranks/               rank-NNNNN.json: each rank's last sign of life (see distaccum.rundir.liveness)
-  checksums.jsonl      per-step parameter checksums (verify.record)
+  param_digests.jsonl  per-step parameter digests (verify.record; checksums.jsonl before issue 57, still read)
   divergence.json      the cross-rank tripwire's (or the fingerprint's) report, when it fired
   warnings.jsonl       the runtime checks' warnings (identical data or random numbers on every rank)
   console.log          a verify sub-run's console output
@@ -33,7 +33,9 @@ SUMMARY = "summary.json"
 STATUS = "status.json"
 CHECKPOINTS = "checkpoints"
 RANKS = "ranks"
-CHECKSUMS = "checksums.jsonl"
+PARAM_DIGESTS = "param_digests.jsonl"
+OLD_PARAM_DIGESTS = "checksums.jsonl"
+"""The parameter digests' file name before issue 57 (read for one release, never written)."""
 DIVERGENCE = "divergence.json"
 WARNINGS = "warnings.jsonl"
 CONSOLE_LOG = "console.log"
@@ -94,6 +96,15 @@ def read_jsonl(path: Path) -> list[Record]:
         if isinstance(value, dict):
             out.append(value)
     return out
+
+
+def read_param_digests(run_dir: Path) -> dict[int, dict[str, list[float]]]:
+    """``verify.record``'s per-step parameter digests: step -> parameter -> [sum, sum of squares, numel]
+    (``param_digests.jsonl``, or ``checksums.jsonl`` as a run before issue 57 wrote it)."""
+    path = run_dir / PARAM_DIGESTS
+    if not path.exists():
+        path = run_dir / OLD_PARAM_DIGESTS
+    return {row["step"]: row["params"] for row in read_jsonl(path)}
 
 
 def read_metrics(run_dir: Path) -> list[Record]:

@@ -83,7 +83,7 @@ ALLOWED_KEYS: dict[str, str] = {
 REFUSED_KEYS: dict[str, str] = {
     "global_batch": "the samples per optimizer step",
     **dict.fromkeys(
-        ("accum.ramp", "accum.adaptive"), "the samples of every optimizer step (the batch schedule)"
+        ("accum.ramp", "accum.adaptive"), "the samples of every optimizer step (the batch growth)"
     ),
     "world_size": "how the checkpoint is partitioned (one piece per rank: DeepSpeed's optimizer state, or an "
     "outer-synced run's islands and their outer state)",

@@ -7,7 +7,7 @@ Layout (``run_dir/checkpoints/``)::
                            every rank (DDP, FSDP2, Accelerate), or DeepSpeed's own ZeRO checkpoint
       trainer_state.json   steps done, scheduler, data position, loss scaler, skip streak
       rng/rank-00000.pt    each rank's RNG state (restored only on the same world size)
-      manifest.json        written last: step, config fingerprint, size + sha256 of every file
+      manifest.json        written last: step, run identity, size + sha256 of every file
 
 A checkpoint is written into ``step-….tmp/`` and renamed into place only after every rank's files
 are on disk (fsync) and the manifest is written: a preempted or failed write never leaves a
@@ -26,7 +26,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from distaccum.loop import TrainState
 
 MANIFEST = "manifest.json"
+IDENTITY = "identity"
+"""The manifest's run identity (:func:`distaccum.resolve.run_identity`): what a resume is compared with."""
+OLD_IDENTITY = "fingerprint"
+"""Its name before issue 57 (read for one release: a checkpoint written then still resumes)."""
 TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "model"
 RNG_DIR = "rng"
@@ -159,6 +163,11 @@ def prune(root: Path, keep: int) -> None:
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of a checkpoint directory."""
     return read_json(path / MANIFEST)
+
+
+def saved_identity(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The run identity a checkpoint's manifest recorded (under its old name too: ``fingerprint``)."""
+    return dict(manifest.get(IDENTITY, manifest.get(OLD_IDENTITY, {})))
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -331,28 +340,27 @@ def restore(state: TrainState, path: Path) -> dict[str, Any]:
     return trainer_state
 
 
+@dataclass
 class Checkpointer:
     """Decides when the run checkpoints, and writes it: every ``every`` optimizer steps, when ``every_s``
     seconds passed by rank 0's clock (the loop makes every rank agree through the window's all-reduce),
     and always when the run stops on request. Keeps the newest ``keep``."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        *,
-        keep: int,
-        every: int,
-        every_s: float,
-        manifest: dict[str, Any],
-        rank: int,
-        writer: CheckpointWriter | None = None,
-    ) -> None:
-        self.run_dir, self.keep, self.every, self.every_s = run_dir, keep, every, every_s
-        self.manifest, self.rank = manifest, rank
-        self.writer = writer or CheckpointWriter()
-        self.last_time = time.monotonic()
-        self.last_step: int | None = None
-        """Optimizer steps done when the latest checkpoint was written (None: none yet by this run)."""
+    run_dir: Path
+    _: KW_ONLY
+    keep: int
+    """Checkpoints kept, the newest."""
+    every: int
+    """Optimizer steps between two periodic checkpoints (0: none)."""
+    every_s: float
+    """Seconds between two time-based checkpoints by rank 0's clock (0: none)."""
+    manifest: dict[str, Any]
+    """What every checkpoint's manifest records besides its files (the run identity, the engine)."""
+    rank: int
+    writer: CheckpointWriter = field(default_factory=CheckpointWriter)
+    last_time: float = field(default_factory=time.monotonic, init=False)
+    last_step: int | None = field(default=None, init=False)
+    """Optimizer steps done when the latest checkpoint was written (None: none yet by this run)."""
 
     def due_by_time(self) -> bool:
         """Rank 0's vote for a time-based checkpoint (the other ranks vote no)."""

@@ -25,6 +25,7 @@ from distaccum.rundir.checkpoint import (
     read_manifest,
     read_trainer_state,
     restore,
+    saved_identity,
     warn_skipped,
 )
 from distaccum.rundir.liveness import previous_attempt
@@ -41,15 +42,15 @@ class ResumeError(ValueError):
 
 
 def check_resumable(
-    run_dir: Path, fingerprint: dict[str, Any], schedule_on_resume: str | None = None
+    run_dir: Path, identity: dict[str, Any], schedule_on_resume: str | None = None
 ) -> Path | None:
-    """The checkpoint a resume of ``run_dir`` would use, after checking the configuration's record
-    ``fingerprint`` against the checkpoint's (:func:`resumable`)."""
-    return resumable(run_dir, fingerprint, schedule_on_resume)[0]
+    """The checkpoint a resume of ``run_dir`` would use, after checking the configuration's run identity
+    ``identity`` against the checkpoint's (:func:`resumable`)."""
+    return resumable(run_dir, identity, schedule_on_resume)[0]
 
 
 def resumable(
-    run_dir: Path, fingerprint: dict[str, Any], schedule_on_resume: str | None = None
+    run_dir: Path, identity: dict[str, Any], schedule_on_resume: str | None = None
 ) -> tuple[Path | None, list[Change]]:
     """The checkpoint a resume of ``run_dir`` would use and the settings that changed since it was written.
 
@@ -68,11 +69,11 @@ def resumable(
             )
         return None, []
     warn_skipped(found)
-    saved = read_manifest(found.path).get("fingerprint", {})
-    changes = classify(saved, fingerprint)
+    saved = saved_identity(read_manifest(found.path))
+    changes = classify(saved, identity)
     problems = [refusal(change, fresh_start=FRESH_START) for change in of_kind(changes, REFUSED)]
     if of_kind(changes, EXPLICIT) and schedule_on_resume is None:
-        problems.append(horizon_choice(found.path, saved, fingerprint))
+        problems.append(horizon_choice(found.path, saved, identity))
     if problems:
         raise ResumeError(f"cannot resume {found.path}:\n" + "\n".join(problems))
     return found.path, changes
@@ -122,7 +123,7 @@ def fresh_start(run_dir: Path) -> None:
 def resume(
     state: TrainState,
     run_dir: Path,
-    fingerprint: dict[str, Any],
+    identity: dict[str, Any],
     *,
     attempt: int,
     schedule_on_resume: str | None = None,
@@ -135,7 +136,7 @@ def resume(
     choice: list[Any] = [None, None, None]  # path, error, the horizon a decaying schedule had
     if rank == 0:
         try:
-            path, changes = resumable(run_dir, fingerprint, schedule_on_resume)
+            path, changes = resumable(run_dir, identity, schedule_on_resume)
             choice[0] = str(path) if path else None
             choice[2] = next((c.saved for c in of_kind(changes, EXPLICIT)), None)
         except ResumeError as err:
@@ -154,11 +155,11 @@ def resume(
         if not trainer_state["scheduler"].get("lr_lambdas", [None])[0]:  # saved before schedules were kept
             schedule.segments = [[0, int(choice[2]), 1.0]]
         if schedule_on_resume == "stretch":
-            schedule.stretch(done, int(fingerprint[HORIZON]))
+            schedule.stretch(done, int(identity[HORIZON]))
     if rank == 0:
         truncate_metrics(run_dir, done)
         lost = max(reached - done, 0)
-        horizon = int(fingerprint.get(HORIZON, 0))
+        horizon = int(identity.get(HORIZON, 0))
         if horizon and done >= horizon:  # a rerun of a finished run: say so, rather than "resumed ... done"
             print(
                 f"distaccum: {run_dir} already finished: its last checkpoint is after optimizer step {done} of "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -69,8 +70,25 @@ all_gather_into = (
     getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 )  # the name before torch 2.13
 """``all_gather_into(out, local, *, group=None, async_op=False)``: every rank's ``local`` into ``out`` (group size x
-``local.numel()``, in rank order), one all-gather. The one spelling of the flat all-gather: the window's totals,
-the outer sync's slices and the ranks' agreement rows (:mod:`distaccum.guards.agreement`) go through it."""
+``local.numel()``, in rank order), one all-gather. The one spelling of the flat all-gather: the window's totals
+(:mod:`distaccum.window`, asynchronous), the outer sync's slices (:mod:`distaccum.outer.sync`) and every small row of
+host numbers (:func:`gather_rows`) go through it."""
+
+
+def gather_rows(
+    local: torch.Tensor | Sequence[float], *, group: Any = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """Every rank's ``local`` (a few numbers) as a (ranks, n) float64 tensor on the host, rank r's in row r. One
+    all-gather (:data:`all_gather_into`) over ``group`` (None: the world; an outer-synced run's island or its outer
+    group), collective: every rank of the group calls it with as many numbers. ``device``: where the collective takes
+    its tensors (None: the default group's, :func:`collective_device`). The ranks' agreement rows
+    (:mod:`distaccum.guards.agreement`), the tripwire's parameter digests and the timer's per-rank times use it."""
+    device = device if device is not None else collective_device()
+    row = torch.as_tensor(local, dtype=torch.float64).to(device).reshape(-1).contiguous()
+    ranks = dist.get_world_size(group)
+    out = torch.empty(ranks * row.numel(), dtype=torch.float64, device=device)
+    all_gather_into(out, row, group=group)
+    return out.view(ranks, row.numel()).cpu()
 
 
 def ensure_process_group(env: DistEnv, device: torch.device, timeout: timedelta | None = None) -> bool:
@@ -126,6 +144,5 @@ def join(device: str, timeout_s: float) -> Joined:
 def gather_placement(groups: list[list[int]], node: int) -> dict[str, list]:
     """Every rank's node (``node`` here, all-gathered once: collective) beside the engine's replica groups
     (:meth:`~distaccum.engines.base.EngineBase.layout`): what ``summary.json``'s ``placement`` records."""
-    nodes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, node)
+    nodes = [int(row[0]) for row in gather_rows([node]).tolist()]
     return {"groups": groups, "nodes": nodes}

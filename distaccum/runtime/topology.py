@@ -47,14 +47,14 @@ def resolve_replicas(replicas: int | str, hybrid: bool, world_size: int, nodes: 
     return nodes if hybrid and nodes > 1 and world_size % nodes == 0 else 1
 
 
-def placement_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
+def placement_lines(replicas: int, nodes: int, per_node: int) -> list[str]:
     """What an HSDP launch of ``nodes`` x ``per_node`` ranks will look like, for launchers to show: the
     launchers (torch elastic, one torchrun per Slurm node) number each node's ranks consecutively, so mesh
     row i (replica i) holds ranks i*S .. i*S+S-1 and, with replicas = nodes, each replica is one node."""
     world = nodes * per_node
     if replicas <= 1 or world % replicas:
         return []
-    return groups_plan(
+    return group_lines(
         replicas,
         nodes,
         per_node,
@@ -65,11 +65,11 @@ def placement_plan(replicas: int, nodes: int, per_node: int) -> list[str]:
     )
 
 
-def groups_plan(
+def group_lines(
     groups: int, nodes: int, per_node: int, header: str, warning: str, name: str = "replica"
 ) -> list[str]:
     """``header``, one line per group of consecutive ranks (``groups`` of them over ``nodes`` x ``per_node``) and
-    the nodes it runs on, and ``warning`` when a group spans nodes (:func:`placement_plan`, the islands' plan)."""
+    the nodes it runs on, and ``warning`` when a group spans nodes (:func:`placement_lines`, the islands' lines)."""
     world = nodes * per_node
     ranks = replica_groups(world, groups)
     node_of = [rank // per_node for rank in range(world)]

@@ -19,6 +19,8 @@ from typing import Any
 from torch._dynamo.callback import CallbackTrigger, callback_handler, on_compile_end, on_compile_start
 from torch._dynamo.utils import counters, get_compilation_metrics
 
+from distaccum.window import WindowResult
+
 _lock = threading.Lock()
 _events: list[
     tuple[str, float, str, CallbackTrigger]
@@ -67,7 +69,7 @@ class CompileWatch:
         """Per step until its record is made: the events and graph breaks counted when it ended (its record may
         come a step later, :class:`~distaccum.loop.StepEnd`, after the next step compiled)."""
 
-    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         with _lock:
             self._ends[step] = (len(_events), graph_breaks())
 

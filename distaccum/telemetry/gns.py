@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distaccum.window import WindowResult
+
 
 class GradSquares:
     """Sums of squares of the gradient buckets a comm hook reduces in one step, before and after.
@@ -165,7 +167,7 @@ class GnsMonitor:
         self._fields: dict[int, dict[str, Any]] = {}
         self._last: dict[str, Any] | None = eager_after[-1] if eager_after else None
 
-    def after_step(self, step: int, window: Any, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         terms = window_terms(
             self.squares, window.rank_sums[self.rank][1], c, d, self.device
         )  # this rank's items

@@ -300,7 +300,7 @@ def comparable_key(run: Run) -> str:
     key["outer"] = outer if outer.get("method", "none") != "none" else None
     accum = config.get("accum") or {}
     adaptive = accum.get("adaptive") or {}
-    key["batch_schedule"] = {
+    key["batch_growth"] = {
         "ramp": accum.get("ramp"),
         "adaptive": adaptive if adaptive.get("enabled") else None,
     }

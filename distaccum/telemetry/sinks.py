@@ -85,7 +85,7 @@ class ConsoleSink:
     ) -> None:
         self.total = total_steps
         self.show_batch = show_batch
-        """A batch schedule's run: each line shows the global batch, K and the bytes reduced per sample, and a
+        """A growing batch's run: each line shows the global batch, K and the bytes reduced per sample, and a
         change of the global batch gets a line of its own."""
         self._batch: tuple[int, int] | None = None
         self.quiet = quiet

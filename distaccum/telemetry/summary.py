@@ -1,15 +1,24 @@
-"""The run summary: medians of the per-step records and fp64 checksums of the final parameters."""
+"""The run summary: medians of the per-step records and fp64 digests (sum, sum of squares) of the final parameters."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from distaccum.engines.base import Engine
 from distaccum.rundir import Record
+
+
+class Trained(Protocol):
+    """What the summary reads of the run's engine (:class:`~distaccum.engines.base.Engine`): the full parameters and
+    the optimizer."""
+
+    optimizer: torch.optim.Optimizer
+
+    def full_parameters(self) -> Iterable[tuple[str, torch.Tensor]]: ...
 
 
 def run_samples(record: Record) -> int:
@@ -22,7 +31,7 @@ def run_samples(record: Record) -> int:
 def summarize(
     header: Record,
     records: list[Record],
-    engine: Engine,
+    engine: Trained,
     run_dir: Path,
     *,
     warmup_steps: int,
@@ -30,7 +39,7 @@ def summarize(
 ) -> Record:
     """The run summary: ``header`` (what ran: :meth:`distaccum.resolve.ResolvedRun.summary_header`), medians
     of the records after ``warmup_steps``, the effective learning rate (the optimizer's own initial lr times
-    ``lr_scale``) and fp64 checksums of every final parameter (collective)."""
+    ``lr_scale``) and fp64 digests of every final parameter (collective)."""
     param_sum = torch.zeros((), dtype=torch.float64)
     param_sq = torch.zeros((), dtype=torch.float64)
     for _, tensor in engine.full_parameters():

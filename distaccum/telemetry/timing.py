@@ -36,8 +36,10 @@ import torch
 import torch.distributed as dist
 
 from distaccum.data.pipeline import WindowBatches, WindowSource
+from distaccum.runtime.procgroup import gather_rows
 from distaccum.telemetry.ledger import Clock, CommLedger, CommStats, CudaClock, HostClock, Stamp
 from distaccum.telemetry.memory import peak_memory_bytes, reset_peak_memory
+from distaccum.window import WindowResult
 
 
 @dataclass
@@ -177,10 +179,7 @@ class StepTimer:
 
     def gather(self, values: list[float]) -> torch.Tensor:
         """All-gather host floats from every rank: a float64 CPU tensor of shape (world, len(values))."""
-        local = torch.tensor(values, dtype=torch.float64)
-        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather(gathered, local, group=self._group)
-        return torch.stack(gathered)
+        return gather_rows(values, group=self._group, device=torch.device("cpu"))
 
 
 class TimedSource:
@@ -208,7 +207,7 @@ class RankStats:
     def __init__(self, timer: StepTimer, every: int) -> None:
         self.timer, self.every = timer, every
 
-    def after_step(self, step: int, window: object, c: float, d: float) -> None:
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
         pass
 
     def fields(

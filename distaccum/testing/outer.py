@@ -1,11 +1,11 @@
 """The bug zoo's outer-sync bugs: mistakes peers shipped in DiLoCo's merge, each a fault that wraps the real
 :class:`~distaccum.outer.sync.OuterSync` (interception point ``outer``).
 
-The outer step calls its own ``contribution`` and ``weight`` from ``after_step``, so a wrapper object would not see
+The outer step calls its own ``contribution`` and ``weight`` from ``merge_if_due``, so a wrapper object would not see
 those calls: each fault replaces the one method on the real instance (as :class:`~distaccum.testing.faults.
 SkipReduction` replaces the engine's comm hook) and leaves everything else, the all-reduce included, as it is.
-Every island gets the same fault, so the islands still agree on the merged parameters (the outer fingerprint stays
-quiet): only ``distaccum verify``'s simulator can tell.
+Every island gets the same fault, so the islands still agree on the merged parameters (the islands' agreement check
+stays quiet): only ``distaccum verify``'s simulator can tell.
 """
 
 from __future__ import annotations

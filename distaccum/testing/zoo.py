@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distaccum.data.pipeline import PlanSource, batch_size
+from distaccum.data.pipeline import OrderSource, batch_size
 from distaccum.engines.comm_tap import tap_gradient_reductions
 from distaccum.engines.ddp import DDPEngine
 from distaccum.engines.deepspeed import DeepSpeedEngine
@@ -199,7 +199,7 @@ class TransformPerMicroBatch:
     transform here is the one every run has, the clip to ``max_norm`` (``optim.clip_norm``): after each micro-batch's
     reduction the accumulated partitions are clipped (DeepSpeed's public ``safe_get_local_grad`` /
     ``safe_set_local_grad``, the global norm from every rank's partition), instead of once at the step. Engine
-    ``deepspeed`` with ``zero_stage=3`` and ``accum.sync=every_micro`` (DeepSpeed's own schedule)."""
+    ``deepspeed`` with ``zero_stage=3`` and ``accum.sync=every_micro`` (DeepSpeed's own reduction cadence)."""
 
     def __init__(self, max_norm: float = 1.0) -> None:
         self.max_norm = max_norm
@@ -342,12 +342,14 @@ class SameSamples:
     def wrap(self, point: str, obj: Any) -> Any:
         if point != "source":
             return obj
-        if not isinstance(obj, PlanSource):
-            raise ValueError("SameSamples rebuilds a map-style dataset's PlanSource; this run reads a stream")
-        return PlanSource(
+        if not isinstance(obj, OrderSource):
+            raise ValueError(
+                "SameSamples rebuilds a map-style dataset's OrderSource; this run reads a stream"
+            )
+        return OrderSource(
             obj.dataset,
             obj.collate,
-            obj.plan,
+            obj.order,
             obj.split,
             0,
             obj.stop,

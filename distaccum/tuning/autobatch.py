@@ -36,7 +36,7 @@ from torch.utils.data import default_collate
 
 from distaccum.components import Components
 from distaccum.config import ConfigError
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.data.pipeline import to_device
 from distaccum.engines import make_engine
 from distaccum.engines.base import Precision, StepResult
@@ -181,14 +181,14 @@ class LocalSteps:
 def trial_batches(
     dataset: Any,
     collate: Callable[[list[Any]], Any],
-    plan: GlobalBatchPlan,
+    order: GlobalBatchOrder,
     split: Split,
     rank: int,
     count: int,
 ) -> list[Any]:
-    """This rank's first ``count`` collated micro-batches of the plan's first window under ``split``
+    """This rank's first ``count`` collated micro-batches of the order's first window under ``split``
     (the samples training starts with)."""
-    pieces = plan.window(0).rank_micro_batches(split, rank)[:count]
+    pieces = order.window(0).rank_micro_batches(split, rank)[:count]
     return [collate([dataset[int(i)] for i in piece]) for piece in pieces if len(piece)]
 
 
@@ -303,7 +303,7 @@ class TrialMeasure:
         """The smallest budget over the ranks."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.global_batch = run.global_batch
-        self.plan = run.data.plan(parts.dataset, self.global_batch)
+        self.order = run.data.order(parts.dataset, self.global_batch)
 
     def run_trial(self, split: Split) -> tuple[int, bool]:
         """(peak bytes on this rank, out of memory on some rank) of one trial window of ``split``'s
@@ -318,7 +318,7 @@ class TrialMeasure:
         wrapped = engine.wrap(model, trial.optimizer(parts))
         try:
             batches = trial_batches(
-                parts.dataset, parts.collate or default_collate, self.plan, split, self.rank, count
+                parts.dataset, parts.collate or default_collate, self.order, split, self.rank, count
             )
             return trial_window(
                 engine,

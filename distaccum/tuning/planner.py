@@ -225,7 +225,7 @@ class SizeTrial:
                 "accum.micro_batch": micro_batch,
                 "accum.steps": trial_accum,
                 "accum.global_batch": None,
-                "accum.ramp": {},  # a trial times one split: no batch schedule
+                "accum.ramp": {},  # a trial times one split: no batch growth
                 "accum.adaptive": {},
                 "trainer.max_steps": max_steps,
                 "trainer.resume": False,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from distaccum import testing
-from distaccum.cluster.local import LaunchPlan, launch
+from distaccum.cluster.local import LaunchRecipe, launch
 from distaccum.config import RunConfig, from_mapping, to_mapping
 from distaccum.rundir import CONSOLE_LOG, SEED, read_json, write_json
 from distaccum.split import Split
@@ -366,7 +366,7 @@ ZOO_STATUS = "zoo-status.json"
 """A candidate's exit code (1 when any rank raised) and wall time in the zoo's shared launch."""
 
 
-def zoo_worker(plan_file: Path) -> None:
+def zoo_worker(runs_file: Path) -> None:
     """One rank of the zoo's launch: every bug's candidate, one after the other, each a fresh
     :class:`~distaccum.trainer.Trainer` on the launched process group (as the CLI's worker runs one), its
     faults installed when its components are built and removed after it. A run that raises (the
@@ -377,11 +377,11 @@ def zoo_worker(plan_file: Path) -> None:
 
     from distaccum.preflight import instantiate_components
     from distaccum.runtime.contracts import DistEnv
-    from distaccum.runtime.procgroup import ensure_process_group
+    from distaccum.runtime.procgroup import ensure_process_group, gather_rows
     from distaccum.trainer import Trainer
 
     ensure_process_group(DistEnv.from_environ(os.environ), torch.device("cpu"))
-    for values in json.loads(plan_file.read_text()):
+    for values in json.loads(runs_file.read_text()):
         cfg = from_mapping(values)
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -395,20 +395,20 @@ def zoo_worker(plan_file: Path) -> None:
                 code = EXIT_FAIL
             finally:
                 testing.uninstall()
-        codes: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(codes, code)  # every rank finished this run before the next starts
+        codes = gather_rows([code])  # every rank finished this run before the next starts
         if dist.get_rank() == 0:
             write_json(
-                run_dir / ZOO_STATUS, {"exit_code": max(codes), "seconds": time.perf_counter() - started}
+                run_dir / ZOO_STATUS,
+                {"exit_code": int(codes.max()), "seconds": time.perf_counter() - started},
             )
 
 
 def run_candidates(root: Path, configs: list[RunConfig]) -> int:
-    """Every candidate in ONE 2-rank launch (``python -m distaccum _bugzoo_worker PLAN``): process start-up,
+    """Every candidate in ONE 2-rank launch (``python -m distaccum _bugzoo_worker RUNS``): process start-up,
     not the tiny runs, dominates the zoo's time. Returns the launch's exit code."""
-    plan = root / "zoo-plan.json"
-    plan.write_text(json.dumps([to_mapping(c) for c in configs], indent=2) + "\n")
-    launch_plan = LaunchPlan(
+    runs = root / "zoo-runs.json"
+    runs.write_text(json.dumps([to_mapping(c) for c in configs], indent=2) + "\n")
+    launch_recipe = LaunchRecipe(
         nnodes=1,
         nproc=SPLIT.world_size,
         rdzv_endpoint="127.0.0.1:0",
@@ -417,7 +417,7 @@ def run_candidates(root: Path, configs: list[RunConfig]) -> int:
         run_dir=str(root),
     )
     with output_to(root / ZOO_LOG, append=True):
-        return launch(launch_plan, ["-m", "distaccum", "_bugzoo_worker", str(plan)])
+        return launch(launch_recipe, ["-m", "distaccum", "_bugzoo_worker", str(runs)])
 
 
 def already_ran(run_dir: Path) -> int:

@@ -2,7 +2,7 @@
 
 The file format is tiny and shared with training: every run writes ``metrics.jsonl`` (loss and
 grad_norm per optimizer step) and ``final/model.safetensors`` (the trained weights); a run launched
-with ``verify.record=true`` also writes ``checksums.jsonl`` (fp64 sum and sum of squares of every
+with ``verify.record=true`` also writes ``param_digests.jsonl`` (fp64 sum and sum of squares of every
 parameter after every step, from the tripwire in :mod:`distaccum.guards.tripwire`). The reference is
 :mod:`distaccum.verify.reference`: plain PyTorch, independent of the loop it checks.
 
@@ -28,7 +28,7 @@ import torch
 
 from distaccum.config import VerifyConfig
 from distaccum.guards.tripwire import read_divergence
-from distaccum.rundir import CHECKSUMS, CONSOLE_LOG, final_weights, read_jsonl, read_metrics, read_warnings
+from distaccum.rundir import CONSOLE_LOG, final_weights, read_metrics, read_param_digests, read_warnings
 from distaccum.rundir.weights import load_weights
 
 
@@ -150,7 +150,7 @@ class RunData:
 
     run_dir: Path
     records: list[dict[str, Any]]
-    checksums: dict[int, dict[str, list[float]]]
+    digests: dict[int, dict[str, list[float]]]
     """step -> parameter -> [sum, sum of squares, numel]."""
     params: dict[str, torch.Tensor] | None
     divergence: dict[str, Any] | None
@@ -165,13 +165,12 @@ class RunData:
         """Read whatever the run left (a failed run may have fewer steps and no final parameters)."""
         weights = final_weights(run_dir)
         params = load_weights(weights) if weights.is_file() else None
-        checksums = {row["step"]: row["params"] for row in read_jsonl(run_dir / CHECKSUMS)}
         log = run_dir / CONSOLE_LOG
         console = "\n".join(log.read_text(errors="replace").splitlines()[-200:]) if log.is_file() else ""
         return cls(
             run_dir,
             read_metrics(run_dir),
-            checksums,
+            read_param_digests(run_dir),
             params,
             read_divergence(run_dir),
             read_warnings(run_dir),
@@ -191,7 +190,7 @@ class Divergence:
     quantity: str
     """loss | grad_norm | parameter | ranks (the tripwire) | missing (the run stopped early)."""
     parameter: str | None
-    """The parameter over tolerance, or (for loss/grad_norm) whose checksum moved furthest that step."""
+    """The parameter over tolerance, or (for loss/grad_norm) whose digest moved furthest that step."""
     reference: float | None = None
     candidate: float | None = None
     abs_diff: float | None = None
@@ -222,7 +221,7 @@ def _scalar_gap(a: float, b: float, tol: Tolerance) -> tuple[float, bool]:
     return diff, diff > tol.bound(abs(b))
 
 
-def checksum_gaps(
+def digest_gaps(
     ref: dict[str, list[float]], cand: dict[str, list[float]], tol: Tolerance
 ) -> list[tuple[float, str, bool]]:
     """Per parameter: (gap / allowed, name, proven over tolerance), largest gap first.
@@ -273,7 +272,7 @@ def compare_params(
 
 
 def compare(ref: RunData, cand: RunData, tol: Tolerances) -> Report:
-    """Compare per step (loss, grad_norm, parameter checksums) and the final parameters."""
+    """Compare per step (loss, grad_norm, parameter digests) and the final parameters."""
     first: Divergence | None = None
     notes: list[str] = []
     steps = min(len(ref.records), len(cand.records))
@@ -287,8 +286,8 @@ def compare(ref: RunData, cand: RunData, tol: Tolerances) -> Report:
         if first is not None:
             continue
         gaps = (
-            checksum_gaps(ref.checksums.get(step, {}), cand.checksums.get(step, {}), tol.params)
-            if step in ref.checksums and step in cand.checksums
+            digest_gaps(ref.digests.get(step, {}), cand.digests.get(step, {}), tol.params)
+            if step in ref.digests and step in cand.digests
             else []
         )
         furthest = gaps[0][1] if gaps and gaps[0][0] > 0 else None

@@ -26,7 +26,7 @@ class VerifyConfig:
     atol: float | None = None
     """Absolute tolerance; null picks the default for the precision."""
     record: bool = False
-    """Write per-step parameter checksums (checksums.jsonl) to run_dir. distaccum verify sets it for
+    """Write per-step parameter digests (param_digests.jsonl) to run_dir. distaccum verify sets it for
     the runs it launches."""
 
     def __post_init__(self) -> None:

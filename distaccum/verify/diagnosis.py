@@ -1,6 +1,6 @@
 """Why a verify candidate differs from the reference: facts about the run, and one pure rule per cause.
 
-Facts come from the configuration alone (a freshly built model, the data plan), from files the runs
+Facts come from the configuration alone (a freshly built model, the data order), from files the runs
 wrote (the tripwire's or the fingerprint's report, the runtime warnings, the console's last lines, a
 second reference run) or from a replay of step 1 (:mod:`distaccum.verify.replay`); nothing here launches
 anything. Each rule returns a :class:`Finding` or None, so tests can check every rule with hand-made
@@ -188,7 +188,7 @@ def rule_rank_divergence(report: Report) -> Finding | None:
     return Finding(
         "rank_divergence",
         f"ranks diverged at optimizer step {d.step} at parameter {d.parameter!r} (the reduction "
-        "fingerprint or the cross-rank checksum tripwire): gradients were not reduced identically on every rank — a skipped "
+        "fingerprint or the cross-rank parameter-digest tripwire): gradients were not reduced identically on every rank — a skipped "
         "or misplaced reduction (no_sync on the boundary), or rank-dependent code.",
     )
 

@@ -8,7 +8,7 @@ buffer starts as dbar; Nesterov steps along dbar + mu dbar):
 
 When every step before s matched the simulator, the islands' parameters before the merge, and with them dbar, are
 the simulator's. A candidate whose merge is off by a factor f (it applies f dbar) ends at theta_0 - lr (1 + mu) f
-dbar, and the per-tensor sums of ``checksums.jsonl`` are linear too:
+dbar, and the per-tensor sums of ``param_digests.jsonl`` are linear too:
 
     sum_cand(s) - sum_0 = f (sum_ref(s) - sum_0)        for every tensor of the fragment
 
@@ -40,15 +40,15 @@ def seed_sums(path: Path) -> dict[str, float]:
     return {name: float(t.to(torch.float64).sum()) for name, t in load_weights(path).items()}
 
 
-def first_sync(cfg: RunConfig, step: int, checksums: dict[str, list[float]]) -> list[str]:
+def first_sync(cfg: RunConfig, step: int, digests: dict[str, list[float]]) -> list[str]:
     """The parameters whose fragment syncs for the first time after ``step`` (empty: no fragment does). The
-    fragments are the run's cut of the parameters in ``checksums``' order (its element counts)."""
+    fragments are the run's cut of the parameters in ``digests``' order (its element counts)."""
     offsets = cfg.outer.offsets()
     due = [p for p in cfg.outer.syncing(step, cfg.trainer.max_steps) if offsets[p] >= step]
     if not due:
         return []
-    names = list(checksums)
-    groups = split_fragments([int(v[2]) for v in checksums.values()], cfg.outer.fragments)
+    names = list(digests)
+    groups = split_fragments([int(v[2]) for v in digests.values()], cfg.outer.fragments)
     return [names[i] for p in due for i in groups[p]]
 
 

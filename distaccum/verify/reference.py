@@ -2,7 +2,7 @@
 
 It shares only the user's model factory, dataset, collate, loss and optimizer factory (and the
 learning-rate schedule) with the run it checks — no engine wrapper, no process group, no
-accumulation loop, no gradient scaling. Each optimizer step takes the whole window the plan gives
+accumulation loop, no gradient scaling. Each optimizer step takes the whole window the order gives
 that step (for a stream: the next ``global_batch`` samples read off it), runs ONE forward/backward of
 
     sum(loss over the window's items) / (the window's item count)
@@ -13,7 +13,7 @@ twice, a partial window divided by the nominal batch) therefore shows up as a di
 reference, which split-against-split comparisons cannot see.
 
 It writes the same files as a training run (``metrics.jsonl`` with loss and grad_norm per step,
-``checksums.jsonl``, ``final/model.safetensors``, ``summary.json``), so :func:`distaccum.verify.compare`
+``param_digests.jsonl``, ``final/model.safetensors``, ``summary.json``), so :func:`distaccum.verify.compare`
 reads both alike.
 """
 
@@ -27,23 +27,24 @@ from typing import Any
 
 import torch
 
-from distaccum.batching.schedule import BatchSchedule
+from distaccum.batching.growth import BatchGrowth
 from distaccum.components import Components, build_model
 from distaccum.config import RunConfig, to_mapping
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream, stream_windows
 from distaccum.engines.base import Precision
-from distaccum.guards.tripwire import append_checksums, parameter_checksums
+from distaccum.guards.tripwire import append_digests, parameter_digests
 from distaccum.models import batch_stat_layers, random_layers
 from distaccum.optim import build_optimizer, build_scheduler
 from distaccum.rundir import (
-    CHECKSUMS,
     CONFIG,
     FINAL_CONFIG,
     FINAL_DIR,
     FINAL_WEIGHTS,
     METRICS,
+    OLD_PARAM_DIGESTS,
+    PARAM_DIGESTS,
     Record,
     write_json,
 )
@@ -55,7 +56,7 @@ def window_samples(
     cfg: RunConfig, parts: Components, global_batch: int
 ) -> Iterator[tuple[int, list[Any], bool]]:
     """(epoch, samples, partial) of each optimizer step's window, as a run's source serves them: from the
-    global-batch plan (map-style) or read off the stream in order (:mod:`distaccum.data.stream`)."""
+    global-batch order (map-style) or read off the stream in order (:mod:`distaccum.data.stream`)."""
     if is_stream(parts.dataset):
         for window in stream_windows(
             parts.dataset,
@@ -66,22 +67,26 @@ def window_samples(
         ):
             yield window.epoch, window.samples, len(window.samples) < global_batch
         return
-    plan = GlobalBatchPlan(
+    order = GlobalBatchOrder(
         len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
         global_batch,
         seed=cfg.trainer.seed,
         shuffle=cfg.data.shuffle,
         drop_last=cfg.data.drop_last,
-        schedule=ramp_of(cfg, global_batch),
+        growth=ramp_of(cfg, global_batch),
     )
     for step in count():
-        planned = plan.window(step)
-        yield planned.epoch, [parts.dataset[int(i)] for i in planned.indices], planned.partial
+        window_of_step = order.window(step)
+        yield (
+            window_of_step.epoch,
+            [parts.dataset[int(i)] for i in window_of_step.indices],
+            window_of_step.partial,
+        )
 
 
-def ramp_of(cfg: RunConfig, global_batch: int) -> BatchSchedule | None:
+def ramp_of(cfg: RunConfig, global_batch: int) -> BatchGrowth | None:
     """``accum.ramp``'s global batch per step (None: constant): each step's window is taken whole all the same."""
-    return BatchSchedule.of(cfg.accum.ramp, global_batch) if cfg.accum.ramp.enabled else None
+    return BatchGrowth.of(cfg.accum.ramp, global_batch) if cfg.accum.ramp.enabled else None
 
 
 def start_reference(
@@ -92,7 +97,7 @@ def start_reference(
     ``seed_out`` when given (the seed checkpoint other runs start from). Returns (component names, precision, device,
     the model on the CPU)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (METRICS, CHECKSUMS):
+    for stale in (METRICS, PARAM_DIGESTS, OLD_PARAM_DIGESTS):
         (run_dir / stale).unlink(missing_ok=True)
     names = parts.describe()
     write_json(run_dir / CONFIG, {**to_mapping(cfg), "components": names})
@@ -143,8 +148,8 @@ def run_reference(
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        names_, numels, values = parameter_checksums(model.named_parameters())
-        append_checksums(run_dir, step + 1, names_, numels, values)
+        names_, numels, values = parameter_digests(model.named_parameters())
+        append_digests(run_dir, step + 1, names_, numels, values)
         record: Record = {
             "step": step + 1,
             "epoch": epoch,

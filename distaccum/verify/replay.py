@@ -3,7 +3,7 @@
 When a candidate's step-1 loss matches the reference (same seed weights, same samples) but its gradient
 norm does not, the gradient was put together wrongly — and several wrong ways give different numbers.
 This module recomputes, in this process and in fp64, every micro-batch gradient of step 1 exactly as the
-candidate's split cuts the window (rank r's micro-batch k is the plan's piece k x world + r), then
+candidate's split cuts the window (rank r's micro-batch k is the order's piece k x world + r), then
 combines them the way each known bug would and reports the gradient norm each combination gives.
 :func:`distaccum.verify.diagnosis.rule_replay` names a bug only when its norm reproduces the candidate's
 within the step tolerance and the correct combination's does not: a quantitative match, not a guess.
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from distaccum.components import Components, build_model
-from distaccum.data.global_batch import GlobalBatchPlan
+from distaccum.data.global_batch import GlobalBatchOrder
 from distaccum.data.pipeline import to_device
 from distaccum.data.stream import is_stream
 from distaccum.engines.base import Precision
@@ -68,11 +68,11 @@ def micro_gradients(
     shuffle: bool,
     drop_last: bool,
 ) -> MicroGradients | None:
-    """Every (rank, micro-batch) gradient of step 1 from the seed weights (the plan of ``trainer.seed``,
+    """Every (rank, micro-batch) gradient of step 1 from the seed weights (the order of ``trainer.seed``,
     ``data.shuffle``, ``data.drop_last``), or None when the model draws random numbers or the data is a stream."""
     if is_stream(parts.dataset):
         return None
-    plan = GlobalBatchPlan(
+    order = GlobalBatchOrder(
         len(parts.dataset),  # type: ignore[arg-type]  # map-style: it has a length
         split.global_batch,
         seed=seed,
@@ -84,7 +84,7 @@ def micro_gradients(
         return None
     model.train()
     collate = parts.collate or torch.utils.data.default_collate
-    window = plan.window(0)
+    window = order.window(0)
     params = [p for p in model.parameters() if p.requires_grad]
     grads: list[list[torch.Tensor]] = []
     items: list[list[float]] = []

@@ -8,6 +8,7 @@ imported on first use, as the engines and the feature set-ups are (:mod:`distacc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,6 +25,22 @@ RULES: dict[str, str] = {
     "adaptive_batch": "distaccum.batching.verify_rules:AdaptiveRules",
 }
 """Feature name -> ``module:Class`` of its :class:`VerifyRules`."""
+
+
+@dataclass(frozen=True)
+class Diverged:
+    """A candidate verify is diagnosing, as a feature's rules see it (:meth:`VerifyRules.explain`)."""
+
+    cfg: RunConfig
+    """The configuration verify checks."""
+    split: Split
+    """The candidate's split."""
+    seed: Path | None
+    """The checkpoint every run started from, when known."""
+    report: Report
+    """The candidate's comparison with the reference."""
+    ref: RunData
+    cand: RunData
 
 
 class VerifyRules:
@@ -62,18 +79,8 @@ class VerifyRules:
         reference applies."""
         return False
 
-    def explain(
-        self,
-        cfg: RunConfig,
-        split: Split,
-        seed: Path | None,
-        report: Report,
-        ref: RunData,
-        cand: RunData,
-        facts: StepFacts,
-    ) -> StepFacts:
-        """The step facts of a diverged candidate, with what the feature can tell about it (``seed``: the checkpoint
-        every run started from, when known)."""
+    def explain(self, case: Diverged, facts: StepFacts) -> StepFacts:
+        """The step facts of a diverged candidate (``case``), with what the feature can tell about it."""
         return facts
 
 

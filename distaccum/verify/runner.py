@@ -58,7 +58,7 @@ from distaccum.verify.diagnosis import (
 from distaccum.verify.reference import run_reference
 from distaccum.verify.replay import Replayed, combinations, micro_gradients
 from distaccum.verify.result import Launched, VerifyResult, VerifyRow, json_ready, render_table
-from distaccum.verify.rules import rules_for
+from distaccum.verify.rules import Diverged, rules_for
 
 VERIFY_FILE = "verify.json"
 Launcher = Callable[[RunConfig, Path], int]
@@ -183,7 +183,7 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         steps = replace(steps, warnings=warned, console=run.data.console if run.exit_code else "")
         steps = replace(steps, replayed=replayed(run, steps))
         for rule in rules:
-            steps = rule.explain(cfg, run.split, job.seed, report, ref.data, run.data, steps)
+            steps = rule.explain(Diverged(cfg, run.split, job.seed, report, ref.data, run.data), steps)
         return diagnose(
             report, facts, run.split, unequal_items(run.data.records), run.exit_code, steps, tol.steps.rtol
         )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distaccum import trainer as trainer_module
-from distaccum.cluster.local import LaunchPlan, launch
+from distaccum.cluster.local import LaunchRecipe, launch
 from distaccum.config import ConfigError, from_mapping, with_overrides
 from distaccum.rundir import CONFIG, CONSOLE_LOG, SEED, read_json
 from distaccum.split import Split
@@ -123,8 +123,8 @@ def script_job(script: Path, args: list[str], nproc: int, root: Path, auto: bool
             accum_steps=split.accum_steps,
             world_size=split.world_size,
         )
-        plan = LaunchPlan(1, split.world_size, "127.0.0.1:0", "distaccum-verify", 0, str(run_dir))
-        return launch(plan, entry(request))
+        recipe = LaunchRecipe(1, split.world_size, "127.0.0.1:0", "distaccum-verify", 0, str(run_dir))
+        return launch(recipe, entry(request))
 
     ref_dir = root / "reference"
     code, seconds = timed_run(lambda: reference(ref_dir), ref_dir / CONSOLE_LOG)

@@ -1,14 +1,14 @@
-"""``distaccum plan`` for a batch schedule (unit tier): each phase's K and predicted step time from the measured
+"""``distaccum plan`` for a growing batch (unit tier): each phase's K and predicted step time from the measured
 coefficients of the planner's step-time model, the adaptive batch's bounds, sizes that were not measured."""
 
 from __future__ import annotations
 
 import pytest
 
-from distaccum.batching.schedule import BatchSchedule
+from distaccum.batching.growth import BatchGrowth
 from distaccum.split import Split
+from distaccum.tuning.growth_plan import phase_rows, render_phases
 from distaccum.tuning.planner import SizeCost
-from distaccum.tuning.schedule_plan import phase_rows, render_phases
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +22,7 @@ COSTS = [cost(4, 0.10, 0.04), cost(2, 0.06, 0.02)]
 
 
 def test_each_phase_takes_its_k_and_the_model_s_step_time() -> None:
-    schedule = BatchSchedule([(0, 8), (5, 16), (10, 32)])
+    schedule = BatchGrowth([(0, 8), (5, 16), (10, 32)])
     rows = phase_rows(schedule.phases, COSTS, 4, 2, 12)
     assert [(r.first, r.last, r.split) for r in rows] == [
         (1, 5, Split(4, 1, 2)),
@@ -43,12 +43,12 @@ def test_a_lowered_micro_batch_uses_its_own_size_or_says_it_was_not_measured() -
     assert rows[0].split == Split(2, 1, 2) and rows[0].step_s == pytest.approx(0.04)  # measured size 2
     unmeasured = phase_rows([(0, 6), (2, 16)], COSTS, 4, 2, 4)
     assert unmeasured[0].split == Split(3, 1, 2) and unmeasured[0].step_s is None
-    text = render_phases(BatchSchedule([(0, 6), (2, 16)]), COSTS, 4, 2, 4)
+    text = render_phases(BatchGrowth([(0, 6), (2, 16)]), COSTS, 4, 2, 4)
     assert "not measured" in text and "whole ramp" not in text
 
 
 def test_the_adaptive_batch_shows_its_start_and_bounds() -> None:
-    text = render_phases(BatchSchedule.constant(16), COSTS, 4, 2, 100, adaptive_bounds=(8, 64))
+    text = render_phases(BatchGrowth.constant(16), COSTS, 4, 2, 100, adaptive_bounds=(8, 64))
     assert "from 16 within [8, 64]" in text
     assert (
         "| 8 | w2-m4-k1 (K=1) | 60.0 ms | 133 |" in text

@@ -1,4 +1,4 @@
-"""The global-batch plan and the input pipeline: the same samples per optimizer step whatever the split."""
+"""The global-batch order and the input pipeline: the same samples per optimizer step whatever the split."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 from distaccum.config import Split
-from distaccum.data.global_batch import GlobalBatchPlan
-from distaccum.data.pipeline import DatasetWrittenError, PlanSampler, build_loader, micro_batches, to_device
+from distaccum.data.global_batch import GlobalBatchOrder
+from distaccum.data.pipeline import DatasetWrittenError, OrderSampler, build_loader, micro_batches, to_device
 from distaccum.datasets import CorpusSequences, SyntheticImages, SyntheticRegression, pad_collate
 from distaccum.losses import IGNORE_INDEX
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 SPLITS = [Split(8, 1, 2), Split(2, 4, 2), Split(4, 4, 1), Split(1, 4, 4), Split(16, 1, 1)]
 
 
-def _window_sets(plan: GlobalBatchPlan, split: Split, step: int) -> list[list[int]]:
+def _window_sets(plan: GlobalBatchOrder, split: Split, step: int) -> list[list[int]]:
     window = plan.window(step)
     return [
         [int(i) for i in mb] for r in range(split.world_size) for mb in window.rank_micro_batches(split, r)
@@ -31,7 +31,7 @@ def _window_sets(plan: GlobalBatchPlan, split: Split, step: int) -> list[list[in
 
 @pytest.mark.parametrize("split", SPLITS)
 def test_every_split_covers_exactly_the_window(split: Split) -> None:
-    plan = GlobalBatchPlan(100, 16, seed=3)
+    plan = GlobalBatchOrder(100, 16, seed=3)
     for step in range(8):  # crosses the epoch boundary and the partial window (100 = 6*16 + 4)
         pieces = _window_sets(plan, split, step)
         flat = sorted(i for piece in pieces for i in piece)
@@ -40,7 +40,7 @@ def test_every_split_covers_exactly_the_window(split: Split) -> None:
 
 
 def test_windows_do_not_depend_on_split_and_epochs_reshuffle() -> None:
-    plan = GlobalBatchPlan(100, 16, seed=3)
+    plan = GlobalBatchOrder(100, 16, seed=3)
     assert plan.windows_per_epoch == 7
     epoch0 = torch.cat([plan.window(s).indices for s in range(7)])
     epoch1 = torch.cat([plan.window(s).indices for s in range(7, 14)])
@@ -50,39 +50,39 @@ def test_windows_do_not_depend_on_split_and_epochs_reshuffle() -> None:
 
 
 def test_partial_window_spreads_samples_evenly() -> None:
-    plan = GlobalBatchPlan(20, 16, seed=0)
+    plan = GlobalBatchOrder(20, 16, seed=0)
     sizes = [len(p) for p in plan.window(1).rank_micro_batches(Split(2, 4, 2), rank=0)]
     sizes += [len(p) for p in plan.window(1).rank_micro_batches(Split(2, 4, 2), rank=1)]
     assert sum(sizes) == 4 and max(sizes) - min(sizes) <= 1
 
 
 def test_drop_last_skips_the_partial_window_and_refuses_an_impossible_batch() -> None:
-    plan = GlobalBatchPlan(20, 16, seed=0, drop_last=True)
+    plan = GlobalBatchOrder(20, 16, seed=0, drop_last=True)
     assert plan.windows_per_epoch == 1
     assert not plan.window(1).partial and plan.window(1).epoch == 1
     with pytest.raises(
         ValueError, match=r"global batch \(32 samples\) is larger than the dataset \(20 samples\)"
     ):
-        GlobalBatchPlan(20, 32, seed=0, drop_last=True)
+        GlobalBatchOrder(20, 32, seed=0, drop_last=True)
     with pytest.raises(ValueError, match="empty"):
-        GlobalBatchPlan(0, 4, seed=0)
+        GlobalBatchOrder(0, 4, seed=0)
 
 
 def test_plan_state_resumes_at_the_exact_next_window_and_refuses_another_plan() -> None:
-    plan = GlobalBatchPlan(100, 16, seed=3)
+    plan = GlobalBatchOrder(100, 16, seed=3)
     plan.next_step = 5
-    resumed = GlobalBatchPlan(100, 16, seed=3)
+    resumed = GlobalBatchOrder(100, 16, seed=3)
     resumed.load_state_dict(plan.state_dict())
     assert resumed.next_step == 5 and torch.equal(resumed.window(5).indices, plan.window(5).indices)
     with pytest.raises(ValueError, match="global_batch=16 in the checkpoint, 32 now"):
-        GlobalBatchPlan(100, 32, seed=3).load_state_dict(plan.state_dict())
+        GlobalBatchOrder(100, 32, seed=3).load_state_dict(plan.state_dict())
 
 
 def test_sampler_yields_each_ranks_micro_batches_in_plan_order_with_stand_ins_for_empty_pieces() -> None:
-    plan = GlobalBatchPlan(20, 16, seed=0, shuffle=False)
+    plan = GlobalBatchOrder(20, 16, seed=0, shuffle=False)
     split = Split(1, 4, 2)
     plan.next_step = 1  # resume at the partial window: 4 samples for 8 pieces
-    batches = list(PlanSampler(plan, split, rank=1, start=1, stop=3))
+    batches = list(OrderSampler(plan, split, rank=1, start=1, stop=3))
     assert len(batches) == 8
     window = plan.window(1)
     pieces = window.rank_micro_batches(split, 1)
@@ -93,11 +93,11 @@ def test_sampler_yields_each_ranks_micro_batches_in_plan_order_with_stand_ins_fo
 
 def plans_and_splits(
     samples: int, *, shuffle: bool, seed: int = 0
-) -> Iterator[tuple[GlobalBatchPlan, Split]]:
+) -> Iterator[tuple[GlobalBatchOrder, Split]]:
     """Every split of a few global batches (4, 8, 16) of a plan over ``samples`` samples: partial windows, empty
     pieces, several ranks."""
     for global_batch in (4, 8, 16):
-        plan = GlobalBatchPlan(samples, global_batch, seed=seed, shuffle=shuffle)
+        plan = GlobalBatchOrder(samples, global_batch, seed=seed, shuffle=shuffle)
         for micro, world in ((1, 1), (1, 2), (2, 2), (1, 3), (3, 1), (1, 4)):
             if global_batch % (micro * world) == 0:
                 yield plan, Split(micro, global_batch // (micro * world), world)
@@ -110,12 +110,12 @@ def test_rank_ranges_are_the_in_order_pieces_by_arithmetic(samples: int) -> None
     rows, the stand-in (the window's first sample) for an empty piece; a shuffled plan is refused."""
     for plan, split in plans_and_splits(samples, shuffle=False):
         for rank in range(split.world_size):
-            sampler = PlanSampler(plan, split, rank, start=0, stop=2 * plan.windows_per_epoch + 1)
+            sampler = OrderSampler(plan, split, rank, start=0, stop=2 * plan.windows_per_epoch + 1)
             want = [p.tolist() for p in sampler.pieces()]
             got = [list(range(first, first + n)) for first, n in sampler.ranges()]
             assert got == want, (samples, plan.global_batch, split, rank)
-    with pytest.raises(ValueError, match="in-order plan"):
-        GlobalBatchPlan(20, 4, seed=0).rank_ranges(0, Split(1, 2, 2), 0)
+    with pytest.raises(ValueError, match="in-order global-batch order"):
+        GlobalBatchOrder(20, 4, seed=0).rank_ranges(0, Split(1, 2, 2), 0)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -138,22 +138,22 @@ def test_rank_sizes_are_the_windows_and_pieces_sizes_by_arithmetic(shuffle: bool
 
 
 def test_a_plan_keeps_each_epochs_order_and_hands_out_the_windows_a_fresh_plan_would() -> None:
-    plan = GlobalBatchPlan(50, 8, seed=3)  # 7 windows per epoch, the last partial
+    plan = GlobalBatchOrder(50, 8, seed=3)  # 7 windows per epoch, the last partial
     steps = [0, 1, 6, 7, 13, 2, 20, 8, 0]  # within, across and back over epochs
     for step in steps:
-        fresh = GlobalBatchPlan(50, 8, seed=3).window(step)
+        fresh = GlobalBatchOrder(50, 8, seed=3).window(step)
         got = plan.window(step)
         assert (got.epoch, got.indices.tolist()) == (fresh.epoch, fresh.indices.tolist())
     assert plan.window(7).indices.tolist() != plan.window(0).indices.tolist()  # epochs reshuffle
 
 
 def test_rank_pieces_are_the_windows_pieces_computed_once_for_the_last_few_steps() -> None:
-    plan = GlobalBatchPlan(50, 8, seed=3)
+    plan = GlobalBatchOrder(50, 8, seed=3)
     split = Split(2, 2, 2)
     for step in [0, 1, 6, 7, 13, 2, 20, 8, 0, 1]:  # what the sampler and the loop ask, out of order too
         for rank in (0, 1):
             window, pieces = plan.rank_pieces(step, split, rank)
-            fresh = GlobalBatchPlan(50, 8, seed=3).window(step)
+            fresh = GlobalBatchOrder(50, 8, seed=3).window(step)
             assert (window.step, window.epoch, window.indices.tolist()) == (
                 step,
                 fresh.epoch,
@@ -176,10 +176,10 @@ def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_
 
     gen = torch.Generator().manual_seed(0)
     dataset = TensorDataset(torch.randn(30, 5, generator=gen), torch.randint(0, 9, (30,), generator=gen))
-    plan = GlobalBatchPlan(len(dataset), 8, seed=0)
+    plan = GlobalBatchOrder(len(dataset), 8, seed=0)
     split = Split(2, 2, 2)
     loader = build_loader(
-        dataset, None, PlanSampler(plan, split, rank=1, start=0, stop=5), num_workers=workers
+        dataset, None, OrderSampler(plan, split, rank=1, start=0, stop=5), num_workers=workers
     )
     assert isinstance(
         loader.dataset, TensorBatches
@@ -196,7 +196,7 @@ def test_a_tensor_dataset_is_fetched_a_micro_batch_at_a_time_as_default_collate_
             for a, b in zip(batch, want, strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b)
     assert (
-        type(build_loader(dataset, pad_collate, PlanSampler(plan, split, 0, 0, 1)).dataset) is TensorDataset
+        type(build_loader(dataset, pad_collate, OrderSampler(plan, split, 0, 0, 1)).dataset) is TensorDataset
     )  # a collate: as given
 
 
@@ -210,9 +210,9 @@ def test_tensor_rows_hand_out_the_batches_the_dataloader_makes(shuffle: bool) ->
     dataset = _tensor_dataset()
     split = Split(2, 2, 2)
     for rank in (0, 1):
-        plan = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=shuffle)
+        plan = GlobalBatchOrder(len(dataset), 8, seed=0, shuffle=shuffle)
         plan.next_step = 1  # from a resume position: the partial window (30 = 3 x 8 + 6) and the next epoch
-        sampler = PlanSampler(plan, split, rank, plan.next_step, 6)
+        sampler = OrderSampler(plan, split, rank, plan.next_step, 6)
         fast = micro_batches(dataset, None, sampler, device=torch.device("cpu"))
         assert inspect.isgenerator(fast)  # TensorRows: no DataLoader iterator
         loader = build_loader(dataset, None, sampler)
@@ -231,14 +231,14 @@ def test_tensor_rows_in_order_are_views_and_a_write_into_one_stops_at_the_next_m
     before a later micro-batch or epoch trains on changed data. Shuffled rows are gathered: fresh, free to write."""
     dataset = _tensor_dataset()
     split = Split(2, 2, 2)
-    plan = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=False)
+    plan = GlobalBatchOrder(len(dataset), 8, seed=0, shuffle=False)
     for device in ("cpu", "meta"):  # meta stands in for an accelerator
         rows = next(
-            micro_batches(dataset, None, PlanSampler(plan, split, 1, 0, 4), device=torch.device(device))
+            micro_batches(dataset, None, OrderSampler(plan, split, 1, 0, 4), device=torch.device(device))
         )
         assert all(r._base is t for r, t in zip(rows, dataset.tensors, strict=True))
         assert torch.equal(rows[0], dataset.tensors[0][2:4])  # rank 1's first piece of window 0: samples 2, 3
-    read = list(micro_batches(dataset, None, PlanSampler(plan, split, 0, 0, 4), device=torch.device("cpu")))
+    read = list(micro_batches(dataset, None, OrderSampler(plan, split, 0, 0, 4), device=torch.device("cpu")))
     assert len(read) == 8 and all(r[0]._base is dataset.tensors[0] for r in read)  # reading is free
     writes = {
         "mul_": lambda b: b[0].mul_(0.0),
@@ -248,15 +248,15 @@ def test_tensor_rows_in_order_are_views_and_a_write_into_one_stops_at_the_next_m
     }
     for name, write in writes.items():
         fresh = _tensor_dataset()
-        batches = micro_batches(fresh, None, PlanSampler(plan, split, 0, 0, 4), device=torch.device("cpu"))
+        batches = micro_batches(fresh, None, OrderSampler(plan, split, 0, 0, 4), device=torch.device("cpu"))
         next(batches)
         write(next(batches))  # the second micro-batch: rows 4, 5
         with pytest.raises(DatasetWrittenError, match="rows 4..5 were a micro-batch in training"):
             next(batches)
         assert not torch.equal(fresh.tensors[0], _tensor_dataset().tensors[0]) or name == "setitem", name
-    shuffled = GlobalBatchPlan(len(dataset), 8, seed=0, shuffle=True)
+    shuffled = GlobalBatchOrder(len(dataset), 8, seed=0, shuffle=True)
     for batch in micro_batches(
-        dataset, None, PlanSampler(shuffled, split, 0, 0, 4), device=torch.device("cpu")
+        dataset, None, OrderSampler(shuffled, split, 0, 0, 4), device=torch.device("cpu")
     ):
         batch[0].mul_(0.0)  # gathered: the dataset never sees it
     assert torch.equal(dataset.tensors[0], _tensor_dataset().tensors[0])
@@ -270,9 +270,9 @@ def test_tensor_rows_of_an_inference_mode_dataset_are_copies_a_backward_can_save
         features = torch.randn(30, 5)
     labels = torch.randn(30, 2)
     layer = torch.nn.Linear(5, 2)
-    plan, split = GlobalBatchPlan(30, 8, seed=0, shuffle=False), Split(2, 2, 2)
+    plan, split = GlobalBatchOrder(30, 8, seed=0, shuffle=False), Split(2, 2, 2)
     for x, y in micro_batches(
-        TensorDataset(features, labels), None, PlanSampler(plan, split, 0, 0, 4), device=torch.device("cpu")
+        TensorDataset(features, labels), None, OrderSampler(plan, split, 0, 0, 4), device=torch.device("cpu")
     ):
         assert not x.is_inference() and x._base is None and y._base is labels
         torch.nn.functional.mse_loss(layer(x), y).backward()  # saved for backward: no error
@@ -281,7 +281,7 @@ def test_tensor_rows_of_an_inference_mode_dataset_are_copies_a_backward_can_save
 
 def test_a_tensor_dataset_with_a_collate_workers_or_a_subclass_goes_through_the_dataloader() -> None:
     dataset, cpu = _tensor_dataset(), torch.device("cpu")
-    window = PlanSampler(GlobalBatchPlan(30, 8, seed=0), Split(2, 2, 2), rank=0, start=0, stop=1)
+    window = OrderSampler(GlobalBatchOrder(30, 8, seed=0), Split(2, 2, 2), rank=0, start=0, stop=1)
 
     class Rows(TensorDataset):
         pass
@@ -298,10 +298,10 @@ def test_a_tensor_dataset_with_a_collate_workers_or_a_subclass_goes_through_the_
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_collates_the_plan_through_dataloader_workers(workers: int) -> None:
     dataset = CorpusSequences(num_samples=40, seq_min=3, seq_max=9, seed=1)
-    plan = GlobalBatchPlan(len(dataset), 8, seed=0)
+    plan = GlobalBatchOrder(len(dataset), 8, seed=0)
     split = Split(2, 2, 2)
     loader = build_loader(
-        dataset, pad_collate, PlanSampler(plan, split, rank=0, start=0, stop=3), num_workers=workers
+        dataset, pad_collate, OrderSampler(plan, split, rank=0, start=0, stop=3), num_workers=workers
     )
     got = list(loader)
     assert len(got) == 3 * split.accum_steps

@@ -1,8 +1,8 @@
-"""``distaccum plan`` for a batch schedule: each phase's K and its predicted step time (pure).
+"""``distaccum plan`` for a growing batch: each phase's K and its predicted step time (pure).
 
 The planner measures the cost of every micro-batch size (:class:`~distaccum.tuning.planner.SizeCost`: a step of K
 micro-batches takes ``base_s + (K - K_t) micro_s``). A ramp keeps the micro-batch and changes K, so each phase's
-step time follows from the same coefficients: the phase's split (:func:`~distaccum.batching.schedule.phase_split`),
+step time follows from the same coefficients: the phase's split (:func:`~distaccum.batching.growth.phase_split`),
 its predicted step, samples per second, and the phase's time up to ``trainer.max_steps``. For the adaptive batch the
 phases are not known in advance: the rows are its smallest and largest batch.
 """
@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distaccum.batching.schedule import BatchSchedule, phase_split
+from distaccum.batching.growth import BatchGrowth, phase_split
 from distaccum.split import Split
 from distaccum.tuning.planner import SizeCost
 
 
 @dataclass(frozen=True)
 class PhaseRow:
-    """One phase of the schedule with its prediction."""
+    """One phase of the batch growth with its prediction."""
 
     first: int
     """1-based first step."""
@@ -73,20 +73,20 @@ def _duration(seconds: float) -> str:
 
 
 def render_phases(
-    schedule: BatchSchedule,
+    growth: BatchGrowth,
     costs: Sequence[SizeCost],
     micro_batch: int,
     world_size: int,
     max_steps: int,
     adaptive_bounds: tuple[int, int] | None = None,
 ) -> str:
-    """The schedule's section of ``distaccum plan``'s output: a table of phases (or of the adaptive batch's
+    """The growth's section of ``distaccum plan``'s output: a table of phases (or of the adaptive batch's
     bounds) with K and the predicted step time, and the whole run's predicted time."""
     if adaptive_bounds is not None:
         lo, hi = adaptive_bounds
         rows = [
             PhaseRow(0, 0, phase_split(b, micro_batch, world_size), None)
-            for b in sorted({lo, schedule.phases[0][1], hi})
+            for b in sorted({lo, growth.phases[0][1], hi})
         ]
         by_size = {c.micro_batch: c for c in costs}
         rows = [
@@ -96,7 +96,7 @@ def render_phases(
             for r in rows
         ]
         lines = [
-            f"adaptive batch (accum.adaptive): from {schedule.phases[0][1]} within [{lo}, {hi}]; its phases are chosen "
+            f"adaptive batch (accum.adaptive): from {growth.phases[0][1]} within [{lo}, {hi}]; its phases are chosen "
             f"as it runs, so here its start and bounds, micro-batch {micro_batch} on {world_size} ranks:",
             "",
             "| global batch | split | predicted step | samples/s |",
@@ -108,7 +108,7 @@ def render_phases(
                 f"| {r.split.global_batch} | {r.split.label()} (K={r.split.accum_steps}) | {_ms(r.step_s)} | {rate} |"
             )
         return "\n".join(lines)
-    rows = phase_rows(schedule.phases, costs, micro_batch, world_size, max_steps)
+    rows = phase_rows(growth.phases, costs, micro_batch, world_size, max_steps)
     lines = [
         f"batch ramp (accum.ramp): K per phase, micro-batch {micro_batch} on {world_size} ranks, step times from the "
         "coefficients measured above:",

@@ -1,4 +1,4 @@
-"""The global batch as a schedule (unit tier): phases, the data plan's windows, the split per step, the learning
+"""The growing global batch (unit tier): phases, the data order's windows, the split per step, the learning
 rate per phase, the adaptive rule, the config's refusals and the resume table."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 from distaccum.batching.adaptive import next_batch
 from distaccum.batching.config import AdaptiveConfig, RampConfig
-from distaccum.batching.schedule import BatchSchedule, megatron_phases, phase_split
+from distaccum.batching.growth import BatchGrowth, megatron_phases, phase_split
 from distaccum.config import OptimConfig, RunConfig, from_mapping, to_mapping
-from distaccum.data.global_batch import GlobalBatchPlan
-from distaccum.data.pipeline import PlanSampler
+from distaccum.data.global_batch import GlobalBatchOrder
+from distaccum.data.pipeline import OrderSampler
 from distaccum.optim import LrSchedule, build_scheduler, rescale
 from distaccum.rundir.changes import REFUSED, classify
 from distaccum.split import Split
@@ -30,7 +30,7 @@ def test_megatron_ramp_grows_by_the_increment_each_share_of_the_samples() -> Non
         (16, 96),
         (20, 128),
     ]  # 11 x 32 = 352 >= 333.3; +5 x 64 = 672 >= 666.7
-    schedule = BatchSchedule(phases)
+    schedule = BatchGrowth(phases)
     assert [schedule.global_batch(s) for s in (0, 10, 11, 15, 16, 19, 20, 10_000)] == [
         32,
         32,
@@ -58,9 +58,9 @@ def test_megatron_ramp_grows_by_the_increment_each_share_of_the_samples() -> Non
 
 def test_points_form_starts_at_step_one_and_ends_at_the_global_batch() -> None:
     ramp = RampConfig(points=[[1, 8], [4, 16], [9, 32]])
-    assert BatchSchedule.of(ramp, 32).phases == [(0, 8), (3, 16), (8, 32)]
+    assert BatchGrowth.of(ramp, 32).phases == [(0, 8), (3, 16), (8, 32)]
     with pytest.raises(ValueError, match="ends at accum.global_batch"):
-        BatchSchedule.of(ramp, 64)
+        BatchGrowth.of(ramp, 64)
     with pytest.raises(ValueError, match="start at step 1"):
         RampConfig(points=[[2, 8], [4, 16]])
     with pytest.raises(ValueError, match="either start/increment/samples"):
@@ -78,7 +78,7 @@ def test_k_follows_the_global_batch_and_the_micro_batch_drops_only_when_k_cannot
     )  # 12 per rank is no multiple of 8: the largest divisor below
     with pytest.raises(ValueError, match="multiple of the world size"):
         phase_split(9, 4, 2)
-    lines = BatchSchedule([(0, 4), (2, 16)]).describe(4, 2, 10)
+    lines = BatchGrowth([(0, 4), (2, 16)]).describe(4, 2, 10)
     assert lines == [
         "steps 1-2: global batch 4 = micro-batch 2 x K=1 x 2 ranks (micro-batch lowered from 4: 2 samples per rank "
         "is no multiple of it)",
@@ -93,18 +93,18 @@ def test_a_ramp_reads_the_unramped_sample_stream_in_order(shuffle: bool, drop_la
     repeated at a change; an epoch ends where its samples do."""
     n = 100
 
-    def ramped_plan() -> GlobalBatchPlan:
-        return GlobalBatchPlan(
+    def ramped_plan() -> GlobalBatchOrder:
+        return GlobalBatchOrder(
             n,
             32,
             seed=3,
             shuffle=shuffle,
             drop_last=drop_last,
-            schedule=BatchSchedule([(0, 8), (3, 16), (5, 32)]),
+            growth=BatchGrowth([(0, 8), (3, 16), (5, 32)]),
         )
 
     ramped = ramped_plan()
-    plain = GlobalBatchPlan(n, 32, seed=3, shuffle=shuffle, drop_last=drop_last)
+    plain = GlobalBatchOrder(n, 32, seed=3, shuffle=shuffle, drop_last=drop_last)
     windows = [ramped.window(s) for s in range(14)]
     assert [len(w.indices) for w in windows[:6]] == [8, 8, 8, 16, 16, 32]
     for epoch in (0, 1, 2):
@@ -122,11 +122,11 @@ def test_a_ramp_reads_the_unramped_sample_stream_in_order(shuffle: bool, drop_la
 
 
 def test_each_step_is_cut_into_its_own_k_micro_batches_per_rank() -> None:
-    schedule = BatchSchedule([(0, 8), (2, 16), (4, 32)])
-    plan = GlobalBatchPlan(200, 32, seed=0, shuffle=True, schedule=schedule)
+    schedule = BatchGrowth([(0, 8), (2, 16), (4, 32)])
+    plan = GlobalBatchOrder(200, 32, seed=0, shuffle=True, growth=schedule)
     split = Split(4, 4, 2)  # the configured split of the final global batch
     for rank in (0, 1):
-        sampler = PlanSampler(plan, split, rank, 0, 6)
+        sampler = OrderSampler(plan, split, rank, 0, 6)
         pieces = [p.tolist() for p in sampler.pieces()]
         assert [len(p) for p in pieces] == [4] * 1 + [4] * 1 + [4] * 2 + [4] * 2 + [4] * 4 + [4] * 4
         assert len(sampler) == len(pieces) == 14
@@ -142,19 +142,32 @@ def test_each_step_is_cut_into_its_own_k_micro_batches_per_rank() -> None:
 
 
 def test_plan_state_carries_the_phases_an_adaptive_run_chose() -> None:
-    schedule = BatchSchedule.constant(16)
-    plan = GlobalBatchPlan(100, 16, seed=0, schedule=schedule)
+    schedule = BatchGrowth.constant(16)
+    plan = GlobalBatchOrder(100, 16, seed=0, growth=schedule)
     plan.window(5)
     assert schedule.change(4, 32) and schedule.version == 1
     assert not schedule.change(6, 32)  # no change: nothing appended
     plan.next_step = 7
     state = plan.state_dict()
-    fresh = GlobalBatchPlan(100, 16, seed=0, schedule=BatchSchedule.constant(16))
+    fresh = GlobalBatchOrder(100, 16, seed=0, growth=BatchGrowth.constant(16))
     fresh.load_state_dict(state)
-    assert fresh.schedule is not None and fresh.schedule.phases == [(0, 16), (4, 32)] and fresh.next_step == 7
+    assert fresh.growth is not None and fresh.growth.phases == [(0, 16), (4, 32)] and fresh.next_step == 7
     assert torch.equal(fresh.window(6).indices, plan.window(6).indices)
-    with pytest.raises(ValueError, match="batch schedule"):
-        GlobalBatchPlan(100, 16, seed=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="batch growth"):
+        GlobalBatchOrder(100, 16, seed=0).load_state_dict(state)
+
+
+def test_plan_state_saved_under_the_old_name_of_the_batch_growth_resumes() -> None:
+    """Issue 57: a checkpoint's data position kept the chosen phases under ``schedule`` before; it still resumes."""
+    plan = GlobalBatchOrder(100, 16, seed=0, growth=BatchGrowth([(0, 16), (4, 32)]))
+    plan.next_step = 7
+    state = plan.state_dict()
+    state["schedule"] = state.pop("growth")
+    fresh = GlobalBatchOrder(100, 16, seed=0, growth=BatchGrowth.constant(16))
+    fresh.load_state_dict(state)
+    assert fresh.growth is not None and fresh.growth.phases == [(0, 16), (4, 32)] and fresh.next_step == 7
+    with pytest.raises(ValueError, match="batch growth"):
+        GlobalBatchOrder(100, 16, seed=0).load_state_dict(state)
 
 
 def test_lr_follows_lr_scaling_per_phase_and_an_adaptive_change_recomputes_the_current_lr() -> None:
@@ -173,7 +186,7 @@ def test_lr_follows_lr_scaling_per_phase_and_an_adaptive_change_recomputes_the_c
     assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
     saved = LrSchedule.from_state(scheduler.state_dict()["lr_lambdas"][0])
     assert saved.scales == [[0, 1.0], [3, 2.0], [5, 4.0]]
-    old = LrSchedule.from_state({**saved.__dict__, "scale": 3.0})  # a checkpoint from before batch schedules
+    old = LrSchedule.from_state({**saved.__dict__, "scale": 3.0})  # a checkpoint from before batch growth
     assert "scale" not in old.__dict__ and old(0) == 3.0
 
 
@@ -222,13 +235,13 @@ def test_a_resume_may_not_change_the_schedule() -> None:
     saved = {"accum.ramp": to_mapping(RunConfig())["accum"]["ramp"], "accum.global_batch": 32}
     now = {**saved, "accum.ramp": {**saved["accum.ramp"], "points": [[1, 8], [3, 32]]}}
     (change,) = classify(saved, now)
-    assert change.kind == REFUSED and "batch schedule" in change.reason
+    assert change.kind == REFUSED and "batch growth" in change.reason
 
 
 def test_what_cannot_follow_a_schedule_is_refused_naming_it() -> None:
     from distaccum.data.sources import DataOptions, build_source
     from distaccum.datasets import SyntheticRegression
-    from distaccum.resolve import batch_schedule
+    from distaccum.resolve import batch_growth
 
     base = to_mapping(RunConfig())
     ramp = {**base["accum"], "micro_batch": 2, "global_batch": 16, "ramp": {"points": [[1, 4], [3, 16]]}}
@@ -236,14 +249,14 @@ def test_what_cannot_follow_a_schedule_is_refused_naming_it() -> None:
     for engine, name in (("deepspeed", "engine=deepspeed"), ("accelerate", "engine=accelerate")):
         cfg = from_mapping({**base, "accum": ramp, "engine": {**base["engine"], "name": engine}})
         with pytest.raises(ValueError, match=f"{name} fixes its accumulation steps"):
-            batch_schedule(cfg, split)
+            batch_growth(cfg, split)
     odd = {**ramp, "ramp": {"points": [[1, 3], [3, 16]]}}
     with pytest.raises(ValueError, match="no split on 2 ranks: 3 \\(from step 1\\)"):
-        batch_schedule(from_mapping({**base, "accum": odd}), split)
+        batch_growth(from_mapping({**base, "accum": odd}), split)
     adaptive = {**ramp, "ramp": {"points": None}, "adaptive": {**base["accum"]["adaptive"], "enabled": True}}
     with pytest.raises(ValueError, match="set log.gns=true"):
-        batch_schedule(from_mapping({**base, "accum": adaptive}), split)
-    schedule = batch_schedule(from_mapping({**base, "accum": ramp}), split)
+        batch_growth(from_mapping({**base, "accum": adaptive}), split)
+    schedule = batch_growth(from_mapping({**base, "accum": ramp}), split)
     assert schedule is not None and schedule.phases == [(0, 4), (2, 16)]
 
     class Stream(torch.utils.data.IterableDataset):
@@ -251,7 +264,7 @@ def test_what_cannot_follow_a_schedule_is_refused_naming_it() -> None:
             yield from SyntheticRegression(8)
 
     options = DataOptions(
-        seed=0, shuffle=False, drop_last=False, num_workers=0, prefetch_factor=2, schedule=schedule
+        seed=0, shuffle=False, drop_last=False, num_workers=0, prefetch_factor=2, growth=schedule
     )
     with pytest.raises(ValueError, match="need a map-style dataset"):
         build_source(Stream(), None, split, 0, 4, options)
@@ -260,15 +273,15 @@ def test_what_cannot_follow_a_schedule_is_refused_naming_it() -> None:
 def test_a_resume_on_a_world_that_cannot_split_a_chosen_batch_is_refused_naming_it() -> None:
     from torch.utils.data import TensorDataset
 
-    from distaccum.data.pipeline import PlanSource
+    from distaccum.data.pipeline import OrderSource
 
-    chosen = BatchSchedule.constant(16)
+    chosen = BatchGrowth.constant(16)
     chosen.change(4, 20)  # what an adaptive run on 2 ranks chose
-    state = GlobalBatchPlan(64, 16, seed=0, schedule=chosen).state_dict()
+    state = GlobalBatchOrder(64, 16, seed=0, growth=chosen).state_dict()
     data = TensorDataset(torch.arange(64.0))
     for world, fails in ((2, False), (4, False), (8, True)):
-        plan = GlobalBatchPlan(64, 16, seed=0, schedule=BatchSchedule.constant(16))
-        source = PlanSource(data, None, plan, Split(2, 16 // (2 * world), world), 0, 10)
+        plan = GlobalBatchOrder(64, 16, seed=0, growth=BatchGrowth.constant(16))
+        source = OrderSource(data, None, plan, Split(2, 16 // (2 * world), world), 0, 10)
         if fails:
             with pytest.raises(ValueError, match="no split on 8 ranks: 20 \\(from step 5\\)"):
                 source.load_state_dict(state)
@@ -297,18 +310,18 @@ def test_verifys_recipe_for_an_adaptive_run_is_a_valid_config_as_printed() -> No
 
 def test_the_start_warns_when_a_ramp_or_the_adaptive_rule_does_not_play_out_within_max_steps() -> None:
     """Issue 56.3/56.10: a ramp ending after the last step, or an adaptive warm-up longer than the run, was silent."""
-    from distaccum.batching.schedule import describe_schedule
+    from distaccum.batching.growth import describe_growth
 
-    ramp = BatchSchedule([(0, 8), (4, 16), (8, 24), (12, 32)])
-    short = describe_schedule(ramp, Split(4, 2, 1), 10, OptimConfig())
+    ramp = BatchGrowth([(0, 8), (4, 16), (8, 24), (12, 32)])
+    short = describe_growth(ramp, Split(4, 2, 1), 10, OptimConfig())
     assert (
         "the ramp does not reach its end within trainer.max_steps=10: the run ends at a global batch of 24"
         in short
     )
-    assert "warning" not in describe_schedule(ramp, Split(4, 2, 1), 13, OptimConfig())
-    adaptive = BatchSchedule([(0, 8)])
+    assert "warning" not in describe_growth(ramp, Split(4, 2, 1), 13, OptimConfig())
+    adaptive = BatchGrowth([(0, 8)])
     rule = AdaptiveConfig(warmup=50)
-    assert "ends before accum.adaptive.warmup=50" in describe_schedule(
+    assert "ends before accum.adaptive.warmup=50" in describe_growth(
         adaptive, Split(4, 2, 1), 40, OptimConfig(), rule
     )
-    assert "warning" not in describe_schedule(adaptive, Split(4, 2, 1), 60, OptimConfig(), rule)
+    assert "warning" not in describe_growth(adaptive, Split(4, 2, 1), 60, OptimConfig(), rule)

@@ -1,8 +1,8 @@
 """The global batch per optimizer step: constant, a ramp, or what the adaptive rule chose so far.
 
-A :class:`BatchSchedule` is a list of phases ``(first step, global batch)`` (0-based steps): step s takes the
-batch of the last phase starting at or before it. The data plan (:class:`~distaccum.data.global_batch.
-GlobalBatchPlan`) cuts each step's window of that many samples from the same sample stream an unramped run
+A :class:`BatchGrowth` is a list of phases ``(first step, global batch)`` (0-based steps): step s takes the
+batch of the last phase starting at or before it. The data order (:class:`~distaccum.data.global_batch.
+GlobalBatchOrder`) cuts each step's window of that many samples from the same sample stream an unramped run
 reads, so a ramp never skips or repeats a sample. The split of a step keeps the configured micro-batch and
 changes K, the accumulated micro-batches: K = G / (micro_batch x world). Only when K alone cannot reach G (G /
 world is no multiple of the micro-batch) the micro-batch drops to the largest divisor of G / world below it, and
@@ -30,7 +30,7 @@ def phase_split(global_batch: int, micro_batch: int, world_size: int) -> Split:
     if global_batch % world_size:
         raise ValueError(
             f"a global batch of {global_batch} samples has no split on {world_size} ranks: every phase of the "
-            f"batch schedule must be a multiple of the world size"
+            f"batch growth must be a multiple of the world size"
         )
     per_rank = global_batch // world_size
     micro = next(m for m in range(min(micro_batch, per_rank), 0, -1) if per_rank % m == 0)
@@ -61,7 +61,7 @@ def megatron_phases(start: int, increment: int, samples: int, final: int) -> lis
     return phases
 
 
-class BatchSchedule:
+class BatchGrowth:
     """The global batch of every optimizer step: phases ``(first 0-based step, global batch)``, the first at step 0.
 
     ``version`` counts appended phases (the adaptive rule's changes), so a data source can tell that the windows it
@@ -69,7 +69,7 @@ class BatchSchedule:
 
     def __init__(self, phases: Sequence[tuple[int, int]]) -> None:
         if not phases or phases[0][0] != 0:
-            raise ValueError(f"a batch schedule starts at step 0, got {list(phases)!r}")
+            raise ValueError(f"a growing batch starts at step 0, got {list(phases)!r}")
         self.phases: list[tuple[int, int]] = []
         self.version = 0
         for first, batch in phases:
@@ -85,12 +85,12 @@ class BatchSchedule:
         self.phases.append((first, batch))
 
     @classmethod
-    def constant(cls, global_batch: int) -> BatchSchedule:
+    def constant(cls, global_batch: int) -> BatchGrowth:
         return cls([(0, global_batch)])
 
     @classmethod
-    def of(cls, ramp: RampConfig, global_batch: int) -> BatchSchedule:
-        """The schedule ``accum.ramp`` describes, ending at ``global_batch`` (constant without a ramp)."""
+    def of(cls, ramp: RampConfig, global_batch: int) -> BatchGrowth:
+        """The growth ``accum.ramp`` describes, ending at ``global_batch`` (constant without a ramp)."""
         if ramp.points is not None:
             if ramp.points[-1][1] != global_batch:
                 raise ValueError(
@@ -132,7 +132,7 @@ class BatchSchedule:
             bad = [f"{batch} (from step {first + 1})" for first, batch in self.phases if batch % world]
             if bad:
                 raise ValueError(
-                    f"the global batch schedule has no split on {world} ranks: {', '.join(bad)} "
+                    f"the global batch growth has no split on {world} ranks: {', '.join(bad)} "
                     f"{'is' if len(bad) == 1 else 'are'} no multiple of {world}; every phase must be a multiple of "
                     "the world size"
                 )
@@ -171,27 +171,28 @@ class BatchSchedule:
             self.version += 1
 
 
-def lr_scales(schedule: BatchSchedule, scale: Callable[[int], float]) -> list[list[float]]:
+def lr_scales(growth: BatchGrowth, scale: Callable[[int], float]) -> list[list[float]]:
     """``[[first step, lr multiplier], ...]`` of each phase (``optim.lr_scaling`` applied to its global batch)."""
-    return [[first, scale(batch)] for first, batch in schedule.phases]
+    return [[first, scale(batch)] for first, batch in growth.phases]
 
 
-def describe_schedule(
-    schedule: BatchSchedule,
+def describe_growth(
+    growth: BatchGrowth,
     split: Split,
     max_steps: int,
     optim: OptimConfig,
     adaptive: AdaptiveConfig | None = None,
 ) -> str:
-    """What rank 0 prints at the start of a scheduled run (``adaptive``: the rule's settings, when it decides): each
+    """What rank 0 prints at the start of a run whose batch grows (``adaptive``: the rule's settings, when it
+    decides): each
     phase's split, and what the learning rate does."""
     world = split.world_size
-    phases = ["  " + line for line in schedule.describe(split.micro_batch, world, max_steps)]
+    phases = ["  " + line for line in growth.describe(split.micro_batch, world, max_steps)]
     if adaptive is not None:
         unit = split.micro_batch * world
-        lo, hi = adaptive.bounds(unit, schedule.phases[0][1])
+        lo, hi = adaptive.bounds(unit, growth.phases[0][1])
         head = (
-            f"distaccum: adaptive global batch (accum.adaptive): starts at {schedule.phases[0][1]}; after every "
+            f"distaccum: adaptive global batch (accum.adaptive): starts at {growth.phases[0][1]}; after every "
             f"{adaptive.every} steps from step {adaptive.warmup} the smoothed noise scale (gns_smoothed, in loss items, "
             f"over the step's items per sample) "
             f"chooses the next one, a multiple of micro-batch x world = {unit} (a whole K) within [{lo}, {hi}], at most "
@@ -200,39 +201,40 @@ def describe_schedule(
     else:
         head = "distaccum: global batch ramp (accum.ramp), K follows it at optimizer-step boundaries:"
     lines = [head, *phases]
-    reached = [batch for first, batch in schedule.phases if first < max_steps]
+    reached = [batch for first, batch in growth.phases if first < max_steps]
     if adaptive is not None and max_steps <= adaptive.warmup:
         lines.append(
             f"  warning: trainer.max_steps={max_steps} ends before accum.adaptive.warmup={adaptive.warmup}: the rule "
-            f"never decides, every step takes {schedule.phases[0][1]} samples"
+            f"never decides, every step takes {growth.phases[0][1]} samples"
         )
-    elif adaptive is None and reached[-1] != schedule.phases[-1][1]:
+    elif adaptive is None and reached[-1] != growth.phases[-1][1]:
         lines.append(
             f"  warning: the ramp does not reach its end within trainer.max_steps={max_steps}: the run ends at a "
-            f"global batch of {reached[-1]}, not {schedule.phases[-1][1]} (accum.global_batch)"
+            f"global batch of {reached[-1]}, not {growth.phases[-1][1]} (accum.global_batch)"
         )
     if optim.lr_scaling == "none":
         lines.append(
             f"  lr stays as configured at every global batch: {optim.lr:.4g} (optim.lr_scaling=none)"
         )
     else:
-        shown = ", ".join(f"{optim.lr * optim.lr_scale(b):.4g} at {b}" for _, b in schedule.phases[:6])
+        shown = ", ".join(f"{optim.lr * optim.lr_scale(b):.4g} at {b}" for _, b in growth.phases[:6])
         lines.append(
             f"  lr follows optim.lr_scaling={optim.lr_scaling} (optim.base_batch {optim.base_batch}): {shown}"
-            + (", ..." if len(schedule.phases) > 6 else "")
+            + (", ..." if len(growth.phases) > 6 else "")
         )
     return "\n".join(lines)
 
 
-def schedule_summary(
-    schedule: BatchSchedule, records: Sequence[Mapping[str, Any]], world_size: int
+def growth_summary(
+    growth: BatchGrowth, records: Sequence[Mapping[str, Any]], world_size: int
 ) -> dict[str, Any]:
-    """summary.json's fields of a scheduled run, from what it ran: the phases its steps reached (``batch_phases``,
+    """summary.json's fields of a run whose batch grows, from what it ran: the phases its steps reached
+    (``batch_phases``,
     1-based first steps: what ``accum.ramp.points`` takes), and the split of its last step (``global_batch``,
     ``accum_steps``, ``micro_batch``), which is not the configured end of a ramp cut short by ``max_steps``."""
     steps = len(records)
     out: dict[str, Any] = {
-        "batch_phases": [[first + 1, batch] for first, batch in schedule.phases if first < steps]
+        "batch_phases": [[first + 1, batch] for first, batch in growth.phases if first < steps]
     }
     if records:
         last = records[-1]

@@ -1,6 +1,6 @@
 """Does growing the global batch pay? A fixed small batch, a fixed large one, a ramp and the adaptive batch (issue 49).
 
-``python -m benchmarks.batch_schedule [--samples N] [--target LOSS] [--out DIR] [--smoke] [--publish | --render]``
+``python -m benchmarks.batch_growth [--samples N] [--target LOSS] [--out DIR] [--smoke] [--publish | --render]``
 trains tiny_gpt on the packaged demo text (``data=text_files``: CPython's documentation topics, byte-level, packed
 into blocks of 64 tokens, every 20th block held out; ``loss=causal_ce``) on 2 CPU ranks (gloo, DDP), micro-batch 8
 per rank, four times over the same sample stream:
@@ -24,8 +24,8 @@ steps, bytes the rank put into gradient all-reduces (rank 0's ``comm_bytes``, su
 target, so each figure is resolved to that run's evaluation cadence. Wall time on a 2-core shared machine is for
 orientation only.
 
-Writes ``results.json``, ``results.md`` and ``batch-schedule.png`` into ``--out`` and prints the table. ``--publish``
-also keeps the results as :data:`STORE` and renders docs/planning.md's ``bench:batch_schedule`` section (table and
+Writes ``results.json``, ``results.md`` and ``batch-growth.png`` into ``--out`` and prints the table. ``--publish``
+also keeps the results as :data:`STORE` and renders docs/planning.md's ``bench:batch_growth`` section (table and
 figure, :data:`FIGURE`); ``--render`` re-renders it from :data:`STORE` without training.
 """
 
@@ -46,11 +46,11 @@ from distaccum.rundir import read_evals, read_metrics
 from distaccum.telemetry.summary import run_samples
 from distaccum.units import human_bytes
 
-STORE = ROOT / "docs" / "results" / "batch-schedule.json"
+STORE = ROOT / "docs" / "results" / "batch-growth.json"
 """The stored result docs/planning.md's table and figure are rendered from."""
-FIGURE = ROOT / "docs" / "figures" / "batch-schedule.png"
+FIGURE = ROOT / "docs" / "figures" / "batch-growth.png"
 DOC = ROOT / "docs" / "planning.md"
-DOCS_COMMAND = "python -m benchmarks.batch_schedule --publish"
+DOCS_COMMAND = "python -m benchmarks.batch_growth --publish"
 WORLD = 2
 MICRO = 8
 SMALL, LARGE = 16, 128
@@ -269,7 +269,7 @@ def publish(results: dict[str, Any], doc: Path = DOC) -> None:
     plot(results, FIGURE)
     text = doc.read_text(encoding="utf-8")
     body = render(results, FIGURE.relative_to(doc.parent).as_posix())
-    doc.write_text(replace_section(text, "batch_schedule", body, DOCS_COMMAND), encoding="utf-8")
+    doc.write_text(replace_section(text, "batch_growth", body, DOCS_COMMAND), encoding="utf-8")
 
 
 def run_all(
@@ -287,7 +287,7 @@ def run_all(
         runs.append({**summarize(v, records, evals, samples, target), "launch_s": wall})
         hit = runs[-1]["reached"]
         print(
-            f"batch_schedule: {v.label}: final eval loss {runs[-1]['final_eval_loss']:.4f}, target "
+            f"batch_growth: {v.label}: final eval loss {runs[-1]['final_eval_loss']:.4f}, target "
             + (f"reached at {hit['samples']} samples, step {hit['step']}" if hit else "not reached")
             + f" ({wall:.0f} s)",
             flush=True,
@@ -311,13 +311,13 @@ def run_all(
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.batch_schedule",
+        prog="python -m benchmarks.batch_growth",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--samples", type=int, default=24_000, help="the sample budget of every run")
     parser.add_argument("--target", type=float, default=2.0, help="the eval loss to reach (nats per token)")
-    parser.add_argument("--out", type=Path, default=Path("runs/batch-schedule"))
+    parser.add_argument("--out", type=Path, default=Path("runs/batch-growth"))
     parser.add_argument("--smoke", action="store_true", help="a 640-sample budget (structure, not figures)")
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
@@ -327,19 +327,19 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.render:
         publish(json.loads(STORE.read_text()))
-        print(f"batch_schedule: rendered {DOC.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}")
+        print(f"batch_growth: rendered {DOC.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}")
         return
     if args.smoke and args.publish:
         raise SystemExit("--publish refuses a --smoke run: its figures are structure only")
     samples = 640 if args.smoke else args.samples
-    command = shlex.join(["python", "-m", "benchmarks.batch_schedule", *argv])
+    command = shlex.join(["python", "-m", "benchmarks.batch_growth", *argv])
     results = run_all(VARIANTS, samples, args.target, args.out, command)
     results["settings"]["smoke"] = args.smoke
-    print(write_study(results, args.out, "batch-schedule.png", render, plot))
+    print(write_study(results, args.out, "batch-growth.png", render, plot))
     if args.publish:
         STORE.write_text(json.dumps(results, indent=2) + "\n")
         publish(results)
-        print(f"batch_schedule: kept {STORE.relative_to(ROOT)}, rendered {DOC.relative_to(ROOT)}")
+        print(f"batch_growth: kept {STORE.relative_to(ROOT)}, rendered {DOC.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The global batch as a schedule on real workers (gloo, 2 ranks): a ramp verified against the single-process
+"""The growing global batch on real workers (gloo, 2 ranks): a ramp verified against the single-process
 reference across two change points on DDP and FSDP2 in fp64; kill -9 and restart across a change (ramp) and across
 adaptive decisions, bit-identical to an uninterrupted run; a resume on another world keeping the ramp's global
 batches; the adaptive batch's ranks agreeing at every decision, and a rank that does not stopping the run."""
