@@ -162,6 +162,8 @@ def train_step(
     result = engine.step(
         settings.clip_norm, window_totals.grad_scale(c, settings.loss_norm)
     )  # 4. x 1/(c N), clip
+    if result.redo:  # accum.exact: a piece outgrew the fixed-point scale; the same window again, wider
+        return train_step(state, settings, loss_fn, totals, votes)
     if result.applied:  # a skipped step does not advance the schedule; never per micro-batch
         state.scheduler.step()
     state.source.advance()

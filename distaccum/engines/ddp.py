@@ -207,6 +207,7 @@ class DDPEngine(ReplicatedEngine):
         False  # "Expected to mark a variable ready only once" (see activation_checkpointing)
     )
     grads_to_none = False  # gradients are views into DDP's buckets: zeroed in place (see ddp_arguments)
+    exact_accumulation = True
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
         self.grad_squares = GradSquares() if spec.gns else None
