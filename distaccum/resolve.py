@@ -41,9 +41,9 @@ from distaccum.config import OptimConfig, RunConfig, check_split, resolve_split,
 from distaccum.data.sources import DataOptions
 from distaccum.data.stream import is_stream
 from distaccum.engines import check_engine, engine_class
-from distaccum.exact.checks import check_exact, check_exact_model
 from distaccum.engines.base import EngineSpec, Precision
 from distaccum.evaluate import eval_dataset
+from distaccum.exact.checks import check_exact, check_exact_model
 from distaccum.loop import LoopSettings
 from distaccum.models import batch_stat_layers
 from distaccum.optim import build_optimizer
@@ -166,7 +166,14 @@ def resolve(
         exact=cfg.accum.exact,
     )
     check_engine(spec)
-    check_exact(cfg, spec, engine_class(cfg.engine.name))
+    check_exact(
+        spec,
+        engine_class(cfg.engine.name),
+        loss_norm=cfg.accum.loss_norm,
+        gns=cfg.log.gns,
+        compiled=cfg.trainer.compile,
+        outer=cfg.outer.method,
+    )
     loop = LoopSettings(
         split=split,
         max_steps=cfg.trainer.max_steps,

@@ -42,8 +42,13 @@ def final_hash(run_dir: Path) -> str:
 
 def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Path) -> None:
     runs = {f"control-{name}": (*COMMON, f"trainer.nproc={world}") for name, world in SPLITS.items()}
-    runs |= {f"exact-{name}": (*COMMON, f"trainer.nproc={world}", "accum.exact=true") for name, world in SPLITS.items()}
-    runs |= {f"ramp-{world}": (*COMMON, f"trainer.nproc={world}", "accum.exact=true", RAMP) for world in (1, 2)}
+    runs |= {
+        f"exact-{name}": (*COMMON, f"trainer.nproc={world}", "accum.exact=true")
+        for name, world in SPLITS.items()
+    }
+    runs |= {
+        f"ramp-{world}": (*COMMON, f"trainer.nproc={world}", "accum.exact=true", RAMP) for world in (1, 2)
+    }
     halfway = (*COMMON, "accum.exact=true", "trainer.max_samples=320")  # steps 1-10; the lr horizon stays 20
     runs["resized"] = (*halfway, "trainer.nproc=2")
     done = train_plan(tmp_path, runs)
@@ -55,7 +60,10 @@ def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Pat
     files = {name: final_hash(done[f"exact-{name}"].run_dir) for name in SPLITS}
     assert len(set(files.values())) == 1, files  # final/ holds those bits too
     for name, summary in exact.items():
-        assert summary["steps"] == 20 and summary["exact"]["redos"] == 1, (name, summary)  # the first step measures
+        assert summary["steps"] == 20 and summary["exact"]["redos"] == 1, (
+            name,
+            summary,
+        )  # the first step measures
     assert halfway_steps == 10 and resized.summary["steps"] == 20
     assert resized.summary["params_sha256"] == hashes["8x1"]  # resumed on 1 rank from a 2-rank checkpoint
     ramps = [done[f"ramp-{world}"].summary["params_sha256"] for world in (1, 2)]

@@ -8,23 +8,28 @@ import os
 
 from torch import nn
 
-from distaccum.config import RunConfig
 from distaccum.engines.base import EngineBase, EngineSpec
 from distaccum.exact.fixed_point import MAX_PIECES
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-def check_exact(cfg: RunConfig, spec: EngineSpec, engine: type[EngineBase]) -> None:
-    """Raise ValueError for a run ``accum.exact=true`` cannot make split-invariant (nothing when it is off)."""
-    if not cfg.accum.exact:
+def check_exact(
+    spec: EngineSpec, engine: type[EngineBase], *, loss_norm: str, gns: bool, compiled: bool, outer: str
+) -> None:
+    """Raise ValueError for a run ``accum.exact=true`` cannot make split-invariant (nothing when ``spec.exact`` is
+    off): ``loss_norm``, ``gns``, ``compiled`` and ``outer`` are ``accum.loss_norm``, ``log.gns``,
+    ``trainer.compile`` and ``outer.method``."""
+    if not spec.exact:
         return
-    why = refusal(cfg, spec, engine)
+    why = refusal(spec, engine, loss_norm=loss_norm, gns=gns, compiled=compiled, outer=outer)
     if why is not None:
         raise ValueError(f"accum.exact=true: {why}")
 
 
-def refusal(cfg: RunConfig, spec: EngineSpec, engine: type[EngineBase]) -> str | None:
+def refusal(
+    spec: EngineSpec, engine: type[EngineBase], *, loss_norm: str, gns: bool, compiled: bool, outer: str
+) -> str | None:
     """The first reason ``accum.exact`` cannot run this configuration, or None."""
     if not engine.exact_accumulation:
         return (
@@ -35,16 +40,25 @@ def refusal(cfg: RunConfig, spec: EngineSpec, engine: type[EngineBase]) -> str |
         )
     pieces = spec.split.global_batch // spec.split.micro_batch
     refused = [
-        (spec.sync != "boundary", f"accum.sync={spec.sync}: the fixed-point sum is reduced once, at the boundary"),
-        (spec.reduce_dtype != "fp32", f"accum.reduce_dtype={spec.reduce_dtype}: the reduction is an int64 sum"),
-        (spec.precision.loss_scaling, "precision=fp16: its loss scale follows overflows; use fp32, fp64 or bf16"),
         (
-            cfg.accum.loss_norm != "global_count",
+            spec.sync != "boundary",
+            f"accum.sync={spec.sync}: the fixed-point sum is reduced once, at the boundary",
+        ),
+        (
+            spec.reduce_dtype != "fp32",
+            f"accum.reduce_dtype={spec.reduce_dtype}: the reduction is an int64 sum",
+        ),
+        (
+            spec.precision.loss_scaling,
+            "precision=fp16: its loss scale follows overflows; use fp32, fp64 or bf16",
+        ),
+        (
+            loss_norm != "global_count",
             "accum.loss_norm=mean_per_micro: the classic loss/K is a negative control",
         ),
-        (cfg.log.gns, "log.gns=true: the noise scale reads the engine's float reduction, which never runs here"),
-        (cfg.trainer.compile, "trainer.compile=true: the pieces' random draws are seeded for eager kernels"),
-        (cfg.outer.method != "none", f"outer.method={cfg.outer.method}: islands reduce apart"),
+        (gns, "log.gns=true: the noise scale reads the engine's float reduction, which never runs here"),
+        (compiled, "trainer.compile=true: the pieces' random draws are seeded for eager kernels"),
+        (outer != "none", f"outer.method={outer}: islands reduce apart"),
         (
             pieces > MAX_PIECES,
             f"{pieces} pieces per step (global_batch / micro_batch): the headroom holds at most {MAX_PIECES}",

@@ -129,7 +129,7 @@ class FixedPoint:
         """Make every parameter's gradient the view of its segment (again where a step or a user dropped it)."""
         base = self.flat.data_ptr()
         size = self.flat.element_size()
-        for p, offset in zip(self.params, self._offsets):
+        for p, offset in zip(self.params, self._offsets, strict=True):
             if p.grad is None or p.grad.data_ptr() != base + offset * size:
                 p.grad = self.flat[offset : offset + p.numel()].view_as(p)
 
@@ -152,15 +152,17 @@ class FixedPoint:
         self.peak.zero_()
         if not all(map(math.isfinite, maxima)):
             self.acc.zero_()
-            for segment, m in zip(self.segments, maxima):
+            for segment, m in zip(self.segments, maxima, strict=True):
                 if not math.isfinite(m):
                     segment.fill_(math.nan)
             return Outcome.NONFINITE
         current = self.exponents
-        if current is None or not all(fits(m, e) for m, e in zip(maxima, current)):
+        if current is None or not all(fits(m, e) for m, e in zip(maxima, current, strict=True)):
             self.acc.zero_()
             self.redos += 1
-            self._set_exponents([exponent_for(m, e) for m, e in zip(maxima, current or [None] * len(maxima))])
+            self._set_exponents(
+                [exponent_for(m, e) for m, e in zip(maxima, current or [None] * len(maxima), strict=True)]
+            )
             return Outcome.REDO
         token = ledger.launched(self.acc, blocking=True) if ledger is not None else None
         dist.all_reduce(self.acc, group=self.group)  # int64 SUM: exact and associative
@@ -169,14 +171,14 @@ class FixedPoint:
         self.flat.copy_(self.acc)  # the one rounding of the sum (to the gradients' dtype)
         self.flat.div_(self.scale)  # exact: a power of two
         self.acc.zero_()
-        self._set_exponents([exponent_for(m, e) for m, e in zip(maxima, current)])
+        self._set_exponents([exponent_for(m, e) for m, e in zip(maxima, current, strict=True)])
         return Outcome.SUMMED
 
     def _set_exponents(self, exponents: list[int]) -> None:
         if exponents == self.exponents:
             return
         self.exponents = exponents
-        for segment_scale, e in zip(self.scale.split(self.sizes), exponents):
+        for segment_scale, e in zip(self.scale.split(self.sizes), exponents, strict=True):
             segment_scale.fill_(math.ldexp(1.0, e))
 
     def state(self) -> dict[str, Any]:

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from distaccum.features.base import Assembly, Engine, SetupBase, TrainState
 from distaccum.exact.engine import ExactEngine
 from distaccum.exact.fixed_point import HEADROOM_BITS, TARGET_BITS, params_sha256
+from distaccum.features.base import Assembly, Engine, SetupBase, TrainState
 
 OUTSIDE = (
     "random draws of the dataset or collate (augmentation) are not seeded per piece; the forward and backward "
