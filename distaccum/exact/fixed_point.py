@@ -116,6 +116,7 @@ class FixedPoint:
         """Each tensor's e (None: no step yet; the first pass measures)."""
         self.redos = 0
         """Passes that were run again (the first step's measuring pass included)."""
+        self._sizes = torch.tensor(self.sizes)
         self._offsets = [0]
         for n in self.sizes[:-1]:
             self._offsets.append(self._offsets[-1] + n)
@@ -178,8 +179,9 @@ class FixedPoint:
         if exponents == self.exponents:
             return
         self.exponents = exponents
-        for segment_scale, e in zip(self.scale.split(self.sizes), exponents, strict=True):
-            segment_scale.fill_(math.ldexp(1.0, e))
+        powers = torch.tensor([math.ldexp(1.0, e) for e in exponents], dtype=self.scale.dtype)
+        per_element = torch.repeat_interleave(powers, self._sizes, output_size=self.scale.numel())
+        self.scale.copy_(per_element)  # a few operators per step, whatever the number of tensors
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the next step's exponents (a resumed run must scale as the uninterrupted one)."""
