@@ -1,17 +1,18 @@
 """``accum.exact=true`` proved by hash, not tolerance (gloo, CPU): tiny_gpt on variable-length text with dropout,
 AdamW, fp32, 20 steps, micro-batch 4, K x W in {8x1, 4x2, 2x4} train parameters with the same SHA-256; the same
-sweep without the mode does not (the control, so the test can fail). The same bits across a batch ramp that changes K
+sweep without the mode does not (the control, so the test can fail); ``distaccum report`` calls the splits bitwise. The same bits across a batch ramp that changes K
 differently on each world, and across a resume on another world (2 ranks to step 10, 1 rank from there). One launch
 per world size (``conftest.train_plan``), one intra-op thread per rank (CPU kernels' sums depend on it)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import train_plan
+from conftest import distaccum_cli, run_cli, train_plan
 from distaccum.exact.fixed_point import params_sha256
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -68,6 +69,21 @@ def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Pat
     assert resized.summary["params_sha256"] == hashes["8x1"]  # resumed on 1 rank from a 2-rank checkpoint
     ramps = [done[f"ramp-{world}"].summary["params_sha256"] for world in (1, 2)]
     assert ramps[0] == ramps[1] != hashes["8x1"], ramps
+    shown = distaccum_cli(["report", *(str(done[f"exact-{name}"].run_dir) for name in SPLITS)], cwd=tmp_path)
+    assert shown.returncode == 0 and shown.stdout.count(f"bitwise (sha256 {hashes['8x1'][:12]})") == 2, (
+        shown.stdout
+    )
     control = {name: final_hash(done[f"control-{name}"].run_dir) for name in SPLITS}
     assert len(set(control.values())) == len(SPLITS), control  # float sums: every split its own bits
     assert not set(control.values()) & set(files.values()), (control, files)
+
+
+def test_verify_compares_an_exact_run_with_its_reference_bit_for_bit(tmp_path: Path) -> None:
+    """The candidate (4x2) against verify's one-process exact reference (8x1): equal SHA-256, reported bitwise."""
+    run_dir = tmp_path / "verify"
+    common = [c for c in COMMON if not c.startswith(("trainer.max_steps", "trainer.check_every"))]
+    done = run_cli("verify", run_dir, *common, "trainer.max_steps=5", "accum.exact=true", "trainer.nproc=2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compared bit for bit" in done.stdout and "BITWISE" in done.stdout, done.stdout
+    (row,) = json.loads((run_dir / "verify.json").read_text())["candidates"]
+    assert row["passed"] and row["bitwise"] and row["max_abs_diff"] == 0.0, row
