@@ -1,8 +1,10 @@
 """``accum.exact=true`` proved by hash, not tolerance (gloo, CPU): tiny_gpt on variable-length text with dropout,
 AdamW, fp32, 20 steps, micro-batch 4, K x W in {8x1, 4x2, 2x4} train parameters with the same SHA-256; the same
-sweep without the mode does not (the control, so the test can fail); ``distaccum report`` calls the splits bitwise. The same bits across a batch ramp that changes K
-differently on each world, and across a resume on another world (2 ranks to step 10, 1 rank from there). One launch
-per world size (``conftest.train_plan``), one intra-op thread per rank (CPU kernels' sums depend on it)."""
+sweep without the mode does not (the control, so the test can fail); ``distaccum report`` calls the splits bitwise.
+The same bits across a batch ramp that changes K differently on each world, across a resume on another world (2
+ranks to step 10, 1 rank from there), and across a loss surge that outgrows the fixed-point headroom (a redo) on one
+and on two ranks. One launch per world size (``conftest.train_plan``), one intra-op thread per rank (CPU kernels'
+sums depend on it)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import distaccum_cli, run_cli, train_plan
+from conftest import distaccum_cli, fault, inject, run_cli, train_plan
 from distaccum.exact.fixed_point import params_sha256
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -52,6 +54,12 @@ def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Pat
     }
     halfway = (*COMMON, "accum.exact=true", "trainer.max_samples=320")  # steps 1-10; the lr horizon stays 20
     runs["resized"] = (*halfway, "trainer.nproc=2")
+    surge = inject(
+        "distaccum.losses.token_cross_entropy", fault("LossSurge", step=5)
+    )  # 4096x: beyond the headroom
+    runs |= {
+        f"surge-{world}": (*COMMON, f"trainer.nproc={world}", "accum.exact=true", *surge) for world in (1, 2)
+    }
     done = train_plan(tmp_path, runs)
     halfway_steps = done["resized"].summary["steps"]
     resized = train_plan(tmp_path, {"resized": (*COMMON, "accum.exact=true", "trainer.nproc=1")})["resized"]
@@ -67,6 +75,11 @@ def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Pat
         )  # the first step measures
     assert halfway_steps == 10 and resized.summary["steps"] == 20
     assert resized.summary["params_sha256"] == hashes["8x1"]  # resumed on 1 rank from a 2-rank checkpoint
+    surged = [
+        done[f"surge-{world}"].summary for world in (1, 2)
+    ]  # last in their launches: the fault stays installed
+    assert surged[0]["params_sha256"] == surged[1]["params_sha256"] != hashes["8x1"], surged
+    assert surged[0]["exact"]["redos"] == surged[1]["exact"]["redos"] == 2, surged  # step 1 and step 5
     ramps = [done[f"ramp-{world}"].summary["params_sha256"] for world in (1, 2)]
     assert ramps[0] == ramps[1] != hashes["8x1"], ramps
     shown = distaccum_cli(["report", *(str(done[f"exact-{name}"].run_dir) for name in SPLITS)], cwd=tmp_path)

@@ -162,9 +162,8 @@ class FixedPoint:
         if current is None or not all(fits(m, e) for m, e in zip(maxima, current, strict=True)):
             self.acc.zero_()
             self.redos += 1
-            self._set_exponents(
-                [exponent_for(m, e) for m, e in zip(maxima, current or [None] * len(maxima), strict=True)]
-            )
+            previous: list[int | None] = list(current) if current is not None else [None] * len(maxima)
+            self._set_exponents([exponent_for(m, e) for m, e in zip(maxima, previous, strict=True)])
             return Outcome.REDO
         token = ledger.launched(self.acc, blocking=True) if ledger is not None else None
         dist.all_reduce(self.acc, group=self.group)  # int64 SUM: exact and associative
