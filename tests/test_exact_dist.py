@@ -3,8 +3,8 @@ AdamW, fp32, 20 steps, micro-batch 4, K x W in {8x1, 4x2, 2x4} train parameters 
 sweep without the mode does not (the control, so the test can fail); ``distaccum report`` calls the splits bitwise.
 The same bits across a batch ramp that changes K differently on each world, across a resume on another world (2
 ranks to step 10, 1 rank from there), and across a loss surge that outgrows the fixed-point headroom (a redo) on one
-and on two ranks. One launch per world size (``conftest.train_plan``), one intra-op thread per rank (CPU kernels'
-sums depend on it)."""
+and on two ranks; FSDP2 on two and four ranks (an int64 reduce-scatter) trains DDP's bits. One launch per world
+size (``conftest.train_plan``), one intra-op thread per rank (CPU kernels' sums depend on it)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Pat
     }
     halfway = (*COMMON, "accum.exact=true", "trainer.max_samples=320")  # steps 1-10; the lr horizon stays 20
     runs["resized"] = (*halfway, "trainer.nproc=2")
+    unclipped = (*COMMON, "accum.exact=true", "optim.clip_norm=null")  # FSDP2's sharded norm is refused
+    runs |= {f"fsdp-{world}": (*unclipped, "engine=fsdp", f"trainer.nproc={world}") for world in (2, 4)}
+    runs["ddp-unclipped"] = (*unclipped, "trainer.nproc=1")
     surge = inject(
         "distaccum.losses.token_cross_entropy", fault("LossSurge", step=5)
     )  # 4096x: beyond the headroom
@@ -80,6 +83,10 @@ def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Pat
     ]  # last in their launches: the fault stays installed
     assert surged[0]["params_sha256"] == surged[1]["params_sha256"] != hashes["8x1"], surged
     assert surged[0]["exact"]["redos"] == surged[1]["exact"]["redos"] == 2, surged  # step 1 and step 5
+    sharded = [done[name].summary["params_sha256"] for name in ("fsdp-2", "fsdp-4", "ddp-unclipped")]
+    assert sharded[0] == sharded[1] == sharded[2] != hashes["8x1"], (
+        sharded
+    )  # FSDP2 (int64 reduce-scatter) = DDP
     ramps = [done[f"ramp-{world}"].summary["params_sha256"] for world in (1, 2)]
     assert ramps[0] == ramps[1] != hashes["8x1"], ramps
     shown = distaccum_cli(["report", *(str(done[f"exact-{name}"].run_dir) for name in SPLITS)], cwd=tmp_path)

@@ -119,7 +119,9 @@ def test_the_headroom_arithmetic() -> None:
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        ({"engine": {"name": "fsdp"}}, "engine=fsdp is not supported"),
+        ({"engine": {"name": "accelerate"}}, "engine=accelerate is not supported"),
+        ({"engine": {"name": "fsdp", "replicas": 2}}, "engine.replicas=2"),
+        ({"engine": {"name": "fsdp"}}, "optim.clip_norm=1.0 with engine=fsdp"),
         ({"accum": {"sync": "every_micro"}}, "accum.sync=every_micro"),
         ({"accum": {"reduce_dtype": "bf16"}}, "accum.reduce_dtype=bf16"),
         ({"precision": "fp16"}, "precision=fp16"),

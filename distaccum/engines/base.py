@@ -238,8 +238,9 @@ class EngineBase:
     reduce_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     """The ``accum.reduce_dtype`` values it can reduce gradients in."""
     exact_accumulation: ClassVar[bool] = False
-    """``accum.exact`` can drive it: its ``no_sync`` leaves every micro-batch's whole local gradient on the parameters'
-    ``.grad`` without any reduction, and its ``step`` takes the gradients as they are then."""
+    """``accum.exact`` can drive it: its ``sync(False)`` leaves every micro-batch's whole local gradient on the
+    ``.grad`` of ``local_gradients()`` without any reduction, and its ``step`` takes the gradients as they are then:
+    the parameters' own (``replicated_gradients``), or the shards ``gradient_shards()`` returns (sharded engines)."""
     grad_squares: Any = None
 
     def __init__(self, spec: EngineSpec, ledger: Any) -> None:

@@ -246,6 +246,10 @@ class DDPEngine(ReplicatedEngine):
         self.optimizer = make_optimizer(list(self._raw().parameters()))
         return ddp
 
+    def local_gradients(self) -> list[nn.Parameter]:
+        """``accum.exact``: the parameters whose ``.grad`` holds this rank's local gradient under ``no_sync``."""
+        return [p for _, p in self._named() if p.requires_grad]
+
     def sync(self, enabled: bool) -> ContextManager[object]:
         assert isinstance(self.module, DDP)
         return contextlib.nullcontext() if enabled else self.module.no_sync()

@@ -34,12 +34,20 @@ def refusal(
     if not engine.exact_accumulation:
         return (
             f"engine={engine.name} is not supported (exact accumulation needs each micro-batch's whole local "
-            "gradient after its backward and the boundary reduction replaced by an int64 sum: engine=ddp does "
-            "that; FSDP2 only hands a micro-batch's gradient over inside its own reduce-scatter, and DeepSpeed and "
-            "Accelerate reduce inside their own step). Use engine=ddp"
+            "gradient after its backward and the boundary reduction replaced by an int64 sum: engine=ddp and "
+            "engine=fsdp do that; DeepSpeed and Accelerate reduce inside their own step). Use engine=ddp or fsdp"
         )
     pieces = spec.split.global_batch // spec.split.micro_batch
     refused = [
+        (
+            spec.replicas > 1,
+            f"engine.replicas={spec.replicas}: HSDP reduces in two stages; exact mode is flat",
+        ),
+        (
+            not engine.replicated_gradients and spec.clip_norm is not None,
+            f"optim.clip_norm={spec.clip_norm} with engine={engine.name}: a sharded gradient's norm is a float sum "
+            "over the ranks' shards, which differs with the world size; set optim.clip_norm=null",
+        ),
         (
             spec.sync != "boundary",
             f"accum.sync={spec.sync}: the fixed-point sum is reduced once, at the boundary",

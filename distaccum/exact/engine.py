@@ -1,9 +1,12 @@
-"""The engine of an exact run: it drives the run's own engine (DDP) and replaces its reduction with the fixed-point one.
+"""The engine of an exact run: it drives the run's own engine (DDP, FSDP2) and replaces its reduction with the
+fixed-point one.
 
-Every piece's forward and backward run under the engine's ``no_sync`` (DDP never reduces a float gradient), with
+Every piece's forward and backward run under the engine's ``no_sync`` (DDP never reduces a float gradient; FSDP2
+keeps the unsharded local gradient and never reduce-scatters it), with
 torch's generator seeded by the piece's index in the window, so its dropout masks are the same for every split. After
 each backward the piece is folded into the int64 accumulator (:class:`~distaccum.exact.fixed_point.FixedPoint`); at
-the step the accumulators are summed, the sum converted into the gradients, and the engine's own step normalizes
+the step the accumulators are summed (an int64 all-reduce; for FSDP2 an int64 reduce-scatter into each rank's
+gradient shards), the sum converted into the gradients, and the engine's own step normalizes
 (x 1/(c N)), clips and steps them as in every run. A piece that outgrew the scale makes the step a redo
 (:attr:`~distaccum.engines.base.StepResult.redo`): the loop runs the same window again.
 """
@@ -28,7 +31,7 @@ def piece_seed(seed: int, step: int, piece: int) -> int:
 
 
 class ExactEngine:
-    """An :class:`~distaccum.engines.base.Engine` around ``inner`` (DDP) whose gradients are summed in fixed point.
+    """An :class:`~distaccum.engines.base.Engine` around ``inner`` (DDP, FSDP2) whose gradients are summed in fixed point.
 
     ``world`` and ``rank`` place this rank's micro-batch m at piece m x world + rank; ``step_of()`` is the 0-based
     step the loop is running (the window source's position, set by the set-up once the state exists)."""
@@ -52,7 +55,7 @@ class ExactEngine:
 
     def wrap(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         wrapped = self.inner.wrap(model, make_optimizer)
-        params = [p for p in self.inner.unwrapped().parameters() if p.requires_grad]
+        params = self.inner.local_gradients()  # type: ignore[attr-defined]  # engines with exact_accumulation
         self.fixed = FixedPoint(params, params[0].device, self.group)
         return wrapped
 
@@ -73,7 +76,8 @@ class ExactEngine:
 
     def step(self, max_norm: float | None, grad_scale: float) -> StepResult:
         self._micro = 0
-        outcome = self._fixed().reduce(getattr(self.inner, "ledger", None))  # collective
+        shards = None if self.inner.replicated_gradients else self.inner.gradient_shards()  # type: ignore[attr-defined]
+        outcome = self._fixed().reduce(getattr(self.inner, "ledger", None), shards)  # collective
         if outcome is Outcome.REDO:
             return StepResult(None, applied=False, redo=True)
         return self.inner.step(max_norm, grad_scale if outcome is Outcome.SUMMED else math.nan)

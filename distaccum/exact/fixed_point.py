@@ -146,9 +146,11 @@ class FixedPoint:
             self.acc.add_(self.ints)
         self.flat.zero_()
 
-    def reduce(self, ledger: Any = None) -> Outcome:
+    def reduce(self, ledger: Any = None, shards: list[torch.Tensor] | None = None) -> Outcome:
         """Sum the ranks' accumulators into the gradients (collective), unless a piece did not fit the scale or was
-        not finite. Sets the next step's scale from this step's maximum."""
+        not finite. Sets the next step's scale from this step's maximum. ``shards`` (a sharded engine: each
+        parameter's local shard of its gradient, dim 0 cut in ``torch.chunk`` pieces over the group's ranks): an int64
+        reduce-scatter writes each rank's shards instead of an all-reduce of the whole gradients."""
         dist.all_reduce(self.peak, op=dist.ReduceOp.MAX, group=self.group)  # exact, in any order
         maxima = self.peak.tolist()  # the one host read per step
         self.peak.zero_()
@@ -165,15 +167,41 @@ class FixedPoint:
             previous: list[int | None] = list(current) if current is not None else [None] * len(maxima)
             self._set_exponents([exponent_for(m, e) for m, e in zip(maxima, previous, strict=True)])
             return Outcome.REDO
-        token = ledger.launched(self.acc, blocking=True) if ledger is not None else None
-        dist.all_reduce(self.acc, group=self.group)  # int64 SUM: exact and associative
-        if ledger is not None:
-            ledger.completed(token)
-        self.flat.copy_(self.acc)  # the one rounding of the sum (to the gradients' dtype)
-        self.flat.div_(self.scale)  # exact: a power of two
+        if shards is None:
+            token = ledger.launched(self.acc, blocking=True) if ledger is not None else None
+            dist.all_reduce(self.acc, group=self.group)  # int64 SUM: exact and associative
+            if ledger is not None:
+                ledger.completed(token)
+            self.flat.copy_(self.acc)  # the one rounding of the sum (to the gradients' dtype)
+            self.flat.div_(self.scale)  # exact: a power of two
+        else:
+            self._scatter(shards, current, ledger)
         self.acc.zero_()
         self._set_exponents([exponent_for(m, e) for m, e in zip(maxima, current, strict=True)])
         return Outcome.SUMMED
+
+    def _scatter(self, shards: list[torch.Tensor], exponents: list[int], ledger: Any) -> None:
+        """The int64 reduce-scatter into the local gradient shards (rows of dim 0 chunked as ``torch.chunk`` does,
+        padded to equal chunks on the wire), each converted once."""
+        world = dist.get_world_size(self.group)
+        rows = [p.shape[0] if p.dim() else 1 for p in self.params]
+        chunks = [
+            -(-r // world) * (n // max(r, 1)) for r, n in zip(rows, self.sizes, strict=True)
+        ]  # per rank
+        padded = [
+            torch.nn.functional.pad(segment, (0, chunk * world - segment.numel())).view(world, chunk)
+            for segment, chunk in zip(self.acc.split(self.sizes), chunks, strict=True)
+        ]
+        wire = torch.cat(padded, dim=1).reshape(-1)  # [rank][parameter]: rank r's chunks side by side
+        mine = torch.empty(sum(chunks), dtype=torch.int64, device=self.acc.device)
+        token = ledger.launched(wire, blocking=True) if ledger is not None else None
+        dist.reduce_scatter_tensor(mine, wire, group=self.group)  # int64 SUM: exact and associative
+        if ledger is not None:
+            ledger.completed(token)
+        for shard, part, e in zip(shards, mine.split(chunks), exponents, strict=True):
+            if shard.numel():
+                shard.copy_(part[: shard.numel()].view_as(shard))  # the one rounding of the sum
+                shard.div_(math.ldexp(1.0, e))  # exact: a power of two
 
     def _set_exponents(self, exponents: list[int]) -> None:
         if exponents == self.exponents:
