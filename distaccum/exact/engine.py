@@ -2,13 +2,13 @@
 fixed-point one.
 
 Every piece's forward and backward run under the engine's ``no_sync`` (DDP never reduces a float gradient; FSDP2
-keeps the unsharded local gradient and never reduce-scatters it), with
-torch's generator seeded by the piece's index in the window, so its dropout masks are the same for every split. After
-each backward the piece is folded into the int64 accumulator (:class:`~distaccum.exact.fixed_point.FixedPoint`); at
-the step the accumulators are summed (an int64 all-reduce; for FSDP2 an int64 reduce-scatter into each rank's
-gradient shards), the sum converted into the gradients, and the engine's own step normalizes
-(x 1/(c N)), clips and steps them as in every run. A piece that outgrew the scale makes the step a redo
-(:attr:`~distaccum.engines.base.StepResult.redo`): the loop runs the same window again.
+keeps the unsharded local gradient and never reduce-scatters it), with torch's generator seeded by the piece's index
+in the window, so its dropout masks are the same for every split. After each backward the piece is folded into the
+int64 accumulator (:class:`~distaccum.exact.fixed_point.FixedPoint`); at the step the accumulators are summed (an
+int64 all-reduce; for FSDP2 an int64 reduce-scatter into each rank's gradient shards), the sum converted into the
+gradients, and the engine's own step normalizes (x 1/(c N)), clips and steps them as in every run. A piece that
+outgrew the scale makes the step a redo (:attr:`~distaccum.engines.base.StepResult.redo`): the loop runs the same
+window again.
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ non-finite gradient skips the step on every rank (it cannot be quantized; the no
 Cost per piece on the rank that computed it (counted in ``benchmarks/host_ops.py``): a handful of operators over one
 flat buffer whatever the number of tensors (the tensors' maxima, the scaled copy, its rounding, the int64 add, the
 zeroing), no host sync. Per step: one MAX all-reduce of one number per tensor and one host read of it, one int64 SUM
-all-reduce of every gradient (8 bytes per element: twice fp32's), the conversion. Memory: the gradients live in one
-flat buffer of their own (4 bytes per fp32 parameter; under DDP its buckets stay allocated, unused), plus a
-per-element scale (the gradients' dtype), the scaled copy, an int64 copy and the int64 accumulator: 4 + 4 + 8 + 8 =
-24 bytes per fp32 parameter.
+all-reduce of every gradient (8 bytes per element: twice fp32's; a sharded engine reduce-scatters it instead), the
+conversion. Memory: the local gradients live in one flat buffer of their own (4 bytes per fp32 parameter, whole on
+every rank also under FSDP2; DDP's buckets stay allocated, unused), plus a per-element scale (the gradients' dtype),
+the scaled copy, an int64 copy and the int64 accumulator: 4 + 4 + 8 + 8 = 24 bytes per fp32 parameter.
 """
 
 from __future__ import annotations
