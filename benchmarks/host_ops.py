@@ -20,6 +20,7 @@ those ranges (``cudaLaunchKernel`` calls) and every host synchronization (``cuda
 
     python -m benchmarks.host_ops                   # K = 1 and 16, 2 gloo ranks: a table, runs/host_ops/results.json
     python -m benchmarks.host_ops --device cuda     # the same on every GPU of this machine, launches and syncs too
+    python -m benchmarks.host_ops --exact           # distaccum with accum.exact=true (int64 fixed-point sums)
 
 Each launch's rank 0 writes ``{"k": K, "distaccum": {"ops": n, "names": {...}}, "expert": {...}}``; the CLI's
 results.json holds them by K beside the code and environment (``python -m benchmarks.report --store`` keeps it in
@@ -162,13 +163,14 @@ def expert(k: int, rank: int, world: int, warmup: int, device: torch.device) -> 
 
 
 def ours(
-    k: int, rank: int, world: int, warmup: int, run_dir: str, device: torch.device
+    k: int, rank: int, world: int, warmup: int, run_dir: str, device: torch.device, exact: bool = False
 ) -> dict[str, Any] | None:
-    """distaccum's Trainer with its defaults (engine ddp, the reduction fingerprint on, console quiet)."""
+    """distaccum's Trainer with its defaults (engine ddp, the reduction fingerprint on, console quiet); with ``exact``,
+    ``accum.exact=true``."""
     x, y = data(device)
     trainer = distaccum.Trainer(
         {
-            "accum": {"micro_batch": MICRO, "steps": k},
+            "accum": {"micro_batch": MICRO, "steps": k, "exact": exact},
             "trainer": {"max_steps": 1000, "device": device.type},
             "log": {"console": "quiet"},
             "data": {"shuffle": False},
@@ -185,7 +187,7 @@ def ours(
     return got
 
 
-def worker(out: str, k: int, device_type: str = "cpu") -> int:
+def worker(out: str, k: int, device_type: str = "cpu", exact: bool = False) -> int:
     torch.set_num_threads(1)
     cuda = device_type == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -199,7 +201,7 @@ def worker(out: str, k: int, device_type: str = "cpu") -> int:
         result = {
             "k": k,
             "expert": expert(k, rank, world, 3, device),
-            "distaccum": ours(k, rank, world, 3, run_dir[0], device),
+            "distaccum": ours(k, rank, world, 3, run_dir[0], device, exact),
         }
         dist.barrier()
     if rank == 0:
@@ -215,13 +217,15 @@ def world_for(device: str) -> int:
     return torch.cuda.device_count() if device == "cuda" else 2
 
 
-def measure(k: int, workdir: Path, timeout_s: float = 300, device: str = "cpu") -> dict[str, Any]:
-    """Launch the ranks at ``k`` and return rank 0's counts."""
-    out = workdir / f"host_ops_{device}_k{k}.json"
-    log = workdir / f"host_ops_{device}_k{k}.log"
-    run = launch(
-        "benchmarks.host_ops", ["--worker", str(out), str(k), device], world_for(device), log, timeout_s
-    )
+def measure(
+    k: int, workdir: Path, timeout_s: float = 300, device: str = "cpu", exact: bool = False
+) -> dict[str, Any]:
+    """Launch the ranks at ``k`` and return rank 0's counts (``exact``: distaccum with ``accum.exact=true``)."""
+    tag = "_exact" if exact else ""
+    out = workdir / f"host_ops_{device}{tag}_k{k}.json"
+    log = workdir / f"host_ops_{device}{tag}_k{k}.log"
+    argv = ["--worker", str(out), str(k), device, *(["exact"] if exact else [])]
+    run = launch("benchmarks.host_ops", argv, world_for(device), log, timeout_s)
     if not run.ok:
         raise RuntimeError(f"host_ops at K = {k} failed: {run.tail}")
     return json.loads(out.read_text())
@@ -274,17 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--out", type=Path, default=Path("runs/host_ops"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--worker", nargs=3, metavar=("OUT", "K", "DEVICE"), help=argparse.SUPPRESS)
+    parser.add_argument("--exact", action="store_true", help="count distaccum with accum.exact=true")
+    parser.add_argument("--worker", nargs="+", metavar="OUT K DEVICE [exact]", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.worker[0], int(args.worker[1]), args.worker[2])
+        return worker(args.worker[0], int(args.worker[1]), args.worker[2], args.worker[3:] == ["exact"])
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = provenance(command.strip(), device=args.device, world_size=world_for(args.device))
-    counts = {k: measure(k, args.out.resolve(), device=args.device) for k in args.ks}
+    counts = {k: measure(k, args.out.resolve(), device=args.device, exact=args.exact) for k in args.ks}
     results = {
         "meta": meta,
-        "settings": {"smoke": False, "ops_ks": args.ks},
+        "settings": {"smoke": False, "ops_ks": args.ks, "exact": args.exact},
         "finished": True,
         "host_ops": {str(k): got for k, got in counts.items()},
     }

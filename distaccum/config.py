@@ -124,6 +124,9 @@ class AccumConfig:
     """Grow the global batch during training by K (docs/planning.md, batch growth); ends at global_batch."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """Let the measured gradient noise scale choose the global batch (opt-in; starts at global_batch)."""
+    exact: bool = False
+    """Accumulate and reduce gradients in int64 fixed point (engine=ddp or fsdp): the same bits for every split of the
+    global batch (micro_batch fixed; K and world size free). docs/verification.md, bitwise."""
 
     def __post_init__(self) -> None:
         check_growth(self.ramp, self.adaptive, self.global_batch)

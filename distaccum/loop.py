@@ -31,6 +31,10 @@ collective, the gradient norm, the fingerprint's sample, the one multiply). On C
 twice per step: for the window's rows after the last backward was queued, and for the gradient norm (only the first
 without a norm: no clipping, ``log.grad_norm=false``); fp16 adds GradScaler's three reads.
 
+With ``accum.exact=true`` the engine sums the micro-batches' gradients in int64 fixed point (:mod:`distaccum.exact`);
+a step whose gradients outgrew the fixed-point scale applies nothing and says so (``StepResult.redo``), and
+:func:`train_step` runs the same window again, on every rank alike.
+
 ``accum.loss_norm=mean_per_micro`` is the classic loss/K (each micro-batch's mean divided by K x W) and is wrong
 whenever micro-batches hold different numbers of items; it is kept only as a negative control that
 ``distaccum verify`` must catch.
@@ -162,6 +166,8 @@ def train_step(
     result = engine.step(
         settings.clip_norm, window_totals.grad_scale(c, settings.loss_norm)
     )  # 4. x 1/(c N), clip
+    if result.redo:  # accum.exact: a piece outgrew the fixed-point scale; the same window again, wider
+        return train_step(state, settings, loss_fn, totals, votes)
     if result.applied:  # a skipped step does not advance the schedule; never per micro-batch
         state.scheduler.step()
     state.source.advance()

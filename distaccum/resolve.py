@@ -43,6 +43,7 @@ from distaccum.data.stream import is_stream
 from distaccum.engines import check_engine, engine_class
 from distaccum.engines.base import EngineSpec, Precision
 from distaccum.evaluate import eval_dataset
+from distaccum.exact.checks import check_exact, check_exact_model
 from distaccum.loop import LoopSettings
 from distaccum.models import batch_stat_layers
 from distaccum.optim import build_optimizer
@@ -162,8 +163,17 @@ def resolve(
         compile_mode=cfg.trainer.compile_mode if cfg.trainer.compile else None,
         measure_norm=cfg.log.grad_norm or cfg.optim.clip_norm is not None,
         sample_grads=cfg.trainer.fingerprint and world_size // max(islands, 1) > 1,
+        exact=cfg.accum.exact,
     )
     check_engine(spec)
+    check_exact(
+        spec,
+        engine_class(cfg.engine.name),
+        loss_norm=cfg.accum.loss_norm,
+        gns=cfg.log.gns,
+        compiled=cfg.trainer.compile,
+        outer=cfg.outer.method,
+    )
     loop = LoopSettings(
         split=split,
         max_steps=cfg.trainer.max_steps,
@@ -294,6 +304,8 @@ def prepare(
     model = model if model is not None else run.model.build(parts)
     checkpointed = apply_activation_checkpointing(model, parts.activation_checkpointing)
     check_engine_compatible(model, run.engine.engine.name)
+    if run.engine.exact:
+        check_exact_model(model)
     collate = parts.collate or default_collate
     if check_components:
         probe(model, parts.dataset, collate, parts.loss, names=names)

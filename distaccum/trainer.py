@@ -366,6 +366,8 @@ class Trainer:
             feature.before_engine(run)
         ledger = CommLedger(enabled=cfg.log.ledger)
         engine = testing.intercept("engine", make_engine(run.spec, ledger))
+        for feature in features:
+            engine = feature.around_engine(run, engine)
         wrapped = engine.wrap(prepared.model, resolved.optimizer(self.components))  # engines own parameters
         for feature in features:
             feature.with_engine(run, engine)

@@ -313,6 +313,7 @@ class OrderSource:
         self._batches: Iterator[Any] | None = None
         self._at = -1  # the step the DataLoader iterator is positioned at
         self._version = 0  # the batch growth's version the iterator was cut for
+        self._served: int | None = None  # the step window() last served, until advance()
 
     @property
     def next_step(self) -> int:
@@ -325,8 +326,9 @@ class OrderSource:
     def window(self) -> WindowBatches:
         step = self.order.next_step
         version = self.order.growth.version if self.order.growth is not None else 0
-        if self._batches is None or self._at != step or self._version != version:
-            # first window, the position moved (resume), or the adaptive batch changed what was prefetched
+        retried, self._served = self._served == step, step  # a window served again before advance(): a redo
+        if self._batches is None or self._at != step or self._version != version or retried:
+            # first window, the position moved (resume), the adaptive batch changed what was prefetched, or a retry
             self._version = version
             sampler = OrderSampler(self.order, self.split, self.rank, step, self.stop)
             self._batches = micro_batches(self.dataset, self.collate, sampler, **self.loader_options)
@@ -347,6 +349,7 @@ class OrderSource:
     def advance(self) -> None:
         self.order.next_step += 1
         self._at += 1
+        self._served = None
 
     def state_dict(self) -> dict[str, Any]:
         return self.order.state_dict()

@@ -78,6 +78,10 @@ class EngineSpec:
     engines whose ranks each hold the whole reduced gradient take :class:`GradSample` of it, sharded engines their
     :class:`~distaccum.guards.checksum.ReductionChecksum`."""
 
+    exact: bool = False
+    """``accum.exact``: the gradients are summed in int64 fixed point (:mod:`distaccum.exact`), which drives this
+    engine with every micro-batch under its ``no_sync``."""
+
     islands: Any = None
     """An outer-synced run (``outer.method``): its :class:`~distaccum.outer.islands.Islands`. The engine's world is
     then this rank's island (its process group, its mesh), never the whole run; None: the whole world."""
@@ -129,6 +133,9 @@ class StepResult:
     grad_sums: torch.Tensor | None = None
     """Sharded engines, where asked for: the reduction checksum's [a, m, b] of this rank
     (:class:`~distaccum.guards.checksum.ReductionChecksum`; float64, on the device)."""
+    redo: bool = False
+    """Nothing was applied and the window must run again (``accum.exact``: a piece's gradient did not fit the fixed-point
+    scale, which is now wider; the same on every rank)."""
 
 
 class Engine(Protocol):
@@ -233,6 +240,10 @@ class EngineBase:
     worker_imports: ClassVar[tuple[str, ...]] = ()
     """Modules its workers import before their first step beyond the Trainer's own: a local launch's worker server
     loads them once for every forked worker (:mod:`distaccum.cluster.forked`)."""
+    exact_accumulation: ClassVar[bool] = False
+    """``accum.exact`` can drive it: its ``sync(False)`` leaves every micro-batch's whole local gradient on the
+    ``.grad`` of ``local_gradients()`` without any reduction, and its ``step`` takes the gradients as they are then:
+    the parameters' own (``replicated_gradients``), or the shards ``gradient_shards()`` returns (sharded engines)."""
     grad_squares: Any = None
 
     def __init__(self, spec: EngineSpec, ledger: Any) -> None:

@@ -207,6 +207,7 @@ class DDPEngine(ReplicatedEngine):
         False  # "Expected to mark a variable ready only once" (see activation_checkpointing)
     )
     grads_to_none = False  # gradients are views into DDP's buckets: zeroed in place (see ddp_arguments)
+    exact_accumulation = True
 
     def __init__(self, spec: EngineSpec, ledger: CommLedger) -> None:
         self.grad_squares = GradSquares() if spec.gns else None
@@ -244,6 +245,10 @@ class DDPEngine(ReplicatedEngine):
         self.module = ddp
         self.optimizer = make_optimizer(list(self._raw().parameters()))
         return ddp
+
+    def local_gradients(self) -> list[nn.Parameter]:
+        """``accum.exact``: the parameters whose ``.grad`` holds this rank's local gradient under ``no_sync``."""
+        return [p for _, p in self._named() if p.requires_grad]
 
     def sync(self, enabled: bool) -> ContextManager[object]:
         assert isinstance(self.module, DDP)

@@ -111,10 +111,30 @@ def hsdp_mesh(device_type: str, world: int, replicas: int) -> DeviceMesh:
     return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
 
 
+def unsharded_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The unsharded ``nn.Parameter`` of every sharded parameter of ``model``, in ``named_parameters`` order: what
+    autograd accumulates a micro-batch's local gradient into (collective: each unit is unsharded once).
+
+    FSDP2 internals relied on (see :meth:`FSDPEngine._watch`): each FSDP parameter's unsharded parameter is made at
+    its first all-gather and kept for the module's life; the public ``unshard()`` registers it on the module."""
+    named = list(model.named_parameters())
+    found: dict[str, nn.Parameter] = {}
+    for module in model.modules():  # one unit unsharded at a time: never the whole model in memory
+        if isinstance(module, FSDPModule):
+            module.unshard()  # registers this unit's unsharded parameters (a collective, once)
+            found.update((n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor))
+            module.reshard()
+    leaves = [found.get(name) for name, _ in named]
+    if any(p is None or p.shape != q.shape for p, (_, q) in zip(leaves, named, strict=True)):
+        raise RuntimeError("FSDP2's unshard() did not register whole unsharded parameters on the modules")
+    return cast(list[nn.Parameter], leaves)
+
+
 class FSDPEngine(EngineBase):
     """torch FSDP2 (``fully_shard``) with SUM reduce-scatters reported to the ledger by a tap."""
 
     name = "fsdp"
+    exact_accumulation = True
     grad_divisor = 1.0  # SUM reduction (see the module docstring): nothing divides after the loop
     hybrid_sharding = True
     reduce_dtypes = ("fp32", "bf16", "fp16")
@@ -204,15 +224,7 @@ class FSDPEngine(EngineBase):
                     f"elements, {hi - lo} expected): the reduction checksum cannot place its shards"
                 )
             owned.append((lo, hi))
-        found: dict[str, nn.Parameter] = {}
-        for module in model.modules():  # one unit unsharded at a time: never the whole model in memory
-            if isinstance(module, FSDPModule):
-                module.unshard()  # registers this unit's unsharded parameters (a collective, once)
-                found.update((n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor))
-                module.reshard()
-        leaves = [found.get(name) for name, _ in named]
-        if any(p is None or p.shape != q.shape for p, (_, q) in zip(leaves, named, strict=True)):
-            raise RuntimeError("FSDP2's unshard() did not register whole unsharded parameters on the modules")
+        leaves = unsharded_parameters(model)
         unsharded = policy.param_dtype or self.precision.param_dtype
         self.checksum = ReductionChecksum(
             [p.numel() for _, p in named],
@@ -238,6 +250,31 @@ class FSDPEngine(EngineBase):
         )
         if self.checksum.rounding.k_term and dist.get_rank() == 0:
             print(f"distaccum: {self.checksum.rounding.describe()}", flush=True)
+
+    def local_gradients(self) -> list[nn.Parameter]:
+        """``accum.exact``: the parameters whose ``.grad`` holds this rank's local, unsharded gradient after a
+        backward without sync (the unsharded parameters; collective), in ``named_parameters`` order."""
+        assert self.module is not None
+        return unsharded_parameters(self.module)
+
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """``accum.exact``: each parameter's local shard of its (sharded) gradient, made zero where there is none,
+        in ``named_parameters`` order: where the int64 reduce-scatter writes."""
+        assert self.module is not None
+        shards = []
+        for _, param in self.module.named_parameters():
+            sharded = cast(DTensor, param)
+            if param.grad is None:
+                local = torch.zeros_like(sharded.to_local())
+                param.grad = DTensor.from_local(
+                    local,
+                    sharded.device_mesh,
+                    sharded.placements,
+                    shape=sharded.shape,
+                    stride=sharded.stride(),
+                )
+            shards.append(cast(DTensor, param.grad).to_local())
+        return shards
 
     def _fsdp(self) -> FSDPModule:
         assert isinstance(self.module, FSDPModule)

@@ -1,11 +1,12 @@
 """The one protocol every feature's set-up implements, and the run it assembles.
 
 The Trainer resolves the run, builds what every run has (the engine, the scheduler, the data source, the state, the
-checkpointer) and hands each registered feature (:data:`distaccum.features.FEATURES`) the :class:`Assembly` at three
-points (and once more for the run summary): before the engine exists (the process-group layout: outer sync narrows every per-step collective to an
-island), once the engine has wrapped the model (parts built on it, checkpointed with the state), and once the state
-has resumed (step monitors). A feature writes what it contributes into the assembly's typed fields; the Trainer reads
-the fields and never the feature.
+checkpointer) and hands each registered feature (:data:`distaccum.features.FEATURES`) the :class:`Assembly` at four
+points (and once more for the run summary): before the engine exists (the process-group layout: outer sync narrows
+every per-step collective to an island), once the engine is built (an engine that drives it instead: exact
+accumulation's), once the engine has wrapped the model (parts built on it, checkpointed with the state), and once the
+state has resumed (step monitors). A feature writes what it contributes into the assembly's typed fields; the Trainer
+reads the fields and never the feature.
 """
 
 from __future__ import annotations
@@ -157,6 +158,11 @@ class FeatureSetup(Protocol):
         """Before the engine exists: the process-group layout and the engine's spec (may be collective)."""
         ...
 
+    def around_engine(self, run: Assembly, engine: Engine) -> Engine:
+        """The engine is built, not yet wrapped around the model: the engine the run uses (``engine``, or one that
+        drives it: exact accumulation's)."""
+        ...
+
     def with_engine(self, run: Assembly, engine: Engine) -> None:
         """The engine has wrapped the model: parts built on it that the state checkpoints."""
         ...
@@ -180,6 +186,9 @@ class SetupBase:
 
     def before_engine(self, run: Assembly) -> None:
         return None
+
+    def around_engine(self, run: Assembly, engine: Engine) -> Engine:
+        return engine
 
     def with_engine(self, run: Assembly, engine: Engine) -> None:
         return None

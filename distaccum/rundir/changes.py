@@ -95,6 +95,7 @@ REFUSED_KEYS: dict[str, str] = {
     "loss": "the loss",
     "accum.loss_norm": "how the loss is normalized",
     "accum.reduce_dtype": "the precision the gradients are reduced in",
+    "accum.exact": "how the gradients are accumulated (fixed point: the same bits for every split)",
     **dict.fromkeys(
         ("data.dataset", "data.collate", "data.signature", "data.shuffle", "data.drop_last"),
         "the data and the order it is served in",

@@ -293,6 +293,7 @@ def save(
                 "source": state.source.state_dict(),
                 "engine": extra,
                 "nonfinite_streak": state.nonfinite_streak,
+                "n_prev": state.n_prev,  # the next step's c (accum.exact quantizes on its scale)
                 "world_size": dist.get_world_size(),
             }
             writer.write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
@@ -331,6 +332,7 @@ def restore(state: TrainState, path: Path) -> dict[str, Any]:
     state.scheduler.load_state_dict(trainer_state["scheduler"])
     state.source.load_state_dict(trainer_state["source"])
     state.nonfinite_streak = int(trainer_state.get("nonfinite_streak", 0))
+    state.n_prev = float(trainer_state.get("n_prev", 0.0))
     rng_file = path / RNG_DIR / f"rank-{dist.get_rank():05d}.pt"
     if trainer_state.get("world_size") == dist.get_world_size() and rng_file.is_file():
         rng = torch.load(rng_file, map_location="cpu", weights_only=True)

@@ -352,15 +352,19 @@ def build_rows(runs: list[Run], agreements: list[Agreement]) -> list[Row]:
     """Table rows with the agreement column filled in."""
     by_label = {a.label: a for a in agreements}
     refs = {a.reference for a in agreements}
+    digests = {run.label: str(run.summary.get("params_sha256") or "") for run in runs}  # accum.exact's hash
     rows = []
     for run in runs:
         row = table_row(run)
+        digest = digests[run.label]
         if run.label in refs:
-            row.agreement = "reference"
+            row.agreement = f"reference (sha256 {digest[:12]})" if digest else "reference"
         elif run.label in by_label:
             a = by_label[run.label]
             row.agreement = (
-                f"ok ({a.max_rel_diff:.1e})"
+                f"bitwise (sha256 {digest[:12]})"
+                if digest and digest == digests[a.reference]  # the same trained parameters, bit for bit
+                else f"ok ({a.max_rel_diff:.1e})"
                 if a.ok
                 else f"DISAGREES at step {a.first_bad_step} ({a.max_rel_diff:.1e})"
             )

@@ -73,6 +73,31 @@ class NanLoss:
         return obj
 
 
+class LossSurge:
+    """Every rank's loss is multiplied by ``factor`` (a power of two: exact in floating point) at 1-based optimizer step
+    ``step``: a gradient that outgrows ``accum.exact``'s fixed-point headroom (a redo), the same for every split."""
+
+    def __init__(self, step: int, factor: float = 4096.0) -> None:
+        self.step, self.factor = step, factor
+        self.source: WatchedSource | None = None
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        if point == "source":
+            self.source = WatchedSource(obj)
+            return self.source
+        if point == "loss":
+
+            def loss(model: Any, batch: Any) -> Any:
+                summed, n_items = obj(model, batch)
+                window = self.source.current if self.source is not None else None
+                if window is not None and window.step + 1 == self.step:
+                    summed = summed * self.factor
+                return summed, n_items
+
+            return loss
+        return obj
+
+
 class SkipReduction:
     """Rank ``rank`` takes part in every gradient all-reduce but keeps its own local gradient (the ranks
     desynchronize). Wraps the engine's comm hook, so it needs an engine that has one (DDP, Accelerate)."""

@@ -211,6 +211,8 @@ class Report:
     max_grad_norm_diff: float
     first_divergence: Divergence | None
     notes: list[str] = field(default_factory=list)
+    bitwise: bool = False
+    """The final parameters have the reference's bits (``accum.exact``: compared by their SHA-256)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -109,7 +109,7 @@ def render_table(rows: Sequence[VerifyRow]) -> str:
             f"  {s.label():<12}{row.run.engine:<11}{s.world_size:>5}{s.micro_batch:>6}"
             f"{s.accum_steps:>6}  {_num(report.max_abs_diff):>8}{_num(report.max_rel_diff):>9}"
             f"{_num(report.max_loss_diff):>10}  {where(report)[:29]:<30}"
-            f"{'PASS' if report.passed else 'FAIL':<7}{row.run.seconds:>5.1f}s"
+            f"{'BITWISE' if report.bitwise else 'PASS' if report.passed else 'FAIL':<7}{row.run.seconds:>5.1f}s"
         )
     for row in rows:
         report = row.report

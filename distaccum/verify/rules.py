@@ -23,6 +23,7 @@ RULES: dict[str, str] = {
     "outer": "distaccum.outer.verify_rules:OuterRules",
     "ramp": "distaccum.batching.verify_rules:RampRules",
     "adaptive_batch": "distaccum.batching.verify_rules:AdaptiveRules",
+    "exact": "distaccum.exact.verify_rules:ExactRules",
 }
 """Feature name -> ``module:Class`` of its :class:`VerifyRules`."""
 
@@ -73,6 +74,14 @@ class VerifyRules:
     def reference_line(self, cfg: RunConfig, precision: str) -> str | None:
         """The header's line for the reference, when the feature's reference is not the plain one."""
         return None
+
+    def tolerance_line(self, cfg: RunConfig) -> str | None:
+        """The header's line for the comparison, when the feature compares otherwise than within the tolerance."""
+        return None
+
+    def judge(self, report: Report, ref: RunData, cand: RunData) -> Report:
+        """The candidate's report with the feature's own verdict (``accum.exact``: bit for bit)."""
+        return report
 
     def run_reference(self, ref: RunConfig, parts: Components, run_dir: Path, split: Split) -> bool:
         """Run the feature's own reference (``ref`` is its config, ``split`` the first candidate's); False: the plain

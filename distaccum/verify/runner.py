@@ -110,10 +110,11 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         f"forward/backward, {ref_precision}, the same seed checkpoint, samples, optimizer and schedule"
     )
     echo(next((line for r in rules if (line := r.reference_line(cfg, ref_precision))), plain))
-    echo(
+    tolerance = (
         f"  tolerance ({cfg.precision}{reduced}): loss, grad_norm at every step: |cand - ref| <= {tol.steps}; "
         f"final parameters: {tol.params}"
     )
+    echo(next((line for r in rules if (line := r.tolerance_line(cfg))), tolerance))
     started = time.perf_counter()
     ref_dir = root / "reference"
     code, seconds = job.reference_ran or timed_run(lambda: job.reference(ref_dir), ref_dir / CONSOLE_LOG)
@@ -148,7 +149,10 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
         run_dir = root / split.label()
         code, seconds = timed_run(functools.partial(job.candidate, split, run_dir), run_dir / CONSOLE_LOG)
         cand = Launched(split, cfg.engine.name, code, seconds, RunData.load(run_dir))
-        runs.append((cand, compare(ref.data, cand.data, tol)))
+        report = compare(ref.data, cand.data, tol)
+        for rule in rules:  # a feature's own verdict (accum.exact: bit for bit)
+            report = rule.judge(report, ref.data, cand.data)
+        runs.append((cand, report))
         echo(f"  {split.label()}: {'pass' if runs[-1][1].passed else 'FAIL'} ({seconds:.1f} s)")
 
     facts = job.facts()
@@ -214,7 +218,8 @@ def run_verify(job: VerifyJob, root: Path, *, echo: Callable[[str], None] = prin
     verdict = "PASSED" if summary["passed"] else "FAILED"
     echo(
         f"\nverify {verdict}: {sum(row.passed for row in rows)}/{len(rows)} split(s) match the single-process "
-        f"reference ({summary['seconds']:.0f} s) -> {root / VERIFY_FILE}"
+        f"reference{' bit for bit' if rows and all(r.report.bitwise for r in rows) else ''} "
+        f"({summary['seconds']:.0f} s) -> {root / VERIFY_FILE}"
     )
     return VerifyResult(summary["passed"], rows, summary, root)
 

@@ -1,0 +1,109 @@
+"""``accum.exact=true`` proved by hash, not tolerance (gloo, CPU): tiny_gpt on variable-length text with dropout,
+AdamW, fp32, 20 steps, micro-batch 4, K x W in {8x1, 4x2, 2x4} train parameters with the same SHA-256; the same
+sweep without the mode does not (the control, so the test can fail); ``distaccum report`` calls the splits bitwise.
+The same bits across a batch ramp that changes K differently on each world, across a resume on another world (2
+ranks to step 10, 1 rank from there), and across a loss surge that outgrows the fixed-point headroom (a redo) on one
+and on two ranks; FSDP2 on two and four ranks (an int64 reduce-scatter) trains DDP's bits. One launch per world
+size (``conftest.train_plan``), one intra-op thread per rank (CPU kernels' sums depend on it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import distaccum_cli, fault, inject, run_cli, train_plan
+from distaccum.exact.fixed_point import params_sha256
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+COMMON = (
+    "model=tiny_gpt",
+    "model.width=32",
+    "model.depth=1",
+    "model.dropout=0.1",
+    "data.dataset.num_samples=256",
+    "optim.name=adamw",
+    "precision=fp32",
+    "trainer.max_steps=20",
+    "accum.micro_batch=4",
+    "accum.global_batch=32",
+    "trainer.check_every=0",
+)
+SPLITS = {"8x1": 1, "4x2": 2, "2x4": 4}
+"""K x W -> the world size (the micro-batch and the global batch fixed: K follows)."""
+RAMP = "accum.ramp.points=[[1,16],[6,32]]"
+"""Global batch 16 for steps 1-5, then 32: K 4 -> 8 on one rank, 2 -> 4 on two."""
+
+
+def final_hash(run_dir: Path) -> str:
+    """The SHA-256 of the trained parameters as ``final/`` holds them (any run, exact or not)."""
+    return params_sha256(load_file(str(run_dir / "final" / "model.safetensors")).items())
+
+
+def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Path) -> None:
+    runs = {f"control-{name}": (*COMMON, f"trainer.nproc={world}") for name, world in SPLITS.items()}
+    runs |= {
+        f"exact-{name}": (*COMMON, f"trainer.nproc={world}", "accum.exact=true")
+        for name, world in SPLITS.items()
+    }
+    runs |= {
+        f"ramp-{world}": (*COMMON, f"trainer.nproc={world}", "accum.exact=true", RAMP) for world in (1, 2)
+    }
+    halfway = (*COMMON, "accum.exact=true", "trainer.max_samples=320")  # steps 1-10; the lr horizon stays 20
+    runs["resized"] = (*halfway, "trainer.nproc=2")
+    unclipped = (*COMMON, "accum.exact=true", "optim.clip_norm=null")  # FSDP2's sharded norm is refused
+    runs |= {f"fsdp-{world}": (*unclipped, "engine=fsdp", f"trainer.nproc={world}") for world in (2, 4)}
+    runs["ddp-unclipped"] = (*unclipped, "trainer.nproc=1")
+    surge = inject(
+        "distaccum.losses.token_cross_entropy", fault("LossSurge", step=5)
+    )  # 4096x: beyond the headroom
+    runs |= {
+        f"surge-{world}": (*COMMON, f"trainer.nproc={world}", "accum.exact=true", *surge) for world in (1, 2)
+    }
+    done = train_plan(tmp_path, runs)
+    halfway_steps = done["resized"].summary["steps"]
+    resized = train_plan(tmp_path, {"resized": (*COMMON, "accum.exact=true", "trainer.nproc=1")})["resized"]
+    exact = {name: done[f"exact-{name}"].summary for name in SPLITS}
+    hashes = {name: summary["params_sha256"] for name, summary in exact.items()}
+    assert len(set(hashes.values())) == 1, hashes
+    files = {name: final_hash(done[f"exact-{name}"].run_dir) for name in SPLITS}
+    assert len(set(files.values())) == 1, files  # final/ holds those bits too
+    for name, summary in exact.items():
+        assert summary["steps"] == 20 and summary["exact"]["redos"] == 1, (
+            name,
+            summary,
+        )  # the first step measures
+    assert halfway_steps == 10 and resized.summary["steps"] == 20
+    assert resized.summary["params_sha256"] == hashes["8x1"]  # resumed on 1 rank from a 2-rank checkpoint
+    surged = [
+        done[f"surge-{world}"].summary for world in (1, 2)
+    ]  # last in their launches: the fault stays installed
+    assert surged[0]["params_sha256"] == surged[1]["params_sha256"] != hashes["8x1"], surged
+    assert surged[0]["exact"]["redos"] == surged[1]["exact"]["redos"] == 2, surged  # step 1 and step 5
+    sharded = [done[name].summary["params_sha256"] for name in ("fsdp-2", "fsdp-4", "ddp-unclipped")]
+    assert sharded[0] == sharded[1] == sharded[2] != hashes["8x1"], (
+        sharded
+    )  # FSDP2 (int64 reduce-scatter) = DDP
+    ramps = [done[f"ramp-{world}"].summary["params_sha256"] for world in (1, 2)]
+    assert ramps[0] == ramps[1] != hashes["8x1"], ramps
+    shown = distaccum_cli(["report", *(str(done[f"exact-{name}"].run_dir) for name in SPLITS)], cwd=tmp_path)
+    assert shown.returncode == 0 and shown.stdout.count(f"bitwise (sha256 {hashes['8x1'][:12]})") == 2, (
+        shown.stdout
+    )
+    control = {name: final_hash(done[f"control-{name}"].run_dir) for name in SPLITS}
+    assert len(set(control.values())) == len(SPLITS), control  # float sums: every split its own bits
+    assert not set(control.values()) & set(files.values()), (control, files)
+
+
+def test_verify_compares_an_exact_run_with_its_reference_bit_for_bit(tmp_path: Path) -> None:
+    """The candidate (4x2) against verify's one-process exact reference (8x1): equal SHA-256, reported bitwise."""
+    run_dir = tmp_path / "verify"
+    common = [c for c in COMMON if not c.startswith(("trainer.max_steps", "trainer.check_every"))]
+    done = run_cli("verify", run_dir, *common, "trainer.max_steps=5", "accum.exact=true", "trainer.nproc=2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compared bit for bit" in done.stdout and "BITWISE" in done.stdout, done.stdout
+    (row,) = json.loads((run_dir / "verify.json").read_text())["candidates"]
+    assert row["passed"] and row["bitwise"] and row["max_abs_diff"] == 0.0, row
