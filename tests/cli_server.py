@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -33,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from distaccum.cluster import forked
 
@@ -112,6 +114,8 @@ def _command(request: dict, fds: list[int], server_sockets: list[socket.socket])
     for fd, target in zip(fds, (1, 2), strict=True):
         os.dup2(fd, target)
         os.close(fd)
+    if request.get("session"):
+        os.setsid()  # as Popen(start_new_session=True)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -253,6 +257,166 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
+class Forked:
+    """A command forked from this process's server, driven as a :class:`subprocess.Popen` is: ``pid``, ``returncode``,
+    :meth:`poll`, :meth:`wait`, :meth:`send_signal`, :meth:`kill` and :meth:`communicate` (text). ``stdout`` and
+    ``stderr``: ``subprocess.PIPE``, an open file, or None (this process's own); ``stderr`` also
+    ``subprocess.STDOUT``. ``new_session``: the command leads its own session and process group (``setsid``), as
+    ``Popen(start_new_session=True)`` (a test may kill the group). The pid is the server's child, not this
+    process's: the exit status comes from the server, which reaps it."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path | str,
+        env: Mapping[str, str],
+        stdout: Any = None,
+        stderr: Any = None,
+        torchrun: bool = False,
+        new_session: bool = False,
+    ) -> None:
+        self.args = [sys.executable, "-m", "torch.distributed.run" if torchrun else "distaccum", *argv]
+        self.returncode: int | None = None
+        self._pipes: dict[str, int] = {}  # "stdout"/"stderr" -> the read end this process keeps
+        sent: list[int] = []  # the command's stdout and stderr descriptors
+        for name, target in (("stdout", stdout), ("stderr", stderr)):
+            if target == subprocess.PIPE:
+                read, write = os.pipe()
+                self._pipes[name] = read
+                sent.append(write)
+            elif target == subprocess.STDOUT:
+                sent.append(os.dup(sent[0]))
+            else:
+                sent.append(os.dup(target.fileno() if target is not None else (1 if name == "stdout" else 2)))
+        request = {
+            "kind": "torchrun" if torchrun else "distaccum",
+            "argv": list(argv),
+            "cwd": str(cwd),
+            "env": dict(env),
+            "session": new_session,
+        }
+        self._conn = socket.socket(socket.AF_UNIX)
+        try:
+            self._conn.connect(SERVER.ensure())
+            socket.send_fds(self._conn, [b"{"], sent)
+            self._conn.sendall(json.dumps(request)[1:].encode() + b"\n")
+        finally:
+            for fd in sent:
+                os.close(fd)
+        self._reply = b""
+        while b"\n" not in self._reply:
+            self._receive(None)
+        self.pid = int(self._reply.split(b"\n", 1)[0])
+
+    def _receive(self, timeout: float | None) -> None:
+        """Read what the server says within ``timeout`` s (None: until it says something)."""
+        if not select.select([self._conn], [], [], timeout)[0]:
+            return
+        data = self._conn.recv(4096)
+        if not data:
+            if self._reply.count(b"\n") < 2:
+                raise RuntimeError("the test CLI server closed the connection (did it exit?)")
+            return
+        self._reply += data
+        if self._reply.count(b"\n") >= 2 and self.returncode is None:
+            self.returncode = int(self._reply.split(b"\n")[1])
+            self._conn.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._receive(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            self._receive(left)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """Read the piped outputs to their end and wait for the exit, as ``Popen.communicate`` (text); on a timeout
+        :class:`subprocess.TimeoutExpired` carries what was read so far, and a later call goes on from there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunks = getattr(self, "_chunks", None) or {name: [] for name in self._pipes}
+        self._chunks = chunks
+        fds = {fd: name for name, fd in self._pipes.items() if fd >= 0}
+        while fds or self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(
+                    self.args,
+                    timeout or 0,
+                    output=_decode(b"".join(chunks.get("stdout", []))),
+                    stderr=_decode(b"".join(chunks.get("stderr", []))),
+                )
+            watched = [*fds, *([self._conn] if self.returncode is None else [])]
+            ready = select.select(watched, [], [], None if left is None else min(left, 1.0))[0]
+            for item in ready:
+                if item is self._conn:
+                    self._receive(0)
+                    continue
+                data = os.read(item, 65536)
+                if data:
+                    chunks[fds[item]].append(data)
+                else:
+                    os.close(item)
+                    self._pipes[fds.pop(item)] = -1
+        out, err = (
+            _decode(b"".join(chunks[name])) if name in chunks else None for name in ("stdout", "stderr")
+        )
+        return out, err
+
+
+Started = Forked | subprocess.Popen[str]
+"""What :func:`popen` returns: either drives like a ``subprocess.Popen``."""
+
+
+def popen(
+    argv: Sequence[str],
+    *,
+    cwd: Path | str,
+    env: Mapping[str, str],
+    stdout: Any = None,
+    stderr: Any = None,
+    torchrun: bool = False,
+    new_session: bool = False,
+) -> Started:
+    """``python -m distaccum ARGV`` started in the background (see :class:`Forked`), or a new interpreter where the
+    request changes an import-time variable."""
+    SERVER.ensure()
+    if import_time_changes(env, SERVER.env):
+        command = [sys.executable, "-m", "torch.distributed.run" if torchrun else "distaccum", *argv]
+        return subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=dict(env),
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            start_new_session=new_session,
+        )
+    return Forked(
+        argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, torchrun=torchrun, new_session=new_session
+    )
+
+
 def run(
     argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float, torchrun: bool = False
 ) -> subprocess.CompletedProcess[str]:
@@ -260,80 +424,14 @@ def run(
     see :func:`_torchrun`) as ``subprocess.run(..., capture_output=True, text=True, timeout=...)`` would run it,
     forked from this process's server (a new interpreter where the request changes an import-time variable).
     Raises :class:`subprocess.TimeoutExpired` after killing the command, as ``subprocess.run`` does."""
-    command = [sys.executable, "-m", "torch.distributed.run" if torchrun else "distaccum", *argv]
-    address = SERVER.ensure()
-    if import_time_changes(env, SERVER.env):
-        return subprocess.run(
-            command, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout
-        )
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    conn = socket.socket(socket.AF_UNIX)
+    proc = popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, torchrun=torchrun)
     try:
-        conn.connect(address)
-        request = {
-            "kind": "torchrun" if torchrun else "distaccum",
-            "argv": list(argv),
-            "cwd": str(cwd),
-            "env": dict(env),
-        }
-        socket.send_fds(conn, [b"{"], [out_w, err_w])
-        conn.sendall(json.dumps(request)[1:].encode() + b"\n")
-    finally:
-        os.close(out_w)
-        os.close(err_w)
-    deadline = time.monotonic() + timeout
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-    reply = b""
-    sel = selectors.DefaultSelector()
-    for fd in (out_r, err_r):
-        sel.register(fd, selectors.EVENT_READ)
-    sel.register(conn, selectors.EVENT_READ)
-    open_fds = {out_r, err_r}
-    pid = None
-    try:
-        while open_fds or reply.count(b"\n") < 2:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if pid is not None:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                raise subprocess.TimeoutExpired(
-                    command,
-                    timeout,
-                    output=_decode(b"".join(chunks[out_r])),
-                    stderr=_decode(b"".join(chunks[err_r])),
-                )
-            for key, _ in sel.select(timeout=min(left, 1.0)):
-                if key.fileobj is conn:
-                    data = conn.recv(4096)
-                    if not data:
-                        sel.unregister(conn)
-                        if reply.count(b"\n") < 2:
-                            raise RuntimeError("the test CLI server closed the connection (did it exit?)")
-                        continue
-                    reply += data
-                    if pid is None and b"\n" in reply:
-                        pid = int(reply.split(b"\n", 1)[0])
-                else:
-                    fd = int(key.fd)
-                    data = os.read(fd, 65536)
-                    if data:
-                        chunks[fd].append(data)
-                    else:
-                        sel.unregister(fd)
-                        open_fds.discard(fd)
-    finally:
-        sel.close()
-        conn.close()
-        os.close(out_r)
-        os.close(err_r)
-    code = int(reply.split(b"\n")[1])
-    return subprocess.CompletedProcess(
-        command, code, _decode(b"".join(chunks[out_r])), _decode(b"".join(chunks[err_r]))
-    )
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
 
 
 if __name__ == "__main__":

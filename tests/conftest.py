@@ -231,8 +231,9 @@ def sigterm_at_step(
     """Start ``cmd`` (a ``distaccum train`` of ``run_dir``) in ``run_dir``'s parent, send it SIGTERM (what
     srun and torchrun deliver on preemption) once ``step`` records are written (or ``timeout`` s passed, or
     it ended), wait up to ``timeout`` s for it to end; its exit code and stderr."""
-    proc = subprocess.Popen(
-        cmd, cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    assert cmd[1:3] == ["-m", "distaccum"], cmd
+    proc = cli_server.popen(
+        cmd[3:], cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     deadline = time.monotonic() + timeout
     while (

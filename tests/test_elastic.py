@@ -20,11 +20,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO
 
+import cli_server
 import psutil
 import pytest
 import torch
@@ -55,18 +55,16 @@ def env() -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, "OMP_NUM_THREADS": "1"}
 
 
-def start(run_dir: Path, log: Path, *overrides: str) -> tuple[subprocess.Popen, IO[str]]:
+def start(run_dir: Path, log: Path, *overrides: str) -> tuple[cli_server.Started, IO[str]]:
     """``distaccum train`` in its own session (so the test can kill its whole process group), output to ``log``."""
     out = log.open("w")
-    cmd = [sys.executable, "-m", "distaccum", "train", *COMMON, *overrides, f"run_dir={run_dir}"]
-    proc = subprocess.Popen(
-        cmd,
+    proc = cli_server.popen(
+        ["train", *COMMON, *overrides, f"run_dir={run_dir}"],
         cwd=run_dir.parent,
         env=env(),
         stdout=out,
         stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        new_session=True,
     )
     return proc, out
 
@@ -77,7 +75,7 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
-def rendezvous_host(nodes: list[subprocess.Popen], port: int, timeout: float = 120) -> int:
+def rendezvous_host(nodes: list[cli_server.Started], port: int, timeout: float = 120) -> int:
     """Which launcher hosts the c10d rendezvous store (the first to bind ``port``): killing that one would end the
     job for every node (torch's c10d backend), so the test kills the other."""
     deadline = time.monotonic() + timeout
@@ -94,7 +92,7 @@ def rendezvous_host(nodes: list[subprocess.Popen], port: int, timeout: float = 1
     raise AssertionError(f"no launcher listened on the rendezvous port {port}")
 
 
-def wait_for_world2_checkpoint(run_dir: Path, node: subprocess.Popen, timeout: float = 180) -> int:
+def wait_for_world2_checkpoint(run_dir: Path, node: cli_server.Started, timeout: float = 180) -> int:
     """The first optimizer step trained on world 2 (K = K2) whose checkpoint is complete (committed by rename)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and node.poll() is None:
@@ -106,7 +104,7 @@ def wait_for_world2_checkpoint(run_dir: Path, node: subprocess.Popen, timeout: f
     raise AssertionError(f"no checkpoint on world 2 early enough (records: {records(run_dir)[-3:]})")
 
 
-def kill_node(node: subprocess.Popen) -> list[int]:
+def kill_node(node: cli_server.Started) -> list[int]:
     """SIGKILL a node: its launcher's process group and its workers, which torch elastic starts in sessions of
     their own (killing the launcher's group alone would leave them training as orphans). Returns the workers' pids."""
     workers = [p.pid for p in psutil.Process(node.pid).children(recursive=True)]

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import cli_server
 import pytest
 
 from conftest import EXTENSIONS, distaccum_cli, fault, inject, train
@@ -55,15 +56,14 @@ def run(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.Comp
     return distaccum_cli(command(run_dir, *overrides)[3:], cwd=run_dir.parent, env=env(), timeout=timeout)
 
 
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start(run_dir: Path, *overrides: str) -> cli_server.Started:
     """:func:`run` in the background, its output captured: for a test that signals its ranks."""
-    return subprocess.Popen(
-        command(run_dir, *overrides),
+    return cli_server.popen(
+        command(run_dir, *overrides)[3:],
         cwd=run_dir.parent,
         env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 
@@ -85,7 +85,7 @@ def rank_pid(run_dir: Path, rank: int, timeout: float = 120) -> int:
     raise AssertionError(f"{path} never appeared")
 
 
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+def wait_for_step(run_dir: Path, step: int, proc: cli_server.Started, timeout: float = 180) -> None:
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:

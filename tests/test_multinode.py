@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_server
 import pytest
 
 from conftest import distaccum_cli
@@ -103,8 +104,8 @@ def test_two_pods_given_kubeflows_pet_environment_train_as_one_launch(tmp_path: 
     pods_dir, single_dir = tmp_path / "pods", tmp_path / "single"
     port = free_ports()[0]
     pods = [
-        subprocess.Popen(
-            [sys.executable, "-m", "distaccum", "train", *common, f"run_dir={pods_dir}"],
+        cli_server.popen(
+            ["train", *common, f"run_dir={pods_dir}"],
             cwd=tmp_path,
             env={
                 **env,
@@ -116,7 +117,6 @@ def test_two_pods_given_kubeflows_pet_environment_train_as_one_launch(tmp_path: 
             },
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
         )
         for node in range(2)
     ]

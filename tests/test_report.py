@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, train
+from conftest import REPO, distaccum_cli, train
 from distaccum.cli.report import report_main
 
 pytestmark = pytest.mark.dist
@@ -27,13 +27,9 @@ COMMON = ("trainer.max_steps=4", "accum.global_batch=16", "trainer.nproc=2")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hydra multirun over micro-batch sizes (one of them invalid)."""
     run_dir = tmp_path_factory.mktemp("report") / "sweep"
-    multirun = [sys.executable, "-m", "distaccum", "train", "--multirun", "accum.micro_batch=2,3,8", *COMMON]
-    proc = subprocess.run(
-        [*multirun, "log.console=quiet", f"run_dir={run_dir}"],
-        cwd=run_dir.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    multirun = ["train", "--multirun", "accum.micro_batch=2,3,8", *COMMON]
+    proc = distaccum_cli(
+        [*multirun, "log.console=quiet", f"run_dir={run_dir}"], cwd=run_dir.parent, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir
