@@ -231,6 +231,13 @@ class NonFinitePolicy:
         )
 
 
+class StepRetry(Protocol):
+    """Runs one optimizer step until it counts: ``attempt(totals)`` is :func:`train_step` with the window's totals
+    ``totals`` stands for (a wrapper may extend their collective), called again while the step did not count."""
+
+    def __call__(self, attempt: Callable[[Any], Step], totals: WindowTotals) -> Step: ...
+
+
 class CheckpointPolicy(Protocol):
     """When to checkpoint, and the writing (:class:`distaccum.rundir.checkpoint.Checkpointer`)."""
 
@@ -261,6 +268,9 @@ class LoopParts:
     """Steps whose record must be handed over before the next step starts, under ``lag`` (an evaluation's)."""
     outer: OuterStep | None = None
     """An outer-synced run's outer step (``outer.method``), run right after each optimizer step."""
+    retry: StepRetry | None = None
+    """Runs each step until it counts (fault-tolerant replica groups, ``ft.groups``: a step whose reduction across
+    groups failed is computed again); None: every step counts once run."""
 
     def flushes(self, step: int) -> bool:
         """Whether step ``step``'s record must be published before the next step starts (an evaluation's)."""
@@ -359,7 +369,10 @@ def train(
     state.model.train()
     while state.source.next_step < end and trained < budget:
         parts.timer.start_step()
-        done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
+        if parts.retry is None:
+            done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
+        else:  # replica groups: a step whose reduction across groups failed runs again under the next quorum
+            done = parts.retry(lambda t: train_step(state, settings, loss_fn, t, parts.votes), parts.totals)
         step, totals = done.number, done.totals
         trained += done.window.samples  # the data plan's window: every island's, the same on every rank
         if trained >= budget:  # trainer.max_samples: this step reached it, the run ends after it

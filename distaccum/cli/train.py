@@ -97,7 +97,12 @@ def train_task(dcfg: Any) -> int:
         print(f"distaccum: {line}", flush=True)
     for line in elastic_plan(cfg):
         print(f"distaccum: {line}", flush=True)
-    code = launch_local(cfg, config_file)
+    if cfg.ft.enabled:  # the Lighthouse and one launcher per replica group
+        from distaccum.ft.launch import launch_ft
+
+        code = launch_ft(cfg)
+    else:
+        code = launch_local(cfg, config_file)
     if nodes > 1:  # every node's launcher says how its own workers ended (rank 0's node also printed "done")
         print(
             f"distaccum: this node's workers exited {code} ({'ok' if code == EXIT_OK else 'failed'})",

@@ -230,6 +230,9 @@ class EngineBase:
     ``accum.sync=replica_boundary`` its meaning."""
     reduce_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     """The ``accum.reduce_dtype`` values it can reduce gradients in."""
+    ft_refusal: ClassVar[str | None] = None
+    """Why it cannot train in fault-tolerant replica groups (``ft.groups``); None: it can (its gradients and its
+    plain state dict are the group's, which torchft sums across groups and copies to a healing one)."""
     grad_squares: Any = None
 
     def __init__(self, spec: EngineSpec, ledger: Any) -> None:

@@ -17,6 +17,7 @@ __all__ = ["FEATURES", "Assembly", "FeatureSetup", "Placement", "SetupBase", "fe
 FEATURES: dict[str, str] = {
     "activation_checkpointing": "distaccum.features.checkpointing:CheckpointingSetup",
     "outer": "distaccum.outer.setup:OuterSetup",
+    "ft": "distaccum.ft.setup:FtSetup",
     "batch_schedule": "distaccum.batching.setup:ScheduleSetup",
     "fingerprint": "distaccum.features.guards:FingerprintSetup",
     "guards": "distaccum.features.guards:GuardsSetup",

@@ -1,0 +1,139 @@
+"""``distaccum train`` with ``ft.groups``: a torchft Lighthouse and one launcher per replica group on this machine,
+a dead group's launcher started again (it then heals from a live group and goes on at the run's current step).
+
+Each group is its own world of ``trainer.nproc`` ranks (its own TCPStore, its own run directory
+``run_dir/groups/g<i>-a<attempt>``, ``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE`` in its environment); only the
+Lighthouse and torchft's process group across groups join them.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distaccum.cluster import forked
+from distaccum.cluster.local import WORKER_COMMAND, free_ports, worker_environment
+from distaccum.config import RunConfig, to_mapping
+from distaccum.ft.session import GROUP_ENV, LIGHTHOUSE_ENV
+
+RESTART_ENV = "DISTACCUM_FT_RESTART"
+"""How many times this group's launcher was started again (0: the first start)."""
+
+
+def lighthouse_line(cfg: RunConfig) -> str:
+    """What the run's console says about the Lighthouse and the groups."""
+    ft = cfg.ft
+    return (
+        f"ft: {ft.groups} replica groups of {cfg.trainer.nproc} rank(s), a Lighthouse on this machine (min_replicas="
+        f"{ft.min_groups}, heartbeat_timeout_ms={ft.heartbeat_timeout_ms}); a dead group restarted up to ft.restarts="
+        f"{ft.restarts} time(s), healing from a live one"
+    )
+
+
+@dataclass
+class Group:
+    """One replica group's launch: its ranks' processes, restarted whole when one of them dies."""
+
+    index: int
+    attempt: int = 0
+    procs: list[Any] = field(default_factory=list)
+    done: bool = False
+
+    def run_dir(self, cfg: RunConfig) -> Path:
+        return Path(cfg.run_dir) / "groups" / f"g{self.index}-a{self.attempt}"
+
+    def start(self, cfg: RunConfig, lighthouse: str) -> None:
+        """Start the group's ranks (forked from distaccum's worker server when there is one)."""
+        run_dir = self.run_dir(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = run_dir / "launch_config.json"
+        config.write_text(json.dumps({**to_mapping(cfg), "run_dir": str(run_dir)}, indent=2) + "\n")
+        nproc, port = cfg.trainer.nproc, free_ports(1)[0]
+        base = {**os.environ, **worker_environment(nproc)}
+        base.update({
+            GROUP_ENV: str(self.index), "NUM_REPLICA_GROUPS": str(cfg.ft.groups), LIGHTHOUSE_ENV: lighthouse,
+            RESTART_ENV: str(self.attempt), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        })
+        argv = [*WORKER_COMMAND, str(config)]
+        self.procs = []
+        for rank in range(nproc):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            if forked.started():
+                ctx = multiprocessing.get_context("forkserver")
+                proc: Any = ctx.Process(target=forked.run_forked, args=forked.worker_args(argv[2:], env))
+                proc.start()
+            else:
+                proc = subprocess.Popen([sys.executable, *argv], env=env)
+            self.procs.append(proc)
+
+    def codes(self) -> list[int | None]:
+        return [p.exitcode if hasattr(p, "exitcode") else p.poll() for p in self.procs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if (p.exitcode if hasattr(p, "exitcode") else p.poll()) is None:
+                os.kill(p.pid, signal.SIGKILL)
+
+
+def launch_ft(cfg: RunConfig) -> int:
+    """Start the Lighthouse (unless ``ft.lighthouse`` names one) and every group; restart a group whose rank died;
+    return 0 when every group finished, 1 otherwise."""
+    ft = cfg.ft
+    server = None
+    address = ft.lighthouse
+    # torchft's Rust side (Lighthouse, manager server) logs every tick at INFO to stderr: warnings only on the
+    # console; its Python loggers go to each group's torchft.log (distaccum.ft.session.route_logging).
+    os.environ.setdefault("RUST_LOG", "warn")
+    if not address:
+        from torchft.coordination import LighthouseServer
+
+        server = LighthouseServer(
+            bind="[::]:0", min_replicas=ft.min_groups, join_timeout_ms=ft.join_timeout_ms,
+            quorum_tick_ms=ft.quorum_tick_ms, heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
+        )
+        address = server.address()
+    print(f"distaccum: {lighthouse_line(cfg)}; Lighthouse at {address}", flush=True)
+    groups = [Group(i) for i in range(ft.groups)]
+    for group in groups:
+        group.start(cfg, address)
+    try:
+        return _watch(cfg, groups, address)
+    finally:
+        for group in groups:
+            group.kill()
+        if server is not None:
+            server.shutdown()
+
+
+def _watch(cfg: RunConfig, groups: list[Group], address: str) -> int:
+    while not all(g.done for g in groups):
+        time.sleep(0.1)
+        for group in groups:
+            if group.done:
+                continue
+            codes = group.codes()
+            if all(c == 0 for c in codes):
+                group.done = True
+                continue
+            failed = [c for c in codes if c not in (0, None)]
+            if not failed:
+                continue
+            group.kill()
+            if group.attempt >= cfg.ft.restarts:
+                print(f"distaccum: ft: replica group {group.index} failed (exit {failed[0]}), no restart left "
+                      f"(ft.restarts={cfg.ft.restarts})", file=sys.stderr, flush=True)
+                return 1
+            group.attempt += 1
+            print(f"distaccum: ft: replica group {group.index} died (exit {failed[0]}); restarting it (restart "
+                  f"{group.attempt} of ft.restarts={cfg.ft.restarts}): it heals from a live group", flush=True)
+            group.start(cfg, address)
+    return 0

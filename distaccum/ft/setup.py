@@ -1,0 +1,110 @@
+"""Fault-tolerant replica groups' set-up: this group's torchft session before the engine, the window cut per
+quorum and the step computed again once the state exists, the record fields of each step."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+from distaccum.data.pipeline import PlanSource
+from distaccum.engines import engine_class
+from distaccum.features.base import Assembly, Engine, SetupBase, TrainState
+from distaccum.ft.parts import FtRecord, FtRetry, FtSource
+from distaccum.ft.session import GROUP_ENV, FtSession
+
+
+def refusal(run: Assembly) -> str | None:
+    """Why this run cannot form fault-tolerant replica groups (None: it can)."""
+    cfg = run.cfg
+    why = engine_class(run.spec.engine.name).ft_refusal
+    if why:
+        return why
+    if cfg.outer.enabled:
+        return "outer.method already reduces across islands rarely: use one or the other"
+    if run.resolved.data.schedule is not None:
+        return "accum.ramp / accum.adaptive change the global batch, which ft keeps fixed across groups"
+    return None
+
+
+class FtSetup(SetupBase):
+    """On when ``ft.groups`` > 0."""
+
+    name: ClassVar[str] = "ft"
+
+    def __init__(self) -> None:
+        self.session: FtSession | None = None
+        self.engine: Engine | None = None
+
+    def enabled(self, run: Assembly) -> bool:
+        return run.cfg.ft.enabled
+
+    def before_engine(self, run: Assembly) -> None:
+        """Refuse what cannot form replica groups; this group's session (its Manager starts with the state)."""
+        cfg, resolved = run.cfg.ft, run.resolved
+        why = refusal(run)
+        if why is not None:
+            raise ValueError(f"ft.groups={cfg.groups}: {why}")
+        cfg.check_split(resolved.split.global_batch, resolved.split.micro_batch, run.world)
+        if GROUP_ENV not in os.environ:
+            raise ValueError(
+                f"ft.groups={cfg.groups}: {GROUP_ENV} is not set: start the groups with `distaccum train` (which "
+                f"sets it), or give each group's launch {GROUP_ENV}=0..{cfg.groups - 1} (docs/failures.md)"
+            )
+        group = int(os.environ[GROUP_ENV])
+        if not 0 <= group < cfg.groups:
+            raise ValueError(f"{GROUP_ENV}={group} is not one of the groups 0..{cfg.groups - 1} (ft.groups)")
+        self.session = FtSession(cfg, group, run.group_rank, run.world, Path(resolved.run_dir))
+        run.announce(
+            f"distaccum: replica group {group} of {cfg.groups} ({run.world} rank(s)), at least ft.min_groups="
+            f"{cfg.min_groups} per step; each step's window cut for the groups present"
+        )
+
+    def with_engine(self, run: Assembly, engine: Engine) -> None:
+        self.engine = engine
+
+    def with_state(self, run: Assembly, state: TrainState, done: int) -> None:
+        """The window source cut per quorum, the Manager (with the state a healing group loads), the retry."""
+        session, engine = self.session, self.engine
+        assert session is not None and engine is not None
+        timed: Any = state.source
+        inner = timed.source
+        if not isinstance(inner, PlanSource):
+            raise ValueError(
+                f"ft.groups={run.cfg.ft.groups} needs a map-style dataset (the plan cuts each step's window for the "
+                "groups present); a stream cannot be cut again when a group leaves"
+            )
+        source = FtSource(inner, session, run.group_rank, run.world)
+        timed.source = source
+
+        def state_dict() -> dict[str, Any]:
+            return {
+                "model": engine.unwrapped().state_dict(),
+                "optimizer": engine.optimizer.state_dict(),
+                "scheduler": state.scheduler.state_dict(),
+                "source": source.state_dict(),
+                "n_prev": state.n_prev,
+            }
+
+        def load_state_dict(saved: dict[str, Any]) -> None:
+            engine.unwrapped().load_state_dict(saved["model"])
+            engine.optimizer.load_state_dict(saved["optimizer"])
+            state.scheduler.load_state_dict(saved["scheduler"])
+            source.load_state_dict(saved["source"])
+            state.n_prev = saved["n_prev"]
+
+        session.start(state_dict, load_state_dict)
+        run.retry = FtRetry(session, source, engine)
+        run.monitors.append(FtRecord(session, source))
+
+    def summarize(self, run: Assembly, state: TrainState, summary: dict[str, Any]) -> None:
+        assert self.session is not None
+        records = state.records
+        summary["ft"] = {
+            "group": self.session.group,
+            "groups": run.cfg.ft.groups,
+            "steps_recomputed": sum(int(r.get("ft_attempts", 1)) - 1 for r in records),
+            "lost_s": sum(float(r.get("ft_lost_s", 0.0)) for r in records),
+            "healed_at": [int(r["step"]) for r in records if r.get("ft_healed")],
+        }
+        self.session.shutdown()
