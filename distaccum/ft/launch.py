@@ -115,14 +115,22 @@ def launch_ft(cfg: RunConfig) -> int:
 
 
 def _watch(cfg: RunConfig, groups: list[Group], address: str) -> int:
+    ended: float | None = None  # when the first group finished the run's steps
     while not all(g.done for g in groups):
         time.sleep(0.1)
+        if ended is not None and time.monotonic() - ended > cfg.ft.timeout_s:
+            # The others finished trainer.max_steps: a group still running now is one that rejoined too late.
+            late = [g.index for g in groups if not g.done]
+            print(f"distaccum: ft: the run ended; replica group(s) {late} were still joining and are stopped",
+                  flush=True)
+            return 0
         for group in groups:
             if group.done:
                 continue
             codes = group.codes()
             if all(c == 0 for c in codes):
                 group.done = True
+                ended = ended if ended is not None else time.monotonic()
                 continue
             failed = [c for c in codes if c not in (0, None)]
             if not failed:

@@ -28,7 +28,7 @@ import torch
 from distaccum.data.pipeline import PlanSource, WindowBatches
 from distaccum.engines.base import Engine
 from distaccum.ft.session import FtSession, Quorum
-from distaccum.loop import Step
+from distaccum.loop import Step, TrainState
 from distaccum.split import Split
 from distaccum.telemetry.sinks import Record
 from distaccum.window import Carry, WindowResult, WindowTotals
@@ -76,6 +76,7 @@ class FtSource:
     def window(self) -> WindowBatches:
         quorum = self.session.quorum(self.plan.next_step)  # a healing group's state (and position) is loaded here
         step, cut = self.plan.next_step, self.cut(quorum)
+        self.session.step = step  # a healing group is at the live groups' step now
         if cut != self._cut or self.session.attempts > 1:  # a new cut, or the same step again: a fresh walk
             inner = self.inner
             self._source = PlanSource(
@@ -170,8 +171,8 @@ class FtRetry:
     """Runs each step until it is committed: a step whose reduction across groups failed (or that a group voted
     against) is computed again, from the same window, under the next quorum."""
 
-    def __init__(self, session: FtSession, source: FtSource, engine: Engine) -> None:
-        self.session, self.source, self.engine = session, source, engine
+    def __init__(self, session: FtSession, source: FtSource, engine: Engine, state: TrainState) -> None:
+        self.session, self.source, self.engine, self.state = session, source, engine, state
         self._totals: dict[int, FtTotals] = {}
 
     def __call__(self, attempt: Callable[[Any], Step], totals: WindowTotals) -> Step:
@@ -179,10 +180,13 @@ class FtRetry:
         if wrapped is None:
             wrapped = self._totals[id(totals)] = FtTotals(totals, self.session, self.engine, self.source)
         while True:
-            began = time.perf_counter()
+            began, n_prev = time.perf_counter(), self.state.n_prev
             done = attempt(wrapped)
             if self.session.committed:
                 return done
+            # c = 2^-round(log2 N_prev) must be the same in every group (their gradients are summed): an uncommitted
+            # step's N (a partial sum, or another quorum's) never becomes N_prev.
+            self.state.n_prev = n_prev
             view = self.source.views[done.window.step]
             view.lost_s += time.perf_counter() - began
 

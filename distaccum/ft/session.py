@@ -143,15 +143,15 @@ class FtSession:
             self.step, self.attempts = step, 0
         self.attempts += 1
         self.committed = False
-        want = cfg.groups if manager.current_step() == 0 else cfg.min_groups
+        before = manager.current_step()
         while True:
-            before = manager.current_step()
             try:
                 manager.start_quorum()
                 groups = manager.num_participants()
             except Exception as err:  # noqa: BLE001 - a timeout or an unreachable Lighthouse, in one line
                 raise FtError(self._quorum_error(err)) from None
-            if groups >= want:
+            # The quorum's step (a healing group's is the live groups'): the first waits for every group.
+            if groups >= (cfg.groups if manager.current_step() == 0 else cfg.min_groups):
                 break
             if time.perf_counter() - began > cfg.quorum_timeout_s:
                 raise FtError(
