@@ -11,6 +11,10 @@ each once.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +39,8 @@ COMMON = [
     "optim.warmup_steps=0",
     "trainer.save_final=true",
 ]
-FT = ["ft.groups=3", "ft.min_groups=1", "ft.heartbeat_timeout_ms=300", "ft.timeout_s=10", "ft.restarts=1"]
+TIMEOUT_S = 3.0
+FT = ["ft.groups=3", "ft.min_groups=1", "ft.heartbeat_timeout_ms=300", f"ft.timeout_s={TIMEOUT_S}", "ft.restarts=1"]
 U = 2.0**-53  # fp64 unit roundoff
 
 
@@ -56,6 +61,23 @@ def order_bound(ref: list[dict]) -> float:
     return 2 * sum(LR * 2 * (pieces - 1) * U * pieces * float(r["grad_norm"]) for r in ref)
 
 
+def wake_stopped(groups: Path, done: threading.Event, after_s: float = 1.0) -> None:
+    """SIGCONT the first rank found stopped (state T) under ``groups``' rank files, ``after_s`` after seeing it."""
+    while not done.is_set():
+        for info in groups.glob("*/ranks/*.json"):
+            try:
+                pid = int(json.loads(info.read_text())["pid"])
+                with open(f"/proc/{pid}/stat") as stat:
+                    state = stat.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, ValueError, KeyError):
+                continue
+            if state == "T":
+                time.sleep(after_s)
+                os.kill(pid, signal.SIGCONT)
+                return
+        time.sleep(0.1)
+
+
 def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
     ref = run_cli("train", tmp_path / "ref", *COMMON, timeout=120)
     assert ref.returncode == 0, ref.stderr[-2000:]
@@ -64,9 +86,18 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
         # step 3, its 2nd micro-batch of 4; restarted, it rejoins a second later (the others go on with K = 6)
         fault("KillGroup", group=1, call=2 * (G // MICRO // 3) + 2, rejoin_s=1.0),
         fault("KillGroup", group=2, step=16),  # as it enters step 16's reduction across groups
+        fault("KillGroup", group=0, step=21, signal="SIGSTOP"),  # hung in step 21's reduction, woken after the timeout
         fault("SlowLoss", seconds=0.02),  # steps of ~0.1 s: each restart (~0.5 s) and rejoin fall between steps
     )
-    run = run_cli("train", tmp_path / "ft", *COMMON, *FT, *faults, timeout=180, env={"RUST_LOG": "warn"})
+    done = threading.Event()
+    waker = threading.Thread(
+        target=wake_stopped, args=(tmp_path / "ft" / "groups", done, TIMEOUT_S + 0.5), daemon=True
+    )
+    waker.start()
+    try:
+        run = run_cli("train", tmp_path / "ft", *COMMON, *FT, *faults, timeout=180, env={"RUST_LOG": "warn"})
+    finally:
+        done.set()
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     assert run.stdout.count("restarting it") == 2, run.stdout[-3000:]
     groups = sorted((tmp_path / "ft" / "groups").iterdir())
@@ -99,6 +130,10 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
     assert 3 in missing_at  # step 3 computed again by the two groups left, K 4 -> 6
     assert attempts[3] >= 2 and attempts[16] >= 2, attempts  # each failed step computed again (committed once)
     assert any(r.get("ft_healed") for g in groups if g.name.endswith("a1") for r in records(g))
+    # The hung group left the run within ft.timeout_s (the others' step 21 went on without it); woken, it healed.
+    assert 0 not in by_step[21][0]["ft_groups"]
+    assert max(r["time_s"] for r in by_step[21]) < TIMEOUT_S + 2.0
+    assert any(r["ft_healed"] for r in records(tmp_path / "ft" / "groups" / "g0-a0") if r["step"] > 21)
 
     # Final parameters: every group's against the uninterrupted run, within the summation-order bound.
     bound = order_bound(records(tmp_path / "ref"))
