@@ -351,6 +351,14 @@ def step_record(step: Step, times: StepTimes, nonfinite: bool, island: bool = Fa
     }
 
 
+def run_step(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts) -> Step:
+    """:func:`train_step` once, or until it counts (``parts.retry``: replica groups compute a step whose reduction
+    across groups failed again, under the next quorum)."""
+    if parts.retry is None:
+        return train_step(state, settings, loss_fn, parts.totals, parts.votes)
+    return parts.retry(lambda totals: train_step(state, settings, loss_fn, totals, parts.votes), parts.totals)
+
+
 def train(
     state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts, *, until: int | None = None
 ) -> list[Record]:
@@ -369,10 +377,7 @@ def train(
     state.model.train()
     while state.source.next_step < end and trained < budget:
         parts.timer.start_step()
-        if parts.retry is None:
-            done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
-        else:  # replica groups: a step whose reduction across groups failed runs again under the next quorum
-            done = parts.retry(lambda t: train_step(state, settings, loss_fn, t, parts.votes), parts.totals)
+        done = run_step(state, settings, loss_fn, parts)
         step, totals = done.number, done.totals
         trained += done.window.samples  # the data plan's window: every island's, the same on every rank
         if trained >= budget:  # trainer.max_samples: this step reached it, the run ends after it
