@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fault, inject, run_cli
+from conftest import fault, inject, requires, run_cli
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
+requires("torchft")
 
 STEPS, G, MICRO, LR = 30, 24, 2, 0.05
 COMMON = [
