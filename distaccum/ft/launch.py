@@ -21,7 +21,9 @@ from typing import Any
 
 from distaccum.cluster import forked
 from distaccum.cluster.local import WORKER_COMMAND, free_ports, worker_environment
+from distaccum.cli.exitcodes import EXIT_CONFIG
 from distaccum.config import RunConfig, to_mapping
+from distaccum.engines import engine_class
 from distaccum.ft.session import GROUP_ENV, LIGHTHOUSE_ENV
 
 RESTART_ENV = "DISTACCUM_FT_RESTART"
@@ -84,10 +86,32 @@ class Group:
                 os.kill(p.pid, signal.SIGKILL)
 
 
+def check(cfg: RunConfig) -> None:
+    """ValueError for what cannot form replica groups, before any group starts (each group's set-up checks again)."""
+    ft, why = cfg.ft, engine_class(cfg.engine.name).ft_refusal
+    if why is None and cfg.outer.enabled:
+        why = "outer.method already reduces across islands rarely: use one or the other"
+    if why is None and (cfg.accum.ramp.enabled or cfg.accum.adaptive.enabled):
+        why = "accum.ramp / accum.adaptive change the global batch, which ft keeps fixed across groups"
+    if why is not None:
+        raise ValueError(f"ft.groups={ft.groups}: {why}")
+    if cfg.trainer.node_range()[1] > 1:
+        raise ValueError(f"ft.groups={ft.groups}: distaccum train starts every group on this machine; on several "
+                         "nodes start each group as its own job (docs/failures.md)")
+    if not cfg.accum.auto:
+        split = cfg.split(cfg.trainer.nproc)
+        ft.check_split(split.global_batch, split.micro_batch, cfg.trainer.nproc)
+
+
 def launch_ft(cfg: RunConfig) -> int:
     """Start the Lighthouse (unless ``ft.lighthouse`` names one) and every group; restart a group whose rank died;
-    return 0 when every group finished, 1 otherwise."""
+    return 0 when every group finished, 1 otherwise (2: a configuration that cannot form groups)."""
     ft = cfg.ft
+    try:
+        check(cfg)
+    except ValueError as err:
+        print(f"distaccum: invalid configuration: {err}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     server = None
     address = ft.lighthouse
     # torchft's Rust side (Lighthouse, manager server) logs every tick at INFO to stderr: warnings only on the
@@ -136,6 +160,8 @@ def _watch(cfg: RunConfig, groups: list[Group], address: str) -> int:
             if not failed:
                 continue
             group.kill()
+            if EXIT_CONFIG in failed:  # its set-up refused the run: a restart would refuse it again
+                return EXIT_CONFIG
             if group.attempt >= cfg.ft.restarts:
                 print(f"distaccum: ft: replica group {group.index} failed (exit {failed[0]}), no restart left "
                       f"(ft.restarts={cfg.ft.restarts})", file=sys.stderr, flush=True)
