@@ -88,7 +88,9 @@ def run_variant(name: str, out: Path) -> dict[str, Any]:
     run_dir = out / name
     args = [sys.executable, "-m", "distaccum", "train", *BASE, *VARIANTS[name], f"run_dir={run_dir}"]
     env = {"PYTHONPATH": str(ROOT), "RUST_LOG": "warn", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 600
     # ft: group 0's records are the run's (it is never killed); group 1 is killed. elastic: rank 1 of the one group.
     ft = name.startswith("ft")
@@ -111,16 +113,22 @@ def run_variant(name: str, out: Path) -> dict[str, Any]:
     }
     if ft:
         failed = max(records, key=lambda r: float(r["time_s"]))
-        healed = [r for g in sorted((run_dir / "groups").glob("g1-a*")) for r in _records(g / "metrics.jsonl")
-                  if r.get("ft_healed")]
-        result.update({
-            "stall_s": float(failed["time_s"]) - step_s,
-            "lost_s": float(failed["ft_lost_s"]),
-            "heal_quorum_s": float(healed[0]["ft_quorum_s"]) if healed else None,
-            "healed_at_step": int(healed[0]["step"]) if healed else None,
-            "steps_recomputed": 0,
-            "groups_at_failed_step": failed["ft_groups"],
-        })
+        healed = [
+            r
+            for g in sorted((run_dir / "groups").glob("g1-a*"))
+            for r in _records(g / "metrics.jsonl")
+            if r.get("ft_healed")
+        ]
+        result.update(
+            {
+                "stall_s": float(failed["time_s"]) - step_s,
+                "lost_s": float(failed["ft_lost_s"]),
+                "heal_quorum_s": float(healed[0]["ft_quorum_s"]) if healed else None,
+                "healed_at_step": int(healed[0]["step"]) if healed else None,
+                "steps_recomputed": 0,
+                "groups_at_failed_step": failed["ft_groups"],
+            }
+        )
     else:
         resumed = re.search(r"resumed from \S+step-0*(\d+)", stdout + stderr)
         last = int(resumed.group(1)) if resumed else 0
@@ -164,7 +172,10 @@ def render(results: dict[str, Any]) -> str:
         f"{el['steps_recomputed']} (resumed from step {el['resumed_from_step']}) | every rank restarts | "
         f"{el['steps_recomputed']} step(s) | n/a |",
     ]
-    return "\n".join(rows) + f"\n\nMedian step: {ft['median_step_s']:.2f} s (ft), {el['median_step_s']:.2f} s (elastic)."
+    return (
+        "\n".join(rows)
+        + f"\n\nMedian step: {ft['median_step_s']:.2f} s (ft), {el['median_step_s']:.2f} s (elastic)."
+    )
 
 
 def publish(results: dict[str, Any]) -> None:
@@ -174,7 +185,9 @@ def publish(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.ft_cost", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.ft_cost", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--publish", action="store_true")
     parser.add_argument("--render", action="store_true")

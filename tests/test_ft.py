@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fault, inject, requires, run_cli
 from safetensors.torch import load_file
+
+from conftest import fault, inject, requires, run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
 requires("torchft")
@@ -41,7 +42,13 @@ COMMON = [
     "trainer.save_final=true",
 ]
 TIMEOUT_S = 3.0
-FT = ["ft.groups=3", "ft.min_groups=1", "ft.heartbeat_timeout_ms=300", f"ft.timeout_s={TIMEOUT_S}", "ft.restarts=1"]
+FT = [
+    "ft.groups=3",
+    "ft.min_groups=1",
+    "ft.heartbeat_timeout_ms=300",
+    f"ft.timeout_s={TIMEOUT_S}",
+    "ft.restarts=1",
+]
 U = 2.0**-53  # fp64 unit roundoff
 
 
@@ -87,8 +94,12 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
         # step 3, its 2nd micro-batch of 4; restarted, it rejoins a second later (the others go on with K = 6)
         fault("KillGroup", group=1, call=2 * (G // MICRO // 3) + 2, rejoin_s=1.0),
         fault("KillGroup", group=2, step=16),  # as it enters step 16's reduction across groups
-        fault("KillGroup", group=0, step=21, signal="SIGSTOP"),  # hung in step 21's reduction, woken after the timeout
-        fault("SlowLoss", seconds=0.02),  # steps of ~0.1 s: each restart (~0.5 s) and rejoin fall between steps
+        fault(
+            "KillGroup", group=0, step=21, signal="SIGSTOP"
+        ),  # hung in step 21's reduction, woken after the timeout
+        fault(
+            "SlowLoss", seconds=0.02
+        ),  # steps of ~0.1 s: each restart (~0.5 s) and rejoin fall between steps
     )
     done = threading.Event()
     waker = threading.Thread(
@@ -129,7 +140,9 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
         attempts[step] = max(r["ft_attempts"] for r in rs)
     assert len(epoch) == len(set(epoch)) == sum(r["samples"] for r in windows.values() if r["epoch"] == 0)
     assert 3 in missing_at  # step 3 computed again by the two groups left, K 4 -> 6
-    assert attempts[3] >= 2 and attempts[16] >= 2, attempts  # each failed step computed again (committed once)
+    assert attempts[3] >= 2 and attempts[16] >= 2, (
+        attempts
+    )  # each failed step computed again (committed once)
     assert any(r.get("ft_healed") for g in groups if g.name.endswith("a1") for r in records(g))
     # The hung group left the run within ft.timeout_s (the others' step 21 went on without it); woken, it healed.
     assert 0 not in by_step[21][0]["ft_groups"]
@@ -145,5 +158,7 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
         got = load_file(str(g / "final" / "model.safetensors"))
         gap = max(float((got[k] - want[k]).abs().max()) for k in want)
         assert gap <= bound, (g.name, gap, bound)
-        assert all(torch.equal(got[k], load_file(str(finals[0] / "final" / "model.safetensors"))[k]) for k in got)
+        assert all(
+            torch.equal(got[k], load_file(str(finals[0] / "final" / "model.safetensors"))[k]) for k in got
+        )
     print(f"ft: final parameters within {bound:.3g} of the uninterrupted run (measured gap {gap:.3g})")

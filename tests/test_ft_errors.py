@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import requires
 
+from conftest import requires
 from distaccum.config import ConfigError, from_mapping
 from distaccum.ft.config import FtConfig
 from distaccum.ft.session import FtError, FtSession, resolvable_host
@@ -45,9 +45,13 @@ def test_an_unreachable_lighthouse_and_too_few_groups_are_one_line(
         made.store = store  # type: ignore[attr-defined]  # kept alive with the session
         return made
 
-    with pytest.raises(FtError, match=r"^ft: the Lighthouse at http://127\.0\.0\.1:1 is unreachable \(RuntimeError"):
+    with pytest.raises(
+        FtError, match=r"^ft: the Lighthouse at http://127\.0\.0\.1:1 is unreachable \(RuntimeError"
+    ):
         session("http://127.0.0.1:1").start(dict, lambda state: None)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=300)
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=300
+    )
     try:
         alone = session(lighthouse.address())
         alone.start(dict, lambda state: None)

@@ -49,11 +49,19 @@ class FtConfig:
             raise ValueError(f"ft.groups={self.groups}: 0 (off) or at least 2 replica groups")
         if self.groups and not 1 <= self.min_groups <= self.groups:
             raise ValueError(f"ft.min_groups={self.min_groups} must be between 1 and ft.groups={self.groups}")
-        for name in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms", "timeout_s", "quorum_timeout_s"):
+        for name in (
+            "heartbeat_timeout_ms",
+            "join_timeout_ms",
+            "quorum_tick_ms",
+            "timeout_s",
+            "quorum_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ft.{name}={getattr(self, name)} must be positive")
         if self.max_retries < 0 or self.restarts < 0:
-            raise ValueError(f"ft.max_retries={self.max_retries} and ft.restarts={self.restarts} must be >= 0")
+            raise ValueError(
+                f"ft.max_retries={self.max_retries} and ft.restarts={self.restarts} must be >= 0"
+            )
 
     @property
     def enabled(self) -> bool:

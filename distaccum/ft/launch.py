@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distaccum.cli.exitcodes import EXIT_CONFIG
 from distaccum.cluster import forked
 from distaccum.cluster.local import WORKER_COMMAND, free_ports, worker_environment
-from distaccum.cli.exitcodes import EXIT_CONFIG
 from distaccum.config import RunConfig, to_mapping
 from distaccum.engines import engine_class
 from distaccum.ft.session import GROUP_ENV, LIGHTHOUSE_ENV
@@ -60,11 +60,18 @@ class Group:
         config.write_text(json.dumps({**to_mapping(cfg), "run_dir": str(run_dir)}, indent=2) + "\n")
         nproc, port = cfg.trainer.nproc, free_ports(1)[0]
         base = {**os.environ, **worker_environment(nproc)}
-        base.update({
-            GROUP_ENV: str(self.index), "NUM_REPLICA_GROUPS": str(cfg.ft.groups), LIGHTHOUSE_ENV: lighthouse,
-            RESTART_ENV: str(self.attempt), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-        })
+        base.update(
+            {
+                GROUP_ENV: str(self.index),
+                "NUM_REPLICA_GROUPS": str(cfg.ft.groups),
+                LIGHTHOUSE_ENV: lighthouse,
+                RESTART_ENV: str(self.attempt),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+            }
+        )
         argv = [*WORKER_COMMAND, str(config)]
         self.procs = []
         for rank in range(nproc):
@@ -96,8 +103,10 @@ def check(cfg: RunConfig) -> None:
     if why is not None:
         raise ValueError(f"ft.groups={ft.groups}: {why}")
     if cfg.trainer.node_range()[1] > 1:
-        raise ValueError(f"ft.groups={ft.groups}: distaccum train starts every group on this machine; on several "
-                         "nodes start each group as its own job (docs/failures.md)")
+        raise ValueError(
+            f"ft.groups={ft.groups}: distaccum train starts every group on this machine; on several "
+            "nodes start each group as its own job (docs/failures.md)"
+        )
     if not cfg.accum.auto:
         split = cfg.split(cfg.trainer.nproc)
         ft.check_split(split.global_batch, split.micro_batch, cfg.trainer.nproc)
@@ -121,8 +130,11 @@ def launch_ft(cfg: RunConfig) -> int:
         from torchft.coordination import LighthouseServer
 
         server = LighthouseServer(
-            bind="[::]:0", min_replicas=ft.min_groups, join_timeout_ms=ft.join_timeout_ms,
-            quorum_tick_ms=ft.quorum_tick_ms, heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
+            bind="[::]:0",
+            min_replicas=ft.min_groups,
+            join_timeout_ms=ft.join_timeout_ms,
+            quorum_tick_ms=ft.quorum_tick_ms,
+            heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
         )
         address = server.address()
     print(f"distaccum: {lighthouse_line(cfg)}; Lighthouse at {address}", flush=True)
@@ -145,8 +157,10 @@ def _watch(cfg: RunConfig, groups: list[Group], address: str) -> int:
         if ended is not None and time.monotonic() - ended > cfg.ft.timeout_s:
             # The others finished trainer.max_steps: a group still running now is one that rejoined too late.
             late = [g.index for g in groups if not g.done]
-            print(f"distaccum: ft: the run ended; replica group(s) {late} were still joining and are stopped",
-                  flush=True)
+            print(
+                f"distaccum: ft: the run ended; replica group(s) {late} were still joining and are stopped",
+                flush=True,
+            )
             return 0
         for group in groups:
             if group.done:
@@ -163,11 +177,18 @@ def _watch(cfg: RunConfig, groups: list[Group], address: str) -> int:
             if EXIT_CONFIG in failed:  # its set-up refused the run: a restart would refuse it again
                 return EXIT_CONFIG
             if group.attempt >= cfg.ft.restarts:
-                print(f"distaccum: ft: replica group {group.index} failed (exit {failed[0]}), no restart left "
-                      f"(ft.restarts={cfg.ft.restarts})", file=sys.stderr, flush=True)
+                print(
+                    f"distaccum: ft: replica group {group.index} failed (exit {failed[0]}), no restart left "
+                    f"(ft.restarts={cfg.ft.restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             group.attempt += 1
-            print(f"distaccum: ft: replica group {group.index} died (exit {failed[0]}); restarting it (restart "
-                  f"{group.attempt} of ft.restarts={cfg.ft.restarts}): it heals from a live group", flush=True)
+            print(
+                f"distaccum: ft: replica group {group.index} died (exit {failed[0]}); restarting it (restart "
+                f"{group.attempt} of ft.restarts={cfg.ft.restarts}): it heals from a live group",
+                flush=True,
+            )
             group.start(cfg, address)
     return 0

@@ -74,14 +74,22 @@ class FtSource:
         return split, quorum.index * self.group_world + self.group_rank
 
     def window(self) -> WindowBatches:
-        quorum = self.session.quorum(self.plan.next_step)  # a healing group's state (and position) is loaded here
+        quorum = self.session.quorum(
+            self.plan.next_step
+        )  # a healing group's state (and position) is loaded here
         step, cut = self.plan.next_step, self.cut(quorum)
         self.session.step = step  # a healing group is at the live groups' step now
         if cut != self._cut or self.session.attempts > 1:  # a new cut, or the same step again: a fresh walk
             inner = self.inner
             self._source = PlanSource(
-                inner.dataset, inner.collate, self.plan, cut[0], cut[1], inner.stop,
-                float_dtype=inner.float_dtype, **inner.loader_options,
+                inner.dataset,
+                inner.collate,
+                self.plan,
+                cut[0],
+                cut[1],
+                inner.stop,
+                float_dtype=inner.float_dtype,
+                **inner.loader_options,
             )
             self._cut = cut
         view = self.views.get(step)
@@ -143,13 +151,23 @@ class FtTotals:
         grads = [g.to_local() if hasattr(g, "to_local") else g for g in self._grads()]
         present = [0.0] * groups
         present[session.group] = 1.0
-        row = [mine.items, mine.loss_sum, float(mine.samples), float(mine.stop_votes), float(mine.checkpoint_votes)]
+        row = [
+            mine.items,
+            mine.loss_sum,
+            float(mine.samples),
+            float(mine.stop_votes),
+            float(mine.checkpoint_votes),
+        ]
         device = grads[0].device if grads else torch.device("cpu")
         # One buffer, float64: gradients widen exactly, and the totals stay exact (integer counts below 2^53).
-        flat = torch.cat([*(g.reshape(-1).to(torch.float64) for g in grads),
-                          torch.tensor(row + present, dtype=torch.float64, device=device)])
+        flat = torch.cat(
+            [
+                *(g.reshape(-1).to(torch.float64) for g in grads),
+                torch.tensor(row + present, dtype=torch.float64, device=device),
+            ]
+        )
         session.reduce(flat)
-        sums, at = flat[-(len(row) + groups):].tolist(), 0
+        sums, at = flat[-(len(row) + groups) :].tolist(), 0
         for g in grads:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
@@ -158,10 +176,16 @@ class FtTotals:
         if step is not None:
             step.groups = [i for i in range(groups) if sums[len(row) + i] > 0.5]
         total = replace(
-            mine, items=sums[0], loss_sum=sums[1], samples=round(sums[2]), stop_votes=round(sums[3]),
+            mine,
+            items=sums[0],
+            loss_sum=sums[1],
+            samples=round(sums[2]),
+            stop_votes=round(sums[3]),
             checkpoint_votes=round(sums[4]),
         )
-        return total if committed else Uncommitted(**{f: getattr(total, f) for f in total.__dataclass_fields__})
+        return (
+            total if committed else Uncommitted(**{f: getattr(total, f) for f in total.__dataclass_fields__})
+        )
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.engine.unwrapped().parameters() if p.grad is not None]

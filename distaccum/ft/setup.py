@@ -54,7 +54,9 @@ class FtSetup(SetupBase):
         group = int(os.environ[GROUP_ENV])
         if not 0 <= group < cfg.groups:
             raise ValueError(f"{GROUP_ENV}={group} is not one of the groups 0..{cfg.groups - 1} (ft.groups)")
-        self.session = run.seam("ft", FtSession(cfg, group, run.group_rank, run.world, Path(resolved.run_dir)))
+        self.session = run.seam(
+            "ft", FtSession(cfg, group, run.group_rank, run.world, Path(resolved.run_dir))
+        )
         run.announce(
             f"distaccum: replica group {group} of {cfg.groups} ({run.world} rank(s)), at least ft.min_groups="
             f"{cfg.min_groups} per step; each step's window cut for the groups present"

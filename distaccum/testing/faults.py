@@ -224,7 +224,9 @@ class KillGroup:
         if not self._mine():
             return obj
         if not self._first():
-            if point == "ft" and self.rejoin_s:  # before its Manager exists: the Lighthouse does not wait for it
+            if (
+                point == "ft" and self.rejoin_s
+            ):  # before its Manager exists: the Lighthouse does not wait for it
                 import time
 
                 time.sleep(self.rejoin_s)
