@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distaccum.cli.exitcodes import EXIT_CONFIG
 from distaccum.cluster import forked
 from distaccum.cluster.local import WORKER_COMMAND, free_ports, worker_environment
 from distaccum.config import RunConfig, to_mapping
 from distaccum.engines import engine_class
 from distaccum.ft.session import GROUP_ENV, LIGHTHOUSE_ENV
 
+EXIT_CONFIG = 2
+"""A worker's exit for a configuration it refused (``distaccum.cli.exitcodes``; the entry layer's, not imported)."""
 RESTART_ENV = "DISTACCUM_FT_RESTART"
 """How many times this group's launcher was started again (0: the first start)."""
 
