@@ -41,7 +41,7 @@ COMMON = [
     "optim.warmup_steps=0",
     "trainer.save_final=true",
 ]
-TIMEOUT_S = 3.0
+TIMEOUT_S = 2.0
 FT = [
     "ft.groups=3",
     "ft.min_groups=1",

@@ -84,12 +84,13 @@ def train_task(dcfg: Any) -> int:
         f"run_dir {cfg.run_dir}",
         flush=True,
     )
-    print(
-        "distaccum: equivalent to `"
-        + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file)))
-        + "`",
-        flush=True,
-    )
+    if not cfg.ft.enabled:  # replica groups: one launch per group (distaccum.ft.launch says where)
+        print(
+            "distaccum: equivalent to `"
+            + shlex.join(torchrun_argv(launch_plan(cfg), worker_args(config_file)))
+            + "`",
+            flush=True,
+        )
     nodes = cfg.trainer.node_range()[1]  # an elastic launch: its largest world (elastic_plan says the rest)
     for line in placement_plan(checked.run.engine.replicas, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
