@@ -22,8 +22,8 @@ from typing import Any
 from distaccum.cluster import forked
 from distaccum.cluster.local import WORKER_COMMAND, free_ports, worker_environment
 from distaccum.config import RunConfig, to_mapping
-from distaccum.engines import engine_class
 from distaccum.ft.session import GROUP_ENV, LIGHTHOUSE_ENV
+from distaccum.ft.setup import refusal
 
 EXIT_CONFIG = 2
 """A worker's exit for a configuration it refused (``distaccum.cli.exitcodes``; the entry layer's, not imported)."""
@@ -96,11 +96,7 @@ class Group:
 
 def check(cfg: RunConfig) -> None:
     """ValueError for what cannot form replica groups, before any group starts (each group's set-up checks again)."""
-    ft, why = cfg.ft, engine_class(cfg.engine.name).ft_refusal
-    if why is None and cfg.outer.enabled:
-        why = "outer.method already reduces across islands rarely: use one or the other"
-    if why is None and (cfg.accum.ramp.enabled or cfg.accum.adaptive.enabled):
-        why = "accum.ramp / accum.adaptive change the global batch, which ft keeps fixed across groups"
+    ft, why = cfg.ft, refusal(cfg)
     if why is not None:
         raise ValueError(f"ft.groups={ft.groups}: {why}")
     if cfg.trainer.node_range()[1] > 1:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar
 
+from distaccum.config import RunConfig
 from distaccum.data.pipeline import PlanSource
 from distaccum.engines import engine_class
 from distaccum.features.base import Assembly, Engine, SetupBase, TrainState
@@ -14,17 +15,24 @@ from distaccum.ft.parts import FtRecord, FtRetry, FtSource
 from distaccum.ft.session import GROUP_ENV, FtSession
 
 
-def refusal(run: Assembly) -> str | None:
-    """Why this run cannot form fault-tolerant replica groups (None: it can)."""
-    cfg = run.cfg
-    why = engine_class(run.spec.engine.name).ft_refusal
-    if why:
-        return why
-    if cfg.outer.enabled:
-        return "outer.method already reduces across islands rarely: use one or the other"
-    if run.resolved.data.schedule is not None:
-        return "accum.ramp / accum.adaptive change the global batch, which ft keeps fixed across groups"
-    return None
+def sharded_checksum(cfg: RunConfig) -> str | None:
+    """Why a sharded engine's reduction checksum cannot run in replica groups (None: it can, or it is off)."""
+    if engine_class(cfg.engine.name).replicated_gradients or not cfg.trainer.fingerprint:
+        return None
+    return (
+        f"engine={cfg.engine.name} checks each step's reduction against its own ranks' gradients (trainer.fingerprint), "
+        "and the sum across groups adds the other groups' to it: set trainer.fingerprint=false"
+    )
+
+
+def refusal(cfg: RunConfig) -> str | None:
+    """Why ``cfg`` cannot form fault-tolerant replica groups (None: it can)."""
+    why = engine_class(cfg.engine.name).ft_refusal or sharded_checksum(cfg)
+    if why is None and cfg.outer.enabled:
+        why = "outer.method already reduces across islands rarely: use one or the other"
+    if why is None and (cfg.accum.ramp.enabled or cfg.accum.adaptive.enabled):
+        why = "accum.ramp / accum.adaptive change the global batch, which ft keeps fixed across groups"
+    return why
 
 
 class FtSetup(SetupBase):
@@ -42,7 +50,7 @@ class FtSetup(SetupBase):
     def before_engine(self, run: Assembly) -> None:
         """Refuse what cannot form replica groups; this group's session (its Manager starts with the state)."""
         cfg, resolved = run.cfg.ft, run.resolved
-        why = refusal(run)
+        why = refusal(run.cfg)
         if why is not None:
             raise ValueError(f"ft.groups={cfg.groups}: {why}")
         cfg.check_split(resolved.split.global_batch, resolved.split.micro_batch, run.world)
