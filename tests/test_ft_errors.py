@@ -40,7 +40,7 @@ def test_an_unreachable_lighthouse_and_too_few_groups_are_one_line(
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the group's own store
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(store.port))
-        cfg = FtConfig(groups=2, min_groups=2, lighthouse=lighthouse, timeout_s=1, quorum_timeout_s=1)
+        cfg = FtConfig(groups=2, min_groups=2, lighthouse=lighthouse, timeout_s=0.3, quorum_timeout_s=0.3)
         made = FtSession(cfg, 0, 0, 1, tmp_path)
         made.store = store  # type: ignore[attr-defined]  # kept alive with the session
         return made
@@ -61,3 +61,23 @@ def test_an_unreachable_lighthouse_and_too_few_groups_are_one_line(
     finally:
         lighthouse.shutdown()
     assert "INFO Started CheckpointServer" in (tmp_path / "torchft.log").read_text()  # not on the console
+
+
+def test_what_cannot_form_groups_is_refused_before_any_group_starts() -> None:
+    from distaccum.ft.launch import check
+
+    base = {"ft": {"groups": 3}, "accum": {"global_batch": 24, "micro_batch": 2}, "trainer": {"nproc": 1}}
+    check(from_mapping(base))  # DDP, 24 samples over 1, 2 or 3 groups of one rank
+    for change, why in (
+        ({"engine": {"name": "deepspeed"}}, "ZeRO partitions the optimizer state"),
+        ({"engine": {"name": "accelerate"}}, "Accelerate steps its own wrapped optimizer"),
+        ({"engine": {"name": "fsdp"}}, "set trainer.fingerprint=false"),
+        ({"outer": {"method": "diloco", "islands": 1}}, "outer.method already reduces"),
+        (
+            {"accum": {"global_batch": 18, "micro_batch": 2}},
+            "does not split into micro-batches of 2 over 2 group",
+        ),
+    ):
+        with pytest.raises(ValueError, match=why):
+            check(from_mapping({**base, **change}))
+    check(from_mapping({**base, "engine": {"name": "fsdp"}, "trainer": {"nproc": 1, "fingerprint": False}}))
