@@ -48,6 +48,7 @@ FT = [
     "ft.heartbeat_timeout_ms=300",
     f"ft.timeout_s={TIMEOUT_S}",
     "ft.restarts=1",
+    "ft.sample_ids=true",
 ]
 U = 2.0**-53  # fp64 unit roundoff
 

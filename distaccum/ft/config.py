@@ -43,6 +43,9 @@ class FtConfig:
     """Steps computed again in a row before the run fails (a reduction that keeps failing)."""
     restarts: int = 3
     """``distaccum train``: times a dead group's launcher is restarted (it then heals from a live group)."""
+    sample_ids: bool = False
+    """Record the sample ids each group trained at each step (``ft_sample_ids``: the proof that none is lost or
+    repeated; a step's record then grows with the global batch)."""
 
     def __post_init__(self) -> None:
         if self.groups < 0 or self.groups == 1:

@@ -94,7 +94,8 @@ class FtSource:
             self._cut = cut
         view = self.views.get(step)
         self.views[step] = StepView(quorum, self.session.attempts, view.lost_s if view else 0.0)
-        self.views[step].samples = self._group_samples(step, cut[0], quorum)
+        if self.session.cfg.sample_ids:
+            self.views[step].samples = self._group_samples(step, cut[0], quorum)
         return self._source.window()
 
     def _group_samples(self, step: int, split: Split, quorum: Quorum) -> list[int]:
@@ -236,5 +237,4 @@ class FtRecord:
             "ft_lost_s": view.lost_s,
             "ft_quorum_s": view.quorum.quorum_s,
             "ft_healed": view.quorum.healed,
-            "ft_sample_ids": view.samples,
-        }
+        } | ({"ft_sample_ids": view.samples} if self.session.cfg.sample_ids else {})

@@ -104,6 +104,9 @@ class FtSession:
     def start(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
         """Build this group's Manager over a reconfigurable gloo group across groups (collective inside the group:
         the group's rank 0 serves it, over the group's own TCPStore)."""
+        # torchft's Rust side (the manager server) logs every tick at INFO on stderr; its logger reads RUST_LOG once,
+        # when torchft is first used: warnings only on the console, unless the user chose otherwise.
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager, ProcessGroupGloo
 
         route_logging(self.run_dir)
