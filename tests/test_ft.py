@@ -32,7 +32,6 @@ COMMON = [
     "precision=fp64",
     f"accum.global_batch={G}",
     f"accum.micro_batch={MICRO}",
-    "trainer.nproc=1",
     f"trainer.max_steps={STEPS}",
     "optim.name=sgd",
     "optim.momentum=0.0",
@@ -43,7 +42,6 @@ COMMON = [
 ]
 TIMEOUT_S = 2.0
 FT = [
-    "ft.groups=3",
     "ft.min_groups=1",
     "ft.heartbeat_timeout_ms=300",
     f"ft.timeout_s={TIMEOUT_S}",
@@ -87,20 +85,30 @@ def wake_stopped(groups: Path, done: threading.Event, after_s: float = 1.0) -> N
         time.sleep(0.1)
 
 
-def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
-    ref = run_cli("train", tmp_path / "ref", *COMMON, timeout=120)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted single-process run of the same global batch (both tests compare with it)."""
+    run_dir = tmp_path_factory.mktemp("ft") / "ref"
+    ref = run_cli("train", run_dir, *COMMON, "trainer.nproc=1", timeout=120)
     assert ref.returncode == 0, ref.stderr[-2000:]
+    return run_dir
+
+
+def final_gap(run_dir: Path, want: dict[str, torch.Tensor]) -> float:
+    got = load_file(str(run_dir / "final" / "model.safetensors"))
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path, reference: Path) -> None:
     faults = inject(
         "distaccum.losses.mse",
         # step 3, its 2nd micro-batch of 4; restarted, it rejoins a second later (the others go on with K = 6)
         fault("KillGroup", group=1, call=2 * (G // MICRO // 3) + 2, rejoin_s=1.0),
         fault("KillGroup", group=2, step=16),  # as it enters step 16's reduction across groups
-        fault(
-            "KillGroup", group=0, step=21, signal="SIGSTOP"
-        ),  # hung in step 21's reduction, woken after the timeout
-        fault(
-            "SlowLoss", seconds=0.02
-        ),  # steps of ~0.1 s: each restart (~0.5 s) and rejoin fall between steps
+        # hung in step 21's reduction, woken after the timeout
+        fault("KillGroup", group=0, step=21, signal="SIGSTOP"),
+        # steps of ~0.1 s: each restart (~0.5 s) and rejoin fall between steps
+        fault("SlowLoss", seconds=0.02),
     )
     done = threading.Event()
     waker = threading.Thread(
@@ -108,7 +116,17 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
     )
     waker.start()
     try:
-        run = run_cli("train", tmp_path / "ft", *COMMON, *FT, *faults, timeout=180, env={"RUST_LOG": "warn"})
+        run = run_cli(
+            "train",
+            tmp_path / "ft",
+            *COMMON,
+            "trainer.nproc=1",
+            "ft.groups=3",
+            *FT,
+            *faults,
+            timeout=180,
+            env={"RUST_LOG": "warn"},
+        )
     finally:
         done.set()
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
@@ -122,7 +140,7 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
         for r in records(g):
             by_step.setdefault(int(r["step"]), []).append(r)
     assert sorted(by_step) == list(range(1, STEPS + 1))  # steps lost: 0
-    windows = {int(r["step"]): r for r in records(tmp_path / "ref")}
+    windows = {int(r["step"]): r for r in records(reference)}
     missing_at, attempts, epoch = set(), {}, []
     for step, rs in by_step.items():
         present = rs[0]["ft_groups"]
@@ -151,8 +169,8 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
     assert any(r["ft_healed"] for r in records(tmp_path / "ft" / "groups" / "g0-a0") if r["step"] > 21)
 
     # Final parameters: every group's against the uninterrupted run, within the summation-order bound.
-    bound = order_bound(records(tmp_path / "ref"))
-    want = load_file(str(tmp_path / "ref" / "final" / "model.safetensors"))
+    bound = order_bound(records(reference))
+    want = load_file(str(reference / "final" / "model.safetensors"))
     finals = [g for g in groups if (g / "final" / "model.safetensors").exists()]
     assert {g.name[:2] for g in finals} == {"g0", "g1", "g2"}
     for g in finals:
@@ -163,3 +181,27 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path) -> None:
             torch.equal(got[k], load_file(str(finals[0] / "final" / "model.safetensors"))[k]) for k in got
         )
     print(f"ft: final parameters within {bound:.3g} of the uninterrupted run (measured gap {gap:.3g})")
+
+
+def test_fsdp2_groups_heal_a_sharded_state(tmp_path: Path, reference: Path) -> None:
+    """Two groups of two FSDP2 ranks: group 1 SIGKILLed in step 3's micro-batches, restarted, heals shard by shard
+    from group 0 (each rank from its peer); both groups end equal, and equal to the uninterrupted run within the
+    bound."""
+    faults = inject(
+        "distaccum.losses.mse",
+        fault("KillGroup", group=1, call=2 * (G // MICRO // 4) + 2),  # step 3: K = 3 per rank, its 2nd
+        fault("SlowLoss", seconds=0.02),
+    )
+    fsdp = ["engine=fsdp", "trainer.fingerprint=false", "trainer.nproc=2", "ft.groups=2"]
+    overrides = [*COMMON, *FT, *fsdp, *faults]
+    run = run_cli("train", tmp_path / "ft", *overrides, timeout=180, env={"RUST_LOG": "warn"})
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    groups = tmp_path / "ft" / "groups"
+    assert sorted(g.name for g in groups.iterdir()) == ["g0-a0", "g1-a0", "g1-a1"]
+    healed = [r for r in records(groups / "g1-a1") if r["ft_healed"]]
+    assert healed and [r["step"] for r in records(groups / "g0-a0")] == list(range(1, STEPS + 1))
+    want = load_file(str(reference / "final" / "model.safetensors"))
+    assert final_gap(groups / "g0-a0", want) <= order_bound(records(reference))
+    assert (
+        final_gap(groups / "g1-a1", load_file(str(groups / "g0-a0" / "final" / "model.safetensors"))) == 0.0
+    )
