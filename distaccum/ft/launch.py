@@ -24,6 +24,7 @@ from distaccum.cluster.local import WORKER_COMMAND, free_ports, worker_environme
 from distaccum.config import RunConfig, to_mapping
 from distaccum.ft.session import GROUP_ENV, LIGHTHOUSE_ENV
 from distaccum.ft.setup import refusal
+from distaccum.runtime.stopping import EXIT_REQUEUE
 
 EXIT_CONFIG = 2
 """A worker's exit for a configuration it refused (``distaccum.cli.exitcodes``; the entry layer's, not imported)."""
@@ -49,6 +50,8 @@ class Group:
     attempt: int = 0
     procs: list[Any] = field(default_factory=list)
     done: bool = False
+    stopped: bool = False
+    """It stopped on request (exit 3, after checkpointing): the run is rerun to resume, not restarted here."""
 
     def run_dir(self, cfg: RunConfig) -> Path:
         return Path(cfg.run_dir) / "groups" / f"g{self.index}-a{self.attempt}"
@@ -57,6 +60,14 @@ class Group:
         """Start the group's ranks (forked from distaccum's worker server when there is one)."""
         run_dir = self.run_dir(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if (
+            self.attempt
+        ):  # a restarted group resumes its own newest checkpoint (then heals if the others are ahead)
+            first = Path(cfg.run_dir) / "groups" / f"g{self.index}-a0" / "checkpoints"
+            first.mkdir(parents=True, exist_ok=True)
+            link = run_dir / "checkpoints"
+            if not link.exists():
+                link.symlink_to(first.resolve(), target_is_directory=True)
         config = run_dir / "launch_config.json"
         config.write_text(json.dumps({**to_mapping(cfg), "run_dir": str(run_dir)}, indent=2) + "\n")
         nproc, port = cfg.trainer.nproc, free_ports(1)[0]
@@ -87,6 +98,12 @@ class Group:
 
     def codes(self) -> list[int | None]:
         return [p.exitcode if hasattr(p, "exitcode") else p.poll() for p in self.procs]
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the group's live ranks."""
+        for p, code in zip(self.procs, self.codes(), strict=True):
+            if code is None:
+                os.kill(p.pid, sig)
 
     def kill(self) -> None:
         for p in self.procs:
@@ -138,9 +155,19 @@ def launch_ft(cfg: RunConfig) -> int:
     groups = [Group(i) for i in range(ft.groups)]
     for group in groups:
         group.start(cfg, address)
+
+    def forward(
+        signum: int, frame: Any
+    ) -> None:  # every group stops after the same window, checkpoints, exits 3
+        for group in groups:
+            group.signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         return _watch(cfg, groups, address)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for group in groups:
             group.kill()
         if server is not None:
@@ -170,6 +197,9 @@ def _watch(cfg: RunConfig, groups: list[Group], address: str) -> int:
             failed = [c for c in codes if c not in (0, None)]
             if not failed:
                 continue
+            if EXIT_REQUEUE in failed:  # stopped on request after a checkpoint: rerun the command to resume
+                group.done = group.stopped = all(c is not None for c in codes)
+                continue
             group.kill()
             if EXIT_CONFIG in failed:  # its set-up refused the run: a restart would refuse it again
                 return EXIT_CONFIG
@@ -188,4 +218,4 @@ def _watch(cfg: RunConfig, groups: list[Group], address: str) -> int:
                 flush=True,
             )
             group.start(cfg, address)
-    return 0
+    return EXIT_REQUEUE if any(g.stopped for g in groups) else 0

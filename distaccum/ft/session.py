@@ -90,6 +90,10 @@ class FtSession:
         """Attempts of the current step so far (1 when the first one commits)."""
         self.committed = False
         self.last: Quorum | None = None
+        self.resumed_at = 0
+        """The step this group resumed from its checkpoint (0: a fresh start)."""
+        self.started = False
+        """A quorum has admitted this group (its first waits for every group at the run's start or resumed step)."""
 
     def lighthouse(self) -> str:
         """The Lighthouse's address: ``ft.lighthouse``, else the launcher's ``TORCHFT_LIGHTHOUSE``."""
@@ -137,6 +141,12 @@ class FtSession:
         except Exception as err:  # noqa: BLE001 - the Rust client's errors: one line that names the Lighthouse
             raise FtError(f"ft: the Lighthouse at {addr} is unreachable ({first_line(err)})") from None
 
+    def resumed(self, step: int) -> None:
+        """This group resumed ``step`` optimizer steps from its own checkpoint: the Manager counts from there (a group
+        whose checkpoint is older heals from one at the newest step at its first quorum)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.cfg.groups})
+        self.resumed_at = step
+
     def quorum(self, step: int) -> Quorum:
         """Begin computing 0-based step ``step`` (or compute it again): the quorum of the groups present. The first
         step waits for every group (none starts alone); a group behind the others heals from a live one here."""
@@ -153,8 +163,12 @@ class FtSession:
                 groups = manager.num_participants()
             except Exception as err:  # noqa: BLE001 - a timeout or an unreachable Lighthouse, in one line
                 raise FtError(self._quorum_error(err)) from None
-            # The quorum's step (a healing group's is the live groups'): the first waits for every group.
-            if groups >= (cfg.groups if manager.current_step() == 0 else cfg.min_groups):
+            # Every group at the first step, and at the step a rerun resumed from (the quorum's step: a healing
+            # group's is the live groups'); a group restarted mid-run joins the ones alive.
+            at = manager.current_step()
+            if groups >= (
+                cfg.groups if at == 0 or (not self.started and at == self.resumed_at) else cfg.min_groups
+            ):
                 break
             if time.perf_counter() - began > cfg.quorum_timeout_s:
                 raise FtError(
@@ -163,6 +177,7 @@ class FtSession:
                     f"{cfg.min_groups})"
                 )
             time.sleep(cfg.quorum_tick_ms / 1000)
+        self.started = True
         index = manager.participating_rank()
         assert index is not None, "a synchronous quorum admits every group it names"
         healed = manager.current_step() != before

@@ -104,6 +104,8 @@ class FtSetup(SetupBase):
             state.n_prev = saved["n_prev"]
 
         session.start(state_dict, load_state_dict)
+        if done:
+            session.resumed(done)
         run.retry = FtRetry(session, source, engine, state)
         run.monitors.append(FtRecord(session, source))
 
