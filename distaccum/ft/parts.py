@@ -74,9 +74,8 @@ class FtSource:
         return split, quorum.index * self.group_world + self.group_rank
 
     def window(self) -> WindowBatches:
-        quorum = self.session.quorum(
-            self.plan.next_step
-        )  # a healing group's state (and position) is loaded here
+        # A healing group loads a live group's state (and data position) in the quorum: the step is read after it.
+        quorum = self.session.quorum(self.plan.next_step)
         step, cut = self.plan.next_step, self.cut(quorum)
         self.session.step = step  # a healing group is at the live groups' step now
         if cut != self._cut or self.session.attempts > 1:  # a new cut, or the same step again: a fresh walk
