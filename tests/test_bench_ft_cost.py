@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO
 
 from benchmarks.ft_cost import DOCS_COMMAND, STORE, VARIANTS, render
+from conftest import REPO
 
 pytestmark = pytest.mark.unit
 
