@@ -26,7 +26,7 @@ from conftest import fault, inject, requires, run_cli
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
 requires("torchft")
 
-STEPS, G, MICRO, LR = 30, 24, 2, 0.05
+STEPS, G, MICRO, LR = 36, 24, 2, 0.05
 COMMON = [
     "model=mlp",
     "precision=fp64",
@@ -112,7 +112,7 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path, reference: Pa
     )
     done = threading.Event()
     waker = threading.Thread(
-        target=wake_stopped, args=(tmp_path / "ft" / "groups", done, TIMEOUT_S + 0.5), daemon=True
+        target=wake_stopped, args=(tmp_path / "ft" / "groups", done, TIMEOUT_S + 1.0), daemon=True
     )
     waker.start()
     try:
