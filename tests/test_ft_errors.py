@@ -81,3 +81,11 @@ def test_what_cannot_form_groups_is_refused_before_any_group_starts() -> None:
         with pytest.raises(ValueError, match=why):
             check(from_mapping({**base, **change}))
     check(from_mapping({**base, "engine": {"name": "fsdp"}, "trainer": {"nproc": 1, "fingerprint": False}}))
+
+
+def test_submit_refuses_replica_groups_it_cannot_start(capsys: pytest.CaptureFixture[str]) -> None:
+    from distaccum.cli.submit import submit_main
+
+    assert submit_main(["--to", "slurm", "--dry-run", "model=mlp", "ft.groups=2"]) == 2
+    err = capsys.readouterr().err
+    assert "does not start replica groups yet" in err and "docs/failures.md" in err
