@@ -71,6 +71,14 @@ def train_task(dcfg: Any) -> int:
         how = f"micro_batch {cfg.accum.micro_batch} x the accumulation steps of the world it gets"
     ranks = f"x{split.world_size}" if len(worlds) == 1 else f"on {worlds[0]} to {worlds[-1]}"
     batch = f"{how} = {split.global_batch} samples per optimizer step"
+    ft = cfg.ft
+    if ft.enabled and not cfg.accum.auto:  # K follows the replica groups a step's quorum admits
+        per = split.micro_batch * split.world_size
+        ks = ", ".join(
+            f"K={split.global_batch // (per * n)} with {n}" for n in range(ft.groups, ft.min_groups - 1, -1)
+        )
+        batch = f"micro_batch {split.micro_batch} x K per rank = {split.global_batch} samples per step ({ks} group(s))"
+        ranks = f"in {ft.groups} groups of {split.world_size}"
     schedule = checked.run.data.schedule
     if cfg.accum.adaptive.enabled and schedule is not None:  # the phases follow (describe_schedule, rank 0)
         batch = f"a global batch from {schedule.phases[0][1]} chosen as it runs (accum.adaptive), micro_batch {split.micro_batch}"
