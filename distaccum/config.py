@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from distaccum.batching.config import AdaptiveConfig, RampConfig, check_growth
 from distaccum.cluster.config import KubeflowConfig, RayConfig, SlurmConfig  # leaf modules, like Split
 from distaccum.data.config import DataConfig, EvalConfig
+from distaccum.ft.config import FtConfig
 from distaccum.outer.config import OuterConfig, renamed_keys
 from distaccum.rundir.log_config import LogConfig
 from distaccum.runtime.contracts import parse_nnodes
@@ -345,6 +346,7 @@ class RunConfig:
     kubeflow: KubeflowConfig = field(default_factory=KubeflowConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
     precision: str = "fp32"
     """fp32 | bf16 (autocast) | fp16 (autocast + GradScaler) | fp64."""
     run_dir: str = "runs/default"

@@ -237,6 +237,13 @@ class NonFinitePolicy:
         )
 
 
+class StepRetry(Protocol):
+    """Runs one optimizer step until it counts: ``attempt(totals)`` is :func:`train_step` with the window's totals
+    ``totals`` stands for (a wrapper may extend their collective), called again while the step did not count."""
+
+    def __call__(self, attempt: Callable[[Any], Step], totals: WindowTotals) -> Step: ...
+
+
 class CheckpointPolicy(Protocol):
     """When to checkpoint, and the writing (:class:`distaccum.rundir.checkpoint.Checkpointer`)."""
 
@@ -267,6 +274,9 @@ class LoopParts:
     """Steps whose record must be handed over before the next step starts, under ``lag`` (an evaluation's)."""
     outer: OuterStep | None = None
     """An outer-synced run's outer step (``outer.method``), run right after each optimizer step."""
+    retry: StepRetry | None = None
+    """Runs each step until it counts (fault-tolerant replica groups, ``ft.groups``: a step whose reduction across
+    groups failed is computed again); None: every step counts once run."""
 
     def flushes(self, step: int) -> bool:
         """Whether step ``step``'s record must be published before the next step starts (an evaluation's)."""
@@ -347,6 +357,14 @@ def step_record(step: Step, times: StepTimes, nonfinite: bool, island: bool = Fa
     }
 
 
+def run_step(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts) -> Step:
+    """:func:`train_step` once, or until it counts (``parts.retry``: replica groups compute a step whose reduction
+    across groups failed again, under the next quorum)."""
+    if parts.retry is None:
+        return train_step(state, settings, loss_fn, parts.totals, parts.votes)
+    return parts.retry(lambda totals: train_step(state, settings, loss_fn, totals, parts.votes), parts.totals)
+
+
 def train(
     state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts, *, until: int | None = None
 ) -> list[Record]:
@@ -365,7 +383,7 @@ def train(
     state.model.train()
     while state.source.next_step < end and trained < budget:
         parts.timer.start_step()
-        done = train_step(state, settings, loss_fn, parts.totals, parts.votes)
+        done = run_step(state, settings, loss_fn, parts)
         step, totals = done.number, done.totals
         trained += done.window.samples  # the data order's window: every island's, the same on every rank
         if trained >= budget:  # trainer.max_samples: this step reached it, the run ends after it

@@ -462,6 +462,7 @@ class Trainer:
             lag=records_lag(device, self.on_step is not None, self.lag_records),
             flush_after=(lambda step: step % every == 0) if every else None,
             outer=run.outer,
+            retry=run.retry,
         )
 
     def _resolve(self, device: torch.device, local_world_size: int) -> ResolvedRun:

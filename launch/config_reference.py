@@ -29,6 +29,7 @@ SECTIONS = {
     "kubeflow": config.KubeflowConfig,
     "ray": config.RayConfig,
     "outer": config.OuterConfig,
+    "ft": config.FtConfig,
 }
 
 

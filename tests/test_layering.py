@@ -160,6 +160,7 @@ FOLDER_PAIRS = {
         "a leaf config section: config imports data.config (data, eval); the data pipeline reads RunConfig"
     ),
     ("config", "outer"): "a leaf config section: config imports outer.config; outer.simulate reads RunConfig",
+    ("config", "ft"): "a leaf config section: config imports ft.config; ft.launch writes each group's config",
     ("config", "verify"): (
         "a leaf config section: config imports verify.config; the verify command reads RunConfig"
     ),

@@ -178,11 +178,13 @@ def started() -> bool:
     return _server_env is not None
 
 
-def worker_args(argv: list[str]) -> tuple[Any, ...]:
-    """The arguments of :func:`run_forked` for one launch, taken now: ``argv``, this process's environment, its
-    server's, and its standard output and error (sent to each worker as file descriptors when it starts)."""
+def worker_args(argv: list[str], env: Mapping[str, str] | None = None) -> tuple[Any, ...]:
+    """The arguments of :func:`run_forked` for one launch, taken now: ``argv``, ``env`` (default: this process's
+    environment), its server's, and its standard output and error (sent to each worker as file descriptors when it
+    starts)."""
     assert _server_env is not None, "start() first"
-    return (argv, dict(os.environ), _server_env, _Fd(sys.stdout.fileno()), _Fd(sys.stderr.fileno()))
+    launch_env = dict(os.environ if env is None else env)
+    return (argv, launch_env, _server_env, _Fd(sys.stdout.fileno()), _Fd(sys.stderr.fileno()))
 
 
 class _Fd:

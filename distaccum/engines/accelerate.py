@@ -35,6 +35,10 @@ class AccelerateEngine(ReplicatedEngine):
     """An ``Accelerator`` driving DDP; gradient sync through ``accumulate()``."""
 
     name = "accelerate"
+    ft_refusal = (
+        "Accelerate steps its own wrapped optimizer, around which torchft's commit vote cannot sit; use engine=ddp "
+        "(the same DDP) inside each group"
+    )
     reentrant_checkpointing_safe = False  # Accelerate wraps the model in DDP
 
     @classmethod

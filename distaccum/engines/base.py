@@ -244,6 +244,9 @@ class EngineBase:
     """``accum.exact`` can drive it: its ``sync(False)`` leaves every micro-batch's whole local gradient on the
     ``.grad`` of ``local_gradients()`` without any reduction, and its ``step`` takes the gradients as they are then:
     the parameters' own (``replicated_gradients``), or the shards ``gradient_shards()`` returns (sharded engines)."""
+    ft_refusal: ClassVar[str | None] = None
+    """Why it cannot train in fault-tolerant replica groups (``ft.groups``); None: it can (its gradients and its
+    plain state dict are the group's, which torchft sums across groups and copies to a healing one)."""
     grad_squares: Any = None
 
     def __init__(self, spec: EngineSpec, ledger: Any) -> None:

@@ -139,6 +139,10 @@ class DeepSpeedEngine(EngineBase):
     """``deepspeed.initialize`` with our torch optimizer and a config generated from ours."""
 
     name = "deepspeed"
+    ft_refusal = (
+        "ZeRO partitions the optimizer state inside DeepSpeed's own engine, which torchft can neither sum across "
+        "groups nor copy to a healing group; use engine=ddp or engine=fsdp inside each group"
+    )
     reshardable_checkpoints = False  # ZeRO partitions optimizer state per rank
     reduce_dtypes = ("fp32", "bf16", "fp16")
     # deepspeed.initialize's ZeRO optimizer check imports deepspeed.runtime.zero.muon, whose module calls torch.compile

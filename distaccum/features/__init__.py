@@ -18,6 +18,7 @@ FEATURES: dict[str, str] = {
     "activation_checkpointing": "distaccum.features.checkpointing:CheckpointingSetup",
     "outer": "distaccum.outer.setup:OuterSetup",
     "exact": "distaccum.exact.setup:ExactSetup",
+    "ft": "distaccum.ft.setup:FtSetup",
     "batch_growth": "distaccum.batching.setup:GrowthSetup",
     "fingerprint": "distaccum.features.guards:FingerprintSetup",
     "guards": "distaccum.features.guards:GuardsSetup",

@@ -87,6 +87,8 @@ class Assembly:
     """The gradient noise scale's monitor (``log.gns``; what an adaptive batch decides on), as the seam returned it."""
     monitors: list[StepMonitor] = field(default_factory=list)
     """Step monitors, in the order they run."""
+    retry: Any = None
+    """Runs each step until it counts (a :class:`~distaccum.loop.StepRetry`: fault-tolerant replica groups)."""
     timer: Any = None
     """The run's :class:`~distaccum.telemetry.timing.StepTimer` (set by the Trainer before the monitors attach; typed
     loosely so that telemetry's set-ups import this module and this module nothing of telemetry)."""

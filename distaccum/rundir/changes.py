@@ -62,6 +62,7 @@ ALLOWED_KEYS: dict[str, str] = {
             "slurm.",
             "kubeflow.",
             "ray.",
+            "ft.",
             "run_dir",
         ),
         _LAUNCH,

@@ -25,6 +25,7 @@ POINTS = {
     "scheduler": "the learning-rate scheduler",
     "checkpoint_writer": "the writer of distaccum's own checkpoint files",
     "outer": "an outer-synced run's outer step (its reduce across the islands)",
+    "ft": "a fault-tolerant run's torchft session (its quorum, its reduction across replica groups, its commit)",
     "gns": "the noise-scale monitor (log.gns: each step's estimate, which the adaptive batch decides on)",
 }
 """The objects a run passes through the seam, and what each is."""

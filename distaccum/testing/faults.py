@@ -209,3 +209,90 @@ class SkewedNoiseScale:
 
     def wrap(self, point: str, obj: Any) -> Any:
         return SkewedGns(obj) if point == "gns" and rank() == self.rank else obj
+
+
+class KillGroup:
+    """Signals its own process (SIGKILL by default; SIGSTOP hangs it) in replica group ``group`` of a fault-tolerant
+    run (``ft.groups``), on that group's first launch only (``DISTACCUM_FT_RESTART`` 0: a restarted group runs clean):
+    at the loss's ``call``-th call (1-based: in the middle of a step's micro-batches), or as the group enters the
+    reduction across groups of 1-based step ``step`` (the other groups are then in it, waiting). ``rejoin_s``: the
+    restarted group waits that long before its first quorum (a slow restart: the others go on without it)."""
+
+    def __init__(
+        self,
+        group: int,
+        call: int | None = None,
+        step: int | None = None,
+        signal: str = "SIGKILL",
+        rejoin_s: float = 0.0,
+    ) -> None:
+        self.group, self.call, self.step, self.signal, self.rejoin_s = group, call, step, signal, rejoin_s
+        self.calls = 0
+
+    def _mine(self) -> bool:
+        import os
+
+        return os.environ.get("REPLICA_GROUP_ID") == str(self.group)
+
+    def _first(self) -> bool:
+        import os
+
+        return os.environ.get("DISTACCUM_FT_RESTART", "0") == "0"
+
+    def _fire(self) -> None:
+        import os
+        import signal
+
+        os.kill(os.getpid(), getattr(signal, self.signal))
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        if not self._mine():
+            return obj
+        if not self._first():
+            if (
+                point == "ft" and self.rejoin_s
+            ):  # before its Manager exists: the Lighthouse does not wait for it
+                import time
+
+                time.sleep(self.rejoin_s)
+            return obj
+        if point == "loss" and self.call is not None:
+
+            def loss(model: Any, batch: Any) -> Any:
+                self.calls += 1
+                if self.calls == self.call:
+                    self._fire()
+                return obj(model, batch)
+
+            return loss
+        if point == "ft" and self.step is not None:
+            fault = self
+
+            class Reducing(Proxy):
+                def reduce(self, flat: torch.Tensor) -> None:
+                    if self.inner.step + 1 == fault.step:
+                        fault._fire()
+                    self.inner.reduce(flat)
+
+            return Reducing(obj)
+        return obj
+
+
+class SlowLoss:
+    """Every loss call takes ``seconds`` longer (slow steps, so that a test's events fall between steps on any
+    machine)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        if point != "loss":
+            return obj
+
+        def loss(model: Any, batch: Any) -> Any:
+            import time
+
+            time.sleep(self.seconds)
+            return obj(model, batch)
+
+        return loss

@@ -1,0 +1,239 @@
+"""The parts a fault-tolerant run adds to the loop: the window cut for the groups a quorum admits, the sum across
+groups, and a step computed again when that sum failed.
+
+The window of step s is the global-batch order's (the same samples in the same order as any other run of the global batch G). With
+n groups present of R ranks each it is cut as a run of n R ranks would cut it: K = G / (micro x n R) micro-batches per
+rank, this rank taking the pieces of rank q R + r (q: its group's place in the quorum, r: its rank in the group). So a
+missing group's pieces go to the others (K grows), and every piece is trained exactly once per committed step.
+
+The loop's normalization holds across groups: each group reduces its ranks' gradients and window rows as always,
+then ONE collective across the groups present (:meth:`FtTotals.read`) sums the gradients and the rows' totals (N, the
+loss sum, the samples, the votes and which groups took part), so the engine's step multiplies by 1/(c N) of the
+whole window, exactly as a run without groups does. The sum is a SUM (torchft divides by the groups present by
+default). If it failed, or a group voted against the step, the step is not committed: the engine skips the update
+(the gradients are dropped), the order's position stays, and :class:`FtRetry` computes the step again under the next
+quorum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from distaccum.data.pipeline import OrderSource, WindowBatches
+from distaccum.engines.base import Engine
+from distaccum.ft.session import FtSession, Quorum
+from distaccum.loop import Step, TrainState
+from distaccum.split import Split
+from distaccum.telemetry.sinks import Record
+from distaccum.window import Carry, WindowResult, WindowTotals
+
+
+@dataclass
+class StepView:
+    """What one committed step was, for its record (kept by step: records may be handed over a step late)."""
+
+    quorum: Quorum
+    attempts: int = 1
+    lost_s: float = 0.0
+    """Seconds spent in this step's attempts that were not committed (the failure's recomputed work and stall)."""
+    groups: list[int] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    """The sample ids this group trained in the step, in the global-batch order."""
+
+
+class FtSource:
+    """This rank's windows, cut for each step's quorum (a wrapper of the run's :class:`OrderSource`, whose order it
+    shares; its position advances only when the step was committed)."""
+
+    def __init__(self, inner: OrderSource, session: FtSession, group_rank: int, group_world: int) -> None:
+        self.inner, self.session = inner, session
+        self.group_rank, self.group_world = group_rank, group_world
+        self.order = inner.order
+        self._source: OrderSource = inner
+        self._cut: tuple[Split, int] = (inner.split, inner.rank)
+        self.views: dict[int, StepView] = {}
+
+    @property
+    def next_step(self) -> int:
+        return self.order.next_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self.order.next_step = step
+
+    def cut(self, quorum: Quorum) -> tuple[Split, int]:
+        """(the split of a run of the groups present, this rank's place in it)."""
+        micro, world = self.inner.split.micro_batch, self.group_world * quorum.groups
+        split = Split(micro, self.order.global_batch // (micro * world), world)
+        return split, quorum.index * self.group_world + self.group_rank
+
+    def window(self) -> WindowBatches:
+        # A healing group loads a live group's state (and data position) in the quorum: the step is read after it.
+        quorum = self.session.quorum(self.order.next_step)
+        step, cut = self.order.next_step, self.cut(quorum)
+        self.session.step = step  # a healing group is at the live groups' step now
+        if cut != self._cut or self.session.attempts > 1:  # a new cut, or the same step again: a fresh walk
+            inner = self.inner
+            self._source = OrderSource(
+                inner.dataset,
+                inner.collate,
+                self.order,
+                cut[0],
+                cut[1],
+                inner.stop,
+                float_dtype=inner.float_dtype,
+                **inner.loader_options,
+            )
+            self._cut = cut
+        view = self.views.get(step)
+        self.views[step] = StepView(quorum, self.session.attempts, view.lost_s if view else 0.0)
+        if self.session.cfg.sample_ids:
+            self.views[step].samples = self._group_samples(step, cut[0], quorum)
+        return self._source.window()
+
+    def _group_samples(self, step: int, split: Split, quorum: Quorum) -> list[int]:
+        first = quorum.index * self.group_world
+        ids: list[int] = []
+        for r in range(first, first + self.group_world):
+            ids += torch.cat(self.order.rank_pieces(step, split, r)[1]).tolist()
+        return ids
+
+    def advance(self) -> None:
+        if self.session.committed:
+            self._source.advance()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+class Uncommitted(WindowResult):
+    """The totals of a step that was not committed: its gradient is dropped on every engine (NaN scale: the step is
+    skipped and the gradients zeroed, as for a non-finite loss)."""
+
+    def grad_scale(self, c: float, loss_norm: str = "global_count") -> float:
+        return math.nan
+
+
+class FtTotals:
+    """The window's totals of this group (its own collective, :class:`WindowTotals`), then ONE collective across the
+    groups present: the gradients and the totals summed, and the commit vote."""
+
+    def __init__(self, inner: WindowTotals, session: FtSession, engine: Engine, source: FtSource) -> None:
+        self.inner, self.session, self.engine, self.source = inner, session, engine, source
+        self._result: WindowResult | None = None
+
+    def start(self) -> None:
+        self.inner.start()
+        self._result = None
+
+    def add(self, summed: torch.Tensor, n_items: Any, samples: int) -> float:
+        return self.inner.add(summed, n_items, samples)
+
+    def reduce(self, *, stop: bool, checkpoint: bool, carry: Carry | None = None) -> None:
+        self.inner.reduce(stop=stop, checkpoint=checkpoint, carry=carry)
+
+    def read(self) -> WindowResult:
+        if self._result is None:
+            self._result = self._across(self.inner.read())
+        return self._result
+
+    def _across(self, mine: WindowResult) -> WindowResult:
+        session, groups = self.session, self.session.cfg.groups
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in self._grads()]
+        present = [0.0] * groups
+        present[session.group] = 1.0
+        row = [
+            mine.items,
+            mine.loss_sum,
+            float(mine.samples),
+            float(mine.stop_votes),
+            float(mine.checkpoint_votes),
+        ]
+        device = grads[0].device if grads else torch.device("cpu")
+        # One buffer, float64: gradients widen exactly, and the totals stay exact (integer counts below 2^53).
+        flat = torch.cat(
+            [
+                *(g.reshape(-1).to(torch.float64) for g in grads),
+                torch.tensor(row + present, dtype=torch.float64, device=device),
+            ]
+        )
+        session.reduce(flat)
+        sums, at = flat[-(len(row) + groups) :].tolist(), 0
+        for g in grads:
+            g.copy_(flat[at : at + g.numel()].view_as(g))
+            at += g.numel()
+        committed = session.commit()
+        step = self.source.views.get(session.step)
+        if step is not None:
+            step.groups = [i for i in range(groups) if sums[len(row) + i] > 0.5]
+        total = replace(
+            mine,
+            items=sums[0],
+            loss_sum=sums[1],
+            samples=round(sums[2]),
+            stop_votes=round(sums[3]),
+            checkpoint_votes=round(sums[4]),
+        )
+        return (
+            total if committed else Uncommitted(**{f: getattr(total, f) for f in total.__dataclass_fields__})
+        )
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.engine.unwrapped().parameters() if p.grad is not None]
+
+
+class FtRetry:
+    """Runs each step until it is committed: a step whose reduction across groups failed (or that a group voted
+    against) is computed again, from the same window, under the next quorum."""
+
+    def __init__(self, session: FtSession, source: FtSource, engine: Engine, state: TrainState) -> None:
+        self.session, self.source, self.engine, self.state = session, source, engine, state
+        self._totals: dict[int, FtTotals] = {}
+
+    def __call__(self, attempt: Callable[[Any], Step], totals: WindowTotals) -> Step:
+        wrapped = self._totals.get(id(totals))
+        if wrapped is None:
+            wrapped = self._totals[id(totals)] = FtTotals(totals, self.session, self.engine, self.source)
+        while True:
+            began, n_prev = time.perf_counter(), self.state.n_prev
+            done = attempt(wrapped)
+            if self.session.committed:
+                return done
+            # c = 2^-round(log2 N_prev) must be the same in every group (their gradients are summed): an uncommitted
+            # step's N (a partial sum, or another quorum's) never becomes N_prev.
+            self.state.n_prev = n_prev
+            view = self.source.views[done.window.step]
+            view.lost_s += time.perf_counter() - began
+
+
+class FtRecord:
+    """Each step's record fields (a :class:`~distaccum.loop.StepMonitor`): the groups present, K (``micro_steps``,
+    already in the record) and this group's share."""
+
+    def __init__(self, session: FtSession, source: FtSource) -> None:
+        self.session, self.source = session, source
+
+    def after_step(self, step: int, window: WindowResult, c: float, d: float) -> None:
+        return None
+
+    def fields(self, record: Record, times: Any, records: list[Record]) -> Record:
+        view = self.source.views.pop(int(record["step"]) - 1, None)
+        if view is None:
+            return {}
+        return {
+            "ft_group": self.session.group,
+            "ft_groups": view.groups,
+            "ft_attempts": view.attempts,
+            "ft_lost_s": view.lost_s,
+            "ft_quorum_s": view.quorum.quorum_s,
+            "ft_healed": view.quorum.healed,
+        } | ({"ft_sample_ids": view.samples} if self.session.cfg.sample_ids else {})
