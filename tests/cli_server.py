@@ -128,6 +128,12 @@ def _command(request: dict, fds: list[int], server_sockets: list[socket.socket])
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if request.get("kind") == "torchrun":
         _torchrun(request["argv"])
+    elif request.get("kind") == "script":  # python SCRIPT ARGS
+        import runpy
+
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
     else:
         sys.argv = ["distaccum", *request["argv"]]
         runpy.run_module("distaccum", run_name="__main__", alter_sys=True)
@@ -257,6 +263,16 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
+KINDS = {"distaccum": ["-m", "distaccum"], "torchrun": ["-m", "torch.distributed.run"], "script": []}
+"""What a request runs: ``python -m distaccum ARGV``, ``python -m torch.distributed.run ARGV`` (its ranks forked too:
+see :func:`_torchrun`) or ``python ARGV`` (a script and its arguments)."""
+
+
+def command_line(kind: str, argv: Sequence[str]) -> list[str]:
+    """The command line a request of ``kind`` stands for (and runs as, in a new interpreter)."""
+    return [sys.executable, *KINDS[kind], *argv]
+
+
 class Forked:
     """A command forked from this process's server, driven as a :class:`subprocess.Popen` is: ``pid``, ``returncode``,
     :meth:`poll`, :meth:`wait`, :meth:`send_signal`, :meth:`kill` and :meth:`communicate` (text). ``stdout`` and
@@ -273,10 +289,10 @@ class Forked:
         env: Mapping[str, str],
         stdout: Any = None,
         stderr: Any = None,
-        torchrun: bool = False,
+        kind: str = "distaccum",
         new_session: bool = False,
     ) -> None:
-        self.args = [sys.executable, "-m", "torch.distributed.run" if torchrun else "distaccum", *argv]
+        self.args = command_line(kind, argv)
         self.returncode: int | None = None
         self._pipes: dict[str, int] = {}  # "stdout"/"stderr" -> the read end this process keeps
         sent: list[int] = []  # the command's stdout and stderr descriptors
@@ -290,7 +306,7 @@ class Forked:
             else:
                 sent.append(os.dup(target.fileno() if target is not None else (1 if name == "stdout" else 2)))
         request = {
-            "kind": "torchrun" if torchrun else "distaccum",
+            "kind": kind,
             "argv": list(argv),
             "cwd": str(cwd),
             "env": dict(env),
@@ -395,16 +411,15 @@ def popen(
     env: Mapping[str, str],
     stdout: Any = None,
     stderr: Any = None,
-    torchrun: bool = False,
+    kind: str = "distaccum",
     new_session: bool = False,
 ) -> Started:
     """``python -m distaccum ARGV`` started in the background (see :class:`Forked`), or a new interpreter where the
     request changes an import-time variable."""
     SERVER.ensure()
     if import_time_changes(env, SERVER.env):
-        command = [sys.executable, "-m", "torch.distributed.run" if torchrun else "distaccum", *argv]
         return subprocess.Popen(
-            command,
+            command_line(kind, argv),
             cwd=cwd,
             env=dict(env),
             stdout=stdout,
@@ -412,19 +427,17 @@ def popen(
             text=True,
             start_new_session=new_session,
         )
-    return Forked(
-        argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, torchrun=torchrun, new_session=new_session
-    )
+    return Forked(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, kind=kind, new_session=new_session)
 
 
 def run(
-    argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float, torchrun: bool = False
+    argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float, kind: str = "distaccum"
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m distaccum ARGV`` (``python -m torch.distributed.run ARGV`` with ``torchrun``, its ranks forked too:
-    see :func:`_torchrun`) as ``subprocess.run(..., capture_output=True, text=True, timeout=...)`` would run it,
-    forked from this process's server (a new interpreter where the request changes an import-time variable).
+    """The command of ``kind`` (:data:`KINDS`; ``python -m distaccum ARGV`` by default) as ``subprocess.run(...,
+    capture_output=True, text=True, timeout=...)`` would run it, forked from this process's server (a new interpreter
+    where the request changes an import-time variable).
     Raises :class:`subprocess.TimeoutExpired` after killing the command, as ``subprocess.run`` does."""
-    proc = popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, torchrun=torchrun)
+    proc = popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, kind=kind)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -174,7 +174,7 @@ def forked_torchrun(
         cwd=cwd,
         env=cli_env(env),
         timeout=timeout,
-        torchrun=True,
+        kind="torchrun",
     )
 
 

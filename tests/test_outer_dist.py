@@ -25,11 +25,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import cli_server
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import distaccum_cli, forked_torchrun
+from conftest import cli_env, distaccum_cli, forked_torchrun
 from distaccum.cluster.forked import leave
 from distaccum.config import from_mapping
 from distaccum.outer.sync import split_fragments
@@ -253,18 +254,23 @@ def test_an_island_that_merged_other_numbers_stops_the_run_naming_it(
 
 
 def verified(root: Path, **sections: Any) -> list[dict[str, Any]]:
-    """``distaccum verify`` (the Python API) of BASE with ``sections`` on 4 ranks; the candidate's records."""
-    from distaccum.verify import verify
-
+    """``distaccum verify`` (the Python API, in a command forked from the tests' server: tests/fixtures/api_verify.py)
+    of BASE with ``sections`` on 4 ranks; the candidate's records."""
     config = merged(merged(BASE, {"trainer": {"nproc": 4}}), {**sections, "run_dir": str(root)})
-    lines: list[str] = []
-    result = verify(config, echo=lines.append)
-    text = "\n".join(lines)
-    assert result.passed, text
-    [row] = result.rows
-    assert row.run.split.world_size == 4, text
+    config_file, out = root.parent / "verify-config.json", root.parent / "verify-result.json"
+    config_file.write_text(json.dumps(config))
+    script = Path(__file__).parent / "fixtures" / "api_verify.py"
+    proc = cli_server.run(
+        [str(script), str(config_file), str(out)], cwd=root.parent, env=cli_env(), timeout=600, kind="script"
+    )
+    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    text = result["text"]
+    assert result["passed"], text
+    [row] = result["rows"]
+    assert row["world_size"] == 4, text
     print(text)
-    return records(root / row.run.split.label())
+    return records(root / row["label"])
 
 
 def test_verify_passes_ddp_inside_two_islands_and_the_ledger_counts_each_fragment_once(
