@@ -25,10 +25,10 @@ from distaccum.cluster import forked
 from distaccum.cluster.base import Launcher, World
 from distaccum.cluster.local import WORKER_COMMAND, free_ports, worker_environment
 from distaccum.config import RunConfig, to_mapping
-from distaccum.ft.session import GROUP_ENV, LIGHTHOUSE_ENV
-from distaccum.ft.setup import refusal
 from distaccum.runtime.stopping import EXIT_REQUEUE
 
+GROUP_ENV, LIGHTHOUSE_ENV = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"
+""":mod:`distaccum.ft.session`'s names (asked of every ``distaccum train``, this module imports no torch)."""
 EXIT_CONFIG = 2
 """A worker's exit for a configuration it refused (``distaccum.cli.exitcodes``; the entry layer's, not imported)."""
 RESTART_ENV = "DISTACCUM_FT_RESTART"
@@ -181,6 +181,8 @@ class Group:
 
 def check(cfg: RunConfig) -> None:
     """ValueError for what cannot form replica groups, before any group starts (each group's set-up checks again)."""
+    from distaccum.ft.setup import refusal
+
     ft, why = cfg.ft, refusal(cfg)
     if why is not None:
         raise ValueError(f"ft.groups={ft.groups}: {why}")
