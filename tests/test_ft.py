@@ -167,7 +167,9 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path, reference: Pa
         attempts
     )  # each failed step computed again (committed once)
     assert any(r.get("ft_healed") for g in groups if g.name.endswith("a1") for r in records(g))
-    assert {group for _, group in sat_out} == {0, 1, 2}, sat_out  # each healing group sat its healing step out
+    assert {group for _, group in sat_out} == {0, 1, 2}, (
+        sat_out
+    )  # each healing group sat its healing step out
     # The hung group left the run within ft.timeout_s (the others' step 21 went on without it); woken, it healed.
     assert 0 not in by_step[21][0]["ft_groups"]
     assert max(r["time_s"] for r in by_step[21]) < TIMEOUT_S + 2.0

@@ -22,7 +22,11 @@ def test_every_launcher_renders_its_dry_run_without_a_cluster(name: str, tmp_pat
     if name == "kubeflow":
         requires("kubeflow_trainer_api.models")
     launcher = launcher_class(name)
-    assert launcher.name == name and launcher.summary and (launcher.submits or launcher.verifies or launcher.trains), name
+    assert (
+        launcher.name == name
+        and launcher.summary
+        and (launcher.submits or launcher.verifies or launcher.trains)
+    ), name
     cfg = from_mapping({"run_dir": str(tmp_path / "run"), "kubeflow": {"mount_path": str(tmp_path)}})
     world = launcher.world(cfg)
     assert world.ranks >= world.nodes >= 1
@@ -45,7 +49,11 @@ def test_train_starts_a_feature_launch_through_the_registry(tmp_path: Path) -> N
     """`distaccum train` asks TRAINS' launchers first: ft.groups gets the Lighthouse and the groups, the rest torch
     elastic; the entry layer names neither."""
     requires("torchft")
-    base = {"run_dir": str(tmp_path / "run"), "trainer": {"nproc": 1}, "accum": {"global_batch": 24, "micro_batch": 2}}
+    base = {
+        "run_dir": str(tmp_path / "run"),
+        "trainer": {"nproc": 1},
+        "accum": {"global_batch": 24, "micro_batch": 2},
+    }
     assert train_launcher(from_mapping(base)).name == "local"
     cfg = from_mapping({**base, "ft": {"groups": 3, "min_groups": 2, "heartbeat_timeout_ms": 700}})
     launcher = train_launcher(cfg)
@@ -55,7 +63,9 @@ def test_train_starts_a_feature_launch_through_the_registry(tmp_path: Path) -> N
         "present"
     ]
     text = launcher.render(cfg, [])
-    assert "torchft_lighthouse '--bind=[::]:0' --min_replicas=2" in text and "--heartbeat_timeout_ms=700" in text
+    assert (
+        "torchft_lighthouse '--bind=[::]:0' --min_replicas=2" in text and "--heartbeat_timeout_ms=700" in text
+    )
     assert [line.split()[0] for line in text.splitlines()[2:]] == [f"REPLICA_GROUP_ID={i}" for i in range(3)]
 
 

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 from distaccum import load_entry
 from distaccum.cluster.base import Launcher
 
-if TYPE_CHECKING:  # distaccum.config imports this package's config sections: at run time the names stay strings
+if (
+    TYPE_CHECKING
+):  # distaccum.config imports this package's config sections: at run time the names stay strings
     from distaccum.config import RunConfig
 
 LAUNCHERS: dict[str, str] = {

@@ -65,7 +65,9 @@ def split_lines(cfg: RunConfig) -> list[str]:
         return []
     split = cfg.split(cfg.trainer.nproc)
     per = split.micro_batch * split.world_size
-    ks = ", ".join(f"K={split.global_batch // (per * n)} with {n}" for n in range(ft.groups, ft.min_groups - 1, -1))
+    ks = ", ".join(
+        f"K={split.global_batch // (per * n)} with {n}" for n in range(ft.groups, ft.min_groups - 1, -1)
+    )
     return [
         f"ft: {split.global_batch} samples per step in micro-batches of {split.micro_batch} over {ft.groups} groups "
         f"of {split.world_size} rank(s): {ks} group(s) present"
@@ -100,7 +102,9 @@ class FtLauncher(Launcher):
         for i in range(max(cfg.ft.groups, 1)):
             lines.append(
                 f"{GROUP_ENV}={i} {LIGHTHOUSE_ENV}=http://<this host>:<port> "
-                + shlex.join([*WORKER_COMMAND, str(Path(cfg.run_dir) / "groups" / f"g{i}-a0" / "launch_config.json")])
+                + shlex.join(
+                    [*WORKER_COMMAND, str(Path(cfg.run_dir) / "groups" / f"g{i}-a0" / "launch_config.json")]
+                )
                 + f"  # x{cfg.trainer.nproc} rank(s); restarted up to ft.restarts={cfg.ft.restarts} time(s)"
             )
         return "".join(f"{line}\n" for line in lines)

@@ -242,16 +242,22 @@ class FtRecord:
         view = self.source.views.pop(int(record["step"]) - 1, None)
         if view is None:
             return {}
-        return {
-            "ft_group": self.session.group,
-            "ft_groups": view.groups,
-            "ft_attempts": view.attempts,
-            "ft_lost_s": view.lost_s,
-            "ft_quorum_s": view.quorum.quorum_s,
-            "ft_healed": view.quorum.healed,
-        } | ({"ft_sample_ids": view.samples} if self.session.cfg.sample_ids else {}) | self._sat_out(view)
+        return (
+            {
+                "ft_group": self.session.group,
+                "ft_groups": view.groups,
+                "ft_attempts": view.attempts,
+                "ft_lost_s": view.lost_s,
+                "ft_quorum_s": view.quorum.quorum_s,
+                "ft_healed": view.quorum.healed,
+            }
+            | ({"ft_sample_ids": view.samples} if self.session.cfg.sample_ids else {})
+            | self._sat_out(view)
+        )
 
     def _sat_out(self, view: StepView) -> Record:
         """A step this group sat out (it healed in its quorum): the run's global batch, and no pieces (K = 0; its
         one stand-in micro-batch of weight 0 is no piece)."""
-        return {"global_batch": self.source.order.global_batch, "micro_steps": 0} if view.quorum.sits_out else {}
+        return (
+            {"global_batch": self.source.order.global_batch, "micro_steps": 0} if view.quorum.sits_out else {}
+        )
