@@ -74,6 +74,10 @@ def test_what_cannot_form_groups_is_refused_before_any_group_starts() -> None:
         ({"engine": {"name": "fsdp"}}, "set trainer.fingerprint=false"),
         ({"outer": {"method": "diloco", "islands": 1}}, "outer.method already reduces"),
         (
+            {"accum": {"global_batch": 24, "micro_batch": 2, "exact": True}},
+            "accum.exact sums the pieces in int64",
+        ),
+        (
             {"accum": {"global_batch": 18, "micro_batch": 2}},
             "does not split into micro-batches of 2 over 2 group",
         ),
