@@ -74,6 +74,10 @@ def test_what_cannot_form_groups_is_refused_before_any_group_starts() -> None:
         ({"engine": {"name": "fsdp"}}, "set trainer.fingerprint=false"),
         ({"outer": {"method": "diloco", "islands": 1}}, "outer.method already reduces"),
         (
+            {"accum": {"global_batch": 24, "micro_batch": 2, "exact": True}},
+            "accum.exact sums the pieces in int64",
+        ),
+        (
             {"accum": {"global_batch": 18, "micro_batch": 2}},
             "does not split into micro-batches of 2 over 2 group",
         ),
@@ -83,9 +87,19 @@ def test_what_cannot_form_groups_is_refused_before_any_group_starts() -> None:
     check(from_mapping({**base, "engine": {"name": "fsdp"}, "trainer": {"nproc": 1, "fingerprint": False}}))
 
 
-def test_submit_refuses_replica_groups_it_cannot_start(capsys: pytest.CaptureFixture[str]) -> None:
+def test_submit_renders_replica_groups_and_refuses_what_it_cannot_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`distaccum submit --to ray --dry-run` says how the groups would run on Ray; a real submit there refuses in one
+    line (Slurm and Kubernetes: tests/test_slurm_render.py, tests/test_kubeflow_render.py)."""
     from distaccum.cli.submit import submit_main
+    from distaccum.cluster.ray_train import RayError, RayLauncher
 
-    assert submit_main(["--to", "slurm", "--dry-run", "model=mlp", "ft.groups=2"]) == 2
-    err = capsys.readouterr().err
-    assert "does not start replica groups yet" in err and "docs/failures.md" in err
+    assert submit_main(["--to", "ray", "--dry-run", "model=mlp", "ft.groups=2", "trainer.nproc=1"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "ft: the torchft Lighthouse in one Ray actor" in out
+        and "FailureConfig(max_failures=ft.restarts=3)" in out
+    )
+    with pytest.raises(RayError, match="does not start replica groups yet"):
+        RayLauncher.submit(from_mapping({"ft": {"groups": 2}}), [])

@@ -391,3 +391,25 @@ def test_distaccum_submit_to_kubeflow_dry_run_prints_the_trainjob(
     assert submit_main(["--to", "kubeflow", "--dry-run", "kubeflow.nodes=3", "accum.global_batch=32"]) == 2
     err = capsys.readouterr().err  # 32 does not split over 3 x 2 ranks: said before rendering
     assert "accum.global_batch=32 has no split on world_size=6 ranks" in err
+
+
+def test_ft_renders_the_lighthouse_beside_one_trainjob_per_group() -> None:
+    """ft.groups on Kubernetes: a Lighthouse Deployment and Service, then one TrainJob per replica group (each reads
+    back into the TrainJob model) with its REPLICA_GROUP_ID, the Lighthouse's address and its own run_dir."""
+    from distaccum.cluster.kubeflow import KubeflowLauncher
+
+    cfg = from_mapping(
+        {"run_dir": "ft", "accum": {"global_batch": 24, "micro_batch": 2}, "ft": {"groups": 2}}
+    )
+    docs = list(yaml.safe_load_all(KubeflowLauncher.render(cfg, ["ft.groups=2"])))
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "TrainJob", "TrainJob"]
+    assert docs[0]["spec"]["template"]["spec"]["containers"][0]["command"][0] == "torchft_lighthouse"
+    for g, doc in enumerate(docs[2:]):
+        assert models.TrainerV1alpha1TrainJob.from_dict(doc).to_dict() == doc
+        env = {e["name"]: e["value"] for e in doc["spec"]["trainer"]["env"]}
+        assert (
+            env["REPLICA_GROUP_ID"] == str(g)
+            and env["TORCHFT_LIGHTHOUSE"] == "http://distaccum-lighthouse:29510"
+        )
+        assert doc["metadata"]["name"] == f"distaccum-g{g}"
+        assert doc["spec"]["trainer"]["command"][-1] == f"run_dir=/runs/ft/groups/g{g}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires
-from distaccum.cluster import LAUNCHERS, launcher_class, launchers
+from distaccum.cluster import LAUNCHERS, launcher_class, launchers, train_launcher
 from distaccum.cluster.base import Launcher, Submitted, World
 from distaccum.config import RunConfig, from_mapping
 
@@ -22,7 +22,11 @@ def test_every_launcher_renders_its_dry_run_without_a_cluster(name: str, tmp_pat
     if name == "kubeflow":
         requires("kubeflow_trainer_api.models")
     launcher = launcher_class(name)
-    assert launcher.name == name and launcher.summary and (launcher.submits or launcher.verifies), name
+    assert (
+        launcher.name == name
+        and launcher.summary
+        and (launcher.submits or launcher.verifies or launcher.trains)
+    ), name
     cfg = from_mapping({"run_dir": str(tmp_path / "run"), "kubeflow": {"mount_path": str(tmp_path)}})
     world = launcher.world(cfg)
     assert world.ranks >= world.nodes >= 1
@@ -37,8 +41,32 @@ def test_every_launcher_renders_its_dry_run_without_a_cluster(name: str, tmp_pat
 def test_submit_and_verify_offer_the_launchers_that_can() -> None:
     assert [c.name for c in launchers(submits=True)] == ["slurm", "kubeflow", "ray"]
     assert [c.name for c in launchers(verifies=True)] == ["local", "ray"]
-    with pytest.raises(ValueError, match="not one of local, slurm, kubeflow, ray"):
+    with pytest.raises(ValueError, match="not one of local, slurm, kubeflow, ray, ft"):
         launcher_class("pbs")
+
+
+def test_train_starts_a_feature_launch_through_the_registry(tmp_path: Path) -> None:
+    """`distaccum train` asks TRAINS' launchers first: ft.groups gets the Lighthouse and the groups, the rest torch
+    elastic; the entry layer names neither."""
+    requires("torchft")
+    base = {
+        "run_dir": str(tmp_path / "run"),
+        "trainer": {"nproc": 1},
+        "accum": {"global_batch": 24, "micro_batch": 2},
+    }
+    assert train_launcher(from_mapping(base)).name == "local"
+    cfg = from_mapping({**base, "ft": {"groups": 3, "min_groups": 2, "heartbeat_timeout_ms": 700}})
+    launcher = train_launcher(cfg)
+    assert launcher.name == "ft" and launcher.world(cfg) == World(3, 1)
+    assert launcher.train_lines(cfg, tmp_path / "c.json") == [
+        "ft: 24 samples per step in micro-batches of 2 over 3 groups of 1 rank(s): K=4 with 3, K=6 with 2 group(s) "
+        "present"
+    ]
+    text = launcher.render(cfg, [])
+    assert (
+        "torchft_lighthouse '--bind=[::]:0' --min_replicas=2" in text and "--heartbeat_timeout_ms=700" in text
+    )
+    assert [line.split()[0] for line in text.splitlines()[2:]] == [f"REPLICA_GROUP_ID={i}" for i in range(3)]
 
 
 class EchoLauncher(Launcher):

@@ -63,6 +63,17 @@ CASES: dict[str, tuple[dict[str, Any], list[str], str]] = {
         [],
         "python3",
     ),
+    "ft_3groups": (  # torchft replica groups: the Lighthouse step and one restarted step per group
+        {
+            "run_dir": "/scratch/runs/ft",
+            "trainer": {"nproc": 2},
+            "accum": {"global_batch": 24, "micro_batch": 2},
+            "ft": {"groups": 3, "min_groups": 2, "heartbeat_timeout_ms": 2000, "restarts": 2},
+            "slurm": {"nodes": 3},
+        },
+        ["ft.groups=3", "ft.min_groups=2", "ft.heartbeat_timeout_ms=2000", "ft.restarts=2"],
+        "python",
+    ),
 }
 
 
@@ -221,3 +232,35 @@ def test_a_gpu_job_asks_cpus_for_every_gpu_worker_and_states_its_world_and_inter
         from_mapping({"run_dir": "/scratch/r", "slurm": {"python": "/opt/py/bin/python"}}), [], dry_run=True
     )
     assert "srun --kill-on-bad-exit=1 /opt/py/bin/python -m torch.distributed.run" in named.script
+
+
+def test_ft_job_runs_the_lighthouse_and_restarts_each_group() -> None:
+    """ft.groups: the Lighthouse on the first node, group g on its own node with REPLICA_GROUP_ID=g and its own
+    rendezvous, restarted up to ft.restarts times; the world the pre-flight checks is one group's; uneven nodes and a
+    real submit are refused with the reason."""
+    from distaccum.cluster.slurm import SlurmLauncher
+
+    text = _render("ft_3groups")
+    assert (
+        "torchft_lighthouse '--bind=[::]:29510' --min_replicas=2" in text
+        and "--heartbeat_timeout_ms=2000" in text
+    )
+    assert 'REPLICA_GROUP_ID="$g",TORCHFT_LIGHTHOUSE="http://$head_node:29510"' in text
+    assert 'run_dir=/scratch/runs/ft/groups/g"$g"' in text and '[ "$attempt" -gt 2 ]' in text
+    assert "#SBATCH --no-kill" in text and "--signal" not in text
+    cfg = from_mapping(CASES["ft_3groups"][0])
+    assert SlurmLauncher.world(cfg).ranks == 2
+    with pytest.raises(ValueError, match="multiple of 3"):
+        render_sbatch(from_mapping({**CASES["ft_3groups"][0], "slurm": {"nodes": 4}}), [])
+    with pytest.raises(SlurmError, match="renders replica groups"):
+        SlurmLauncher.submit(cfg, [])
+
+
+def test_submit_dry_run_renders_replica_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`distaccum submit --dry-run` of an ft run renders (the pre-flight checks one group's world), no longer refused."""
+    from distaccum.cli.submit import submit_main
+
+    args = ["slurm.nodes=2", "ft.groups=2", "trainer.nproc=1", "model=mlp", f"run_dir={tmp_path / 'run'}"]
+    assert submit_main(["--dry-run", *args]) == 0
+    out = capsys.readouterr().out
+    assert "torchft_lighthouse" in out and "--nproc_per_node=1" in out and "'ft.groups=2'" not in out

@@ -59,12 +59,6 @@ def submit_main(argv: list[str]) -> int:
     launcher = launcher_class(args.to)
     try:
         cfg = compose_config(overrides)
-        if cfg.ft.enabled:
-            raise ConfigError(
-                f"ft.groups={cfg.ft.groups}: distaccum submit --to {args.to} does not start replica groups yet: run "
-                "one torchft Lighthouse and each group as its own job with REPLICA_GROUP_ID and ft.lighthouse "
-                "(docs/failures.md), or `distaccum train` on one machine (it starts the Lighthouse and the groups)"
-            )
         world = launcher.world(cfg)
         preflight(cfg, world.ranks, write=not args.dry_run, nodes=world.nodes)
     except ConfigError as err:

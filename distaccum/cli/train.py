@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,14 +36,8 @@ def config_error(err: Exception) -> None:
 
 def train_task(dcfg: Any) -> int:
     """One Hydra job: validate and pre-flight, then start the workers."""
-    from distaccum.cluster.local import (
-        elastic_lines,
-        launch_local,
-        launch_recipe,
-        start_worker_server,
-        torchrun_argv,
-        worker_args,
-    )
+    from distaccum.cluster import train_launcher
+    from distaccum.cluster.local import elastic_lines, start_worker_server
 
     multirun, job_dir = in_multirun()
     try:
@@ -77,14 +70,10 @@ def train_task(dcfg: Any) -> int:
         how = f"micro_batch {cfg.accum.micro_batch} x the accumulation steps of the world it gets"
     ranks = f"x{split.world_size}" if len(worlds) == 1 else f"on {worlds[0]} to {worlds[-1]}"
     batch = f"{how} = {split.global_batch} samples per optimizer step"
-    ft = cfg.ft
-    if ft.enabled and not cfg.accum.auto:  # K follows the replica groups a step's quorum admits
-        per = split.micro_batch * split.world_size
-        ks = ", ".join(
-            f"K={split.global_batch // (per * n)} with {n}" for n in range(ft.groups, ft.min_groups - 1, -1)
-        )
-        batch = f"micro_batch {split.micro_batch} x K per rank = {split.global_batch} samples per step ({ks} group(s))"
-        ranks = f"in {ft.groups} groups of {split.world_size}"
+    launcher = train_launcher(cfg)  # torch elastic, or a feature's own launch (distaccum.cluster.TRAINS)
+    if launcher.name != "local":  # its own launch: its lines below say how the ranks split the window
+        ranks, how = f"on {launcher.world(cfg).ranks}", f"micro_batch {split.micro_batch} x K (below)"
+        batch = f"{how} = {split.global_batch} samples per optimizer step"
     growth = checked.run.data.growth
     if cfg.accum.adaptive.enabled and growth is not None:  # the phases follow (describe_growth, rank 0)
         batch = f"a global batch from {growth.phases[0][1]} chosen as it runs (accum.adaptive), micro_batch {split.micro_batch}"
@@ -98,13 +87,8 @@ def train_task(dcfg: Any) -> int:
         f"run_dir {cfg.run_dir}",
         flush=True,
     )
-    if not cfg.ft.enabled:  # replica groups: one launch per group (distaccum.ft.launch says where)
-        print(
-            "distaccum: equivalent to `"
-            + shlex.join(torchrun_argv(launch_recipe(cfg), worker_args(config_file)))
-            + "`",
-            flush=True,
-        )
+    for line in launcher.train_lines(cfg, config_file):
+        print(f"distaccum: {line}", flush=True)
     nodes = cfg.trainer.node_range()[1]  # an elastic launch: its largest world (elastic_lines says the rest)
     for line in placement_lines(checked.run.engine.replicas, nodes, cfg.trainer.nproc):
         print(f"distaccum: {line}", flush=True)
@@ -112,12 +96,7 @@ def train_task(dcfg: Any) -> int:
         print(f"distaccum: {line}", flush=True)
     for line in elastic_lines(cfg):
         print(f"distaccum: {line}", flush=True)
-    if cfg.ft.enabled:  # the Lighthouse and one launcher per replica group
-        from distaccum.ft.launch import launch_ft
-
-        code = launch_ft(cfg)
-    else:
-        code = launch_local(cfg, config_file)
+    code = launcher.launch(cfg, config_file)
     if nodes > 1:  # every node's launcher says how its own workers ended (rank 0's node also printed "done")
         print(
             f"distaccum: this node's workers exited {code} ({'ok' if code == EXIT_OK else 'failed'})",

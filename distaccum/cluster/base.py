@@ -60,6 +60,20 @@ class Launcher:
     """A target of ``distaccum submit --to``: implements :meth:`submit`."""
     verifies: ClassVar[bool] = False
     """A target of ``distaccum verify --to``: implements :meth:`launch`."""
+    trains: ClassVar[bool] = False
+    """Starts ``distaccum train``'s run on this machine (implements :meth:`train_lines` and :meth:`launch`): ``local``
+    (torch elastic) every config that no entry of :data:`~distaccum.cluster.TRAINS` :meth:`takes`."""
+
+    @staticmethod
+    def takes(cfg: RunConfig) -> bool:
+        """Whether ``distaccum train`` starts ``cfg`` with this launcher (asked only of :data:`TRAINS`' entries)."""
+        return False
+
+    @staticmethod
+    def train_lines(cfg: RunConfig, config_file: Path) -> list[str]:
+        """What ``distaccum train``'s console says about the launch before it starts (each line after
+        ``distaccum: ``)."""
+        return []
 
     @staticmethod
     def world(cfg: RunConfig) -> World:

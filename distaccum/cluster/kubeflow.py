@@ -17,7 +17,7 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -255,6 +255,69 @@ def render_trainjob(cfg: RunConfig, overrides: Sequence[str]) -> str:
     return "\n".join(_header(cfg, pod_run_dir(cfg))) + "\n" + body
 
 
+LIGHTHOUSE_PORT = 29510
+"""The port of the torchft Lighthouse's Service (torchft's default)."""
+
+
+def render_ft_trainjobs(cfg: RunConfig, overrides: Sequence[str]) -> str:
+    """An ``ft.groups`` run on Kubernetes (pure, as :func:`render_trainjob`): the torchft Lighthouse as a Deployment
+    of one pod and a Service (``<kubeflow.name>-lighthouse``), beside one TrainJob per replica group
+    (``<kubeflow.name>-g<i>``, its own ``REPLICA_GROUP_ID``, run_dir ``groups/g<i>``). A dead group's pods are
+    restarted by its TrainJob's JobSet (the runtime's failure policy); it resumes its checkpoints and heals."""
+    kf, ft = cfg.kubeflow, cfg.ft
+    host = f"{kf.name}-lighthouse"
+    labels = {"app": host}
+    meta = {"name": host} | ({"namespace": kf.namespace} if kf.namespace else {})
+    lighthouse = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "lighthouse",
+                            "image": kf.image,
+                            "command": [
+                                "torchft_lighthouse",
+                                f"--bind=[::]:{LIGHTHOUSE_PORT}",
+                                f"--min_replicas={ft.min_groups}",
+                                f"--join_timeout_ms={ft.join_timeout_ms}",
+                                f"--quorum_tick_ms={ft.quorum_tick_ms}",
+                                f"--heartbeat_timeout_ms={ft.heartbeat_timeout_ms}",
+                            ],
+                            "ports": [{"containerPort": LIGHTHOUSE_PORT}],
+                        }
+                    ]
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {"selector": labels, "ports": [{"port": LIGHTHOUSE_PORT, "targetPort": LIGHTHOUSE_PORT}]},
+    }
+    head = [
+        f"# ft.groups={ft.groups}: a torchft Lighthouse (Deployment + Service {host}:{LIGHTHOUSE_PORT}, min_replicas="
+        f"{ft.min_groups}) and one TrainJob per replica group; a group's failed pods are restarted by its JobSet (set",
+        f"# the runtime's failurePolicy.maxRestarts, ft.restarts={ft.restarts} locally): it resumes its checkpoints "
+        "and heals from a live group.",
+    ]
+    docs = [yaml.safe_dump(d, sort_keys=False, width=1 << 16) for d in (lighthouse, service)]
+    for g in range(ft.groups):
+        env = [*kf.env, f"REPLICA_GROUP_ID={g}", f"TORCHFT_LIGHTHOUSE=http://{host}:{LIGHTHOUSE_PORT}"]
+        group = replace(cfg, run_dir=posixpath.join(cfg.run_dir, "groups", f"g{g}"))
+        group.kubeflow = replace(kf, name=f"{kf.name}-g{g}", env=env)
+        docs.append(render_trainjob(group, overrides))
+    return "\n".join(head) + "\n" + "---\n".join(docs)
+
+
 def submit_trainjob(cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool) -> TrainJobSubmission:
     """Render the TrainJob, write it to ``run_dir/trainjob.yaml`` and ``kubectl apply -f`` it.
 
@@ -301,10 +364,15 @@ class KubeflowLauncher(Launcher):
 
     @staticmethod
     def render(cfg: RunConfig, overrides: Sequence[str]) -> str:
-        return render_trainjob(cfg, overrides)
+        return render_ft_trainjobs(cfg, overrides) if cfg.ft.enabled else render_trainjob(cfg, overrides)
 
     @staticmethod
     def submit(cfg: RunConfig, overrides: Sequence[str]) -> Submitted:
+        if cfg.ft.enabled:
+            raise KubeflowError(
+                f"ft.groups={cfg.ft.groups}: distaccum submit --to kubeflow renders the Lighthouse and the groups' "
+                "TrainJobs (--dry-run) but does not apply them: save the dry run and `kubectl apply -f` it"
+            )
         result = submit_trainjob(cfg, overrides, dry_run=False)
         note = f"wrote {result.path} and applied it; outputs go to {pod_run_dir(cfg)} in the pods"
         return Submitted(result.applied or "", note)

@@ -330,6 +330,7 @@ class LocalLauncher(Launcher):
     name = "local"
     summary = "this machine (and a node of several): torch elastic"
     verifies = True
+    trains = True
     launch = staticmethod(launch_local)
     prepare = staticmethod(start_worker_server)  # the workers' libraries load while verify's reference runs
 
@@ -344,3 +345,8 @@ class LocalLauncher(Launcher):
         """The torchrun command equivalent to the launch (``overrides`` are resolved into the launch config)."""
         argv = torchrun_argv(launch_recipe(cfg), worker_args(Path(cfg.run_dir) / LAUNCH_CONFIG))
         return "".join(f"distaccum: {line}\n" for line in elastic_lines(cfg)) + shlex.join(argv) + "\n"
+
+    @staticmethod
+    def train_lines(cfg: RunConfig, config_file: Path) -> list[str]:
+        """The torchrun command equivalent to ``distaccum train``'s launch."""
+        return [f"equivalent to `{shlex.join(torchrun_argv(launch_recipe(cfg), worker_args(config_file)))}`"]

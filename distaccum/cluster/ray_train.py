@@ -343,9 +343,26 @@ def ray_dry_run(cfg: RunConfig, overrides: Sequence[str]) -> str:
     """What ``distaccum submit --to ray --dry-run`` prints: the command, the split and the recipe (starts nothing).
     Raises ConfigError (exit 2) for a configuration Ray cannot run."""
     lines = [f"submit --to ray {' '.join(overrides)}".rstrip(), *_recipe_lines(cfg)]
+    if cfg.ft.enabled:
+        lines += ft_lines(cfg)
     if importlib.util.find_spec("ray") is None:
         lines.append(f"note: Ray is not installed here: {INSTALL_HINT}")
     return "".join(f"distaccum: {line}\n" for line in lines)
+
+
+def ft_lines(cfg: RunConfig) -> list[str]:
+    """An ``ft.groups`` run on Ray, as its dry run says it (``distaccum submit --to ray`` does not start it)."""
+    ft = cfg.ft
+    return [
+        f"ft: the torchft Lighthouse in one Ray actor (torchft.coordination.LighthouseServer, min_replicas="
+        f"{ft.min_groups}, heartbeat_timeout_ms={ft.heartbeat_timeout_ms}), its address handed to every group",
+        f"ft: one TorchTrainer per replica group ({ft.groups}), each of trainer.nproc={cfg.trainer.nproc} worker(s) "
+        "with REPLICA_GROUP_ID=<i> and TORCHFT_LIGHTHOUSE, run_dir/groups/g<i>",
+        f"ft: a dead group restarted by its own FailureConfig(max_failures=ft.restarts={ft.restarts}): it resumes "
+        "its checkpoints and heals from a live group; the others train on",
+        "note: distaccum submit --to ray does not start replica groups yet (this dry run says how they would run); "
+        "use `distaccum train` on one machine, or Slurm / Kubernetes from their dry runs",
+    ]
 
 
 def _recipe_lines(cfg: RunConfig) -> list[str]:
@@ -374,7 +391,9 @@ class RayLauncher(Launcher):
     @staticmethod
     def submit(cfg: RunConfig, overrides: Sequence[str]) -> Submitted:
         """Run ``cfg`` on Ray and wait (the recipe printed first); raises :class:`RayError` when Ray Train is missing
-        or the run failed."""
+        or the run failed (or ``ft.groups``, which it does not start)."""
+        if cfg.ft.enabled:
+            raise RayError(ft_lines(cfg)[-1].removeprefix("note: "))
         for line in _recipe_lines(cfg):
             print(f"distaccum: {line}", flush=True)
         summary = train_on_ray(cfg, check=False)

@@ -140,6 +140,8 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
         )
     slurm = cfg.slurm
     nproc = job_world_size(cfg) // slurm.nodes
+    if cfg.ft.enabled:
+        return render_ft_sbatch(cfg, overrides, python=python)
     train_args = [o for o in overrides if not o.startswith("run_dir=")] + [f"run_dir={cfg.run_dir}"]
     launch = [
         f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -m torch.distributed.run",
@@ -190,6 +192,76 @@ def render_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "py
             "fi",
             'exit "$status"',
         ]
+    return "\n".join(lines) + "\n"
+
+
+LIGHTHOUSE_PORT = 29510
+"""The port of a rendered job's torchft Lighthouse (torchft's default)."""
+
+
+def ft_nodes(cfg: RunConfig) -> int:
+    """Nodes of each replica group of an ``ft.groups`` job (``slurm.nodes`` split evenly); ValueError otherwise."""
+    groups, nodes = cfg.ft.groups, cfg.slurm.nodes
+    if nodes % groups:
+        raise ValueError(
+            f"ft.groups={groups} on slurm.nodes={nodes}: each replica group takes whole nodes, the same number: "
+            f"make slurm.nodes a multiple of {groups}"
+        )
+    return nodes // groups
+
+
+def render_ft_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python") -> str:
+    """The sbatch script of an ``ft.groups`` run: the torchft Lighthouse as a job step on the first node, then one
+    job step per replica group on its own nodes (its own torchrun rendezvous, ``REPLICA_GROUP_ID``), a group whose
+    step fails started again up to ``ft.restarts`` times (it resumes its own checkpoints and heals from a live group),
+    the job kept alive when a node is lost (``--no-kill``). Pure, as :func:`render_sbatch`."""
+    slurm, ft = cfg.slurm, cfg.ft
+    per_group, nproc = ft_nodes(cfg), job_world_size(cfg) // slurm.nodes
+    lighthouse = (
+        f"torchft_lighthouse '--bind=[::]:{LIGHTHOUSE_PORT}' --min_replicas={ft.min_groups} --join_timeout_ms="
+        f"{ft.join_timeout_ms} --quorum_tick_ms={ft.quorum_tick_ms} --heartbeat_timeout_ms={ft.heartbeat_timeout_ms}"
+    )
+    args = " ".join(shlex.quote(o) for o in overrides if not o.startswith("run_dir="))
+    group_dir = shlex.quote(f"{cfg.run_dir}/groups") + '/g"$g"'
+    launch = [
+        f'srun --kill-on-bad-exit=1 --nodes={per_group} --ntasks={per_group} --relative="$((g * {per_group}))"',
+        f'--export=ALL,REPLICA_GROUP_ID="$g",TORCHFT_LIGHTHOUSE="http://$head_node:{LIGHTHOUSE_PORT}"',
+        f"{shlex.quote(python)} -m torch.distributed.run --nnodes={per_group} --nproc_per_node={nproc}",
+        f'--rdzv_backend=c10d --rdzv_endpoint="$first:$(({slurm.rdzv_port} + g))" --rdzv_id="$SLURM_JOB_ID-$g"',
+        f"-m distaccum train {args} run_dir={group_dir}".replace("  ", " "),
+    ]
+    lines = [
+        "#!/bin/bash",
+        "# Rendered by distaccum.cluster.slurm.render_ft_sbatch; submit with sbatch (distaccum submit renders it only).",
+        f"# ft.groups={ft.groups} replica groups of {per_group} node(s) x {nproc} proc(s), a torchft Lighthouse on the "
+        f"first node (min_replicas={ft.min_groups}, heartbeat_timeout_ms={ft.heartbeat_timeout_ms}).",
+        f"# {split_line(cfg, per_group, nproc)} per group while every group is present; K grows when one is missing.",
+        f"# A group's failed step is started again up to ft.restarts={ft.restarts} time(s): it resumes its own",
+        "# checkpoints and heals from a live group. A lost node's group cannot restart in this job (the others go on).",
+        "# slurm.signal_seconds is not used: stop the job with scancel; rerun, and each group resumes its checkpoints.",
+        *(d for d in _directives(cfg) if not d.startswith(("#SBATCH --signal", "#SBATCH --requeue"))),
+        "#SBATCH --no-kill",
+        "",
+        "set -uo pipefail",
+        'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        'head_node="${nodes[0]}"',
+        f"srun --nodes=1 --ntasks=1 --relative=0 --overlap {lighthouse} &",
+        "lighthouse=$!",
+        "run_group() {  # group $1 on its nodes, restarted when its step fails",
+        f'    local g=$1 first="${{nodes[$(($1 * {per_group}))]}}" attempt=0',
+        "    until " + " \\\n        ".join(launch) + "; do",
+        "        attempt=$((attempt + 1))",
+        f'        if [ "$attempt" -gt {ft.restarts} ]; then echo "replica group $g: no restart left" >&2; return 1; fi',
+        '        echo "replica group $g failed: restart $attempt (it heals from a live group)" >&2',
+        "    done",
+        "}",
+        "pids=()",
+        f'for g in $(seq 0 {ft.groups - 1}); do run_group "$g" & pids+=($!); done',
+        "status=0",
+        'for pid in "${pids[@]}"; do wait "$pid" || status=1; done',
+        'kill "$lighthouse" 2>/dev/null || true',
+        'exit "$status"',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -363,6 +435,8 @@ class SlurmLauncher(Launcher):
 
     @staticmethod
     def world(cfg: RunConfig) -> World:
+        if cfg.ft.enabled:  # each replica group is its own world (the pre-flight checks its split)
+            return World(job_world_size(cfg) // cfg.ft.groups, ft_nodes(cfg))
         return World(job_world_size(cfg), cfg.slurm.nodes)
 
     @staticmethod
@@ -371,5 +445,10 @@ class SlurmLauncher(Launcher):
 
     @staticmethod
     def submit(cfg: RunConfig, overrides: Sequence[str]) -> Submitted:
+        if cfg.ft.enabled:
+            raise SlurmError(
+                f"ft.groups={cfg.ft.groups}: distaccum submit --to slurm renders replica groups (--dry-run) but does "
+                "not submit them: save the dry run as a script and sbatch it (docs/failures.md)"
+            )
         result = submit(cfg, _pinned(overrides))
         return Submitted(str(result.job_id), f"wrote {result.script_path}; outputs go to {cfg.run_dir}")

@@ -14,7 +14,7 @@ class FtConfig:
     ``trainer.nproc`` ranks (DDP or FSDP2 inside a group), coordinated by torchft's Manager and a Lighthouse. Each
     step's window of ``accum.global_batch`` samples is cut for the groups the step's quorum admits (K grows when a
     group is missing, the micro-batch stays), a step whose reduction across groups failed is computed again under
-    the next quorum, and a restarted group heals from a live one before it takes pieces of a step."""
+    the next quorum, and a restarted group heals from a live one and takes no pieces of the step in which it heals."""
 
     groups: int = 0
     """Replica groups (0: off). ``accum.global_batch`` must split into micro-batches over every count of groups from

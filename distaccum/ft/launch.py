@@ -11,21 +11,24 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from distaccum.cluster import forked
+from distaccum.cluster.base import Launcher, World
 from distaccum.cluster.local import WORKER_COMMAND, free_ports, worker_environment
 from distaccum.config import RunConfig, to_mapping
-from distaccum.ft.session import GROUP_ENV, LIGHTHOUSE_ENV
-from distaccum.ft.setup import refusal
 from distaccum.runtime.stopping import EXIT_REQUEUE
 
+GROUP_ENV, LIGHTHOUSE_ENV = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"
+""":mod:`distaccum.ft.session`'s names (asked of every ``distaccum train``, this module imports no torch)."""
 EXIT_CONFIG = 2
 """A worker's exit for a configuration it refused (``distaccum.cli.exitcodes``; the entry layer's, not imported)."""
 RESTART_ENV = "DISTACCUM_FT_RESTART"
@@ -40,6 +43,75 @@ def lighthouse_line(cfg: RunConfig) -> str:
         f"{ft.min_groups}, heartbeat_timeout_ms={ft.heartbeat_timeout_ms}); a dead group restarted up to ft.restarts="
         f"{ft.restarts} time(s), healing from a live one"
     )
+
+
+def lighthouse_argv(cfg: RunConfig, bind: str = "[::]:29510") -> list[str]:
+    """The ``torchft_lighthouse`` command of ``cfg``'s settings (a Lighthouse started apart from the groups)."""
+    ft = cfg.ft
+    return [
+        "torchft_lighthouse",
+        f"--bind={bind}",
+        f"--min_replicas={ft.min_groups}",
+        f"--join_timeout_ms={ft.join_timeout_ms}",
+        f"--quorum_tick_ms={ft.quorum_tick_ms}",
+        f"--heartbeat_timeout_ms={ft.heartbeat_timeout_ms}",
+    ]
+
+
+def split_lines(cfg: RunConfig) -> list[str]:
+    """K for each count of groups a quorum may admit (the window is cut for the groups present)."""
+    ft = cfg.ft
+    if cfg.accum.auto:
+        return []
+    split = cfg.split(cfg.trainer.nproc)
+    per = split.micro_batch * split.world_size
+    ks = ", ".join(
+        f"K={split.global_batch // (per * n)} with {n}" for n in range(ft.groups, ft.min_groups - 1, -1)
+    )
+    return [
+        f"ft: {split.global_batch} samples per step in micro-batches of {split.micro_batch} over {ft.groups} groups "
+        f"of {split.world_size} rank(s): {ks} group(s) present"
+    ]
+
+
+class FtLauncher(Launcher):
+    """``distaccum train`` with ``ft.groups``: the Lighthouse and one launcher per replica group on this machine
+    (:func:`launch_ft`), in place of torch elastic."""
+
+    name = "ft"
+    summary = "this machine: a torchft Lighthouse and one launcher per replica group (ft.groups)"
+    trains = True
+
+    @staticmethod
+    def takes(cfg: RunConfig) -> bool:
+        return cfg.ft.enabled
+
+    @staticmethod
+    def world(cfg: RunConfig) -> World:
+        """Every group's ranks, on this machine."""
+        return World(cfg.trainer.nproc * max(cfg.ft.groups, 1), 1)
+
+    @staticmethod
+    def train_lines(cfg: RunConfig, config_file: Path) -> list[str]:
+        return split_lines(cfg)
+
+    @staticmethod
+    def render(cfg: RunConfig, overrides: Sequence[str]) -> str:
+        """What ``distaccum train`` starts: the Lighthouse, then each group's ranks with its own id and store."""
+        lines = [*split_lines(cfg), shlex.join(lighthouse_argv(cfg, "[::]:0"))]
+        for i in range(max(cfg.ft.groups, 1)):
+            lines.append(
+                f"{GROUP_ENV}={i} {LIGHTHOUSE_ENV}=http://<this host>:<port> "
+                + shlex.join(
+                    [*WORKER_COMMAND, str(Path(cfg.run_dir) / "groups" / f"g{i}-a0" / "launch_config.json")]
+                )
+                + f"  # x{cfg.trainer.nproc} rank(s); restarted up to ft.restarts={cfg.ft.restarts} time(s)"
+            )
+        return "".join(f"{line}\n" for line in lines)
+
+    @staticmethod
+    def launch(cfg: RunConfig, config_file: Path) -> int:
+        return launch_ft(cfg)
 
 
 @dataclass
@@ -113,6 +185,8 @@ class Group:
 
 def check(cfg: RunConfig) -> None:
     """ValueError for what cannot form replica groups, before any group starts (each group's set-up checks again)."""
+    from distaccum.ft.setup import refusal
+
     ft, why = cfg.ft, refusal(cfg)
     if why is not None:
         raise ValueError(f"ft.groups={ft.groups}: {why}")

@@ -4,7 +4,8 @@ groups, and a step computed again when that sum failed.
 The window of step s is the global-batch order's (the same samples in the same order as any other run of the global batch G). With
 n groups present of R ranks each it is cut as a run of n R ranks would cut it: K = G / (micro x n R) micro-batches per
 rank, this rank taking the pieces of rank q R + r (q: its group's place in the quorum, r: its rank in the group). So a
-missing group's pieces go to the others (K grows), and every piece is trained exactly once per committed step.
+missing group's pieces go to the others (K grows), and every piece is trained exactly once per committed step. A
+group that healed in the quorum is not among the n: it runs one stand-in micro-batch of weight 0 and takes the step.
 
 The loop's normalization holds across groups: each group reduces its ranks' gradients and window rows as always,
 then ONE collective across the groups present (:meth:`FtTotals.read`) sums the gradients and the rows' totals (N, the
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from distaccum.data.pipeline import OrderSource, WindowBatches
+from distaccum.data.pipeline import MicroBatch, OrderSource, WindowBatches
 from distaccum.engines.base import Engine
 from distaccum.ft.session import FtSession, Quorum
 from distaccum.loop import Step, TrainState
@@ -68,34 +69,46 @@ class FtSource:
         self.order.next_step = step
 
     def cut(self, quorum: Quorum) -> tuple[Split, int]:
-        """(the split of a run of the groups present, this rank's place in it)."""
+        """(the split of a run of the groups that take pieces, this rank's place in it)."""
         micro, world = self.inner.split.micro_batch, self.group_world * quorum.groups
         split = Split(micro, self.order.global_batch // (micro * world), world)
-        return split, quorum.index * self.group_world + self.group_rank
+        return split, max(quorum.index, 0) * self.group_world + self.group_rank
 
     def window(self) -> WindowBatches:
         # A healing group loads a live group's state (and data position) in the quorum: the step is read after it.
         quorum = self.session.quorum(self.order.next_step)
         step, cut = self.order.next_step, self.cut(quorum)
         self.session.step = step  # a healing group is at the live groups' step now
-        if cut != self._cut or self.session.attempts > 1:  # a new cut, or the same step again: a fresh walk
-            inner = self.inner
-            self._source = OrderSource(
-                inner.dataset,
-                inner.collate,
-                self.order,
-                cut[0],
-                cut[1],
-                inner.stop,
-                float_dtype=inner.float_dtype,
-                **inner.loader_options,
-            )
-            self._cut = cut
+        if cut != self._cut or self.session.attempts > 1 or quorum.sits_out:  # a fresh walk
+            self._source, self._cut = self._walk(cut), cut
         view = self.views.get(step)
         self.views[step] = StepView(quorum, self.session.attempts, view.lost_s if view else 0.0)
+        if quorum.sits_out:
+            return self._stand_in(self._source.window())
         if self.session.cfg.sample_ids:
             self.views[step].samples = self._group_samples(step, cut[0], quorum)
         return self._source.window()
+
+    def _walk(self, cut: tuple[Split, int]) -> OrderSource:
+        inner = self.inner
+        return OrderSource(
+            inner.dataset,
+            inner.collate,
+            self.order,
+            cut[0],
+            cut[1],
+            inner.stop,
+            float_dtype=inner.float_dtype,
+            **inner.loader_options,
+        )
+
+    def _stand_in(self, window: WindowBatches) -> WindowBatches:
+        """A group that sits the step out (it healed in the quorum) takes no pieces: one stand-in micro-batch of
+        weight 0 (samples 0, as for an empty piece) keeps its collectives and its optimizer step in line with the
+        others', its gradient zeros in the sum."""
+        first = next(window.micro)
+        split = Split(window.split.micro_batch, 1, self.group_world)
+        return replace(window, micro=iter([MicroBatch(first.batch, 0)]), split=split)
 
     def _group_samples(self, step: int, split: Split, quorum: Quorum) -> list[int]:
         first = quorum.index * self.group_world
@@ -149,8 +162,8 @@ class FtTotals:
     def _across(self, mine: WindowResult) -> WindowResult:
         session, groups = self.session, self.session.cfg.groups
         grads = [g.to_local() if hasattr(g, "to_local") else g for g in self._grads()]
-        present = [0.0] * groups
-        present[session.group] = 1.0
+        present = [0.0] * groups  # the groups that took pieces (a group that sits the step out sends zeros)
+        present[session.group] = 0.0 if session.last is not None and session.last.sits_out else 1.0
         row = [
             mine.items,
             mine.loss_sum,
@@ -229,11 +242,22 @@ class FtRecord:
         view = self.source.views.pop(int(record["step"]) - 1, None)
         if view is None:
             return {}
-        return {
-            "ft_group": self.session.group,
-            "ft_groups": view.groups,
-            "ft_attempts": view.attempts,
-            "ft_lost_s": view.lost_s,
-            "ft_quorum_s": view.quorum.quorum_s,
-            "ft_healed": view.quorum.healed,
-        } | ({"ft_sample_ids": view.samples} if self.session.cfg.sample_ids else {})
+        return (
+            {
+                "ft_group": self.session.group,
+                "ft_groups": view.groups,
+                "ft_attempts": view.attempts,
+                "ft_lost_s": view.lost_s,
+                "ft_quorum_s": view.quorum.quorum_s,
+                "ft_healed": view.quorum.healed,
+            }
+            | ({"ft_sample_ids": view.samples} if self.session.cfg.sample_ids else {})
+            | self._sat_out(view)
+        )
+
+    def _sat_out(self, view: StepView) -> Record:
+        """A step this group sat out (it healed in its quorum): the run's global batch, and no pieces (K = 0; its
+        one stand-in micro-batch of weight 0 is no piece)."""
+        return (
+            {"global_batch": self.source.order.global_batch, "micro_steps": 0} if view.quorum.sits_out else {}
+        )

@@ -3,7 +3,8 @@
 torchft (its ``Manager`` with a reconfigurable gloo process group across groups, and a ``Lighthouse`` that forms a
 quorum of the live groups every step) is used with two choices of distaccum's own. The quorum is synchronous
 (``use_async_quorum=False``): the groups present must be known before the step's window is cut, and a group that
-heals loads a live group's state before it takes pieces of a step, so nothing it computes is thrown away. The
+heals loads a live group's state in the quorum and then sits that step out (the window is cut for the others), so
+nothing it computes is thrown away. The
 reduction is a SUM, never torchft's default average over the groups present: the loop divides by the window's
 global item count N, which the same collective sums (:mod:`distaccum.loop` has the math).
 """
@@ -25,7 +26,7 @@ import torch
 from distaccum.ft.config import FtConfig
 
 GROUP_ENV = "REPLICA_GROUP_ID"
-"""The replica group of this process (torchft's examples' name; set by the launcher)."""
+"""The replica group of this process (torchft's examples' name; set by the launcher, :mod:`distaccum.ft.launch`)."""
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
@@ -41,11 +42,16 @@ class Quorum:
     groups: int
     """Groups present (torchft's participants)."""
     index: int
-    """This group's place among them (0-based): which pieces of the window it takes."""
+    """This group's place among them (0-based): which pieces of the window it takes (-1: it sits the step out)."""
     quorum_s: float
     """Seconds this group waited for the quorum (and healed in it)."""
     healed: bool
     """This group loaded a live group's state in this quorum."""
+
+    @property
+    def sits_out(self) -> bool:
+        """This group takes no pieces of the step (it healed in its quorum): the others' cut covers the window."""
+        return self.index < 0
 
 
 def route_logging(run_dir: Path) -> None:
@@ -181,8 +187,24 @@ class FtSession:
         index = manager.participating_rank()
         assert index is not None, "a synchronous quorum admits every group it names"
         healed = manager.current_step() != before
-        self.last = Quorum(groups, int(index), time.perf_counter() - began, healed)
+        groups, place = self._takers(healed, groups, int(index))
+        self.last = Quorum(groups, place, time.perf_counter() - began, healed)
         return self.last
+
+    def _takers(self, healed: bool, groups: int, index: int) -> tuple[int, int]:
+        """(the groups that take pieces of this step, this group's place among them; -1: none). A group that healed
+        in this quorum sits the step out, so that nothing it computes is thrown away, unless that would leave fewer
+        than ``ft.min_groups`` to cut the window for. Who healed is known only to itself: one small sum across the
+        groups present says it (a failure there fails the step, which is computed again under the next quorum)."""
+        from torch.distributed import ReduceOp
+
+        flags = torch.zeros(self.cfg.groups, dtype=torch.float64)
+        flags[self.group] = 0.0 if healed else 1.0
+        self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
+        takers = [i for i in range(self.cfg.groups) if flags[i] > 0.5]
+        if self.manager.errored() is not None or len(takers) < self.cfg.min_groups:
+            return groups, index  # every group present takes pieces (or the step fails to commit)
+        return len(takers), takers.index(self.group) if self.group in takers else -1
 
     def _quorum_error(self, err: Exception) -> str:
         cfg = self.cfg

@@ -32,6 +32,11 @@ def refusal(cfg: RunConfig) -> str | None:
         why = "outer.method already reduces across islands rarely: use one or the other"
     if why is None and (cfg.accum.ramp.enabled or cfg.accum.adaptive.enabled):
         why = "accum.ramp / accum.adaptive change the global batch, which ft keeps fixed across groups"
+    if why is None and cfg.accum.exact:
+        why = (
+            "accum.exact sums the pieces in int64 inside a group only (its scale, its redo and the piece seeds are "
+            "the group's): the int64 sum across groups is not built yet; use one or the other"
+        )
     return why
 
 
