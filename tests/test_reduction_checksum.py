@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -51,6 +52,26 @@ def test_the_bound_no_longer_grows_with_k_where_the_accumulation_is_reproduced()
     each = Rounding(world=2, accum_steps=64, reduce=torch.bfloat16, held=torch.bfloat16, accumulate=None)
     assert each.k_term and each.coefficient() > 64 * 2.0**-8
     assert "agrees over the micro-batches" in each.describe()
+
+
+@pytest.mark.unit
+def test_where_the_sweep_misses_a_fault_the_run_says_at_start_that_it_is_not_checked() -> None:
+    """bf16 over 64 ranks of uncorrelated gradients: the simulated doubled/halved/skipped reduction stays inside the
+    bound (share <= 1, docs/verification.md's table), so that combination must be announced as not checked; every
+    combination the simulation misses is announced; fp32 and fp16 up to W = 64 are not (nothing to announce)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for w in (8, 64):
+            rounding = Rounding(world=w, accum_steps=1, reduce=dtype, held=dtype, accumulate=dtype)
+            missed = min(simulate(1, w, dtype, f, 0, n=1024) for f in ("double", "halve", "skip")) <= 1.0
+            assert not missed or (rounding.announced and "NOT CHECKED" in rounding.describe()), (dtype, w)
+            assert missed == (dtype == torch.bfloat16 and w == 64), (dtype, w)  # the table's one "NO" row
+    for dtype in (torch.float32, torch.float16):
+        for w in (2, 23, 64):
+            assert Rounding(world=w, accum_steps=16, reduce=dtype, held=dtype, accumulate=dtype).checks_uncorrelated
+    bf16 = [Rounding(world=2, accum_steps=16, reduce=torch.bfloat16, held=torch.float32, accumulate=torch.bfloat16)]
+    assert bf16[0].checks_uncorrelated and not bf16[0].announced  # W = 2 (the dist tests' runs): checked, quiet
+    bf16 += [dataclasses.replace(bf16[0], world=w) for w in (22, 23)]
+    assert [r.checks_uncorrelated for r in bf16] == [True, True, False]  # bf16 from W = 23 on (the docstring)
 
 
 @pytest.mark.unit
