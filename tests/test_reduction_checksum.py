@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -65,12 +64,13 @@ def test_where_the_sweep_misses_a_fault_the_run_says_at_start_that_it_is_not_che
             missed = min(simulate(1, w, dtype, f, 0, n=1024) for f in ("double", "halve", "skip")) <= 1.0
             assert not missed or (rounding.announced and "NOT CHECKED" in rounding.describe()), (dtype, w)
             assert missed == (dtype == torch.bfloat16 and w == 64), (dtype, w)  # the table's one "NO" row
-    for dtype in (torch.float32, torch.float16):
-        for w in (2, 23, 64):
-            assert Rounding(world=w, accum_steps=16, reduce=dtype, held=dtype, accumulate=dtype).checks_uncorrelated
-    bf16 = [Rounding(world=2, accum_steps=16, reduce=torch.bfloat16, held=torch.float32, accumulate=torch.bfloat16)]
-    assert bf16[0].checks_uncorrelated and not bf16[0].announced  # W = 2 (the dist tests' runs): checked, quiet
-    bf16 += [dataclasses.replace(bf16[0], world=w) for w in (22, 23)]
+
+    def made(w: int, dtype: torch.dtype, held: torch.dtype | None = None) -> Rounding:
+        return Rounding(world=w, accum_steps=16, reduce=dtype, held=held or dtype, accumulate=dtype)
+
+    assert all(made(w, d).checks_uncorrelated for d in (torch.float32, torch.float16) for w in (2, 23, 64))
+    bf16 = [made(w, torch.bfloat16, torch.float32) for w in (2, 22, 23)]
+    assert not bf16[0].announced  # W = 2 (the dist tests' runs): checked, nothing said
     assert [r.checks_uncorrelated for r in bf16] == [True, True, False]  # bf16 from W = 23 on (the docstring)
 
 

@@ -139,4 +139,6 @@ def test_collection_order(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(serial_lock, "_durations", lambda: durations)
     items = [_Item(*spec) for spec in made]
     serial_lock.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
-    assert [item.nodeid for item in items] == [f"tests/test_{short}".replace("::", ".py::") for short in expected]
+    assert [item.nodeid for item in items] == [
+        f"tests/test_{short}".replace("::", ".py::") for short in expected
+    ]

@@ -95,6 +95,7 @@ class JobLauncher(Launcher):
 
     section: ClassVar[tuple[str, type]]
     submits = True
+
     @staticmethod
     def world_size(cfg: RunConfig) -> int:
         """The ranks the job starts for ``cfg`` (ValueError when the target cannot run it)."""
