@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -257,30 +258,39 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
+@dataclass(frozen=True)
+class Start:
+    """What :func:`popen` starts and how: ``python -m distaccum ARGV`` (``torch.distributed.run`` with ``torchrun``) in
+    ``cwd`` with ``env``. ``stdout`` and ``stderr``: ``subprocess.PIPE``, an open file, or None (this process's own);
+    ``stderr`` also ``subprocess.STDOUT``. ``new_session``: the command leads its own session and process group
+    (``setsid``), as ``Popen(start_new_session=True)`` (a test may kill the group)."""
+
+    argv: Sequence[str]
+    _: KW_ONLY
+    cwd: Path | str
+    env: Mapping[str, str]
+    stdout: Any = None
+    stderr: Any = None
+    torchrun: bool = False
+    new_session: bool = False
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run" if self.torchrun else "distaccum", *self.argv]
+
+
 class Forked:
     """A command forked from this process's server, driven as a :class:`subprocess.Popen` is: ``pid``, ``returncode``,
-    :meth:`poll`, :meth:`wait`, :meth:`send_signal`, :meth:`kill` and :meth:`communicate` (text). ``stdout`` and
-    ``stderr``: ``subprocess.PIPE``, an open file, or None (this process's own); ``stderr`` also
-    ``subprocess.STDOUT``. ``new_session``: the command leads its own session and process group (``setsid``), as
-    ``Popen(start_new_session=True)`` (a test may kill the group). The pid is the server's child, not this
-    process's: the exit status comes from the server, which reaps it."""
+    :meth:`poll`, :meth:`wait`, :meth:`send_signal`, :meth:`kill` and :meth:`communicate` (text), as :class:`Start`
+    says. The pid is the server's child, not this process's: the exit status comes from the server, which reaps
+    it."""
 
-    def __init__(
-        self,
-        argv: Sequence[str],
-        *,
-        cwd: Path | str,
-        env: Mapping[str, str],
-        stdout: Any = None,
-        stderr: Any = None,
-        torchrun: bool = False,
-        new_session: bool = False,
-    ) -> None:
-        self.args = [sys.executable, "-m", "torch.distributed.run" if torchrun else "distaccum", *argv]
+    def __init__(self, start: Start) -> None:
+        self.args = start.command
         self.returncode: int | None = None
         self._pipes: dict[str, int] = {}  # "stdout"/"stderr" -> the read end this process keeps
         sent: list[int] = []  # the command's stdout and stderr descriptors
-        for name, target in (("stdout", stdout), ("stderr", stderr)):
+        for name, target in (("stdout", start.stdout), ("stderr", start.stderr)):
             if target == subprocess.PIPE:
                 read, write = os.pipe()
                 self._pipes[name] = read
@@ -290,11 +300,11 @@ class Forked:
             else:
                 sent.append(os.dup(target.fileno() if target is not None else (1 if name == "stdout" else 2)))
         request = {
-            "kind": "torchrun" if torchrun else "distaccum",
-            "argv": list(argv),
-            "cwd": str(cwd),
-            "env": dict(env),
-            "session": new_session,
+            "kind": "torchrun" if start.torchrun else "distaccum",
+            "argv": list(start.argv),
+            "cwd": str(start.cwd),
+            "env": dict(start.env),
+            "session": start.new_session,
         }
         self._conn = socket.socket(socket.AF_UNIX)
         try:
@@ -388,33 +398,22 @@ Started = Forked | subprocess.Popen[str]
 """What :func:`popen` returns: either drives like a ``subprocess.Popen``."""
 
 
-def popen(
-    argv: Sequence[str],
-    *,
-    cwd: Path | str,
-    env: Mapping[str, str],
-    stdout: Any = None,
-    stderr: Any = None,
-    torchrun: bool = False,
-    new_session: bool = False,
-) -> Started:
+def popen(argv: Sequence[str], **options: Any) -> Started:
     """``python -m distaccum ARGV`` started in the background (see :class:`Forked`), or a new interpreter where the
-    request changes an import-time variable."""
+    request changes an import-time variable. ``options``: :class:`Start`'s (``cwd`` and ``env`` required)."""
+    start = Start(argv, **options)
     SERVER.ensure()
-    if import_time_changes(env, SERVER.env):
-        command = [sys.executable, "-m", "torch.distributed.run" if torchrun else "distaccum", *argv]
+    if import_time_changes(start.env, SERVER.env):
         return subprocess.Popen(
-            command,
-            cwd=cwd,
-            env=dict(env),
-            stdout=stdout,
-            stderr=stderr,
+            start.command,
+            cwd=start.cwd,
+            env=dict(start.env),
+            stdout=start.stdout,
+            stderr=start.stderr,
             text=True,
-            start_new_session=new_session,
+            start_new_session=start.new_session,
         )
-    return Forked(
-        argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, torchrun=torchrun, new_session=new_session
-    )
+    return Forked(start)
 
 
 def run(
