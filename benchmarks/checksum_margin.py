@@ -10,22 +10,43 @@ reduced values, as the engines' step does after its all-reduce.
 
     python -m benchmarks.checksum_margin            # the table pasted in docs/verification.md
     python -m benchmarks.checksum_margin --ops      # the checksum's host operators per micro-batch and per step
+    python -m benchmarks.checksum_margin --ops-publish   # on the host-ops harness, FSDP2 and ZeRO-2: STORE, the docs
+    python -m benchmarks.checksum_margin --ops-render    # docs/verification.md's bench:checksum_host_ops from STORE
+
+``--ops-publish`` counts, with :mod:`benchmarks.host_ops` (2 gloo ranks, K = 1 and 16, ``--checksum ENGINE``), the
+Trainer's own operators on each sharded engine with ``trainer.fingerprint`` on against off, keeps them as
+:data:`STORE` and renders them beside the DDP count stored by ``python -m benchmarks.report`` (docs/results/host-ops.json:
+distaccum's own work beyond the expert loop, the replicated engines' fingerprint included).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import tempfile
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from benchmarks import host_ops
+from benchmarks.launch import ROOT, provenance
+from benchmarks.report import replace_section
 from distaccum.guards.checksum import ReductionChecksum, Rounding, local_parts, verdict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FAULTS = ("double", "halve", "skip")
+STORE = ROOT / "docs" / "results" / "checksum-ops.json"
+"""The checksum's operators on the host-ops harness, per sharded engine (``--ops-publish``)."""
+DDP_STORE = ROOT / "docs" / "results" / "host-ops.json"
+DOC = ROOT / "docs" / "verification.md"
+OPS_COMMAND = "python -m benchmarks.checksum_margin --ops-publish"
+OPS_KS = (1, 16)
+ENGINES = {"fsdp": "FSDP2", "zero2": "DeepSpeed ZeRO-2"}
+""":data:`benchmarks.host_ops.CHECKSUM_ENGINES` entries counted, and their names in the table."""
 
 
 def simulate(k: int, w: int, dtype: torch.dtype, fault: str | None, seed: int = 0, n: int = 4096) -> float:
@@ -136,10 +157,62 @@ def count_ops(k: int = 16, n_params: int = 6) -> tuple[int, int]:
         dist.destroy_process_group()
 
 
+def measure_engines(workdir: Path) -> dict[str, Any]:
+    """The host-ops harness's counts, checksum off ("expert") and on ("distaccum"), per engine and K."""
+    counts = {name: {str(k): host_ops.measure(k, workdir, checksum=name) for k in OPS_KS} for name in ENGINES}
+    return {"provenance": provenance(OPS_COMMAND, device="cpu", world_size=2), "ks": list(OPS_KS), **counts}
+
+
+def render_ops(stored: dict[str, Any], ddp: dict[str, Any]) -> str:
+    """The table: the checksum's own operators per micro-batch and per step on each sharded engine (on against off),
+    beside DDP's (distaccum beyond the expert loop)."""
+    rows = [
+        "| engine | what is counted | operators per micro-batch | per step |",
+        "|---|---|---|---|",
+    ]
+    ddp_micro, ddp_step = host_ops.extra({int(k): v for k, v in ddp["host_ops"].items()})
+    rows.append(
+        f"| DDP | distaccum beyond the expert `no_sync` loop (the sampled-gradient fingerprint included) | "
+        f"{ddp_micro:+.0f} | {ddp_step:+.0f} |"
+    )
+    for name, title in ENGINES.items():
+        micro, step = host_ops.extra({int(k): v for k, v in stored[name].items()})
+        rows.append(
+            f"| {title} | the same run with `trainer.fingerprint` on against off (the reduction checksum) | "
+            f"{micro:+.0f} | {step:+.0f} |"
+        )
+    return "\n".join(rows) + (
+        "\n\nCounted outside the backward, as the harness counts DDP: the hooks' one take per parameter and "
+        "micro-batch runs inside autograd's backward (`python -m benchmarks.checksum_margin --ops` counts those); "
+        "what grows with K here is the step's accumulation of the K sampled rows."
+    )
+
+
+def publish_ops(stored: dict[str, Any]) -> None:
+    STORE.parent.mkdir(parents=True, exist_ok=True)
+    STORE.write_text(json.dumps(stored, indent=1) + "\n")
+    body = render_ops(stored, json.loads(DDP_STORE.read_text()))
+    DOC.write_text(replace_section(DOC.read_text(), "checksum_host_ops", body, by=OPS_COMMAND))
+    print(body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", action="store_true", help="count the checksum's host operators instead")
+    parser.add_argument(
+        "--ops-publish",
+        action="store_true",
+        help="count it on the host-ops harness (FSDP2, ZeRO-2), store it",
+    )
+    parser.add_argument("--ops-render", action="store_true", help="render the stored count into the docs")
     args = parser.parse_args()
+    if args.ops_publish:
+        with tempfile.TemporaryDirectory() as tmp:
+            publish_ops(measure_engines(Path(tmp)))
+        return
+    if args.ops_render:
+        publish_ops(json.loads(STORE.read_text()))
+        return
     if args.ops:
         micro, step = count_ops()
         print(

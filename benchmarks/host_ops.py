@@ -21,6 +21,7 @@ those ranges (``cudaLaunchKernel`` calls) and every host synchronization (``cuda
     python -m benchmarks.host_ops                   # K = 1 and 16, 2 gloo ranks: a table, runs/host_ops/results.json
     python -m benchmarks.host_ops --device cuda     # the same on every GPU of this machine, launches and syncs too
     python -m benchmarks.host_ops --exact           # distaccum with accum.exact=true (int64 fixed-point sums)
+    python -m benchmarks.host_ops --checksum fsdp   # the reduction checksum's own operators on FSDP2 (zero2: ZeRO-2)
 
 Each launch's rank 0 writes ``{"k": K, "distaccum": {"ops": n, "names": {...}}, "expert": {...}}``; the CLI's
 results.json holds them by K beside the code and environment (``python -m benchmarks.report --store`` keeps it in
@@ -163,15 +164,24 @@ def expert(k: int, rank: int, world: int, warmup: int, device: torch.device) -> 
 
 
 def ours(
-    k: int, rank: int, world: int, warmup: int, run_dir: str, device: torch.device, exact: bool = False
+    k: int,
+    rank: int,
+    world: int,
+    warmup: int,
+    run_dir: str,
+    device: torch.device,
+    exact: bool = False,
+    engine: dict[str, Any] | None = None,
+    fingerprint: bool = True,
 ) -> dict[str, Any] | None:
     """distaccum's Trainer with its defaults (engine ddp, the reduction fingerprint on, console quiet); with ``exact``,
-    ``accum.exact=true``."""
+    ``accum.exact=true``; ``engine``: the ``engine`` section instead; ``fingerprint``: ``trainer.fingerprint``."""
     x, y = data(device)
     trainer = distaccum.Trainer(
         {
             "accum": {"micro_batch": MICRO, "steps": k, "exact": exact},
-            "trainer": {"max_steps": 1000, "device": device.type},
+            "engine": engine or {},
+            "trainer": {"max_steps": 1000, "device": device.type, "fingerprint": fingerprint},
             "log": {"console": "quiet"},
             "data": {"shuffle": False},
             "run_dir": run_dir,
@@ -187,7 +197,11 @@ def ours(
     return got
 
 
-def worker(out: str, k: int, device_type: str = "cpu", exact: bool = False) -> int:
+CHECKSUM_ENGINES = {"fsdp": {"name": "fsdp"}, "zero2": {"name": "deepspeed", "zero_stage": 2}}
+"""``--checksum NAME``: the sharded engines whose reduction checksum is counted (FSDP2, DeepSpeed ZeRO-2)."""
+
+
+def worker(out: str, k: int, device_type: str = "cpu", exact: bool = False, checksum: str = "") -> int:
     torch.set_num_threads(1)
     cuda = device_type == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -198,11 +212,19 @@ def worker(out: str, k: int, device_type: str = "cpu", exact: bool = False) -> i
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = [tmp if rank == 0 else ""]
         dist.broadcast_object_list(run_dir)
-        result = {
-            "k": k,
-            "expert": expert(k, rank, world, 3, device),
-            "distaccum": ours(k, rank, world, 3, run_dir[0], device, exact),
-        }
+        if checksum:  # the same Trainer on the engine with its checksum off ("expert") and on ("distaccum")
+            engine = CHECKSUM_ENGINES[checksum]
+            result = {
+                "k": k,
+                "expert": ours(k, rank, world, 3, run_dir[0], device, engine=engine, fingerprint=False),
+                "distaccum": ours(k, rank, world, 3, run_dir[0], device, engine=engine),
+            }
+        else:
+            result = {
+                "k": k,
+                "expert": expert(k, rank, world, 3, device),
+                "distaccum": ours(k, rank, world, 3, run_dir[0], device, exact),
+            }
         dist.barrier()
     if rank == 0:
         with open(out, "w", encoding="utf-8") as f:
@@ -218,14 +240,21 @@ def world_for(device: str) -> int:
 
 
 def measure(
-    k: int, workdir: Path, timeout_s: float = 300, device: str = "cpu", exact: bool = False
+    k: int,
+    workdir: Path,
+    timeout_s: float = 300,
+    device: str = "cpu",
+    exact: bool = False,
+    checksum: str = "",
 ) -> dict[str, Any]:
-    """Launch the ranks at ``k`` and return rank 0's counts (``exact``: distaccum with ``accum.exact=true``)."""
-    tag = "_exact" if exact else ""
+    """Launch the ranks at ``k`` and return rank 0's counts (``exact``: distaccum with ``accum.exact=true``;
+    ``checksum``: a :data:`CHECKSUM_ENGINES` entry, its run with the checksum off in place of the expert loop)."""
+    tag = ("_exact" if exact else "") + (f"_checksum_{checksum}" if checksum else "")
     out = workdir / f"host_ops_{device}{tag}_k{k}.json"
     log = workdir / f"host_ops_{device}{tag}_k{k}.log"
-    argv = ["--worker", str(out), str(k), device, *(["exact"] if exact else [])]
-    run = launch("benchmarks.host_ops", argv, world_for(device), log, timeout_s)
+    argv = ["--worker", str(out), str(k), device, "exact" if exact else "-", checksum or "-"]
+    env = {"DS_ACCELERATOR": "cpu"} if device == "cpu" else None
+    run = launch("benchmarks.host_ops", argv, world_for(device), log, timeout_s, env)
     if not run.ok:
         raise RuntimeError(f"host_ops at K = {k} failed: {run.tail}")
     return json.loads(out.read_text())
@@ -279,17 +308,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/host_ops"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--exact", action="store_true", help="count distaccum with accum.exact=true")
-    parser.add_argument("--worker", nargs="+", metavar="OUT K DEVICE [exact]", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--checksum",
+        choices=sorted(CHECKSUM_ENGINES),
+        help="count the reduction checksum on this sharded engine: the run with trainer.fingerprint=false in place "
+        "of the expert loop",
+    )
+    parser.add_argument("--worker", nargs=5, metavar="OUT K DEVICE EXACT CHECKSUM", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.worker[0], int(args.worker[1]), args.worker[2], args.worker[3:] == ["exact"])
+        out, k, device, exact, checksum = args.worker
+        return worker(out, int(k), device, exact == "exact", "" if checksum == "-" else checksum)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = provenance(command.strip(), device=args.device, world_size=world_for(args.device))
-    counts = {k: measure(k, args.out.resolve(), device=args.device, exact=args.exact) for k in args.ks}
+    counts = {
+        k: measure(k, args.out.resolve(), device=args.device, exact=args.exact, checksum=args.checksum or "")
+        for k in args.ks
+    }
     results = {
         "meta": meta,
-        "settings": {"smoke": False, "ops_ks": args.ks, "exact": args.exact},
+        "settings": {"smoke": False, "ops_ks": args.ks, "exact": args.exact, "checksum": args.checksum},
         "finished": True,
         "host_ops": {str(k): got for k, got in counts.items()},
     }

@@ -254,7 +254,8 @@ class TrainerConfig:
     ZeRO: distaccum/guards/checksum.py, one all-reduce of the sample a step), each rank's data and random seed,
     compared a step later. A correct reduction is never flagged (a proven bound); a skipped, doubled or halved one
     stops the run at the next step or before a checkpoint (exit 1) when some sampled element does not cancel across
-    the ranks: in fp32 always, in bf16/fp16 as docs/verification.md tabulates (not bf16 at 64 uncorrelated ranks).
+    the ranks: in fp32 always, in bf16/fp16 as docs/verification.md tabulates (a bf16 reduction over 23 or more
+    ranks does not check gradients uncorrelated across them, and the run says so at start).
     Identical data or random numbers on every rank are warned about. Off only to save the sample; 1 rank skips it."""
     init_from: str | None = None
     """Initial weights, loaded after the model is built, before wrapping, under the plain model's parameter

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -268,35 +269,40 @@ KINDS = {"distaccum": ["-m", "distaccum"], "torchrun": ["-m", "torch.distributed
 see :func:`_torchrun`) or ``python ARGV`` (a script and its arguments)."""
 
 
-def command_line(kind: str, argv: Sequence[str]) -> list[str]:
-    """The command line a request of ``kind`` stands for (and runs as, in a new interpreter)."""
-    return [sys.executable, *KINDS[kind], *argv]
+@dataclass(frozen=True)
+class Start:
+    """What :func:`popen` starts and how: the command of ``kind`` (:data:`KINDS`) with ``ARGV`` in
+    ``cwd`` with ``env``. ``stdout`` and ``stderr``: ``subprocess.PIPE``, an open file, or None (this process's own);
+    ``stderr`` also ``subprocess.STDOUT``. ``new_session``: the command leads its own session and process group
+    (``setsid``), as ``Popen(start_new_session=True)`` (a test may kill the group)."""
+
+    argv: Sequence[str]
+    _: KW_ONLY
+    cwd: Path | str
+    env: Mapping[str, str]
+    stdout: Any = None
+    stderr: Any = None
+    kind: str = "distaccum"
+    new_session: bool = False
+
+    @property
+    def command(self) -> list[str]:
+        """The command line it stands for (and runs as, in a new interpreter)."""
+        return [sys.executable, *KINDS[self.kind], *self.argv]
 
 
 class Forked:
     """A command forked from this process's server, driven as a :class:`subprocess.Popen` is: ``pid``, ``returncode``,
-    :meth:`poll`, :meth:`wait`, :meth:`send_signal`, :meth:`kill` and :meth:`communicate` (text). ``stdout`` and
-    ``stderr``: ``subprocess.PIPE``, an open file, or None (this process's own); ``stderr`` also
-    ``subprocess.STDOUT``. ``new_session``: the command leads its own session and process group (``setsid``), as
-    ``Popen(start_new_session=True)`` (a test may kill the group). The pid is the server's child, not this
-    process's: the exit status comes from the server, which reaps it."""
+    :meth:`poll`, :meth:`wait`, :meth:`send_signal`, :meth:`kill` and :meth:`communicate` (text), as :class:`Start`
+    says. The pid is the server's child, not this process's: the exit status comes from the server, which reaps
+    it."""
 
-    def __init__(
-        self,
-        argv: Sequence[str],
-        *,
-        cwd: Path | str,
-        env: Mapping[str, str],
-        stdout: Any = None,
-        stderr: Any = None,
-        kind: str = "distaccum",
-        new_session: bool = False,
-    ) -> None:
-        self.args = command_line(kind, argv)
+    def __init__(self, start: Start) -> None:
+        self.args = start.command
         self.returncode: int | None = None
         self._pipes: dict[str, int] = {}  # "stdout"/"stderr" -> the read end this process keeps
         sent: list[int] = []  # the command's stdout and stderr descriptors
-        for name, target in (("stdout", stdout), ("stderr", stderr)):
+        for name, target in (("stdout", start.stdout), ("stderr", start.stderr)):
             if target == subprocess.PIPE:
                 read, write = os.pipe()
                 self._pipes[name] = read
@@ -306,11 +312,11 @@ class Forked:
             else:
                 sent.append(os.dup(target.fileno() if target is not None else (1 if name == "stdout" else 2)))
         request = {
-            "kind": kind,
-            "argv": list(argv),
-            "cwd": str(cwd),
-            "env": dict(env),
-            "session": new_session,
+            "kind": start.kind,
+            "argv": list(start.argv),
+            "cwd": str(start.cwd),
+            "env": dict(start.env),
+            "session": start.new_session,
         }
         self._conn = socket.socket(socket.AF_UNIX)
         try:
@@ -404,30 +410,22 @@ Started = Forked | subprocess.Popen[str]
 """What :func:`popen` returns: either drives like a ``subprocess.Popen``."""
 
 
-def popen(
-    argv: Sequence[str],
-    *,
-    cwd: Path | str,
-    env: Mapping[str, str],
-    stdout: Any = None,
-    stderr: Any = None,
-    kind: str = "distaccum",
-    new_session: bool = False,
-) -> Started:
+def popen(argv: Sequence[str], **options: Any) -> Started:
     """``python -m distaccum ARGV`` started in the background (see :class:`Forked`), or a new interpreter where the
-    request changes an import-time variable."""
+    request changes an import-time variable. ``options``: :class:`Start`'s (``cwd`` and ``env`` required)."""
+    start = Start(argv, **options)
     SERVER.ensure()
-    if import_time_changes(env, SERVER.env):
+    if import_time_changes(start.env, SERVER.env):
         return subprocess.Popen(
-            command_line(kind, argv),
-            cwd=cwd,
-            env=dict(env),
-            stdout=stdout,
-            stderr=stderr,
+            start.command,
+            cwd=start.cwd,
+            env=dict(start.env),
+            stdout=start.stdout,
+            stderr=start.stderr,
             text=True,
-            start_new_session=new_session,
+            start_new_session=start.new_session,
         )
-    return Forked(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, kind=kind, new_session=new_session)
+    return Forked(start)
 
 
 def run(

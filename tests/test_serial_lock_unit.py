@@ -100,47 +100,45 @@ class _Item:
         return name if name in self.markers else None
 
 
-def test_launching_files_go_first_then_unit_files_then_serial_files() -> None:
-    items = [
-        _Item("tests/test_a_unit.py::x", "unit"),
-        _Item("tests/test_b_dist.py::x", "dist"),
-        _Item("tests/test_c_serial.py::x", "dist", "serial"),
-        _Item("tests/test_d_mixed.py::x", "dist"),
-        _Item("tests/test_d_mixed.py::y", "dist", "serial"),
-        _Item("tests/test_e_unit.py::x", "unit"),
-        _Item("tests/test_b_dist.py::y", "dist"),
-    ]
-    serial_lock.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
-    assert [item.nodeid for item in items] == [
-        "tests/test_b_dist.py::x",
-        "tests/test_d_mixed.py::x",
-        "tests/test_d_mixed.py::y",
-        "tests/test_b_dist.py::y",
-        "tests/test_a_unit.py::x",
-        "tests/test_e_unit.py::x",
-        "tests/test_c_serial.py::x",
-    ]
+ORDERS = {
+    "launching files go first, then unit files, then serial files": (
+        None,
+        [
+            ("tests/test_a_unit.py::x", "unit"),
+            ("tests/test_b_dist.py::x", "dist"),
+            ("tests/test_c_serial.py::x", "dist", "serial"),
+            ("tests/test_d_mixed.py::x", "dist"),
+            ("tests/test_d_mixed.py::y", "dist", "serial"),
+            ("tests/test_e_unit.py::x", "unit"),
+            ("tests/test_b_dist.py::y", "dist"),
+        ],
+        ["b_dist::x", "d_mixed::x", "d_mixed::y", "b_dist::y", "a_unit::x", "e_unit::x", "c_serial::x"],
+    ),
+    # xdist hands out files in this order (--no-loadscope-reorder): a long file started last would run alone at the
+    # end. Files durations.json does not list count as a typical launching file (unit files as one second).
+    "the longest files go first by their measured time": (
+        {"tests/test_short.py": 5.0, "tests/test_long.py": 90.0, "tests/test_mid.py": 40.0},
+        [
+            ("tests/test_short.py::x", "dist"),
+            ("tests/test_new_unit.py::x", "unit"),
+            ("tests/test_mid.py::x", "dist"),
+            ("tests/test_new.py::x", "dist"),
+            ("tests/test_long.py::x", "dist", "serial"),
+            ("tests/test_long.py::y", "dist"),
+        ],
+        ["long::x", "long::y", "mid::x", "new::x", "short::x", "new_unit::x"],
+    ),
+}
 
 
-def test_the_longest_files_go_first_by_their_measured_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """xdist hands out files in this order (--no-loadscope-reorder): a long file started last would run alone at the
-    end. Files durations.json does not list count as a typical launching file (unit files as one second)."""
-    durations = {"tests/test_short.py": 5.0, "tests/test_long.py": 90.0, "tests/test_mid.py": 40.0}
-    monkeypatch.setattr(serial_lock, "_durations", lambda: durations)
-    items = [
-        _Item("tests/test_short.py::x", "dist"),
-        _Item("tests/test_new_unit.py::x", "unit"),
-        _Item("tests/test_mid.py::x", "dist"),
-        _Item("tests/test_new.py::x", "dist"),
-        _Item("tests/test_long.py::x", "dist", "serial"),
-        _Item("tests/test_long.py::y", "dist"),
-    ]
+@pytest.mark.parametrize("case", list(ORDERS))
+def test_collection_order(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order the serial lock's hook sorts collected items into (expected ids: ``tests/test_NAME.py::TEST``)."""
+    durations, made, expected = ORDERS[case]
+    if durations is not None:
+        monkeypatch.setattr(serial_lock, "_durations", lambda: durations)
+    items = [_Item(*spec) for spec in made]
     serial_lock.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     assert [item.nodeid for item in items] == [
-        "tests/test_long.py::x",
-        "tests/test_long.py::y",
-        "tests/test_mid.py::x",
-        "tests/test_new.py::x",
-        "tests/test_short.py::x",
-        "tests/test_new_unit.py::x",
+        f"tests/test_{short}".replace("::", ".py::") for short in expected
     ]

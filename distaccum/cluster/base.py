@@ -101,3 +101,20 @@ class Launcher:
         """Run one of ``distaccum verify``'s candidates and wait: 0 finished, 1 failed (the error printed).
         ``config_file``: the candidate's resolved configuration, as written for the workers."""
         raise NotImplementedError
+
+
+class JobLauncher(Launcher):
+    """A launcher that renders a job from its config section and hands it to the cluster's tool (sbatch, kubectl):
+    the world is the job's ranks (``world_size``) over the section's ``nodes``."""
+
+    section: ClassVar[tuple[str, type]]
+    submits = True
+
+    @staticmethod
+    def world_size(cfg: RunConfig) -> int:
+        """The ranks the job starts for ``cfg`` (ValueError when the target cannot run it)."""
+        raise NotImplementedError
+
+    @classmethod
+    def world(cls, cfg: RunConfig) -> World:
+        return World(cls.world_size(cfg), getattr(cfg, cls.section[0]).nodes)

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from distaccum.cluster.base import Launcher, LaunchError, Submitted, World
+from distaccum.cluster.base import JobLauncher, LaunchError, Submitted
 from distaccum.cluster.config import QUANTITY, KubeflowConfig
 from distaccum.cluster.slurm import layout_lines, split_line
 from distaccum.config import RunConfig
@@ -350,17 +350,13 @@ def submit_trainjob(cfg: RunConfig, overrides: Sequence[str], *, dry_run: bool) 
     return TrainJobSubmission(manifest=manifest, path=path, applied=proc.stdout.strip())
 
 
-class KubeflowLauncher(Launcher):
+class KubeflowLauncher(JobLauncher):
     """``distaccum submit --to kubeflow``: a Kubeflow Trainer TrainJob, ``kubectl apply``-ed."""
 
     name = "kubeflow"
     summary = "Kubernetes: a Kubeflow Trainer TrainJob, applied with kubectl"
     section = ("kubeflow", KubeflowConfig)
-    submits = True
-
-    @staticmethod
-    def world(cfg: RunConfig) -> World:
-        return World(kubeflow_world_size(cfg), cfg.kubeflow.nodes)
+    world_size = staticmethod(kubeflow_world_size)
 
     @staticmethod
     def render(cfg: RunConfig, overrides: Sequence[str]) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
-from distaccum.cluster.base import Launcher, LaunchError, Submitted, World
+from distaccum.cluster.base import JobLauncher, LaunchError, Submitted, World
 from distaccum.cluster.config import SlurmConfig
 from distaccum.config import RunConfig
 from distaccum.engines import engine_class
@@ -425,19 +425,19 @@ def _pinned(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if not o.startswith("run_dir=")]
 
 
-class SlurmLauncher(Launcher):
+class SlurmLauncher(JobLauncher):
     """``distaccum submit --to slurm`` (the default): an sbatch script, ``sbatch``-ed."""
 
     name = "slurm"
     summary = "Slurm: an sbatch script, submitted with sbatch"
     section = ("slurm", SlurmConfig)
-    submits = True
+    world_size = staticmethod(job_world_size)
 
-    @staticmethod
-    def world(cfg: RunConfig) -> World:
+    @classmethod
+    def world(cls, cfg: RunConfig) -> World:
         if cfg.ft.enabled:  # each replica group is its own world (the pre-flight checks its split)
             return World(job_world_size(cfg) // cfg.ft.groups, ft_nodes(cfg))
-        return World(job_world_size(cfg), cfg.slurm.nodes)
+        return super().world(cfg)
 
     @staticmethod
     def render(cfg: RunConfig, overrides: Sequence[str]) -> str:

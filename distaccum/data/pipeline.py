@@ -282,7 +282,21 @@ class WindowSource(Protocol):
         ...
 
 
-class OrderSource:
+class OrderPosition:
+    """A window source positioned by a :class:`GlobalBatchOrder` (``order``): its ``next_step`` is the order's."""
+
+    order: GlobalBatchOrder
+
+    @property
+    def next_step(self) -> int:
+        return self.order.next_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self.order.next_step = step
+
+
+class OrderSource(OrderPosition):
     """A map-style dataset served window by window through the global-batch order (:func:`micro_batches`: a
     DataLoader, or :class:`TensorRows` for an in-memory ``TensorDataset``) for training on ``device``: each
     micro-batch is moved there (floating tensors cast to ``float_dtype`` when given) as it is served."""
@@ -314,14 +328,6 @@ class OrderSource:
         self._at = -1  # the step the DataLoader iterator is positioned at
         self._version = 0  # the batch growth's version the iterator was cut for
         self._served: int | None = None  # the step window() last served, until advance()
-
-    @property
-    def next_step(self) -> int:
-        return self.order.next_step
-
-    @next_step.setter
-    def next_step(self, step: int) -> None:
-        self.order.next_step = step
 
     def window(self) -> WindowBatches:
         step = self.order.next_step

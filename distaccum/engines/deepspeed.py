@@ -256,7 +256,7 @@ class DeepSpeedEngine(EngineBase):
             exact=not self.unscaled_wrapper and (once or self.spec.sync != "boundary"),
             divides=True,
         )
-        if self.checksum.rounding.k_term and dist.get_rank() == 0:
+        if self.checksum.rounding.announced and dist.get_rank() == 0:
             print(f"distaccum: {self.checksum.rounding.describe()}", flush=True)
 
     def reduction_rounds(self, accum_steps: int | None = None) -> tuple[int, int] | None:

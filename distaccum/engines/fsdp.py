@@ -248,7 +248,7 @@ class FSDPEngine(EngineBase):
             held=named[0][1].dtype,
             accumulate=reduce if self.spec.sync == "boundary" else None,
         )
-        if self.checksum.rounding.k_term and dist.get_rank() == 0:
+        if self.checksum.rounding.announced and dist.get_rank() == 0:
             print(f"distaccum: {self.checksum.rounding.describe()}", flush=True)
 
     def local_gradients(self) -> list[nn.Parameter]:

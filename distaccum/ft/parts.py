@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from distaccum.data.pipeline import MicroBatch, OrderSource, WindowBatches
+from distaccum.data.pipeline import MicroBatch, OrderPosition, OrderSource, WindowBatches
 from distaccum.engines.base import Engine
 from distaccum.ft.session import FtSession, Quorum
 from distaccum.loop import Step, TrainState
@@ -48,7 +48,7 @@ class StepView:
     """The sample ids this group trained in the step, in the global-batch order."""
 
 
-class FtSource:
+class FtSource(OrderPosition):
     """This rank's windows, cut for each step's quorum (a wrapper of the run's :class:`OrderSource`, whose order it
     shares; its position advances only when the step was committed)."""
 
@@ -59,14 +59,6 @@ class FtSource:
         self._source: OrderSource = inner
         self._cut: tuple[Split, int] = (inner.split, inner.rank)
         self.views: dict[int, StepView] = {}
-
-    @property
-    def next_step(self) -> int:
-        return self.order.next_step
-
-    @next_step.setter
-    def next_step(self, step: int) -> None:
-        self.order.next_step = step
 
     def cut(self, quorum: Quorum) -> tuple[Split, int]:
         """(the split of a run of the groups that take pieces, this rank's place in it)."""

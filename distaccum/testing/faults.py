@@ -48,13 +48,18 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class NanLoss:
-    """Rank ``rank``'s loss is NaN at 1-based optimizer steps ``step`` .. ``step + steps - 1``."""
+class LossAtSteps:
+    """A fault on the loss of chosen 1-based optimizer steps: watches the window source to know the step, and wraps
+    the loss so that :meth:`change` rewrites the summed loss where :meth:`hits` the step (subclasses say both)."""
 
-    def __init__(self, step: int, steps: int = 1, rank: int = 0) -> None:
-        self.steps = range(step, step + steps)
-        self.rank = rank
+    def __init__(self) -> None:
         self.source: WatchedSource | None = None
+
+    def hits(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def change(self, summed: Any) -> Any:
+        raise NotImplementedError
 
     def wrap(self, point: str, obj: Any) -> Any:
         if point == "source":
@@ -65,37 +70,42 @@ class NanLoss:
             def loss(model: Any, batch: Any) -> Any:
                 summed, n_items = obj(model, batch)
                 window = self.source.current if self.source is not None else None
-                if window is not None and window.step + 1 in self.steps and rank() == self.rank:
-                    summed = summed * float("nan")
+                if window is not None and self.hits(window.step + 1):
+                    summed = self.change(summed)
                 return summed, n_items
 
             return loss
         return obj
 
 
-class LossSurge:
+class NanLoss(LossAtSteps):
+    """Rank ``rank``'s loss is NaN at 1-based optimizer steps ``step`` .. ``step + steps - 1``."""
+
+    def __init__(self, step: int, steps: int = 1, rank: int = 0) -> None:
+        super().__init__()
+        self.steps = range(step, step + steps)
+        self.rank = rank
+
+    def hits(self, step: int) -> bool:
+        return step in self.steps and rank() == self.rank
+
+    def change(self, summed: Any) -> Any:
+        return summed * float("nan")
+
+
+class LossSurge(LossAtSteps):
     """Every rank's loss is multiplied by ``factor`` (a power of two: exact in floating point) at 1-based optimizer step
     ``step``: a gradient that outgrows ``accum.exact``'s fixed-point headroom (a redo), the same for every split."""
 
     def __init__(self, step: int, factor: float = 4096.0) -> None:
+        super().__init__()
         self.step, self.factor = step, factor
-        self.source: WatchedSource | None = None
 
-    def wrap(self, point: str, obj: Any) -> Any:
-        if point == "source":
-            self.source = WatchedSource(obj)
-            return self.source
-        if point == "loss":
+    def hits(self, step: int) -> bool:
+        return step == self.step
 
-            def loss(model: Any, batch: Any) -> Any:
-                summed, n_items = obj(model, batch)
-                window = self.source.current if self.source is not None else None
-                if window is not None and window.step + 1 == self.step:
-                    summed = summed * self.factor
-                return summed, n_items
-
-            return loss
-        return obj
+    def change(self, summed: Any) -> Any:
+        return summed * self.factor
 
 
 class SkipReduction:
