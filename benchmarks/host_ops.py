@@ -163,14 +163,26 @@ def expert(k: int, rank: int, world: int, warmup: int, device: torch.device) -> 
 
 
 def ours(
-    k: int, rank: int, world: int, warmup: int, run_dir: str, device: torch.device, exact: bool = False
+    k: int,
+    rank: int,
+    world: int,
+    warmup: int,
+    run_dir: str,
+    device: torch.device,
+    exact: bool = False,
+    engine: str = "ddp",
 ) -> dict[str, Any] | None:
     """distaccum's Trainer with its defaults (engine ddp, the reduction fingerprint on, console quiet); with ``exact``,
-    ``accum.exact=true``."""
+    ``accum.exact=true``; ``engine``: another engine (``fsdp``, without clipping). Beside the counts: the bytes of gradient the step's
+    reduction takes in on this rank (``reduced_bytes``: an exact run's int64 accumulator, else the parameters'
+    gradients) and the bytes an exact run keeps for its fixed-point sums (``fixed_point_bytes``), over ``params``."""
     x, y = data(device)
     trainer = distaccum.Trainer(
         {
+            "engine": {"name": engine},
             "accum": {"micro_batch": MICRO, "steps": k, "exact": exact},
+            # FSDP2 unclipped in both modes: exact mode refuses the sharded norm (a float sum over the shards).
+            **({"optim": {"clip_norm": None}} if engine == "fsdp" else {}),
             "trainer": {"max_steps": 1000, "device": device.type},
             "log": {"console": "quiet"},
             "data": {"shuffle": False},
@@ -183,11 +195,32 @@ def ours(
     )
     trainer.train_steps(warmup)
     got = profiled(lambda: trainer.train_steps(1), rank, device)
+    sized = sizes(trainer.state.engine)  # on every rank: FSDP2's full parameters are a collective
+    if got is not None:
+        got |= sized
     trainer.state.engine.teardown()
     return got
 
 
-def worker(out: str, k: int, device_type: str = "cpu", exact: bool = False) -> int:
+def sizes(engine: Any) -> dict[str, int]:
+    """The trained parameters, the bytes the step's reduction takes in on this rank and the fixed-point buffers'
+    bytes (0 outside exact mode)."""
+    params = sum(p.numel() for _, p in engine.full_parameters())
+    fixed = getattr(engine, "fixed", None)
+    if fixed is None:
+        return {"params": params, "reduced_bytes": params * 4, "fixed_point_bytes": 0, "tensors": 0}  # fp32
+    buffers = (fixed.flat, fixed.scaled, fixed.ints, fixed.acc, fixed.scale, fixed.peak)
+    return {
+        "params": params,
+        "reduced_bytes": fixed.bytes_per_step,
+        "fixed_point_bytes": sum(t.numel() * t.element_size() for t in buffers),
+        "tensors": len(fixed.sizes),
+    }
+
+
+def worker(out: str, k: int, device_type: str = "cpu", variants: list[str] | None = None) -> int:
+    """One launch's rank: the expert loop, then distaccum in each of ``variants`` (``ENGINE`` or ``ENGINE+exact``,
+    each in a run directory of its own; the first is the result's ``distaccum``, every one under ``variants``)."""
     torch.set_num_threads(1)
     cuda = device_type == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -198,11 +231,12 @@ def worker(out: str, k: int, device_type: str = "cpu", exact: bool = False) -> i
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = [tmp if rank == 0 else ""]
         dist.broadcast_object_list(run_dir)
-        result = {
-            "k": k,
-            "expert": expert(k, rank, world, 3, device),
-            "distaccum": ours(k, rank, world, 3, run_dir[0], device, exact),
-        }
+        result: dict[str, Any] = {"k": k, "expert": expert(k, rank, world, 3, device), "variants": {}}
+        for name in variants or ["ddp"]:
+            engine, _, mode = name.partition("+")
+            directory = os.path.join(run_dir[0], name)
+            result["variants"][name] = ours(k, rank, world, 3, directory, device, mode == "exact", engine)
+        result["distaccum"] = next(iter(result["variants"].values()))
         dist.barrier()
     if rank == 0:
         with open(out, "w", encoding="utf-8") as f:
@@ -218,13 +252,20 @@ def world_for(device: str) -> int:
 
 
 def measure(
-    k: int, workdir: Path, timeout_s: float = 300, device: str = "cpu", exact: bool = False
+    k: int,
+    workdir: Path,
+    timeout_s: float = 300,
+    device: str = "cpu",
+    exact: bool = False,
+    variants: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Launch the ranks at ``k`` and return rank 0's counts (``exact``: distaccum with ``accum.exact=true``)."""
-    tag = "_exact" if exact else ""
+    """Launch the ranks at ``k`` and return rank 0's counts (``exact``: distaccum with ``accum.exact=true``;
+    ``variants``: several of distaccum's in the one launch, see :func:`worker`)."""
+    variants = variants or (["ddp+exact"] if exact else ["ddp"])
+    tag = "" if variants == ["ddp"] else "_" + "_".join(v.replace("+", "-") for v in variants)
     out = workdir / f"host_ops_{device}{tag}_k{k}.json"
     log = workdir / f"host_ops_{device}{tag}_k{k}.log"
-    argv = ["--worker", str(out), str(k), device, *(["exact"] if exact else [])]
+    argv = ["--worker", str(out), str(k), device, *variants]
     run = launch("benchmarks.host_ops", argv, world_for(device), log, timeout_s)
     if not run.ok:
         raise RuntimeError(f"host_ops at K = {k} failed: {run.tail}")
@@ -279,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/host_ops"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--exact", action="store_true", help="count distaccum with accum.exact=true")
-    parser.add_argument("--worker", nargs="+", metavar="OUT K DEVICE [exact]", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs="+", metavar="OUT K DEVICE [VARIANT...]", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.worker[0], int(args.worker[1]), args.worker[2], args.worker[3:] == ["exact"])
+        return worker(args.worker[0], int(args.worker[1]), args.worker[2], args.worker[3:])
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = provenance(command.strip(), device=args.device, world_size=world_for(args.device))
