@@ -92,6 +92,9 @@ def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Pat
         )  # the first step measures
     assert killed.returncode != 0 and logged == list(range(1, 8)), (killed.returncode, logged)
     assert checkpoints[-1] == "step-00000006", checkpoints  # 7 steps done, the 8th killed mid-window
+    # Steps 1-6 from the killed run (K 4 on 2 ranks), 7-20 resumed on 1 rank (K 8): a resume, not a fresh start (whose
+    # hash an exact run would reproduce too).
+    assert [r["micro_steps"] for r in done["resized"].records] == [4] * 6 + [8] * 14
     resized = done["resized"].summary
     assert resized["steps"] == 20 and resized["params_sha256"] == hashes["8x1"], resized  # resumed on 1 rank
     surged = [
@@ -100,6 +103,7 @@ def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Pat
     assert surged[0]["params_sha256"] == surged[1]["params_sha256"] != hashes["8x1"], surged
     assert surged[0]["exact"]["redos"] == surged[1]["exact"]["redos"] == 2, surged  # step 1 and step 5
     assert halfway_steps == 10 and moved.summary["steps"] == 20, moved.summary
+    assert [r["micro_steps"] for r in moved.records] == [4] * 10 + [8] * 10  # resumed on 1 rank at step 11
     sharded = [done[name].summary["params_sha256"] for name in ("fsdp-4", "ddp-unclipped")]
     sharded.append(moved.summary["params_sha256"])  # FSDP2 on 2 ranks to step 10, on 1 rank from there
     assert sharded[0] == sharded[1] == sharded[2] != hashes["8x1"], (
