@@ -21,6 +21,8 @@ those ranges (``cudaLaunchKernel`` calls) and every host synchronization (``cuda
     python -m benchmarks.host_ops                   # K = 1 and 16, 2 gloo ranks: a table, runs/host_ops/results.json
     python -m benchmarks.host_ops --device cuda     # the same on every GPU of this machine, launches and syncs too
     python -m benchmarks.host_ops --exact           # distaccum with accum.exact=true (int64 fixed-point sums)
+    python -m benchmarks.host_ops --engine fsdp     # distaccum on FSDP2 (unclipped); with --exact too
+    python -m benchmarks.exact_price --publish      # exact against default, DDP and FSDP2: docs' price table
 
 Each launch's rank 0 writes ``{"k": K, "distaccum": {"ops": n, "names": {...}}, "expert": {...}}``; the CLI's
 results.json holds them by K beside the code and environment (``python -m benchmarks.report --store`` keeps it in
@@ -320,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/host_ops"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--exact", action="store_true", help="count distaccum with accum.exact=true")
+    parser.add_argument("--engine", choices=["ddp", "fsdp"], default="ddp", help="distaccum's engine")
     parser.add_argument("--worker", nargs="+", metavar="OUT K DEVICE [VARIANT...]", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -327,10 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = provenance(command.strip(), device=args.device, world_size=world_for(args.device))
-    counts = {k: measure(k, args.out.resolve(), device=args.device, exact=args.exact) for k in args.ks}
+    variant = args.engine + ("+exact" if args.exact else "")
+    counts = {k: measure(k, args.out.resolve(), device=args.device, variants=[variant]) for k in args.ks}
     results = {
         "meta": meta,
-        "settings": {"smoke": False, "ops_ks": args.ks, "exact": args.exact},
+        "settings": {"smoke": False, "ops_ks": args.ks, "exact": args.exact, "engine": args.engine},
         "finished": True,
         "host_ops": {str(k): got for k, got in counts.items()},
     }
