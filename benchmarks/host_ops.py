@@ -21,6 +21,8 @@ those ranges (``cudaLaunchKernel`` calls) and every host synchronization (``cuda
     python -m benchmarks.host_ops                   # K = 1 and 16, 2 gloo ranks: a table, runs/host_ops/results.json
     python -m benchmarks.host_ops --device cuda     # the same on every GPU of this machine, launches and syncs too
     python -m benchmarks.host_ops --exact           # distaccum with accum.exact=true (int64 fixed-point sums)
+    python -m benchmarks.host_ops --engine fsdp     # distaccum on FSDP2 (unclipped); with --exact too
+    python -m benchmarks.exact_price --publish      # exact against default, DDP and FSDP2: docs' price table
     python -m benchmarks.host_ops --checksum fsdp   # the reduction checksum's own operators on FSDP2 (zero2: ZeRO-2)
 
 Each launch's rank 0 writes ``{"k": K, "distaccum": {"ops": n, "names": {...}}, "expert": {...}}``; the CLI's
@@ -171,16 +173,21 @@ def ours(
     run_dir: str,
     device: torch.device,
     exact: bool = False,
-    engine: dict[str, Any] | None = None,
+    engine: str | dict[str, Any] = "ddp",
     fingerprint: bool = True,
 ) -> dict[str, Any] | None:
     """distaccum's Trainer with its defaults (engine ddp, the reduction fingerprint on, console quiet); with ``exact``,
-    ``accum.exact=true``; ``engine``: the ``engine`` section instead; ``fingerprint``: ``trainer.fingerprint``."""
+    ``accum.exact=true``; ``engine``: another engine by name (``fsdp``, without clipping) or an ``engine`` section
+    as it is (clipping on); ``fingerprint``: ``trainer.fingerprint`` (the reduction checks). Beside the counts: the bytes of gradient the step's
+    reduction takes in on this rank (``reduced_bytes``: an exact run's int64 accumulator, else the parameters'
+    gradients) and the bytes an exact run keeps for its fixed-point sums (``fixed_point_bytes``), over ``params``."""
     x, y = data(device)
     trainer = distaccum.Trainer(
         {
+            "engine": {"name": engine} if isinstance(engine, str) else engine,
             "accum": {"micro_batch": MICRO, "steps": k, "exact": exact},
-            "engine": engine or {},
+            # FSDP2 unclipped in both modes: exact mode refuses the sharded norm (a float sum over the shards).
+            **({"optim": {"clip_norm": None}} if engine == "fsdp" else {}),
             "trainer": {"max_steps": 1000, "device": device.type, "fingerprint": fingerprint},
             "log": {"console": "quiet"},
             "data": {"shuffle": False},
@@ -193,15 +200,38 @@ def ours(
     )
     trainer.train_steps(warmup)
     got = profiled(lambda: trainer.train_steps(1), rank, device)
+    sized = sizes(trainer.state.engine)  # on every rank: FSDP2's full parameters are a collective
+    if got is not None:
+        got |= sized
     trainer.state.engine.teardown()
     return got
+
+
+def sizes(engine: Any) -> dict[str, int]:
+    """The trained parameters, the bytes the step's reduction takes in on this rank and the fixed-point buffers'
+    bytes (0 outside exact mode)."""
+    params = sum(p.numel() for _, p in engine.full_parameters())
+    fixed = getattr(engine, "fixed", None)
+    if fixed is None:
+        return {"params": params, "reduced_bytes": params * 4, "fixed_point_bytes": 0, "tensors": 0}  # fp32
+    buffers = (fixed.flat, fixed.scaled, fixed.ints, fixed.acc, fixed.scale, fixed.peak)
+    return {
+        "params": params,
+        "reduced_bytes": fixed.bytes_per_step,
+        "fixed_point_bytes": sum(t.numel() * t.element_size() for t in buffers),
+        "tensors": len(fixed.sizes),
+    }
 
 
 CHECKSUM_ENGINES = {"fsdp": {"name": "fsdp"}, "zero2": {"name": "deepspeed", "zero_stage": 2}}
 """``--checksum NAME``: the sharded engines whose reduction checksum is counted (FSDP2, DeepSpeed ZeRO-2)."""
 
 
-def worker(out: str, k: int, device_type: str = "cpu", exact: bool = False, checksum: str = "") -> int:
+def worker(out: str, k: int, device_type: str = "cpu", variants: list[str] | None = None) -> int:
+    """One launch's rank: the expert loop, then distaccum in each of ``variants`` (``ENGINE`` or ``ENGINE+exact``,
+    each in a run directory of its own; the first is the result's ``distaccum``, every one under ``variants``). A
+    variant ``checksum=NAME`` instead counts the same Trainer on :data:`CHECKSUM_ENGINES`'s ``NAME`` with its
+    reduction checksum off (the result's ``expert``) and on (``distaccum``)."""
     torch.set_num_threads(1)
     cuda = device_type == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -212,19 +242,24 @@ def worker(out: str, k: int, device_type: str = "cpu", exact: bool = False, chec
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = [tmp if rank == 0 else ""]
         dist.broadcast_object_list(run_dir)
-        if checksum:  # the same Trainer on the engine with its checksum off ("expert") and on ("distaccum")
-            engine = CHECKSUM_ENGINES[checksum]
-            result = {
-                "k": k,
-                "expert": ours(k, rank, world, 3, run_dir[0], device, engine=engine, fingerprint=False),
-                "distaccum": ours(k, rank, world, 3, run_dir[0], device, engine=engine),
-            }
-        else:
-            result = {
-                "k": k,
-                "expert": expert(k, rank, world, 3, device),
-                "distaccum": ours(k, rank, world, 3, run_dir[0], device, exact),
-            }
+        checksum = next((v.split("=", 1)[1] for v in variants or [] if v.startswith("checksum=")), "")
+        if checksum:
+            section = CHECKSUM_ENGINES[checksum]
+            off = ours(
+                k, rank, world, 3, os.path.join(run_dir[0], "off"), device, engine=section, fingerprint=False
+            )
+            on = ours(k, rank, world, 3, os.path.join(run_dir[0], "on"), device, engine=section)
+            variants = []
+        result: dict[str, Any] = {
+            "k": k,
+            "expert": off if checksum else expert(k, rank, world, 3, device),
+            "variants": {f"{checksum}+checksum": on} if checksum else {},
+        }
+        for name in variants or ([] if checksum else ["ddp"]):
+            engine, _, mode = name.partition("+")
+            directory = os.path.join(run_dir[0], name)
+            result["variants"][name] = ours(k, rank, world, 3, directory, device, mode == "exact", engine)
+        result["distaccum"] = next(iter(result["variants"].values()))
         dist.barrier()
     if rank == 0:
         with open(out, "w", encoding="utf-8") as f:
@@ -245,15 +280,20 @@ def measure(
     timeout_s: float = 300,
     device: str = "cpu",
     exact: bool = False,
+    variants: list[str] | None = None,
     checksum: str = "",
 ) -> dict[str, Any]:
     """Launch the ranks at ``k`` and return rank 0's counts (``exact``: distaccum with ``accum.exact=true``;
-    ``checksum``: a :data:`CHECKSUM_ENGINES` entry, its run with the checksum off in place of the expert loop)."""
-    tag = ("_exact" if exact else "") + (f"_checksum_{checksum}" if checksum else "")
+    ``variants``: several of distaccum's in the one launch, see :func:`worker`; ``checksum``: a
+    :data:`CHECKSUM_ENGINES` entry, its run with the checksum off in place of the expert loop)."""
+    variants = [f"checksum={checksum}"] if checksum else variants or (["ddp+exact"] if exact else ["ddp"])
+    tag = (
+        "" if variants == ["ddp"] else "_" + "_".join(v.replace("+", "-").replace("=", "_") for v in variants)
+    )
     out = workdir / f"host_ops_{device}{tag}_k{k}.json"
     log = workdir / f"host_ops_{device}{tag}_k{k}.log"
-    argv = ["--worker", str(out), str(k), device, "exact" if exact else "-", checksum or "-"]
-    env = {"DS_ACCELERATOR": "cpu"} if device == "cpu" else None
+    argv = ["--worker", str(out), str(k), device, *variants]
+    env = {"DS_ACCELERATOR": "cpu"} if device == "cpu" else None  # ZeRO-2's checksum count on the CPU
     run = launch("benchmarks.host_ops", argv, world_for(device), log, timeout_s, env)
     if not run.ok:
         raise RuntimeError(f"host_ops at K = {k} failed: {run.tail}")
@@ -308,27 +348,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/host_ops"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--exact", action="store_true", help="count distaccum with accum.exact=true")
+    parser.add_argument("--engine", choices=["ddp", "fsdp"], default="ddp", help="distaccum's engine")
     parser.add_argument(
         "--checksum",
         choices=sorted(CHECKSUM_ENGINES),
         help="count the reduction checksum on this sharded engine: the run with trainer.fingerprint=false in place "
         "of the expert loop",
     )
-    parser.add_argument("--worker", nargs=5, metavar="OUT K DEVICE EXACT CHECKSUM", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs="+", metavar="OUT K DEVICE [VARIANT...]", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        out, k, device, exact, checksum = args.worker
-        return worker(out, int(k), device, exact == "exact", "" if checksum == "-" else checksum)
+        return worker(args.worker[0], int(args.worker[1]), args.worker[2], args.worker[3:])
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = provenance(command.strip(), device=args.device, world_size=world_for(args.device))
+    variant = args.engine + ("+exact" if args.exact else "")
     counts = {
-        k: measure(k, args.out.resolve(), device=args.device, exact=args.exact, checksum=args.checksum or "")
+        k: measure(
+            k, args.out.resolve(), device=args.device, variants=[variant], checksum=args.checksum or ""
+        )
         for k in args.ks
     }
+    settings = {"exact": args.exact, "engine": args.engine, "checksum": args.checksum}
     results = {
         "meta": meta,
-        "settings": {"smoke": False, "ops_ks": args.ks, "exact": args.exact, "checksum": args.checksum},
+        "settings": {"smoke": False, "ops_ks": args.ks, **settings},
         "finished": True,
         "host_ops": {str(k): got for k, got in counts.items()},
     }

@@ -75,7 +75,11 @@ DISTACCUM: dict[str, Setup] = {
     "distaccum_grad_norm": Setup(overrides={"log.grad_norm": True}),
     "distaccum_bf16_reduce": Setup(overrides={"accum.reduce_dtype": "bf16"}),
     "distaccum_sync_records": Setup(lag_records=False),  # on CUDA: what the lagged records save
+    # Exact accumulation (int64 fixed-point sums, issue 59): what it costs the step against the default mode. It turns
+    # on torch.use_deterministic_algorithms for its whole process (the other variants' too).
+    "distaccum_exact": Setup(overrides={"accum.exact": True}),
     "distaccum_fsdp": Setup("fsdp"),
+    "distaccum_fsdp_exact": Setup("fsdp", {"accum.exact": True}),
     "distaccum_fsdp_every_micro": Setup("fsdp", {"accum.sync": "every_micro"}),
     "distaccum_fsdp_unsharded": Setup("fsdp", {"engine.fsdp_unsharded_window": True}),
     "distaccum_fsdp_unchecked": Setup(

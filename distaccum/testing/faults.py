@@ -288,6 +288,31 @@ class KillGroup:
         return obj
 
 
+class KillRank:
+    """Rank ``rank`` signals its own process (SIGKILL by default) at the loss's ``call``-th call (1-based: count the
+    micro-batches, a redone step's included, to land in the middle of a step). In a world without that rank, or in a
+    run resumed from the killed one with the same loss config, it does nothing."""
+
+    def __init__(self, rank: int, call: int, signal: str = "SIGKILL") -> None:
+        self.rank, self.call, self.signal = rank, call, signal
+        self.calls = 0
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        import os
+        import signal
+
+        if point != "loss" or rank() != self.rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return obj
+
+        def loss(model: Any, batch: Any) -> Any:
+            self.calls += 1
+            if self.calls == self.call:
+                os.kill(os.getpid(), getattr(signal, self.signal))
+            return obj(model, batch)
+
+        return loss
+
+
 class SlowLoss:
     """Every loss call takes ``seconds`` longer (slow steps, so that a test's events fall between steps on any
     machine)."""
