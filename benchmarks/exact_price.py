@@ -10,7 +10,10 @@ figures are exact and need no quiet machine. ``--publish`` keeps the result as :
 :data:`STORE`. ``--device cuda`` counts on the GPUs (NCCL) and adds kernel launches and host synchronizations.
 
 The step time against the default mode at K = 1, 4 and 16 on the benchmark cases is :data:`TIMING_COMMAND`
-(:mod:`benchmarks.run`'s alternating timing; it needs a quiet machine).
+(:mod:`benchmarks.run`'s alternating timing; it needs a quiet machine). ``--timing [RESULTS]`` keeps that run's
+results.json (default ``runs/exact-timing/results.json``) as :data:`TIMING_STORE` and renders the
+``bench:exact_timing`` sections: per case and K, each mode's median step time and the median of the per-round ratios
+exact / default with its 95 % interval (:func:`benchmarks.stats.spread`).
 """
 
 from __future__ import annotations
@@ -25,15 +28,22 @@ from typing import Any
 from benchmarks.host_ops import extra, measure, world_for
 from benchmarks.launch import ROOT, provenance
 from benchmarks.report import replace_section
+from benchmarks.stats import per_round_ratios, spread
 
 STORE = ROOT / "docs" / "results" / "exact-price.json"
 """The stored result the ``bench:exact_price`` sections are rendered from."""
 DOCS = (ROOT / "docs" / "verification.md", ROOT / "BENCHMARKS.md")
 DOCS_COMMAND = "python -m benchmarks.exact_price --publish"
 TIMING_COMMAND = (
-    "python -m benchmarks.run --ks 1,4,16 --variants distaccum,distaccum_exact,distaccum_fsdp,distaccum_fsdp_exact "
-    "--sweep none --ops none --out runs/exact-timing"
+    "python -m benchmarks.run --cases 0.9M_micro256,27.3M_micro4 --ks 1,4,16 "
+    "--variants distaccum,distaccum_exact,distaccum_fsdp,distaccum_fsdp_exact --sweep none --ops none --budget-s 45 "
+    "--out runs/exact-timing"
 )
+TIMING_STORE = ROOT / "docs" / "results" / "exact-timing.json"
+"""The stored timing run the ``bench:exact_timing`` sections are rendered from."""
+TIMING_DOCS_COMMAND = "python -m benchmarks.exact_price --timing"
+TIMED = {"DDP": ("distaccum", "distaccum_exact"), "FSDP2": ("distaccum_fsdp", "distaccum_fsdp_exact")}
+"""Per engine, the benchmark's variants of the default mode and of exact mode."""
 KS = (1, 16)
 ENGINES = {"ddp": "DDP", "fsdp": "FSDP2"}
 VARIANTS = [f"{engine}{mode}" for engine in ENGINES for mode in ("", "+exact")]
@@ -103,6 +113,46 @@ def publish(results: dict[str, Any]) -> None:
         doc.write_text(replace_section(doc.read_text(), "exact_price", render(results), by=DOCS_COMMAND))
 
 
+def render_timing(results: dict[str, Any]) -> str:
+    """The ``bench:exact_timing`` table of a :data:`TIMING_COMMAND` run's results.json."""
+    lines = [
+        "| case | K | rounds | engine | default, ms | exact, ms | exact / default (95 % interval) |",
+        "|---|---:|---:|---|---:|---:|---|",
+    ]
+    for row in results["timing"]:
+        rounds = {name: v["round_s"] for name, v in row["variants"].items()}
+        for engine, (default, exact) in TIMED.items():
+            s = spread(per_round_ratios(rounds[exact], rounds[default]))
+            lines.append(
+                f"| {row['case']} | {row['k']} | {row['rounds']} | {engine} "
+                f"| {spread(rounds[default]).median * 1e3:.1f} | {spread(rounds[exact]).median * 1e3:.1f} "
+                f"| {s.median:.2f}x ({s.ci_low:.2f}-{s.ci_high:.2f}) |"
+            )
+    meta = results["meta"]
+    lines += [
+        "",
+        f"Median over rounds of each mode's step time (slowest rank) and of the per-round ratio, the four variants "
+        f"alternating step by step in one world of {meta['world_size']} {meta['backend']} ranks "
+        f"({meta['threads']}; exact mode turns on deterministic algorithms for the whole process, the default "
+        f"variants' too). Code: commit `{meta['commit']}`, torch {meta['torch']}, {meta['cpu']}, "
+        f"{meta['date'][:10]}. Command: `{meta['command']}`; rendered by `{TIMING_DOCS_COMMAND}`. Stored: "
+        f"`docs/results/{TIMING_STORE.name}`.",
+    ]
+    return "\n".join(lines)
+
+
+def publish_timing(path: Path) -> None:
+    """Keep the timing run at ``path`` as :data:`TIMING_STORE` and render the documents' sections from it."""
+    results = json.loads(path.read_text())
+    if path.resolve() != TIMING_STORE.resolve():
+        TIMING_STORE.write_text(json.dumps(results, indent=1) + "\n")
+    for doc in DOCS:
+        doc.write_text(
+            replace_section(doc.read_text(), "exact_timing", render_timing(results), by=TIMING_DOCS_COMMAND)
+        )
+    print(render_timing(results))
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.exact_price", description=__doc__.split("\n\n")[0]
@@ -111,7 +161,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--publish", action="store_true")
     parser.add_argument("--render", action="store_true")
+    parser.add_argument(
+        "--timing",
+        nargs="?",
+        type=Path,
+        const=ROOT / "runs" / "exact-timing" / "results.json",
+        help="keep a timing run's results.json (default runs/exact-timing/results.json) and render its tables",
+    )
     args = parser.parse_args(argv)
+    if args.timing:
+        publish_timing(args.timing)
+        return 0
     if args.render:
         results = json.loads(STORE.read_text())
     else:
