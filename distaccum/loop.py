@@ -33,7 +33,8 @@ without a norm: no clipping, ``log.grad_norm=false``); fp16 adds GradScaler's th
 
 With ``accum.exact=true`` the engine sums the micro-batches' gradients in int64 fixed point (:mod:`distaccum.exact`);
 a step whose gradients outgrew the fixed-point scale applies nothing and says so (``StepResult.redo``), and
-:func:`train_step` runs the same window again, on every rank alike.
+:func:`run_step` runs the same window again, on every rank alike (the one retry loop: fault-tolerant replica groups'
+extends it to a step whose reduction across groups failed).
 
 ``accum.loss_norm=mean_per_micro`` is the classic loss/K (each micro-batch's mean divided by K x W) and is wrong
 whenever micro-batches hold different numbers of items; it is kept only as a negative control that
@@ -166,8 +167,8 @@ def train_step(
     result = engine.step(
         settings.clip_norm, window_totals.grad_scale(c, settings.loss_norm)
     )  # 4. x 1/(c N), clip
-    if result.redo:  # accum.exact: a piece outgrew the fixed-point scale; the same window again, wider
-        return train_step(state, settings, loss_fn, totals, votes)
+    if result.redo:  # accum.exact: a piece outgrew the fixed-point scale; run_step runs it again
+        return Step(window, window_totals, result, lr, c, d)
     if result.applied:  # a skipped step does not advance the schedule; never per micro-batch
         state.scheduler.step()
     state.source.advance()
@@ -239,7 +240,8 @@ class NonFinitePolicy:
 
 class StepRetry(Protocol):
     """Runs one optimizer step until it counts: ``attempt(totals)`` is :func:`train_step` with the window's totals
-    ``totals`` stands for (a wrapper may extend their collective), called again while the step did not count."""
+    ``totals`` stands for (a wrapper may extend their collective), called again while the step did not count (a
+    redo, ``StepResult.redo``, included: :func:`until_summed` is the default)."""
 
     def __call__(self, attempt: Callable[[Any], Step], totals: WindowTotals) -> Step: ...
 
@@ -357,12 +359,20 @@ def step_record(step: Step, times: StepTimes, nonfinite: bool, island: bool = Fa
     }
 
 
+def until_summed(attempt: Callable[[Any], Step], totals: WindowTotals) -> Step:
+    """The default :class:`StepRetry`: a step runs again only while its engine asks for a redo (``accum.exact``: a
+    piece outgrew the fixed-point scale, which is now wider; the same window, the same pieces)."""
+    while True:
+        done = attempt(totals)
+        if not done.result.redo:
+            return done
+
+
 def run_step(state: TrainState, settings: LoopSettings, loss_fn: LossFn, parts: LoopParts) -> Step:
-    """:func:`train_step` once, or until it counts (``parts.retry``: replica groups compute a step whose reduction
-    across groups failed again, under the next quorum)."""
-    if parts.retry is None:
-        return train_step(state, settings, loss_fn, parts.totals, parts.votes)
-    return parts.retry(lambda totals: train_step(state, settings, loss_fn, totals, parts.votes), parts.totals)
+    """:func:`train_step` until it counts: again after a redo (:func:`until_summed`), and with ``parts.retry``
+    (replica groups) again when its reduction across groups failed, under the next quorum."""
+    retry = parts.retry if parts.retry is not None else until_summed
+    return retry(lambda totals: train_step(state, settings, loss_fn, totals, parts.votes), parts.totals)
 
 
 def train(

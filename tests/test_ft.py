@@ -24,6 +24,8 @@ from safetensors.torch import load_file
 from conftest import fault, inject, requires, run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
+# torchft's Rust logger reads RUST_LOG once, when torchft is imported (a launch sets it first, as here)
+os.environ.setdefault("RUST_LOG", "warn")
 requires("torchft")
 
 STEPS, G, MICRO, LR = 36, 24, 2, 0.05
@@ -212,3 +214,106 @@ def test_fsdp2_groups_heal_a_sharded_state(tmp_path: Path, reference: Path) -> N
     assert (
         final_gap(groups / "g1-a1", load_file(str(groups / "g0-a0" / "final" / "model.safetensors"))) == 0.0
     )
+
+
+EXACT = [
+    "model=tiny_gpt",
+    "model.width=32",
+    "model.depth=1",
+    "model.dropout=0.1",
+    "data.dataset.num_samples=768",
+    "optim.name=adamw",
+    "optim.clip_norm=null",  # FSDP2's norm is a float sum over its shards: refused by exact mode
+    "precision=fp32",
+    "accum.micro_batch=4",
+    "accum.global_batch=48",
+    "trainer.max_steps=16",
+    "trainer.check_every=0",
+    "trainer.save_final=true",
+    "accum.exact=true",
+]
+"""Exact accumulation on variable-length text with dropout, AdamW, fp32: 16 windows of 48 samples in 12 pieces of 4
+(K = 12 / (ranks per group x groups present): 4, 6 or 12 with three groups of one rank, 3 or 6 with two of two)."""
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+"""One intra-op thread in every rank (a CPU kernel's sums depend on the thread count: outside the exact guarantee)."""
+
+
+def final_sha(run_dir: Path) -> str:
+    from distaccum.exact.fixed_point import params_sha256
+
+    return params_sha256(load_file(str(run_dir / "final" / "model.safetensors")).items())
+
+
+@pytest.fixture(scope="module")
+def exact_one(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The SHA-256 of one process taking each whole window (K = 12) in exact mode."""
+    run_dir = tmp_path_factory.mktemp("ft") / "exact-one"
+    one = run_cli("train", run_dir, *EXACT, "trainer.nproc=1", timeout=120, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr[-2000:]
+    return final_sha(run_dir)
+
+
+def exact_groups(
+    run_dir: Path, *overrides: str, faults: list[str]
+) -> tuple[dict[int, list[dict]], dict[str, str]]:
+    """Run exact-mode replica groups: every step's records, and each group attempt's final SHA-256."""
+    run = run_cli(
+        "train",
+        run_dir,
+        *EXACT,
+        *FT,
+        *overrides,
+        *faults,
+        timeout=180,
+        env={**ONE_THREAD, "RUST_LOG": "warn"},
+    )
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    groups = sorted((run_dir / "groups").iterdir())
+    by_step: dict[int, list[dict]] = {}
+    for g in groups:
+        for r in records(g):
+            by_step.setdefault(int(r["step"]), []).append(r)
+    assert sorted(by_step) == list(range(1, 17))  # steps lost: 0
+    return by_step, {g.name: final_sha(g) for g in groups if (g / "final").exists()}
+
+
+def test_exact_groups_train_the_bits_of_one_process_through_failures(tmp_path: Path, exact_one: str) -> None:
+    """``accum.exact`` across replica groups: the int64 sum crosses the groups before the commit vote, a step that
+    does not count puts the scale back, a redo (the first step's measuring pass) stays in its quorum, and the pieces
+    keep their index and dropout seed whichever group computes them. Three groups of one rank, group 1 SIGKILLed in
+    step 3's micro-batches and group 2 as it enters step 9's reduction, each restarted and healed: every group's
+    final parameters have the SHA-256 of one process taking the whole window."""
+    faults = inject(
+        "distaccum.losses.token_cross_entropy",
+        # step 1 runs its window twice (the scale's measuring pass, then the sum): K = 4 per group, so the 14th call
+        # is step 3's 2nd micro-batch
+        fault("KillGroup", group=1, call=14),
+        fault("KillGroup", group=2, step=9),
+        fault("SlowLoss", seconds=0.03),
+    )
+    by_step, got = exact_groups(tmp_path / "ft", "trainer.nproc=1", "ft.groups=3", faults=faults)
+    assert sorted(got) == ["g0-a0", "g1-a1", "g2-a1"]  # the killed attempts saved nothing
+    assert max(r["ft_attempts"] for r in by_step[3]) >= 2 and max(r["ft_attempts"] for r in by_step[9]) >= 2
+    assert {len(rs[0]["ft_groups"]) for rs in by_step.values()} >= {2, 3}  # K grew while a group was away
+    healed = {r["ft_group"] for rs in by_step.values() for r in rs if r["ft_healed"]}
+    assert healed == {1, 2}, healed
+    assert set(got.values()) == {exact_one}, (got, exact_one)
+    print(f"ft exact: every group ends on one process's parameters, sha256 {exact_one[:16]}")
+
+
+def test_exact_fsdp2_groups_heal_shards_to_the_same_bits(tmp_path: Path, exact_one: str) -> None:
+    """Two groups of two FSDP2 ranks in exact mode (an int64 reduce-scatter inside the group, its shards summed across
+    groups): group 1 SIGKILLed in step 2's micro-batches, restarted, heals shard by shard with the scale: both end on
+    one process's SHA-256."""
+    faults = inject(
+        "distaccum.losses.token_cross_entropy",
+        # K = 3 per rank: 6 calls in step 1 (measured, then summed), so the 8th is step 2's 2nd micro-batch
+        fault("KillGroup", group=1, call=8),
+        fault("SlowLoss", seconds=0.03),
+    )
+    fsdp = ["engine=fsdp", "trainer.nproc=2", "ft.groups=2"]  # exact mode takes no reduction checksum
+    by_step, got = exact_groups(tmp_path / "ft", *fsdp, faults=faults)
+    assert sorted(got) == ["g0-a0", "g1-a1"]
+    assert max(r["ft_attempts"] for r in by_step[2]) >= 2  # the killed step computed again by group 0 alone
+    assert any(r["ft_healed"] for rs in by_step.values() for r in rs if r["ft_group"] == 1)
+    assert set(got.values()) == {exact_one}, (got, exact_one)

@@ -329,6 +329,11 @@ class OrderSource(OrderPosition):
         self._version = 0  # the batch growth's version the iterator was cut for
         self._served: int | None = None  # the step window() last served, until advance()
 
+    @property
+    def place(self) -> tuple[int, int]:
+        """(world, rank) of the split this source cuts: its micro-batch m is piece m x world + rank of the window."""
+        return self.split.world_size, self.rank
+
     def window(self) -> WindowBatches:
         step = self.order.next_step
         version = self.order.growth.version if self.order.growth is not None else 0

@@ -146,12 +146,18 @@ class FixedPoint:
             self.acc.add_(self.ints)
         self.flat.zero_()
 
-    def reduce(self, ledger: Any = None, shards: list[torch.Tensor] | None = None) -> Outcome:
+    def reduce(
+        self, ledger: Any = None, shards: list[torch.Tensor] | None = None, across: Any = None
+    ) -> Outcome:
         """Sum the ranks' accumulators into the gradients (collective), unless a piece did not fit the scale or was
         not finite. Sets the next step's scale from this step's maximum. ``shards`` (a sharded engine: each
         parameter's local shard of its gradient, dim 0 cut in ``torch.chunk`` pieces over the group's ranks): an int64
-        reduce-scatter writes each rank's shards instead of an all-reduce of the whole gradients."""
+        reduce-scatter writes each rank's shards instead of an all-reduce of the whole gradients. ``across`` (replica
+        groups, an :class:`~distaccum.exact.engine.AcrossGroups`): the maximum and the int64 sum then cross the groups
+        too (each group's rank r holds the same shards), after the group's own and before the conversion."""
         dist.all_reduce(self.peak, op=dist.ReduceOp.MAX, group=self.group)  # exact, in any order
+        if across is not None:
+            across.all_reduce(self.peak, "max")
         maxima = self.peak.tolist()  # the one host read per step
         self.peak.zero_()
         if not all(map(math.isfinite, maxima)):
@@ -172,15 +178,17 @@ class FixedPoint:
             dist.all_reduce(self.acc, group=self.group)  # int64 SUM: exact and associative
             if ledger is not None:
                 ledger.completed(token)
+            if across is not None:
+                across.all_reduce(self.acc, "sum")
             self.flat.copy_(self.acc)  # the one rounding of the sum (to the gradients' dtype)
             self.flat.div_(self.scale)  # exact: a power of two
         else:
-            self._scatter(shards, current, ledger)
+            self._scatter(shards, current, ledger, across)
         self.acc.zero_()
         self._set_exponents([exponent_for(m, e) for m, e in zip(maxima, current, strict=True)])
         return Outcome.SUMMED
 
-    def _scatter(self, shards: list[torch.Tensor], exponents: list[int], ledger: Any) -> None:
+    def _scatter(self, shards: list[torch.Tensor], exponents: list[int], ledger: Any, across: Any) -> None:
         """The int64 reduce-scatter into the local gradient shards (rows of dim 0 chunked as ``torch.chunk`` does,
         padded to equal chunks on the wire), each converted once."""
         world = dist.get_world_size(self.group)
@@ -198,6 +206,8 @@ class FixedPoint:
         dist.reduce_scatter_tensor(mine, wire, group=self.group)  # int64 SUM: exact and associative
         if ledger is not None:
             ledger.completed(token)
+        if across is not None:
+            across.all_reduce(mine, "sum")
         for shard, part, e in zip(shards, mine.split(chunks), exponents, strict=True):
             if shard.numel():
                 shard.copy_(part[: shard.numel()].view_as(shard))  # the one rounding of the sum
@@ -216,8 +226,10 @@ class FixedPoint:
         return {"exponents": self.exponents, "redos": self.redos}
 
     def load(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state`."""
-        if state.get("exponents") is not None:
+        """Restore :meth:`state` (no exponents: the next step measures first)."""
+        if state.get("exponents") is None:
+            self.exponents = None
+        else:
             self._set_exponents([int(e) for e in state["exponents"]])
         self.redos = int(state.get("redos", 0))
 

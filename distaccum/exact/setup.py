@@ -54,14 +54,22 @@ class ExactSetup(SetupBase):
 
     def around_engine(self, run: Assembly, engine: Engine) -> Engine:
         self.engine = ExactEngine(
-            engine, world=run.world, rank=run.group_rank, seed=run.cfg.trainer.seed, group=run.group
+            engine,
+            world=run.world,
+            rank=run.group_rank,
+            seed=run.cfg.trainer.seed,
+            group=run.group,
+            across=run.across,
         )
         return self.engine  # type: ignore[return-value]  # an Engine by its methods
 
     def with_state(self, run: Assembly, state: TrainState, done: int) -> None:
+        """Pieces placed and seeded by the window source: its step, and the split it cut the window for (a
+        source cut per quorum, replica groups', says its own: ``place``)."""
         assert self.engine is not None
-        source = state.source
+        source, fixed = state.source, (run.world, run.group_rank)
         self.engine.step_of = lambda: source.next_step
+        self.engine.place_of = lambda: getattr(source, "place", fixed)
 
     def summarize(self, run: Assembly, state: TrainState, summary: dict[str, Any]) -> None:
         assert self.engine is not None and self.engine.fixed is not None

@@ -89,6 +89,9 @@ class Assembly:
     """Step monitors, in the order they run."""
     retry: Any = None
     """Runs each step until it counts (a :class:`~distaccum.loop.StepRetry`: fault-tolerant replica groups)."""
+    across: Any = None
+    """The sum across fault-tolerant replica groups (``ft.groups``), set before the engine exists, for an engine that
+    sums its own gradients to join (exact accumulation's int64 sum: an :class:`~distaccum.exact.engine.AcrossGroups`)."""
     timer: Any = None
     """The run's :class:`~distaccum.telemetry.timing.StepTimer` (set by the Trainer before the monitors attach; typed
     loosely so that telemetry's set-ups import this module and this module nothing of telemetry)."""

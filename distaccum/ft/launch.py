@@ -65,6 +65,8 @@ def split_lines(cfg: RunConfig) -> list[str]:
         return []
     split = cfg.split(cfg.trainer.nproc)
     per = split.micro_batch * split.world_size
+    if any(split.global_batch % (per * n) for n in range(ft.min_groups, ft.groups + 1)):
+        return []  # no K for some count of groups: check() says which multiple
     ks = ", ".join(
         f"K={split.global_batch // (per * n)} with {n}" for n in range(ft.groups, ft.min_groups - 1, -1)
     )

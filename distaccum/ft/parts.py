@@ -13,7 +13,8 @@ loss sum, the samples, the votes and which groups took part), so the engine's st
 whole window, exactly as a run without groups does. The sum is a SUM (torchft divides by the groups present by
 default). If it failed, or a group voted against the step, the step is not committed: the engine skips the update
 (the gradients are dropped), the order's position stays, and :class:`FtRetry` computes the step again under the next
-quorum.
+quorum. An engine that sums its gradients itself (exact accumulation's int64 sum) joins the session instead: the
+collective then carries the rows' totals only, and the engine votes after its own sum across the groups.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class FtSource(OrderPosition):
         self._source: OrderSource = inner
         self._cut: tuple[Split, int] = (inner.split, inner.rank)
         self.views: dict[int, StepView] = {}
+
+    @property
+    def place(self) -> tuple[int, int]:
+        """(world, rank) of the run this step's window was cut as: where this rank's micro-batches sit among the
+        window's pieces (exact accumulation seeds and places its pieces by it)."""
+        return self._cut[0].world_size, self._cut[1]
 
     def cut(self, quorum: Quorum) -> tuple[Split, int]:
         """(the split of a run of the groups that take pieces, this rank's place in it)."""
@@ -153,7 +160,8 @@ class FtTotals:
 
     def _across(self, mine: WindowResult) -> WindowResult:
         session, groups = self.session, self.session.cfg.groups
-        grads = [g.to_local() if hasattr(g, "to_local") else g for g in self._grads()]
+        own = session.engine_sums  # the engine sums the gradients across groups and votes after (accum.exact)
+        grads = [] if own else [g.to_local() if hasattr(g, "to_local") else g for g in self._grads()]
         present = [0.0] * groups  # the groups that took pieces (a group that sits the step out sends zeros)
         present[session.group] = 0.0 if session.last is not None and session.last.sits_out else 1.0
         row = [
@@ -171,12 +179,12 @@ class FtTotals:
                 torch.tensor(row + present, dtype=torch.float64, device=device),
             ]
         )
-        session.reduce(flat)
+        session.all_reduce(flat, "sum")
         sums, at = flat[-(len(row) + groups) :].tolist(), 0
         for g in grads:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
-        committed = session.commit()
+        committed = own or session.vote()  # an engine that sums itself votes after its sum
         step = self.source.views.get(session.step)
         if step is not None:
             step.groups = [i for i in range(groups) if sums[len(row) + i] > 0.5]
@@ -198,7 +206,8 @@ class FtTotals:
 
 class FtRetry:
     """Runs each step until it is committed: a step whose reduction across groups failed (or that a group voted
-    against) is computed again, from the same window, under the next quorum."""
+    against) is computed again, from the same window, under the next quorum; a redo (``accum.exact``: a piece outgrew
+    the scale, no vote taken) runs the window again under the same quorum, as every group does."""
 
     def __init__(self, session: FtSession, source: FtSource, engine: Engine, state: TrainState) -> None:
         self.session, self.source, self.engine, self.state = session, source, engine, state
@@ -211,6 +220,9 @@ class FtRetry:
         while True:
             began, n_prev = time.perf_counter(), self.state.n_prev
             done = attempt(wrapped)
+            if done.result.redo:
+                self.session.redoing = True
+                continue
             if self.session.committed:
                 return done
             # c = 2^-round(log2 N_prev) must be the same in every group (their gradients are summed): an uncommitted

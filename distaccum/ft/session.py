@@ -83,8 +83,9 @@ class FtSession:
     """One replica group's side of torchft, for one rank of it (every rank of the group makes one).
 
     :meth:`start` builds the Manager once the run's state exists (the state a healing group loads), :meth:`quorum`
-    begins a step, :meth:`reduce` sums a flat float64 buffer over the groups present and :meth:`commit` is the vote
-    of every group present on whether the step counts."""
+    begins a step, :meth:`all_reduce` sums (or takes the maximum of) a buffer over the groups present and
+    :meth:`vote` is the vote of every group present on whether the step counts. An engine that sums the gradients
+    itself joins it (:meth:`join`; exact accumulation: an :class:`~distaccum.exact.engine.AcrossGroups`)."""
 
     def __init__(self, cfg: FtConfig, group: int, group_rank: int, group_world: int, run_dir: Path) -> None:
         self.cfg, self.group, self.group_rank, self.group_world = cfg, group, group_rank, group_world
@@ -100,6 +101,10 @@ class FtSession:
         """The step this group resumed from its checkpoint (0: a fresh start)."""
         self.started = False
         """A quorum has admitted this group (its first waits for every group at the run's start or resumed step)."""
+        self.carried: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
+        """(state, load) of what a healing group loads beyond the run's state (an engine that joined: :meth:`join`)."""
+        self.redoing = False
+        """The step's window runs again in the same quorum (a redo: no vote was taken)."""
 
     def lighthouse(self) -> str:
         """The Lighthouse's address: ``ft.lighthouse``, else the launcher's ``TORCHFT_LIGHTHOUSE``."""
@@ -115,7 +120,8 @@ class FtSession:
         """Build this group's Manager over a reconfigurable gloo group across groups (collective inside the group:
         the group's rank 0 serves it, over the group's own TCPStore)."""
         # torchft's Rust side (the manager server) logs every tick at INFO on stderr; its logger reads RUST_LOG once,
-        # when torchft is first used: warnings only on the console, unless the user chose otherwise.
+        # when torchft is first imported: warnings only on the console, unless the user chose otherwise (a script
+        # that imported torchft itself must set RUST_LOG before that import).
         os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager, ProcessGroupGloo
 
@@ -157,6 +163,10 @@ class FtSession:
         """Begin computing 0-based step ``step`` (or compute it again): the quorum of the groups present. The first
         step waits for every group (none starts alone); a group behind the others heals from a live one here."""
         manager, cfg = self.manager, self.cfg
+        # A redo: the same pieces again, under the quorum that cut them.
+        if self.redoing and self.last is not None:
+            self.redoing = False
+            return self.last
         began = time.perf_counter()
         if self.committed or step != self.step or not self.attempts:
             self.step, self.attempts = step, 0
@@ -214,14 +224,24 @@ class FtSession:
             f"or the Lighthouse unreachable): {first_line(err)}"
         )
 
-    def reduce(self, flat: torch.Tensor) -> None:
-        """Sum ``flat`` over the groups present, in place (a failure is recorded by the Manager, and the step is
-        then not committed: :meth:`commit`)."""
+    def join(self, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """An engine sums the gradients across groups and votes itself; ``state()`` travels to a healing group."""
+        self.carried.append((state, load))
+
+    @property
+    def engine_sums(self) -> bool:
+        """Whether an engine joined (:meth:`join`): the window's totals then sum only their row and do not vote."""
+        return bool(self.carried)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """Reduce ``tensor`` over the groups present, in place: ``"sum"`` (never torchft's average) or ``"max"``. A
+        failure is recorded by the Manager, and the step is then not committed (:meth:`vote`)."""
         from torch.distributed import ReduceOp
 
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        reduce_op = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}[op]
+        self.manager.allreduce(tensor, reduce_op=reduce_op).wait()
 
-    def commit(self) -> bool:
+    def vote(self) -> bool:
         """Every group present votes; False: the step is computed again under the next quorum (FtError after
         ``ft.max_retries`` in a row)."""
         try:

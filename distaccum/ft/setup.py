@@ -17,8 +17,8 @@ from distaccum.ft.session import GROUP_ENV, FtSession
 
 def sharded_checksum(cfg: RunConfig) -> str | None:
     """Why a sharded engine's reduction checksum cannot run in replica groups (None: it can, or it is off)."""
-    if engine_class(cfg.engine.name).replicated_gradients or not cfg.trainer.fingerprint:
-        return None
+    if engine_class(cfg.engine.name).replicated_gradients or not cfg.trainer.fingerprint or cfg.accum.exact:
+        return None  # (exact accumulation takes no checksum: its int64 sum has no rounding to bound)
     return (
         f"engine={cfg.engine.name} checks each step's reduction against its own ranks' gradients (trainer.fingerprint), "
         "and the sum across groups adds the other groups' to it: set trainer.fingerprint=false"
@@ -32,11 +32,6 @@ def refusal(cfg: RunConfig) -> str | None:
         why = "outer.method already reduces across islands rarely: use one or the other"
     if why is None and (cfg.accum.ramp.enabled or cfg.accum.adaptive.enabled):
         why = "accum.ramp / accum.adaptive change the global batch, which ft keeps fixed across groups"
-    if why is None and cfg.accum.exact:
-        why = (
-            "accum.exact sums the pieces in int64 inside a group only (its scale, its redo and the piece seeds are "
-            "the group's): the int64 sum across groups is not built yet; use one or the other"
-        )
     return why
 
 
@@ -70,6 +65,7 @@ class FtSetup(SetupBase):
         self.session = run.seam(
             "ft", FtSession(cfg, group, run.group_rank, run.world, Path(resolved.run_dir))
         )
+        run.across = self.session  # for an engine that sums its own gradients (exact accumulation's)
         run.announce(
             f"distaccum: replica group {group} of {cfg.groups} ({run.world} rank(s)), at least ft.min_groups="
             f"{cfg.min_groups} per step; each step's window cut for the groups present"
@@ -98,6 +94,8 @@ class FtSetup(SetupBase):
                 "optimizer": engine.optimizer.state_dict(),
                 "scheduler": state.scheduler.state_dict(),
                 "source": source.state_dict(),
+                # an engine that joined the sum across groups: its own (exact accumulation's scale)
+                "carried": [carried() for carried, _ in session.carried],
                 "n_prev": state.n_prev,
             }
 
@@ -106,6 +104,8 @@ class FtSetup(SetupBase):
             engine.optimizer.load_state_dict(saved["optimizer"])
             state.scheduler.load_state_dict(saved["scheduler"])
             source.load_state_dict(saved["source"])
+            for (_, load), carried in zip(session.carried, saved["carried"], strict=True):
+                load(carried)
             state.n_prev = saved["n_prev"]
 
         session.start(state_dict, load_state_dict)

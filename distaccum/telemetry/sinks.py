@@ -223,6 +223,15 @@ class ConsoleSink:
             f"={summary['global_batch']}{describe_phases(summary.get('batch_phases', []))}",
             file=self.stream,
         )
+        ft = summary.get("ft")
+        if ft:  # the split above is the group's alone: K followed the groups present
+            healed = ", ".join(map(str, ft["healed_at"])) or "none"
+            print(
+                f"ft: replica group {ft['group']} of {ft['groups']}; K per step followed the groups present "
+                f"(micro_steps, ft_groups in the records); {ft['steps_recomputed']} attempt(s) computed again "
+                f"({ft['lost_s']:.2f} s); healed at step(s): {healed}",
+                file=self.stream,
+            )
         outer = summary.get("outer")
         if outer:  # what the outer sync saved: the point of running it
             factor = outer["reduction_factor"]

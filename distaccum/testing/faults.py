@@ -279,10 +279,10 @@ class KillGroup:
             fault = self
 
             class Reducing(Proxy):
-                def reduce(self, flat: torch.Tensor) -> None:
-                    if self.inner.step + 1 == fault.step:
+                def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+                    if self.inner.step + 1 == fault.step:  # its first reduction across groups in that step
                         fault._fire()
-                    self.inner.reduce(flat)
+                    self.inner.all_reduce(tensor, op)
 
             return Reducing(obj)
         return obj
