@@ -135,7 +135,8 @@ class ExactEngine:
         if outcome is Outcome.REDO:
             return StepResult(None, applied=False, redo=True)
         if self.across is not None and not self.across.vote():
-            fixed.load(self._counted)  # this attempt's maximum may be partial: the last counted step's scale
+            # This attempt's maximum may be partial: the last counted step's scale (its passes still counted).
+            fixed.load({**self._counted, "redos": fixed.redos})
             return self.inner.step(max_norm, math.nan)  # nothing applied, the gradients dropped
         self._counted = fixed.state()
         return self.inner.step(max_norm, grad_scale if outcome is Outcome.SUMMED else math.nan)
