@@ -46,11 +46,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Dependencies from the development venv; distaccum itself only from the wheel (the dev venv's
     # editable finder lives in a .pth file there, which a plain path line does not run).
     (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Without PYTHONPATH: a source tree on it (its distaccum.egg-info) would make pip call the wheel installed.
+    bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     pip = subprocess.run(
         [str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
         capture_output=True,
         text=True,
         timeout=300,
+        env=bare,
     )
     assert pip.returncode == 0, pip.stderr[-3000:]
     return venv

@@ -165,6 +165,65 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(
     assert "Restarts=1" in restarts, restarts  # ran twice: before and after the requeue
 
 
+def test_ft_groups_share_a_node_and_a_killed_group_restarts_and_heals(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """`distaccum submit ... ft.groups=2` on a one-node cluster: the Lighthouse as a job step, two replica groups of
+    one worker sharing the node, group 1 SIGKILLed in step 5's micro-batches; the job's loop starts its step again
+    (its own run directory, g1-a1), it heals from group 0 and both end on the same parameters, every step trained
+    and the job COMPLETED. Group 0 waits at its 40th micro-batch until the restarted group asks for its first quorum
+    (``AwaitRejoin``), so the restart heals however slowly it starts."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import fault, inject
+
+    run_dir = tmp_path / "ft"
+    run_dir.mkdir()
+    faults = inject(
+        "distaccum.losses.mse",
+        fault("KillGroup", group=1, call=30),  # K = 6 per group: step 5's last micro-batch
+        fault("AwaitRejoin", waiting=0, restarted=1, call=40, marker=str(tmp_path / "rejoined")),
+    )
+    submit = [
+        "submit",
+        "slurm.nodes=1",
+        "trainer.nproc=2",  # the node's two workers: one per group
+        "ft.groups=2",
+        "ft.heartbeat_timeout_ms=500",
+        "model=mlp",
+        "accum.global_batch=24",
+        "accum.micro_batch=2",
+        "trainer.max_steps=30",
+        "trainer.save_final=true",
+        "log.console=quiet",
+        f"run_dir={run_dir}",
+        *faults,
+    ]
+    proc = _distaccum(slurm_cluster, REPO, *submit, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().splitlines()[-1]
+    state = wait_job(job_id, timeout_s=240, pending_timeout_s=60, env=slurm_cluster.env)
+    err = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(run_dir.glob("slurm-*")))
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{err}"
+    assert "replica group 1 failed: restart 1" in err and "[INFO]" not in err  # RUST_LOG=warn in the job
+    groups = run_dir / "groups"
+    assert sorted(g.name for g in groups.iterdir()) == ["g0-a0", "g1-a0", "g1-a1"]
+
+    def records(name: str) -> list[dict]:
+        return [json.loads(line) for line in (groups / name / "metrics.jsonl").read_text().splitlines()]
+
+    assert [r["step"] for r in records("g0-a0")] == list(range(1, 31))
+    assert [r["ft_groups"] for r in records("g0-a0")][4] == [
+        0
+    ]  # step 5 computed again by group 0 alone: K = 12
+    assert records("g0-a0")[4]["micro_steps"] == 12
+    healed = [r["step"] for r in records("g1-a1") if r["ft_healed"]]
+    assert healed and records("g1-a1")[-1]["step"] == 30, healed
+    final = [load_file(str(groups / g / "final" / "model.safetensors")) for g in ("g0-a0", "g1-a1")]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
 def test_srun_tasks_run_as_ranks_in_place(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """`srun -n 2 distaccum train`: each task is one rank (SLURM_PROCID/NTASKS), no launcher."""
     run_dir = tmp_path / "srun"

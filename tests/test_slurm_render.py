@@ -236,8 +236,9 @@ def test_a_gpu_job_asks_cpus_for_every_gpu_worker_and_states_its_world_and_inter
 
 def test_ft_job_runs_the_lighthouse_and_restarts_each_group() -> None:
     """ft.groups: the Lighthouse on the first node, group g on its own node with REPLICA_GROUP_ID=g and its own
-    rendezvous, restarted up to ft.restarts times; the world the pre-flight checks is one group's; uneven nodes and a
-    real submit are refused with the reason."""
+    rendezvous, restarted up to ft.restarts times, each attempt in its own run directory sharing the first's
+    checkpoints; the world the pre-flight checks is one group's; uneven nodes are refused with the reason. (A real job
+    on the local Slurm: tests/test_slurm_cluster.py.)"""
     from distaccum.cluster.slurm import SlurmLauncher
 
     text = _render("ft_3groups")
@@ -245,15 +246,33 @@ def test_ft_job_runs_the_lighthouse_and_restarts_each_group() -> None:
         "torchft_lighthouse '--bind=[::]:29510' --min_replicas=2" in text
         and "--heartbeat_timeout_ms=2000" in text
     )
-    assert 'REPLICA_GROUP_ID="$g",TORCHFT_LIGHTHOUSE="http://$head_node:29510"' in text
-    assert 'run_dir=/scratch/runs/ft/groups/g"$g"' in text and '[ "$attempt" -gt 2 ]' in text
+    assert (
+        'REPLICA_GROUP_ID="$g",DISTACCUM_FT_RESTART="$attempt",TORCHFT_LIGHTHOUSE="http://$head_node:29510"'
+        in text
+    )
+    assert 'local dir=/scratch/runs/ft/groups/g"$g"-a"$attempt"' in text and 'run_dir="$dir"' in text
+    assert 'ln -sfn ../g"$g"-a0/checkpoints "$dir/checkpoints"' in text and '[ "$attempt" -gt 2 ]' in text
+    assert "export RUST_LOG=${RUST_LOG:-warn}" in text and "--overlap \\" not in text  # a node per group
     assert "#SBATCH --no-kill" in text and "--signal" not in text
     cfg = from_mapping(CASES["ft_3groups"][0])
     assert SlurmLauncher.world(cfg).ranks == 2
     with pytest.raises(ValueError, match="multiple of 3"):
         render_sbatch(from_mapping({**CASES["ft_3groups"][0], "slurm": {"nodes": 4}}), [])
-    with pytest.raises(SlurmError, match="renders replica groups"):
-        SlurmLauncher.submit(cfg, [])
+    # Groups sharing a node: each overlaps there with its share of the node's workers and its own GPUs.
+    shared = render_sbatch(
+        from_mapping({**CASES["ft_3groups"][0], "slurm": {"nodes": 1, "gpus_per_node": 6}}), []
+    )
+    assert '--nodes=1 --ntasks=1 --relative="$first_index" --overlap' in shared
+    assert "--nproc_per_node=2" in shared and "first_index=$(($1 / 3 * 1))" in shared
+    assert "local devices=$(seq -s, $(($1 % 3 * 2)) $(($1 % 3 * 2 + 1)))" in shared
+    assert ',CUDA_VISIBLE_DEVICES="$devices"' in shared
+    with pytest.raises(ValueError, match="equal share of one"):  # 2 groups cannot share 3 GPUs
+        render_sbatch(
+            from_mapping(
+                {**CASES["ft_3groups"][0], "ft": {"groups": 2}, "slurm": {"nodes": 1, "gpus_per_node": 3}}
+            ),
+            [],
+        )
 
 
 def test_submit_dry_run_renders_replica_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

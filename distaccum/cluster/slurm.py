@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import product
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from distaccum.cluster.base import JobLauncher, LaunchError, Submitted, World
 from distaccum.cluster.config import SlurmConfig
@@ -199,41 +199,68 @@ LIGHTHOUSE_PORT = 29510
 """The port of a rendered job's torchft Lighthouse (torchft's default)."""
 
 
-def ft_nodes(cfg: RunConfig) -> int:
-    """Nodes of each replica group of an ``ft.groups`` job (``slurm.nodes`` split evenly); ValueError otherwise."""
+def ft_layout(cfg: RunConfig) -> tuple[int, int]:
+    """(nodes of each replica group, groups on each node) of an ``ft.groups`` job: every group takes the same number
+    of whole nodes (``slurm.nodes`` a multiple of ``ft.groups``), or the groups share nodes evenly (``ft.groups`` a
+    multiple of ``slurm.nodes``, each group an equal share of a node's workers and GPUs); ValueError otherwise."""
     groups, nodes = cfg.ft.groups, cfg.slurm.nodes
-    if nodes % groups:
-        raise ValueError(
-            f"ft.groups={groups} on slurm.nodes={nodes}: each replica group takes whole nodes, the same number: "
-            f"make slurm.nodes a multiple of {groups}"
-        )
-    return nodes // groups
+    per_node = job_world_size(cfg) // nodes
+    if nodes % groups == 0:
+        return nodes // groups, 1
+    shared = groups // nodes
+    if groups % nodes == 0 and per_node % shared == 0:
+        return 1, shared
+    raise ValueError(
+        f"ft.groups={groups} on slurm.nodes={nodes}: each replica group takes whole nodes, the same number (make "
+        f"slurm.nodes a multiple of {groups}), or an equal share of one (ft.groups a multiple of slurm.nodes whose "
+        f"groups per node divide the node's {per_node} worker(s))"
+    )
+
+
+def ft_nodes(cfg: RunConfig) -> int:
+    """Nodes of each replica group of an ``ft.groups`` job (1 when groups share nodes: :func:`ft_layout`)."""
+    return ft_layout(cfg)[0]
 
 
 def render_ft_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python") -> str:
     """The sbatch script of an ``ft.groups`` run: the torchft Lighthouse as a job step on the first node, then one
-    job step per replica group on its own nodes (its own torchrun rendezvous, ``REPLICA_GROUP_ID``), a group whose
-    step fails started again up to ``ft.restarts`` times (it resumes its own checkpoints and heals from a live group),
-    the job kept alive when a node is lost (``--no-kill``). Pure, as :func:`render_sbatch`."""
+    job step per replica group on its own nodes, or its share of one (its own torchrun rendezvous,
+    ``REPLICA_GROUP_ID``; groups sharing a node overlap there, each with its own GPUs), a group whose step fails
+    started again up to ``ft.restarts`` times (it resumes its own checkpoints and heals from a live group), the job
+    kept alive when a node is lost (``--no-kill``). Pure, as :func:`render_sbatch`."""
     slurm, ft = cfg.slurm, cfg.ft
-    per_group, nproc = ft_nodes(cfg), job_world_size(cfg) // slurm.nodes
+    per_group, shared = ft_layout(cfg)
+    nproc = job_world_size(cfg) // slurm.nodes // shared  # one group's workers on each of its nodes
+    # torchft's console script of the workers' environment (installed beside their interpreter; a bare `python`
+    # finds it on PATH)
+    script = (
+        str(PurePosixPath(python).with_name("torchft_lighthouse")) if "/" in python else "torchft_lighthouse"
+    )
     lighthouse = (
-        f"torchft_lighthouse '--bind=[::]:{LIGHTHOUSE_PORT}' --min_replicas={ft.min_groups} --join_timeout_ms="
+        f"{shlex.quote(script)} '--bind=[::]:{LIGHTHOUSE_PORT}' --min_replicas={ft.min_groups} --join_timeout_ms="
         f"{ft.join_timeout_ms} --quorum_tick_ms={ft.quorum_tick_ms} --heartbeat_timeout_ms={ft.heartbeat_timeout_ms}"
     )
     args = " ".join(shlex.quote(o) for o in overrides if not o.startswith("run_dir="))
-    group_dir = shlex.quote(f"{cfg.run_dir}/groups") + '/g"$g"'
+    groups_dir = shlex.quote(f"{cfg.run_dir}/groups")
+    gpus = ',CUDA_VISIBLE_DEVICES="$devices"' if shared > 1 and slurm.gpus_per_node > 0 else ""
     launch = [
-        f'srun --kill-on-bad-exit=1 --nodes={per_group} --ntasks={per_group} --relative="$((g * {per_group}))"',
-        f'--export=ALL,REPLICA_GROUP_ID="$g",TORCHFT_LIGHTHOUSE="http://$head_node:{LIGHTHOUSE_PORT}"',
+        f'srun --kill-on-bad-exit=1 --nodes={per_group} --ntasks={per_group} --relative="$first_index"'
+        + (" --overlap" if shared > 1 else ""),
+        f'--export=ALL,REPLICA_GROUP_ID="$g",DISTACCUM_FT_RESTART="$attempt",'
+        f'TORCHFT_LIGHTHOUSE="http://$head_node:{LIGHTHOUSE_PORT}"{gpus}',
         f"{shlex.quote(python)} -m torch.distributed.run --nnodes={per_group} --nproc_per_node={nproc}",
         f'--rdzv_backend=c10d --rdzv_endpoint="$first:$(({slurm.rdzv_port} + g))" --rdzv_id="$SLURM_JOB_ID-$g"',
-        f"-m distaccum train {args} run_dir={group_dir}".replace("  ", " "),
+        f'-m distaccum train {args} run_dir="$dir"'.replace("  ", " "),
     ]
+    where = (
+        f"{per_group} node(s)"
+        if shared == 1
+        else f"1/{shared} of a node ({shared} groups per node, overlapping)"
+    )
     lines = [
         "#!/bin/bash",
-        "# Rendered by distaccum.cluster.slurm.render_ft_sbatch; submit with sbatch (distaccum submit renders it only).",
-        f"# ft.groups={ft.groups} replica groups of {per_group} node(s) x {nproc} proc(s), a torchft Lighthouse on the "
+        "# Rendered by distaccum.cluster.slurm.render_ft_sbatch; submit with `distaccum submit` or sbatch.",
+        f"# ft.groups={ft.groups} replica groups of {where} x {nproc} proc(s), a torchft Lighthouse on the "
         f"first node (min_replicas={ft.min_groups}, heartbeat_timeout_ms={ft.heartbeat_timeout_ms}).",
         f"# {split_line(cfg, per_group, nproc)} per group while every group is present; K grows when one is missing.",
         f"# A group's failed step is started again up to ft.restarts={ft.restarts} time(s): it resumes its own",
@@ -243,16 +270,31 @@ def render_ft_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = 
         "#SBATCH --no-kill",
         "",
         "set -uo pipefail",
+        "export RUST_LOG=${RUST_LOG:-warn}  # torchft's Rust side (Lighthouse, managers): warnings only in the job's log",
         'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
         'head_node="${nodes[0]}"',
         f"srun --nodes=1 --ntasks=1 --relative=0 --overlap {lighthouse} &",
         "lighthouse=$!",
         "run_group() {  # group $1 on its nodes, restarted when its step fails",
-        f'    local g=$1 first="${{nodes[$(($1 * {per_group}))]}}" attempt=0',
-        "    until " + " \\\n        ".join(launch) + "; do",
+        f"    local g=$1 first_index=$(($1 / {shared} * {per_group})) attempt=0",
+        '    local first="${nodes[$first_index]}"',
+        *(
+            [
+                f"    local devices=$(seq -s, $(($1 % {shared} * {nproc})) $(($1 % {shared} * {nproc} + {nproc - 1})))"
+            ]
+            if gpus
+            else []
+        ),
+        "    while true; do  # each attempt its own run directory, g<i>-a<attempt>, the first's checkpoints shared",
+        f'        local dir={groups_dir}/g"$g"-a"$attempt"',
+        '        mkdir -p "$dir"',
+        '        if [ "$attempt" -gt 0 ]; then',
+        f'            mkdir -p {groups_dir}/g"$g"-a0/checkpoints && ln -sfn ../g"$g"-a0/checkpoints "$dir/checkpoints"',
+        "        fi",
+        "        " + " \\\n            ".join(launch) + " && return 0",
         "        attempt=$((attempt + 1))",
         f'        if [ "$attempt" -gt {ft.restarts} ]; then echo "replica group $g: no restart left" >&2; return 1; fi',
-        '        echo "replica group $g failed: restart $attempt (it heals from a live group)" >&2',
+        '        echo "replica group $g failed: restart $attempt (it resumes its checkpoints, heals from a live group)" >&2',
         "    done",
         "}",
         "pids=()",
@@ -445,10 +487,5 @@ class SlurmLauncher(JobLauncher):
 
     @staticmethod
     def submit(cfg: RunConfig, overrides: Sequence[str]) -> Submitted:
-        if cfg.ft.enabled:
-            raise SlurmError(
-                f"ft.groups={cfg.ft.groups}: distaccum submit --to slurm renders replica groups (--dry-run) but does "
-                "not submit them: save the dry run as a script and sbatch it (docs/failures.md)"
-            )
         result = submit(cfg, _pinned(overrides))
         return Submitted(str(result.job_id), f"wrote {result.script_path}; outputs go to {cfg.run_dir}")

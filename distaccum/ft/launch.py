@@ -32,7 +32,7 @@ GROUP_ENV, LIGHTHOUSE_ENV = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"
 EXIT_CONFIG = 2
 """A worker's exit for a configuration it refused (``distaccum.cli.exitcodes``; the entry layer's, not imported)."""
 RESTART_ENV = "DISTACCUM_FT_RESTART"
-"""How many times this group's launcher was started again (0: the first start)."""
+"""How many times this group's launcher was started again (0: the first start; :mod:`distaccum.ft.session`'s name)."""
 
 
 def lighthouse_line(cfg: RunConfig) -> str:

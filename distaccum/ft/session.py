@@ -28,6 +28,9 @@ from distaccum.ft.config import FtConfig
 GROUP_ENV = "REPLICA_GROUP_ID"
 """The replica group of this process (torchft's examples' name; set by the launcher, :mod:`distaccum.ft.launch`)."""
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+RESTART_ENV = "DISTACCUM_FT_RESTART"
+"""How many times this group was started again within the run (0 or unset: its first start; set by ``distaccum
+train`` and by a rendered Slurm job's restart loop)."""
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
 
@@ -101,6 +104,8 @@ class FtSession:
         """The step this group resumed from its checkpoint (0: a fresh start)."""
         self.started = False
         """A quorum has admitted this group (its first waits for every group at the run's start or resumed step)."""
+        self.restarted = int(os.environ.get(RESTART_ENV) or 0) > 0
+        """Started again within the run after it died: it joins the groups alive, whatever step it resumed."""
         self.carried: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
         """(state, load) of what a healing group loads beyond the run's state (an engine that joined: :meth:`join`)."""
         self.redoing = False
@@ -180,11 +185,11 @@ class FtSession:
             except Exception as err:  # noqa: BLE001 - a timeout or an unreachable Lighthouse, in one line
                 raise FtError(self._quorum_error(err)) from None
             # Every group at the first step, and at the step a rerun resumed from (the quorum's step: a healing
-            # group's is the live groups'); a group restarted mid-run joins the ones alive.
+            # group's is the live groups'); a group restarted mid-run joins the ones alive (alone, when none is:
+            # the others finished or died, and ft.min_groups allows it).
             at = manager.current_step()
-            if groups >= (
-                cfg.groups if at == 0 or (not self.started and at == self.resumed_at) else cfg.min_groups
-            ):
+            rerun = not self.started and at == self.resumed_at and not self.restarted
+            if groups >= (cfg.groups if at == 0 or rerun else cfg.min_groups):
                 break
             if time.perf_counter() - began > cfg.quorum_timeout_s:
                 raise FtError(

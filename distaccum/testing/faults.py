@@ -288,6 +288,54 @@ class KillGroup:
         return obj
 
 
+class AwaitRejoin:
+    """Holds replica group ``waiting`` at its loss's ``call``-th call until group ``restarted``, started again after
+    it died (``DISTACCUM_FT_RESTART`` > 0), asks for its first quorum (its Manager then exists: the Lighthouse waits
+    for it at the next quorum), which it says by creating the file ``marker``. A restart then heals whatever the
+    machine's speed, instead of racing the survivors to the end of the run."""
+
+    def __init__(
+        self, waiting: int, restarted: int, call: int, marker: str, timeout_s: float = 120.0
+    ) -> None:
+        self.waiting, self.restarted, self.call = waiting, restarted, call
+        self.marker, self.timeout_s = marker, timeout_s
+        self.calls = 0
+
+    def wrap(self, point: str, obj: Any) -> Any:
+        import os
+        from pathlib import Path
+
+        group = os.environ.get("REPLICA_GROUP_ID")
+        marker = Path(self.marker)
+        if (
+            point == "ft"
+            and group == str(self.restarted)
+            and os.environ.get("DISTACCUM_FT_RESTART", "0") != "0"
+        ):
+
+            class Asking(Proxy):
+                def quorum(self, step: int) -> Any:
+                    marker.touch()
+                    return self.inner.quorum(step)
+
+            return Asking(obj)
+        if point == "loss" and group == str(self.waiting):
+            fault = self
+
+            def loss(model: Any, batch: Any) -> Any:
+                import time
+
+                fault.calls += 1
+                if fault.calls == fault.call:
+                    deadline = time.monotonic() + fault.timeout_s
+                    while not marker.exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                return obj(model, batch)
+
+            return loss
+        return obj
+
+
 class KillRank:
     """Rank ``rank`` signals its own process (SIGKILL by default) at the loss's ``call``-th call (1-based: count the
     micro-batches, a redone step's included, to land in the middle of a step). In a world without that rank, or in a
