@@ -282,14 +282,17 @@ def test_exact_groups_train_the_bits_of_one_process_through_failures(tmp_path: P
     does not count puts the scale back, a redo (the first step's measuring pass) stays in its quorum, and the pieces
     keep their index and dropout seed whichever group computes them. Three groups of one rank, group 1 SIGKILLed in
     step 3's micro-batches and group 2 as it enters step 6's reduction, each restarted and healed: every group's
-    final parameters have the SHA-256 of one process taking the whole window."""
+    final parameters have the SHA-256 of one process taking the whole window. Group 0 waits for each restarted
+    group to ask for its first quorum (at its 24th and 44th micro-batch: after the kill, at the latest in steps 5
+    and 10), so both heal before the end however slowly they restart."""
     faults = inject(
         "distaccum.losses.token_cross_entropy",
         # step 1 runs its window twice (the scale's measuring pass, then the sum): K = 4 per group, so the 14th call
         # is step 3's 2nd micro-batch
         fault("KillGroup", group=1, call=14),
-        fault("KillGroup", group=2, step=6),  # ten steps left to restart and heal in
-        fault("SlowLoss", seconds=0.03),
+        fault("KillGroup", group=2, step=6),
+        fault("AwaitRejoin", waiting=0, restarted=1, call=24, marker=str(tmp_path / "g1-rejoined")),
+        fault("AwaitRejoin", waiting=0, restarted=2, call=44, marker=str(tmp_path / "g2-rejoined")),
     )
     by_step, got = exact_groups(tmp_path / "ft", "trainer.nproc=1", "ft.groups=3", faults=faults)
     assert sorted(got) == ["g0-a0", "g1-a1", "g2-a1"]  # the killed attempts saved nothing
@@ -309,7 +312,8 @@ def test_exact_fsdp2_groups_heal_shards_to_the_same_bits(tmp_path: Path, exact_o
         "distaccum.losses.token_cross_entropy",
         # K = 3 per rank: 6 calls in step 1 (measured, then summed), so the 8th is step 2's 2nd micro-batch
         fault("KillGroup", group=1, call=8),
-        fault("SlowLoss", seconds=0.03),
+        # group 0 held at its 20th (at the latest in step 6) until the restarted group asks for its first quorum
+        fault("AwaitRejoin", waiting=0, restarted=1, call=20, marker=str(tmp_path / "rejoined")),
     )
     fsdp = ["engine=fsdp", "trainer.nproc=2", "ft.groups=2"]  # exact mode takes no reduction checksum
     by_step, got = exact_groups(tmp_path / "ft", *fsdp, faults=faults)
