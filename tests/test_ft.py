@@ -164,6 +164,14 @@ def test_lost_groups_cost_no_sample_and_no_restart(tmp_path: Path, reference: Pa
             missing_at.add(step)
         attempts[step] = max(r["ft_attempts"] for r in rs)
     assert len(epoch) == len(set(epoch)) == sum(r["samples"] for r in windows.values() if r["epoch"] == 0)
+    # Bytes across groups, per rank and step: the healed-flags sum (one float64 per group), then the one collective
+    # of the gradients (float64) and the window's row (5 totals and one flag per group).
+    params = sum(t.numel() for t in load_file(str(reference / "final" / "model.safetensors")).values())
+    clean = [r for rs in by_step.values() for r in rs if r["ft_attempts"] == 1]
+    assert clean and all(r["ft_bytes"] == 8 * 3 + 8 * (params + 5 + 3) for r in clean), clean[0]["ft_bytes"]
+    assert all(
+        r["ft_bytes"] > 8 * (params + 8) for rs in by_step.values() for r in rs if r["ft_attempts"] > 1
+    )
     assert 3 in missing_at  # step 3 computed again by the two groups left, K 4 -> 6
     assert attempts[3] >= 2 and attempts[16] >= 2, (
         attempts

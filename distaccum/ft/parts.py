@@ -44,6 +44,8 @@ class StepView:
     attempts: int = 1
     lost_s: float = 0.0
     """Seconds spent in this step's attempts that were not committed (the failure's recomputed work and stall)."""
+    sent_bytes: int = 0
+    """Bytes this rank put into reductions across groups in the step, every attempt's."""
     groups: list[int] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     """The sample ids this group trained in the step, in the global-batch order."""
@@ -81,7 +83,9 @@ class FtSource(OrderPosition):
         if cut != self._cut or self.session.attempts > 1 or quorum.sits_out:  # a fresh walk
             self._source, self._cut = self._walk(cut), cut
         view = self.views.get(step)
-        self.views[step] = StepView(quorum, self.session.attempts, view.lost_s if view else 0.0)
+        self.views[step] = StepView(
+            quorum, self.session.attempts, view.lost_s if view else 0.0, view.sent_bytes if view else 0
+        )
         if quorum.sits_out:
             return self._stand_in(self._source.window())
         if self.session.cfg.sample_ids:
@@ -218,8 +222,10 @@ class FtRetry:
         if wrapped is None:
             wrapped = self._totals[id(totals)] = FtTotals(totals, self.session, self.engine, self.source)
         while True:
-            began, n_prev = time.perf_counter(), self.state.n_prev
+            began, n_prev, sent = time.perf_counter(), self.state.n_prev, self.session.sent_bytes
             done = attempt(wrapped)
+            view = self.source.views[done.window.step]
+            view.sent_bytes += self.session.sent_bytes - sent
             if done.result.redo:
                 self.session.redoing = True
                 continue
@@ -228,7 +234,6 @@ class FtRetry:
             # c = 2^-round(log2 N_prev) must be the same in every group (their gradients are summed): an uncommitted
             # step's N (a partial sum, or another quorum's) never becomes N_prev.
             self.state.n_prev = n_prev
-            view = self.source.views[done.window.step]
             view.lost_s += time.perf_counter() - began
 
 
@@ -252,6 +257,7 @@ class FtRecord:
                 "ft_groups": view.groups,
                 "ft_attempts": view.attempts,
                 "ft_lost_s": view.lost_s,
+                "ft_bytes": view.sent_bytes,
                 "ft_quorum_s": view.quorum.quorum_s,
                 "ft_healed": view.quorum.healed,
             }

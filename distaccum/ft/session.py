@@ -110,6 +110,8 @@ class FtSession:
         """(state, load) of what a healing group loads beyond the run's state (an engine that joined: :meth:`join`)."""
         self.redoing = False
         """The step's window runs again in the same quorum (a redo: no vote was taken)."""
+        self.sent_bytes = 0
+        """Bytes this rank has put into reductions across groups so far (every attempt's)."""
 
     def lighthouse(self) -> str:
         """The Lighthouse's address: ``ft.lighthouse``, else the launcher's ``TORCHFT_LIGHTHOUSE``."""
@@ -216,6 +218,7 @@ class FtSession:
         flags = torch.zeros(self.cfg.groups, dtype=torch.float64)
         flags[self.group] = 0.0 if healed else 1.0
         self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
+        self.sent_bytes += flags.numel() * flags.element_size()
         takers = [i for i in range(self.cfg.groups) if flags[i] > 0.5]
         if self.manager.errored() is not None or len(takers) < self.cfg.min_groups:
             return groups, index  # every group present takes pieces (or the step fails to commit)
@@ -245,6 +248,7 @@ class FtSession:
 
         reduce_op = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}[op]
         self.manager.allreduce(tensor, reduce_op=reduce_op).wait()
+        self.sent_bytes += tensor.numel() * tensor.element_size()
 
     def vote(self) -> bool:
         """Every group present votes; False: the step is computed again under the next quorum (FtError after

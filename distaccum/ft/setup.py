@@ -122,6 +122,7 @@ class FtSetup(SetupBase):
             "groups": run.cfg.ft.groups,
             "steps_recomputed": sum(int(r.get("ft_attempts", 1)) - 1 for r in records),
             "lost_s": sum(float(r.get("ft_lost_s", 0.0)) for r in records),
+            "bytes_across": sum(int(r.get("ft_bytes", 0)) for r in records),
             "healed_at": [int(r["step"]) for r in records if r.get("ft_healed")],
         }
         self.session.shutdown()

@@ -229,7 +229,8 @@ class ConsoleSink:
             print(
                 f"ft: replica group {ft['group']} of {ft['groups']}; K per step followed the groups present "
                 f"(micro_steps, ft_groups in the records); {ft['steps_recomputed']} attempt(s) computed again "
-                f"({ft['lost_s']:.2f} s); healed at step(s): {healed}",
+                f"({ft['lost_s']:.2f} s); {human_bytes(ft['bytes_across'])} sent across groups; healed at step(s): "
+                f"{healed}",
                 file=self.stream,
             )
         outer = summary.get("outer")
