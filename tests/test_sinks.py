@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from distaccum.telemetry.sinks import ConsoleSink, JsonlSink, MultiSink, NullSink, build_sinks, clock
+from distaccum.telemetry.sinks import (
+    ConsoleSink,
+    JsonlSink,
+    MultiSink,
+    NullSink,
+    WholeLines,
+    build_sinks,
+    clock,
+)
 from distaccum.units import human_bytes
 
 pytestmark = pytest.mark.unit
@@ -197,3 +205,27 @@ def test_the_adaptive_decision_follows_the_step_it_read_and_says_when_it_keeps_t
         "adaptive batch after step 4: noise scale 3.2 loss items, target 3.2 samples keeps global batch 4"
     )
     assert lines[3].endswith("target 3.2 samples -> next global batch 8")
+
+
+def test_the_console_hands_its_stream_whole_lines() -> None:
+    """Replica groups share one console: each line (and its newline) must reach it in one write, or two groups'
+    lines cut into each other (``print`` writes the text and the newline apart)."""
+
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return super().write(text)
+
+    out = Writes()
+    stream = WholeLines(out)
+    print("done: 5 optimizer steps", file=stream, flush=True)
+    print("a", "b", file=stream)
+    stream.write("no newline yet")
+    assert out.calls == ["done: 5 optimizer steps\n", "a b\n"]
+    stream.flush()
+    assert out.calls[-1] == "no newline yet" and out.getvalue().endswith("a b\nno newline yet")
+    assert not stream.isatty()  # the stream's own attributes

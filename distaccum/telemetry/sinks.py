@@ -69,6 +69,31 @@ def clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+class WholeLines:
+    """A text stream that hands the stream below it whole lines, one write each: processes that share a console
+    (fault-tolerant replica groups, each group's rank 0 reporting) then never cut into each other's lines, even
+    unbuffered (``print`` writes a line and its newline apart)."""
+
+    def __init__(self, inner: IO[str]) -> None:
+        self.inner, self._pending = inner, ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        if "\n" in self._pending:
+            lines, _, self._pending = self._pending.rpartition("\n")
+            self.inner.write(lines + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.inner.write(self._pending)
+            self._pending = ""
+        self.inner.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the stream's
+        return getattr(self.inner, name)
+
+
 class ConsoleSink:
     """Progress per optimizer step: a tqdm bar on a terminal, one plain line per step otherwise (log
     files, CI), each with loss, lr, samples/s, bytes reduced, comm share, elapsed time and ETA.
@@ -89,7 +114,7 @@ class ConsoleSink:
         change of the global batch gets a line of its own."""
         self._batch: tuple[int, int] | None = None
         self.quiet = quiet
-        self.stream = stream or sys.stdout
+        self.stream: Any = WholeLines(stream or sys.stdout)
         self.first_step = first_step
         self.started = time.monotonic()
         self.bar: Any = None
