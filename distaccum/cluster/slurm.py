@@ -217,11 +217,6 @@ def ft_layout(cfg: RunConfig) -> tuple[int, int]:
     )
 
 
-def ft_nodes(cfg: RunConfig) -> int:
-    """Nodes of each replica group of an ``ft.groups`` job (1 when groups share nodes: :func:`ft_layout`)."""
-    return ft_layout(cfg)[0]
-
-
 def render_ft_sbatch(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python") -> str:
     """The sbatch script of an ``ft.groups`` run: the torchft Lighthouse as a job step on the first node, then one
     job step per replica group on its own nodes, or its share of one (its own torchrun rendezvous,
@@ -478,7 +473,7 @@ class SlurmLauncher(JobLauncher):
     @classmethod
     def world(cls, cfg: RunConfig) -> World:
         if cfg.ft.enabled:  # each replica group is its own world (the pre-flight checks its split)
-            return World(job_world_size(cfg) // cfg.ft.groups, ft_nodes(cfg))
+            return World(job_world_size(cfg) // cfg.ft.groups, ft_layout(cfg)[0])
         return super().world(cfg)
 
     @staticmethod
