@@ -126,6 +126,15 @@ def distaccum_cli(
     return cli_server.run(argv, cwd=cwd, env=cli_env(env), timeout=timeout)
 
 
+def final_hash(run_dir: Path) -> str:
+    """The SHA-256 of the trained parameters as ``run_dir/final/`` holds them (any run, exact or not)."""
+    from safetensors.torch import load_file
+
+    from distaccum.exact.fixed_point import params_sha256
+
+    return params_sha256(load_file(str(run_dir / "final" / "model.safetensors")).items())
+
+
 def run_cli(
     command: str, run_dir: Path, *overrides: str, timeout: float = 180, env: dict[str, str] | None = None
 ) -> Run:

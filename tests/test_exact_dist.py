@@ -13,10 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
-from conftest import distaccum_cli, fault, inject, run_cli, train_plan
-from distaccum.exact.fixed_point import params_sha256
+from conftest import distaccum_cli, fault, final_hash, inject, run_cli, train_plan
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -40,11 +38,6 @@ RAMP = "accum.ramp.points=[[1,16],[6,32]]"
 KILL = inject("distaccum.losses.token_cross_entropy", fault("KillRank", rank=1, call=34))
 """Rank 1 of a 2-rank run killed at its 34th micro-batch: 8 in step 1 (measured, then redone), 4 in each step after,
 so the 2nd of step 8 (the checkpoint of step 6 the last one). A resume keeps the same loss config (the run identity)."""
-
-
-def final_hash(run_dir: Path) -> str:
-    """The SHA-256 of the trained parameters as ``final/`` holds them (any run, exact or not)."""
-    return params_sha256(load_file(str(run_dir / "final" / "model.safetensors")).items())
 
 
 def test_every_split_trains_the_same_bits_and_the_control_does_not(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import fault, inject, requires, run_cli
+from conftest import fault, final_hash, inject, requires, run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
 # torchft's Rust logger reads RUST_LOG once, when torchft is imported (a launch sets it first, as here)
@@ -246,19 +246,13 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 """One intra-op thread in every rank (a CPU kernel's sums depend on the thread count: outside the exact guarantee)."""
 
 
-def final_sha(run_dir: Path) -> str:
-    from distaccum.exact.fixed_point import params_sha256
-
-    return params_sha256(load_file(str(run_dir / "final" / "model.safetensors")).items())
-
-
 @pytest.fixture(scope="module")
 def exact_one(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The SHA-256 of one process taking each whole window (K = 12) in exact mode."""
     run_dir = tmp_path_factory.mktemp("ft") / "exact-one"
     one = run_cli("train", run_dir, *EXACT, "trainer.nproc=1", timeout=120, env=ONE_THREAD)
     assert one.returncode == 0, one.stderr[-2000:]
-    return final_sha(run_dir)
+    return final_hash(run_dir)
 
 
 def exact_groups(
@@ -282,7 +276,7 @@ def exact_groups(
         for r in records(g):
             by_step.setdefault(int(r["step"]), []).append(r)
     assert sorted(by_step) == list(range(1, 17))  # steps lost: 0
-    return by_step, {g.name: final_sha(g) for g in groups if (g / "final").exists()}
+    return by_step, {g.name: final_hash(g) for g in groups if (g / "final").exists()}
 
 
 def test_exact_groups_train_the_bits_of_one_process_through_failures(tmp_path: Path, exact_one: str) -> None:
